@@ -1,0 +1,64 @@
+"""Cache configuration: the accepted KV-cache dtype strings and the user-facing settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+CacheDType = Literal[
+    "auto",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float",
+    "fp8",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "nvfp4",
+]
+"""Accepted ``kv_cache_dtype`` strings. ``auto`` means the model dtype."""
+
+CACHE_DTYPES: tuple[str, ...] = get_args(CacheDType)
+
+
+def validate_cache_dtype(cache_dtype: str, arg_name: str = "cache_dtype") -> str:
+    """Return ``cache_dtype`` unchanged, or raise ``ValueError`` listing the accepted strings."""
+    if cache_dtype not in CACHE_DTYPES:
+        raise ValueError(
+            f"{arg_name}: unknown KV-cache dtype {cache_dtype!r}; "
+            f"expected one of {', '.join(CACHE_DTYPES)}"
+        )
+    return cache_dtype
+
+
+@dataclass
+class CacheConfig:
+    """User-facing KV-cache settings.
+
+    ``block_size`` is in tokens per page. ``kv_cache_dtype_skip_layers`` names layer kinds
+    (``"sliding_window"``, ``"full_attention"``, ``"mla"``, ...) or layer names that stay
+    unquantized when ``cache_dtype`` is a quantized dtype.
+    """
+
+    block_size: int = 16
+    cache_dtype: CacheDType = "auto"
+    kv_cache_dtype_skip_layers: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int):
+            raise ValueError(
+                f"block_size: expected a positive int (tokens per page), "
+                f"got {self.block_size!r} of type {type(self.block_size).__name__}"
+            )
+        if self.block_size <= 0:
+            raise ValueError(
+                f"block_size: expected a positive int (tokens per page), got {self.block_size}"
+            )
+        validate_cache_dtype(self.cache_dtype)
+        if isinstance(self.kv_cache_dtype_skip_layers, str) or not all(
+            isinstance(name, str) for name in self.kv_cache_dtype_skip_layers
+        ):
+            raise ValueError(
+                "kv_cache_dtype_skip_layers: expected a list of layer kinds or names, "
+                f"got {self.kv_cache_dtype_skip_layers!r}"
+            )
