@@ -86,7 +86,9 @@ def _nvfp4_split_data_scale(side: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     with ``side``; the scale view is ``float8_e4m3fn``.
     """
     if side.dim() != 4:
-        raise ValueError(f"kv_cache: expected a 4-D side (B, d1, d2, F), got shape {tuple(side.shape)}")
+        raise ValueError(
+            f"kv_cache: expected a 4-D side (B, d1, d2, F), got shape {tuple(side.shape)}"
+        )
     if side.dtype != torch.uint8:
         raise ValueError(f"kv_cache: expected dtype torch.uint8 for NVFP4, got {side.dtype}")
     num_blocks, d1, d2, full_dim = side.shape

@@ -1,0 +1,53 @@
+// Framework-free interface of the cache kernels: enums, the parameter block that the torch glue
+// fills after validation, and the kernel entry points. Included by C++ and CUDA sources alike.
+#pragma once
+
+#include <cstdint>
+
+namespace vllm_kv {
+
+// Cache element kind selected by the kv_cache_dtype string (DESIGN.md §3). NVFP4 is routed
+// before this enum is consulted.
+enum class Fp8KVCacheDataType { kAuto = 0, kFp8E4M3 = 1, kFp8E5M2 = 2 };
+
+// Element type of key/value.
+enum class SourceType { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// What one cache element holds.
+enum class CacheKind { kUnquantized = 0, kFp8E4M3 = 1, kFp8E5M2 = 2, kNvfp4 = 3 };
+
+// Placement of NVFP4 block scales inside each head's [block_size, head_size / 16] plane.
+enum class ScaleLayout { kLinear = 0, kInterleave4 = 1 };
+
+// One side (K or V) of a paged cache, logical [num_blocks, block_size, num_heads, last_dim].
+// Strides are in elements of the cache dtype (bytes for FP8 and NVFP4); NHD and HND caches
+// differ only in token_stride / head_stride. For NVFP4, last_dim = head_size / 2 + head_size / 16
+// and each page holds [data | scales] as in DESIGN.md §5.
+struct CacheSide {
+  void* data;
+  int64_t block_stride;
+  int64_t token_stride;
+  int64_t head_stride;
+  int head_size;               // elements of the source head (D or Dv)
+  const float* scale;          // FP8 / NVFP4 dequantization scale, fp32, [1] or [num_heads]
+  bool scale_per_head;
+  ScaleLayout scale_layout;    // NVFP4 only
+};
+
+struct ReshapeAndCacheParams {
+  const void* key;             // [num_tokens_padded, num_heads, head_size], each token's [H, D]
+  const void* value;           // contiguous; rows key_token_stride elements apart
+  int64_t key_token_stride;
+  int64_t value_token_stride;
+  const int64_t* slot_mapping; // [num_tokens]; slot < 0 skips the token
+  int64_t num_tokens;
+  int64_t num_blocks;
+  int block_size;
+  int num_heads;
+  SourceType source_type;
+  CacheKind cache_kind;
+  CacheSide key_cache;
+  CacheSide value_cache;
+};
+
+}  // namespace vllm_kv

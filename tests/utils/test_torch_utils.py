@@ -1,0 +1,138 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm.utils.torch_utils import (
+    MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP,
+    STR_DTYPE_TO_TORCH_DTYPE,
+    _nvfp4_split_data_scale,
+    get_dtype_size,
+    is_quantized_kv_cache,
+    kv_cache_dtype_str_to_dtype,
+    nvfp4_kv_cache_full_dim,
+    nvfp4_kv_cache_split_views,
+)
+
+
+def test_dtype_maps() -> None:
+    assert STR_DTYPE_TO_TORCH_DTYPE["bfloat16"] is torch.bfloat16
+    assert STR_DTYPE_TO_TORCH_DTYPE["half"] is torch.float16
+    assert STR_DTYPE_TO_TORCH_DTYPE["float"] is torch.float32
+    for name in ("fp8", "fp8_e4m3", "fp8_e5m2", "nvfp4"):
+        assert STR_DTYPE_TO_TORCH_DTYPE[name] is torch.uint8
+    assert MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP == {"fp8": "fp8_e4m3", "nvfp4": "nvfp4"}
+    assert get_dtype_size(torch.bfloat16) == 2
+    assert get_dtype_size(torch.uint8) == 1
+    assert get_dtype_size(torch.float32) == 4
+
+
+@pytest.mark.parametrize(
+    ("name", "quantized"),
+    [("auto", False), ("bfloat16", False), ("fp8", True), ("fp8_e5m2", True), ("nvfp4", True)],
+)
+def test_is_quantized_kv_cache(name: str, quantized: bool) -> None:
+    assert is_quantized_kv_cache(name) is quantized
+
+
+def test_kv_cache_dtype_str_to_dtype() -> None:
+    assert kv_cache_dtype_str_to_dtype("auto", torch.float16) is torch.float16
+    assert kv_cache_dtype_str_to_dtype("auto", "bfloat16") is torch.bfloat16
+    assert kv_cache_dtype_str_to_dtype("nvfp4", torch.bfloat16) is torch.uint8
+    assert kv_cache_dtype_str_to_dtype("float32", torch.bfloat16) is torch.float32
+    with pytest.raises(ValueError, match="kv_cache_dtype: unknown KV-cache dtype 'int4'"):
+        kv_cache_dtype_str_to_dtype("int4", torch.bfloat16)
+    with pytest.raises(ValueError, match="model_dtype"):
+        kv_cache_dtype_str_to_dtype("auto", "bf17")
+
+
+@pytest.mark.parametrize(("head_size", "full_dim"), [(16, 9), (64, 36), (128, 72), (256, 144)])
+def test_full_dim(head_size: int, full_dim: int) -> None:
+    assert nvfp4_kv_cache_full_dim(head_size) == full_dim
+
+
+@pytest.mark.parametrize("head_size", [0, 8, 46, 100, -16])
+def test_full_dim_rejects_bad_head_size(head_size: int) -> None:
+    with pytest.raises(ValueError, match=f"head_size: .*multiple of 16, got {head_size}"):
+        nvfp4_kv_cache_full_dim(head_size)
+
+
+def _cache(num_blocks: int, block_size: int, num_heads: int, head_size: int, hnd: bool):
+    """A FlashInfer-shaped (B, 2, N, H, F) NVFP4 cache, physically NHD or HND."""
+    full_dim = nvfp4_kv_cache_full_dim(head_size)
+    if hnd:
+        raw = torch.zeros(num_blocks, 2, num_heads, block_size, full_dim, dtype=torch.uint8)
+        return raw.permute(0, 1, 3, 2, 4)
+    return torch.zeros(num_blocks, 2, block_size, num_heads, full_dim, dtype=torch.uint8)
+
+
+def test_split_views_worked_example_nhd() -> None:
+    cache = _cache(4, 16, 8, 128, hnd=False)
+    (k_data, v_data), (k_scale, v_scale) = nvfp4_kv_cache_split_views(cache)
+    assert k_data.shape == (4, 16, 8, 64) and k_scale.shape == (4, 16, 8, 8)
+    assert k_data.stride() == (18432, 512, 64, 1)
+    assert k_scale.stride() == (18432, 64, 8, 1)
+    assert k_data.storage_offset() == 0
+    assert k_scale.storage_offset() == 8192
+    assert v_data.storage_offset() == 9216
+    assert v_scale.storage_offset() == 9216 + 8192
+    assert k_scale.dtype == torch.float8_e4m3fn and k_data.dtype == torch.uint8
+
+
+def test_split_views_worked_example_hnd() -> None:
+    cache = _cache(4, 16, 8, 128, hnd=True)
+    (k_data, _), (k_scale, _) = nvfp4_kv_cache_split_views(cache)
+    assert k_data.stride() == (18432, 64, 1024, 1)
+    assert k_scale.stride() == (18432, 8, 128, 1)
+    assert k_scale.storage_offset() == 8192
+
+
+def test_split_views_share_storage() -> None:
+    cache = _cache(2, 16, 2, 32, hnd=False)
+    (k_data, _), (_, v_scale) = nvfp4_kv_cache_split_views(cache)
+    k_data[1, 3, 1, 5] = 0xAB
+    v_scale.view(torch.uint8)[0, 2, 0, 1] = 0x38
+    flat = cache.view(-1)
+    page = 2 * 16 * 2 * 18
+    assert flat[page + (3 * 2 + 1) * 16 + 5] == 0xAB
+    assert flat[16 * 2 * 18 + 16 * 2 * 16 + (2 * 2 + 0) * 2 + 1] == 0x38
+
+
+def test_split_views_reject_bad_input() -> None:
+    with pytest.raises(ValueError, match="last dim 70 is not a packed NVFP4 head dim"):
+        _nvfp4_split_data_scale(torch.zeros(2, 16, 8, 70, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="expected dtype torch.uint8"):
+        _nvfp4_split_data_scale(torch.zeros(2, 16, 8, 72, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="4-D side .* or a 5-D cache"):
+        nvfp4_kv_cache_split_views(torch.zeros(2, 3, 16, 8, 72, dtype=torch.uint8))
+    sparse = torch.zeros(2, 16, 16, 72, dtype=torch.uint8)[:, :, ::2]
+    with pytest.raises(ValueError, match="one dense region"):
+        _nvfp4_split_data_scale(sparse)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    num_blocks=st.integers(1, 3),
+    block_size=st.sampled_from([1, 2, 4, 8, 16, 32]),
+    num_heads=st.integers(1, 6),
+    head_size=st.sampled_from([16, 32, 48, 64, 80, 128, 256]),
+    hnd=st.booleans(),
+)
+def test_split_views_tile_every_page(
+    num_blocks: int, block_size: int, num_heads: int, head_size: int, hnd: bool
+) -> None:
+    """Every byte of every page belongs to exactly one view element; nothing falls outside."""
+    cache = _cache(num_blocks, block_size, num_heads, head_size, hnd)
+    counts = torch.zeros(cache.numel(), dtype=torch.int64)
+    base = cache.storage_offset()
+    (k_data, v_data), (k_scale, v_scale) = nvfp4_kv_cache_split_views(cache)
+    for view in (k_data, v_data, k_scale.view(torch.uint8), v_scale.view(torch.uint8)):
+        index = torch.zeros(view.shape, dtype=torch.int64)
+        for dim, (size, stride) in enumerate(zip(view.shape, view.stride(), strict=True)):
+            shape = [1] * view.dim()
+            shape[dim] = size
+            index = index + (torch.arange(size) * stride).view(shape)
+        index = index + view.storage_offset() - base
+        assert index.min() >= 0 and index.max() < cache.numel()
+        counts.index_add_(0, index.flatten(), torch.ones(index.numel(), dtype=torch.int64))
+    assert torch.equal(counts, torch.ones_like(counts))
