@@ -235,17 +235,14 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
 
 
 @dataclass(frozen=True, kw_only=True)
-class MLAAttentionSpec(FullAttentionSpec):
-    """Multi-head latent attention: one latent of ``head_size`` per token, shared by all heads.
+class LatentPageSpec(AttentionSpec):
+    """Page math of latent (MLA-style) caches: one slot of ``head_size`` per stored token,
+    shared by all heads, or a 584-byte record for ``cache_dtype_str="fp8_ds_mla"``.
 
-    ``compress_ratio`` r > 1 (DeepSeek-V4 compressed layers) keeps one slot per r tokens, so a
-    page of ``block_size`` tokens stores ``storage_block_size = block_size // r`` slots.
-    ``cache_dtype_str="fp8_ds_mla"`` stores each slot as a 584-byte record. ``alignment``
-    (bytes) pads the page to a multiple of it.
+    ``alignment`` (bytes) pads the page to a multiple of it.
     """
 
     cache_dtype_str: str | None = None
-    compress_ratio: int = 1
     alignment: int | None = None
 
     def __post_init__(self) -> None:
@@ -254,24 +251,14 @@ class MLAAttentionSpec(FullAttentionSpec):
                 "kv_quant_mode: NVFP4 is not a format for MLA caches (supported: unquantized, "
                 "fp8, fp8_ds_mla)"
             )
-        _check_positive(self, "compress_ratio")
         if self.alignment is not None:
             _check_positive(self, "alignment")
         super().__post_init__()
-        if self.block_size % self.compress_ratio != 0:
-            raise ValueError(
-                f"block_size: must be a multiple of compress_ratio={self.compress_ratio}, "
-                f"got {self.block_size}"
-            )
         if self.cache_dtype_str == "fp8_ds_mla" and self.head_size != FP8_DS_MLA_HEAD_SIZE:
             raise ValueError(
                 f"head_size: the fp8_ds_mla record is defined for head size "
                 f"{FP8_DS_MLA_HEAD_SIZE}, got {self.head_size}"
             )
-
-    @property
-    def storage_block_size(self) -> int:
-        return self.block_size // self.compress_ratio
 
     @property
     def slot_size_bytes(self) -> int:
@@ -291,6 +278,36 @@ class MLAAttentionSpec(FullAttentionSpec):
         if self.alignment is not None:
             return round_up(self.real_page_size_bytes, self.alignment)
         return self.real_page_size_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class MLAAttentionSpec(LatentPageSpec, FullAttentionSpec):
+    """Multi-head latent attention: one latent of ``head_size`` per token, shared by all heads.
+
+    ``compress_ratio`` r > 1 (DeepSeek-V4 compressed layers) keeps one slot per r tokens, so a
+    page of ``block_size`` tokens stores ``storage_block_size = block_size // r`` slots.
+    """
+
+    compress_ratio: int = 1
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "compress_ratio")
+        super().__post_init__()
+        if self.block_size % self.compress_ratio != 0:
+            raise ValueError(
+                f"block_size: must be a multiple of compress_ratio={self.compress_ratio}, "
+                f"got {self.block_size}"
+            )
+
+    @property
+    def storage_block_size(self) -> int:
+        return self.block_size // self.compress_ratio
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlidingWindowMLASpec(LatentPageSpec, SlidingWindowSpec):
+    """Sliding-window attention over one shared latent per token (DeepSeek-V4's SWA cache):
+    latent page math, sliding-window memory bound."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,1 @@
+"""The ``vllm-kv`` command line: one module per subcommand (see :mod:`vllm.cli.main`)."""

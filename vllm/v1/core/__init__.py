@@ -1,0 +1,1 @@
+"""KV-cache planning: model layouts → layer specs → groups and tensors."""
