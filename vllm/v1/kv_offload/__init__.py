@@ -1,0 +1,7 @@
+"""KV-cache offloading: moving whole KV-cache pages between GPU memory and other media.
+
+- :mod:`vllm.v1.kv_offload.spec`: :class:`OffloadingSpec`, block-size alignment and handlers.
+- :mod:`vllm.v1.kv_offload.cpu`: :class:`CPUOffloadingSpec`, a CPU-memory offload target.
+- :mod:`vllm.v1.kv_offload.worker`: transfer handlers (:class:`OffloadingHandler`) and the
+  page views they copy.
+"""

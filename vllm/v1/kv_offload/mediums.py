@@ -1,0 +1,50 @@
+"""Load/store specs that address media by block ids."""
+
+from __future__ import annotations
+
+from abc import ABC
+from collections.abc import Iterable
+
+import numpy as np
+
+from vllm.v1.kv_offload.abstract import LoadStoreSpec
+
+
+class BlockIDsLoadStoreSpec(LoadStoreSpec, ABC):
+    """A list of block ids in one medium, in transfer order.
+
+    ``block_ids`` is stored as a 1-D ``np.int64`` array. What one block is depends on the medium:
+    a GPU block is one page of every registered KV-cache tensor (``gpu_block_size`` tokens); a
+    CPU block is one offloaded block (``offloaded_block_size`` tokens = ``block_size_factor``
+    GPU pages of every tensor).
+    """
+
+    def __init__(self, block_ids: Iterable[int] | np.ndarray):
+        ids = np.asarray(block_ids if isinstance(block_ids, np.ndarray) else list(block_ids))
+        if ids.size == 0:
+            ids = ids.astype(np.int64)
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(
+                f"block_ids: expected a 1-D sequence of ints, got dtype {ids.dtype} and "
+                f"shape {ids.shape}"
+            )
+        self.block_ids: np.ndarray = ids.astype(np.int64, copy=False)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(block_ids={self.block_ids.tolist()})"
+
+
+class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
+    """GPU KV-cache block ids (pages of the worker's KV cache)."""
+
+    @staticmethod
+    def medium() -> str:
+        return "GPU"
+
+
+class CPULoadStoreSpec(BlockIDsLoadStoreSpec):
+    """Offloaded block ids in the CPU-side buffers."""
+
+    @staticmethod
+    def medium() -> str:
+        return "CPU"

@@ -1,0 +1,125 @@
+"""Offloading specs: what is offloaded, in which block size, and by which handlers.
+
+Units: every ``*block_size`` is in tokens; byte quantities are named ``*_bytes``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.kv_offload.abstract import LoadStoreSpec
+from vllm.v1.kv_offload.worker.worker import OffloadingHandler
+
+if TYPE_CHECKING:
+    from vllm.config.cache import CacheConfig
+    from vllm.v1.kv_offload.worker.page_views import LayerKVCache
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return value
+
+
+class OffloadingSpec(ABC):
+    """How a worker's KV cache is offloaded.
+
+    Args:
+        kv_cache_config: the worker's KV-cache layout; its groups give the GPU block sizes.
+        block_size: the engine's (hash) block size in tokens (``CacheConfig.block_size``).
+        extra_config: connector options (upstream's ``kv_connector_extra_config``).
+            ``"block_size"``: offloaded block size in tokens, a multiple of every GPU block
+            size (default: the largest GPU block size). ``"block_size_factor"``: the same,
+            as a multiple of the GPU block size (offloaded = GPU block size × factor).
+        cp_size: context-parallel world size; ``hash_block_size = block_size * cp_size``.
+
+    Raises:
+        ValueError: when a group's GPU block size is not a multiple of ``hash_block_size``,
+            with the message ``gpu_block_size=<b> not divisible by hash_block_size=<h>.
+            Hybrid models (e.g. Mamba+Attention) need --enable-prefix-caching to align block
+            sizes.`` (a Mamba group without prefix caching has a block size of
+            ``max_model_len``); or when the offloaded block size is not a multiple of every GPU
+            block size.
+    """
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        block_size: int,
+        extra_config: Mapping[str, Any] | None = None,
+        cp_size: int = 1,
+    ):
+        self.kv_cache_config = kv_cache_config
+        self.extra_config: dict[str, Any] = dict(extra_config or {})
+        self.hash_block_size = _positive_int("block_size", block_size) * _positive_int(
+            "cp_size", cp_size
+        )
+        self.gpu_block_size: tuple[int, ...] = tuple(
+            group.kv_cache_spec.block_size for group in kv_cache_config.kv_cache_groups
+        )
+        for gpu_block_size in self.gpu_block_size:
+            if gpu_block_size % self.hash_block_size != 0:
+                raise ValueError(
+                    f"gpu_block_size={gpu_block_size} not divisible by "
+                    f"hash_block_size={self.hash_block_size}. Hybrid models (e.g. "
+                    "Mamba+Attention) need --enable-prefix-caching to align block sizes."
+                )
+        self.offloaded_block_size = self._offloaded_block_size()
+
+    def _offloaded_block_size(self) -> int:
+        largest = max(self.gpu_block_size, default=self.hash_block_size)
+        size = self.extra_config.get("block_size")
+        factor = self.extra_config.get("block_size_factor")
+        if factor is not None:
+            factor_size = _positive_int("extra_config['block_size_factor']", factor) * largest
+            if size is not None and int(size) != factor_size:
+                raise ValueError(
+                    f"extra_config: block_size={size} tokens disagrees with "
+                    f"block_size_factor={factor} × GPU block size {largest} = {factor_size}"
+                )
+            size = factor_size
+        if size is None:
+            return largest
+        size = _positive_int("extra_config['block_size']", int(size))
+        bad = [b for b in self.gpu_block_size if size % b != 0]
+        if bad:
+            raise ValueError(
+                f"extra_config['block_size']: the offloaded block size ({size} tokens) must be "
+                f"a multiple of every GPU block size, got GPU block sizes "
+                f"{list(self.gpu_block_size)}"
+            )
+        return size
+
+    @property
+    def block_size_factor(self) -> int:
+        """GPU pages per offloaded block; needs one GPU block size across all groups."""
+        sizes = set(self.gpu_block_size)
+        if len(sizes) != 1:
+            raise ValueError(
+                "kv_cache_config: offloading by whole GPU pages needs one GPU block size across "
+                f"KV-cache groups, got {list(self.gpu_block_size)}"
+            )
+        return self.offloaded_block_size // sizes.pop()
+
+    @classmethod
+    def from_cache_config(
+        cls,
+        cache_config: CacheConfig,
+        kv_cache_config: KVCacheConfig,
+        extra_config: Mapping[str, Any] | None = None,
+        cp_size: int = 1,
+    ) -> OffloadingSpec:
+        """Build the spec with ``cache_config.block_size`` as the (hash) block size."""
+        return cls(kv_cache_config, cache_config.block_size, extra_config, cp_size)
+
+    @abstractmethod
+    def get_handlers(
+        self,
+        kv_caches: Mapping[str, LayerKVCache],
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> Iterator[tuple[type[LoadStoreSpec], type[LoadStoreSpec], OffloadingHandler]]:
+        """The handlers that move the worker's ``kv_caches``: (source spec class, destination
+        spec class, handler) triples. ``kv_cache_config`` defaults to the spec's."""

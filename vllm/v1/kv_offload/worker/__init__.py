@@ -1,0 +1,1 @@
+"""Worker side of KV-cache offloading: transfer handlers and KV-cache page views."""

@@ -1,0 +1,464 @@
+"""CPU <-> GPU transfer handlers for KV-cache pages.
+
+Every job copies whole pages of every registered KV-cache buffer with
+``vllm._custom_ops.swap_blocks(src, dst, page_size_bytes, block_mapping)``; pages are moved as
+raw bytes, so quantized pages (FP8 / NVFP4 data and their scales) survive bit for bit.
+
+Ordering contract (per handler, i.e. per direction): jobs run in submission order and
+:meth:`SingleDirectionOffloadingHandler.get_finished` reports them in submission order — a job
+is never reported before an earlier job of the same handler. Only the device-specific part
+differs, a :class:`TransferStream`:
+
+- :class:`CudaTransferStream` (GPU side on CUDA): one dedicated CUDA stream per handler, so the
+  copies of successive jobs serialize on it; one CUDA event recorded after each job's copies.
+  The handler polls the events of its jobs in submission order and stops at the first one that
+  has not completed. A GPU -> CPU job makes the transfer stream wait (``wait_event``) on an
+  event recorded on the submitting thread's current (compute) stream at submission, so it copies
+  the pages the work queued so far produced, without blocking the host.
+- :class:`ThreadTransferStream` (GPU side is a CPU tensor, CPU-only machines): one worker thread
+  per handler runs the jobs FIFO. Host writes made before submission happen-before the copy
+  (the job queue is the synchronization point), which is the CPU analogue of the stream wait.
+
+Completion of a CPU -> GPU job means the pages are in GPU memory; the engine must not read them
+before it has seen the job finish (:meth:`get_finished` / :meth:`wait`).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.kv_offload.mediums import BlockIDsLoadStoreSpec
+from vllm.v1.kv_offload.worker.page_views import (
+    KVCachePageView,
+    LayerKVCache,
+    build_kv_cache_page_views,
+)
+from vllm.v1.kv_offload.worker.worker import (
+    OffloadingHandler,
+    TransferResult,
+    TransferSpec,
+    TransferType,
+)
+
+SwapBlocksFn = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], None]
+"""``swap_blocks(src, dst, block_size_in_bytes, block_mapping)``: copy page ``m[i, 0]`` of
+``src`` to page ``m[i, 1]`` of ``dst`` for every row of the int64 CPU ``[n, 2]`` mapping."""
+
+
+def default_swap_blocks() -> SwapBlocksFn:
+    """``vllm._custom_ops.swap_blocks`` (imported on first use; the extension must be built)."""
+    try:
+        from vllm import _custom_ops as ops
+    except ImportError as e:
+        raise ImportError(
+            "KV offloading copies pages with vllm._custom_ops.swap_blocks, but the compiled "
+            f"extension could not be imported: {e}"
+        ) from e
+    return ops.swap_blocks
+
+
+def expand_block_ids(
+    block_ids: np.ndarray, block_size_factor: int, output: np.ndarray, skip_count: int = 0
+) -> None:
+    """Write the page ids of ``block_ids`` into ``output``.
+
+    Block ``b`` covers pages ``b * f .. b * f + f - 1`` (``f = block_size_factor``). The first
+    ``skip_count`` pages of the first block are left out, so ``output`` must have
+    ``len(block_ids) * f - skip_count`` entries.
+    """
+    pages = (block_ids[:, None] * block_size_factor + np.arange(block_size_factor)).reshape(-1)
+    output[:] = pages[skip_count:]
+
+
+class TransferEvent(ABC):
+    """Completion marker of one job on a :class:`TransferStream`."""
+
+    @abstractmethod
+    def query(self) -> bool:
+        """True once the job's copies have completed (never blocks)."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Block the host until the job's copies have completed."""
+
+    @property
+    def error(self) -> BaseException | None:
+        """The exception that ended the job, if it failed after submission."""
+        return None
+
+    def elapsed_seconds(self) -> float | None:
+        """Time the job's copies took in seconds (after completion), if measured."""
+        return None
+
+
+class TransferStream(ABC):
+    """The device-specific part of a handler: runs submitted jobs in submission order."""
+
+    @abstractmethod
+    def submit(self, copy_fn: Callable[[], None], wait_for_compute: bool) -> TransferEvent:
+        """Queue ``copy_fn`` after every earlier job and return its completion event.
+
+        With ``wait_for_compute``, the copies also wait for the work the submitting thread has
+        queued on the device so far (the producer of the pages being read).
+        """
+
+    def close(self) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Release the stream's resources after its jobs have finished."""
+
+
+class _CudaEvent(TransferEvent):
+    def __init__(self, start: torch.cuda.Event, end: torch.cuda.Event):
+        self._start = start
+        self._end = end
+
+    def query(self) -> bool:
+        return self._end.query()
+
+    def synchronize(self) -> None:
+        self._end.synchronize()
+
+    def elapsed_seconds(self) -> float | None:
+        return self._start.elapsed_time(self._end) / 1000.0
+
+
+class CudaTransferStream(TransferStream):
+    """Jobs run on one dedicated CUDA stream of ``device``; one end event per job."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+
+    def submit(self, copy_fn: Callable[[], None], wait_for_compute: bool) -> TransferEvent:
+        if wait_for_compute:
+            # Recorded now, on the stream the model runs on: the copy starts only after the
+            # work queued there so far (which writes the pages) has finished.
+            produced = torch.cuda.Event()
+            produced.record(torch.cuda.current_stream(self.device))
+            self.stream.wait_event(produced)
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            start.record(self.stream)
+            copy_fn()
+            end.record(self.stream)
+        return _CudaEvent(start, end)
+
+
+class _ThreadEvent(TransferEvent):
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._seconds: float | None = None
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        self._done.wait()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def elapsed_seconds(self) -> float | None:
+        return self._seconds
+
+    def _finish(self, seconds: float, error: BaseException | None) -> None:
+        self._seconds = seconds
+        self._error = error
+        self._done.set()
+
+
+class ThreadTransferStream(TransferStream):
+    """Jobs run FIFO on one background thread (for a GPU side that is a CPU tensor).
+
+    ``wait_for_compute`` needs no action: CPU work is synchronous, and everything the host
+    wrote before :meth:`submit` is visible to the worker thread.
+    """
+
+    def __init__(self, name: str = "kv-offload"):
+        self._name = name
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], None], _ThreadEvent] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def _run(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            copy_fn, event = item
+            start = time.perf_counter()
+            error: BaseException | None = None
+            try:
+                copy_fn()
+            except BaseException as e:  # reported through the job's result
+                error = e
+            event._finish(time.perf_counter() - start, error)
+
+    def submit(self, copy_fn: Callable[[], None], wait_for_compute: bool) -> TransferEvent:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+        event = _ThreadEvent()
+        self._jobs.put((copy_fn, event))
+        return event
+
+    def close(self) -> None:
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._jobs.put(None)
+            thread.join()
+
+
+def make_transfer_stream(device: torch.device, name: str = "kv-offload") -> TransferStream:
+    """The transfer stream for a GPU side on ``device``: CUDA stream, or a thread on CPU."""
+    if device.type == "cuda":
+        return CudaTransferStream(device)
+    if device.type == "cpu":
+        return ThreadTransferStream(name)
+    raise ValueError(f"device: KV offloading supports cuda and cpu KV caches, got {device}")
+
+
+@dataclass
+class _Transfer:
+    job_id: int
+    event: TransferEvent
+    num_bytes: int
+
+
+class SingleDirectionOffloadingHandler(OffloadingHandler):
+    """Copies pages from ``src_tensors`` to ``dst_tensors`` (one direction), in order.
+
+    ``src_tensors[i]`` and ``dst_tensors[i]`` are ``torch.uint8`` page tensors
+    ``[num_pages, page_size_bytes]`` of the same page size. A block of the source spec covers
+    ``src_block_size_factor`` pages, a block of the destination ``dst_block_size_factor``
+    pages. When the source covers more pages than the destination (loading the tail of an
+    offloaded block), the leading source pages are skipped; the difference must be smaller
+    than ``src_block_size_factor``.
+    """
+
+    def __init__(
+        self,
+        src_tensors: Sequence[torch.Tensor],
+        dst_tensors: Sequence[torch.Tensor],
+        src_block_size_factor: int,
+        dst_block_size_factor: int,
+        transfer_type: TransferType,
+        transfer_stream: TransferStream,
+        wait_for_compute: bool,
+        swap_blocks: SwapBlocksFn | None = None,
+    ):
+        if len(src_tensors) != len(dst_tensors) or not src_tensors:
+            raise ValueError(
+                f"src_tensors/dst_tensors: expected the same non-zero number of tensors, got "
+                f"{len(src_tensors)} and {len(dst_tensors)}"
+            )
+        for factor_name, factor in (
+            ("src_block_size_factor", src_block_size_factor),
+            ("dst_block_size_factor", dst_block_size_factor),
+        ):
+            if isinstance(factor, bool) or not isinstance(factor, int) or factor <= 0:
+                raise ValueError(f"{factor_name}: expected a positive int, got {factor!r}")
+        self.page_sizes_bytes: list[int] = []
+        for i, (src, dst) in enumerate(zip(src_tensors, dst_tensors, strict=True)):
+            for side, t in (("src", src), ("dst", dst)):
+                if t.dtype != torch.uint8 or t.dim() != 2 or t.stride() != (t.shape[1], 1):
+                    raise ValueError(
+                        f"{side}_tensors[{i}]: expected a dense torch.uint8 "
+                        f"[num_pages, page_size_bytes] tensor, got {t.dtype} of shape "
+                        f"{tuple(t.shape)} and strides {t.stride()}"
+                    )
+            if src.shape[1] != dst.shape[1]:
+                raise ValueError(
+                    f"dst_tensors[{i}]: page size {dst.shape[1]} bytes differs from the "
+                    f"source's {src.shape[1]} bytes"
+                )
+            self.page_sizes_bytes.append(src.shape[1])
+        self.src_tensors = list(src_tensors)
+        self.dst_tensors = list(dst_tensors)
+        self.src_block_size_factor = src_block_size_factor
+        self.dst_block_size_factor = dst_block_size_factor
+        self.num_src_blocks = min(t.shape[0] for t in src_tensors) // src_block_size_factor
+        self.num_dst_blocks = min(t.shape[0] for t in dst_tensors) // dst_block_size_factor
+        self.transfer_type = transfer_type
+        self.transfer_stream = transfer_stream
+        self.wait_for_compute = wait_for_compute
+        self._swap_blocks = swap_blocks
+        self._bytes_per_page_all_tensors = sum(self.page_sizes_bytes)
+        self._transfers: deque[_Transfer] = deque()
+        self._in_flight: dict[int, _Transfer] = {}
+
+    def _check_ids(self, name: str, ids: np.ndarray, num_blocks: int) -> None:
+        if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
+            bad = ids[(ids < 0) | (ids >= num_blocks)]
+            raise ValueError(
+                f"spec: {name} block ids must be in [0, {num_blocks}), got {bad.tolist()}"
+            )
+
+    def build_block_mapping(self, spec: TransferSpec) -> torch.Tensor:
+        """The int64 CPU ``[n, 2]`` (source page, destination page) mapping of ``spec``."""
+        src_spec, dst_spec = spec
+        for side, s in (("source", src_spec), ("destination", dst_spec)):
+            if not isinstance(s, BlockIDsLoadStoreSpec):
+                raise ValueError(
+                    f"spec: expected block-id specs, got {type(s).__name__} as the {side}"
+                )
+        src_ids, dst_ids = src_spec.block_ids, dst_spec.block_ids
+        self._check_ids(f"{self.transfer_type[0]} (source)", src_ids, self.num_src_blocks)
+        self._check_ids(f"{self.transfer_type[1]} (destination)", dst_ids, self.num_dst_blocks)
+        src_pages = src_ids.size * self.src_block_size_factor
+        dst_pages = dst_ids.size * self.dst_block_size_factor
+        skip = src_pages - dst_pages
+        if not 0 <= skip < self.src_block_size_factor:
+            raise ValueError(
+                f"spec: {src_ids.size} source blocks of {self.src_block_size_factor} pages "
+                f"cannot fill {dst_ids.size} destination blocks of "
+                f"{self.dst_block_size_factor} pages ({src_pages} vs {dst_pages} pages)"
+            )
+        mapping = np.empty((dst_pages, 2), dtype=np.int64)
+        expand_block_ids(src_ids, self.src_block_size_factor, mapping[:, 0], skip)
+        expand_block_ids(dst_ids, self.dst_block_size_factor, mapping[:, 1])
+        return torch.from_numpy(mapping)
+
+    def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
+        if job_id in self._in_flight:
+            raise ValueError(f"job_id: job {job_id} is already in flight")
+        mapping = self.build_block_mapping(spec)
+        swap_blocks = self._swap_blocks or default_swap_blocks()
+        self._swap_blocks = swap_blocks
+        triples = list(zip(self.src_tensors, self.dst_tensors, self.page_sizes_bytes, strict=True))
+
+        def copy_pages() -> None:
+            if mapping.shape[0] == 0:
+                return
+            for src, dst, page_size in triples:
+                swap_blocks(src, dst, page_size, mapping)
+
+        event = self.transfer_stream.submit(copy_pages, self.wait_for_compute)
+        transfer = _Transfer(job_id, event, mapping.shape[0] * self._bytes_per_page_all_tensors)
+        self._transfers.append(transfer)
+        self._in_flight[job_id] = transfer
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        results: list[TransferResult] = []
+        # Poll in submission order; stop at the first job still running, so that a later
+        # job is never reported before an earlier one.
+        while self._transfers and self._transfers[0].event.query():
+            transfer = self._transfers.popleft()
+            del self._in_flight[transfer.job_id]
+            results.append(
+                TransferResult(
+                    job_id=transfer.job_id,
+                    success=transfer.event.error is None,
+                    transfer_size=transfer.num_bytes,
+                    transfer_time=transfer.event.elapsed_seconds(),
+                    transfer_type=self.transfer_type,
+                )
+            )
+        return results
+
+    def wait(self, job_ids: Iterable[int]) -> None:
+        for job_id in job_ids:
+            transfer = self._in_flight.get(job_id)
+            if transfer is not None:
+                transfer.event.synchronize()
+
+    def shutdown(self) -> None:
+        for transfer in list(self._transfers):
+            transfer.event.synchronize()
+        self.transfer_stream.close()
+
+
+class CpuGpuOffloadingHandlers:
+    """The two handlers (GPU -> CPU and CPU -> GPU) of a worker's KV cache, and the CPU buffers.
+
+    Builds one page view per KV-cache buffer (:func:`build_kv_cache_page_views`,
+    ``kv_cache_config.num_blocks`` pages each) and allocates, per view, a CPU buffer
+    ``[num_cpu_blocks * block_size_factor, page_size_bytes]`` of ``torch.uint8`` (pinned when
+    ``pin_memory``, by default when the KV cache is on a CUDA device). CPU block ``c`` holds
+    pages ``c * f .. c * f + f - 1`` of every buffer, ``f = cpu_block_size / gpu_block_size``.
+    Both buffers are ``torch.empty``: offloaded bytes are only meaningful once stored.
+    """
+
+    def __init__(
+        self,
+        kv_caches: Mapping[str, LayerKVCache],
+        kv_cache_config: KVCacheConfig,
+        gpu_block_size: int,
+        cpu_block_size: int,
+        num_cpu_blocks: int,
+        pin_memory: bool | None = None,
+        swap_blocks: SwapBlocksFn | None = None,
+        transfer_stream_factory: Callable[[torch.device, str], TransferStream] | None = None,
+        wait_for_compute_on_load: bool = False,
+    ):
+        if gpu_block_size <= 0 or cpu_block_size <= 0 or cpu_block_size % gpu_block_size != 0:
+            raise ValueError(
+                f"cpu_block_size: expected a positive multiple of gpu_block_size="
+                f"{gpu_block_size} tokens, got {cpu_block_size}"
+            )
+        if isinstance(num_cpu_blocks, bool) or not isinstance(num_cpu_blocks, int):
+            raise ValueError(f"num_cpu_blocks: expected an int, got {num_cpu_blocks!r}")
+        if num_cpu_blocks <= 0:
+            raise ValueError(f"num_cpu_blocks: expected a positive int, got {num_cpu_blocks}")
+        self.block_size_factor = cpu_block_size // gpu_block_size
+        self.num_gpu_blocks = kv_cache_config.num_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.page_views: list[KVCachePageView] = build_kv_cache_page_views(
+            kv_caches, kv_cache_config
+        )
+        device = self.page_views[0].pages.device
+        if pin_memory is None:
+            pin_memory = device.type == "cuda" and torch.cuda.is_available()
+        self.gpu_tensors = [view.pages for view in self.page_views]
+        self.cpu_tensors = [
+            torch.empty(
+                (num_cpu_blocks * self.block_size_factor, view.page_size_bytes),
+                dtype=torch.uint8,
+                device="cpu",
+                pin_memory=pin_memory,
+            )
+            for view in self.page_views
+        ]
+        factory = transfer_stream_factory or make_transfer_stream
+        self.gpu_to_cpu_handler = SingleDirectionOffloadingHandler(
+            src_tensors=self.gpu_tensors,
+            dst_tensors=self.cpu_tensors,
+            src_block_size_factor=1,
+            dst_block_size_factor=self.block_size_factor,
+            transfer_type=("GPU", "CPU"),
+            transfer_stream=factory(device, "kv-offload-gpu-to-cpu"),
+            wait_for_compute=True,
+            swap_blocks=swap_blocks,
+        )
+        self.cpu_to_gpu_handler = SingleDirectionOffloadingHandler(
+            src_tensors=self.cpu_tensors,
+            dst_tensors=self.gpu_tensors,
+            src_block_size_factor=self.block_size_factor,
+            dst_block_size_factor=1,
+            transfer_type=("CPU", "GPU"),
+            transfer_stream=factory(device, "kv-offload-cpu-to-gpu"),
+            wait_for_compute=wait_for_compute_on_load,
+            swap_blocks=swap_blocks,
+        )
+
+    def shutdown(self) -> None:
+        """Wait for jobs in flight and release both handlers' streams."""
+        self.gpu_to_cpu_handler.shutdown()
+        self.cpu_to_gpu_handler.shutdown()
