@@ -1,0 +1,74 @@
+"""Pure-torch reference codecs for every KV-cache byte format (FP8, NVFP4, scale layouts).
+
+These functions are the single source of truth for the cache formats of DESIGN.md §5: compiled
+kernels (CPU and CUDA) are tested against them bit for bit. They run on the input's device.
+"""
+
+from vllm.kv_quant.fp8 import (
+    FP8_E4M3_MAX,
+    FP8_E5M2_MAX,
+    FP8_NAN_BYTE,
+    Fp8Format,
+    as_fp8_format,
+    dequantize_fp8,
+    fp8_bytes_to_fp32,
+    fp8_format_from_cache_dtype,
+    fp32_to_fp8_bytes,
+    quantize_fp8,
+)
+from vllm.kv_quant.fp8_cache import fp8_read_cache, fp8_write_cache
+from vllm.kv_quant.nvfp4 import (
+    E2M1_MAX,
+    E2M1_VALUES,
+    NVFP4_GROUP_SIZE,
+    dequantize_nvfp4,
+    e2m1_decode,
+    e2m1_decode_table,
+    e2m1_encode,
+    fp32_to_e4m3_satfinite,
+    pack_e2m1,
+    quantize_nvfp4,
+    unpack_e2m1,
+)
+from vllm.kv_quant.nvfp4_cache import nvfp4_read_cache, nvfp4_read_cache_raw, nvfp4_write_cache
+from vllm.kv_quant.scale_layout import (
+    ScaleLayout,
+    from_layout,
+    interleave4_index,
+    layout_index,
+    to_layout,
+)
+
+__all__ = [
+    "E2M1_MAX",
+    "E2M1_VALUES",
+    "FP8_E4M3_MAX",
+    "FP8_E5M2_MAX",
+    "FP8_NAN_BYTE",
+    "NVFP4_GROUP_SIZE",
+    "Fp8Format",
+    "ScaleLayout",
+    "as_fp8_format",
+    "dequantize_fp8",
+    "dequantize_nvfp4",
+    "e2m1_decode",
+    "e2m1_decode_table",
+    "e2m1_encode",
+    "fp8_bytes_to_fp32",
+    "fp8_format_from_cache_dtype",
+    "fp8_read_cache",
+    "fp8_write_cache",
+    "fp32_to_e4m3_satfinite",
+    "fp32_to_fp8_bytes",
+    "from_layout",
+    "interleave4_index",
+    "layout_index",
+    "nvfp4_read_cache",
+    "nvfp4_read_cache_raw",
+    "nvfp4_write_cache",
+    "pack_e2m1",
+    "quantize_fp8",
+    "quantize_nvfp4",
+    "to_layout",
+    "unpack_e2m1",
+]

@@ -1,0 +1,156 @@
+"""Reference FP8 (e4m3 / e5m2) KV-cache codec with per-tensor or per-head scales.
+
+Byte format (DESIGN.md §5): ``q = fp8(clamp(x / scale, -MAX, MAX))`` rounded to nearest even,
+stored as uint8; a NaN input gives the canonical byte :data:`FP8_NAN_BYTE` whatever its sign.
+``scale`` is the *dequantization* scale (fp32, shape ``[1]`` or ``[H]``), in units of "real value
+per fp8 unit": ``x ≈ float(q) * scale``.
+
+Every operation is a single IEEE fp32 op on the input's device, so CPU and CUDA give the same
+bytes, and compiled kernels are tested against these functions bit for bit.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+
+FP8_E4M3_MAX = 448.0
+"""Largest finite float8_e4m3fn magnitude (byte 0x7E)."""
+
+FP8_E5M2_MAX = 57344.0
+"""Largest finite float8_e5m2 magnitude (byte 0x7B)."""
+
+FP8_NAN_BYTE = 0x7F
+"""Canonical NaN byte written for any NaN input (a NaN in both e4m3fn and e5m2)."""
+
+_FLOAT_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class Fp8Format(str, Enum):
+    """An FP8 storage format of the KV cache."""
+
+    E4M3 = "e4m3"
+    E5M2 = "e5m2"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The torch dtype whose bit pattern the cache bytes hold."""
+        return torch.float8_e4m3fn if self is Fp8Format.E4M3 else torch.float8_e5m2
+
+    @property
+    def max(self) -> float:
+        """Largest finite magnitude of the format (saturation bound)."""
+        return FP8_E4M3_MAX if self is Fp8Format.E4M3 else FP8_E5M2_MAX
+
+
+_CACHE_DTYPE_TO_FORMAT = {
+    "fp8": Fp8Format.E4M3,
+    "fp8_e4m3": Fp8Format.E4M3,
+    "fp8_e5m2": Fp8Format.E5M2,
+}
+
+
+def fp8_format_from_cache_dtype(kv_cache_dtype: str) -> Fp8Format:
+    """FP8 format of an FP8 ``kv_cache_dtype`` string (``fp8``/``fp8_e4m3`` → E4M3, ``fp8_e5m2``
+    → E5M2); any other string raises ``ValueError``."""
+    try:
+        return _CACHE_DTYPE_TO_FORMAT[kv_cache_dtype]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"kv_cache_dtype: expected one of {', '.join(_CACHE_DTYPE_TO_FORMAT)} for an FP8 "
+            f"cache, got {kv_cache_dtype!r}"
+        ) from None
+
+
+def as_fp8_format(fmt: Fp8Format | str) -> Fp8Format:
+    """Coerce ``fmt`` (an :class:`Fp8Format`, ``"e4m3"``/``"e5m2"`` or an FP8 cache dtype
+    string) to an :class:`Fp8Format`."""
+    if isinstance(fmt, Fp8Format):
+        return fmt
+    try:
+        return Fp8Format(fmt)
+    except ValueError:
+        pass
+    try:
+        return fp8_format_from_cache_dtype(fmt)
+    except ValueError:
+        raise ValueError(
+            f"fmt: expected an Fp8Format, 'e4m3', 'e5m2' or an FP8 kv_cache_dtype string, "
+            f"got {fmt!r}"
+        ) from None
+
+
+def fp32_to_fp8_bytes(y: torch.Tensor, fmt: Fp8Format | str) -> torch.Tensor:
+    """Saturating round-to-nearest-even conversion of fp32 ``y`` to FP8 bytes (uint8).
+
+    ``|y| > MAX`` and ``±Inf`` give ``±MAX``; NaN (either sign) gives :data:`FP8_NAN_BYTE`.
+    Output has ``y``'s shape and device.
+    """
+    fmt = as_fp8_format(fmt)
+    if y.dtype != torch.float32:
+        raise ValueError(f"y: expected dtype torch.float32, got {y.dtype}")
+    clamped = torch.clamp(y, -fmt.max, fmt.max)  # NaN stays NaN
+    q = clamped.to(fmt.torch_dtype).view(torch.uint8)
+    return torch.where(torch.isnan(y), torch.full_like(q, FP8_NAN_BYTE), q)
+
+
+def fp8_bytes_to_fp32(q: torch.Tensor, fmt: Fp8Format | str) -> torch.Tensor:
+    """Exact fp32 value of FP8 bytes ``q`` (uint8 or the format's float8 dtype)."""
+    fmt = as_fp8_format(fmt)
+    if q.dtype == torch.uint8:
+        q = q.view(fmt.torch_dtype)
+    elif q.dtype != fmt.torch_dtype:
+        raise ValueError(f"q: expected dtype torch.uint8 or {fmt.torch_dtype}, got {q.dtype}")
+    return q.to(torch.float32)
+
+
+def _broadcast_scale(scale: torch.Tensor, ref: torch.Tensor, ref_name: str) -> torch.Tensor:
+    """Validate a dequantization scale for ``ref [..., H, D]``; return it broadcastable to
+    ``ref`` on ``ref``'s device (a per-head scale ``[H]`` becomes ``[H, 1]``)."""
+    if not isinstance(scale, torch.Tensor):
+        raise ValueError(f"scale: expected a torch.float32 tensor, got {type(scale).__name__}")
+    if scale.dtype != torch.float32:
+        raise ValueError(f"scale: expected dtype torch.float32, got {scale.dtype}")
+    if scale.dim() != 1:
+        raise ValueError(f"scale: expected shape [1] or [H], got {list(scale.shape)}")
+    scale = scale.to(ref.device)
+    if scale.shape[0] == 1:
+        return scale
+    if ref.dim() < 2 or scale.shape[0] != ref.shape[-2]:
+        heads = ref.shape[-2] if ref.dim() >= 2 else "n/a"
+        raise ValueError(
+            f"scale: expected shape [1] or [H] with H = {ref_name}.shape[-2] = {heads}, "
+            f"got {list(scale.shape)}"
+        )
+    return scale.unsqueeze(-1)
+
+
+def quantize_fp8(
+    x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format | str = Fp8Format.E4M3
+) -> torch.Tensor:
+    """Quantize ``x [..., H, D]`` (fp32/fp16/bf16) to FP8 bytes (uint8, same shape).
+
+    ``y = float32(x) / scale`` (IEEE fp32 division; a ``[H]`` scale broadcasts over dim -2),
+    clamped to ``[-MAX, MAX]``, rounded to nearest even. NaN → :data:`FP8_NAN_BYTE`,
+    ``±Inf`` → ``±MAX``. ``scale`` is moved to ``x``'s device (an exact copy).
+    """
+    if x.dtype not in _FLOAT_INPUT_DTYPES:
+        raise ValueError(f"x: expected dtype float32, float16 or bfloat16, got {x.dtype}")
+    fmt = as_fp8_format(fmt)
+    s = _broadcast_scale(scale, x, "x")
+    y = x.to(torch.float32) / s
+    return fp32_to_fp8_bytes(y, fmt)
+
+
+def dequantize_fp8(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    fmt: Fp8Format | str = Fp8Format.E4M3,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Dequantize FP8 bytes ``q [..., H, D]`` (uint8): ``float32(q) * scale`` (one fp32
+    multiply), then cast to ``out_dtype``."""
+    fmt = as_fp8_format(fmt)
+    s = _broadcast_scale(scale, q, "q")
+    return (fp8_bytes_to_fp32(q, fmt) * s).to(out_dtype)

@@ -1,0 +1,221 @@
+"""Reference NVFP4 codec: E2M1 values, FP8-e4m3 block scales, fp32 global scale.
+
+Byte format (DESIGN.md §5). Each group of 16 consecutive elements of the last dim shares one
+e4m3 block scale byte ``sf``; each element is a 4-bit E2M1 code (bit 3 = sign, bits 0..2 index
+into :data:`E2M1_VALUES`). Two codes per byte, even element in the low nibble. ``global_scale``
+is the fp32 *dequantization* scale: ``x ≈ E2M1[q] * float(sf) * global_scale``.
+
+Quantization follows a fixed sequence of separately rounded fp32 operations so that every
+implementation (this file, the C++ CPU kernel, the CUDA kernels) produces identical bytes; see
+:func:`quantize_nvfp4`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.kv_quant.fp8 import FP8_NAN_BYTE, Fp8Format, fp8_bytes_to_fp32, fp32_to_fp8_bytes
+
+NVFP4_GROUP_SIZE = 16
+"""Elements per block scale."""
+
+E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+"""Magnitudes of E2M1 codes 0..7 (codes 8..15 are the same magnitudes, negative)."""
+
+E2M1_MAX = 6.0
+"""Largest E2M1 magnitude (saturation bound)."""
+
+_FLOAT_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# |v| thresholds of the round-half-to-even E2M1 grid: the magnitude index is the number of
+# thresholds passed. ``True`` means "strictly greater" (the tie rounds down to an even code),
+# ``False`` means "greater or equal" (the tie rounds up to an even code).
+_E2M1_THRESHOLDS: tuple[tuple[float, bool], ...] = (
+    (0.25, True),  # tie 0.25 -> 0   (code 0 is even)
+    (0.75, False),  # tie 0.75 -> 1   (code 2)
+    (1.25, True),  # tie 1.25 -> 1   (code 2)
+    (1.75, False),  # tie 1.75 -> 2   (code 4)
+    (2.5, True),  # tie 2.5  -> 2   (code 4)
+    (3.5, False),  # tie 3.5  -> 4   (code 6)
+    (5.0, True),  # tie 5    -> 4   (code 6)
+)
+
+
+def e2m1_decode_table(device: torch.device | str | None = None) -> torch.Tensor:
+    """fp32 value of each E2M1 code 0..15 (code 8 is -0.0), shape ``[16]``."""
+    mags = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+    return torch.cat([mags, -mags])
+
+
+def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (uint8, 0..15) of ``v``: round half to even on the E2M1 grid, saturate to
+    ±6, sign bit from ``signbit(v)`` (so -0.0 and negatives rounding to 0 give code 8).
+    NaN gives code 0. ``v`` is fp32 (fp16/bf16 are widened exactly)."""
+    if v.dtype not in _FLOAT_INPUT_DTYPES:
+        raise ValueError(f"v: expected dtype float32, float16 or bfloat16, got {v.dtype}")
+    v = v.to(torch.float32)
+    a = v.abs()
+    mag = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)
+    for threshold, strict in _E2M1_THRESHOLDS:
+        passed = a > threshold if strict else a >= threshold
+        mag += passed.to(torch.uint8)
+    sign = torch.signbit(v) & ~torch.isnan(v)
+    return mag | (sign.to(torch.uint8) << 3)
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 values of E2M1 ``codes`` (uint8, 0..15; higher bits are ignored)."""
+    if codes.dtype != torch.uint8:
+        raise ValueError(f"codes: expected dtype torch.uint8, got {codes.dtype}")
+    table = e2m1_decode_table(codes.device)
+    return table[(codes & 0x0F).long()]
+
+
+def fp32_to_e4m3_satfinite(t: torch.Tensor) -> torch.Tensor:
+    """e4m3 bytes (uint8) of fp32 ``t``: round to nearest even, ``|t| >= 448`` or ±Inf →
+    ±448 (0x7E / 0xFE), NaN → 0x7F."""
+    return fp32_to_fp8_bytes(t, Fp8Format.E4M3)
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """Pack E2M1 codes ``[..., D]`` (uint8 0..15, D even) into bytes ``[..., D/2]``:
+    byte j = ``(codes[2j+1] << 4) | codes[2j]``."""
+    if codes.dtype != torch.uint8:
+        raise ValueError(f"codes: expected dtype torch.uint8, got {codes.dtype}")
+    if codes.dim() < 1 or codes.shape[-1] % 2 != 0:
+        raise ValueError(f"codes: expected an even last dim, got shape {list(codes.shape)}")
+    if codes.numel() > 0 and bool((codes > 0x0F).any()):
+        raise ValueError("codes: expected E2M1 codes in 0..15, got larger values")
+    return _pack(codes)
+
+
+def _pack(codes: torch.Tensor) -> torch.Tensor:
+    """:func:`pack_e2m1` without the checks (no device sync)."""
+    return (codes[..., 1::2] << 4) | codes[..., 0::2]
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """Unpack bytes ``[..., D/2]`` into E2M1 codes ``[..., D]`` (low nibble first)."""
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"packed: expected dtype torch.uint8, got {packed.dtype}")
+    if packed.dim() < 1:
+        raise ValueError("packed: expected at least one dim")
+    codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1)
+    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def _check_global_scale(global_scale: torch.Tensor, lead_shape: torch.Size) -> None:
+    if not isinstance(global_scale, torch.Tensor):
+        raise ValueError(
+            f"global_scale: expected a torch.float32 tensor, got {type(global_scale).__name__}"
+        )
+    if global_scale.dtype != torch.float32:
+        raise ValueError(f"global_scale: expected dtype torch.float32, got {global_scale.dtype}")
+    if global_scale.numel() == 1:
+        return  # per-tensor scale: any shape holding one value
+    try:
+        ok = torch.broadcast_shapes(global_scale.shape, lead_shape) == lead_shape
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"global_scale: expected one value or a shape broadcastable to {list(lead_shape)} "
+            f"(usually [1] or [H]), got {list(global_scale.shape)}"
+        )
+
+
+def _scale_for_groups(global_scale: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``global_scale`` on ``device``, shaped to broadcast against ``[..., G]`` group tensors
+    without adding dims (a one-value scale becomes 0-dim)."""
+    gs = global_scale.to(device)
+    return gs.reshape(()) if gs.numel() == 1 else gs.unsqueeze(-1)
+
+
+def quantize_nvfp4(
+    x: torch.Tensor, global_scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x [..., D]`` (fp32/fp16/bf16, ``D % 16 == 0``) to NVFP4.
+
+    ``global_scale`` (fp32 dequantization scale) holds one value (any shape, e.g. ``[1]``) or
+    broadcasts to ``x.shape[:-1]`` (e.g. ``[H]`` for ``x [..., H, D]``). It is moved to ``x``'s
+    device.
+
+    Per 16-element group, each step one separately rounded fp32 op:
+
+    1. ``inv_gs = 1 / global_scale`` (IEEE division)
+    2. ``amax = max |x_i|`` (NaN-propagating)
+    3. ``sf = e4m3_satfinite((amax * inv_gs) / 6)``
+    4. if ``sf`` is the NaN byte 0x7F: data bytes all 0x00 for the group
+    5. else ``mult = 0 if float(sf) == 0 else inv_gs / float(sf)``,
+       ``q_i = e2m1_encode(x_i * mult)``
+
+    Returns ``(packed uint8 [..., D/2], block_scales uint8 [..., D/16])`` (scales are e4m3 bytes,
+    in group order).
+    """
+    if x.dtype not in _FLOAT_INPUT_DTYPES:
+        raise ValueError(f"x: expected dtype float32, float16 or bfloat16, got {x.dtype}")
+    if x.dim() < 1 or x.shape[-1] == 0 or x.shape[-1] % NVFP4_GROUP_SIZE != 0:
+        raise ValueError(
+            f"x: NVFP4 needs a last dim (head size) that is a positive multiple of "
+            f"{NVFP4_GROUP_SIZE}, got shape {list(x.shape)}"
+        )
+    lead = x.shape[:-1]
+    _check_global_scale(global_scale, lead)
+    dim = x.shape[-1]
+    groups = dim // NVFP4_GROUP_SIZE
+    xf = x.to(torch.float32).reshape(*lead, groups, NVFP4_GROUP_SIZE)
+
+    gs = _scale_for_groups(global_scale, x.device)  # broadcasts against [..., G]
+    # Tensor / tensor divisions throughout: a Python-scalar divisor may be turned into a
+    # multiplication by its reciprocal on CUDA, which is not IEEE division.
+    inv_gs = torch.ones_like(gs) / gs  # 1
+    amax = xf.abs().amax(dim=-1)  # 2, [..., G]
+    t = (amax * inv_gs) / torch.full_like(amax, E2M1_MAX)  # 3
+    sf = fp32_to_e4m3_satfinite(t)
+    sf_f = fp8_bytes_to_fp32(sf, Fp8Format.E4M3)
+    is_nan_group = sf == FP8_NAN_BYTE
+    mult = torch.where(sf_f == 0, torch.zeros_like(sf_f), inv_gs / sf_f)  # 5
+    codes = e2m1_encode(xf * mult.unsqueeze(-1))
+    codes = torch.where(is_nan_group.unsqueeze(-1), torch.zeros_like(codes), codes)  # 4
+    packed = _pack(codes.reshape(*lead, dim))
+    return packed, sf
+
+
+def dequantize_nvfp4(
+    packed: torch.Tensor,
+    block_scales: torch.Tensor,
+    global_scale: torch.Tensor,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Dequantize NVFP4: ``packed [..., D/2]`` uint8, ``block_scales [..., D/16]`` (uint8 e4m3
+    bytes or float8_e4m3fn), ``global_scale`` fp32 broadcastable to ``packed.shape[:-1]``.
+
+    Returns ``(E2M1[q] * float(sf)) * global_scale`` computed in fp32 ``[..., D]``, then cast
+    to ``out_dtype``. A NaN scale byte gives NaN for its whole group.
+    """
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"packed: expected dtype torch.uint8, got {packed.dtype}")
+    if block_scales.dtype not in (torch.uint8, torch.float8_e4m3fn):
+        raise ValueError(
+            f"block_scales: expected dtype torch.uint8 or torch.float8_e4m3fn, "
+            f"got {block_scales.dtype}"
+        )
+    if packed.dim() < 1 or packed.shape[-1] % (NVFP4_GROUP_SIZE // 2) != 0:
+        raise ValueError(
+            f"packed: expected a last dim that is a multiple of {NVFP4_GROUP_SIZE // 2}, "
+            f"got shape {list(packed.shape)}"
+        )
+    lead = packed.shape[:-1]
+    groups = packed.shape[-1] * 2 // NVFP4_GROUP_SIZE
+    if tuple(block_scales.shape) != (*lead, groups):
+        raise ValueError(
+            f"block_scales: expected shape {[*lead, groups]} for packed of shape "
+            f"{list(packed.shape)}, got {list(block_scales.shape)}"
+        )
+    _check_global_scale(global_scale, lead)
+    device = packed.device
+    vals = e2m1_decode(unpack_e2m1(packed)).reshape(*lead, groups, NVFP4_GROUP_SIZE)
+    sf_f = fp8_bytes_to_fp32(block_scales.to(device), Fp8Format.E4M3).unsqueeze(-1)
+    gs = _scale_for_groups(global_scale, device).unsqueeze(-1)
+    out = (vals * sf_f) * gs
+    return out.reshape(*lead, groups * NVFP4_GROUP_SIZE).to(out_dtype)
