@@ -1,0 +1,402 @@
+"""``_allocate_kv_cache`` / ``_reshape_kv_cache``: coverage checks, page math of the views,
+the DeepSeek-V4 compressed worked example (DESIGN §7), padding, kernel-block splitting,
+Mamba state views, ``UniformTypeKVCacheSpecs`` groups, and validation before allocation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vllm.utils.torch_utils import nvfp4_kv_cache_full_dim
+from vllm.v1.attention.backends import (
+    FlashInferBackend,
+    MLACommonBackend,
+    ReferenceAttentionBackend,
+    kv_cache_layout,
+    split_kv_cache,
+)
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    KVQuantMode,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
+from vllm.v1.worker.gpu.attn_utils import (
+    _allocate_kv_cache,
+    _reshape_kv_cache,
+    init_kv_cache,
+    select_kernel_block_size,
+    spec_cache_dtype_str,
+)
+
+
+def view_nbytes(t: torch.Tensor) -> int:
+    """Bytes of storage a view needs: (offset of its last element + 1) * itemsize."""
+    last = t.storage_offset() + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
+    return (last + 1) * t.element_size()
+
+
+def one_group(spec, size: int, layers: tuple[str, ...] = ("l0",)) -> KVCacheConfig:
+    return KVCacheConfig(
+        num_blocks=0,
+        kv_cache_tensors=[KVCacheTensor(size=size, shared_by=[name]) for name in layers],
+        kv_cache_groups=[KVCacheGroupSpec(list(layers), spec)],
+    )
+
+
+def attn_spec(**overrides) -> FullAttentionSpec:
+    kwargs = dict(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    kwargs.update(overrides)
+    return FullAttentionSpec(**kwargs)
+
+
+def dsv4_spec(ratio: int) -> MLAAttentionSpec:
+    return MLAAttentionSpec(
+        block_size=256,
+        num_kv_heads=1,
+        head_size=512,
+        dtype=torch.uint8,
+        kv_quant_mode=KVQuantMode.FP8_PER_TENSOR,
+        cache_dtype_str="fp8_ds_mla",
+        compress_ratio=ratio,
+        alignment=576,
+    )
+
+
+# ------------------------------------------------------------------ DeepSeek-V4 (DESIGN §7)
+
+
+def test_dsv4_c128_view_fits_its_buffer() -> None:
+    spec = dsv4_spec(128)
+    assert (spec.storage_block_size, spec.real_page_size_bytes, spec.page_size_bytes) == (
+        2,
+        1168,
+        1728,
+    )
+    config = one_group(spec, 53_255_232)
+    raw = _allocate_kv_cache(config, "cpu")
+    view = _reshape_kv_cache(config, raw, {"l0": MLACommonBackend})["l0"]
+    num_blocks = 53_255_232 // 1728
+    assert num_blocks == 30_819
+    assert view.dtype == torch.uint8
+    assert tuple(view.shape) == (30_819, 2, 584)
+    assert view.stride() == (1728, 584, 1)
+    assert view.untyped_storage().data_ptr() == raw["l0"].untyped_storage().data_ptr()
+    assert view_nbytes(view) == 53_254_672 <= raw["l0"].numel()
+    # The old formula (block_size // kernel_block_size = 256 // 2 = 128 kernel pages per page)
+    # asks for 128x the pages at the same page stride: far more than the buffer holds.
+    old_kernel_blocks = num_blocks * (spec.block_size // spec.storage_block_size)
+    old_needed = (old_kernel_blocks - 1) * 1728 + 2 * 584
+    assert old_needed == 6_816_669_136
+    with pytest.raises(RuntimeError):
+        raw["l0"].view(torch.uint8).as_strided((old_kernel_blocks, 2, 584), (1728, 584, 1))
+    # Each page's two records are addressed at page * 1728 + slot * 584.
+    view[5, 1, 0] = 7
+    assert int(raw["l0"][5 * 1728 + 584]) == 7
+
+
+def test_dsv4_c4_view() -> None:
+    spec = dsv4_spec(4)
+    assert (spec.storage_block_size, spec.real_page_size_bytes, spec.page_size_bytes) == (
+        64,
+        37_376,
+        37_440,
+    )
+    config = one_group(spec, 37_440 * 100 + 1000)  # a tail that holds no whole page
+    view = _reshape_kv_cache(config, _allocate_kv_cache(config, "meta"), [MLACommonBackend])["l0"]
+    assert tuple(view.shape) == (100, 64, 584)
+    assert view.stride() == (37_440, 584, 1)
+    assert view_nbytes(view) == 99 * 37_440 + 37_376
+
+
+def test_mla_unquantized_padded_view() -> None:
+    spec = MLAAttentionSpec(
+        block_size=64, num_kv_heads=1, head_size=576, dtype=torch.bfloat16, alignment=4096
+    )
+    assert spec.page_size_bytes == round_up(64 * 576 * 2, 4096)
+    config = one_group(spec, spec.page_size_bytes * 3)
+    view = _reshape_kv_cache(config, _allocate_kv_cache(config, "meta"), [MLACommonBackend])["l0"]
+    assert view.dtype == torch.bfloat16
+    assert tuple(view.shape) == (3, 64, 576)
+    assert view.stride() == (spec.page_size_bytes // 2, 576, 1)
+
+
+def round_up(x: int, a: int) -> int:
+    return -(-x // a) * a
+
+
+# ---------------------------------------------------------------------- attention views
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "fp8", "nvfp4"])
+def test_attention_view_shape_and_physical_order(layout: str, cache_dtype: str) -> None:
+    mode = {"bfloat16": KVQuantMode.NONE, "fp8": KVQuantMode.FP8_PER_TENSOR}.get(
+        cache_dtype, KVQuantMode.NVFP4
+    )
+    dtype = torch.bfloat16 if mode == KVQuantMode.NONE else torch.uint8
+    spec = attn_spec(dtype=dtype, kv_quant_mode=mode)
+    config = one_group(spec, spec.page_size_bytes * 5)
+    with kv_cache_layout(layout):
+        raw = _allocate_kv_cache(config, "cpu")
+        view = _reshape_kv_cache(config, raw, {"l0": FlashInferBackend})["l0"]
+        expected_shape = FlashInferBackend.get_kv_cache_shape(5, 16, 8, 128, cache_dtype)
+        order = FlashInferBackend.get_kv_cache_stride_order()
+    last = nvfp4_kv_cache_full_dim(128) if mode == KVQuantMode.NVFP4 else 128
+    assert tuple(view.shape) == expected_shape == (5, 2, 16, 8, last)
+    assert view.dtype == dtype
+    # Exactly the logical tensor of a contiguous physical buffer permuted by the stride order.
+    physical = raw["l0"].view(dtype).view(tuple(expected_shape[i] for i in order))
+    inverse = [order.index(i) for i in range(5)]
+    assert view.stride() == physical.permute(*inverse).stride()
+    assert view.data_ptr() == raw["l0"].data_ptr()
+    assert view_nbytes(view) == raw["l0"].numel()
+
+
+def test_views_of_shared_buffer_alias() -> None:
+    full = attn_spec()
+    swa = SlidingWindowSpec(
+        block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16, sliding_window=128
+    )
+    config = KVCacheConfig(
+        num_blocks=4,
+        kv_cache_tensors=[KVCacheTensor(size=4 * full.page_size_bytes, shared_by=["f", "s"])],
+        kv_cache_groups=[KVCacheGroupSpec(["f"], full), KVCacheGroupSpec(["s"], swa)],
+    )
+    raw = _allocate_kv_cache(config, "cpu")
+    assert raw["f"] is raw["s"]
+    views = _reshape_kv_cache(config, raw, [ReferenceAttentionBackend, FlashInferBackend])
+    views["f"][2, 1, 3, 4, 5] = 1.5
+    assert float(views["s"][2, 1, 3, 4, 5]) == 1.5
+
+
+def test_padded_attention_page_uses_page_stride() -> None:
+    spec = attn_spec(page_size_padded=65_536 + 4096)
+    config = one_group(spec, spec.page_size_bytes * 3)
+    with kv_cache_layout("HND"):
+        view = _reshape_kv_cache(config, _allocate_kv_cache(config, "meta"), [FlashInferBackend])[
+            "l0"
+        ]
+    assert tuple(view.shape) == (3, 2, 16, 8, 128)
+    assert view.stride() == ((65_536 + 4096) // 2, 16 * 8 * 128, 128, 16 * 128, 1)
+
+
+def test_kernel_block_split_uses_storage_block_size() -> None:
+    spec = attn_spec(block_size=256)
+    config = one_group(spec, spec.page_size_bytes * 3)
+    raw = _allocate_kv_cache(config, "meta")
+    view = _reshape_kv_cache(config, raw, [FlashInferBackend])["l0"]
+    # FlashInfer kernel pages are 16, 32 or 64 tokens: the largest divisor of 256 is 64.
+    assert tuple(view.shape) == (3 * 4, 2, 64, 8, 128)
+    assert view_nbytes(view) == raw["l0"].numel()
+    explicit = _reshape_kv_cache(config, raw, [FlashInferBackend], kernel_block_sizes=[16])["l0"]
+    assert tuple(explicit.shape) == (3 * 16, 2, 16, 8, 128)
+
+
+def test_padding_with_kernel_block_split_rejected() -> None:
+    spec = attn_spec(block_size=128, page_size_padded=128 * 8 * 256 * 2 + 64)
+    config = one_group(spec, spec.page_size_bytes * 2)
+    with pytest.raises(ValueError, match="padded page.*cannot be split into 2 kernel blocks"):
+        _reshape_kv_cache(config, _allocate_kv_cache(config, "meta"), [FlashInferBackend])
+
+
+def test_head_size_v_views_are_separate_regions() -> None:
+    spec = attn_spec(
+        head_size=128, head_size_v=64, dtype=torch.uint8, kv_quant_mode=KVQuantMode.NVFP4
+    )
+    assert spec.page_size_bytes == 16 * 8 * (72 + 36)
+    config = one_group(spec, spec.page_size_bytes * 4)
+    for layout in ("NHD", "HND"):
+        with kv_cache_layout(layout):
+            raw = _allocate_kv_cache(config, "cpu")
+            key_cache, value_cache = _reshape_kv_cache(config, raw, [ReferenceAttentionBackend])[
+                "l0"
+            ]
+        assert tuple(key_cache.shape) == (4, 16, 8, 72)
+        assert tuple(value_cache.shape) == (4, 16, 8, 36)
+        assert key_cache.stride(0) == value_cache.stride(0) == spec.page_size_bytes
+        assert value_cache.storage_offset() == 16 * 8 * 72
+        assert view_nbytes(value_cache) == raw["l0"].numel()
+        assert split_kv_cache((key_cache, value_cache)) == (key_cache, value_cache)
+    with pytest.raises(ValueError, match="head_size_v=64 != head_size=128"):
+        _reshape_kv_cache(config, _allocate_kv_cache(config, "meta"), [FlashInferBackend])
+
+
+def test_mamba_state_views() -> None:
+    spec = MambaSpec(
+        block_size=1,
+        shapes=((3, 8), (4, 16, 2)),
+        dtypes=(torch.bfloat16, torch.float32),
+        page_size_padded=4096,
+    )
+    config = one_group(spec, 4096 * 5)
+    raw = _allocate_kv_cache(config, "cpu")
+    conv, ssm = _reshape_kv_cache(config, raw, {})["l0"]
+    assert (tuple(conv.shape), conv.dtype, conv.stride(0)) == ((5, 3, 8), torch.bfloat16, 2048)
+    assert (tuple(ssm.shape), ssm.dtype, ssm.stride(0)) == ((5, 4, 16, 2), torch.float32, 1024)
+    assert ssm.storage_offset() * 4 == 3 * 8 * 2
+    ssm[2].fill_(1.0)
+    assert int(raw["l0"].view(torch.uint8)[2 * 4096 + 48 + 3]) == 0x3F  # 1.0f high byte
+    misaligned = MambaSpec(block_size=1, shapes=((3,), (2,)), dtypes=(torch.uint8, torch.float32))
+    config = one_group(misaligned, 7 * 10)
+    with pytest.raises(ValueError, match="not aligned"):
+        _reshape_kv_cache(config, _allocate_kv_cache(config, "meta"), {})
+
+
+def test_uniform_type_group_uses_each_layers_spec() -> None:
+    a = attn_spec(num_kv_heads=8)
+    b = attn_spec(num_kv_heads=2)
+    group = UniformTypeKVCacheSpecs.from_specs({"a": a, "b": b})
+    assert group is not None
+    config = KVCacheConfig(
+        num_blocks=6,
+        kv_cache_tensors=[
+            KVCacheTensor(size=6 * a.page_size_bytes, shared_by=["a"]),
+            KVCacheTensor(size=6 * b.page_size_bytes, shared_by=["b"]),
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(["a", "b"], group)],
+    )
+    views = _reshape_kv_cache(config, _allocate_kv_cache(config, "meta"), [FlashInferBackend])
+    assert tuple(views["a"].shape) == (6, 2, 16, 8, 128)
+    assert tuple(views["b"].shape) == (6, 2, 16, 2, 128)
+
+
+def test_kernel_block_size_selection() -> None:
+    assert select_kernel_block_size([FlashInferBackend], 16) == 16
+    assert select_kernel_block_size([FlashInferBackend], 96) == 32
+    assert select_kernel_block_size([FlashInferBackend, ReferenceAttentionBackend], 512) == 64
+    assert select_kernel_block_size([ReferenceAttentionBackend], 48) == 48
+    assert select_kernel_block_size([MLACommonBackend], 2) == 2
+    with pytest.raises(ValueError, match=r"FLASHINFER: 16, 32, 64.*block size of 8 slots"):
+        select_kernel_block_size([FlashInferBackend], 8)
+
+
+def test_spec_cache_dtype_str() -> None:
+    assert spec_cache_dtype_str(attn_spec()) == "auto"
+    fp8 = attn_spec(dtype=torch.uint8, kv_quant_mode=KVQuantMode.FP8_PER_TENSOR)
+    assert spec_cache_dtype_str(fp8) == "fp8"
+    assert spec_cache_dtype_str(fp8, "fp8_e5m2") == "fp8_e5m2"
+    # A layer kept unquantized by kv_cache_dtype_skip_layers stays unquantized.
+    assert spec_cache_dtype_str(attn_spec(), "nvfp4") == "auto"
+    assert spec_cache_dtype_str(dsv4_spec(4)) == "fp8_ds_mla"
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+def test_uncovered_layer_is_an_error() -> None:
+    spec = attn_spec()
+    config = KVCacheConfig(
+        num_blocks=1,
+        kv_cache_tensors=[KVCacheTensor(size=spec.page_size_bytes, shared_by=["a"])],
+        kv_cache_groups=[KVCacheGroupSpec(["a", "b", "c"], spec)],
+    )
+    with pytest.raises(ValueError, match=r"no KVCacheTensor covers layer\(s\) b, c"):
+        _allocate_kv_cache(config, "meta")
+
+
+def test_layer_named_by_two_tensors_is_an_error() -> None:
+    spec = attn_spec()
+    config = KVCacheConfig(
+        num_blocks=1,
+        kv_cache_tensors=[
+            KVCacheTensor(size=spec.page_size_bytes, shared_by=["a"]),
+            KVCacheTensor(size=spec.page_size_bytes, shared_by=["a"]),
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(["a"], spec)],
+    )
+    with pytest.raises(ValueError, match=r"'a' is named by kv_cache_tensors\[0\] and .*\[1\]"):
+        _allocate_kv_cache(config, "meta")
+
+
+def test_other_config_errors() -> None:
+    spec = attn_spec()
+    unknown = KVCacheConfig(
+        num_blocks=1,
+        kv_cache_tensors=[KVCacheTensor(size=spec.page_size_bytes, shared_by=["a", "ghost"])],
+        kv_cache_groups=[KVCacheGroupSpec(["a"], spec)],
+    )
+    with pytest.raises(ValueError, match=r"name layer\(s\) ghost that are in no KV-cache group"):
+        _allocate_kv_cache(unknown, "meta")
+    two_groups = KVCacheConfig(
+        num_blocks=1,
+        kv_cache_tensors=[KVCacheTensor(size=spec.page_size_bytes, shared_by=["a"])],
+        kv_cache_groups=[KVCacheGroupSpec(["a"], spec), KVCacheGroupSpec(["a"], spec)],
+    )
+    with pytest.raises(ValueError, match="in KV-cache groups 0 and 1"):
+        _allocate_kv_cache(two_groups, "meta")
+    negative = one_group(spec, -1)
+    with pytest.raises(ValueError, match=r"kv_cache_tensors\[0\].size"):
+        _allocate_kv_cache(negative, "meta")
+
+
+def test_reshape_errors() -> None:
+    spec = attn_spec()
+    config = one_group(spec, spec.page_size_bytes * 2, layers=("a", "b"))
+    raw = _allocate_kv_cache(config, "meta")
+    with pytest.raises(ValueError, match=r"no backend for attention layer\(s\) b"):
+        _reshape_kv_cache(config, raw, {"a": FlashInferBackend})
+    with pytest.raises(ValueError, match=r"no buffer for layer\(s\) b"):
+        _reshape_kv_cache(config, {"a": raw["a"]}, [FlashInferBackend])
+    with pytest.raises(ValueError, match="one backend per KV-cache group"):
+        _reshape_kv_cache(config, raw, [FlashInferBackend, FlashInferBackend])
+    with pytest.raises(ValueError, match="unknown KV-cache dtype 'int4'"):
+        _reshape_kv_cache(config, raw, [FlashInferBackend], cache_dtype="int4")
+    with pytest.raises(ValueError, match=r"kernel_block_sizes\[0\]: 8 is not a kernel block"):
+        _reshape_kv_cache(config, raw, [FlashInferBackend], kernel_block_sizes=[8])
+    with pytest.raises(ValueError, match=r"positive divisor of the group's storage block size"):
+        _reshape_kv_cache(config, raw, [FlashInferBackend], kernel_block_sizes=[5])
+    with pytest.raises(ValueError, match="expected a 1-D torch.int8 buffer"):
+        _reshape_kv_cache(
+            config, {"a": raw["a"].view(torch.uint8), "b": raw["b"]}, [FlashInferBackend]
+        )
+    # A backend whose shape disagrees with the spec's page (MLA shape for an attention spec).
+    with pytest.raises(ValueError, match=r"needs a \(B, 2, N, H, D'\) cache|MLA cache holds"):
+        _reshape_kv_cache(config, raw, [MLACommonBackend])
+
+
+def test_init_kv_cache_validates_before_allocating(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = attn_spec(dtype=torch.uint8, kv_quant_mode=KVQuantMode.NVFP4)
+    config = one_group(spec, spec.page_size_bytes * 4)
+    allocations: list[str] = []
+    real_zeros = torch.zeros
+
+    def counting_zeros(*args, **kwargs):
+        allocations.append(str(kwargs.get("device")))
+        return real_zeros(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "zeros", counting_zeros)
+    with pytest.raises(ValueError, match=r"layer 'l0'.*FlashInfer needs an NVIDIA GPU.*REFERENCE"):
+        init_kv_cache(config, [FlashInferBackend], "cpu")
+    assert allocations == []
+    caches = init_kv_cache(config, [ReferenceAttentionBackend], "cpu")
+    assert allocations == ["meta", "cpu"]
+    assert tuple(caches["l0"].shape) == (4, 2, 16, 8, 72)
+    assert math.prod(caches["l0"].shape) == spec.page_size_bytes * 4
+
+
+def test_init_kv_cache_mla_and_mamba_hybrid() -> None:
+    mla = dsv4_spec(4)
+    mamba = MambaSpec(block_size=256, shapes=((4, 8),), dtypes=(torch.float32,))
+    config = KVCacheConfig(
+        num_blocks=3,
+        kv_cache_tensors=[
+            KVCacheTensor(size=3 * mla.page_size_bytes, shared_by=["mla"]),
+            KVCacheTensor(size=3 * mamba.page_size_bytes, shared_by=["ssm"]),
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(["mla"], mla), KVCacheGroupSpec(["ssm"], mamba)],
+    )
+    caches = init_kv_cache(config, {"mla": MLACommonBackend}, "cpu")
+    assert tuple(caches["mla"].shape) == (3, 64, 584)
+    assert [tuple(t.shape) for t in caches["ssm"]] == [(3, 4, 8)]
+    with pytest.raises(ValueError, match=r"layer 'mla'.*FlashInfer needs an NVIDIA GPU"):
+        init_kv_cache(config, {"mla": FlashInferBackend}, "cpu")
+    with pytest.raises(ValueError, match=r"layer 'mla'.*REFERENCE serves no MLA layers"):
+        init_kv_cache(config, {"mla": ReferenceAttentionBackend}, "cpu")

@@ -1,0 +1,1 @@
+"""Attention: backends (cache shapes, stride orders, validation) and a reference reader."""

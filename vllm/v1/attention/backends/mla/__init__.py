@@ -1,0 +1,1 @@
+"""MLA (multi-head latent attention) backends: cache shapes only."""

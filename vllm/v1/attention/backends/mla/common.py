@@ -1,0 +1,66 @@
+"""``MLACommonBackend``: the cache shape of MLA (latent) layers; no forward pass here.
+
+An MLA cache stores one latent per stored slot, shared by all heads: logical shape
+``(num_blocks, block_size, head_size)`` in the storage dtype, or, for the ``fp8_ds_mla``
+record layout, ``(num_blocks, block_size, 584)`` bytes (uint8). For compressed specs
+(DeepSeek-V4) ``block_size`` here is the storage block size (slots per page).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from vllm.v1.attention.backends.abstract import (
+    AttentionBackend,
+    MultipleOf,
+    check_kv_cache_shape_args,
+)
+from vllm.v1.kv_cache_interface import FP8_DS_MLA_RECORD_BYTES
+
+
+class MLACommonBackend(AttentionBackend):
+    """Shapes of MLA caches: ``(num_blocks, block_size, head_size or 584)``."""
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = [
+        "auto",
+        "float16",
+        "bfloat16",
+        "fp8",
+        "fp8_e4m3",
+        "fp8_ds_mla",
+    ]
+    supported_kernel_block_sizes: ClassVar[list[int | MultipleOf]] = [MultipleOf(1)]
+    is_mla: ClassVar[bool] = True
+
+    @staticmethod
+    def get_name() -> str:
+        return "MLA_COMMON"
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype_str: str = "auto",
+    ) -> tuple[int, ...]:
+        """``(num_blocks, block_size, 584 if fp8_ds_mla else head_size)``; one latent head."""
+        check_kv_cache_shape_args(
+            "MLACommonBackend", num_blocks, block_size, num_kv_heads, head_size
+        )
+        if num_kv_heads != 1:
+            raise ValueError(
+                f"num_kv_heads: an MLA cache holds one latent per slot (1 KV head), "
+                f"got {num_kv_heads}"
+            )
+        if cache_dtype_str == "fp8_ds_mla":
+            return (num_blocks, block_size, FP8_DS_MLA_RECORD_BYTES)
+        return (num_blocks, block_size, head_size)
+
+    @classmethod
+    def get_kv_cache_stride_order(cls) -> tuple[int, ...]:
+        """MLA caches have no head dim; the layout setting does not apply."""
+        return (0, 1, 2)

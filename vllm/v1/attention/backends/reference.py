@@ -1,0 +1,520 @@
+"""Reference attention backend: pure torch, any device, every cache format.
+
+Same cache layout and shapes as :class:`~vllm.v1.attention.backends.flashinfer.FlashInferBackend`
+(``(B, 2, N, H, D')``, NHD or HND, ``D' = F(D)`` for NVFP4), plus separate K / V regions when
+``head_size_v != head_size``. The impl computes paged attention straight from the cache:
+per sequence it gathers the pages it needs, dequantizes them with the reference codecs of
+:mod:`vllm.kv_quant` (unquantized, FP8 e4m3 / e5m2 with ``[1]`` or ``[H]`` scales, NVFP4 with
+linear or interleave4 block scales, K and V layouts independent), then attends in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from vllm.config.cache import CACHE_DTYPES
+from vllm.kv_quant import ScaleLayout, fp8_format_from_cache_dtype, fp8_read_cache, nvfp4_read_cache
+from vllm.v1.attention.backends.abstract import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionLayer,
+    MultipleOf,
+    check_kv_cache_shape_args,
+    kv_cache_dim,
+)
+from vllm.v1.attention.backends.utils import compute_slot_mapping, split_kv_cache
+
+
+class ReferenceAttentionBackend(AttentionBackend):
+    """Pure-torch paged attention over every cache format, on CPU and any CUDA GPU."""
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = list(CACHE_DTYPES)
+    supported_head_sizes: ClassVar[list[int]] = []
+    supported_kernel_block_sizes: ClassVar[list[int | MultipleOf]] = [MultipleOf(1)]
+    supports_head_size_v: ClassVar[bool] = True
+
+    @staticmethod
+    def get_name() -> str:
+        return "REFERENCE"
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype_str: str = "auto",
+    ) -> tuple[int, ...]:
+        """``(num_blocks, 2, block_size, num_kv_heads, F(head_size) if nvfp4 else head_size)``,
+        the same as FlashInfer's."""
+        check_kv_cache_shape_args(
+            "ReferenceAttentionBackend", num_blocks, block_size, num_kv_heads, head_size
+        )
+        return (num_blocks, 2, block_size, num_kv_heads, kv_cache_dim(head_size, cache_dtype_str))
+
+    @staticmethod
+    def get_impl_cls() -> type[ReferenceAttentionImpl]:
+        return ReferenceAttentionImpl
+
+    @staticmethod
+    def get_metadata_cls() -> type[ReferenceAttentionMetadata]:
+        return ReferenceAttentionMetadata
+
+
+def _as_int_list(values: Sequence[int] | torch.Tensor, name: str) -> list[int]:
+    if isinstance(values, torch.Tensor):
+        if values.dim() != 1:
+            raise ValueError(f"{name}: expected a 1-D tensor, got shape {list(values.shape)}")
+        return [int(v) for v in values.tolist()]
+    return [int(v) for v in values]
+
+
+@dataclass
+class ReferenceAttentionMetadata:
+    """Batch metadata in upstream style.
+
+    Sequence ``i`` has ``seq_lens[i]`` tokens in the cache (its new ones included) and
+    ``q_len_i = query_start_loc[i+1] - query_start_loc[i]`` query tokens, at positions
+    ``seq_lens[i] - q_len_i .. seq_lens[i] - 1``. ``block_table[i, j]`` is the cache page
+    (of ``N`` = the cache's page size in tokens) holding positions ``j*N .. j*N + N-1``.
+    ``slot_mapping [num_actual_tokens]`` (int64) is where each new token's K/V is written.
+    """
+
+    num_actual_tokens: int
+    max_query_len: int
+    query_start_loc: torch.Tensor
+    max_seq_len: int
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    causal: bool = True
+
+    @classmethod
+    def build(
+        cls,
+        seq_lens: Sequence[int] | torch.Tensor,
+        query_lens: Sequence[int] | torch.Tensor,
+        block_table: torch.Tensor,
+        block_size: int,
+        causal: bool = True,
+    ) -> ReferenceAttentionMetadata:
+        """Metadata for sequences of ``seq_lens`` tokens whose last ``query_lens`` tokens are
+        new; ``block_table [num_seqs, max_blocks]`` in pages of ``block_size`` tokens."""
+        seqs = _as_int_list(seq_lens, "seq_lens")
+        queries = _as_int_list(query_lens, "query_lens")
+        if len(seqs) != len(queries):
+            raise ValueError(
+                f"query_lens: expected {len(seqs)} entries (one per sequence), got {len(queries)}"
+            )
+        for i, (s, q) in enumerate(zip(seqs, queries, strict=True)):
+            if q < 0 or s < q:
+                raise ValueError(
+                    f"query_lens: sequence {i} has {s} tokens and {q} query tokens; expected "
+                    "0 <= query_len <= seq_len"
+                )
+        if block_table.dim() != 2 or block_table.shape[0] != len(seqs):
+            raise ValueError(
+                f"block_table: expected shape [{len(seqs)}, max_blocks], "
+                f"got {list(block_table.shape)}"
+            )
+        device = block_table.device
+        qsl = [0]
+        for q in queries:
+            qsl.append(qsl[-1] + q)
+        positions = torch.cat(
+            [torch.arange(s - q, s, dtype=torch.int64) for s, q in zip(seqs, queries, strict=True)]
+            + [torch.zeros(0, dtype=torch.int64)]
+        ).to(device)
+        req_indices = torch.repeat_interleave(
+            torch.arange(len(seqs), dtype=torch.int64), torch.tensor(queries, dtype=torch.int64)
+        ).to(device)
+        slot_mapping = compute_slot_mapping(block_table, positions, block_size, req_indices)
+        return cls(
+            num_actual_tokens=qsl[-1],
+            max_query_len=max(queries, default=0),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+            max_seq_len=max(seqs, default=0),
+            seq_lens=torch.tensor(seqs, dtype=torch.int32, device=device),
+            block_table=block_table,
+            slot_mapping=slot_mapping,
+            causal=causal,
+        )
+
+
+def _gather_pages(side: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """Copy pages ``pages`` of a cache side ``(B, N, H, F)`` into a new ``(p, N, H, F)`` tensor
+    whose pages keep the side's byte order within a page (NHD or HND), so that the NVFP4
+    ``[data | scales]`` split still applies."""
+    inner = sorted(range(1, 4), key=lambda d: (side.shape[d] != 1, side.stride(d)), reverse=True)
+    perm = [0, *inner]
+    gathered = side.permute(perm).index_select(0, pages)
+    return gathered.permute([perm.index(d) for d in range(4)])
+
+
+def _copy_op() -> Any | None:
+    """``vllm._custom_ops.reshape_and_cache_flash`` when the extension is built, else None."""
+    try:
+        from vllm import _custom_ops as ops
+
+        fn = getattr(ops, "reshape_and_cache_flash", None)
+        if fn is None:
+            return None
+        if getattr(ops, "is_available", None) is not None and not ops.is_available():
+            return None
+        return fn
+    except (ImportError, OSError, RuntimeError):
+        return None
+
+
+class ReferenceAttentionImpl(AttentionImpl):
+    """Paged attention read straight from the cache (decode, prefill, chunked prefill).
+
+    ``scale`` defaults to ``1/sqrt(head_size)``. ``sliding_window`` W: the query at position
+    ``p`` sees keys in ``(p - W, p]``. ``num_heads`` must be a multiple of ``num_kv_heads``
+    (query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``). ``sinks`` (fp32
+    ``[num_heads]``) are per-head logits added to each softmax denominator (GPT-OSS).
+    ``k_scale_layout`` / ``v_scale_layout`` name the NVFP4 block-scale layout of each side
+    (``v_scale_layout=None`` means the same as K's).
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float | None = None,
+        num_kv_heads: int | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
+        *,
+        head_size_v: int | None = None,
+        k_scale_layout: ScaleLayout | str = ScaleLayout.LINEAR,
+        v_scale_layout: ScaleLayout | str | None = None,
+    ) -> None:
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        head_size_v = head_size if head_size_v is None else head_size_v
+        for name, value in (
+            ("num_heads", num_heads),
+            ("num_kv_heads", num_kv_heads),
+            ("head_size", head_size),
+            ("head_size_v", head_size_v),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads: expected a multiple of num_kv_heads={num_kv_heads} (GQA), "
+                f"got {num_heads}"
+            )
+        if sliding_window is not None and (
+            isinstance(sliding_window, bool)
+            or not isinstance(sliding_window, int)
+            or sliding_window <= 0
+        ):
+            raise ValueError(
+                f"sliding_window: expected None or a positive int (tokens), got {sliding_window!r}"
+            )
+        if kv_cache_dtype not in CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype: unknown KV-cache dtype {kv_cache_dtype!r}; expected one of "
+                f"{', '.join(CACHE_DTYPES)}"
+            )
+        if kv_cache_dtype == "nvfp4":
+            for name, value in (("head_size", head_size), ("head_size_v", head_size_v)):
+                if value % 16 != 0:
+                    raise ValueError(f"{name}: NVFP4 KV cache needs a multiple of 16, got {value}")
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(
+                f"logits_soft_cap: expected None or a positive float, got {logits_soft_cap!r}"
+            )
+        if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != num_heads):
+            raise ValueError(
+                f"sinks: expected shape [num_heads] = [{num_heads}], got {list(sinks.shape)}"
+            )
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.num_queries_per_kv = num_heads // num_kv_heads
+        self.head_size = head_size
+        self.head_size_v = head_size_v
+        self.scale = 1.0 / math.sqrt(head_size) if scale is None else float(scale)
+        self.sliding_window = sliding_window
+        self.kv_cache_dtype = kv_cache_dtype
+        self.logits_soft_cap = logits_soft_cap
+        self.sinks = sinks
+        self.k_scale_layout = ScaleLayout.parse(k_scale_layout)
+        self.v_scale_layout = (
+            self.k_scale_layout if v_scale_layout is None else ScaleLayout.parse(v_scale_layout)
+        )
+
+    # ----------------------------------------------------------------------------- checks
+
+    @property
+    def _is_nvfp4(self) -> bool:
+        return self.kv_cache_dtype == "nvfp4"
+
+    @property
+    def _is_fp8(self) -> bool:
+        return self.kv_cache_dtype.startswith("fp8")
+
+    def _check_side(self, side: torch.Tensor, name: str, head_size: int) -> None:
+        expected_dim = kv_cache_dim(head_size, self.kv_cache_dtype)
+        if side.dim() != 4 or side.shape[2] != self.num_kv_heads or side.shape[3] != expected_dim:
+            raise ValueError(
+                f"{name}: expected a (B, N, {self.num_kv_heads}, {expected_dim}) cache side for "
+                f"kv_cache_dtype={self.kv_cache_dtype!r}, head size {head_size}, got shape "
+                f"{list(side.shape)}"
+            )
+        quantized = self._is_fp8 or self._is_nvfp4
+        if quantized and side.dtype != torch.uint8:
+            raise ValueError(
+                f"{name}: expected dtype torch.uint8 for a {self.kv_cache_dtype} cache, "
+                f"got {side.dtype}"
+            )
+        if not quantized and not side.dtype.is_floating_point:
+            raise ValueError(
+                f"{name}: expected a floating dtype for kv_cache_dtype="
+                f"{self.kv_cache_dtype!r}, got {side.dtype}"
+            )
+
+    def _check_scale(self, scale: torch.Tensor, name: str) -> torch.Tensor:
+        if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
+            got = scale.dtype if isinstance(scale, torch.Tensor) else type(scale).__name__
+            raise ValueError(f"{name}: expected a torch.float32 tensor, got {got}")
+        if scale.dim() != 1 or scale.shape[0] not in (1, self.num_kv_heads):
+            raise ValueError(
+                f"{name}: expected shape [1] or [num_kv_heads] = [{self.num_kv_heads}], "
+                f"got {list(scale.shape)}"
+            )
+        if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
+            raise ValueError(
+                f"{name}: a quantized KV cache needs finite scales > 0, got {scale.tolist()}"
+            )
+        return scale
+
+    # ------------------------------------------------------------------------------ write
+
+    def do_kv_cache_update(
+        self,
+        layer: AttentionLayer,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Write ``key [T_pad, H, D]`` / ``value [T_pad, H, Dv]`` into the cache at
+        ``slot_mapping [T]`` (negative slots skipped), quantizing on the way.
+
+        Uses the compiled ``reshape_and_cache_flash`` when the extension is built, else the
+        reference codecs of :mod:`vllm.kv_quant` (the same bytes by contract).
+        """
+        key_cache, value_cache = split_kv_cache(kv_cache)
+        self._check_side(key_cache, "key_cache", self.head_size)
+        self._check_side(value_cache, "value_cache", self.head_size_v)
+        op = _copy_op()
+        if op is not None:
+            op(
+                key,
+                value,
+                key_cache,
+                value_cache,
+                slot_mapping,
+                self.kv_cache_dtype,
+                layer._k_scale,
+                layer._v_scale,
+                k_scale_layout=self.k_scale_layout.value,
+                v_scale_layout=self.v_scale_layout.value,
+            )
+            return
+        from vllm.kv_quant import fp8_write_cache, nvfp4_write_cache
+        from vllm.kv_quant.nvfp4_cache import check_slot_mapping
+
+        for x, side, scale, layout in (
+            (key, key_cache, layer._k_scale, self.k_scale_layout),
+            (value, value_cache, layer._v_scale, self.v_scale_layout),
+        ):
+            if self._is_nvfp4:
+                nvfp4_write_cache(x, side, slot_mapping, scale.to(side.device), layout)
+            elif self._is_fp8:
+                fmt = fp8_format_from_cache_dtype(self.kv_cache_dtype)
+                fp8_write_cache(x, side, slot_mapping, scale.to(side.device), fmt)
+            else:
+                num_slots = side.shape[0] * side.shape[1]
+                check_slot_mapping(slot_mapping, x.shape[0], num_slots, side.device)
+                keep = slot_mapping >= 0
+                slots = slot_mapping[keep]
+                rows = x[: slot_mapping.shape[0]][keep].to(side.dtype)
+                side[slots // side.shape[1], slots % side.shape[1]] = rows
+
+    # ------------------------------------------------------------------------------- read
+
+    def _dequantize(
+        self,
+        pages: torch.Tensor,
+        scale: torch.Tensor,
+        head_size: int,
+        layout: ScaleLayout,
+    ) -> torch.Tensor:
+        """fp32 ``(p, N, H, D)`` values of gathered cache pages."""
+        if self._is_nvfp4:
+            return nvfp4_read_cache(pages, scale, head_size, layout, torch.float32)
+        if self._is_fp8:
+            fmt = fp8_format_from_cache_dtype(self.kv_cache_dtype)
+            return fp8_read_cache(pages, scale, fmt, torch.float32)
+        return pages.to(torch.float32)
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: ReferenceAttentionMetadata,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of ``query [T, num_heads, D]`` (or ``[T, num_heads*D]``) over the cache.
+
+        When ``key`` / ``value`` are given they are first written at
+        ``attn_metadata.slot_mapping``. Returns ``[T, num_heads, head_size_v]`` in the query
+        dtype (written into ``output`` when given; rows past ``num_actual_tokens`` untouched).
+        """
+        if (key is None) != (value is None):
+            raise ValueError("key, value: pass both (to write them first) or neither")
+        if query.dim() == 2:
+            query = query.reshape(query.shape[0], self.num_heads, self.head_size)
+        if query.dim() != 3 or tuple(query.shape[1:]) != (self.num_heads, self.head_size):
+            raise ValueError(
+                f"query: expected shape [T, {self.num_heads}, {self.head_size}], "
+                f"got {list(query.shape)}"
+            )
+        key_cache, value_cache = split_kv_cache(kv_cache)
+        self._check_side(key_cache, "key_cache", self.head_size)
+        self._check_side(value_cache, "value_cache", self.head_size_v)
+        if key_cache.shape[:2] != value_cache.shape[:2]:
+            raise ValueError(
+                f"value_cache: expected {list(key_cache.shape[:2])} pages x tokens like "
+                f"key_cache, got {list(value_cache.shape[:2])}"
+            )
+        device = key_cache.device
+        if query.device != device:
+            raise ValueError(f"query: expected device {device} (the cache's), got {query.device}")
+        k_scale = v_scale = torch.ones(1, dtype=torch.float32)
+        if self._is_fp8 or self._is_nvfp4:
+            k_scale = self._check_scale(layer._k_scale, "k_scale").to(device)
+            v_scale = self._check_scale(layer._v_scale, "v_scale").to(device)
+        if key is not None and value is not None:
+            self.do_kv_cache_update(layer, key, value, kv_cache, attn_metadata.slot_mapping)
+
+        num_tokens = attn_metadata.num_actual_tokens
+        if output is None:
+            output = torch.zeros(
+                query.shape[0], self.num_heads, self.head_size_v, dtype=query.dtype, device=device
+            )
+        elif output.dim() != 3 or tuple(output.shape[1:]) != (self.num_heads, self.head_size_v):
+            raise ValueError(
+                f"output: expected shape [T, {self.num_heads}, {self.head_size_v}], "
+                f"got {list(output.shape)}"
+            )
+        qsl = _as_int_list(attn_metadata.query_start_loc, "query_start_loc")
+        seq_lens = _as_int_list(attn_metadata.seq_lens, "seq_lens")
+        block_table = attn_metadata.block_table
+        if len(qsl) != len(seq_lens) + 1 or qsl[0] != 0 or qsl[-1] != num_tokens:
+            raise ValueError(
+                f"query_start_loc: expected {len(seq_lens) + 1} entries from 0 to "
+                f"num_actual_tokens={num_tokens}, got {qsl}"
+            )
+        if num_tokens > query.shape[0]:
+            raise ValueError(
+                f"query: expected at least num_actual_tokens={num_tokens} rows, "
+                f"got {query.shape[0]}"
+            )
+        if block_table.dim() != 2 or block_table.shape[0] < len(seq_lens):
+            raise ValueError(
+                f"block_table: expected shape [{len(seq_lens)}, max_blocks], "
+                f"got {list(block_table.shape)}"
+            )
+        num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
+        block_table = block_table.to(device=device, dtype=torch.int64)
+
+        for i, seq_len in enumerate(seq_lens):
+            q_start, q_end = qsl[i], qsl[i + 1]
+            q_len = q_end - q_start
+            if q_len == 0:
+                continue
+            if q_len < 0 or q_len > seq_len:
+                raise ValueError(
+                    f"seq_lens: sequence {i} has {seq_len} tokens but {q_len} query tokens"
+                )
+            first_q = seq_len - q_len
+            first_key = 0
+            if self.sliding_window is not None:
+                first_key = max(0, first_q - self.sliding_window + 1)
+            last_key = seq_len - 1
+            p0, p1 = first_key // block_size, last_key // block_size
+            if p1 >= block_table.shape[1]:
+                raise ValueError(
+                    f"block_table: sequence {i} of {seq_len} tokens needs {p1 + 1} pages of "
+                    f"{block_size} tokens, the table has {block_table.shape[1]} columns"
+                )
+            pages = block_table[i, p0 : p1 + 1]
+            lo, hi = int(pages.min()), int(pages.max())
+            if lo < 0 or hi >= num_blocks:
+                raise ValueError(
+                    f"block_table: sequence {i} uses pages [{lo}, {hi}], the cache has "
+                    f"{num_blocks} pages"
+                )
+            start = first_key - p0 * block_size
+            stop = last_key + 1 - p0 * block_size
+            k = self._dequantize(
+                _gather_pages(key_cache, pages), k_scale, self.head_size, self.k_scale_layout
+            )
+            v = self._dequantize(
+                _gather_pages(value_cache, pages), v_scale, self.head_size_v, self.v_scale_layout
+            )
+            k = k.reshape(-1, self.num_kv_heads, self.head_size)[start:stop]
+            v = v.reshape(-1, self.num_kv_heads, self.head_size_v)[start:stop]
+            key_pos = torch.arange(first_key, last_key + 1, device=device)
+            q_pos = torch.arange(first_q, seq_len, device=device)
+            out = self._attend(query[q_start:q_end], k, v, q_pos, key_pos, attn_metadata.causal)
+            output[q_start:q_end] = out.to(output.dtype)
+        return output
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_pos: torch.Tensor,
+        key_pos: torch.Tensor,
+        causal: bool,
+    ) -> torch.Tensor:
+        """fp32 attention of ``q [q, Hq, D]`` over ``k [k, Hkv, D]``, ``v [k, Hkv, Dv]``."""
+        group = self.num_queries_per_kv
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q.to(torch.float32), k) * self.scale
+        if self.logits_soft_cap is not None:
+            scores = self.logits_soft_cap * torch.tanh(scores / self.logits_soft_cap)
+        delta = q_pos[:, None] - key_pos[None, :]  # query position - key position
+        allowed = torch.ones_like(delta, dtype=torch.bool)
+        if causal:
+            allowed &= delta >= 0
+        if self.sliding_window is not None:
+            allowed &= delta < self.sliding_window
+            if not causal:
+                allowed &= delta > -self.sliding_window
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        if self.sinks is not None:
+            sink = self.sinks.to(device=scores.device, dtype=torch.float32)
+            sink = sink[:, None, None].expand(-1, scores.shape[1], 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        return torch.einsum("hqk,khd->qhd", probs, v)

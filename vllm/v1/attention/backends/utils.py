@@ -1,0 +1,203 @@
+"""Backend utilities: the KV-cache layout setting, slot mappings and kernel-block helpers.
+
+Units: ``block_size`` is in tokens per page, ``storage_block_size`` in stored slots per page,
+positions are token indices within a sequence, slots are ``page * slots_per_page + offset``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Literal, get_args
+
+import torch
+
+KVCacheLayoutType = Literal["NHD", "HND"]
+"""Physical order of one page side: ``NHD`` = token-major ``[N][H][D]``, ``HND`` = head-major."""
+
+KV_CACHE_LAYOUTS: tuple[str, ...] = get_args(KVCacheLayoutType)
+
+KV_CACHE_LAYOUT_ENV = "VLLM_KV_CACHE_LAYOUT"
+"""Environment variable read when no layout was set in code."""
+
+DEFAULT_KV_CACHE_LAYOUT: KVCacheLayoutType = "NHD"
+
+_layout_override: KVCacheLayoutType | None = None
+
+
+def validate_kv_cache_layout(layout: str, arg_name: str = "layout") -> KVCacheLayoutType:
+    """Return ``layout`` (``"NHD"`` or ``"HND"``), or raise ``ValueError`` listing both."""
+    if layout not in KV_CACHE_LAYOUTS:
+        raise ValueError(
+            f"{arg_name}: unknown KV-cache layout {layout!r}; expected one of "
+            f"{', '.join(repr(x) for x in KV_CACHE_LAYOUTS)}"
+        )
+    return layout  # type: ignore[return-value]
+
+
+def get_kv_cache_layout() -> KVCacheLayoutType:
+    """The KV-cache layout in effect.
+
+    Order of precedence: :func:`set_kv_cache_layout` / :func:`kv_cache_layout` (code), then the
+    ``VLLM_KV_CACHE_LAYOUT`` environment variable (read on every call), then ``"NHD"``.
+    """
+    if _layout_override is not None:
+        return _layout_override
+    env = os.environ.get(KV_CACHE_LAYOUT_ENV)
+    if env:
+        return validate_kv_cache_layout(env, KV_CACHE_LAYOUT_ENV)
+    return DEFAULT_KV_CACHE_LAYOUT
+
+
+def set_kv_cache_layout(layout: str | None) -> None:
+    """Set the KV-cache layout for this process (``None`` goes back to the env / default)."""
+    global _layout_override
+    _layout_override = None if layout is None else validate_kv_cache_layout(layout)
+
+
+@contextlib.contextmanager
+def kv_cache_layout(layout: str) -> Iterator[KVCacheLayoutType]:
+    """Context manager: use ``layout`` inside the block, restore the previous setting after."""
+    global _layout_override
+    new = validate_kv_cache_layout(layout)
+    previous = _layout_override
+    _layout_override = new
+    try:
+        yield new
+    finally:
+        _layout_override = previous
+
+
+def map_to_kernel_blocks(block_table: torch.Tensor, blocks_per_kv_block: int) -> torch.Tensor:
+    """Expand a block table of KV-manager pages into kernel pages.
+
+    Page ``b`` of ``block_size`` slots is viewed as ``blocks_per_kv_block`` kernel pages
+    ``b*k .. b*k + k-1``, so ``block_table [..., M]`` becomes ``[..., M*k]``. Slot numbers are
+    unchanged: ``b*block_size + o == (b*k + o//kb)*kb + o%kb``.
+    """
+    if blocks_per_kv_block < 1:
+        raise ValueError(f"blocks_per_kv_block: expected a positive int, got {blocks_per_kv_block}")
+    if blocks_per_kv_block == 1:
+        return block_table
+    offsets = torch.arange(blocks_per_kv_block, dtype=block_table.dtype, device=block_table.device)
+    expanded = block_table.unsqueeze(-1) * blocks_per_kv_block + offsets
+    return expanded.flatten(-2)
+
+
+def _gather_pages(
+    block_table: torch.Tensor,
+    positions: torch.Tensor,
+    block_size: int,
+    req_indices: torch.Tensor | None,
+) -> torch.Tensor:
+    """Page id of each position (int64 ``[T]``), with checks on every argument."""
+    if block_size <= 0:
+        raise ValueError(f"block_size: expected a positive int (tokens per page), got {block_size}")
+    if positions.dim() != 1:
+        raise ValueError(f"positions: expected shape [T], got {list(positions.shape)}")
+    if block_table.dim() not in (1, 2):
+        raise ValueError(
+            f"block_table: expected shape [max_blocks] or [num_reqs, max_blocks], "
+            f"got {list(block_table.shape)}"
+        )
+    table = block_table if block_table.dim() == 2 else block_table.unsqueeze(0)
+    positions = positions.to(torch.int64)
+    if req_indices is None:
+        if table.shape[0] != 1:
+            raise ValueError(
+                f"req_indices: needed for a 2-D block_table of {table.shape[0]} requests"
+            )
+        req = torch.zeros_like(positions)
+    else:
+        if tuple(req_indices.shape) != tuple(positions.shape):
+            raise ValueError(
+                f"req_indices: expected shape {list(positions.shape)} (one per position), "
+                f"got {list(req_indices.shape)}"
+            )
+        req = req_indices.to(torch.int64)
+    if positions.numel() == 0:
+        return positions.clone()
+    if int(positions.min()) < 0:
+        raise ValueError(
+            f"positions: expected non-negative token positions, got {int(positions.min())}"
+        )
+    block_idx = positions // block_size
+    if int(block_idx.max()) >= table.shape[1]:
+        raise ValueError(
+            f"block_table: position {int(positions.max())} needs block index "
+            f"{int(block_idx.max())}, but the table has {table.shape[1]} columns"
+        )
+    if int(req.min()) < 0 or int(req.max()) >= table.shape[0]:
+        raise ValueError(
+            f"req_indices: expected values in [0, {table.shape[0]}), got "
+            f"[{int(req.min())}, {int(req.max())}]"
+        )
+    return table.to(torch.int64)[req, block_idx]
+
+
+def compute_slot_mapping(
+    block_table: torch.Tensor,
+    positions: torch.Tensor,
+    block_size: int,
+    req_indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain slot mapping: ``slot = block_table[req, pos // N] * N + pos % N`` (int64 ``[T]``).
+
+    ``block_table`` is ``[max_blocks]`` (one request) or ``[num_reqs, max_blocks]`` with
+    ``req_indices [T]`` naming each position's request; ``N = block_size`` tokens per page.
+    """
+    pages = _gather_pages(block_table, positions, block_size, req_indices)
+    return pages * block_size + positions.to(torch.int64) % block_size
+
+
+def compute_compressed_slot_mapping(
+    block_table: torch.Tensor,
+    positions: torch.Tensor,
+    block_size: int,
+    compress_ratio: int,
+    req_indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Slot mapping of a compressed spec (DeepSeek-V4 style): one slot per ``r`` tokens.
+
+    Position ``pos`` gets ``block_table[req, pos // block_size] * (block_size // r)
+    + (pos % block_size) // r`` when ``(pos + 1) % r == 0`` (the last token of its run of ``r``),
+    else ``-1`` (not stored). Returns int64 ``[T]``.
+    """
+    if compress_ratio <= 0 or block_size % compress_ratio != 0:
+        raise ValueError(
+            f"compress_ratio: expected a positive divisor of block_size={block_size}, "
+            f"got {compress_ratio}"
+        )
+    storage_block_size = block_size // compress_ratio
+    pages = _gather_pages(block_table, positions, block_size, req_indices)
+    pos = positions.to(torch.int64)
+    slots = pages * storage_block_size + (pos % block_size) // compress_ratio
+    stored = (pos + 1) % compress_ratio == 0
+    return torch.where(stored, slots, torch.full_like(slots, -1))
+
+
+def split_kv_cache(
+    kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(key_cache, value_cache)`` logical ``(B, N, H, D')`` views of one layer's cache.
+
+    ``kv_cache`` is a ``(B, 2, N, H, D')`` tensor (its ``[:, 0]`` / ``[:, 1]`` slices) or, for
+    layers whose V head size differs from K's, the ``(key_cache, value_cache)`` pair that
+    ``_reshape_kv_cache`` returns.
+    """
+    if isinstance(kv_cache, (tuple, list)):
+        if len(kv_cache) != 2 or any(
+            not isinstance(t, torch.Tensor) or t.dim() != 4 for t in kv_cache
+        ):
+            raise ValueError(
+                "kv_cache: expected a (key_cache, value_cache) pair of 4-D (B, N, H, D') tensors"
+            )
+        return kv_cache[0], kv_cache[1]
+    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+        shape = list(kv_cache.shape) if isinstance(kv_cache, torch.Tensor) else type(kv_cache)
+        raise ValueError(
+            f"kv_cache: expected a (B, 2, N, H, D') tensor or a (key_cache, value_cache) pair, "
+            f"got {shape}"
+        )
+    return kv_cache[:, 0], kv_cache[:, 1]

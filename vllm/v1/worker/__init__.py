@@ -1,0 +1,1 @@
+"""Worker-side code: KV-cache allocation and views."""

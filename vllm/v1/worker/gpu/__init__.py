@@ -1,0 +1,1 @@
+"""GPU (and CPU) model-runner utilities."""

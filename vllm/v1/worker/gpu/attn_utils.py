@@ -1,0 +1,561 @@
+"""KV-cache allocation and views: raw int8 buffers → each layer's cache in its backend's shape.
+
+Units: sizes and offsets named ``*_bytes`` are bytes; ``*_elems`` are elements of the view's
+dtype; block sizes are tokens (``block_size``) or stored slots (``storage_block_size``) per
+page; ``num_blocks`` counts pages.
+
+A layer's cache is returned as:
+
+- attention layers: the backend's logical ``(B, 2, N, H, D')`` view (``kv_cache[:, 0]`` /
+  ``kv_cache[:, 1]`` are what ``reshape_and_cache_flash`` takes); with ``head_size_v !=
+  head_size`` the pair ``(key_cache, value_cache)`` of ``(B, N, H, D')`` views over the K and
+  V regions of each page;
+- MLA layers: ``(B, storage_block_size, head_size)`` in the storage dtype, or
+  ``(B, storage_block_size, 584)`` uint8 for ``fp8_ds_mla`` records;
+- Mamba layers: a list with one ``(B, *shape_i)`` view per state tensor, at its byte offset in
+  the page, in ``dtypes[i]``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+
+from vllm.config.cache import validate_cache_dtype
+from vllm.utils.torch_utils import get_dtype_size
+from vllm.v1.attention.backends.abstract import (
+    AttentionBackend,
+    MultipleOf,
+    get_device_capability,
+)
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    LatentPageSpec,
+    MambaSpec,
+    UniformTypeKVCacheSpecs,
+)
+
+LayerKVCache = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | list[torch.Tensor]
+"""One layer's cache view(s); see the module docstring."""
+
+AttnBackends = Mapping[str, type[AttentionBackend]] | Sequence[type[AttentionBackend]]
+"""Backend class per layer name, or one per KV-cache group."""
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def _is_mla_spec(spec: KVCacheSpec) -> bool:
+    """MLA-like specs (one latent slot per stored token): ``MLAAttentionSpec`` and its
+    sliding-window sibling."""
+    return isinstance(spec, LatentPageSpec)
+
+
+def _iter_layer_specs(
+    kv_cache_config: KVCacheConfig,
+) -> Iterator[tuple[int, str, KVCacheSpec]]:
+    """``(group index, layer name, the layer's own spec)`` for every layer of every group."""
+    for group_idx, group in enumerate(kv_cache_config.kv_cache_groups):
+        group_spec = group.kv_cache_spec
+        for layer_name in group.layer_names:
+            if isinstance(group_spec, UniformTypeKVCacheSpecs):
+                if layer_name not in group_spec.kv_cache_specs:
+                    raise ValueError(
+                        f"kv_cache_config: layer {layer_name!r} of group {group_idx} has no "
+                        f"spec in its UniformTypeKVCacheSpecs (has: "
+                        f"{', '.join(group_spec.kv_cache_specs)})"
+                    )
+                yield group_idx, layer_name, group_spec.kv_cache_specs[layer_name]
+            else:
+                yield group_idx, layer_name, group_spec
+
+
+def _group_layers(kv_cache_config: KVCacheConfig) -> dict[str, int]:
+    """Layer name → group index; a layer in two groups is an error."""
+    owner: dict[str, int] = {}
+    for group_idx, group in enumerate(kv_cache_config.kv_cache_groups):
+        for layer_name in group.layer_names:
+            if layer_name in owner:
+                raise ValueError(
+                    f"kv_cache_config: layer {layer_name!r} is in KV-cache groups "
+                    f"{owner[layer_name]} and {group_idx}; a layer belongs to one group"
+                )
+            owner[layer_name] = group_idx
+    return owner
+
+
+def spec_cache_dtype_str(spec: KVCacheSpec, cache_dtype: str | None = None) -> str:
+    """The ``cache_dtype_str`` a backend gets for ``spec``.
+
+    The spec is the per-layer truth (layers kept unquantized by ``kv_cache_dtype_skip_layers``
+    say so in their spec): NVFP4 → ``"nvfp4"``, FP8 → ``cache_dtype`` when it names an FP8
+    variant else ``"fp8"``, unquantized → ``"auto"``; MLA specs with ``cache_dtype_str`` (e.g.
+    ``"fp8_ds_mla"``) → that string.
+    """
+    mla_str = getattr(spec, "cache_dtype_str", None)
+    if mla_str is not None:
+        return mla_str
+    mode = getattr(spec, "kv_quant_mode", None)
+    if mode is None or not mode.is_quantized:
+        return "auto"
+    if mode.is_nvfp4:
+        return "nvfp4"
+    if cache_dtype is not None and cache_dtype.startswith("fp8"):
+        return cache_dtype
+    return "fp8"
+
+
+def _supports_kernel_block_size(backend: type[AttentionBackend], size: int) -> bool:
+    for supported in backend.get_supported_kernel_block_sizes():
+        if isinstance(supported, MultipleOf):
+            if size % supported.base == 0:
+                return True
+        elif size == supported:
+            return True
+    return False
+
+
+def select_kernel_block_size(
+    backends: Sequence[type[AttentionBackend]], storage_block_size: int
+) -> int:
+    """Largest kernel block size that every backend supports and that divides
+    ``storage_block_size`` (slots per page); ``ValueError`` when there is none."""
+    if storage_block_size <= 0:
+        raise ValueError(f"storage_block_size: expected a positive int, got {storage_block_size}")
+    unique = list(dict.fromkeys(backends))
+    for size in range(storage_block_size, 0, -1):
+        if storage_block_size % size == 0 and all(
+            _supports_kernel_block_size(b, size) for b in unique
+        ):
+            return size
+    described = "; ".join(
+        f"{b.get_name()}: "
+        + ", ".join(
+            f"multiples of {s.base}" if isinstance(s, MultipleOf) else str(s)
+            for s in b.get_supported_kernel_block_sizes()
+        )
+        for b in unique
+    )
+    raise ValueError(
+        f"kernel_block_size: no size supported by every backend of the group ({described}) "
+        f"divides the block size of {storage_block_size} slots"
+    )
+
+
+def _view_nbytes(shape: Sequence[int], strides: Sequence[int], offset: int, itemsize: int) -> int:
+    """Bytes of storage a view needs: ``(last element offset + 1) * itemsize`` (0 if empty)."""
+    if any(s == 0 for s in shape):
+        return 0
+    last = offset + sum((s - 1) * st for s, st in zip(shape, strides, strict=True))
+    return (last + 1) * itemsize
+
+
+def _paged_view(
+    raw: torch.Tensor,
+    dtype: torch.dtype,
+    logical_shape: Sequence[int],
+    stride_order: Sequence[int],
+    block_stride_elems: int,
+    offset_elems: int,
+    what: str,
+) -> torch.Tensor:
+    """A view of the int8 buffer ``raw`` as ``dtype`` with ``logical_shape``.
+
+    Dim 0 (pages) has stride ``block_stride_elems``; within a page the dims are dense in the
+    physical order ``stride_order`` (``stride_order[i]`` = the logical dim that is i-th
+    outermost; ``stride_order[0]`` must be 0). The view starts ``offset_elems`` in.
+    """
+    ndim = len(logical_shape)
+    if sorted(stride_order) != list(range(ndim)) or stride_order[0] != 0:
+        raise ValueError(
+            f"{what}: stride order {tuple(stride_order)} is not a permutation of the "
+            f"{ndim} cache dims with the page dim (0) outermost"
+        )
+    phys_shape = [logical_shape[d] for d in stride_order]
+    phys_strides = [0] * ndim
+    running = 1
+    for i in range(ndim - 1, 0, -1):
+        phys_strides[i] = running
+        running *= phys_shape[i]
+    phys_strides[0] = block_stride_elems
+    if running > block_stride_elems:
+        raise ValueError(
+            f"{what}: a page of {running} elements does not fit the page stride of "
+            f"{block_stride_elems} elements"
+        )
+    strides = [0] * ndim
+    for i, d in enumerate(stride_order):
+        strides[d] = phys_strides[i]
+    itemsize = get_dtype_size(dtype)
+    usable_bytes = raw.numel() // itemsize * itemsize
+    needed = _view_nbytes(logical_shape, strides, offset_elems, itemsize)
+    if needed > usable_bytes:
+        raise ValueError(
+            f"{what}: the view {tuple(logical_shape)} with strides {tuple(strides)} needs "
+            f"{needed} bytes, the buffer has {raw.numel()}"
+        )
+    typed = raw[:usable_bytes].view(dtype)
+    return typed.as_strided(
+        tuple(logical_shape), tuple(strides), typed.storage_offset() + offset_elems
+    )
+
+
+# ----------------------------------------------------------------------------- allocate
+
+
+def _check_tensor_coverage(kv_cache_config: KVCacheConfig) -> None:
+    """Every layer of every group is named by exactly one ``KVCacheTensor``, and every named
+    layer belongs to a group; sizes are non-negative ints."""
+    group_layers = _group_layers(kv_cache_config)
+    named_by: dict[str, int] = {}
+    for idx, tensor in enumerate(kv_cache_config.kv_cache_tensors):
+        if isinstance(tensor.size, bool) or not isinstance(tensor.size, int) or tensor.size < 0:
+            raise ValueError(
+                f"kv_cache_tensors[{idx}].size: expected a non-negative int (bytes), "
+                f"got {tensor.size!r}"
+            )
+        for layer_name in tensor.shared_by:
+            if layer_name in named_by:
+                raise ValueError(
+                    f"kv_cache_config: layer {layer_name!r} is named by kv_cache_tensors"
+                    f"[{named_by[layer_name]}] and kv_cache_tensors[{idx}]; each layer gets "
+                    "exactly one buffer"
+                )
+            named_by[layer_name] = idx
+    missing = [name for name in group_layers if name not in named_by]
+    if missing:
+        raise ValueError(
+            f"kv_cache_config: no KVCacheTensor covers layer(s) {', '.join(missing)} "
+            "(every layer of every group needs a buffer)"
+        )
+    unknown = [name for name in named_by if name not in group_layers]
+    if unknown:
+        raise ValueError(
+            f"kv_cache_config: KVCacheTensor(s) name layer(s) {', '.join(unknown)} that are "
+            "in no KV-cache group"
+        )
+
+
+def _allocate_kv_cache(
+    kv_cache_config: KVCacheConfig, device: torch.device | str
+) -> dict[str, torch.Tensor]:
+    """One zeroed int8 buffer of ``size`` bytes per ``KVCacheTensor``, shared by the layers
+    it names. Coverage is checked before anything is allocated. Returns layer → buffer."""
+    _check_tensor_coverage(kv_cache_config)
+    raw_tensors: dict[str, torch.Tensor] = {}
+    for tensor in kv_cache_config.kv_cache_tensors:
+        buffer = torch.zeros(tensor.size, dtype=torch.int8, device=device)
+        for layer_name in tensor.shared_by:
+            raw_tensors[layer_name] = buffer
+    return raw_tensors
+
+
+# ------------------------------------------------------------------------------ reshape
+
+
+def _normalize_backends(
+    kv_cache_config: KVCacheConfig, attn_backends: AttnBackends
+) -> dict[str, type[AttentionBackend]]:
+    if isinstance(attn_backends, Mapping):
+        return dict(attn_backends)
+    groups = kv_cache_config.kv_cache_groups
+    if len(attn_backends) != len(groups):
+        raise ValueError(
+            f"attn_backends: expected a dict layer → backend or one backend per KV-cache "
+            f"group ({len(groups)}), got {len(attn_backends)}"
+        )
+    return {
+        layer: backend
+        for group, backend in zip(groups, attn_backends, strict=True)
+        for layer in group.layer_names
+    }
+
+
+def _kernel_block_sizes(
+    kv_cache_config: KVCacheConfig,
+    backends: dict[str, type[AttentionBackend]],
+    kernel_block_sizes: Sequence[int] | None,
+) -> list[int]:
+    """Kernel block size per group (Mamba-only groups: their storage block size)."""
+    layer_specs = list(_iter_layer_specs(kv_cache_config))
+    missing = [
+        name
+        for _, name, spec in layer_specs
+        if isinstance(spec, AttentionSpec) and name not in backends
+    ]
+    if missing:
+        raise ValueError(f"attn_backends: no backend for attention layer(s) {', '.join(missing)}")
+    groups = kv_cache_config.kv_cache_groups
+    if kernel_block_sizes is not None and len(kernel_block_sizes) != len(groups):
+        raise ValueError(
+            f"kernel_block_sizes: expected one per KV-cache group ({len(groups)}), "
+            f"got {len(kernel_block_sizes)}"
+        )
+    sizes: list[int] = []
+    for group_idx in range(len(groups)):
+        specs = [(n, s) for g, n, s in layer_specs if g == group_idx]
+        attn = [(n, s) for n, s in specs if isinstance(s, AttentionSpec)]
+        storage_sizes = {s.storage_block_size for _, s in specs}
+        if len(storage_sizes) > 1:
+            raise ValueError(
+                f"kv_cache_config: group {group_idx} mixes storage block sizes "
+                f"{sorted(storage_sizes)}; a group shares one block table"
+            )
+        storage = storage_sizes.pop() if storage_sizes else 1
+        group_backends = [backends[n] for n, _ in attn]
+        if kernel_block_sizes is None:
+            sizes.append(select_kernel_block_size(group_backends, storage) if attn else storage)
+            continue
+        size = kernel_block_sizes[group_idx]
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0 or storage % size:
+            raise ValueError(
+                f"kernel_block_sizes[{group_idx}]: expected a positive divisor of the group's "
+                f"storage block size {storage}, got {size!r}"
+            )
+        unsupported = sorted(
+            {b.get_name() for b in group_backends if not _supports_kernel_block_size(b, size)}
+        )
+        if unsupported:
+            raise ValueError(
+                f"kernel_block_sizes[{group_idx}]: {size} is not a kernel block size of "
+                f"{', '.join(unsupported)}"
+            )
+        sizes.append(size)
+    return sizes
+
+
+def _attention_view(
+    layer_name: str,
+    spec: AttentionSpec,
+    raw: torch.Tensor,
+    backend: type[AttentionBackend],
+    kernel_block_size: int,
+    cache_dtype: str | None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    page_bytes = spec.page_size_bytes
+    real_bytes = spec.real_page_size_bytes
+    storage = spec.storage_block_size
+    num_blocks = raw.numel() // page_bytes
+    blocks_per_kv_block = storage // kernel_block_size
+    kernel_num_blocks = num_blocks * blocks_per_kv_block
+    cache_dtype_str = spec_cache_dtype_str(spec, cache_dtype)
+    is_mla = _is_mla_spec(spec)
+    dtype = torch.uint8 if cache_dtype_str == "fp8_ds_mla" else spec.dtype
+    itemsize = get_dtype_size(dtype)
+    what = f"layer {layer_name!r}"
+
+    if page_bytes != real_bytes and blocks_per_kv_block > 1:
+        raise ValueError(
+            f"{what}: a padded page ({page_bytes} bytes for {real_bytes} bytes of data) cannot "
+            f"be split into {blocks_per_kv_block} kernel blocks of {kernel_block_size} slots "
+            f"(block of {storage} slots): the kernel pages would straddle the padding. Use a "
+            "kernel block size equal to the block size, or drop the padding"
+        )
+    if page_bytes % itemsize != 0:
+        raise ValueError(
+            f"{what}: page of {page_bytes} bytes is not a whole number of {dtype} elements "
+            f"({itemsize} bytes)"
+        )
+    kernel_page_elems = page_bytes // itemsize // blocks_per_kv_block
+    kernel_real_bytes = real_bytes // blocks_per_kv_block
+    order = tuple(backend.get_kv_cache_stride_order())
+
+    if is_mla:
+        shape = tuple(
+            backend.get_kv_cache_shape(
+                kernel_num_blocks,
+                kernel_block_size,
+                spec.num_kv_heads,
+                spec.head_size,
+                cache_dtype_str,
+            )
+        )
+        if math.prod(shape[1:]) * itemsize != kernel_real_bytes:
+            raise ValueError(
+                f"{what}: backend {backend.get_name()} shape {shape} ({dtype}) does not match "
+                f"the spec's {kernel_real_bytes} bytes per kernel page"
+            )
+        return _paged_view(raw, dtype, shape, order, kernel_page_elems, 0, what)
+
+    head_size_v = spec.head_size_v if spec.head_size_v is not None else spec.head_size
+    k_shape = tuple(
+        backend.get_kv_cache_shape(
+            kernel_num_blocks,
+            kernel_block_size,
+            spec.num_kv_heads,
+            spec.head_size,
+            cache_dtype_str,
+        )
+    )
+    if len(k_shape) != 5 or k_shape[1] != 2 or len(order) != 5:
+        raise ValueError(
+            f"{what}: backend {backend.get_name()} gives shape {k_shape} / stride order {order}; "
+            "an attention layer needs a (B, 2, N, H, D') cache"
+        )
+    if head_size_v == spec.head_size:
+        if math.prod(k_shape[1:]) * itemsize != kernel_real_bytes:
+            raise ValueError(
+                f"{what}: backend {backend.get_name()} shape {k_shape} ({dtype}) does not match "
+                f"the spec's {kernel_real_bytes} bytes per kernel page"
+            )
+        return _paged_view(raw, dtype, k_shape, order, kernel_page_elems, 0, what)
+
+    if not backend.supports_head_size_v:
+        raise ValueError(
+            f"{what}: head_size_v={head_size_v} != head_size={spec.head_size} and backend "
+            f"{backend.get_name()} shares one last dim between K and V; use a backend with "
+            "separate K/V regions (e.g. REFERENCE)"
+        )
+    v_shape = tuple(
+        backend.get_kv_cache_shape(
+            kernel_num_blocks, kernel_block_size, spec.num_kv_heads, head_size_v, cache_dtype_str
+        )
+    )
+    # Each (kernel) page is [K side | V side]; a side is dense in the layout's order.
+    side_order = tuple(d if d < 1 else d - 1 for d in order if d != 1)
+    k_side, v_side = (k_shape[0], *k_shape[2:]), (v_shape[0], *v_shape[2:])
+    k_elems, v_elems = math.prod(k_side[1:]), math.prod(v_side[1:])
+    if (k_elems + v_elems) * itemsize != kernel_real_bytes:
+        raise ValueError(
+            f"{what}: K side {k_side} + V side {v_side} ({dtype}) do not match the spec's "
+            f"{kernel_real_bytes} bytes per kernel page"
+        )
+    key_cache = _paged_view(raw, dtype, k_side, side_order, kernel_page_elems, 0, what)
+    value_cache = _paged_view(raw, dtype, v_side, side_order, kernel_page_elems, k_elems, what)
+    return key_cache, value_cache
+
+
+def _mamba_views(layer_name: str, spec: MambaSpec, raw: torch.Tensor) -> list[torch.Tensor]:
+    page_bytes = spec.page_size_bytes
+    num_blocks = raw.numel() // page_bytes
+    views: list[torch.Tensor] = []
+    offset_bytes = 0
+    for i, (shape, dtype, size) in enumerate(
+        zip(spec.shapes, spec.dtypes, spec.state_sizes_bytes, strict=True)
+    ):
+        itemsize = get_dtype_size(dtype)
+        if page_bytes % itemsize or offset_bytes % itemsize:
+            raise ValueError(
+                f"layer {layer_name!r}: Mamba state {i} ({dtype}) at byte offset {offset_bytes} "
+                f"in a {page_bytes}-byte page is not aligned to its {itemsize}-byte elements"
+            )
+        views.append(
+            _paged_view(
+                raw,
+                dtype,
+                (num_blocks, *shape),
+                tuple(range(len(shape) + 1)),
+                page_bytes // itemsize,
+                offset_bytes // itemsize,
+                f"layer {layer_name!r} state {i}",
+            )
+        )
+        offset_bytes += size
+    return views
+
+
+def _reshape_kv_cache(
+    kv_cache_config: KVCacheConfig,
+    kv_cache_raw_tensors: dict[str, torch.Tensor],
+    attn_backends: AttnBackends,
+    cache_dtype: str | None = None,
+    kernel_block_sizes: Sequence[int] | None = None,
+) -> dict[str, LayerKVCache]:
+    """View each layer's raw buffer as its cache (see the module docstring for the forms).
+
+    Per layer: ``num_blocks = raw.numel() // page_size_bytes``; the group's kernel block size
+    (given, or the largest every backend of the group supports that divides the storage block
+    size); ``num_blocks_per_kv_block = storage_block_size // kernel_block_size``;
+    ``kernel_num_blocks = num_blocks * num_blocks_per_kv_block``; shape from the backend,
+    physical order from its stride order, page stride ``page_size_bytes / sizeof(dtype)``
+    (so padded pages are skipped over). ``cache_dtype`` (optional) only picks the FP8 variant
+    passed to backends; each layer's spec decides whether it is quantized.
+    """
+    if cache_dtype is not None:
+        validate_cache_dtype(cache_dtype)
+    _group_layers(kv_cache_config)
+    backends = _normalize_backends(kv_cache_config, attn_backends)
+    kernel_sizes = _kernel_block_sizes(kv_cache_config, backends, kernel_block_sizes)
+    missing = [
+        name
+        for _, name, _ in _iter_layer_specs(kv_cache_config)
+        if name not in kv_cache_raw_tensors
+    ]
+    if missing:
+        raise ValueError(f"kv_cache_raw_tensors: no buffer for layer(s) {', '.join(missing)}")
+
+    kv_caches: dict[str, LayerKVCache] = {}
+    for group_idx, layer_name, spec in _iter_layer_specs(kv_cache_config):
+        raw = kv_cache_raw_tensors[layer_name]
+        if raw.dtype != torch.int8 or raw.dim() != 1:
+            raise ValueError(
+                f"kv_cache_raw_tensors[{layer_name!r}]: expected a 1-D torch.int8 buffer, got "
+                f"{raw.dtype} of shape {list(raw.shape)}"
+            )
+        if isinstance(spec, MambaSpec):
+            kv_caches[layer_name] = _mamba_views(layer_name, spec, raw)
+        elif isinstance(spec, AttentionSpec):
+            kv_caches[layer_name] = _attention_view(
+                layer_name, spec, raw, backends[layer_name], kernel_sizes[group_idx], cache_dtype
+            )
+        else:
+            raise ValueError(
+                f"layer {layer_name!r}: no cache view for spec type {type(spec).__name__}"
+            )
+    return kv_caches
+
+
+# --------------------------------------------------------------------------------- init
+
+
+def validate_kv_cache_backends(
+    kv_cache_config: KVCacheConfig,
+    attn_backends: AttnBackends,
+    device: torch.device | str,
+    model_dtype: torch.dtype,
+    cache_dtype: str | None = None,
+) -> None:
+    """Check, before anything is allocated, that each attention layer's backend serves its
+    spec (head sizes, model dtype, cache dtype, block size) on ``device``; ``ValueError``
+    naming every failing layer and reason."""
+    backends = _normalize_backends(kv_cache_config, attn_backends)
+    capability = get_device_capability(device)
+    failures: list[str] = []
+    for _, layer_name, spec in _iter_layer_specs(kv_cache_config):
+        if not isinstance(spec, AttentionSpec) or layer_name not in backends:
+            continue
+        reasons = backends[layer_name].validate_configuration(
+            spec.head_size,
+            model_dtype,
+            spec_cache_dtype_str(spec, cache_dtype),
+            spec.storage_block_size,
+            capability,
+            head_size_v=None if _is_mla_spec(spec) else spec.head_size_v,
+            use_mla=_is_mla_spec(spec),
+        )
+        if reasons:
+            failures.append(f"layer {layer_name!r}: " + "; ".join(reasons))
+    if failures:
+        raise ValueError("KV-cache backends cannot serve this model: " + " | ".join(failures))
+
+
+def init_kv_cache(
+    kv_cache_config: KVCacheConfig,
+    attn_backends: AttnBackends,
+    device: torch.device | str,
+    *,
+    model_dtype: torch.dtype = torch.bfloat16,
+    cache_dtype: str | None = None,
+    kernel_block_sizes: Sequence[int] | None = None,
+) -> dict[str, LayerKVCache]:
+    """Validate backends, dry-run the views on the meta device, then allocate on ``device``
+    and return each layer's cache view. Nothing real is allocated unless all checks pass."""
+    validate_kv_cache_backends(kv_cache_config, attn_backends, device, model_dtype, cache_dtype)
+    meta = _allocate_kv_cache(kv_cache_config, "meta")
+    _reshape_kv_cache(kv_cache_config, meta, attn_backends, cache_dtype, kernel_block_sizes)
+    raw = _allocate_kv_cache(kv_cache_config, device)
+    return _reshape_kv_cache(kv_cache_config, raw, attn_backends, cache_dtype, kernel_block_sizes)
