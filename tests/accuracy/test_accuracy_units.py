@@ -1,0 +1,139 @@
+"""Small pieces of the accuracy machinery: format ids, scales, slots, metrics, WordPiece."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm.accuracy.cache_io import assign_slots
+from vllm.accuracy.formats import (
+    DEFAULT_FORMATS,
+    CacheFormat,
+    amax_scale,
+    parse_format,
+    parse_formats,
+)
+from vllm.accuracy.metrics import MetricsAccumulator, make_reference
+from vllm.accuracy.samples import KVSample
+from vllm.accuracy.wordpiece import WordPieceTokenizer, basic_tokenize
+
+
+@pytest.mark.parametrize(
+    ("text", "dtype", "per_head", "layout", "name"),
+    [
+        ("bf16", "bfloat16", False, "linear", "bf16"),
+        ("bfloat16", "bfloat16", False, "linear", "bf16"),
+        ("fp8", "fp8_e4m3", False, "linear", "fp8_e4m3"),
+        ("fp8_e5m2/head", "fp8_e5m2", True, "linear", "fp8_e5m2/head"),
+        ("nvfp4/tensor", "nvfp4", False, "linear", "nvfp4"),
+        ("nvfp4/head@interleave4", "nvfp4", True, "interleave4", "nvfp4/head@interleave4"),
+        (" nvfp4@linear ", "nvfp4", False, "linear", "nvfp4"),
+    ],
+)
+def test_parse_format(text: str, dtype: str, per_head: bool, layout: str, name: str) -> None:
+    fmt = parse_format(text)
+    assert (fmt.kv_cache_dtype, fmt.per_head, fmt.scale_layout.value) == (dtype, per_head, layout)
+    assert fmt.name == name and parse_format(fmt.name) == fmt
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("int8", "unknown format"),
+        ("fp8/channel", "unknown format"),
+        ("bf16/head", "no scale"),
+        ("fp8_e4m3@interleave4", "only NVFP4"),
+        ("nvfp4@zigzag", "expected one of"),
+    ],
+)
+def test_parse_format_errors(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_format(text)
+
+
+def test_parse_formats_defaults_and_dedup() -> None:
+    assert [f.name for f in parse_formats(None)] == list(DEFAULT_FORMATS)
+    assert [f.name for f in parse_formats("all")] == list(DEFAULT_FORMATS)
+    assert [f.name for f in parse_formats("fp8,fp8_e4m3,nvfp4,")] == ["fp8_e4m3", "nvfp4"]
+    with pytest.raises(ValueError, match="no format"):
+        parse_formats(",")
+
+
+def test_bytes_per_token_matches_design_worked_example() -> None:
+    # DESIGN §4: N=16, H=8, D=128 pages of 65,536 / 32,768 / 18,432 bytes.
+    for name, page in (("bf16", 65536), ("fp8_e5m2", 32768), ("nvfp4", 18432)):
+        assert parse_format(name).bytes_per_token(8, 128, 128) * 16 == page
+    assert CacheFormat("nvfp4").cache_last_dim(128) == 72
+
+
+def test_amax_scale() -> None:
+    x = torch.zeros(4, 3, 16)
+    x[1, 0, 2] = -896.0
+    x[2, 1, 0] = 44.8
+    assert amax_scale(x, False, 448.0).tolist() == [2.0]
+    per_head = amax_scale(x, True, 448.0)
+    assert per_head.dtype == torch.float32
+    assert per_head.tolist() == pytest.approx([2.0, 0.1, 1.0])  # all-zero head -> 1.0
+
+
+def test_assign_slots_pages_are_disjoint_and_shuffled() -> None:
+    num_blocks, slots, tables = assign_slots((20, 5), block_size=8, seed=0)
+    assert num_blocks == 3 + 1 + 2
+    assert slots.dtype == torch.int64 and slots.numel() == 25
+    assert len(set(slots.tolist())) == 25
+    pages = torch.cat(tables).tolist()
+    assert len(set(pages)) == 4 and all(0 <= p < num_blocks for p in pages)
+    assert torch.equal(slots[:20] // 8, tables[0][torch.arange(20) // 8])
+
+
+def test_metrics_known_values() -> None:
+    key = torch.ones(4, 1, 16, dtype=torch.bfloat16)
+    value = torch.arange(64, dtype=torch.float32).view(4, 1, 16).to(torch.bfloat16)
+    query = torch.zeros(2, 1, 16)
+    sample = KVSample("t", query, key, value, seq_lens=(4,), query_lens=(2,))
+    out_ref = value.float().mean(0, keepdim=True).expand(2, 1, 16)
+    ref = make_reference(sample, out_ref)
+    acc = MetricsAccumulator()
+    acc.add(sample, 2 * key.float(), value.float(), -out_ref, ref)
+    m = acc.result()
+    assert m.k_rel_rms == pytest.approx(1.0) and m.k_max_abs == 1.0
+    assert m.v_rel_rms == 0.0
+    assert m.out_cos_mean == pytest.approx(-1.0) and m.out_rel_err == pytest.approx(2.0)
+    assert m.kl_mean == 0.0  # zero queries: uniform attention either way
+
+
+def test_basic_tokenize() -> None:
+    assert basic_tokenize("Héllo, WORLD!  naïve\tcafé's 3.5") == [
+        "hello",
+        ",",
+        "world",
+        "!",
+        "naive",
+        "cafe",
+        "'",
+        "s",
+        "3",
+        ".",
+        "5",
+    ]
+    assert basic_tokenize("a中b") == ["a", "中", "b"]
+
+
+def test_wordpiece(tmp_path: Path) -> None:
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "un", "##aff", "##able", "run", "##ning", ","]
+    path = tmp_path / "vocab.txt"
+    path.write_text("\n".join(vocab) + "\n", encoding="utf-8")
+    tok = WordPieceTokenizer(path, max_length=6)
+    assert tok.tokenize("Unaffable, running xyz") == [
+        "un",
+        "##aff",
+        "##able",
+        ",",
+        "run",
+        "##ning",
+        "[UNK]",
+    ]
+    # max_length 6: [CLS] + the first 4 pieces + [SEP]
+    assert tok.encode("unaffable running") == [2, 4, 5, 6, 7, 3]

