@@ -1,0 +1,85 @@
+// CUDA implementations of the _C_cache_ops ops (compiled only when torch has CUDA). The schemas
+// are registered in csrc/torch_bindings.cpp; validation is shared with the CPU ops
+// (csrc/cache_ops_torch.h); the kernels are torch-free (reshape_and_cache_flash.h).
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "../cache_ops_torch.h"
+#include "reshape_and_cache_flash.h"
+
+namespace vllm_kv {
+namespace {
+
+void reshape_and_cache_flash_cuda(const at::Tensor& key, const at::Tensor& value,
+                                  at::Tensor& key_cache, at::Tensor& value_cache,
+                                  const at::Tensor& slot_mapping, const std::string& kv_cache_dtype,
+                                  const at::Tensor& k_scale, const at::Tensor& v_scale,
+                                  const std::string& k_scale_layout,
+                                  const std::optional<std::string>& v_scale_layout) {
+  TORCH_CHECK(key.is_cuda(), "reshape_and_cache_flash: key: expected a CUDA tensor, got device ",
+              key.device());
+  const ReshapeAndCacheParams params = prepare_reshape_and_cache_flash(
+      key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
+      k_scale_layout, v_scale_layout);
+  if (params.num_tokens == 0) return;
+  const c10::cuda::CUDAGuard device_guard(key.device());
+  launch_reshape_and_cache_flash(params, at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Copies whole pages: for each row (s, d) of block_mapping, block_size_in_bytes bytes from
+// src.data_ptr() + s * block_size_in_bytes to dst.data_ptr() + d * block_size_in_bytes, one
+// cudaMemcpyAsync each on the current stream of the CUDA side (as upstream vLLM's swap_blocks).
+void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, int64_t block_size_in_bytes,
+                      const at::Tensor& block_mapping) {
+  check_swap_blocks_args(src, dst, block_size_in_bytes, block_mapping);
+  const at::Device src_device = src.device();
+  const at::Device dst_device = dst.device();
+  cudaMemcpyKind memcpy_kind = cudaMemcpyDefault;
+  if (src_device.is_cuda() && dst_device.is_cuda()) {
+    TORCH_CHECK(src_device == dst_device,
+                "swap_blocks: src and dst: expected the same CUDA device for a device-to-device "
+                "copy, got src on ",
+                src_device, " and dst on ", dst_device);
+    memcpy_kind = cudaMemcpyDeviceToDevice;
+  } else if (src_device.is_cuda() && dst_device.is_cpu()) {
+    memcpy_kind = cudaMemcpyDeviceToHost;
+  } else if (src_device.is_cpu() && dst_device.is_cuda()) {
+    memcpy_kind = cudaMemcpyHostToDevice;
+  } else {
+    TORCH_CHECK(false,
+                "swap_blocks (CUDA): src and dst: expected CUDA->CUDA, CUDA->CPU or CPU->CUDA, "
+                "got src on ",
+                src_device, " and dst on ", dst_device);
+  }
+  const int64_t num_pairs = block_mapping.size(0);
+  if (num_pairs == 0) return;
+
+  const c10::cuda::CUDAGuard device_guard(src_device.is_cuda() ? src_device : dst_device);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const char* src_ptr = static_cast<const char*>(src.data_ptr());
+  char* dst_ptr = static_cast<char*>(dst.data_ptr());
+  const auto mapping = block_mapping.accessor<int64_t, 2>();  // CPU int64 [n, 2], checked above
+  for (int64_t i = 0; i < num_pairs; ++i) {
+    const int64_t src_offset = mapping[i][0] * block_size_in_bytes;
+    const int64_t dst_offset = mapping[i][1] * block_size_in_bytes;
+    C10_CUDA_CHECK(cudaMemcpyAsync(dst_ptr + dst_offset, src_ptr + src_offset,
+                                   static_cast<size_t>(block_size_in_bytes), memcpy_kind, stream));
+  }
+}
+
+}  // namespace
+}  // namespace vllm_kv
+
+TORCH_LIBRARY_IMPL(_C_cache_ops, CUDA, m) {
+  m.impl("reshape_and_cache_flash", &vllm_kv::reshape_and_cache_flash_cuda);
+  m.impl("swap_blocks", &vllm_kv::swap_blocks_cuda);
+}
