@@ -4,6 +4,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kv_cache_test_utils import dsv4_spec
 
 from vllm.utils.torch_utils import nvfp4_kv_cache_full_dim
 from vllm.v1.kv_cache_interface import (
@@ -119,16 +120,7 @@ def test_max_memory_usage() -> None:
     ("ratio", "storage", "real", "padded"), [(4, 64, 37_376, 37_440), (128, 2, 1_168, 1_728)]
 )
 def test_deepseek_v4_compressed_pages(ratio: int, storage: int, real: int, padded: int) -> None:
-    spec = MLAAttentionSpec(
-        block_size=256,
-        num_kv_heads=1,
-        head_size=512,
-        dtype=torch.uint8,
-        kv_quant_mode=KVQuantMode.FP8_PER_TENSOR,
-        cache_dtype_str="fp8_ds_mla",
-        compress_ratio=ratio,
-        alignment=576,
-    )
+    spec = dsv4_spec(ratio)
     assert spec.storage_block_size == storage
     assert spec.real_page_size_bytes == real
     assert spec.page_size_bytes == padded

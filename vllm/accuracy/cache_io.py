@@ -28,7 +28,7 @@ import torch
 from vllm.accuracy.attention import attention_output
 from vllm.accuracy.formats import CacheFormat
 from vllm.accuracy.samples import KVSample
-from vllm.kv_quant.fp8 import Fp8Format
+from vllm.kv_quant.fp8 import fp8_format_from_cache_dtype
 from vllm.kv_quant.fp8_cache import fp8_read_cache, fp8_write_cache
 from vllm.kv_quant.nvfp4_cache import nvfp4_read_cache, nvfp4_write_cache
 from vllm.kv_quant.scale_layout import ScaleLayout
@@ -235,7 +235,7 @@ def _write_with_codecs(
         nvfp4_write_cache(key, key_cache, slot_mapping, k_scale, fmt.scale_layout)
         nvfp4_write_cache(value, value_cache, slot_mapping, v_scale, fmt.scale_layout)
     elif fmt.is_fp8:
-        fp8 = Fp8Format.E5M2 if fmt.kv_cache_dtype == "fp8_e5m2" else Fp8Format.E4M3
+        fp8 = fp8_format_from_cache_dtype(fmt.kv_cache_dtype)
         fp8_write_cache(key, key_cache, slot_mapping, k_scale, fp8)
         fp8_write_cache(value, value_cache, slot_mapping, v_scale, fp8)
     else:
@@ -331,7 +331,7 @@ def dequantize_side(
     if fmt.is_nvfp4:
         return nvfp4_read_cache(side, scale, head_size, layout)
     if fmt.is_fp8:
-        fp8 = Fp8Format.E5M2 if fmt.kv_cache_dtype == "fp8_e5m2" else Fp8Format.E4M3
+        fp8 = fp8_format_from_cache_dtype(fmt.kv_cache_dtype)
         return fp8_read_cache(side, scale, fp8)
     return side.to(torch.float32)
 

@@ -113,10 +113,11 @@ def _check_global_scale(global_scale: torch.Tensor, lead_shape: torch.Size) -> N
         raise ValueError(f"global_scale: expected dtype torch.float32, got {global_scale.dtype}")
     if global_scale.numel() == 1:
         return  # per-tensor scale: any shape holding one value
-    try:
-        ok = torch.broadcast_shapes(global_scale.shape, lead_shape) == lead_shape
-    except RuntimeError:
-        ok = False
+    # Broadcastable to lead_shape without growing it (torch.broadcast_shapes imports sympy).
+    shape = global_scale.shape
+    ok = len(shape) <= len(lead_shape) and all(
+        g in (1, n) for g, n in zip(reversed(shape), reversed(lead_shape), strict=False)
+    )
     if not ok:
         raise ValueError(
             f"global_scale: expected one value or a shape broadcastable to {list(lead_shape)} "

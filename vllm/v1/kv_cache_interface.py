@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 from enum import IntEnum
 from typing import Any
@@ -442,3 +443,24 @@ class KVCacheConfig:
     num_blocks: int
     kv_cache_tensors: list[KVCacheTensor]
     kv_cache_groups: list[KVCacheGroupSpec]
+
+
+def iter_layer_specs(config: KVCacheConfig) -> Iterator[tuple[str, KVCacheSpec]]:
+    """``(layer name, the layer's own spec)`` for every layer of ``config``, group by group.
+
+    A :class:`UniformTypeKVCacheSpecs` group is split per layer; ``ValueError`` when it has no
+    spec for one of its layers.
+    """
+    for group_idx, group in enumerate(config.kv_cache_groups):
+        group_spec = group.kv_cache_spec
+        for layer_name in group.layer_names:
+            if not isinstance(group_spec, UniformTypeKVCacheSpecs):
+                yield layer_name, group_spec
+            elif layer_name in group_spec.kv_cache_specs:
+                yield layer_name, group_spec.kv_cache_specs[layer_name]
+            else:
+                raise ValueError(
+                    f"kv_cache_config: layer {layer_name!r} of group {group_idx} has no "
+                    f"spec in its UniformTypeKVCacheSpecs (has: "
+                    f"{', '.join(group_spec.kv_cache_specs)})"
+                )

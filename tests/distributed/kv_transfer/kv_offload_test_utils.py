@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
@@ -29,6 +30,17 @@ except ImportError:
     HAVE_EXTENSION = False
 
 EXTENSION_SKIP_REASON = "vllm._custom_ops (the compiled extension) is not built"
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+"""Where the worker's "GPU" KV cache lives (a CPU tensor on CPU-only machines)."""
+
+IMPLS = [
+    pytest.param(
+        "extension", marks=pytest.mark.skipif(not HAVE_EXTENSION, reason=EXTENSION_SKIP_REASON)
+    ),
+    "reference",
+]
+"""Copy implementations under test: the compiled ops, and the pure-torch reference."""
 
 
 def reference_swap_blocks(

@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kv_offload_test_utils import (
-    EXTENSION_SKIP_REASON,
-    HAVE_EXTENSION,
+    DEVICE,
     allocate_worker_kv_cache,
     make_connector,
     round_trip,
@@ -30,21 +29,10 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_offload.worker.page_views import build_kv_cache_page_views
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NUM_BLOCKS = 10
 BLOCK_SIZE = 16
 
-IMPLS = [
-    pytest.param(
-        "extension", marks=pytest.mark.skipif(not HAVE_EXTENSION, reason=EXTENSION_SKIP_REASON)
-    ),
-    "reference",
-]
-
-
-@pytest.fixture(params=IMPLS)
-def impl(request: pytest.FixtureRequest) -> str:
-    return request.param
+pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
 
 
 def attn_spec(kv_cache_dtype: str, num_kv_heads: int, head_size: int) -> FullAttentionSpec:

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kv_offload_test_utils import (
-    EXTENSION_SKIP_REASON,
-    HAVE_EXTENSION,
+    DEVICE,
     WorkerKVCache,
     make_connector,
     round_trip,
@@ -28,18 +27,7 @@ kv_cache_utils = pytest.importorskip("vllm.v1.core.kv_cache_utils")
 attn_utils = pytest.importorskip("vllm.v1.worker.gpu.attn_utils")
 reference_backend = pytest.importorskip("vllm.v1.attention.backends.reference")
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-IMPLS = [
-    pytest.param(
-        "extension", marks=pytest.mark.skipif(not HAVE_EXTENSION, reason=EXTENSION_SKIP_REASON)
-    ),
-    "reference",
-]
-
-
-@pytest.fixture(params=IMPLS)
-def impl(request: pytest.FixtureRequest) -> str:
-    return request.param
+pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
 
 
 def worker_kv_cache(

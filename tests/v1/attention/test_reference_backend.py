@@ -8,6 +8,7 @@ import pathlib
 
 import pytest
 import torch
+from kv_cache_test_utils import DEVICES
 
 import vllm
 from vllm import _custom_ops as ops
@@ -28,21 +29,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.worker.gpu.attn_utils import init_kv_cache
 
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    ),
-]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
 
 
 def make_cache(

@@ -40,6 +40,8 @@ except ImportError:
 
 NO_CUDA = "needs a CUDA GPU"
 
+pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
+
 
 def reference_swap_blocks(
     src: torch.Tensor, dst: torch.Tensor, block_size_in_bytes: int, mapping: torch.Tensor

@@ -21,6 +21,8 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.kv_offload.cpu import CPUOffloadingSpec
 from vllm.v1.kv_offload.spec import OffloadingSpec
 
+pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
+
 
 class _Spec(OffloadingSpec):
     def get_handlers(self, kv_caches, kv_cache_config=None) -> Iterator:  # type: ignore[override]

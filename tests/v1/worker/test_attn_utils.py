@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from kv_cache_test_utils import dsv4_spec
 
 from vllm.utils.torch_utils import nvfp4_kv_cache_full_dim
 from vllm.v1.attention.backends import (
@@ -55,19 +56,6 @@ def attn_spec(**overrides) -> FullAttentionSpec:
     kwargs = dict(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
     kwargs.update(overrides)
     return FullAttentionSpec(**kwargs)
-
-
-def dsv4_spec(ratio: int) -> MLAAttentionSpec:
-    return MLAAttentionSpec(
-        block_size=256,
-        num_kv_heads=1,
-        head_size=512,
-        dtype=torch.uint8,
-        kv_quant_mode=KVQuantMode.FP8_PER_TENSOR,
-        cache_dtype_str="fp8_ds_mla",
-        compress_ratio=ratio,
-        alignment=576,
-    )
 
 
 # ------------------------------------------------------------------ DeepSeek-V4 (DESIGN §7)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
+from kv_cache_test_utils import DEVICES
 
 from vllm import _custom_ops as ops
 from vllm.utils.torch_utils import _nvfp4_split_data_scale
@@ -56,13 +57,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.worker.gpu.attn_utils import _allocate_kv_cache, _reshape_kv_cache
 
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    ),
-]
+pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
 
 NUM_KV_HEADS, HEAD_SIZE, NUM_HEADS, WINDOW = 8, 64, 16, 128
 SEQ_LENS = [160, 260, 140, 17]
@@ -148,15 +143,6 @@ def dense_attention_fast(
     if window is not None:
         mask &= kp > qp - window
     return torch.einsum("hqk,khd->qhd", s.masked_fill(~mask, float("-inf")).softmax(-1), vv)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors: one intra-op thread avoids oversubscription on small CI machines."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_dense_oracles_agree() -> None:

@@ -45,12 +45,13 @@ from __future__ import annotations
 
 import bisect
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
 
 from vllm.config.cache import CacheConfig
+from vllm.utils import check_positive_int
 from vllm.v1.core.model_specs import (
     ModelKVSpecs,
     build_kv_cache_specs,
@@ -68,6 +69,7 @@ from vllm.v1.kv_cache_interface import (
     MambaSpec,
     UniformTypeKVCacheSpecs,
     cdiv,
+    iter_layer_specs,
 )
 
 __all__ = [
@@ -400,17 +402,12 @@ def get_kv_cache_config(
 ) -> KVCacheConfig:
     """Groups + tensors for ``kv_cache_specs`` in ``available_memory`` bytes; raises when not
     even one request of ``max_model_len`` tokens fits."""
-    _check_positive_int("max_model_len", max_model_len)
+    check_positive_int("max_model_len", max_model_len)
     groups = get_kv_cache_groups(kv_cache_specs)
     if not groups:
         raise ValueError("kv_cache_specs: the model has no layer that needs a KV cache")
     check_enough_kv_cache_memory(groups, available_memory, max_model_len, max_num_batched_tokens)
     return get_kv_cache_config_from_groups(groups, available_memory)
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -539,9 +536,9 @@ def plan_kv_cache_for_specs(
         if layout.max_position_embeddings is None:
             raise ValueError("max_model_len: the config has no max_position_embeddings; pass one")
         max_model_len = layout.max_position_embeddings
-    _check_positive_int("max_model_len", max_model_len)
+    check_positive_int("max_model_len", max_model_len)
     if max_num_batched_tokens is not None:
-        _check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
     if isinstance(available_memory, bool) or not isinstance(available_memory, int):
         raise ValueError(f"available_memory: expected an int (bytes), got {available_memory!r}")
     if require_fit:
@@ -583,14 +580,3 @@ def plan_kv_cache_for_specs(
 
 def _real_page(spec: KVCacheSpec) -> int:
     return getattr(spec, "real_page_size_bytes", spec.page_size_bytes)
-
-
-def iter_layer_specs(config: KVCacheConfig) -> Iterable[tuple[str, KVCacheSpec]]:
-    """``(layer name, its spec as allocated)`` for every layer of ``config``, group by group."""
-    for group in config.kv_cache_groups:
-        spec = group.kv_cache_spec
-        for layer in group.layer_names:
-            if isinstance(spec, UniformTypeKVCacheSpecs):
-                yield layer, spec.kv_cache_specs[layer]
-            else:
-                yield layer, spec

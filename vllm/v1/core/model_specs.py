@@ -693,8 +693,17 @@ def _is_skipped(layer: LayerDesc, tags: frozenset[str], names: tuple[str, ...]) 
     return any(layer.name == n or layer.name.startswith(n + ".") for n in names)
 
 
-def _resolved_dtype(cache_dtype: str, model_dtype: str) -> tuple[Any, KVQuantMode]:
-    return kv_cache_dtype_str_to_dtype(cache_dtype, model_dtype), get_kv_quant_mode(cache_dtype)
+def _attention_kwargs(
+    layer: LayerDesc, block_size: int, cache_dtype: str, model_dtype: str
+) -> dict[str, Any]:
+    """Page, head and dtype fields of an attention spec of ``layer`` cached as ``cache_dtype``."""
+    return dict(
+        block_size=block_size,
+        num_kv_heads=layer.num_kv_heads,
+        head_size=layer.head_size,
+        dtype=kv_cache_dtype_str_to_dtype(cache_dtype, model_dtype),
+        kv_quant_mode=get_kv_quant_mode(cache_dtype),
+    )
 
 
 def _layer_spec(
@@ -720,14 +729,7 @@ def _layer_spec(
         )
         return spec, "auto", note
     if kind in ("full_attention", "sliding_window"):
-        dtype, mode = _resolved_dtype(cache_dtype, model_dtype)
-        common = dict(
-            block_size=block_size,
-            num_kv_heads=layer.num_kv_heads,
-            head_size=layer.head_size,
-            dtype=dtype,
-            kv_quant_mode=mode,
-        )
+        common = _attention_kwargs(layer, block_size, cache_dtype, model_dtype)
         if kind == "full_attention":
             return FullAttentionSpec(**common), cache_dtype, None
         assert layer.sliding_window is not None
@@ -741,14 +743,9 @@ def _layer_spec(
                 f"mla layers: nvfp4 is not an MLA cache format; kept in the model dtype "
                 f"({model_dtype}) since plain fp8 MLA needs a calibrated fp8 scale"
             )
-        dtype, mode = _resolved_dtype(effective, model_dtype)
+        latent = _attention_kwargs(layer, block_size, effective, model_dtype)
         spec = MLAAttentionSpec(
-            block_size=block_size,
-            num_kv_heads=layer.num_kv_heads,
-            head_size=layer.head_size,
-            dtype=dtype,
-            kv_quant_mode=mode,
-            cache_dtype_str=effective if mode.is_quantized else None,
+            cache_dtype_str=effective if latent["kv_quant_mode"].is_quantized else None, **latent
         )
         return spec, effective, note
     # DeepSeek-V4 kinds: quantized requests use the self-scaled fp8 formats.
@@ -790,14 +787,7 @@ def _layer_spec(
             compress_ratio=layer.compress_ratio, alignment=FP8_DS_MLA_ALIGNMENT, **quant
         )
         return spec, "fp8_ds_mla", note
-    dtype, mode = _resolved_dtype(cache_dtype, model_dtype)
-    plain = dict(
-        block_size=block_size,
-        num_kv_heads=layer.num_kv_heads,
-        head_size=layer.head_size,
-        dtype=dtype,
-        kv_quant_mode=mode,
-    )
+    plain = _attention_kwargs(layer, block_size, cache_dtype, model_dtype)
     if kind == "sliding_window_mla":
         assert layer.sliding_window is not None
         return SlidingWindowMLASpec(sliding_window=layer.sliding_window, **plain), cache_dtype, None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from vllm.utils import check_positive_int
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.kv_offload.abstract import LoadStoreSpec
 from vllm.v1.kv_offload.mediums import CPULoadStoreSpec, GPULoadStoreSpec
@@ -51,11 +52,7 @@ class CPUOffloadingSpec(OffloadingSpec):
                     f"extra_config['cpu_bytes_to_use']: {cpu_bytes} bytes hold no offloaded "
                     f"block of {self.bytes_per_offloaded_block} bytes"
                 )
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise ValueError(
-                f"extra_config['num_cpu_blocks']: expected a positive int, got {num_blocks!r}"
-            )
-        self.num_blocks: int = num_blocks
+        self.num_blocks: int = check_positive_int("extra_config['num_cpu_blocks']", num_blocks)
         self._handlers: CpuGpuOffloadingHandlers | None = None
 
     @property

@@ -9,6 +9,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from vllm.utils import check_positive_int
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.kv_offload.abstract import LoadStoreSpec
 from vllm.v1.kv_offload.worker.worker import OffloadingHandler
@@ -16,12 +17,6 @@ from vllm.v1.kv_offload.worker.worker import OffloadingHandler
 if TYPE_CHECKING:
     from vllm.config.cache import CacheConfig
     from vllm.v1.kv_offload.worker.page_views import LayerKVCache
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    return value
 
 
 class OffloadingSpec(ABC):
@@ -54,7 +49,7 @@ class OffloadingSpec(ABC):
     ):
         self.kv_cache_config = kv_cache_config
         self.extra_config: dict[str, Any] = dict(extra_config or {})
-        self.hash_block_size = _positive_int("block_size", block_size) * _positive_int(
+        self.hash_block_size = check_positive_int("block_size", block_size) * check_positive_int(
             "cp_size", cp_size
         )
         self.gpu_block_size: tuple[int, ...] = tuple(
@@ -74,7 +69,7 @@ class OffloadingSpec(ABC):
         size = self.extra_config.get("block_size")
         factor = self.extra_config.get("block_size_factor")
         if factor is not None:
-            factor_size = _positive_int("extra_config['block_size_factor']", factor) * largest
+            factor_size = check_positive_int("extra_config['block_size_factor']", factor) * largest
             if size is not None and int(size) != factor_size:
                 raise ValueError(
                     f"extra_config: block_size={size} tokens disagrees with "
@@ -83,7 +78,7 @@ class OffloadingSpec(ABC):
             size = factor_size
         if size is None:
             return largest
-        size = _positive_int("extra_config['block_size']", int(size))
+        size = check_positive_int("extra_config['block_size']", int(size))
         bad = [b for b in self.gpu_block_size if size % b != 0]
         if bad:
             raise ValueError(

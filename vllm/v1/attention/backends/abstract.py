@@ -354,3 +354,17 @@ def check_kv_cache_shape_args(
             raise ValueError(
                 f"{arg}: {name}.get_kv_cache_shape expects an int >= {low}, got {value!r}"
             )
+
+
+def paged_kv_cache_shape(
+    name: str,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    cache_dtype_str: str = "auto",
+) -> tuple[int, ...]:
+    """The paged K/V cache shape ``(num_blocks, 2, block_size, num_kv_heads, D')`` (``D'`` from
+    :func:`kv_cache_dim`), after :func:`check_kv_cache_shape_args` on the arguments."""
+    check_kv_cache_shape_args(name, num_blocks, block_size, num_kv_heads, head_size)
+    return (num_blocks, 2, block_size, num_kv_heads, kv_cache_dim(head_size, cache_dtype_str))

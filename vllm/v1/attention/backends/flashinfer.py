@@ -28,8 +28,7 @@ from vllm.v1.attention.backends.abstract import (
     DeviceCapability,
     MultipleOf,
     as_device_capability,
-    check_kv_cache_shape_args,
-    kv_cache_dim,
+    paged_kv_cache_shape,
 )
 
 if TYPE_CHECKING:
@@ -75,10 +74,9 @@ class FlashInferBackend(AttentionBackend):
     ) -> tuple[int, ...]:
         """``(num_blocks, 2, block_size, num_kv_heads, F(head_size) if nvfp4 else head_size)``
         in elements of the storage dtype (bytes for FP8 / NVFP4)."""
-        check_kv_cache_shape_args(
-            "FlashInferBackend", num_blocks, block_size, num_kv_heads, head_size
+        return paged_kv_cache_shape(
+            "FlashInferBackend", num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str
         )
-        return (num_blocks, 2, block_size, num_kv_heads, kv_cache_dim(head_size, cache_dtype_str))
 
     @classmethod
     def supports_compute_capability(cls, capability: DeviceCapability | None) -> bool:

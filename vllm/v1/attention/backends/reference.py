@@ -19,13 +19,14 @@ import torch
 
 from vllm.config.cache import CACHE_DTYPES
 from vllm.kv_quant import ScaleLayout, fp8_format_from_cache_dtype, fp8_read_cache, nvfp4_read_cache
+from vllm.utils import check_positive_int
 from vllm.v1.attention.backends.abstract import (
     AttentionBackend,
     AttentionImpl,
     AttentionLayer,
     MultipleOf,
-    check_kv_cache_shape_args,
     kv_cache_dim,
+    paged_kv_cache_shape,
 )
 from vllm.v1.attention.backends.utils import compute_slot_mapping, split_kv_cache
 
@@ -53,10 +54,14 @@ class ReferenceAttentionBackend(AttentionBackend):
     ) -> tuple[int, ...]:
         """``(num_blocks, 2, block_size, num_kv_heads, F(head_size) if nvfp4 else head_size)``,
         the same as FlashInfer's."""
-        check_kv_cache_shape_args(
-            "ReferenceAttentionBackend", num_blocks, block_size, num_kv_heads, head_size
+        return paged_kv_cache_shape(
+            "ReferenceAttentionBackend",
+            num_blocks,
+            block_size,
+            num_kv_heads,
+            head_size,
+            cache_dtype_str,
         )
-        return (num_blocks, 2, block_size, num_kv_heads, kv_cache_dim(head_size, cache_dtype_str))
 
     @staticmethod
     def get_impl_cls() -> type[ReferenceAttentionImpl]:
@@ -206,8 +211,7 @@ class ReferenceAttentionImpl(AttentionImpl):
             ("head_size", head_size),
             ("head_size_v", head_size_v),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+            check_positive_int(name, value)
         if num_heads % num_kv_heads != 0:
             raise ValueError(
                 f"num_heads: expected a multiple of num_kv_heads={num_kv_heads} (GQA), "

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm.utils import check_positive_int
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.kv_offload.mediums import BlockIDsLoadStoreSpec
 from vllm.v1.kv_offload.worker.page_views import (
@@ -272,8 +273,7 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
             ("src_block_size_factor", src_block_size_factor),
             ("dst_block_size_factor", dst_block_size_factor),
         ):
-            if isinstance(factor, bool) or not isinstance(factor, int) or factor <= 0:
-                raise ValueError(f"{factor_name}: expected a positive int, got {factor!r}")
+            check_positive_int(factor_name, factor)
         self.page_sizes_bytes: list[int] = []
         for i, (src, dst) in enumerate(zip(src_tensors, dst_tensors, strict=True)):
             for side, t in (("src", src), ("dst", dst)):

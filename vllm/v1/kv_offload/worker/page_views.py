@@ -19,7 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec, UniformTypeKVCacheSpecs
+from vllm.utils import check_positive_int
+from vllm.v1.kv_cache_interface import (
+    KVCacheConfig,
+    KVCacheSpec,
+    iter_layer_specs,
+)
 
 LayerKVCache = torch.Tensor | Sequence[torch.Tensor]
 """What the worker holds for one layer: an attention cache view, a raw byte buffer, or the
@@ -47,20 +52,7 @@ class KVCachePageView:
 
 def get_layer_kv_cache_specs(kv_cache_config: KVCacheConfig) -> dict[str, KVCacheSpec]:
     """Each layer's own spec: a :class:`UniformTypeKVCacheSpecs` group is split per layer."""
-    specs: dict[str, KVCacheSpec] = {}
-    for group in kv_cache_config.kv_cache_groups:
-        group_spec = group.kv_cache_spec
-        for name in group.layer_names:
-            if isinstance(group_spec, UniformTypeKVCacheSpecs):
-                if name not in group_spec.kv_cache_specs:
-                    raise ValueError(
-                        f"kv_cache_config: layer {name!r} of a UniformTypeKVCacheSpecs group has "
-                        f"no spec in it (specs for: {sorted(group_spec.kv_cache_specs)})"
-                    )
-                specs[name] = group_spec.kv_cache_specs[name]
-            else:
-                specs[name] = group_spec
-    return specs
+    return dict(iter_layer_specs(kv_cache_config))
 
 
 def kv_cache_tensor_page_sizes(kv_cache_config: KVCacheConfig) -> list[int]:
@@ -69,9 +61,7 @@ def kv_cache_tensor_page_sizes(kv_cache_config: KVCacheConfig) -> list[int]:
     Raises ``ValueError`` when a tensor names a layer without a spec, when layers sharing a
     tensor disagree on the page size, or when a tensor is smaller than ``num_blocks`` pages.
     """
-    num_blocks = kv_cache_config.num_blocks
-    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
-        raise ValueError(f"kv_cache_config.num_blocks: expected a positive int, got {num_blocks!r}")
+    num_blocks = check_positive_int("kv_cache_config.num_blocks", kv_cache_config.num_blocks)
     layer_specs = get_layer_kv_cache_specs(kv_cache_config)
     page_sizes: list[int] = []
     for index, tensor in enumerate(kv_cache_config.kv_cache_tensors):

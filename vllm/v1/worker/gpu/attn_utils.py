@@ -19,7 +19,7 @@ A layer's cache is returned as:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -36,7 +36,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheSpec,
     LatentPageSpec,
     MambaSpec,
-    UniformTypeKVCacheSpecs,
+    iter_layer_specs,
 )
 
 LayerKVCache = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | list[torch.Tensor]
@@ -53,25 +53,6 @@ def _is_mla_spec(spec: KVCacheSpec) -> bool:
     """MLA-like specs (one latent slot per stored token): ``MLAAttentionSpec`` and its
     sliding-window sibling."""
     return isinstance(spec, LatentPageSpec)
-
-
-def _iter_layer_specs(
-    kv_cache_config: KVCacheConfig,
-) -> Iterator[tuple[int, str, KVCacheSpec]]:
-    """``(group index, layer name, the layer's own spec)`` for every layer of every group."""
-    for group_idx, group in enumerate(kv_cache_config.kv_cache_groups):
-        group_spec = group.kv_cache_spec
-        for layer_name in group.layer_names:
-            if isinstance(group_spec, UniformTypeKVCacheSpecs):
-                if layer_name not in group_spec.kv_cache_specs:
-                    raise ValueError(
-                        f"kv_cache_config: layer {layer_name!r} of group {group_idx} has no "
-                        f"spec in its UniformTypeKVCacheSpecs (has: "
-                        f"{', '.join(group_spec.kv_cache_specs)})"
-                    )
-                yield group_idx, layer_name, group_spec.kv_cache_specs[layer_name]
-            else:
-                yield group_idx, layer_name, group_spec
 
 
 def _group_layers(kv_cache_config: KVCacheConfig) -> dict[str, int]:
@@ -281,10 +262,10 @@ def _kernel_block_sizes(
     kernel_block_sizes: Sequence[int] | None,
 ) -> list[int]:
     """Kernel block size per group (Mamba-only groups: their storage block size)."""
-    layer_specs = list(_iter_layer_specs(kv_cache_config))
+    layer_specs = dict(iter_layer_specs(kv_cache_config))
     missing = [
         name
-        for _, name, spec in layer_specs
+        for name, spec in layer_specs.items()
         if isinstance(spec, AttentionSpec) and name not in backends
     ]
     if missing:
@@ -296,8 +277,8 @@ def _kernel_block_sizes(
             f"got {len(kernel_block_sizes)}"
         )
     sizes: list[int] = []
-    for group_idx in range(len(groups)):
-        specs = [(n, s) for g, n, s in layer_specs if g == group_idx]
+    for group_idx, group in enumerate(groups):
+        specs = [(n, layer_specs[n]) for n in group.layer_names]
         attn = [(n, s) for n, s in specs if isinstance(s, AttentionSpec)]
         storage_sizes = {s.storage_block_size for _, s in specs}
         if len(storage_sizes) > 1:
@@ -364,25 +345,7 @@ def _attention_view(
     kernel_real_bytes = real_bytes // blocks_per_kv_block
     order = tuple(backend.get_kv_cache_stride_order())
 
-    if is_mla:
-        shape = tuple(
-            backend.get_kv_cache_shape(
-                kernel_num_blocks,
-                kernel_block_size,
-                spec.num_kv_heads,
-                spec.head_size,
-                cache_dtype_str,
-            )
-        )
-        if math.prod(shape[1:]) * itemsize != kernel_real_bytes:
-            raise ValueError(
-                f"{what}: backend {backend.get_name()} shape {shape} ({dtype}) does not match "
-                f"the spec's {kernel_real_bytes} bytes per kernel page"
-            )
-        return _paged_view(raw, dtype, shape, order, kernel_page_elems, 0, what)
-
-    head_size_v = spec.head_size_v if spec.head_size_v is not None else spec.head_size
-    k_shape = tuple(
+    shape = tuple(
         backend.get_kv_cache_shape(
             kernel_num_blocks,
             kernel_block_size,
@@ -391,6 +354,16 @@ def _attention_view(
             cache_dtype_str,
         )
     )
+    if is_mla:
+        if math.prod(shape[1:]) * itemsize != kernel_real_bytes:
+            raise ValueError(
+                f"{what}: backend {backend.get_name()} shape {shape} ({dtype}) does not match "
+                f"the spec's {kernel_real_bytes} bytes per kernel page"
+            )
+        return _paged_view(raw, dtype, shape, order, kernel_page_elems, 0, what)
+
+    head_size_v = spec.head_size_v if spec.head_size_v is not None else spec.head_size
+    k_shape = shape
     if len(k_shape) != 5 or k_shape[1] != 2 or len(order) != 5:
         raise ValueError(
             f"{what}: backend {backend.get_name()} gives shape {k_shape} / stride order {order}; "
@@ -477,19 +450,17 @@ def _reshape_kv_cache(
     """
     if cache_dtype is not None:
         validate_cache_dtype(cache_dtype)
-    _group_layers(kv_cache_config)
+    group_of = _group_layers(kv_cache_config)
     backends = _normalize_backends(kv_cache_config, attn_backends)
     kernel_sizes = _kernel_block_sizes(kv_cache_config, backends, kernel_block_sizes)
     missing = [
-        name
-        for _, name, _ in _iter_layer_specs(kv_cache_config)
-        if name not in kv_cache_raw_tensors
+        name for name, _ in iter_layer_specs(kv_cache_config) if name not in kv_cache_raw_tensors
     ]
     if missing:
         raise ValueError(f"kv_cache_raw_tensors: no buffer for layer(s) {', '.join(missing)}")
 
     kv_caches: dict[str, LayerKVCache] = {}
-    for group_idx, layer_name, spec in _iter_layer_specs(kv_cache_config):
+    for layer_name, spec in iter_layer_specs(kv_cache_config):
         raw = kv_cache_raw_tensors[layer_name]
         if raw.dtype != torch.int8 or raw.dim() != 1:
             raise ValueError(
@@ -500,7 +471,12 @@ def _reshape_kv_cache(
             kv_caches[layer_name] = _mamba_views(layer_name, spec, raw)
         elif isinstance(spec, AttentionSpec):
             kv_caches[layer_name] = _attention_view(
-                layer_name, spec, raw, backends[layer_name], kernel_sizes[group_idx], cache_dtype
+                layer_name,
+                spec,
+                raw,
+                backends[layer_name],
+                kernel_sizes[group_of[layer_name]],
+                cache_dtype,
             )
         else:
             raise ValueError(
@@ -525,7 +501,7 @@ def validate_kv_cache_backends(
     backends = _normalize_backends(kv_cache_config, attn_backends)
     capability = get_device_capability(device)
     failures: list[str] = []
-    for _, layer_name, spec in _iter_layer_specs(kv_cache_config):
+    for layer_name, spec in iter_layer_specs(kv_cache_config):
         if not isinstance(spec, AttentionSpec) or layer_name not in backends:
             continue
         reasons = backends[layer_name].validate_configuration(

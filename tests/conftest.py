@@ -1,0 +1,19 @@
+"""Fixtures shared by the whole test suite."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def single_intra_op_thread() -> Iterator[None]:
+    """Run torch ops on one thread: the tensors of these tests are small, and a loaded machine
+    makes the intra-op thread pool orders of magnitude slower than one thread. Opt in with
+    ``pytestmark = pytest.mark.usefixtures("single_intra_op_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
