@@ -1,3 +1,99 @@
-from setuptools import setup
+"""Builds the compiled cache ops (``vllm/_C``) with CMake and ninja against the installed torch.
 
-setup()
+``pip install --no-build-isolation -e .`` (or without ``-e``). With a CUDA build of torch the CUDA
+kernels are compiled too, for ``VLLM_KV_CUDA_ARCHS`` (CMake list, e.g. ``"90a;100a"``), else
+``TORCH_CUDA_ARCH_LIST`` (e.g. ``"8.0 9.0a+PTX"``), else ``80;90a;100a;120a``. The CPU kernels are
+compiled with ``-march=native`` unless ``VLLM_KV_CPU_ARCH`` names another target (empty: the
+compiler's default, for a build that moves to other machines).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).parent.resolve()
+
+
+def cuda_architectures() -> str | None:
+    """CMAKE_CUDA_ARCHITECTURES from the environment; None leaves CMakeLists.txt's default."""
+    archs = os.environ.get("VLLM_KV_CUDA_ARCHS", "").strip()
+    if archs:
+        return ";".join(a for a in re.split(r"[;,\s]+", archs) if a)
+    torch_list = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if not torch_list:
+        return None
+    result = []
+    for item in re.split(r"[;\s]+", torch_list):
+        match = re.fullmatch(r"(\d+)\.(\d+)([af]?)(\+PTX)?", item)
+        if match is None:
+            raise ValueError(
+                f"TORCH_CUDA_ARCH_LIST: expected entries like 8.0, 9.0a or 12.0a+PTX, got {item!r}"
+            )
+        major, minor, suffix, ptx = match.groups()
+        # "8.0" is SASS only; "8.0+PTX" adds the PTX (CMake: "80-real" vs "80").
+        result.append(f"{major}{minor}{suffix}" + ("" if ptx else "-real"))
+    return ";".join(result)
+
+
+class CMakeExtension(Extension):
+    """An extension built by CMakeLists.txt at the repository root."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name, sources=[])
+
+
+class CMakeBuild(build_ext):
+    """Configures and builds the CMake project; the library lands where setuptools expects
+    the extension (in the source tree for editable installs)."""
+
+    def build_extension(self, ext: Extension) -> None:
+        import torch  # the build is against the installed torch (no build isolation)
+
+        cmake = shutil.which("cmake")
+        if cmake is None:
+            raise RuntimeError("building vllm._C needs cmake >= 3.22 on PATH")
+        if shutil.which("ninja") is None:
+            raise RuntimeError("building vllm._C needs ninja on PATH")
+        output = Path(self.get_ext_fullpath(ext.name)).resolve()
+        build_dir = Path(self.build_temp).resolve() / "cmake"
+        build_dir.mkdir(parents=True, exist_ok=True)
+        with_cuda = torch.version.cuda is not None
+        args = [
+            cmake,
+            "-S",
+            str(ROOT),
+            "-B",
+            str(build_dir),
+            "-G",
+            "Ninja",
+            f"-DCMAKE_BUILD_TYPE={'Debug' if self.debug else 'Release'}",
+            f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
+            f"-DVLLM_KV_OUTPUT_DIR={output.parent}",
+            f"-DVLLM_KV_OUTPUT_NAME={output.name}",
+            f"-DVLLM_KV_WITH_CUDA={'ON' if with_cuda else 'OFF'}",
+        ]
+        if "VLLM_KV_CPU_ARCH" in os.environ:
+            args.append(f"-DVLLM_KV_CPU_ARCH={os.environ['VLLM_KV_CPU_ARCH']}")
+        if with_cuda:
+            from torch.utils.cpp_extension import CUDA_HOME
+
+            archs = cuda_architectures()
+            if archs:
+                args.append(f"-DCMAKE_CUDA_ARCHITECTURES={archs}")
+            if "CUDACXX" not in os.environ and CUDA_HOME:  # the toolkit torch's build uses
+                args.append(f"-DCMAKE_CUDA_COMPILER={Path(CUDA_HOME) / 'bin' / 'nvcc'}")
+        subprocess.run(args, check=True)
+        subprocess.run([cmake, "--build", str(build_dir)], check=True)
+
+
+setup(
+    ext_modules=[CMakeExtension("vllm._C")],
+    cmdclass={"build_ext": CMakeBuild},
+)

@@ -28,18 +28,18 @@ struct CacheSide {
   int64_t block_stride;
   int64_t token_stride;
   int64_t head_stride;
-  int head_size;               // elements of the source head (D or Dv)
-  const float* scale;          // FP8 / NVFP4 dequantization scale, fp32, [1] or [num_heads]
+  int head_size;       // elements of the source head (D or Dv)
+  const float* scale;  // FP8 / NVFP4 dequantization scale, fp32, [1] or [num_heads]
   bool scale_per_head;
-  ScaleLayout scale_layout;    // NVFP4 only
+  ScaleLayout scale_layout;  // NVFP4 only
 };
 
 struct ReshapeAndCacheParams {
-  const void* key;             // [num_tokens_padded, num_heads, head_size], each token's [H, D]
-  const void* value;           // contiguous; rows key_token_stride elements apart
+  const void* key;    // [num_tokens_padded, num_heads, head_size], each token's [H, D]
+  const void* value;  // contiguous; rows key_token_stride elements apart
   int64_t key_token_stride;
   int64_t value_token_stride;
-  const int64_t* slot_mapping; // [num_tokens]; slot < 0 skips the token
+  const int64_t* slot_mapping;  // [num_tokens]; slot < 0 skips the token
   int64_t num_tokens;
   int64_t num_blocks;
   int block_size;

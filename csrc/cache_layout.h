@@ -23,8 +23,12 @@ struct Nvfp4SideLayout {
   int64_t token_step;  // token_stride / full_dim: entries between consecutive tokens
   int64_t head_step;   // head_stride / full_dim: entries between consecutive heads
   int64_t scale_region_offset;
-  int data_bytes;      // head_size / 2
-  int num_groups;      // head_size / 16
+  int data_bytes;  // head_size / 2
+  int num_groups;  // head_size / 16
+
+  // Trivial default (members uninitialized; value-initialization zeroes them) so that the layout
+  // can sit in kernel-argument structs filled on the host.
+  Nvfp4SideLayout() = default;
 
   KV_HOST_DEVICE Nvfp4SideLayout(const CacheSide& side, int block_size, int num_heads) {
     data_bytes = side.head_size / 2;
@@ -46,9 +50,10 @@ struct Nvfp4SideLayout {
                                       ScaleLayout layout) const {
     int row = token;
     int col = group;
-    if (layout == ScaleLayout::kInterleave4) interleave4_position(token, group, num_groups, row, col);
-    return block * block_stride + scale_region_offset + (row * token_step + head * head_step) * num_groups +
-           col;
+    if (layout == ScaleLayout::kInterleave4)
+      interleave4_position(token, group, num_groups, row, col);
+    return block * block_stride + scale_region_offset +
+           (row * token_step + head * head_step) * num_groups + col;
   }
 };
 

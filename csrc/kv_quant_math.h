@@ -16,6 +16,13 @@
 #define KV_HOST_DEVICE inline
 #endif
 
+// Full unrolling of short fixed-trip loops, spelled for nvcc and for GCC / Clang.
+#if defined(__CUDACC__) || defined(__clang__)
+#define KV_UNROLL _Pragma("unroll")
+#else
+#define KV_UNROLL _Pragma("GCC unroll 16")
+#endif
+
 namespace vllm_kv {
 
 constexpr int kNvfp4GroupSize = 16;
@@ -61,11 +68,15 @@ KV_HOST_DEVICE float kv_fdiv(float a, float b) {
 #endif
 }
 
+// Rounds 0 <= x < 2^22 to an integer, ties to even (the default rounding mode).
 KV_HOST_DEVICE float round_half_even(float x) {
 #if defined(__CUDA_ARCH__)
   return rintf(x);
 #else
-  return std::nearbyint(x);  // default rounding mode: to nearest, ties to even
+  // Adding 2^23 leaves no fraction bits: the sum is rounded to an integer by the FPU. Unlike
+  // std::nearbyint (a libm call) this is two instructions and vectorises.
+  constexpr float kTwoPow23 = 8388608.0f;
+  return (x + kTwoPow23) - kTwoPow23;
 #endif
 }
 
@@ -78,39 +89,42 @@ KV_HOST_DEVICE float fp16_bits_to_float(uint16_t h) {
   const uint32_t sign = uint32_t(h & 0x8000u) << 16;
   const uint32_t exponent = (h >> 10) & 0x1Fu;
   const uint32_t mantissa = h & 0x3FFu;
-  if (exponent == 0x1Fu) return bits_as_float(sign | 0x7F800000u | (mantissa << 13));
-  if (exponent == 0) {
-    // Zero or subnormal: mantissa * 2^-24, exact in fp32.
-    const float magnitude = float(mantissa) * 5.9604644775390625e-08f;
-    return sign ? -magnitude : magnitude;
-  }
-  return bits_as_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+  // Branch-free, like float_to_fp8_satfinite. Zero or subnormal: mantissa * 2^-24, exact.
+  const uint32_t subnormal = float_as_bits(float(mantissa) * 5.9604644775390625e-08f);
+  const uint32_t normal = ((exponent + 112u) << 23) | (mantissa << 13);
+  const uint32_t inf_or_nan = 0x7F800000u | (mantissa << 13);
+  uint32_t magnitude = exponent == 0 ? subnormal : normal;
+  magnitude = exponent == 0x1Fu ? inf_or_nan : magnitude;
+  return bits_as_float(sign | magnitude);
 }
 
 // fp32 -> FP8 with kExpBits exponent and kManBits mantissa bits: round to nearest even, saturate
-// to ±max_value (±Inf too), NaN -> kFp8NanByte. max_code is the byte of max_value.
+// to ±max_value (±Inf too), NaN -> kFp8NanByte. max_code is the byte of max_value. Branch-free
+// (every case is computed, then selected) so that loops over it vectorise and warps do not diverge.
 template <int kExpBits, int kManBits>
 KV_HOST_DEVICE uint8_t float_to_fp8_satfinite(float x, float max_value, uint8_t max_code) {
   constexpr int kBias = (1 << (kExpBits - 1)) - 1;
   constexpr int kDroppedBits = 23 - kManBits;
-  uint32_t bits = float_as_bits(x);
-  const uint8_t sign = uint8_t((bits >> 24) & 0x80u);
-  bits &= 0x7FFFFFFFu;
-  if (bits > 0x7F800000u) return kFp8NanByte;
-  const float magnitude = bits_as_float(bits);
-  if (magnitude >= max_value) return sign | max_code;
+  const uint32_t bits = float_as_bits(x);
+  const uint32_t sign = (bits >> 24) & 0x80u;
+  const uint32_t abs_bits = bits & 0x7FFFFFFFu;
+  const float magnitude = bits_as_float(abs_bits);
   // Smallest normal: 2^(1 - bias). Below it the code is the magnitude in units of the
   // subnormal step 2^(1 - bias - kManBits); a result of 2^kManBits is the smallest normal.
+  // (Clamping keeps the rounded value small, and NaN out, where it is not used.)
   const float min_normal = bits_as_float(uint32_t(127 + 1 - kBias) << 23);
-  if (magnitude < min_normal) {
-    const float to_steps = bits_as_float(uint32_t(127 - (1 - kBias - kManBits)) << 23);
-    return sign | uint8_t(round_half_even(kv_fmul(magnitude, to_steps)));
-  }
-  const uint32_t lsb = (bits >> kDroppedBits) & 1u;
-  bits += ((1u << (kDroppedBits - 1)) - 1u) + lsb;  // ties to even; a carry bumps the exponent
-  const uint32_t exponent = (bits >> 23) - 127u + kBias;
-  const uint32_t mantissa = (bits >> kDroppedBits) & ((1u << kManBits) - 1u);
-  return sign | uint8_t((exponent << kManBits) | mantissa);
+  const float to_steps = bits_as_float(uint32_t(127 - (1 - kBias - kManBits)) << 23);
+  const float clamped = magnitude < min_normal ? magnitude : min_normal;
+  const uint32_t subnormal = uint32_t(int32_t(round_half_even(kv_fmul(clamped, to_steps))));
+  // Normal: ties to even on the kept mantissa bits; a carry bumps the exponent.
+  const uint32_t rounded =
+      abs_bits + ((1u << (kDroppedBits - 1)) - 1u) + ((abs_bits >> kDroppedBits) & 1u);
+  const uint32_t exponent = (rounded >> 23) - 127u + kBias;
+  const uint32_t mantissa = (rounded >> kDroppedBits) & ((1u << kManBits) - 1u);
+  const uint32_t normal = (exponent << kManBits) | mantissa;
+  uint32_t code = magnitude < min_normal ? subnormal : normal;
+  code = magnitude >= max_value ? uint32_t(max_code) : code;  // ±Inf included
+  return uint8_t(abs_bits > 0x7F800000u ? uint32_t(kFp8NanByte) : (sign | code));
 }
 
 KV_HOST_DEVICE uint8_t float_to_e4m3_satfinite(float x) {
@@ -121,54 +135,66 @@ KV_HOST_DEVICE uint8_t float_to_e5m2_satfinite(float x) {
   return float_to_fp8_satfinite<5, 2>(x, kFp8E5M2Max, 0x7B);
 }
 
-// FP8 e4m3fn byte -> fp32 (exact).
+// FP8 e4m3fn byte -> fp32 (exact). Branch-free, like float_to_fp8_satfinite.
 KV_HOST_DEVICE float e4m3_to_float(uint8_t byte) {
   const uint32_t sign = uint32_t(byte & 0x80u) << 24;
   const uint32_t exponent = (byte >> 3) & 0xFu;
   const uint32_t mantissa = byte & 0x7u;
-  if (exponent == 0xFu && mantissa == 0x7u) return bits_as_float(sign | 0x7FC00000u);
-  if (exponent == 0) {
-    const float magnitude = float(mantissa) * 0.001953125f;  // mantissa * 2^-9
-    return sign ? -magnitude : magnitude;
-  }
-  return bits_as_float(sign | ((exponent + 120u) << 23) | (mantissa << 20));
+  const uint32_t subnormal = float_as_bits(float(mantissa) * 0.001953125f);  // mantissa * 2^-9
+  const uint32_t normal = ((exponent + 120u) << 23) | (mantissa << 20);
+  uint32_t magnitude = exponent == 0 ? subnormal : normal;
+  magnitude = (byte & 0x7Fu) == 0x7Fu ? 0x7FC00000u : magnitude;
+  return bits_as_float(sign | magnitude);
 }
 
 // fp32 -> E2M1 code (bit 3 = sign, bits 0-2 = index into {0, .5, 1, 1.5, 2, 3, 4, 6}): round half
 // to even on the E2M1 grid, saturate to ±6. The sign of a value that rounds to zero is kept; NaN
 // gives code 0.
 KV_HOST_DEVICE uint8_t float_to_e2m1(float v) {
-  if (is_nan(v)) return 0;
-  const float a = fabsf(v);
+  const float a = fabsf(v);  // NaN fails every comparison: magnitude 0
   const uint8_t magnitude = uint8_t(a > 0.25f) + uint8_t(a >= 0.75f) + uint8_t(a > 1.25f) +
                             uint8_t(a >= 1.75f) + uint8_t(a > 2.5f) + uint8_t(a >= 3.5f) +
                             uint8_t(a > 5.0f);
-  return uint8_t((float_as_bits(v) >> 28) & 0x8u) | magnitude;
+  const uint8_t sign = is_nan(v) ? 0 : uint8_t((float_as_bits(v) >> 28) & 0x8u);  // branch-free
+  return sign | magnitude;
+}
+
+// NVFP4 block-scale byte of a group (DESIGN.md §5, steps 1-3, 6) from its amax = max |x_i| and
+// whether it holds a NaN: e4m3_satfinite((amax * inv_global_scale) / 6), kFp8NanByte for NaN.
+KV_HOST_DEVICE uint8_t nvfp4_scale_byte(float amax, bool has_nan, float inv_global_scale) {
+  const float block_scale =
+      has_nan ? bits_as_float(0x7FC00000u) : kv_fdiv(kv_fmul(amax, inv_global_scale), kE2M1Max);
+  return float_to_e4m3_satfinite(block_scale);
+}
+
+// Step 4: the multiplier that maps a group's values onto the E2M1 grid (0 for a zero scale).
+// Not for the NaN scale byte, whose group is all-zero data.
+KV_HOST_DEVICE float nvfp4_multiplier(uint8_t scale_byte, float inv_global_scale) {
+  const float scale_f = e4m3_to_float(scale_byte);
+  return scale_f == 0.0f ? 0.0f : kv_fdiv(inv_global_scale, scale_f);
 }
 
 // Quantizes one group of 16 fp32 values to NVFP4 (DESIGN.md §5, steps 1-6) given
 // inv_global_scale = 1 / global_scale. Writes 8 packed bytes (even element in the low nibble)
 // and returns the FP8-e4m3 block-scale byte.
-KV_HOST_DEVICE uint8_t nvfp4_quantize_group(const float (&x)[kNvfp4GroupSize], float inv_global_scale,
+KV_HOST_DEVICE uint8_t nvfp4_quantize_group(const float (&x)[kNvfp4GroupSize],
+                                            float inv_global_scale,
                                             uint8_t (&packed)[kNvfp4GroupSize / 2]) {
   float amax = 0.0f;
   bool has_nan = false;
-#pragma unroll
+  KV_UNROLL
   for (int i = 0; i < kNvfp4GroupSize; ++i) {
     has_nan |= is_nan(x[i]);
     amax = fmaxf(amax, fabsf(x[i]));
   }
-  const float block_scale =
-      has_nan ? bits_as_float(0x7FC00000u) : kv_fdiv(kv_fmul(amax, inv_global_scale), kE2M1Max);
-  const uint8_t scale_byte = float_to_e4m3_satfinite(block_scale);
+  const uint8_t scale_byte = nvfp4_scale_byte(amax, has_nan, inv_global_scale);
   if (scale_byte == kFp8NanByte) {
-#pragma unroll
+    KV_UNROLL
     for (int j = 0; j < kNvfp4GroupSize / 2; ++j) packed[j] = 0;
     return scale_byte;
   }
-  const float scale_f = e4m3_to_float(scale_byte);
-  const float multiplier = scale_f == 0.0f ? 0.0f : kv_fdiv(inv_global_scale, scale_f);
-#pragma unroll
+  const float multiplier = nvfp4_multiplier(scale_byte, inv_global_scale);
+  KV_UNROLL
   for (int j = 0; j < kNvfp4GroupSize / 2; ++j) {
     const uint8_t lo = float_to_e2m1(kv_fmul(x[2 * j], multiplier));
     const uint8_t hi = float_to_e2m1(kv_fmul(x[2 * j + 1], multiplier));

@@ -1,0 +1,310 @@
+// Host-side validation shared by the CPU and CUDA registrations of the cache ops.
+#include "cache_ops_torch.h"
+
+#include <c10/util/Exception.h>
+#include <c10/util/irange.h>
+
+#include <climits>
+#include <sstream>
+#include <vector>
+
+#include "dispatch_utils.h"
+#include "kv_quant_math.h"
+
+namespace vllm_kv {
+
+Fp8KVCacheDataType get_fp8_kv_cache_data_type(const std::string& kv_cache_dtype) {
+  const std::optional<Fp8KVCacheDataType> type = parse_fp8_kv_cache_data_type(kv_cache_dtype);
+  TORCH_CHECK(type.has_value(), "Unsupported fp8 kv cache data type: ", kv_cache_dtype,
+              " (kv_cache_dtype: expected one of auto, float16, bfloat16, float32, float, fp8, "
+              "fp8_e4m3, fp8_e5m2, nvfp4)");
+  return *type;
+}
+
+CacheKind get_cache_kind(const std::string& kv_cache_dtype) {
+  if (kv_cache_dtype == kNvfp4DtypeString) return CacheKind::kNvfp4;  // before the fp8 dispatch
+  return cache_kind_of(get_fp8_kv_cache_data_type(kv_cache_dtype));
+}
+
+namespace {
+
+std::string shape_str(const at::Tensor& t) { return c10::str(t.sizes()); }
+
+// Python-style dtype names in messages ("uint8", not "Byte").
+std::string dtype_str(at::ScalarType t) {
+  switch (t) {
+    case at::kByte:
+      return "uint8";
+    case at::kFloat:
+      return "float32";
+    case at::kHalf:
+      return "float16";
+    case at::kBFloat16:
+      return "bfloat16";
+    case at::kLong:
+      return "int64";
+    case at::kInt:
+      return "int32";
+    case at::kChar:
+      return "int8";
+    case at::kDouble:
+      return "float64";
+    default:
+      return c10::toString(t);
+  }
+}
+
+SourceType source_type_of(const at::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return SourceType::kFloat32;
+    case at::kHalf:
+      return SourceType::kFloat16;
+    case at::kBFloat16:
+      return SourceType::kBFloat16;
+    default:
+      TORCH_CHECK(false, name, ": expected dtype float32, float16 or bfloat16, got ",
+                  dtype_str(t.scalar_type()));
+  }
+}
+
+at::ScalarType scalar_type_of(SourceType t) {
+  switch (t) {
+    case SourceType::kFloat16:
+      return at::kHalf;
+    case SourceType::kBFloat16:
+      return at::kBFloat16;
+    case SourceType::kFloat32:
+      break;
+  }
+  return at::kFloat;
+}
+
+ScaleLayout parse_scale_layout(const std::string& s, const char* name) {
+  if (s == "linear") return ScaleLayout::kLinear;
+  if (s == "interleave4") return ScaleLayout::kInterleave4;
+  TORCH_CHECK(false, name, ": expected 'linear' or 'interleave4', got '", s, "'");
+}
+
+void check_int_range(int64_t v, const char* what) {
+  TORCH_CHECK(v <= INT_MAX, what, ": expected at most ", INT_MAX, ", got ", v);
+}
+
+// key / value: [T_pad, H, D], each token's [H, D] contiguous, rows stride(0) >= H*D apart.
+void check_source(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 3, name, ": expected a 3-D tensor [T_pad, H, D], got shape ",
+              shape_str(x));
+  const int64_t heads = x.size(1);
+  const int64_t dim = x.size(2);
+  check_int_range(heads, name);
+  check_int_range(dim, name);
+  const bool row_dense = (dim <= 1 || x.stride(2) == 1) && (heads <= 1 || x.stride(1) == dim);
+  const bool rows_apart = x.size(0) <= 1 || x.stride(0) >= heads * dim;
+  TORCH_CHECK(row_dense && rows_apart, name,
+              ": expected each token's [H, D] contiguous and tokens at least H*D = ", heads * dim,
+              " elements apart (strides [>= ", heads * dim, ", ", dim, ", 1]), got strides ",
+              x.strides());
+}
+
+// Side of a paged cache, logical [B, N, H, last_dim]; each page's [N, H, last_dim] region must be
+// dense in NHD or HND order. Size-1 dims get the canonical stride of the detected order.
+CacheSide make_side(const at::Tensor& cache, const char* name, int64_t head_size, int64_t last_dim,
+                    const at::Tensor& scale, ScaleLayout layout) {
+  const int64_t num_blocks = cache.size(0);
+  const int64_t block_size = cache.size(1);
+  const int64_t heads = cache.size(2);
+  const bool last_ok = last_dim <= 1 || cache.stride(3) == 1;
+  const bool nhd = (block_size <= 1 || cache.stride(1) == heads * last_dim) &&
+                   (heads <= 1 || cache.stride(2) == last_dim);
+  const bool hnd = (block_size <= 1 || cache.stride(1) == last_dim) &&
+                   (heads <= 1 || cache.stride(2) == block_size * last_dim);
+  TORCH_CHECK(last_ok && (nhd || hnd), name,
+              ": expected each page's region dense in NHD order (strides [*, H*D', D', 1] = [*, ",
+              heads * last_dim, ", ", last_dim,
+              ", 1]) or HND order (strides [*, D', N*D', 1] = [*, ", last_dim, ", ",
+              block_size * last_dim, ", 1]), got strides ", cache.strides());
+  const int64_t page_elements = block_size * heads * last_dim;
+  TORCH_CHECK(num_blocks <= 1 || cache.stride(0) >= page_elements, name,
+              ": expected a page stride of at least N*H*D' = ", page_elements,
+              " elements so that pages do not overlap, got ", cache.stride(0));
+  CacheSide side{};
+  side.data = cache.data_ptr();
+  side.block_stride = num_blocks <= 1 ? page_elements : cache.stride(0);
+  side.token_stride = nhd ? heads * last_dim : last_dim;
+  side.head_stride = nhd ? last_dim : block_size * last_dim;
+  side.head_size = int(head_size);
+  side.scale = scale.data_ptr<float>();
+  side.scale_per_head = scale.size(0) != 1;
+  side.scale_layout = layout;
+  return side;
+}
+
+void check_scale(const at::Tensor& scale, const char* name, int64_t heads) {
+  TORCH_CHECK(scale.scalar_type() == at::kFloat, name, ": expected dtype float32, got ",
+              dtype_str(scale.scalar_type()));
+  TORCH_CHECK(scale.dim() == 1 && (scale.size(0) == 1 || scale.size(0) == heads), name,
+              ": expected shape [1] or [H] = [", heads, "], got ", shape_str(scale));
+  TORCH_CHECK(scale.size(0) == 1 || scale.stride(0) == 1, name,
+              ": expected a contiguous tensor, got stride ", scale.stride(0));
+}
+
+void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& key_cache) {
+  TORCH_CHECK(t.device() == key_cache.device(), name, ": expected device ", key_cache.device(),
+              " (key_cache's device), got ", t.device());
+}
+
+}  // namespace
+
+ReshapeAndCacheParams prepare_reshape_and_cache_flash(
+    const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+    const at::Tensor& value_cache, const at::Tensor& slot_mapping,
+    const std::string& kv_cache_dtype, const at::Tensor& k_scale, const at::Tensor& v_scale,
+    const std::string& k_scale_layout, const std::optional<std::string>& v_scale_layout) {
+  const CacheKind kind = get_cache_kind(kv_cache_dtype);
+  const ScaleLayout k_layout = parse_scale_layout(k_scale_layout, "k_scale_layout");
+  const ScaleLayout v_layout =
+      v_scale_layout ? parse_scale_layout(*v_scale_layout, "v_scale_layout") : k_layout;
+
+  check_same_device(key, "key", key_cache);
+  check_same_device(value, "value", key_cache);
+  check_same_device(value_cache, "value_cache", key_cache);
+  check_same_device(slot_mapping, "slot_mapping", key_cache);
+  check_same_device(k_scale, "k_scale", key_cache);
+  check_same_device(v_scale, "v_scale", key_cache);
+
+  check_source(key, "key");
+  check_source(value, "value");
+  const SourceType source = source_type_of(key, "key");
+  TORCH_CHECK(value.scalar_type() == key.scalar_type(), "value: expected dtype ",
+              dtype_str(key.scalar_type()), " (key's dtype), got ", dtype_str(value.scalar_type()));
+  const int64_t tokens_padded = key.size(0);
+  const int64_t heads = key.size(1);
+  const int64_t head_size = key.size(2);
+  const int64_t head_size_v = value.size(2);
+  TORCH_CHECK(value.size(0) == tokens_padded,
+              "value: expected T_pad = key.size(0) = ", tokens_padded, " tokens, got ",
+              value.size(0));
+  TORCH_CHECK(value.size(1) == heads, "value: expected H = key.size(1) = ", heads, " heads, got ",
+              value.size(1));
+
+  if (kind == CacheKind::kUnquantized) {
+    const std::optional<SourceType> named = explicit_unquantized_type(kv_cache_dtype);
+    TORCH_CHECK(!named || *named == source, "key: expected dtype ",
+                dtype_str(scalar_type_of(*named)), " for kv_cache_dtype '", kv_cache_dtype,
+                "', got ", dtype_str(key.scalar_type()));
+  } else if (kind == CacheKind::kNvfp4) {
+    TORCH_CHECK(head_size % kNvfp4GroupSize == 0,
+                "key: nvfp4 needs a head size that is a multiple of ", kNvfp4GroupSize, ", got ",
+                head_size);
+    TORCH_CHECK(head_size_v % kNvfp4GroupSize == 0,
+                "value: nvfp4 needs a head size that is a multiple of ", kNvfp4GroupSize, ", got ",
+                head_size_v);
+  }
+  const at::ScalarType cache_dtype =
+      kind == CacheKind::kUnquantized ? key.scalar_type() : at::kByte;
+  const auto cache_last_dim = [&](int64_t d) {
+    return kind == CacheKind::kNvfp4 ? d / 2 + d / kNvfp4GroupSize : d;
+  };
+  const char* last_dim_formula = kind == CacheKind::kNvfp4 ? "F(D) = D/2 + D/16" : "D";
+
+  for (const auto& [cache, name, dim, source_name] :
+       {std::tuple{&key_cache, "key_cache", head_size, "key"},
+        std::tuple{&value_cache, "value_cache", head_size_v, "value"}}) {
+    TORCH_CHECK(cache->scalar_type() == cache_dtype, name, ": expected dtype ",
+                dtype_str(cache_dtype), " for kv_cache_dtype '", kv_cache_dtype, "' and ",
+                source_name, " dtype ", dtype_str(key.scalar_type()), ", got ",
+                dtype_str(cache->scalar_type()));
+    TORCH_CHECK(cache->dim() == 4, name,
+                ": expected a 4-D tensor [num_blocks, block_size, num_heads, head_dim], got shape ",
+                shape_str(*cache));
+    TORCH_CHECK(cache->size(2) == heads, name, ": expected num_heads = key.size(1) = ", heads,
+                " at dim 2, got shape ", shape_str(*cache));
+    TORCH_CHECK(cache->size(3) == cache_last_dim(dim), name, ": expected last dim ",
+                last_dim_formula, " = ", cache_last_dim(dim), " for ", source_name,
+                " head size D = ", dim, " and kv_cache_dtype '", kv_cache_dtype, "', got ",
+                cache->size(3));
+  }
+  TORCH_CHECK(value_cache.size(0) == key_cache.size(0) && value_cache.size(1) == key_cache.size(1),
+              "value_cache: expected [num_blocks, block_size] = [", key_cache.size(0), ", ",
+              key_cache.size(1), "] (key_cache's), got shape ", shape_str(value_cache));
+  const int64_t num_blocks = key_cache.size(0);
+  const int64_t block_size = key_cache.size(1);
+  check_int_range(block_size, "key_cache block_size");
+
+  if (kind == CacheKind::kNvfp4) {
+    for (const auto& [layout, name, dim] : {std::tuple{k_layout, "k_scale_layout", head_size},
+                                            std::tuple{v_layout, "v_scale_layout", head_size_v}}) {
+      if (layout != ScaleLayout::kInterleave4) continue;
+      TORCH_CHECK(block_size % 4 == 0, name,
+                  ": interleave4 needs a block size that is a multiple of 4, got block_size ",
+                  block_size);
+      TORCH_CHECK((dim / kNvfp4GroupSize) % 4 == 0, name,
+                  ": interleave4 needs head_size / 16 to be a multiple of 4, got head size ", dim);
+    }
+  }
+
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "slot_mapping: expected dtype int64, got ",
+              dtype_str(slot_mapping.scalar_type()));
+  TORCH_CHECK(slot_mapping.dim() == 1, "slot_mapping: expected a 1-D tensor [T], got shape ",
+              shape_str(slot_mapping));
+  TORCH_CHECK(slot_mapping.size(0) <= 1 || slot_mapping.stride(0) == 1,
+              "slot_mapping: expected a contiguous tensor, got stride ", slot_mapping.stride(0));
+  TORCH_CHECK(slot_mapping.size(0) <= tokens_padded,
+              "slot_mapping: expected at most T_pad = key.size(0) = ", tokens_padded,
+              " entries, got ", slot_mapping.size(0));
+  check_scale(k_scale, "k_scale", heads);
+  check_scale(v_scale, "v_scale", heads);
+
+  ReshapeAndCacheParams p{};
+  p.key = key.data_ptr();
+  p.value = value.data_ptr();
+  p.key_token_stride = key.stride(0);
+  p.value_token_stride = value.stride(0);
+  p.slot_mapping = slot_mapping.data_ptr<int64_t>();
+  p.num_tokens = slot_mapping.size(0);
+  p.num_blocks = num_blocks;
+  p.block_size = int(block_size);
+  p.num_heads = int(heads);
+  p.source_type = source;
+  p.cache_kind = kind;
+  p.key_cache =
+      make_side(key_cache, "key_cache", head_size, cache_last_dim(head_size), k_scale, k_layout);
+  p.value_cache = make_side(value_cache, "value_cache", head_size_v, cache_last_dim(head_size_v),
+                            v_scale, v_layout);
+  return p;
+}
+
+void check_swap_blocks_args(const at::Tensor& src, const at::Tensor& dst,
+                            int64_t block_size_in_bytes, const at::Tensor& block_mapping) {
+  TORCH_CHECK(block_size_in_bytes > 0, "block_size_in_bytes: expected a positive size, got ",
+              block_size_in_bytes);
+  TORCH_CHECK(block_mapping.device().is_cpu(), "block_mapping: expected a CPU tensor, got device ",
+              block_mapping.device());
+  TORCH_CHECK(block_mapping.scalar_type() == at::kLong, "block_mapping: expected dtype int64, got ",
+              dtype_str(block_mapping.scalar_type()));
+  TORCH_CHECK(block_mapping.dim() == 2 && block_mapping.size(1) == 2,
+              "block_mapping: expected shape [n, 2] of (src page, dst page), got ",
+              shape_str(block_mapping));
+  TORCH_CHECK(!(src.is_cuda() && dst.is_cuda()) || src.device() == dst.device(),
+              "dst: expected the same CUDA device as src (", src.device(), "), got ", dst.device());
+  const auto pages_of = [&](const at::Tensor& t) -> int64_t {
+    TORCH_CHECK(t.has_storage(), "swap_blocks: expected src and dst with storage");
+    const int64_t bytes =
+        int64_t(t.storage().nbytes()) - t.storage_offset() * int64_t(t.element_size());
+    return bytes / block_size_in_bytes;
+  };
+  const int64_t src_pages = pages_of(src);
+  const int64_t dst_pages = pages_of(dst);
+  const auto mapping = block_mapping.accessor<int64_t, 2>();
+  for (const int64_t i : c10::irange(block_mapping.size(0))) {
+    for (const auto& [column, name, pages] :
+         {std::tuple{0, "src", src_pages}, std::tuple{1, "dst", dst_pages}}) {
+      const int64_t page = mapping[i][column];
+      TORCH_CHECK(page >= 0 && page < pages, "block_mapping: expected ", name, " page ids in [0, ",
+                  pages, ") (", name, " holds ", pages, " pages of ", block_size_in_bytes,
+                  " bytes from its data_ptr), got block_mapping[", i, "][", column, "] = ", page);
+    }
+  }
+}
+
+}  // namespace vllm_kv

@@ -1,0 +1,39 @@
+// Torch glue shared by the CPU and CUDA registrations of the cache ops: host-side validation of
+// every device-independent precondition (DESIGN.md §6, §10). Each check is a TORCH_CHECK whose
+// message names the argument, the expected and the actual value; nothing is written before all
+// checks pass. Device-specific value checks (slot range, scale values) are done by the CPU op only.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "cache_kernels.h"
+
+namespace vllm_kv {
+
+// DESIGN.md §3: the Fp8KVCacheDataType of a kv_cache_dtype string; unknown strings (nvfp4
+// included) fail with "Unsupported fp8 kv cache data type: <s>".
+Fp8KVCacheDataType get_fp8_kv_cache_data_type(const std::string& kv_cache_dtype);
+
+// The cache kind of a kv_cache_dtype string: nvfp4 is routed before the fp8 dispatch.
+CacheKind get_cache_kind(const std::string& kv_cache_dtype);
+
+// Validates the arguments of reshape_and_cache_flash (dtypes, devices, shapes, strides, head
+// sizes, NVFP4 and interleave4 divisibility, scale shapes) and returns the kernel parameter block
+// pointing into the given tensors. Does not read device memory.
+ReshapeAndCacheParams prepare_reshape_and_cache_flash(
+    const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+    const at::Tensor& value_cache, const at::Tensor& slot_mapping,
+    const std::string& kv_cache_dtype, const at::Tensor& k_scale, const at::Tensor& v_scale,
+    const std::string& k_scale_layout, const std::optional<std::string>& v_scale_layout);
+
+// Validates the arguments of swap_blocks: block_mapping is an int64 CPU [n, 2] tensor of
+// (src page, dst page) ids, block_size_in_bytes > 0, and every id addresses a whole page inside
+// the storage of src / dst starting at their data_ptr.
+void check_swap_blocks_args(const at::Tensor& src, const at::Tensor& dst,
+                            int64_t block_size_in_bytes, const at::Tensor& block_mapping);
+
+}  // namespace vllm_kv

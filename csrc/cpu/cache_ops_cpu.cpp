@@ -1,0 +1,97 @@
+// CPU implementations of the _C_cache_ops ops.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/irange.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+
+#include "cache_ops_torch.h"
+#include "cpu/reshape_and_cache_flash.h"
+#include "dispatch_utils.h"
+
+namespace vllm_kv {
+namespace {
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, ": expected a CPU tensor, got device ", t.device());
+}
+
+// Quantized kinds divide by the scales: they must be finite and > 0.
+void check_scale_values(const at::Tensor& scale, const char* name,
+                        const std::string& kv_cache_dtype) {
+  const float* values = scale.data_ptr<float>();
+  for (const int64_t i : c10::irange(scale.numel())) {
+    TORCH_CHECK(std::isfinite(values[i]) && values[i] > 0.0f, name,
+                ": expected finite values > 0 for kv_cache_dtype '", kv_cache_dtype, "', got ",
+                name, "[", i, "] = ", values[i]);
+  }
+}
+
+// at::parallel_for over [begin, end) with dynamic scheduling: the threads take grain-sized blocks
+// from a shared counter, so a thread slowed down by other load on its core does not hold up the
+// call (at::parallel_for alone splits the range into one fixed part per thread).
+template <typename Fn>
+void dynamic_parallel_for(int64_t begin, int64_t end, int64_t grain, const Fn& fn) {
+  const int64_t num_parts = (end - begin + grain - 1) / grain;
+  std::atomic<int64_t> next{0};
+  const int64_t num_workers = std::min<int64_t>(num_parts, at::get_num_threads());
+  at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
+    for (int64_t part = next++; part < num_parts; part = next++) {
+      fn(begin + part * grain, std::min(end, begin + (part + 1) * grain));
+    }
+  });
+}
+
+void reshape_and_cache_flash_cpu(const at::Tensor& key, const at::Tensor& value,
+                                 at::Tensor& key_cache, at::Tensor& value_cache,
+                                 const at::Tensor& slot_mapping, const std::string& kv_cache_dtype,
+                                 const at::Tensor& k_scale, const at::Tensor& v_scale,
+                                 const std::string& k_scale_layout,
+                                 const std::optional<std::string>& v_scale_layout) {
+  check_cpu(key_cache, "key_cache");
+  const ReshapeAndCacheParams p = prepare_reshape_and_cache_flash(
+      key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
+      k_scale_layout, v_scale_layout);
+  const int64_t num_slots = p.num_blocks * p.block_size;
+  for (const int64_t i : c10::irange(p.num_tokens)) {
+    TORCH_CHECK(p.slot_mapping[i] < num_slots,
+                "slot_mapping: expected slots < num_blocks * block_size = ", num_slots,
+                " (negative to skip a token), got slot_mapping[", i, "] = ", p.slot_mapping[i]);
+  }
+  if (is_quantized(p.cache_kind)) {
+    check_scale_values(k_scale, "k_scale", kv_cache_dtype);
+    check_scale_values(v_scale, "v_scale", kv_cache_dtype);
+  }
+  cpu::reshape_and_cache_flash(p, [](int64_t begin, int64_t end, int64_t grain, const auto& fn) {
+    dynamic_parallel_for(begin, end, grain, fn);
+  });
+}
+
+void swap_blocks_cpu(const at::Tensor& src, at::Tensor& dst, int64_t block_size_in_bytes,
+                     const at::Tensor& block_mapping) {
+  check_cpu(src, "src");
+  check_cpu(dst, "dst");
+  check_swap_blocks_args(src, dst, block_size_in_bytes, block_mapping);
+  const auto* src_bytes = static_cast<const char*>(src.data_ptr());
+  auto* dst_bytes = static_cast<char*>(dst.data_ptr());
+  const auto mapping = block_mapping.accessor<int64_t, 2>();
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 20) / block_size_in_bytes);
+  at::parallel_for(0, block_mapping.size(0), grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      std::memmove(dst_bytes + mapping[i][1] * block_size_in_bytes,
+                   src_bytes + mapping[i][0] * block_size_in_bytes, block_size_in_bytes);
+    }
+  });
+}
+
+}  // namespace
+}  // namespace vllm_kv
+
+TORCH_LIBRARY_IMPL(_C_cache_ops, CPU, m) {
+  m.impl("reshape_and_cache_flash", &vllm_kv::reshape_and_cache_flash_cpu);
+  m.impl("swap_blocks", &vllm_kv::swap_blocks_cpu);
+}

@@ -1,0 +1,107 @@
+// kv_cache_dtype parsing and compile-time dispatch over (source dtype x cache kind), shared by the
+// CPU and CUDA cache kernels. Framework-free; the torch glue turns a failed parse into a
+// TORCH_CHECK error.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string_view>
+#include <type_traits>
+
+#include "cache_kernels.h"
+#include "kv_quant_math.h"
+
+namespace vllm_kv {
+
+inline constexpr std::string_view kNvfp4DtypeString = "nvfp4";
+
+// DESIGN.md §3: auto, float16, bfloat16, float32 / float -> kAuto (unquantized); fp8, fp8_e4m3 ->
+// kFp8E4M3; fp8_e5m2 -> kFp8E5M2. Anything else (nvfp4 included) -> nullopt.
+inline std::optional<Fp8KVCacheDataType> parse_fp8_kv_cache_data_type(std::string_view s) {
+  if (s == "auto" || s == "float16" || s == "bfloat16" || s == "float32" || s == "float") {
+    return Fp8KVCacheDataType::kAuto;
+  }
+  if (s == "fp8" || s == "fp8_e4m3") return Fp8KVCacheDataType::kFp8E4M3;
+  if (s == "fp8_e5m2") return Fp8KVCacheDataType::kFp8E5M2;
+  return std::nullopt;
+}
+
+// The source dtype that an explicit unquantized kv_cache_dtype string names ("auto": none).
+inline std::optional<SourceType> explicit_unquantized_type(std::string_view s) {
+  if (s == "float16") return SourceType::kFloat16;
+  if (s == "bfloat16") return SourceType::kBFloat16;
+  if (s == "float32" || s == "float") return SourceType::kFloat32;
+  return std::nullopt;
+}
+
+inline constexpr CacheKind cache_kind_of(Fp8KVCacheDataType t) {
+  switch (t) {
+    case Fp8KVCacheDataType::kFp8E4M3:
+      return CacheKind::kFp8E4M3;
+    case Fp8KVCacheDataType::kFp8E5M2:
+      return CacheKind::kFp8E5M2;
+    case Fp8KVCacheDataType::kAuto:
+      break;
+  }
+  return CacheKind::kUnquantized;
+}
+
+inline constexpr bool is_quantized(CacheKind kind) { return kind != CacheKind::kUnquantized; }
+
+// Storage type of a source dtype (16-bit formats as raw bits) and its exact widening to fp32.
+template <SourceType S>
+struct SourceTraits;
+
+template <>
+struct SourceTraits<SourceType::kFloat32> {
+  using Storage = float;
+  static KV_HOST_DEVICE float to_float(float x) { return x; }
+};
+
+template <>
+struct SourceTraits<SourceType::kFloat16> {
+  using Storage = uint16_t;
+  static KV_HOST_DEVICE float to_float(uint16_t x) { return fp16_bits_to_float(x); }
+};
+
+template <>
+struct SourceTraits<SourceType::kBFloat16> {
+  using Storage = uint16_t;
+  static KV_HOST_DEVICE float to_float(uint16_t x) { return bf16_bits_to_float(x); }
+};
+
+template <SourceType S>
+using SourceTag = std::integral_constant<SourceType, S>;
+template <CacheKind K>
+using CacheKindTag = std::integral_constant<CacheKind, K>;
+
+// Calls fn(SourceTag<S>{}, CacheKindTag<K>{}) for the runtime pair (source, kind), instantiating
+// fn for all 12 combinations. fn reads the pair back as constants:
+//   dispatch_source_and_kind(p.source_type, p.cache_kind, [&](auto src, auto kind) {
+//     launch<decltype(src)::value, decltype(kind)::value>(p);
+//   });
+template <typename Fn>
+void dispatch_source_and_kind(SourceType source, CacheKind kind, Fn&& fn) {
+  const auto with_kind = [&](auto source_tag) {
+    switch (kind) {
+      case CacheKind::kUnquantized:
+        return fn(source_tag, CacheKindTag<CacheKind::kUnquantized>{});
+      case CacheKind::kFp8E4M3:
+        return fn(source_tag, CacheKindTag<CacheKind::kFp8E4M3>{});
+      case CacheKind::kFp8E5M2:
+        return fn(source_tag, CacheKindTag<CacheKind::kFp8E5M2>{});
+      case CacheKind::kNvfp4:
+        return fn(source_tag, CacheKindTag<CacheKind::kNvfp4>{});
+    }
+  };
+  switch (source) {
+    case SourceType::kFloat32:
+      return with_kind(SourceTag<SourceType::kFloat32>{});
+    case SourceType::kFloat16:
+      return with_kind(SourceTag<SourceType::kFloat16>{});
+    case SourceType::kBFloat16:
+      return with_kind(SourceTag<SourceType::kBFloat16>{});
+  }
+}
+
+}  // namespace vllm_kv

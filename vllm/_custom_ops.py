@@ -1,0 +1,129 @@
+"""Python entry points of the compiled cache ops (``torch.ops._C_cache_ops``).
+
+Importing this module loads the extension ``vllm/_C`` built by ``setup.py`` and registers the
+fake (meta) implementations that ``torch.compile`` traces with.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import os
+from pathlib import Path
+
+import torch
+
+from vllm.kv_quant.scale_layout import ScaleLayout
+from vllm.utils.torch_utils import is_quantized_kv_cache
+
+DEBUG_CHECKS_ENV = "VLLM_KV_DEBUG_CHECKS"
+"""Set to ``1`` to make :func:`reshape_and_cache_flash` check scale values on the host (a device
+sync on CUDA)."""
+
+
+def _extension_path() -> Path | None:
+    here = Path(__file__).resolve().parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        candidate = here / f"_C{suffix}"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _load_extension() -> None:
+    path = _extension_path()
+    if path is None:
+        raise ImportError(
+            "vllm._C (the compiled cache ops) is not built: run "
+            "`pip install --no-build-isolation -e .` in the repository root (needs torch, "
+            "cmake >= 3.22, ninja and a C++20 compiler)"
+        )
+    torch.ops.load_library(str(path))
+
+
+_load_extension()
+
+
+@torch.library.register_fake("_C_cache_ops::reshape_and_cache_flash")
+def _reshape_and_cache_flash_fake(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    k_scale_layout: str = "linear",
+    v_scale_layout: str | None = None,
+) -> None:
+    return None
+
+
+@torch.library.register_fake("_C_cache_ops::swap_blocks")
+def _swap_blocks_fake(
+    src: torch.Tensor, dst: torch.Tensor, block_size_in_bytes: int, block_mapping: torch.Tensor
+) -> None:
+    return None
+
+
+def _layout_name(layout: ScaleLayout | str) -> str:
+    return layout.value if isinstance(layout, ScaleLayout) else layout
+
+
+def _check_scale_values(name: str, scale: torch.Tensor, kv_cache_dtype: str) -> None:
+    bad = ~(torch.isfinite(scale) & (scale > 0))
+    if bool(bad.any()):
+        index = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"{name}: expected finite values > 0 for kv_cache_dtype {kv_cache_dtype!r}, "
+            f"got {name}[{index}] = {scale[index].item()}"
+        )
+
+
+def reshape_and_cache_flash(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    k_scale_layout: ScaleLayout | str = ScaleLayout.LINEAR,
+    v_scale_layout: ScaleLayout | str | None = None,
+    *,
+    debug_checks: bool | None = None,
+) -> None:
+    """Write ``key [T_pad, H, D]`` / ``value [T_pad, H, Dv]`` token ``i < T`` into slot
+    ``slot_mapping[i]`` of the paged caches (logical ``[B, N, H, D']``, NHD or HND), quantizing
+    for ``kv_cache_dtype`` (DESIGN.md §6). ``v_scale_layout=None`` means "same as K".
+
+    ``debug_checks`` (default: env ``VLLM_KV_DEBUG_CHECKS=1``) checks on the host that the
+    scales of a quantized cache are finite and > 0 before the op runs; on CUDA this syncs.
+    """
+    if debug_checks is None:
+        debug_checks = os.environ.get(DEBUG_CHECKS_ENV, "0") == "1"
+    if debug_checks and is_quantized_kv_cache(kv_cache_dtype):
+        _check_scale_values("k_scale", k_scale, kv_cache_dtype)
+        _check_scale_values("v_scale", v_scale, kv_cache_dtype)
+    torch.ops._C_cache_ops.reshape_and_cache_flash(
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        kv_cache_dtype,
+        k_scale,
+        v_scale,
+        _layout_name(k_scale_layout),
+        None if v_scale_layout is None else _layout_name(v_scale_layout),
+    )
+
+
+def swap_blocks(
+    src: torch.Tensor, dst: torch.Tensor, block_size_in_bytes: int, block_mapping: torch.Tensor
+) -> None:
+    """Copy whole pages: for each row ``(s, d)`` of ``block_mapping`` (int64 CPU ``[n, 2]``),
+    bytes ``[s*block_size_in_bytes, (s+1)*block_size_in_bytes)`` of ``src``'s storage (from its
+    data_ptr) go to page ``d`` of ``dst``. CPU↔CPU, CPU↔CUDA and CUDA→CUDA."""
+    torch.ops._C_cache_ops.swap_blocks(src, dst, block_size_in_bytes, block_mapping)
