@@ -1,0 +1,19 @@
+"""The README's Python example runs as written."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_readme_python_example_runs() -> None:
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
+    assert blocks, "README.md has no python example"
+    namespace: dict[str, object] = {}
+    exec(compile(blocks[0], str(README), "exec"), namespace)
+    out = namespace["out"]
+    assert isinstance(out, torch.Tensor) and out.shape == (20, 16, 64)
+    assert torch.isfinite(out).all()
