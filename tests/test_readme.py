@@ -3,7 +3,6 @@
 import re
 from pathlib import Path
 
-import pytest
 import torch
 
 README = Path(__file__).resolve().parents[1] / "README.md"

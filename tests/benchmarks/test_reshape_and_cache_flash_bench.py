@@ -1,0 +1,86 @@
+"""The reshape_and_cache_flash benchmark core (vllm.benchmarks) and its script: tiny, on a CPU."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm.accuracy.cache_io import extension_status
+from vllm.benchmarks import reshape_and_cache_flash as core
+
+pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
+SCRIPT = (
+    Path(__file__).parents[2] / "benchmarks" / "kernels" / "benchmark_reshape_and_cache_flash.py"
+)
+
+
+@pytest.fixture(autouse=True)
+def _needs_extension() -> None:
+    ok, why = extension_status()
+    if not ok:
+        pytest.skip(f"the benchmark needs the compiled extension: {why}")
+
+
+def test_run_tiny() -> None:
+    calls: list[tuple[int, int, str]] = []
+    rows = core.run("cpu", core.KINDS, [1, 16], quick=True, progress=lambda *a: calls.append(a))
+    assert [(r.kind, r.num_heads, r.num_tokens) for r in rows] == core.shapes(core.KINDS, [1, 16])
+    assert len(rows) == 6
+    roofline = rows[0].roofline_gbps
+    assert roofline > 0
+    for r in rows:
+        assert r.roofline_gbps == roofline and r.device == "cpu"
+        assert r.op_us > 0 and r.baseline_us > 0 and r.bytes_moved > 0
+        assert r.op_gbps > 0 and r.pct_roofline > 0 and r.speedup_vs_baseline > 0
+        assert r.op_gbps == pytest.approx(r.bytes_moved / r.op_us / 1e3)
+    assert {r.baseline for r in rows} == {
+        "index_copy_",
+        "reference fp8_write_cache",
+        "reference nvfp4_write_cache",
+    }
+    # One progress call before the roofline, one after it, one per row; total fixed.
+    assert [(d, t) for d, t, _ in calls] == [(i, 7) for i in range(8)]
+
+
+def test_run_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="unknown kinds"):
+        core.run("cpu", ["int3"], [1])
+    with pytest.raises(ValueError, match="positive"):
+        core.run("cpu", ["auto"], [0])
+
+
+def test_main_writes_markdown_and_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """The script (a wrapper of core.main): table on stdout, Markdown and JSON files."""
+    md, js = tmp_path / "b.md", tmp_path / "b.json"
+    argv = ["--device", "cpu", "--quick", "--kinds", "auto", "fp8", "--tokens", "16"]
+    argv += ["--markdown", str(md), "--json", str(js)]
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT), *argv])
+    with pytest.raises(SystemExit) as info:
+        runpy.run_path(str(SCRIPT), run_name="__main__")
+    assert info.value.code == 0
+    captured = capsys.readouterr()
+    assert "[3/3] fp8" in captured.err  # progress on stderr
+    table = md.read_text()
+    assert captured.out == table
+    lines = table.splitlines()
+    assert len(lines) == 4 and all(line[0] == line[-1] == "|" for line in lines)
+    assert {line.count("|") for line in lines} == {11}
+    assert lines[2].startswith("| auto | 8 | 16 |") and lines[3].startswith("| fp8 | 8 | 16 |")
+    doc = json.loads(js.read_text())
+    assert doc["device"] == "cpu" and doc["roofline_gbps"] > 0 and doc["threads"] >= 1
+    assert [(r["kind"], r["num_tokens"]) for r in doc["rows"]] == [("auto", 16), ("fp8", 16)]
+    assert all(r["op_gbps"] > 0 for r in doc["rows"])
+
+
+def test_import_does_not_load_the_extension() -> None:
+    """``vllm-kv`` imports every subcommand at start-up: the bench must not need the extension
+    until it runs."""
+    code = "import sys, vllm.cli.bench; assert 'vllm._custom_ops' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,317 @@
+"""Benchmark of reshape_and_cache_flash: time, bytes moved, GB/s, % of a memory roofline measured
+in the same run (a large ``dst.copy_(src)``), and the speed-up over a baseline measured in the same
+run (``index_copy_`` into the cache for unquantized caches, the pure-torch reference writer of
+vllm.kv_quant for FP8 and NVFP4).
+
+``run()`` returns the rows and prints nothing (progress goes to an optional callback, called as
+``progress(done, total, message)``); ``main()`` is the command line, also reachable as
+``python benchmarks/kernels/benchmark_reshape_and_cache_flash.py --device cpu --threads 2
+--markdown out.md --json out.json``; ``vllm-kv bench`` wraps the same ``run()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vllm.kv_quant import fp8_format_from_cache_dtype, fp8_write_cache, nvfp4_write_cache
+from vllm.utils.torch_utils import nvfp4_kv_cache_full_dim
+
+KINDS = ("auto", "fp8", "nvfp4")
+TOKENS = (1, 16, 256, 4096, 16384)
+QUICK_TOKENS = (1, 16, 256)
+"""Token counts of a ``quick`` run when none are given."""
+HEAD_SIZE = 128
+BLOCK_SIZE = 16
+SOURCE_DTYPE = torch.bfloat16
+# (num_heads, tokens): the H=8 sweep over TOKENS, plus H=1 and H=32 rows at 4096 tokens.
+EXTRA_HEADS = ((1, 4096), (32, 4096))
+ROOFLINE_BYTES = 256 << 20
+
+Progress = Callable[[int, int, str], None]
+"""``progress(done, total, message)``: ``done`` of ``total`` steps (the roofline, then one per
+shape) are finished; ``message`` says what was just measured or is starting."""
+
+
+@dataclasses.dataclass
+class Row:
+    """One measurement: our op against its baseline for one shape."""
+
+    kind: str
+    num_tokens: int
+    num_heads: int
+    head_size: int
+    device: str
+    op_us: float
+    baseline: str
+    baseline_us: float
+    bytes_moved: int
+    op_gbps: float
+    roofline_gbps: float
+    pct_roofline: float
+    speedup_vs_baseline: float
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_call(fn: Callable[[], None], device: torch.device, min_time_s: float, max_runs: int):
+    """Median seconds of one call of ``fn``: CUDA events on a GPU, perf_counter on a CPU;
+    runs until ``min_time_s`` has passed (at least 3 runs, at most ``max_runs``)."""
+    fn()  # warm-up
+    _sync(device)
+    samples: list[float] = []
+    start_all = time.perf_counter()
+    while len(samples) < 3 or (
+        len(samples) < max_runs and time.perf_counter() - start_all < min_time_s
+    ):
+        if device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(begin.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def measure_roofline_gbps(device: torch.device, nbytes: int, min_time_s: float) -> float:
+    """GB/s of a large device copy, counting the bytes read and written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 256)
+    dst = torch.empty_like(src)
+    seconds = time_call(lambda: dst.copy_(src), device, min_time_s, max_runs=50)
+    return 2 * nbytes / seconds / 1e9
+
+
+@dataclasses.dataclass
+class _Setup:
+    key: torch.Tensor
+    value: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    slots: torch.Tensor
+    scale: torch.Tensor
+    bytes_moved: int
+
+
+def _setup(kind: str, num_tokens: int, num_heads: int, device: torch.device) -> _Setup:
+    gen = torch.Generator().manual_seed(0)
+    num_blocks = -(-num_tokens // BLOCK_SIZE) + 1
+    shape = (num_tokens, num_heads, HEAD_SIZE)
+    key = torch.randn(shape, generator=gen).to(device=device, dtype=SOURCE_DTYPE)
+    value = torch.randn(shape, generator=gen).to(device=device, dtype=SOURCE_DTYPE)
+    # Prefill-like: each sequence run fills whole pages, pages scattered over the cache.
+    pages = torch.randperm(num_blocks, generator=gen)
+    t = torch.arange(num_tokens)
+    slots = (pages[t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE).to(device)
+    last_dim = nvfp4_kv_cache_full_dim(HEAD_SIZE) if kind == "nvfp4" else HEAD_SIZE
+    cache_dtype = SOURCE_DTYPE if kind == "auto" else torch.uint8
+    cache_shape = (num_blocks, BLOCK_SIZE, num_heads, last_dim)
+    key_cache = torch.zeros(cache_shape, dtype=cache_dtype, device=device)
+    value_cache = torch.zeros(cache_shape, dtype=cache_dtype, device=device)
+    scale = torch.full((1,), 0.01, device=device)
+    written = 2 * num_tokens * num_heads * last_dim * key_cache.element_size()
+    read = key.numel() * key.element_size() + value.numel() * value.element_size()
+    return _Setup(key, value, key_cache, value_cache, slots, scale, read + written)
+
+
+def _baseline(kind: str, s: _Setup) -> tuple[str, Callable[[], None]]:
+    if kind == "auto":
+        k_flat = s.key_cache.view(-1, *s.key_cache.shape[2:])
+        v_flat = s.value_cache.view(-1, *s.value_cache.shape[2:])
+
+        def index_copy() -> None:
+            k_flat.index_copy_(0, s.slots, s.key)
+            v_flat.index_copy_(0, s.slots, s.value)
+
+        return "index_copy_", index_copy
+    if kind == "nvfp4":
+
+        def nvfp4_reference() -> None:
+            nvfp4_write_cache(s.key, s.key_cache, s.slots, s.scale)
+            nvfp4_write_cache(s.value, s.value_cache, s.slots, s.scale)
+
+        return "reference nvfp4_write_cache", nvfp4_reference
+    fmt = fp8_format_from_cache_dtype(kind)
+
+    def fp8_reference() -> None:
+        fp8_write_cache(s.key, s.key_cache, s.slots, s.scale, fmt)
+        fp8_write_cache(s.value, s.value_cache, s.slots, s.scale, fmt)
+
+    return "reference fp8_write_cache", fp8_reference
+
+
+def shapes(kinds: Sequence[str], tokens: Sequence[int]) -> list[tuple[str, int, int]]:
+    """(kind, num_heads, num_tokens) of every row: the H=8 sweep, then the H=1 / H=32 rows."""
+    heads_tokens = [(8, t) for t in tokens] + [ht for ht in EXTRA_HEADS if ht[1] in tokens]
+    return [(kind, h, t) for kind in kinds for h, t in heads_tokens]
+
+
+def run(
+    device: str = "cpu",
+    kinds: Sequence[str] = KINDS,
+    tokens: Sequence[int] | None = None,
+    quick: bool = False,
+    progress: Progress | None = None,
+) -> list[Row]:
+    """Measure every shape of :func:`shapes` on ``device``; returns one :class:`Row` each.
+
+    ``tokens`` defaults to :data:`TOKENS`, or :data:`QUICK_TOKENS` when ``quick`` (which also
+    shortens the timing and the roofline copy). Raises ``ValueError`` for an unknown kind, a
+    non-positive token count or a CUDA device without CUDA, ``ImportError`` when the compiled
+    extension is not built.
+    """
+    if tokens is None:
+        tokens = QUICK_TOKENS if quick else TOKENS
+    if unknown := sorted(set(kinds) - set(KINDS)):
+        raise ValueError(f"unknown kinds {unknown}: expected some of {', '.join(KINDS)}")
+    if any(t <= 0 for t in tokens):
+        raise ValueError(f"token counts must be positive, got {list(tokens)}")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: torch sees no CUDA device")
+    from vllm import _custom_ops as ops  # loads the extension; ImportError when not built
+
+    todo = shapes(kinds, tokens)
+    total = 1 + len(todo)
+    report = progress or (lambda _done, _total, _msg: None)
+    min_time_s = 0.05 if quick else 0.3
+    report(0, total, f"measuring the copy roofline on {dev} ...")
+    roofline = measure_roofline_gbps(dev, ROOFLINE_BYTES // (4 if quick else 1), min_time_s)
+    report(1, total, f"copy roofline: {roofline:.1f} GB/s")
+    rows = []
+    for kind, num_heads, num_tokens in todo:
+        s = _setup(kind, num_tokens, num_heads, dev)
+
+        def op(s: _Setup = s, kind: str = kind) -> None:
+            ops.reshape_and_cache_flash(
+                s.key, s.value, s.key_cache, s.value_cache, s.slots, kind, s.scale, s.scale
+            )
+
+        baseline_name, baseline = _baseline(kind, s)
+        op_s = time_call(op, dev, min_time_s, max_runs=2000)
+        # The reference codecs are slow: a few runs are enough for a median.
+        base_s = time_call(baseline, dev, min_time_s, max_runs=2000 if kind == "auto" else 5)
+        gbps = s.bytes_moved / op_s / 1e9
+        row = Row(
+            kind=kind,
+            num_tokens=num_tokens,
+            num_heads=num_heads,
+            head_size=HEAD_SIZE,
+            device=str(dev),
+            op_us=op_s * 1e6,
+            baseline=baseline_name,
+            baseline_us=base_s * 1e6,
+            bytes_moved=s.bytes_moved,
+            op_gbps=gbps,
+            roofline_gbps=roofline,
+            pct_roofline=100 * gbps / roofline,
+            speedup_vs_baseline=base_s / op_s,
+        )
+        rows.append(row)
+        report(
+            1 + len(rows),
+            total,
+            f"{kind:6s} H={num_heads:<3d} T={num_tokens:<6d} {row.op_us:10.1f} us "
+            f"{gbps:7.2f} GB/s {row.pct_roofline:5.1f}% roofline "
+            f"{row.speedup_vs_baseline:7.1f}x {baseline_name}",
+        )
+    return rows
+
+
+def to_markdown(rows: Sequence[Row]) -> str:
+    """The rows as a Markdown table."""
+    lines = [
+        "| kind | H | tokens | op (µs) | baseline | baseline (µs) | MB moved | GB/s "
+        "| % of copy roofline | × baseline |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.kind} | {r.num_heads} | {r.num_tokens} | {r.op_us:.1f} | {r.baseline} "
+            f"| {r.baseline_us:.1f} | {r.bytes_moved / 1e6:.3f} | {r.op_gbps:.2f} "
+            f"| {r.pct_roofline:.1f} | {r.speedup_vs_baseline:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def to_json(rows: Sequence[Row]) -> dict[str, Any]:
+    """The rows with the run's device, torch version, CPU threads and roofline (GB/s)."""
+    return {
+        "benchmark": "reshape_and_cache_flash",
+        "device": rows[0].device if rows else None,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "roofline_gbps": rows[0].roofline_gbps if rows else None,
+        "rows": [dataclasses.asdict(r) for r in rows],
+    }
+
+
+def write_json(rows: Sequence[Row], path: str | Path) -> None:
+    """Write :func:`to_json` of ``rows`` to ``path``."""
+    Path(path).write_text(json.dumps(to_json(rows), indent=2) + "\n")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer > 0."""
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def default_device() -> str:
+    """``cuda`` when torch sees a GPU, else ``cpu``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default=default_device())
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    parser.add_argument(
+        "--tokens",
+        nargs="+",
+        type=positive_int,
+        help=f"tokens per call (default {TOKENS}; with --quick {QUICK_TOKENS})",
+    )
+    parser.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's)")
+    parser.add_argument(
+        "--quick", action="store_true", help="shorter timing, smaller roofline, fewer tokens"
+    )
+    parser.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    parser.add_argument("--markdown", metavar="PATH", help="write the rows as a Markdown table")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    def progress(done: int, total: int, msg: str) -> None:
+        print(f"[{done}/{total}] {msg}", file=sys.stderr, flush=True)
+
+    rows = run(args.device, args.kinds, args.tokens, args.quick, progress)
+    table = to_markdown(rows)
+    print(table, end="")
+    if args.markdown:
+        Path(args.markdown).write_text(table)
+    if args.json:
+        write_json(rows, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
