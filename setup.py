@@ -75,7 +75,7 @@ class CMakeBuild(build_ext):
             "Ninja",
             f"-DCMAKE_BUILD_TYPE={'Debug' if self.debug else 'Release'}",
             f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
-            f"-DVLLM_KV_OUTPUT_DIR={output.parent}",
+            f"-DVLLM_KV_OUTPUT_DIR={build_dir / 'lib'}",
             f"-DVLLM_KV_OUTPUT_NAME={output.name}",
             f"-DVLLM_KV_WITH_CUDA={'ON' if with_cuda else 'OFF'}",
         ]
@@ -91,6 +91,12 @@ class CMakeBuild(build_ext):
                 args.append(f"-DCMAKE_CUDA_COMPILER={Path(CUDA_HOME) / 'bin' / 'nvcc'}")
         subprocess.run(args, check=True)
         subprocess.run([cmake, "--build", str(build_dir)], check=True)
+        # Copy, then rename over the old library: processes that have it loaded keep their
+        # mapping instead of crashing on a file rewritten in place.
+        output.parent.mkdir(parents=True, exist_ok=True)
+        staged = output.with_name(output.name + ".tmp")
+        shutil.copy2(build_dir / "lib" / output.name, staged)
+        os.replace(staged, output)
 
 
 setup(

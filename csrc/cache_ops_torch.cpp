@@ -287,11 +287,13 @@ void check_swap_blocks_args(const at::Tensor& src, const at::Tensor& dst,
               shape_str(block_mapping));
   TORCH_CHECK(!(src.is_cuda() && dst.is_cuda()) || src.device() == dst.device(),
               "dst: expected the same CUDA device as src (", src.device(), "), got ", dst.device());
+  // Pages that lie within the tensor's own bytes (from data_ptr to its last element), so that a
+  // view into a shared buffer cannot reach the pages of its neighbours.
   const auto pages_of = [&](const at::Tensor& t) -> int64_t {
-    TORCH_CHECK(t.has_storage(), "swap_blocks: expected src and dst with storage");
-    const int64_t bytes =
-        int64_t(t.storage().nbytes()) - t.storage_offset() * int64_t(t.element_size());
-    return bytes / block_size_in_bytes;
+    if (t.numel() == 0) return 0;
+    int64_t last_element = 0;
+    for (const int64_t d : c10::irange(t.dim())) last_element += (t.size(d) - 1) * t.stride(d);
+    return (last_element + 1) * int64_t(t.element_size()) / block_size_in_bytes;
   };
   const int64_t src_pages = pages_of(src);
   const int64_t dst_pages = pages_of(dst);
@@ -302,7 +304,7 @@ void check_swap_blocks_args(const at::Tensor& src, const at::Tensor& dst,
       const int64_t page = mapping[i][column];
       TORCH_CHECK(page >= 0 && page < pages, "block_mapping: expected ", name, " page ids in [0, ",
                   pages, ") (", name, " holds ", pages, " pages of ", block_size_in_bytes,
-                  " bytes from its data_ptr), got block_mapping[", i, "][", column, "] = ", page);
+                  " bytes within its extent), got block_mapping[", i, "][", column, "] = ", page);
     }
   }
 }

@@ -108,6 +108,20 @@ def test_bad_page_ids(
     assert torch.equal(dst, before)
 
 
+@pytest.mark.parametrize("src_device,dst_device", DIRECTIONS)
+def test_page_ids_are_bounded_by_the_view(src_device: str, dst_device: str) -> None:
+    """A layer's view into a shared buffer cannot reach the pages of its neighbours."""
+    src = _random_bytes(4 * 256, 15, src_device)
+    shared = _random_bytes(8 * 256, 16, dst_device)
+    dst = shared[256 : 3 * 256]  # pages 1 and 2 of the shared buffer
+    before = shared.clone()
+    with pytest.raises(
+        RuntimeError, match=r"block_mapping: expected dst page ids in \[0, 2\) .*= 2"
+    ):
+        ops.swap_blocks(src, dst, 256, torch.tensor([[0, 1], [1, 2]], dtype=torch.int64))
+    assert torch.equal(shared, before)
+
+
 @pytest.mark.parametrize(
     "mapping,message",
     [

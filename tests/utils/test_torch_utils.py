@@ -110,29 +110,63 @@ def test_split_views_reject_bad_input() -> None:
         _nvfp4_split_data_scale(sparse)
 
 
-@settings(max_examples=60, deadline=None)
+def _padded_cache(
+    num_blocks: int, block_size: int, num_heads: int, head_size: int, hnd: bool, pad: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (B, 2, N, H, F) NVFP4 cache view whose pages are ``pad`` bytes apart beyond the dense
+    page, over a raw byte buffer (returned too)."""
+    full_dim = nvfp4_kv_cache_full_dim(head_size)
+    page = 2 * block_size * num_heads * full_dim + pad
+    raw = torch.zeros(num_blocks * page, dtype=torch.uint8)
+    if hnd:
+        strides = (page, block_size * num_heads * full_dim, full_dim, block_size * full_dim, 1)
+    else:
+        strides = (page, block_size * num_heads * full_dim, num_heads * full_dim, full_dim, 1)
+    shape = (num_blocks, 2, block_size, num_heads, full_dim)
+    return raw.as_strided(shape, strides), raw
+
+
+@settings(max_examples=80, deadline=None)
 @given(
     num_blocks=st.integers(1, 3),
     block_size=st.sampled_from([1, 2, 4, 8, 16, 32]),
     num_heads=st.integers(1, 6),
     head_size=st.sampled_from([16, 32, 48, 64, 80, 128, 256]),
     hnd=st.booleans(),
+    pad=st.sampled_from([0, 7, 64, 576]),
+    one_side=st.booleans(),
 )
 def test_split_views_tile_every_page(
-    num_blocks: int, block_size: int, num_heads: int, head_size: int, hnd: bool
+    num_blocks: int,
+    block_size: int,
+    num_heads: int,
+    head_size: int,
+    hnd: bool,
+    pad: int,
+    one_side: bool,
 ) -> None:
-    """Every byte of every page belongs to exactly one view element; nothing falls outside."""
-    cache = _cache(num_blocks, block_size, num_heads, head_size, hnd)
-    counts = torch.zeros(cache.numel(), dtype=torch.int64)
-    base = cache.storage_offset()
-    (k_data, v_data), (k_scale, v_scale) = nvfp4_kv_cache_split_views(cache)
-    for view in (k_data, v_data, k_scale.view(torch.uint8), v_scale.view(torch.uint8)):
+    """Every byte of every page belongs to exactly one view element; padding and bytes outside
+    the pages belong to none. Covers 5-D caches and single 4-D sides, NHD and HND, padded pages.
+    """
+    cache, raw = _padded_cache(num_blocks, block_size, num_heads, head_size, hnd, pad)
+    if one_side:
+        views = list(nvfp4_kv_cache_split_views(cache[:, 1]))
+        view_uint8 = [views[0], views[1].view(torch.uint8)]
+    else:
+        (k_data, v_data), (k_scale, v_scale) = nvfp4_kv_cache_split_views(cache)
+        view_uint8 = [k_data, v_data, k_scale.view(torch.uint8), v_scale.view(torch.uint8)]
+    counts = torch.zeros(raw.numel(), dtype=torch.int64)
+    for view in view_uint8:
         index = torch.zeros(view.shape, dtype=torch.int64)
         for dim, (size, stride) in enumerate(zip(view.shape, view.stride(), strict=True)):
             shape = [1] * view.dim()
             shape[dim] = size
             index = index + (torch.arange(size) * stride).view(shape)
-        index = index + view.storage_offset() - base
-        assert index.min() >= 0 and index.max() < cache.numel()
+        index = index + view.storage_offset()
+        assert index.min() >= 0 and index.max() < raw.numel()
         counts.index_add_(0, index.flatten(), torch.ones(index.numel(), dtype=torch.int64))
-    assert torch.equal(counts, torch.ones_like(counts))
+    page = raw.numel() // num_blocks
+    side_bytes = block_size * num_heads * nvfp4_kv_cache_full_dim(head_size)
+    expected = torch.zeros(num_blocks, page, dtype=torch.int64)
+    expected[:, (side_bytes if one_side else 0) : 2 * side_bytes] = 1
+    assert torch.equal(counts, expected.flatten())

@@ -44,8 +44,9 @@ def test_quant_mode() -> None:
     assert KVQuantMode.NVFP4 == 4 and KVQuantMode.FP8_PER_TENSOR == 1
     assert KVQuantMode.NVFP4.is_nvfp4 and KVQuantMode.NVFP4.is_quantized
     assert KVQuantMode.FP8_PER_TENSOR.is_fp8 and not KVQuantMode.NONE.is_quantized
-    with pytest.raises(ValueError, match="kv_cache_dtype: unknown KV-cache dtype 'int8'"):
-        get_kv_quant_mode("int8")
+    for name in ("int8", "half"):  # "half" is a torch dtype name, not a cache dtype (DESIGN §3)
+        with pytest.raises(ValueError, match=f"kv_cache_dtype: unknown KV-cache dtype '{name}'"):
+            get_kv_quant_mode(name)
 
 
 @pytest.mark.parametrize("cls", [FullAttentionSpec, SlidingWindowSpec])

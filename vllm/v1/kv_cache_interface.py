@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from vllm.config.cache import CACHE_DTYPES
 from vllm.utils.torch_utils import get_dtype_size, nvfp4_kv_cache_full_dim
 
 FP8_DS_MLA_RECORD_BYTES = 584
@@ -54,20 +55,17 @@ class KVQuantMode(IntEnum):
         return self != KVQuantMode.NONE
 
 
-_UNQUANTIZED_CACHE_DTYPES = ("auto", "float16", "half", "bfloat16", "float32", "float")
-
-
 def get_kv_quant_mode(kv_cache_dtype: str) -> KVQuantMode:
     """Quantization mode of a ``kv_cache_dtype`` string."""
     if kv_cache_dtype == "nvfp4":
         return KVQuantMode.NVFP4
     if kv_cache_dtype.startswith("fp8"):
         return KVQuantMode.FP8_PER_TENSOR
-    if kv_cache_dtype in _UNQUANTIZED_CACHE_DTYPES:
+    if kv_cache_dtype in CACHE_DTYPES:
         return KVQuantMode.NONE
     raise ValueError(
         f"kv_cache_dtype: unknown KV-cache dtype {kv_cache_dtype!r}; expected one of "
-        f"{', '.join(_UNQUANTIZED_CACHE_DTYPES)}, fp8, fp8_e4m3, fp8_e5m2, nvfp4"
+        f"{', '.join(CACHE_DTYPES)}"
     )
 
 
