@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pytest
@@ -125,10 +125,17 @@ class _ManualStream(TransferStream):
     def __init__(self) -> None:
         self.events: list[_ManualEvent] = []
         self.waits: list[bool] = []
+        self.waited_events: list[list[TransferEvent]] = []
 
-    def submit(self, copy_fn: Callable[[], None], wait_for_compute: bool) -> TransferEvent:
+    def submit(
+        self,
+        copy_fn: Callable[[], None],
+        wait_for_compute: bool,
+        wait_events: Sequence[TransferEvent] = (),
+    ) -> TransferEvent:
         copy_fn()
         self.waits.append(wait_for_compute)
+        self.waited_events.append(list(wait_events))
         self.events.append(_ManualEvent())
         return self.events[-1]
 
@@ -158,6 +165,9 @@ def test_get_finished_never_reports_a_later_job_first() -> None:
     load.transfer_async(20, load_spec([0], [5]))
     # GPU -> CPU waits for the producer of the pages; CPU -> GPU does not by default.
     assert streams[0].waits == [True, True, True] and streams[1].waits == [False]
+    # The load waits (on its stream) for the three earlier stores, none reported yet.
+    assert streams[0].waited_events == [[], [], []]
+    assert streams[1].waited_events == [streams[0].events]
 
     streams[0].events[2].done = True
     streams[0].events[1].done = True
@@ -382,3 +392,129 @@ def test_cuda_ordered_completion_and_load() -> None:
         assert torch.equal(gpu[3].cpu(), want)
     assert handlers.cpu_tensors[0].is_pinned()
     handlers.shutdown()
+
+
+# --- Ordering across directions: loads wait for earlier stores, results in submission order ---
+
+
+def _make_connector_worker(
+    swap: Callable[..., None], device: str = "cpu", num_blocks: int = NUM_BLOCKS
+) -> tuple[OffloadingWorker, CpuGpuOffloadingHandlers]:
+    handlers, _ = make_handlers(
+        device=device, num_blocks=num_blocks, swap=swap, cpu_block_size=16, num_cpu_blocks=4
+    )
+    worker = OffloadingWorker()
+    worker.register_handler(GPULoadStoreSpec, CPULoadStoreSpec, handlers.gpu_to_cpu_handler)
+    worker.register_handler(CPULoadStoreSpec, GPULoadStoreSpec, handlers.cpu_to_gpu_handler)
+    return worker, handlers
+
+
+def test_load_after_a_slow_store_reads_the_stored_bytes() -> None:
+    """Thread path: a load of a CPU block submitted while the store filling it is still
+    copying (slow swap) waits for it and returns the stored bytes; results in order."""
+    release = threading.Event()
+    store_started = threading.Event()
+
+    def slow_store_swap(src: torch.Tensor, dst: torch.Tensor, size: int, m: torch.Tensor) -> None:
+        if dst.device.type == "cpu" and dst.data_ptr() in cpu_ptrs:  # GPU -> CPU
+            store_started.set()
+            release.wait(timeout=10)
+        swap_blocks(src, dst, size, m)
+
+    worker, handlers = _make_connector_worker(slow_store_swap)
+    cpu_ptrs = {t.data_ptr() for t in handlers.cpu_tensors}
+    gpu = handlers.gpu_tensors
+    for i, p in enumerate(gpu):
+        p[1].fill_(17 + i)
+        p[6].zero_()
+    worker.transfer_async(0, store_spec([1], [2]))
+    worker.transfer_async(1, load_spec([2], [6]))
+    assert store_started.wait(timeout=10)
+    time.sleep(0.05)
+    assert worker.get_finished() == []  # neither the store nor the load behind it finished
+    for p in gpu:
+        assert bool((p[6] == 0).all())  # the load has not overtaken the store
+    release.set()
+    worker.wait([1])
+    for i, p in enumerate(gpu):
+        assert bool((p[6] == 17 + i).all())
+    assert [(r.job_id, r.success, r.transfer_type) for r in worker.get_finished()] == [
+        (0, True, ("GPU", "CPU")),
+        (1, True, ("CPU", "GPU")),
+    ]
+    worker.shutdown()
+
+
+def test_completion_order_across_directions_is_submission_order() -> None:
+    """A store submitted after a slow load finishes first, but is reported after it."""
+    release = threading.Event()
+
+    def slow_load_swap(src: torch.Tensor, dst: torch.Tensor, size: int, m: torch.Tensor) -> None:
+        if src.data_ptr() in cpu_ptrs:  # CPU -> GPU
+            release.wait(timeout=10)
+        swap_blocks(src, dst, size, m)
+
+    worker, handlers = _make_connector_worker(slow_load_swap)
+    cpu_ptrs = {t.data_ptr() for t in handlers.cpu_tensors}
+    worker.transfer_async(0, store_spec([0], [0]))
+    worker.wait([0])
+    worker.transfer_async(1, load_spec([0], [5]))  # slow
+    worker.transfer_async(2, store_spec([3], [1]))  # fast, a later job
+    handlers.gpu_to_cpu_handler.wait([2])
+    seen = [r.job_id for r in worker.get_finished()]
+    assert seen == [0]  # job 2 has finished but job 1 has not: 2 is held back
+    release.set()
+    worker.wait([2])  # waits for job 1 as well
+    seen += [r.job_id for r in worker.get_finished()]
+    assert seen == [0, 1, 2]
+    assert worker.get_finished() == []
+    with pytest.raises(ValueError, match="job 3 is already in flight"):
+        worker.transfer_async(3, store_spec([4], [2]))
+        worker.transfer_async(3, store_spec([5], [3]))
+    worker.shutdown()
+
+
+def test_load_fails_when_the_store_it_waits_for_fails() -> None:
+    release = threading.Event()
+
+    def failing_store_swap(
+        src: torch.Tensor, dst: torch.Tensor, size: int, m: torch.Tensor
+    ) -> None:
+        if dst.data_ptr() in cpu_ptrs:
+            release.wait(timeout=10)
+            raise RuntimeError("store failed")
+        swap_blocks(src, dst, size, m)
+
+    worker, handlers = _make_connector_worker(failing_store_swap)
+    cpu_ptrs = {t.data_ptr() for t in handlers.cpu_tensors}
+    worker.transfer_async(0, store_spec([1], [2]))
+    worker.transfer_async(1, load_spec([2], [6]))
+    release.set()
+    worker.wait([1])
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(0, False), (1, False)]
+    worker.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+@pytest.mark.skipif(SWAP_BLOCKS is None, reason="vllm._custom_ops is not built")
+def test_cuda_load_waits_for_an_earlier_slow_store() -> None:
+    """CUDA: the store waits for a long kernel on the compute stream; the load of the same CPU
+    block, submitted at once, must wait (stream wait on the store's event) and see its bytes."""
+    worker, handlers = _make_connector_worker(swap_blocks, device="cuda", num_blocks=64)
+    gpu = handlers.gpu_tensors
+    for p in gpu:
+        p[6].zero_()
+    torch.cuda.current_stream().synchronize()
+    torch.cuda._sleep(100_000_000)
+    for i, p in enumerate(gpu):
+        p[1].fill_(17 + i)
+    worker.transfer_async(0, store_spec([1], [2]))
+    worker.transfer_async(1, load_spec([2], [6]))
+    worker.transfer_async(2, store_spec([3], [1]))
+    seen: list[int] = []
+    while len(seen) < 3:
+        seen.extend(r.job_id for r in worker.get_finished())
+        assert seen == [0, 1, 2][: len(seen)]
+    for i, p in enumerate(gpu):
+        assert bool((p[6] == 17 + i).all())
+    worker.shutdown()

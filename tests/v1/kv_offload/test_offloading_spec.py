@@ -113,9 +113,16 @@ def test_offloaded_block_size_options() -> None:
         _Spec(config, 16, {"block_size": 40})
     with pytest.raises(ValueError, match="block_size_factor'\\]: expected a positive int"):
         _Spec(config, 16, {"block_size_factor": 0})
+    # Mixed GPU block sizes: an offloaded block mirrors one GPU block id (factor 1).
     mixed = config_of(attn(16), attn(32, head_size=32), shared=False)
-    with pytest.raises(ValueError, match=r"one GPU block size across KV-cache groups"):
-        _ = _Spec(mixed, 16).block_size_factor
+    spec = _Spec(mixed, 16)
+    assert spec.gpu_block_size == (16, 32)
+    assert spec.offloaded_block_size == 32 and spec.block_size_factor == 1
+    assert _Spec(mixed, 16, {"block_size_factor": 1}).block_size_factor == 1
+    assert _Spec(mixed, 16, {"block_size": 32}).block_size_factor == 1
+    for extra in ({"block_size": 64}, {"block_size_factor": 2}):
+        with pytest.raises(ValueError, match=r"block_size_factor > 1, which is only supported"):
+            _Spec(mixed, 16, extra)
 
 
 def test_cpu_spec_num_blocks_from_byte_budget() -> None:

@@ -14,9 +14,10 @@ class BlockIDsLoadStoreSpec(LoadStoreSpec, ABC):
     """A list of block ids in one medium, in transfer order.
 
     ``block_ids`` is stored as a 1-D ``np.int64`` array. What one block is depends on the medium:
-    a GPU block is one page of every registered KV-cache tensor (``gpu_block_size`` tokens); a
-    CPU block is one offloaded block (``offloaded_block_size`` tokens = ``block_size_factor``
-    GPU pages of every tensor).
+    a GPU block is one page of every registered KV-cache tensor (the block size of the group
+    using the tensor, in tokens; groups may differ); a CPU block is one offloaded block
+    (``block_size_factor`` GPU pages of every tensor; the factor is 1 when groups differ in
+    block size, see :class:`~vllm.v1.kv_offload.spec.OffloadingSpec`).
     """
 
     def __init__(self, block_ids: Iterable[int] | np.ndarray):

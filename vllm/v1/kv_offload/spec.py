@@ -29,6 +29,17 @@ class OffloadingSpec(ABC):
             ``"block_size"``: offloaded block size in tokens, a multiple of every GPU block
             size (default: the largest GPU block size). ``"block_size_factor"``: the same,
             as a multiple of the GPU block size (offloaded = GPU block size × factor).
+
+    Pages move per GPU block id: block id ``b`` indexes one page in every
+    :class:`KVCacheTensor`, whatever the block size of the group that uses the tensor. An
+    offloaded block holds the pages of ``block_size_factor`` consecutive GPU block ids of every
+    tensor. With one GPU block size ``g`` across groups that is ``offloaded_block_size / g``
+    tokens' worth of GPU blocks. With mixed GPU block sizes (hybrid planner output, e.g.
+    DeepSeek-V4's 256/1024/4096/32768-token groups, or Mamba + attention groups) one block id
+    covers a different number of tokens in each group, so a factor > 1 has no single meaning in
+    tokens: the offloaded block mirrors the GPU layout exactly (factor 1, one GPU block id per
+    offloaded block) and ``offloaded_block_size`` is the largest GPU block size; asking for a
+    larger offloaded block (``"block_size"`` or ``"block_size_factor"``) raises ``ValueError``.
         cp_size: context-parallel world size; ``hash_block_size = block_size * cp_size``.
 
     Raises:
@@ -36,8 +47,9 @@ class OffloadingSpec(ABC):
             with the message ``gpu_block_size=<b> not divisible by hash_block_size=<h>.
             Hybrid models (e.g. Mamba+Attention) need --enable-prefix-caching to align block
             sizes.`` (a Mamba group without prefix caching has a block size of
-            ``max_model_len``); or when the offloaded block size is not a multiple of every GPU
-            block size.
+            ``max_model_len``); when the offloaded block size is not a multiple of every GPU
+            block size; or when the groups have different GPU block sizes and the offloaded
+            block size is not the largest of them (a ``block_size_factor`` > 1).
     """
 
     def __init__(
@@ -63,6 +75,19 @@ class OffloadingSpec(ABC):
                     "Mamba+Attention) need --enable-prefix-caching to align block sizes."
                 )
         self.offloaded_block_size = self._offloaded_block_size()
+        sizes = set(self.gpu_block_size)
+        if len(sizes) > 1 and self.offloaded_block_size != max(sizes):
+            raise ValueError(
+                f"extra_config: an offloaded block of {self.offloaded_block_size} tokens needs "
+                f"a block_size_factor > 1, which is only supported when every KV-cache group "
+                f"has the same GPU block size; got GPU block sizes {list(self.gpu_block_size)}. "
+                "With mixed GPU block sizes an offloaded block mirrors one GPU block id "
+                f"(block_size_factor 1, block_size {max(sizes)}): leave 'block_size' and "
+                "'block_size_factor' unset."
+            )
+        self._block_size_factor = self.offloaded_block_size // max(
+            sizes, default=self.hash_block_size
+        )
 
     def _offloaded_block_size(self) -> int:
         largest = max(self.gpu_block_size, default=self.hash_block_size)
@@ -90,14 +115,12 @@ class OffloadingSpec(ABC):
 
     @property
     def block_size_factor(self) -> int:
-        """GPU pages per offloaded block; needs one GPU block size across all groups."""
-        sizes = set(self.gpu_block_size)
-        if len(sizes) != 1:
-            raise ValueError(
-                "kv_cache_config: offloading by whole GPU pages needs one GPU block size across "
-                f"KV-cache groups, got {list(self.gpu_block_size)}"
-            )
-        return self.offloaded_block_size // sizes.pop()
+        """GPU block ids (pages of every KV-cache tensor) per offloaded block.
+
+        ``offloaded_block_size // gpu_block_size`` with one GPU block size; always 1 when the
+        groups' GPU block sizes differ (the offloaded block mirrors one GPU block id).
+        """
+        return self._block_size_factor
 
     @classmethod
     def from_cache_config(

@@ -4,10 +4,28 @@ Every job copies whole pages of every registered KV-cache buffer with
 ``vllm._custom_ops.swap_blocks(src, dst, page_size_bytes, block_mapping)``; pages are moved as
 raw bytes, so quantized pages (FP8 / NVFP4 data and their scales) survive bit for bit.
 
-Ordering contract (per handler, i.e. per direction): jobs run in submission order and
-:meth:`SingleDirectionOffloadingHandler.get_finished` reports them in submission order — a job
-is never reported before an earlier job of the same handler. Only the device-specific part
-differs, a :class:`TransferStream`:
+Ordering contract.
+
+- Per handler (per direction): jobs run in submission order and
+  :meth:`SingleDirectionOffloadingHandler.get_finished` reports them in submission order — a job
+  is never reported before an earlier job of the same handler.
+- Across directions (read-after-write on CPU blocks): the CPU -> GPU handler of
+  :class:`CpuGpuOffloadingHandlers` is built with ``depends_on=`` the GPU -> CPU handler, so a
+  load waits for every earlier store that has not been reported yet (whatever blocks it
+  touches: the simplest rule that is always correct, and stores are short). A load that reads a
+  CPU block therefore never starts before the store that fills it has completed. The wait does
+  not block the host: on CUDA the load stream waits on the stores' end events
+  (``cudaStreamWaitEvent``); on the thread path the load's worker thread waits on the stores'
+  completion events before copying. A load whose awaited store failed fails too (thread path;
+  on CUDA a failed copy is a sticky device error). Stores do not wait for loads: the engine
+  never stores a GPU block before the load into it is reported (its compute comes after), and
+  never reuses a CPU block while a load reads it.
+- Across all jobs of a worker, :class:`~vllm.v1.kv_offload.worker.worker.OffloadingWorker`
+  reports results in submission order (a later job is never reported before an earlier one,
+  whatever its direction), holding back a job that completed early until every earlier job has
+  been reported.
+
+Only the device-specific part differs, a :class:`TransferStream`:
 
 - :class:`CudaTransferStream` (GPU side on CUDA): one dedicated CUDA stream per handler, so the
   copies of successive jobs serialize on it; one CUDA event recorded after each job's copies.
@@ -106,11 +124,18 @@ class TransferStream(ABC):
     """The device-specific part of a handler: runs submitted jobs in submission order."""
 
     @abstractmethod
-    def submit(self, copy_fn: Callable[[], None], wait_for_compute: bool) -> TransferEvent:
+    def submit(
+        self,
+        copy_fn: Callable[[], None],
+        wait_for_compute: bool,
+        wait_events: Sequence[TransferEvent] = (),
+    ) -> TransferEvent:
         """Queue ``copy_fn`` after every earlier job and return its completion event.
 
         With ``wait_for_compute``, the copies also wait for the work the submitting thread has
-        queued on the device so far (the producer of the pages being read).
+        queued on the device so far (the producer of the pages being read). The copies also
+        start only after every job of ``wait_events`` (events of other streams) has completed,
+        without blocking the submitting thread; the job fails when one of them failed.
         """
 
     def close(self) -> None:  # noqa: B027 - optional hook, no-op by default
@@ -139,7 +164,18 @@ class CudaTransferStream(TransferStream):
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
 
-    def submit(self, copy_fn: Callable[[], None], wait_for_compute: bool) -> TransferEvent:
+    def submit(
+        self,
+        copy_fn: Callable[[], None],
+        wait_for_compute: bool,
+        wait_events: Sequence[TransferEvent] = (),
+    ) -> TransferEvent:
+        for event in wait_events:
+            if isinstance(event, _CudaEvent):
+                # cudaStreamWaitEvent: device-side wait, the host does not block.
+                self.stream.wait_event(event._end)
+            else:
+                event.synchronize()  # an event of another kind of stream: wait on the host
         if wait_for_compute:
             # Recorded now, on the stream the model runs on: the copy starts only after the
             # work queued there so far (which writes the pages) has finished.
@@ -189,9 +225,9 @@ class ThreadTransferStream(TransferStream):
 
     def __init__(self, name: str = "kv-offload"):
         self._name = name
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], None], _ThreadEvent] | None] = (
-            queue.SimpleQueue()
-        )
+        self._jobs: queue.SimpleQueue[
+            tuple[Callable[[], None], _ThreadEvent, tuple[TransferEvent, ...]] | None
+        ] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -200,22 +236,34 @@ class ThreadTransferStream(TransferStream):
             item = self._jobs.get()
             if item is None:
                 return
-            copy_fn, event = item
-            start = time.perf_counter()
+            copy_fn, event, wait_events = item
             error: BaseException | None = None
-            try:
-                copy_fn()
-            except BaseException as e:  # reported through the job's result
-                error = e
+            for awaited in wait_events:
+                awaited.synchronize()
+                if awaited.error is not None and error is None:
+                    error = RuntimeError(
+                        f"an earlier transfer this job waits for failed: {awaited.error!r}"
+                    )
+            start = time.perf_counter()
+            if error is None:
+                try:
+                    copy_fn()
+                except BaseException as e:  # reported through the job's result
+                    error = e
             event._finish(time.perf_counter() - start, error)
 
-    def submit(self, copy_fn: Callable[[], None], wait_for_compute: bool) -> TransferEvent:
+    def submit(
+        self,
+        copy_fn: Callable[[], None],
+        wait_for_compute: bool,
+        wait_events: Sequence[TransferEvent] = (),
+    ) -> TransferEvent:
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
         event = _ThreadEvent()
-        self._jobs.put((copy_fn, event))
+        self._jobs.put((copy_fn, event, tuple(wait_events)))
         return event
 
     def close(self) -> None:
@@ -251,6 +299,9 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
     pages. When the source covers more pages than the destination (loading the tail of an
     offloaded block), the leading source pages are skipped; the difference must be smaller
     than ``src_block_size_factor``.
+
+    ``depends_on``: another handler whose earlier jobs this handler's jobs wait for — every job
+    of it submitted before and not yet reported (see the module's ordering contract).
     """
 
     def __init__(
@@ -263,6 +314,7 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         transfer_stream: TransferStream,
         wait_for_compute: bool,
         swap_blocks: SwapBlocksFn | None = None,
+        depends_on: SingleDirectionOffloadingHandler | None = None,
     ):
         if len(src_tensors) != len(dst_tensors) or not src_tensors:
             raise ValueError(
@@ -302,6 +354,11 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         self._bytes_per_page_all_tensors = sum(self.page_sizes_bytes)
         self._transfers: deque[_Transfer] = deque()
         self._in_flight: dict[int, _Transfer] = {}
+        self.depends_on = depends_on
+
+    def unreported_events(self) -> list[TransferEvent]:
+        """Completion events of the jobs submitted and not yet reported, in submission order."""
+        return [transfer.event for transfer in self._transfers]
 
     def _check_ids(self, name: str, ids: np.ndarray, num_blocks: int) -> None:
         if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
@@ -349,7 +406,10 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
             for src, dst, page_size in triples:
                 swap_blocks(src, dst, page_size, mapping)
 
-        event = self.transfer_stream.submit(copy_pages, self.wait_for_compute)
+        if self.depends_on is not None and (waits := self.depends_on.unreported_events()):
+            event = self.transfer_stream.submit(copy_pages, self.wait_for_compute, waits)
+        else:
+            event = self.transfer_stream.submit(copy_pages, self.wait_for_compute)
         transfer = _Transfer(job_id, event, mapping.shape[0] * self._bytes_per_page_all_tensors)
         self._transfers.append(transfer)
         self._in_flight[job_id] = transfer
@@ -392,7 +452,9 @@ class CpuGpuOffloadingHandlers:
     ``kv_cache_config.num_blocks`` pages each) and allocates, per view, a CPU buffer
     ``[num_cpu_blocks * block_size_factor, page_size_bytes]`` of ``torch.uint8`` (pinned when
     ``pin_memory``, by default when the KV cache is on a CUDA device). CPU block ``c`` holds
-    pages ``c * f .. c * f + f - 1`` of every buffer, ``f = cpu_block_size / gpu_block_size``.
+    pages ``c * f .. c * f + f - 1`` of every buffer, ``f = cpu_block_size / gpu_block_size``
+    (with groups of different GPU block sizes the spec passes equal sizes: ``f = 1``, the CPU
+    side mirrors the GPU layout per block id).
     Both buffers are ``torch.empty``: offloaded bytes are only meaningful once stored.
     """
 
@@ -456,6 +518,8 @@ class CpuGpuOffloadingHandlers:
             transfer_stream=factory(device, "kv-offload-cpu-to-gpu"),
             wait_for_compute=wait_for_compute_on_load,
             swap_blocks=swap_blocks,
+            # Read-after-write on CPU blocks: a load waits for every earlier unreported store.
+            depends_on=self.gpu_to_cpu_handler,
         )
 
     def shutdown(self) -> None:

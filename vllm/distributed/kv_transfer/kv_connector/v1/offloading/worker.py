@@ -19,8 +19,13 @@ from vllm.v1.kv_offload.worker.worker import (
 class OffloadingConnectorWorker:
     """Offloads a worker's KV cache through the handlers of an :class:`OffloadingSpec`.
 
-    Job ids are assigned here, increasing in submission order. Within one direction jobs finish
-    and are reported in submission order (see :mod:`vllm.v1.kv_offload.worker.cpu_gpu`).
+    Job ids are assigned here, increasing in submission order. Ordering (see
+    :mod:`vllm.v1.kv_offload.worker.cpu_gpu`): :meth:`get_finished` reports jobs in submission
+    order across both directions (a later job is never reported before an earlier one); a load
+    (CPU -> GPU) starts only after every earlier store (GPU -> CPU) not yet reported has
+    completed, so it reads what those stores wrote; a store copies the pages the compute work
+    queued before its submission produced. :meth:`wait` waits for the given jobs and every
+    earlier one.
     """
 
     def __init__(self, spec: OffloadingSpec):
@@ -74,7 +79,7 @@ class OffloadingConnectorWorker:
         return self.worker.get_finished()
 
     def wait(self, job_ids: Iterable[int]) -> None:
-        """Block until the given jobs have finished."""
+        """Block until the given jobs (and every job submitted before them) have finished."""
         self.worker.wait(job_ids)
 
     def shutdown(self) -> None:
