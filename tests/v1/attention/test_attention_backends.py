@@ -12,6 +12,7 @@ from vllm.v1.attention.backends import (
     AttentionBackendEnum,
     DeviceCapability,
     FlashInferBackend,
+    KVCacheScaleLayouts,
     MLACommonBackend,
     MultipleOf,
     ReferenceAttentionBackend,
@@ -23,6 +24,7 @@ from vllm.v1.attention.backends import (
     kv_cache_layout,
     map_to_kernel_blocks,
     set_kv_cache_layout,
+    split_kv_cache,
 )
 from vllm.v1.attention.backends.utils import KV_CACHE_LAYOUT_ENV
 
@@ -120,6 +122,11 @@ def test_backend_properties() -> None:
     assert ReferenceAttentionBackend.supports_block_size(3)
     assert FlashInferBackend.get_nvfp4_scale_layout().value == "interleave4"
     assert ReferenceAttentionBackend.get_nvfp4_scale_layout().value == "linear"
+    # The per-cache record (K, V) that writers and readers take comes from the same method.
+    assert FlashInferBackend.get_kv_cache_scale_layouts() == KVCacheScaleLayouts(
+        FlashInferBackend.get_nvfp4_scale_layout(), FlashInferBackend.get_nvfp4_scale_layout()
+    )
+    assert tuple(ReferenceAttentionBackend.get_kv_cache_scale_layouts()) == ("linear", "linear")
     assert FlashInferBackend.get_required_kv_cache_layout(B200) == "HND"
     assert FlashInferBackend.get_required_kv_cache_layout(H100) is None
     assert ReferenceAttentionBackend.get_required_kv_cache_layout(B200) is None
@@ -231,6 +238,14 @@ def test_reference_backend_validation() -> None:
     with pytest.raises(ValueError, match="cannot serve this configuration: model dtype torch.int8"):
         ReferenceAttentionBackend.check_configuration(64, torch.int8, "auto", 16, None)
 
+    class Restricted(ReferenceAttentionBackend):
+        supported_head_sizes = [64, 128]
+
+    reasons = Restricted.validate_configuration(
+        64, torch.bfloat16, "auto", 16, None, head_size_v=96
+    )
+    assert reasons == ["head_size_v 96 not supported by REFERENCE"]
+
 
 def test_selector() -> None:
     with kv_cache_layout("HND"):
@@ -316,4 +331,16 @@ def test_slot_mapping_errors() -> None:
         compute_slot_mapping(table, torch.tensor([1]), 16, torch.tensor([1]))
     with pytest.raises(ValueError, match="blocks_per_kv_block"):
         map_to_kernel_blocks(table, 0)
+    with pytest.raises(ValueError, match="block_size: expected a positive int .*got 0"):
+        compute_slot_mapping(table, torch.tensor([1]), 0)
+    with pytest.raises(ValueError, match=r"positions: expected shape \[T\], got \[1, 1\]"):
+        compute_slot_mapping(table, torch.tensor([[1]]), 16)
+    with pytest.raises(ValueError, match=r"block_table: expected shape \[max_blocks\] or"):
+        compute_slot_mapping(table[None], torch.tensor([1]), 16)
+    with pytest.raises(ValueError, match=r"req_indices: expected shape \[2\] .*got \[1\]"):
+        compute_slot_mapping(table, torch.tensor([1, 2]), 16, torch.tensor([0]))
+    with pytest.raises(ValueError, match=r"kv_cache: expected a \(key_cache, value_cache\) pair"):
+        split_kv_cache((torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3)))
+    with pytest.raises(ValueError, match=r"kv_cache: expected a \(B, 2, N, H, D'\) tensor"):
+        split_kv_cache(torch.zeros(1, 3, 2, 3, 4))
     assert compute_slot_mapping(table, torch.zeros(0, dtype=torch.int64), 16).numel() == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import pathlib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from kv_cache_test_utils import DEVICES
 
 import vllm
 from vllm import _custom_ops as ops
+from vllm.kv_quant import ScaleLayout
 from vllm.v1.attention.backends import (
     AttentionLayerScales,
     ReferenceAttentionBackend,
@@ -271,6 +273,29 @@ def test_impl_argument_errors() -> None:
         ReferenceAttentionImpl(8, 64, logits_soft_cap=-1.0)
     with pytest.raises(ValueError, match="query_lens: sequence 0 has 3 tokens and 4 query"):
         ReferenceAttentionMetadata.build([3], [4], torch.zeros(1, 1, dtype=torch.int64), 16)
+    table = torch.zeros(1, 1, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"seq_lens: expected a 1-D tensor, got shape \[1, 1\]"):
+        ReferenceAttentionMetadata.build(torch.tensor([[3]]), [1], table, 16)
+    with pytest.raises(ValueError, match=r"query_lens: expected 2 entries \(one per sequence\)"):
+        ReferenceAttentionMetadata.build([3, 4], [1], table, 16)
+    with pytest.raises(ValueError, match=r"block_table: expected shape \[2, max_blocks\]"):
+        ReferenceAttentionMetadata.build([3, 4], [1, 1], table, 16)
+
+
+def test_scale_layout_defaults_come_from_the_backend() -> None:
+    """Unset layouts are the reference backend's own (linear, K and V); an explicit K layout
+    also sets V's unless V is given. The write and read paths use these attributes."""
+    default = ReferenceAttentionBackend.get_kv_cache_scale_layouts()
+    impl = ReferenceAttentionImpl(8, 64, kv_cache_dtype="nvfp4")
+    assert (impl.k_scale_layout, impl.v_scale_layout) == tuple(default)
+    assert impl.k_scale_layout is ScaleLayout.LINEAR
+    impl = ReferenceAttentionImpl(8, 64, kv_cache_dtype="nvfp4", k_scale_layout="interleave4")
+    assert impl.v_scale_layout is ScaleLayout.INTERLEAVE4
+    impl = ReferenceAttentionImpl(8, 64, kv_cache_dtype="nvfp4", v_scale_layout="interleave4")
+    assert (impl.k_scale_layout, impl.v_scale_layout) == (
+        ScaleLayout.LINEAR,
+        ScaleLayout.INTERLEAVE4,
+    )
 
 
 def test_forward_errors() -> None:
@@ -304,6 +329,41 @@ def test_forward_errors() -> None:
         impl.forward(layer, q, None, None, cache, short)
     with pytest.raises(ValueError, match="kv_cache: expected a"):
         impl.forward(layer, q, None, None, cache[:, 0], ok)
+    with pytest.raises(
+        ValueError, match="k_scale: expected a torch.float32 tensor, got torch.float64"
+    ):
+        impl.forward(
+            AttentionLayerScales(torch.ones(1, dtype=torch.float64), torch.ones(1)),
+            q,
+            None,
+            None,
+            cache,
+            ok,
+        )
+    with pytest.raises(ValueError, match="key_cache: expected dtype torch.uint8 for a fp8 cache"):
+        ReferenceAttentionImpl(4, 64, num_kv_heads=2, kv_cache_dtype="fp8").forward(
+            layer, q, None, None, make_cache("cpu", "auto", 2, 64, block_size=4, num_blocks=3), ok
+        )
+    with pytest.raises(ValueError, match="key_cache: expected a floating dtype for kv_cache_dtype"):
+        ReferenceAttentionImpl(4, 64, num_kv_heads=2).forward(
+            layer, q, None, None, torch.zeros(3, 2, 4, 2, 64, dtype=torch.uint8), ok
+        )
+    with pytest.raises(ValueError, match=r"value_cache: expected \[3, 4\] pages x tokens like"):
+        impl.forward(layer, q, None, None, (cache[:, 0], cache[:2, 1]), ok)
+    with pytest.raises(ValueError, match="query: expected device cpu .*got meta"):
+        impl.forward(layer, q.to("meta"), None, None, cache, ok)
+    with pytest.raises(ValueError, match=r"output: expected shape \[T, 4, 64\], got \[1, 4, 32\]"):
+        impl.forward(layer, q, None, None, cache, ok, output=torch.zeros(1, 4, 32))
+    with pytest.raises(ValueError, match=r"query_start_loc: expected 2 entries from 0 to"):
+        impl.forward(layer, q, None, None, cache, replace(ok, query_start_loc=torch.tensor([0, 2])))
+    with pytest.raises(
+        ValueError, match="query: expected at least num_actual_tokens=1 rows, got 0"
+    ):
+        impl.forward(layer, q[:0], None, None, cache, ok)
+    with pytest.raises(ValueError, match=r"block_table: expected shape \[1, max_blocks\]"):
+        impl.forward(layer, q, None, None, cache, replace(ok, block_table=torch.tensor([0, 1])))
+    with pytest.raises(ValueError, match="seq_lens: sequence 0 has 0 tokens but 1 query tokens"):
+        impl.forward(layer, q, None, None, cache, replace(ok, seq_lens=torch.tensor([0])))
     with pytest.raises(ValueError, match="interleave4 scale layout needs a block size"):
         ReferenceAttentionImpl(
             4, 64, num_kv_heads=2, kv_cache_dtype="nvfp4", k_scale_layout="interleave4"

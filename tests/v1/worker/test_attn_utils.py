@@ -5,14 +5,17 @@ Mamba state views, ``UniformTypeKVCacheSpecs`` groups, and validation before all
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
 from kv_cache_test_utils import dsv4_spec
 
+from vllm.kv_quant import ScaleLayout
 from vllm.utils.torch_utils import nvfp4_kv_cache_full_dim
 from vllm.v1.attention.backends import (
     FlashInferBackend,
+    KVCacheScaleLayouts,
     MLACommonBackend,
     ReferenceAttentionBackend,
     kv_cache_layout,
@@ -22,6 +25,7 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    KVCacheSpec,
     KVCacheTensor,
     KVQuantMode,
     MambaSpec,
@@ -31,7 +35,9 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.worker.gpu.attn_utils import (
     _allocate_kv_cache,
+    _paged_view,
     _reshape_kv_cache,
+    get_kv_cache_scale_layouts,
     init_kv_cache,
     select_kernel_block_size,
     spec_cache_dtype_str,
@@ -388,3 +394,140 @@ def test_init_kv_cache_mla_and_mamba_hybrid() -> None:
         init_kv_cache(config, {"mla": FlashInferBackend}, "cpu")
     with pytest.raises(ValueError, match=r"layer 'mla'.*REFERENCE serves no MLA layers"):
         init_kv_cache(config, {"mla": ReferenceAttentionBackend}, "cpu")
+
+
+# ------------------------------------------------------------------------ scale layouts
+
+
+def test_scale_layouts_are_recorded_per_layer_from_each_backend() -> None:
+    """The NVFP4 scale layout is a property of the cache chosen with its backend: FlashInfer
+    layers get interleave4, REFERENCE layers linear; MLA and Mamba layers have none."""
+    nvfp4 = attn_spec(dtype=torch.uint8, kv_quant_mode=KVQuantMode.NVFP4)
+    mla = dsv4_spec(4)
+    mamba = MambaSpec(block_size=256, shapes=((4, 8),), dtypes=(torch.float32,))
+    config = KVCacheConfig(
+        num_blocks=2,
+        kv_cache_tensors=[
+            KVCacheTensor(size=2 * nvfp4.page_size_bytes, shared_by=["fi"]),
+            KVCacheTensor(size=2 * nvfp4.page_size_bytes, shared_by=["ref"]),
+            KVCacheTensor(size=2 * mla.page_size_bytes, shared_by=["mla"]),
+            KVCacheTensor(size=2 * mamba.page_size_bytes, shared_by=["ssm"]),
+        ],
+        kv_cache_groups=[
+            KVCacheGroupSpec(["fi", "ref"], nvfp4),
+            KVCacheGroupSpec(["mla"], mla),
+            KVCacheGroupSpec(["ssm"], mamba),
+        ],
+    )
+    backends = {"fi": FlashInferBackend, "ref": ReferenceAttentionBackend, "mla": MLACommonBackend}
+    layouts = get_kv_cache_scale_layouts(config, backends)
+    assert layouts == {
+        "fi": KVCacheScaleLayouts(ScaleLayout.INTERLEAVE4, ScaleLayout.INTERLEAVE4),
+        "ref": KVCacheScaleLayouts(ScaleLayout.LINEAR, ScaleLayout.LINEAR),
+    }
+    assert layouts["fi"] == FlashInferBackend.get_kv_cache_scale_layouts()
+    k_layout, v_layout = layouts["fi"]  # unpacks as (k, v)
+    assert (k_layout, v_layout) == (layouts["fi"].k_scale_layout, layouts["fi"].v_scale_layout)
+    # One backend per group works too, and a layer without a backend is an error.
+    per_group = get_kv_cache_scale_layouts(
+        config, [FlashInferBackend, MLACommonBackend, ReferenceAttentionBackend]
+    )
+    assert set(per_group) == {"fi", "ref"}
+    assert per_group["ref"].k_scale_layout is ScaleLayout.INTERLEAVE4
+    with pytest.raises(ValueError, match=r"no backend for attention layer\(s\) ref, mla"):
+        get_kv_cache_scale_layouts(config, {"fi": FlashInferBackend})
+
+
+# ------------------------------------------------------------------- remaining errors
+
+
+class _ThreeDimBackend(ReferenceAttentionBackend):
+    """Gives an attention layer a cache shape without the K/V dim."""
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
+        return (num_blocks, block_size, 2 * num_kv_heads * head_size)
+
+
+class _WideBackend(ReferenceAttentionBackend):
+    """A (B, 2, N, H, D+1) shape: one element per token too many for the spec's page."""
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
+        return (num_blocks, 2, block_size, num_kv_heads, head_size + 1)
+
+
+class _WideMLABackend(MLACommonBackend):
+    @staticmethod
+    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
+        shape = MLACommonBackend.get_kv_cache_shape(
+            num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str
+        )
+        return (*shape[:-1], shape[-1] + 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _OpaqueSpec(KVCacheSpec):
+    """Neither an attention nor a Mamba spec: no view exists for it."""
+
+    @property
+    def page_size_bytes(self) -> int:
+        return 64
+
+    def max_memory_usage_bytes(self, max_model_len, max_num_batched_tokens=None) -> int:
+        return 64
+
+
+def test_group_mixing_storage_block_sizes_is_an_error() -> None:
+    a, b = attn_spec(block_size=16), attn_spec(block_size=32)
+    group = UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"a": a, "b": b})
+    config = KVCacheConfig(
+        num_blocks=1,
+        kv_cache_tensors=[
+            KVCacheTensor(size=a.page_size_bytes, shared_by=["a"]),
+            KVCacheTensor(size=b.page_size_bytes, shared_by=["b"]),
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(["a", "b"], group)],
+    )
+    with pytest.raises(ValueError, match=r"group 0 mixes storage block sizes \[16, 32\]"):
+        _reshape_kv_cache(config, _allocate_kv_cache(config, "meta"), [ReferenceAttentionBackend])
+
+
+def test_view_and_kernel_block_errors() -> None:
+    spec = attn_spec()
+    config = one_group(spec, spec.page_size_bytes * 2)
+    raw = _allocate_kv_cache(config, "meta")
+    with pytest.raises(
+        ValueError, match=r"kernel_block_sizes: expected one per KV-cache group \(1\)"
+    ):
+        _reshape_kv_cache(config, raw, [FlashInferBackend], kernel_block_sizes=[16, 16])
+    with pytest.raises(ValueError, match="storage_block_size: expected a positive int, got 0"):
+        select_kernel_block_size([FlashInferBackend], 0)
+    with pytest.raises(ValueError, match=r"needs a \(B, 2, N, H, D'\) cache"):
+        _reshape_kv_cache(config, raw, [_ThreeDimBackend])
+    with pytest.raises(ValueError, match=r"shape \(2, 2, 16, 8, 129\).*does not match the spec"):
+        _reshape_kv_cache(config, raw, [_WideBackend])
+    split = one_group(attn_spec(head_size_v=64), spec.page_size_bytes * 2)
+    with pytest.raises(ValueError, match=r"K side .* \+ V side .* do not match the spec's"):
+        _reshape_kv_cache(split, _allocate_kv_cache(split, "meta"), [_WideBackend])
+    odd = attn_spec(page_size_padded=spec.page_size_bytes + 1)
+    odd_config = one_group(odd, odd.page_size_bytes * 2)
+    with pytest.raises(ValueError, match=r"not a whole number of torch.bfloat16 elements"):
+        _reshape_kv_cache(odd_config, _allocate_kv_cache(odd_config, "meta"), [FlashInferBackend])
+    mla = one_group(dsv4_spec(4), dsv4_spec(4).page_size_bytes * 2)
+    with pytest.raises(ValueError, match=r"backend MLA_COMMON shape .* does not match the spec"):
+        _reshape_kv_cache(mla, _allocate_kv_cache(mla, "meta"), [_WideMLABackend])
+    opaque = one_group(_OpaqueSpec(block_size=16), 128)
+    with pytest.raises(ValueError, match="layer 'l0': no cache view for spec type _OpaqueSpec"):
+        _reshape_kv_cache(opaque, _allocate_kv_cache(opaque, "meta"), {})
+
+
+def test_paged_view_errors() -> None:
+    raw = torch.zeros(64, dtype=torch.int8)
+    assert _paged_view(raw, torch.int8, (4, 2, 8), (0, 2, 1), 16, 0, "x").shape == (4, 2, 8)
+    with pytest.raises(ValueError, match=r"x: stride order \(1, 0, 2\) is not a permutation"):
+        _paged_view(raw, torch.int8, (4, 2, 8), (1, 0, 2), 16, 0, "x")
+    with pytest.raises(ValueError, match="x: a page of 16 elements does not fit the page stride"):
+        _paged_view(raw, torch.int8, (4, 2, 8), (0, 1, 2), 8, 0, "x")
+    with pytest.raises(ValueError, match=r"x: the view \(5, 2, 8\).*needs 80 bytes.*has 64"):
+        _paged_view(raw, torch.int8, (5, 2, 8), (0, 1, 2), 16, 0, "x")

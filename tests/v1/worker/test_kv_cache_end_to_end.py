@@ -36,9 +36,13 @@ import torch
 from kv_cache_test_utils import DEVICES
 
 from vllm import _custom_ops as ops
+from vllm.kv_quant import ScaleLayout
 from vllm.utils.torch_utils import _nvfp4_split_data_scale
 from vllm.v1.attention.backends import (
+    AttentionBackend,
     AttentionLayerScales,
+    FlashInferBackend,
+    KVCacheScaleLayouts,
     ReferenceAttentionBackend,
     ReferenceAttentionImpl,
     ReferenceAttentionMetadata,
@@ -55,7 +59,11 @@ from vllm.v1.kv_cache_interface import (
     KVQuantMode,
     SlidingWindowSpec,
 )
-from vllm.v1.worker.gpu.attn_utils import _allocate_kv_cache, _reshape_kv_cache
+from vllm.v1.worker.gpu.attn_utils import (
+    _allocate_kv_cache,
+    _reshape_kv_cache,
+    get_kv_cache_scale_layouts,
+)
 
 pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
 
@@ -184,6 +192,8 @@ class Model:
     block_tables: dict[int, torch.Tensor]
     block_size: int
     num_blocks: int
+    scale_layouts: dict[str, KVCacheScaleLayouts]
+    """Recorded with the caches: the backend's NVFP4 scale layouts per layer."""
 
 
 def build_model(
@@ -193,6 +203,7 @@ def build_model(
     g: torch.Generator,
     block_size: int = 16,
     kernel_block_size: int | None = None,
+    backend: type[AttentionBackend] = ReferenceAttentionBackend,
 ) -> Model:
     """Planner-free config: two groups, two buffers each shared by one layer per group."""
     kwargs = dict(
@@ -221,9 +232,8 @@ def build_model(
     kernel_sizes = None if kernel_block_size is None else [kernel_block_size] * 2
     with kv_cache_layout(layout):
         raw = _allocate_kv_cache(config, device)
-        caches = _reshape_kv_cache(
-            config, raw, [ReferenceAttentionBackend] * 2, fmt.kv_cache_dtype, kernel_sizes
-        )
+        caches = _reshape_kv_cache(config, raw, [backend] * 2, fmt.kv_cache_dtype, kernel_sizes)
+    scale_layouts = get_kv_cache_scale_layouts(config, [backend] * 2)
     # Random, disjoint pages for every (group, sequence): the groups share the buffers.
     perm = torch.randperm(num_blocks, generator=g)
     max_blocks = max(math.ceil(s / block_size) for s in SEQ_LENS)
@@ -235,11 +245,20 @@ def build_model(
             table[i, :n] = perm[used : used + n]
             used += n
         tables[group] = table.to(device)
-    return Model(caches, tables, block_size, num_blocks)
+    return Model(caches, tables, block_size, num_blocks, scale_layouts)
 
 
-def write_layer(model: Model, name: str, group: int, fmt: Fmt, g: torch.Generator, device: str):
-    """Write every token of every sequence (shuffled order) with reshape_and_cache_flash."""
+def write_layer(
+    model: Model,
+    name: str,
+    group: int,
+    fmt: Fmt,
+    g: torch.Generator,
+    device: str,
+    writer: ReferenceAttentionImpl | None = None,
+):
+    """Write every token of every sequence (shuffled order) with reshape_and_cache_flash in
+    ``fmt``'s scale layouts, or with ``writer.do_kv_cache_update`` (its layouts) when given."""
     total = sum(SEQ_LENS)
     k, v = random_kv(total, g), random_kv(total, g)
     k_scale, v_scale = make_scale(k, fmt).to(device), make_scale(v, fmt).to(device)
@@ -247,6 +266,12 @@ def write_layer(model: Model, name: str, group: int, fmt: Fmt, g: torch.Generato
     req = torch.repeat_interleave(torch.arange(len(SEQ_LENS)), torch.tensor(SEQ_LENS))
     slots = compute_slot_mapping(model.block_tables[group].cpu(), positions, model.block_size, req)
     order = torch.randperm(total, generator=g)
+    layer = AttentionLayerScales(k_scale, v_scale)
+    if writer is not None:
+        writer.do_kv_cache_update(
+            layer, k[order].to(device), v[order].to(device), model.caches[name], slots[order]
+        )
+        return k, v, layer
     key_cache, value_cache = split_kv_cache(model.caches[name])
     ops.reshape_and_cache_flash(
         k[order].to(device),
@@ -260,7 +285,7 @@ def write_layer(model: Model, name: str, group: int, fmt: Fmt, g: torch.Generato
         fmt.k_layout,
         fmt.v_layout,
     )
-    return k, v, AttentionLayerScales(k_scale, v_scale)
+    return k, v, layer
 
 
 def read_layer(
@@ -275,6 +300,8 @@ def read_layer(
     k_layout: str | None = None,
     v_layout: str | None = None,
 ) -> torch.Tensor:
+    """Read through a ``ReferenceAttentionImpl`` in ``k_layout`` / ``v_layout`` (default:
+    ``fmt``'s scale layouts)."""
     cache = model.caches[name]
     kernel_block = split_kv_cache(cache)[0].shape[1]
     table = map_to_kernel_blocks(model.block_tables[group], model.block_size // kernel_block)
@@ -373,6 +400,49 @@ def test_nvfp4_bound_rejects_wrong_scale_layout(layout: str) -> None:
         )
         assert not _within_bound(fmt, *bad), (
             f"reading interleave4 scales as K={k_layout}, V={v_layout} went unnoticed: "
+            f"cos={bad[0]:.6f} rel={bad[1]:.4f}"
+        )
+
+
+def test_flashinfer_nvfp4_scale_layout_travels_with_the_cache() -> None:
+    """A FlashInfer NVFP4 cache (HND; trtllm-gen reads interleave4 scales) gets its scale
+    layouts recorded with its views. Written through the recorded layouts (the reference
+    writer built from them gives the bytes of ``reshape_and_cache_flash`` called with them) and
+    read with them, attention meets the NVFP4 bound; read as linear, it fails it."""
+    interleave4 = KVCacheScaleLayouts(ScaleLayout.INTERLEAVE4, ScaleLayout.INTERLEAVE4)
+    model = build_model(
+        NVFP4, "HND", "cpu", torch.Generator().manual_seed(7), backend=FlashInferBackend
+    )
+    direct = build_model(
+        NVFP4, "HND", "cpu", torch.Generator().manual_seed(7), backend=FlashInferBackend
+    )
+    assert model.scale_layouts == {name: interleave4 for name, _, _ in LAYERS}
+    for name, group, window in (LAYERS[0], LAYERS[2]):
+        k_layout, v_layout = (layout.value for layout in model.scale_layouts[name])
+        fmt = replace(NVFP4, k_layout=k_layout, v_layout=v_layout)
+        writer = ReferenceAttentionImpl(
+            NUM_HEADS,
+            HEAD_SIZE,
+            num_kv_heads=NUM_KV_HEADS,
+            kv_cache_dtype="nvfp4",
+            **model.scale_layouts[name]._asdict(),
+        )
+        k, v, layer = write_layer(
+            model, name, group, fmt, torch.Generator().manual_seed(8), "cpu", writer=writer
+        )
+        write_layer(direct, name, group, fmt, torch.Generator().manual_seed(8), "cpu")
+        assert torch.equal(model.caches[name], direct.caches[name])
+        q = torch.randn(
+            sum(QUERY_LENS), NUM_HEADS, HEAD_SIZE, generator=torch.Generator().manual_seed(9)
+        )
+        ref = dense_reference(q, k, v, window)
+        good = metrics(read_layer(model, name, group, window, fmt, layer, q, "cpu"), ref)
+        assert _within_bound(fmt, *good), f"{name}: cos={good[0]:.6f} rel={good[1]:.4f}"
+        bad = metrics(
+            read_layer(model, name, group, window, fmt, layer, q, "cpu", "linear", "linear"), ref
+        )
+        assert not _within_bound(fmt, *bad), (
+            f"{name}: interleave4 scales read as linear went unnoticed: "
             f"cos={bad[0]:.6f} rel={bad[1]:.4f}"
         )
 

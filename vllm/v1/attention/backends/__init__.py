@@ -7,6 +7,7 @@ from vllm.v1.attention.backends.abstract import (
     AttentionLayer,
     AttentionLayerScales,
     DeviceCapability,
+    KVCacheScaleLayouts,
     MultipleOf,
     get_device_capability,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "AttentionLayerScales",
     "DeviceCapability",
     "FlashInferBackend",
+    "KVCacheScaleLayouts",
     "MLACommonBackend",
     "MultipleOf",
     "ReferenceAttentionBackend",

@@ -69,6 +69,19 @@ class MultipleOf:
     base: int
 
 
+class KVCacheScaleLayouts(NamedTuple):
+    """NVFP4 block-scale layout of each side of one layer's cache (K and V may differ).
+
+    A property of the cache, chosen with its backend
+    (:meth:`AttentionBackend.get_kv_cache_scale_layouts`): the writer
+    (``reshape_and_cache_flash``'s ``k_scale_layout`` / ``v_scale_layout``) and the reader
+    must both use it. Meaningless (but harmless) for unquantized and FP8 caches.
+    """
+
+    k_scale_layout: ScaleLayout
+    v_scale_layout: ScaleLayout
+
+
 class AttentionLayer(Protocol):
     """What an attention impl reads from its layer: the fp32 KV dequantization scales."""
 
@@ -205,6 +218,14 @@ class AttentionBackend(ABC):
         from vllm.kv_quant.scale_layout import ScaleLayout
 
         return ScaleLayout.LINEAR
+
+    @classmethod
+    def get_kv_cache_scale_layouts(cls) -> KVCacheScaleLayouts:
+        """NVFP4 scale layouts (K, V) of the caches this backend reads: both
+        :meth:`get_nvfp4_scale_layout`. Record them with the cache and pass them to the writer
+        and the reader (see :func:`~vllm.v1.worker.gpu.attn_utils.get_kv_cache_scale_layouts`)."""
+        layout = cls.get_nvfp4_scale_layout()
+        return KVCacheScaleLayouts(layout, layout)
 
     @classmethod
     def _validate_common(

@@ -93,6 +93,7 @@ class FlashInferBackend(AttentionBackend):
 
     @classmethod
     def get_nvfp4_scale_layout(cls) -> ScaleLayout:
+        """trtllm-gen reads NVFP4 block scales in the 4-token interleave (K and V)."""
         from vllm.kv_quant.scale_layout import ScaleLayout
 
         return ScaleLayout.INTERLEAVE4

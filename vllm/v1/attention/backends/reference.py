@@ -184,8 +184,12 @@ class ReferenceAttentionImpl(AttentionImpl):
     ``p`` sees keys in ``(p - W, p]``. ``num_heads`` must be a multiple of ``num_kv_heads``
     (query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``). ``sinks`` (fp32
     ``[num_heads]``) are per-head logits added to each softmax denominator (GPT-OSS).
-    ``k_scale_layout`` / ``v_scale_layout`` name the NVFP4 block-scale layout of each side
-    (``v_scale_layout=None`` means the same as K's).
+    ``k_scale_layout`` / ``v_scale_layout`` name the NVFP4 block-scale layout of each side of
+    the cache; the same values serve the write (:meth:`do_kv_cache_update`) and the read
+    (:meth:`forward`). Pass the layouts recorded with the cache
+    (:func:`~vllm.v1.worker.gpu.attn_utils.get_kv_cache_scale_layouts`, e.g. interleave4 for a
+    FlashInfer cache). Defaults: K's is :class:`ReferenceAttentionBackend`'s (linear);
+    ``v_scale_layout=None`` means K's when ``k_scale_layout`` is given, else the backend's.
     """
 
     def __init__(
@@ -200,7 +204,7 @@ class ReferenceAttentionImpl(AttentionImpl):
         sinks: torch.Tensor | None = None,
         *,
         head_size_v: int | None = None,
-        k_scale_layout: ScaleLayout | str = ScaleLayout.LINEAR,
+        k_scale_layout: ScaleLayout | str | None = None,
         v_scale_layout: ScaleLayout | str | None = None,
     ) -> None:
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -252,10 +256,16 @@ class ReferenceAttentionImpl(AttentionImpl):
         self.kv_cache_dtype = kv_cache_dtype
         self.logits_soft_cap = logits_soft_cap
         self.sinks = sinks
-        self.k_scale_layout = ScaleLayout.parse(k_scale_layout)
-        self.v_scale_layout = (
-            self.k_scale_layout if v_scale_layout is None else ScaleLayout.parse(v_scale_layout)
+        default = ReferenceAttentionBackend.get_kv_cache_scale_layouts()
+        self.k_scale_layout = (
+            default.k_scale_layout if k_scale_layout is None else ScaleLayout.parse(k_scale_layout)
         )
+        if v_scale_layout is not None:
+            self.v_scale_layout = ScaleLayout.parse(v_scale_layout)
+        elif k_scale_layout is not None:
+            self.v_scale_layout = self.k_scale_layout
+        else:
+            self.v_scale_layout = default.v_scale_layout
 
     # ----------------------------------------------------------------------------- checks
 

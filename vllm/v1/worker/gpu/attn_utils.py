@@ -27,6 +27,7 @@ from vllm.config.cache import validate_cache_dtype
 from vllm.utils.torch_utils import get_dtype_size
 from vllm.v1.attention.backends.abstract import (
     AttentionBackend,
+    KVCacheScaleLayouts,
     MultipleOf,
     get_device_capability,
 )
@@ -256,13 +257,9 @@ def _normalize_backends(
     }
 
 
-def _kernel_block_sizes(
-    kv_cache_config: KVCacheConfig,
-    backends: dict[str, type[AttentionBackend]],
-    kernel_block_sizes: Sequence[int] | None,
-) -> list[int]:
-    """Kernel block size per group (Mamba-only groups: their storage block size)."""
-    layer_specs = dict(iter_layer_specs(kv_cache_config))
+def _check_backends_cover(
+    layer_specs: Mapping[str, KVCacheSpec], backends: Mapping[str, type[AttentionBackend]]
+) -> None:
     missing = [
         name
         for name, spec in layer_specs.items()
@@ -270,6 +267,16 @@ def _kernel_block_sizes(
     ]
     if missing:
         raise ValueError(f"attn_backends: no backend for attention layer(s) {', '.join(missing)}")
+
+
+def _kernel_block_sizes(
+    kv_cache_config: KVCacheConfig,
+    backends: dict[str, type[AttentionBackend]],
+    kernel_block_sizes: Sequence[int] | None,
+) -> list[int]:
+    """Kernel block size per group (Mamba-only groups: their storage block size)."""
+    layer_specs = dict(iter_layer_specs(kv_cache_config))
+    _check_backends_cover(layer_specs, backends)
     groups = kv_cache_config.kv_cache_groups
     if kernel_block_sizes is not None and len(kernel_block_sizes) != len(groups):
         raise ValueError(
@@ -485,6 +492,33 @@ def _reshape_kv_cache(
     return kv_caches
 
 
+# ------------------------------------------------------------------------ scale layouts
+
+
+def get_kv_cache_scale_layouts(
+    kv_cache_config: KVCacheConfig, attn_backends: AttnBackends
+) -> dict[str, KVCacheScaleLayouts]:
+    """NVFP4 block-scale layouts ``(k_scale_layout, v_scale_layout)`` of each (non-MLA)
+    attention layer's cache: its backend's
+    (:meth:`~vllm.v1.attention.backends.abstract.AttentionBackend.get_kv_cache_scale_layouts`;
+    FlashInfer: interleave4, REFERENCE: linear).
+
+    The layout is a property of the cache selected with the backend: record it next to the
+    views of :func:`init_kv_cache` (same ``attn_backends``) and pass it to the writer
+    (``reshape_and_cache_flash``'s ``k_scale_layout`` / ``v_scale_layout``, or
+    ``ReferenceAttentionImpl``) and to the reader. MLA and Mamba layers have no K/V scale
+    planes and are left out. ``ValueError`` when an attention layer has no backend.
+    """
+    backends = _normalize_backends(kv_cache_config, attn_backends)
+    layer_specs = dict(iter_layer_specs(kv_cache_config))
+    _check_backends_cover(layer_specs, backends)
+    return {
+        name: backends[name].get_kv_cache_scale_layouts()
+        for name, spec in layer_specs.items()
+        if isinstance(spec, AttentionSpec) and not _is_mla_spec(spec)
+    }
+
+
 # --------------------------------------------------------------------------------- init
 
 
@@ -529,7 +563,10 @@ def init_kv_cache(
     kernel_block_sizes: Sequence[int] | None = None,
 ) -> dict[str, LayerKVCache]:
     """Validate backends, dry-run the views on the meta device, then allocate on ``device``
-    and return each layer's cache view. Nothing real is allocated unless all checks pass."""
+    and return each layer's cache view. Nothing real is allocated unless all checks pass.
+
+    The NVFP4 scale layouts that go with these caches (to pass to writers and readers) are
+    :func:`get_kv_cache_scale_layouts` of the same ``attn_backends``."""
     validate_kv_cache_backends(kv_cache_config, attn_backends, device, model_dtype, cache_dtype)
     meta = _allocate_kv_cache(kv_cache_config, "meta")
     _reshape_kv_cache(kv_cache_config, meta, attn_backends, cache_dtype, kernel_block_sizes)
