@@ -13,6 +13,9 @@ from hypothesis import strategies as st
 
 from vllm.config.cache import CacheConfig
 from vllm.model_presets import available_presets, load_preset
+from vllm.v1.attention.backends import kv_cache_layout
+from vllm.v1.attention.backends.abstract import AttentionBackend
+from vllm.v1.attention.backends.registry import get_attn_backend
 from vllm.v1.core.kv_cache_utils import (
     InsufficientKVCacheMemoryError,
     KVCachePlan,
@@ -23,14 +26,24 @@ from vllm.v1.core.kv_cache_utils import (
     plan_kv_cache,
     unify_kv_cache_spec_page_size,
 )
-from vllm.v1.core.model_specs import kv_bytes_per_entry
+from vllm.v1.core.model_specs import kv_bytes_per_entry, spec_bytes_per_token
 from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
     FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
     KVQuantMode,
+    LatentPageSpec,
     MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
+    iter_layer_specs,
+)
+from vllm.v1.worker.gpu.attn_utils import (
+    _allocate_kv_cache,
+    _reshape_kv_cache,
+    spec_cache_dtype_str,
 )
 
 GiB = 2**30
@@ -51,8 +64,52 @@ def _layer_pages(plan: KVCachePlan) -> dict[str, int]:
     return {name: spec.page_size_bytes for name, spec in plan.specs.items()}
 
 
+SM100 = (10, 0)
+"""Blackwell: the one capability where FlashInfer serves bf16, fp8 and nvfp4 caches alike."""
+
+
+def worker_backend(spec: KVCacheSpec) -> type[AttentionBackend]:
+    """The backend a worker picks for a layer (``get_attn_backend`` on sm_100, HND layout):
+    ``MLACommonBackend`` for latent specs, else FlashInfer when it serves the layer's head
+    size / cache dtype / block size, else the reference backend."""
+    return get_attn_backend(
+        spec.head_size,
+        torch.bfloat16,
+        spec_cache_dtype_str(spec),
+        spec.storage_block_size,
+        SM100,
+        use_mla=isinstance(spec, LatentPageSpec),
+        head_size_v=None if isinstance(spec, LatentPageSpec) else spec.head_size_v,
+        kv_cache_layout="HND",
+    )
+
+
+def run_worker(config: KVCacheConfig, cache_dtype: str | None = None) -> None:
+    """``_allocate_kv_cache`` on the meta device and ``_reshape_kv_cache`` with the backend
+    each layer gets (:func:`worker_backend`); FlashInfer splits blocks into kernel blocks of
+    16/32/64 and rejects padded pages it would have to split."""
+    specs = dict(iter_layer_specs(config))
+    backends = {
+        name: worker_backend(spec)
+        for name, spec in specs.items()
+        if isinstance(spec, AttentionSpec)
+    }
+    with kv_cache_layout("HND"):
+        raw = _allocate_kv_cache(config, "meta")
+        caches = _reshape_kv_cache(config, raw, backends, cache_dtype)
+    assert set(caches) == set(specs)
+    for name, spec in specs.items():
+        cache = caches[name]
+        first = cache[0] if isinstance(cache, list | tuple) else cache
+        # Pages are split into whole kernel blocks (Mamba views: one per page).
+        split, rest = divmod(first.shape[0], config.num_blocks) if config.num_blocks else (1, 0)
+        assert rest == 0 and spec.storage_block_size % split == 0
+
+
 def assert_worker_consumable(plan: KVCachePlan) -> None:
-    """What a worker does: one int8 buffer per tensor, viewed per layer as num_blocks pages."""
+    """Run the real worker on the plan: ``_allocate_kv_cache`` on the meta device, then
+    ``_reshape_kv_cache`` with each layer's backend (FlashInfer splits blocks into kernel
+    blocks of 16/32/64 and rejects padded pages it would have to split)."""
     config = plan.kv_cache_config
     pages = _layer_pages(plan)
     shared = [name for tensor in config.kv_cache_tensors for name in tensor.shared_by]
@@ -63,16 +120,13 @@ def assert_worker_consumable(plan: KVCachePlan) -> None:
         sizes = {pages[name] for name in tensor.shared_by}
         assert len(sizes) == 1, f"layers sharing a tensor differ in page size: {sizes}"
         assert tensor.size == config.num_blocks * sizes.pop()
-        raw = torch.empty(tensor.size, dtype=torch.int8, device="meta")
-        for name in tensor.shared_by:
-            view = raw.view(config.num_blocks, pages[name])
-            assert view.shape == (config.num_blocks, pages[name])
     for group in config.kv_cache_groups:
         spec = group.kv_cache_spec
         if isinstance(spec, UniformTypeKVCacheSpecs):
             assert set(spec.kv_cache_specs) == set(group.layer_names)
         else:
             assert all(plan.specs[name] == spec for name in group.layer_names)
+    run_worker(config, plan.cache_dtype)
     total = sum(t.size for t in config.kv_cache_tensors)
     assert total == plan.memory_used <= plan.available_memory
     assert plan.available_memory - total < plan.bytes_per_block, "num_blocks is the most that fit"
@@ -113,6 +167,27 @@ def test_every_preset_plans(name, dtype):
             plan.state_bytes_per_sequence
             == derived["mamba2_state_bytes_per_sequence_all_layers_bf16"]
         )
+
+
+def _has_sliding_window(name: str) -> bool:
+    return "sliding_window" in _plan(name).base.kinds.values()
+
+
+@pytest.mark.parametrize("skip", [[], ["sliding_window"]], ids=["no_skip", "skip_sliding"])
+@pytest.mark.parametrize("dtype", ("auto", "bfloat16", "fp8", "nvfp4"))
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_preset_runs_the_real_worker(name, dtype, skip):
+    """preset × dtype × skip → the planner's config through ``_allocate_kv_cache`` and
+    ``_reshape_kv_cache`` with the backend each layer gets on sm_100 (FlashInfer where it
+    serves the layer, else the reference backend; MLA layers: MLACommonBackend)."""
+    if skip and not _has_sliding_window(name):
+        pytest.skip("no sliding-window layers to skip")
+    plan = _plan(name, dtype, skip=skip)
+    assert_worker_consumable(plan)
+    for spec in plan.specs.values():
+        # A padded plain-attention page would be split into kernel blocks: never produced.
+        if isinstance(spec, AttentionSpec) and not isinstance(spec, LatentPageSpec):
+            assert spec.page_size_padded is None, spec
 
 
 @pytest.mark.parametrize("name", ["llama-3.1-8b-instruct", "qwen3-32b", "deepseek-v3"])
@@ -233,11 +308,46 @@ def test_skip_layers_in_hybrid_model():
             assert spec.kv_quant_mode == KVQuantMode.FP8_PER_TENSOR and spec.block_size == 32
         assert spec.page_size_bytes == 32768 and spec.page_size_padded is None
     assert_worker_consumable(plan)
-    # nvfp4 pages (9216 at 16 tokens) do not divide 32768: padded, but little.
+    # nvfp4 pages (9216 B per 16 tokens) do not divide 32768: an exact common page of
+    # lcm(32768, 9216) = 294912 B instead of padding (a padded full page of 112 tokens would be
+    # split into 7 FlashInfer kernel blocks of 16, which the worker rejects).
     nv = _plan("gpt-oss-120b", "nvfp4", skip=["sliding_window"])
-    assert len({s.page_size_bytes for s in nv.specs.values()}) == 1
-    assert 0 < nv.page_padding_fraction < 0.02
+    for spec in nv.specs.values():
+        assert spec.page_size_bytes == 294912 and spec.page_size_padded is None
+        assert spec.block_size == (144 if isinstance(spec, SlidingWindowSpec) else 512)
+    assert nv.page_padding_fraction == 0
     assert_worker_consumable(nv)
+    gemma = _plan("gemma-3-27b-it", "nvfp4", skip=["sliding_window"])
+    assert {(type(s).__name__, s.block_size, s.page_size_bytes) for s in gemma.specs.values()} == {
+        ("SlidingWindowSpec", 144, 1179648),
+        ("FullAttentionSpec", 512, 1179648),
+    }
+    # Bytes per token are unchanged: only the allocation granularity grew.
+    assert nv.kv_bytes_per_token == sum(spec_bytes_per_token(s) for s in nv.base.specs.values())
+
+
+def test_unequal_attention_pages_are_never_padded():
+    bf16 = SlidingWindowSpec(
+        block_size=16, num_kv_heads=8, head_size=64, dtype=torch.bfloat16, sliding_window=128
+    )
+    nvfp4 = FullAttentionSpec(
+        block_size=16,
+        num_kv_heads=8,
+        head_size=64,
+        dtype=torch.uint8,
+        kv_quant_mode=KVQuantMode.NVFP4,
+    )
+    unified = unify_kv_cache_spec_page_size({"swa": bf16, "full": nvfp4})
+    assert unified["swa"].block_size == 144 and unified["full"].block_size == 512
+    assert {s.page_size_bytes for s in unified.values()} == {294912}
+    assert all(s.page_size_padded is None for s in unified.values())
+    # Pages without a common multiple within 64× the largest page: refused, not padded.
+    odd = [
+        FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8 * p, dtype=torch.bfloat16)
+        for p in (67, 71)
+    ]
+    with pytest.raises(ValueError, match="no common multiple"):
+        unify_kv_cache_spec_page_size({"a": odd[0], "b": odd[1]})
 
 
 def test_tensor_parallel():
@@ -328,8 +438,9 @@ _ATTN = st.builds(
     st.integers(1, 4096),
 )
 _MAMBA = st.builds(
+    # Conv state of an even number of bf16 elements: the fp32 SSM state starts 4-byte aligned.
     lambda a, b, c: MambaSpec(
-        block_size=16, shapes=((3, a), (b, 64, c)), dtypes=(torch.bfloat16, torch.float32)
+        block_size=16, shapes=((3, 2 * a), (b, 64, c)), dtypes=(torch.bfloat16, torch.float32)
     ),
     st.integers(1, 4096),
     st.integers(1, 64),
@@ -367,6 +478,10 @@ def test_unify_and_group_property(kinds):
     assert sorted(grouped) == sorted(specs)
     config = get_kv_cache_config(specs, 64 * GiB, 1024)
     assert sum(t.size for t in config.kv_cache_tensors) <= 64 * GiB
+    for spec in unified.values():
+        if not isinstance(spec, MambaSpec | LatentPageSpec):
+            assert spec.page_size_padded is None  # split into kernel blocks: never padded
+    run_worker(config)
 
 
 @settings(max_examples=200, deadline=None)
