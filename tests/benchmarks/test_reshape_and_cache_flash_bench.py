@@ -34,7 +34,7 @@ def test_run_tiny() -> None:
     roofline = rows[0].roofline_gbps
     assert roofline > 0
     for r in rows:
-        assert r.roofline_gbps == roofline and r.device == "cpu"
+        assert r.roofline_gbps == roofline and r.device == "cpu" and r.mode == "cold"
         assert r.op_us > 0 and r.baseline_us > 0 and r.bytes_moved > 0
         assert r.op_gbps > 0 and r.pct_roofline > 0 and r.speedup_vs_baseline > 0
         assert r.op_gbps == pytest.approx(r.bytes_moved / r.op_us / 1e3)
@@ -45,6 +45,64 @@ def test_run_tiny() -> None:
     }
     # One progress call before the roofline, one after it, one per row; total fixed.
     assert [(d, t) for d, t, _ in calls] == [(i, 7) for i in range(8)]
+
+
+def test_run_warm_is_labelled() -> None:
+    rows = core.run("cpu", ["auto"], [16], quick=True, warm=True)
+    assert [r.mode for r in rows] == ["warm"]
+    assert "op (µs, warm)" in core.to_markdown(rows).splitlines()[0]
+    doc = core.to_json(rows)
+    assert doc["mode"] == "warm" and doc["flush_bytes"] is None
+    assert "warm cache" in doc["mode_description"]
+
+
+def test_cold_run_flushes_before_every_timed_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cold: the roofline copy, the op and the baseline are each timed with a ``before`` hook
+    (flush, then for the op and baseline a call on an independent copy); warm: none."""
+    seen: list[bool] = []
+    real = core.time_call
+
+    def spy(fn, device, min_time_s, max_runs, before=None):
+        seen.append(before is not None)
+        return real(fn, device, min_time_s, max_runs, before)
+
+    monkeypatch.setattr(core, "time_call", spy)
+    core.run("cpu", ["auto", "nvfp4"], [1], quick=True)
+    assert seen == [True] * 5  # roofline + 2 shapes x (op, baseline)
+    seen.clear()
+    core.run("cpu", ["auto"], [1], quick=True, warm=True)
+    assert seen == [False] * 3
+
+
+def test_time_call_runs_before_outside_each_call() -> None:
+    events: list[str] = []
+    seconds = core.time_call(
+        lambda: events.append("fn"), core.torch.device("cpu"), 0.0, 3, lambda: events.append("b")
+    )
+    assert seconds >= 0
+    assert events == ["b", "fn"] * 4  # warm-up + 3 timed calls
+
+
+def test_flusher_exceeds_the_last_level_cache() -> None:
+    cpu = core.torch.device("cpu")
+    llc = core.last_level_cache_bytes(cpu)
+    assert llc is None or llc > 0
+    assert core.flush_bytes(cpu) >= max(64 << 20, 2 * (llc or 0))
+    assert core.roofline_bytes(cpu, quick=True) >= 4 * (llc or 0)
+    flusher = core.CacheFlusher(cpu, nbytes=4096)
+    flusher()
+    flusher()
+    assert flusher.buffer.numel() == 1024 and int(flusher.buffer.sum()) == 2 * 1024
+
+
+@pytest.mark.parametrize("kind", core.KINDS)
+def test_bytes_are_read_plus_written(kind: str) -> None:
+    """The row counts bytes as the roofline copy does: everything read plus everything written."""
+    s = core._setup(kind, 16, 2, core.torch.device("cpu"))
+    read = sum(t.numel() * t.element_size() for t in (s.key, s.value, s.slots))
+    read += 2 * s.scale.element_size()
+    row_bytes = s.key_cache[0, 0].numel() * s.key_cache.element_size()
+    assert s.bytes_moved == read + 2 * 16 * row_bytes
 
 
 def test_run_rejects_bad_arguments() -> None:
@@ -72,9 +130,12 @@ def test_main_writes_markdown_and_json(
     lines = table.splitlines()
     assert len(lines) == 4 and all(line[0] == line[-1] == "|" for line in lines)
     assert {line.count("|") for line in lines} == {11}
+    assert "op (µs, cold)" in lines[0]
     assert lines[2].startswith("| auto | 8 | 16 |") and lines[3].startswith("| fp8 | 8 | 16 |")
     doc = json.loads(js.read_text())
     assert doc["device"] == "cpu" and doc["roofline_gbps"] > 0 and doc["threads"] >= 1
+    assert doc["mode"] == "cold" and doc["flush_bytes"] >= 64 << 20
+    assert doc["bytes_counted"] == "read + written"
     assert [(r["kind"], r["num_tokens"]) for r in doc["rows"]] == [("auto", 16), ("fp8", 16)]
     assert all(r["op_gbps"] > 0 for r in doc["rows"])
 

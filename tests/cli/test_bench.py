@@ -26,7 +26,7 @@ needs_matplotlib = pytest.mark.skipif(
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _row(kind: str, tokens: int, heads: int = 8) -> core.Row:
+def _row(kind: str, tokens: int, heads: int = 8, mode: str = "cold") -> core.Row:
     return core.Row(
         kind=kind,
         num_tokens=tokens,
@@ -41,6 +41,7 @@ def _row(kind: str, tokens: int, heads: int = 8) -> core.Row:
         roofline_gbps=500.0,
         pct_roofline=float(tokens),
         speedup_vs_baseline=1.5,
+        mode=mode,
     )
 
 
@@ -49,8 +50,10 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     """Replace the core's ``run`` with one returning fixed rows; records its arguments."""
     calls: list[dict] = []
 
-    def run(device, kinds, tokens, quick, progress):
-        calls.append({"device": device, "kinds": list(kinds), "tokens": tokens, "quick": quick})
+    def run(device, kinds, tokens, quick, progress, warm=False):
+        calls.append(
+            {"device": device, "kinds": list(kinds), "tokens": tokens, "quick": quick, "warm": warm}
+        )
         tokens = tokens or core.QUICK_TOKENS
         total = 1 + len(kinds) * len(tokens)
         rows = []
@@ -59,7 +62,7 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
             progress(1, total, "copy roofline: 500.0 GB/s")
         for kind in kinds:
             for t in tokens:
-                rows.append(_row(kind, t))
+                rows.append(_row(kind, t, mode="warm" if warm else "cold"))
                 if progress:
                     progress(1 + len(rows), total, f"{kind} {t}")
         return rows
@@ -72,11 +75,13 @@ def test_table_and_json(fake: list[dict], tmp_path: Path, capsys: pytest.Capture
     out = tmp_path / "bench.json"
     argv = ["bench", "--quick", "--device", "cpu", "--kinds", "auto", "nvfp4", "--json", str(out)]
     assert main(argv) == 0
-    assert fake == [{"device": "cpu", "kinds": ["auto", "nvfp4"], "tokens": None, "quick": True}]
+    assert fake == [
+        {"device": "cpu", "kinds": ["auto", "nvfp4"], "tokens": None, "quick": True, "warm": False}
+    ]
     captured = capsys.readouterr()
     lines = captured.out.splitlines()
-    assert (
-        lines[0] == "reshape_and_cache_flash on cpu; roofline (device copy, same run): 500.0 GB/s"
+    assert lines[0] == (
+        "reshape_and_cache_flash on cpu, cold cache; roofline (device copy, same run): 500.0 GB/s"
     )
     assert lines[2].split() == [
         "kind", "H", "tokens", "us", "GB/s", "%", "roofline", "x", "baseline", "baseline",
@@ -91,6 +96,13 @@ def test_table_and_json(fake: list[dict], tmp_path: Path, capsys: pytest.Capture
     assert doc["benchmark"] == "reshape_and_cache_flash" and doc["roofline_gbps"] == 500.0
     assert doc["device"] == "cpu" and len(doc["rows"]) == 6
     assert doc["rows"][0]["kind"] == "auto" and doc["rows"][0]["op_gbps"] == 5.0
+    assert doc["mode"] == "cold" and doc["rows"][0]["mode"] == "cold"
+
+
+def test_warm_flag(fake: list[dict], capsys: pytest.CaptureFixture) -> None:
+    assert main(["bench", "--quick", "--no-progress", "--warm", "--kinds", "auto"]) == 0
+    assert fake[0]["warm"] is True
+    assert ", warm cache;" in capsys.readouterr().out.splitlines()[0]
 
 
 @needs_matplotlib
@@ -151,7 +163,7 @@ def test_real_benchmark_tiny(tmp_path: Path, capsys: pytest.CaptureFixture) -> N
         torch.set_num_threads(threads)
     captured = capsys.readouterr()
     lines = captured.out.splitlines()
-    assert "roofline (device copy, same run)" in lines[0]
+    assert "cold cache; roofline (device copy, same run)" in lines[0]
     assert lines[2].split()[:3] == ["kind", "H", "tokens"]
     body = [line.split() for line in lines[4:]]
     assert [(r[0], r[2]) for r in body] == [
