@@ -224,3 +224,23 @@ def test_python_dash_m_subprocess():
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["plan"]["per_dtype"]["bfloat16"]["num_blocks"] == 80 * GiB // (18 * 32768)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--memory", "-5GiB"], "--memory: expected a positive size such as 80GiB, got '-5GiB'"),
+        (["--memory=-5GiB"], "--memory: expected a positive size such as 80GiB, got '-5GiB'"),
+        (["--memory", "-1", "--json"], "--memory: expected a positive size such as 80GiB, got"),
+        (["--memory", "5XB"], "--memory: cannot read '5XB'; expected bytes or a number"),
+        (["--tp", "-2"], "--tp: expected a positive integer, got '-2'"),
+    ],
+)
+def test_bad_values_are_one_line_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["plan", *argv])
+    assert info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"vllm-kv plan: error: {message}")
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err

@@ -73,10 +73,12 @@ def parse_memory_size(text: str) -> int:
 
 
 def _memory_arg(text: str) -> int:
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"expected a positive size such as 80GiB, got {text!r}")
     try:
         return parse_memory_size(text)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("memory: ")) from exc
 
 
 def _positive_int_arg(text: str) -> int:
@@ -140,6 +142,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         f"(default {DEFAULT_MAX_NUM_BATCHED_TOKENS})",
     )
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    # Read "-5GiB" (and "-1") as a value, so that --memory can say why it is wrong instead of
+    # argparse reporting a missing argument; no option of this parser looks like a number.
+    parser._negative_number_matcher = re.compile(r"^-\.?\d")
     parser.set_defaults(func=run)
     return parser
 
