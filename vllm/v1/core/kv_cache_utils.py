@@ -390,6 +390,21 @@ class KVCachePlan:
         """Unpadded Mamba / linear-attention state bytes of one sequence."""
         return total_state_bytes(self.specs)
 
+    @property
+    def block_sizes(self) -> list[int]:
+        """Distinct block sizes (tokens) of the groups, ascending."""
+        groups = self.kv_cache_config.kv_cache_groups
+        return sorted({g.kv_cache_spec.block_size for g in groups})
+
+    @property
+    def page_sizes(self) -> list[int]:
+        """Distinct allocated page sizes (bytes) of the layers, ascending."""
+        return sorted({s.page_size_bytes for s in self.specs.values()})
+
+    def group_blocks_per_request(self, group: KVCacheGroupSpec) -> int:
+        """Blocks one request of ``max_model_len`` tokens needs in ``group``."""
+        return blocks_per_request([group], self.max_model_len, self.max_num_batched_tokens)
+
 
 def plan_kv_cache(
     model: str | os.PathLike[str] | Mapping[str, Any],

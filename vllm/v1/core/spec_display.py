@@ -31,7 +31,8 @@ def short_dtype_name(name: str) -> str:
 
 def spec_format_label(spec: KVCacheSpec) -> str:
     """Short storage-format name of a spec: bf16, fp16, fp32, fp8, fp8_ds_mla or nvfp4."""
-    return short_dtype_name(spec_format_name(spec))
+    name = spec_format_name(spec)
+    return name if name in ("fp8_ds_mla", "nvfp4", "fp8") else short_dtype_name(name)
 
 
 def describe_spec(spec: KVCacheSpec) -> str:
