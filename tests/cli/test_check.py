@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from vllm.accuracy import real
+import real_kv_samples as real
 from vllm.cli import check
 from vllm.cli.main import main
 
