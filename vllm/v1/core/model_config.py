@@ -17,9 +17,11 @@ from vllm.model_presets import available_presets, load_preset
 from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
 
 __all__ = [
+    "attention_heads_per_rank",
     "config_head_size",
     "config_layer_types",
     "config_model_dtype",
+    "conv_kernel_key",
     "kv_heads_per_rank",
     "load_model_config",
     "optional_positive_int_key",
@@ -82,6 +84,15 @@ def positive_int_key(cfg: Mapping[str, Any], key: str, prefix: str = "") -> int:
     return value
 
 
+def conv_kernel_key(cfg: Mapping[str, Any], key: str) -> int:
+    """``cfg[key]``, a causal-conv kernel width: an int ≥ 2 (its state keeps ``kernel - 1``
+    rows)."""
+    kernel = positive_int_key(cfg, key)
+    if kernel < 2:
+        raise ValueError(f"config: key '{key}' must be ≥ 2, got {kernel}")
+    return kernel
+
+
 def optional_positive_int_key(cfg: Mapping[str, Any], key: str, prefix: str = "") -> int | None:
     """``cfg[key]`` as a positive int, or None when it is absent or null."""
     if cfg.get(key) is None:
@@ -102,6 +113,14 @@ def config_head_size(cfg: Mapping[str, Any], prefix: str = "") -> int:
             f"multiple of '{prefix}num_attention_heads' {heads}; set '{prefix}head_dim'"
         )
     return hidden // heads
+
+
+def attention_heads_per_rank(cfg: Mapping[str, Any], tp: int, prefix: str = "") -> tuple[int, int]:
+    """(KV heads on one of ``tp`` ranks, head size) of the config's attention layers."""
+    positive_int_key(cfg, "num_attention_heads", prefix)
+    key = f"{prefix}num_key_value_heads"
+    heads = kv_heads_per_rank(positive_int_key(cfg, "num_key_value_heads", prefix), tp, key)
+    return heads, config_head_size(cfg, prefix)
 
 
 def config_model_dtype(*cfgs: Mapping[str, Any]) -> tuple[str, str | None]:

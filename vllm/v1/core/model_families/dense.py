@@ -10,9 +10,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from vllm.v1.core.model_config import (
-    config_head_size,
+    attention_heads_per_rank,
     config_layer_types,
-    kv_heads_per_rank,
     optional_positive_int_key,
     positive_int_key,
     required_key,
@@ -30,11 +29,7 @@ def parse_dense(cfg: Mapping[str, Any], tp: int, model_type: str) -> ParsedLayer
             raise ValueError("config: key 'text_config' must be a mapping")
         cfg, prefix = text_cfg, "text_config."
     num_layers = positive_int_key(cfg, "num_hidden_layers", prefix)
-    positive_int_key(cfg, "num_attention_heads", prefix)
-    heads = kv_heads_per_rank(
-        positive_int_key(cfg, "num_key_value_heads", prefix), tp, f"{prefix}num_key_value_heads"
-    )
-    head = config_head_size(cfg, prefix)
+    heads, head = attention_heads_per_rank(cfg, tp, prefix)
     window = optional_positive_int_key(cfg, "sliding_window", prefix)
 
     types: list[str]

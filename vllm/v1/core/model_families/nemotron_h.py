@@ -8,7 +8,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from vllm.v1.core.model_config import (
-    config_head_size,
+    attention_heads_per_rank,
+    conv_kernel_key,
     kv_heads_per_rank,
     optional_positive_int_key,
     positive_int_key,
@@ -32,10 +33,8 @@ def parse_nemotron_h(cfg: Mapping[str, Any], tp: int, model_type: str) -> Parsed
     for i, char in enumerate(pattern):
         if char == "*":
             if attn is None:
-                positive_int_key(cfg, "num_attention_heads")
                 attn = (
-                    kv_heads_per_rank(positive_int_key(cfg, "num_key_value_heads"), tp),
-                    config_head_size(cfg),
+                    *attention_heads_per_rank(cfg, tp),
                     optional_positive_int_key(cfg, "sliding_window"),
                 )
             heads, head, window = attn
@@ -49,9 +48,7 @@ def parse_nemotron_h(cfg: Mapping[str, Any], tp: int, model_type: str) -> Parsed
                 head_dim = positive_int_key(cfg, "mamba_head_dim")
                 state = positive_int_key(cfg, "ssm_state_size")
                 groups = kv_heads_per_rank(positive_int_key(cfg, "n_groups"), tp, "n_groups")
-                kernel = positive_int_key(cfg, "conv_kernel")
-                if kernel < 2:
-                    raise ValueError(f"config: key 'conv_kernel' must be ≥ 2, got {kernel}")
+                kernel = conv_kernel_key(cfg, "conv_kernel")
                 conv_dim = num_heads * head_dim + 2 * groups * state
                 mamba_shapes = ((kernel - 1, conv_dim), (num_heads, head_dim, state))
             layers.append(

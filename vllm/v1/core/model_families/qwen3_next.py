@@ -8,9 +8,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from vllm.v1.core.model_config import (
-    config_head_size,
+    attention_heads_per_rank,
     config_layer_types,
-    kv_heads_per_rank,
+    conv_kernel_key,
     positive_int_key,
     split_evenly,
 )
@@ -33,11 +33,7 @@ def parse_qwen3_next(cfg: Mapping[str, Any], tp: int, model_type: str) -> Parsed
     for i, kind in enumerate(types):
         if kind == "full_attention":
             if attn is None:
-                positive_int_key(cfg, "num_attention_heads")
-                attn = (
-                    kv_heads_per_rank(positive_int_key(cfg, "num_key_value_heads"), tp),
-                    config_head_size(cfg),
-                )
+                attn = attention_heads_per_rank(cfg, tp)
             layers.append(
                 attention_layer(f"model.layers.{i}.self_attn", "full_attention", *attn, None)
             )
@@ -51,9 +47,7 @@ def parse_qwen3_next(cfg: Mapping[str, Any], tp: int, model_type: str) -> Parsed
             )
             k_dim = positive_int_key(cfg, "linear_key_head_dim")
             v_dim = positive_int_key(cfg, "linear_value_head_dim")
-            kernel = positive_int_key(cfg, "linear_conv_kernel_dim")
-            if kernel < 2:
-                raise ValueError(f"config: key 'linear_conv_kernel_dim' must be ≥ 2, got {kernel}")
+            kernel = conv_kernel_key(cfg, "linear_conv_kernel_dim")
             conv_dim = 2 * k_heads * k_dim + v_heads * v_dim
             gdn_shapes = ((kernel - 1, conv_dim), (v_heads, k_dim, v_dim))
         layers.append(
