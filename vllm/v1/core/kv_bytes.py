@@ -16,6 +16,7 @@ from vllm.v1.kv_cache_interface import KVCacheSpec, MambaSpec
 
 __all__ = [
     "KVFootprint",
+    "entry_bytes_per_token",
     "kv_bytes_for_tokens",
     "kv_bytes_per_entry",
     "kv_footprint",
