@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from vllm.kv_quant.kv_scale import kv_scale_as_1d
 from vllm.kv_quant.scale_layout import ScaleLayout
 from vllm.utils.torch_utils import is_quantized_kv_cache
 
@@ -56,6 +57,9 @@ def _reshape_and_cache_flash_fake(
     k_scale_layout: str = "linear",
     v_scale_layout: str | None = None,
 ) -> None:
+    # Same scale rule as the compiled op, so that tracing rejects what the op would reject.
+    kv_scale_as_1d(k_scale, "k_scale", key.shape[1])
+    kv_scale_as_1d(v_scale, "v_scale", key.shape[1])
     return None
 
 
@@ -71,6 +75,7 @@ def _layout_name(layout: ScaleLayout | str) -> str:
 
 
 def _check_scale_values(name: str, scale: torch.Tensor, kv_cache_dtype: str) -> None:
+    scale = scale.reshape(-1)
     bad = ~(torch.isfinite(scale) & (scale > 0))
     if bool(bad.any()):
         index = int(bad.nonzero()[0, 0])
