@@ -150,8 +150,8 @@ def test_split_views_tile_every_page(
     """
     cache, raw = _padded_cache(num_blocks, block_size, num_heads, head_size, hnd, pad)
     if one_side:
-        views = list(nvfp4_kv_cache_split_views(cache[:, 1]))
-        view_uint8 = [views[0], views[1].view(torch.uint8)]
+        (data,), (scale,) = nvfp4_kv_cache_split_views(cache[:, 1])
+        view_uint8 = [data, scale.view(torch.uint8)]
     else:
         (k_data, v_data), (k_scale, v_scale) = nvfp4_kv_cache_split_views(cache)
         view_uint8 = [k_data, v_data, k_scale.view(torch.uint8), v_scale.view(torch.uint8)]

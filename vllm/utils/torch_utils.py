@@ -119,17 +119,18 @@ def _nvfp4_split_data_scale(side: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 def nvfp4_kv_cache_split_views(
     kv_cache: torch.Tensor,
-) -> (
-    tuple[torch.Tensor, torch.Tensor]
-    | tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-):
-    """Data and scale views of a packed NVFP4 cache.
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """Data and scale views of a packed NVFP4 cache, as upstream vLLM returns them.
 
-    A 4-D side ``(B, N, H, F)`` gives ``(data, scale)``; a 5-D ``(B, 2, N, H, F)`` cache gives
-    ``((k_data, v_data), (k_scale, v_scale))``. NHD and HND are read from the strides.
+    A 5-D cache ``(B, 2, N, H, F)`` gives ``((k_data, v_data), (k_scale, v_scale))``; a 4-D
+    side ``(B, N, H, F)`` gives one-element tuples ``((data,), (scale,))``, so that
+    ``(data,), (scale,) = nvfp4_kv_cache_split_views(key_cache)`` unpacks it. Data views are
+    uint8 ``(B, N, H, D/2)``, scale views float8_e4m3fn ``(B, N, H, D/16)``; NHD and HND are
+    read from the strides and kept.
     """
     if kv_cache.dim() == 4:
-        return _nvfp4_split_data_scale(kv_cache)
+        data, scale = _nvfp4_split_data_scale(kv_cache)
+        return (data,), (scale,)
     if kv_cache.dim() == 5 and kv_cache.shape[1] == 2:
         k_data, k_scale = _nvfp4_split_data_scale(kv_cache[:, 0])
         v_data, v_scale = _nvfp4_split_data_scale(kv_cache[:, 1])

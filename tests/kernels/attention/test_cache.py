@@ -373,7 +373,7 @@ def test_interleave4_and_dequant(
         (case.key_cache, case.k_scale, k_layout, case.key),
         (case.value_cache, case.v_scale, v_layout or k_layout, case.value),
     ):
-        data, sf = nvfp4_kv_cache_split_views(side)
+        (data,), (sf,) = nvfp4_kv_cache_split_views(side)
         deq = dequant_nvfp4_kv_cache(data, sf, scale, 128, block_size, layout)[pages, rows]
         src = x[: slots.shape[0]].float()
         amax = src.abs().amax(dim=-1, keepdim=True)
