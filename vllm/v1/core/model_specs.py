@@ -90,10 +90,10 @@ DEFAULT_BLOCK_SIZE = 16
 """Tokens per page when none is given (models without compressed layers)."""
 
 DSV4_BLOCK_SIZE = 256
-"""Default tokens per page for DeepSeek-V4 (DESIGN §4 worked example; a multiple of 128)."""
+"""Default tokens per page for DeepSeek-V4 (docs/design.md §4 worked example; a multiple of 128)."""
 
 FP8_DS_MLA_ALIGNMENT = 576
-"""Page alignment (bytes) of compressed ``fp8_ds_mla`` pages (DESIGN §4)."""
+"""Page alignment (bytes) of compressed ``fp8_ds_mla`` pages (docs/design.md §4)."""
 
 DSV4_INDEXER_FP8_SCALE_GROUP = 128
 """fp8 indexer keys carry one 4-byte fp32 scale per this many values: index_head_dim 128 gives
