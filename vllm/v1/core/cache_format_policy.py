@@ -35,7 +35,7 @@ from vllm.v1.kv_cache_interface import (
 __all__ = ["DSV4_INDEXER_FP8_SCALE_GROUP", "FP8_DS_MLA_ALIGNMENT", "layer_spec"]
 
 FP8_DS_MLA_ALIGNMENT = 576
-"""Page alignment (bytes) of compressed ``fp8_ds_mla`` pages (DESIGN §4)."""
+"""Page alignment (bytes) of compressed ``fp8_ds_mla`` pages (docs/design.md §4)."""
 
 DSV4_INDEXER_FP8_SCALE_GROUP = 128
 """fp8 indexer keys carry one 4-byte fp32 scale per this many values: index_head_dim 128 gives
