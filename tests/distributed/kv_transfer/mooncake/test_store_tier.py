@@ -1,0 +1,91 @@
+"""The Mooncake store tier: two instances (processes) share offloaded pages through a real
+``mooncake_master``, byte-exact for every format, into differently numbered pages."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from mooncake_harness import FORMATS, block_hashes
+
+pytestmark = pytest.mark.needs_mooncake
+
+SEGMENT = 16 << 20
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_two_instances_share_pages_byte_exact(shared_master, shared_instances, fmt: str) -> None:
+    writer, reader = shared_instances
+    address = shared_master.address
+    fp_w = writer.call(
+        "init_store", cache=fmt, fmt=fmt, num_blocks=12, master=address, segment_size=SEGMENT
+    )
+    fp_r = reader.call(
+        "init_store", cache=fmt, fmt=fmt, num_blocks=10, master=address, segment_size=SEGMENT
+    )
+    assert fp_w["fingerprint"] == fp_r["fingerprint"]
+    assert fp_w["pid"] != fp_r["pid"]
+    hashes = block_hashes(f"prompt-{fmt}", 5)
+    src_blocks = [7, 2, 9, 0, 11]
+    expected = writer.call("fill", cache=fmt, seed=1, blocks=src_blocks)
+    assert reader.call("lookup", cache=fmt, hashes=hashes)["count"] == 0
+
+    result = writer.call("offload", cache=fmt, hashes=hashes, blocks=src_blocks)
+    assert result["success"], result
+    assert reader.call("lookup", cache=fmt, hashes=hashes)["count"] == 5
+    gap = hashes[:3] + block_hashes("other", 1) + hashes[3:]
+    assert reader.call("lookup", cache=fmt, hashes=gap)["count"] == 3
+
+    dst_blocks = [4, 8, 1, 3, 6]
+    reader.call("fill", cache=fmt, seed=2, blocks=list(range(10)))
+    result = reader.call("load", cache=fmt, hashes=hashes, blocks=dst_blocks)
+    assert result["success"], result
+    assert reader.call("digest", cache=fmt, blocks=dst_blocks) == expected
+
+
+LOOPBACK_PREFIXES = ("127.", "[::1]", "[::ffff:127.", "*", "0.0.0.0", "[::]")
+
+
+def _tcp_sockets(listing: str) -> list[tuple[str, str, str]]:
+    """(state, local address, peer address) of every line of ``ss -Htan`` output."""
+    rows = []
+    for line in listing.splitlines():
+        fields = line.split()
+        if len(fields) >= 5:
+            rows.append((fields[0], fields[3], fields[4]))
+    return rows
+
+
+def test_no_traffic_leaves_loopback(sandbox, shared_master, shared_instances) -> None:
+    """While pages move, every TCP socket of the master and the instances is on 127.0.0.1 (or a
+    wildcard listener); inside the sandbox ``lo`` is the only interface."""
+    writer, reader = shared_instances
+    fmt = "bf16"
+    for instance in shared_instances:
+        instance.call(
+            "init_store",
+            cache="net",
+            fmt=fmt,
+            num_blocks=4,
+            master=shared_master.address,
+            segment_size=SEGMENT,
+        )
+    hashes = block_hashes("net", 4)
+    writer.call("fill", cache="net", seed=3, blocks=[0, 1, 2, 3])
+    assert writer.call("offload", cache="net", hashes=hashes, blocks=[0, 1, 2, 3])["success"]
+    assert reader.call("load", cache="net", hashes=hashes, blocks=[3, 2, 1, 0])["success"]
+    sockets = _tcp_sockets(sandbox.run(["ss", "-Htanp"]))
+    established = [s for s in sockets if s[0] == "ESTAB"]
+    assert established, "no connection seen: the check would prove nothing"
+    for state, local, peer in sockets:
+        assert local.startswith(LOOPBACK_PREFIXES), (state, local, peer)
+        if state != "LISTEN":
+            assert local.startswith(("127.", "[::1]", "[::ffff:127.")), (state, local, peer)
+            assert peer.startswith(("127.", "[::1]", "[::ffff:127.")), (state, local, peer)
+    if sandbox.isolated:
+        interfaces = sandbox.run(["ip", "-o", "link", "show"]).splitlines()
+        assert [line.split(":")[1].strip() for line in interfaces] == ["lo"]
+        # The processes' sockets are invisible in the test's own namespace.
+        host = subprocess.run(["ss", "-Htanp"], capture_output=True, text=True, timeout=10)
+        for pid in (writer.pid, reader.pid, shared_master.proc.pid):
+            assert f"pid={pid}," not in host.stdout
