@@ -370,3 +370,28 @@ def block_hashes(prefix: str, n: int) -> list[str]:
     import hashlib
 
     return [hashlib.sha256(f"{prefix}/{i}".encode()).hexdigest() for i in range(n)]
+
+
+_LOOPBACK = ("127.", "[::1]", "[::ffff:127.")
+_WILDCARD = ("*:", "0.0.0.0:", "[::]:")
+
+
+def assert_loopback_only(sandbox: Sandbox, pids: Sequence[int]) -> None:
+    """Every TCP socket where the processes run is on 127.0.0.1 / ::1 (connections: both
+    ends; listeners: loopback or wildcard), at least one connection exists, and when the
+    sandbox is isolated its only interface is ``lo`` and none of ``pids`` has a socket in the
+    test's own namespace."""
+    rows = [line.split() for line in sandbox.run(["ss", "-Htanp"]).splitlines()]
+    sockets = [(f[0], f[3], f[4]) for f in rows if len(f) >= 5]
+    assert any(state == "ESTAB" for state, _, _ in sockets), "no connection: proves nothing"
+    for state, local, peer in sockets:
+        if state == "LISTEN":
+            assert local.startswith(_LOOPBACK + _WILDCARD), (state, local, peer)
+        else:
+            assert local.startswith(_LOOPBACK) and peer.startswith(_LOOPBACK), (state, local, peer)
+    if sandbox.isolated:
+        interfaces = sandbox.run(["ip", "-o", "link", "show"]).splitlines()
+        assert [line.split(":")[1].strip() for line in interfaces] == ["lo"]
+        host = subprocess.run(["ss", "-Htanp"], capture_output=True, text=True, timeout=10)
+        for pid in pids:
+            assert f"pid={pid}," not in host.stdout

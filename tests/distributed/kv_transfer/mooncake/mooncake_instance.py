@@ -20,6 +20,11 @@ from typing import Any
 import torch
 from mooncake_harness import make_kv_cache_config
 
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.config import MooncakeConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.p2p import (
+    MooncakeP2PConnectorWorker,
+    P2PAgentMetadata,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
     OffloadingConnectorWorker,
 )
@@ -100,6 +105,74 @@ class InstanceState:
         worker.register_kv_caches(entry.kv_caches, config)
         entry.worker = worker
         return {"fingerprint": spec.page_format().fingerprint, "pid": os.getpid()}
+
+    def init_p2p(
+        self,
+        cache: str,
+        fmt: str,
+        num_blocks: int,
+        model: str = "test-model",
+        tp_rank: int = 0,
+        timeout_s: float = 5.0,
+    ) -> str:
+        entry = self.caches.setdefault(cache, Cache(fmt, num_blocks))
+        config = MooncakeConfig(timeout_s=timeout_s)
+        p2p = MooncakeP2PConnectorWorker(
+            config, f"{cache}@{os.getpid()}", entry.format_options(model, tp_rank)
+        )
+        p2p.register_kv_caches(entry.kv_caches, entry.fmt.kv_cache_config)
+        entry.p2p = p2p
+        return p2p.metadata().to_json()
+
+    def expect(self, cache: str, request_id: str, producer: str, blocks: list[int]) -> int:
+        p2p = self.caches[cache].p2p
+        return p2p.expect_request(request_id, P2PAgentMetadata.from_json(producer), blocks)
+
+    def send(
+        self,
+        cache: str,
+        request_id: str,
+        consumer: str,
+        slot: int,
+        src_blocks: list[int],
+        dst_blocks: list[int],
+    ) -> None:
+        p2p = self.caches[cache].p2p
+        meta = P2PAgentMetadata.from_json(consumer)
+        p2p.send_blocks(request_id, meta, slot, src_blocks, dst_blocks)
+
+    def wait_p2p(
+        self,
+        cache: str,
+        sent: list[str] = (),  # type: ignore[assignment]
+        received: list[str] = (),  # type: ignore[assignment]
+        timeout_s: float = MAX_WAIT_S,
+    ) -> dict[str, Any]:
+        """Poll ``get_finished`` until every named request finished or failed (bounded)."""
+        p2p = self.caches[cache].p2p
+        done_sent: set[str] = set()
+        done_received: set[str] = set()
+        failed: dict[str, str] = {}
+        failed_blocks: set[int] = set()
+        start = time.monotonic()
+        while time.monotonic() - start < timeout_s:
+            s, r = p2p.get_finished()
+            done_sent |= s or set()
+            done_received |= r or set()
+            failed.update(p2p.get_failed())
+            failed_blocks |= p2p.get_block_ids_with_load_errors()
+            if set(sent) <= done_sent | set(failed) and set(received) <= done_received | set(
+                failed
+            ):
+                break
+            time.sleep(0.002)
+        return {
+            "sent": sorted(done_sent),
+            "received": sorted(done_received),
+            "failed": failed,
+            "failed_blocks": sorted(failed_blocks),
+            "seconds": time.monotonic() - start,
+        }
 
     def fill(self, cache: str, seed: int, blocks: list[int]) -> list[str]:
         gen = torch.Generator().manual_seed(seed)
