@@ -94,8 +94,20 @@ class MooncakeStoreClient:
         return list(self._store.batch_is_exist(list(keys))) if keys else []
 
     def sizes(self, keys: Sequence[str]) -> list[int]:
-        """Per key: the object's size in bytes, or a negative code (missing, master down)."""
-        return [int(self._store.get_size(key)) for key in keys]
+        """Per key: the object's size in bytes (its first memory replica), or
+        :data:`OBJECT_NOT_FOUND` (missing, or the master could not say). One master query."""
+        if not keys:
+            return []
+        replicas = self._store.batch_get_replica_desc(list(keys))
+        sizes = []
+        for key in keys:
+            size = OBJECT_NOT_FOUND
+            for replica in replicas.get(key, ()):
+                if replica.is_memory_replica():
+                    size = int(replica.get_memory_descriptor().buffer_descriptor.size)
+                    break
+            sizes.append(size)
+        return sizes
 
     def put_from(
         self, keys: Sequence[str], buffers: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
