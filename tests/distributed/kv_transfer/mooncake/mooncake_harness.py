@@ -70,6 +70,14 @@ def _attention(name: str, num_blocks: int, spec: Any) -> tuple[KVCacheTensor, KV
     )
 
 
+def _small_attention(mode: KVQuantMode) -> FullAttentionSpec:
+    """2 heads × 64, 16-token pages; bf16 elements unquantized, else 1-byte storage."""
+    dtype = torch.bfloat16 if mode == KVQuantMode.NONE else torch.uint8
+    return FullAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=dtype, kv_quant_mode=mode
+    )
+
+
 def make_kv_cache_config(fmt: str, num_blocks: int) -> CacheFormat:
     """A small two/three-buffer KV cache of format ``fmt``.
 
@@ -81,39 +89,21 @@ def make_kv_cache_config(fmt: str, num_blocks: int) -> CacheFormat:
     than the smallest, 16 MiB, segment).
     """
     if fmt == "bf16":
-        spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+        spec = _small_attention(KVQuantMode.NONE)
         parts = [_attention(f"layers.{i}.attn", num_blocks, spec) for i in range(2)]
         dtype, layouts, scales = "auto", {}, {}
     elif fmt == "fp8":
-        spec = FullAttentionSpec(
-            block_size=16,
-            num_kv_heads=2,
-            head_size=64,
-            dtype=torch.uint8,
-            kv_quant_mode=KVQuantMode.FP8_PER_TENSOR,
-        )
+        spec = _small_attention(KVQuantMode.FP8_PER_TENSOR)
         parts = [_attention(f"layers.{i}.attn", num_blocks, spec) for i in range(2)]
         dtype, layouts = "fp8_e4m3", {}
         scales = {f"layers.{i}.attn": (0.05 * (i + 1), 0.03 * (i + 1)) for i in range(2)}
     elif fmt == "nvfp4":
-        spec = FullAttentionSpec(
-            block_size=16,
-            num_kv_heads=2,
-            head_size=64,
-            dtype=torch.uint8,
-            kv_quant_mode=KVQuantMode.NVFP4,
-        )
+        spec = _small_attention(KVQuantMode.NVFP4)
         parts = [_attention(f"layers.{i}.attn", num_blocks, spec) for i in range(2)]
         dtype, scales = "nvfp4", {}
         layouts = {f"layers.{i}.attn": ("interleave4", "interleave4") for i in range(2)}
     elif fmt == "hybrid":
-        full = FullAttentionSpec(
-            block_size=16,
-            num_kv_heads=2,
-            head_size=64,
-            dtype=torch.uint8,
-            kv_quant_mode=KVQuantMode.NVFP4,
-        )
+        full = _small_attention(KVQuantMode.NVFP4)
         swa = SlidingWindowSpec(
             block_size=16, num_kv_heads=1, head_size=128, dtype=torch.bfloat16, sliding_window=64
         )

@@ -87,10 +87,12 @@ class InstanceState:
         model: str = "test-model",
         tp_rank: int = 0,
         max_blocks_per_batch: int = 64,
+        block_size_factor: int = 1,
     ) -> dict[str, Any]:
         entry = self.caches.setdefault(cache, Cache(fmt, num_blocks))
         extra = {
             **entry.format_options(model, tp_rank),
+            "block_size_factor": block_size_factor,
             "max_blocks_per_batch": max_blocks_per_batch,
             "mooncake": {
                 "master_server_address": master,

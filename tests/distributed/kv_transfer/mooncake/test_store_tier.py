@@ -41,6 +41,32 @@ def test_two_instances_share_pages_byte_exact(shared_master, shared_instances, f
     assert reader.call("digest", cache=fmt, blocks=dst_blocks) == expected
 
 
+def test_offloaded_blocks_of_several_pages(shared_master, shared_instances) -> None:
+    """block_size_factor 2: one store object holds two GPU pages of every buffer, in order; a
+    batch larger than max_blocks_per_batch is split."""
+    writer, reader = shared_instances
+    for instance in shared_instances:
+        instance.call(
+            "init_store",
+            cache="f2",
+            fmt="hybrid",
+            num_blocks=8,
+            master=shared_master.address,
+            segment_size=SEGMENT,
+            block_size_factor=2,
+            max_blocks_per_batch=2,
+        )
+    hashes = block_hashes("factor-2", 3)
+    src, dst = [6, 1, 0, 7, 3, 2], [2, 3, 5, 4, 0, 1]
+    expected = writer.call("fill", cache="f2", seed=8, blocks=src)
+    assert writer.call("offload", cache="f2", hashes=hashes, blocks=src)["success"]
+    assert reader.call("lookup", cache="f2", hashes=hashes)["count"] == 3
+    assert reader.call("load", cache="f2", hashes=hashes, blocks=dst)["success"]
+    assert reader.call("digest", cache="f2", blocks=dst) == expected
+    with pytest.raises(Exception, match="3 store blocks of 2 pages need 6 GPU block ids, got 3"):
+        reader.call("load", cache="f2", hashes=hashes, blocks=[0, 1, 2])
+
+
 def test_no_traffic_leaves_loopback(sandbox, shared_master, shared_instances) -> None:
     """While pages move, every TCP socket of the master and the instances is on 127.0.0.1 (or a
     wildcard listener); inside the sandbox ``lo`` is the only interface."""

@@ -126,7 +126,7 @@ class MooncakeStorePages:
                 sizes.append(size)
         return ptrs, sizes
 
-    def _check_job(self, hash_hex: Sequence[str], gpu_block_ids: np.ndarray) -> np.ndarray:
+    def check_job(self, hash_hex: Sequence[str], gpu_block_ids: np.ndarray) -> np.ndarray:
         factor = self.page_format.block_size_factor
         if gpu_block_ids.size != len(hash_hex) * factor:
             raise ValueError(
@@ -164,7 +164,7 @@ class MooncakeStorePages:
         Raises :class:`MooncakeStoreError` when a put fails (the store full of pinned objects,
         the master unreachable).
         """
-        blocks = self._check_job(hash_hex, gpu_block_ids)
+        blocks = self.check_job(hash_hex, gpu_block_ids)
         moved = 0
         for part in _chunks(len(hash_hex), self.max_blocks_per_batch):
             names = list(hash_hex[part])
@@ -232,7 +232,7 @@ class MooncakeStorePages:
         Every header and object size is checked before the first data byte is read; a miss
         raises :class:`StoreMiss`, a foreign header ``ValueError``, and the cache is untouched.
         """
-        blocks = self._check_job(hash_hex, gpu_block_ids)
+        blocks = self.check_job(hash_hex, gpu_block_ids)
         self._check_headers(hash_hex)
         block_bytes = self.page_format.block_bytes
         for part in _chunks(len(hash_hex), self.max_blocks_per_batch):
@@ -282,7 +282,7 @@ class MooncakeStoreHandler(StreamOffloadingHandler):
                 f"{type(src).__name__} -> {type(dst).__name__}"
             )
         names = store.hash_hex
-        ids = self.pages._check_job(names, gpu.block_ids).reshape(-1)
+        ids = self.pages.check_job(names, gpu.block_ids).reshape(-1)
         run = self.pages.store if self.to_store else self.pages.load
         produced = None
         if self.to_store and self.pages.device.type == "cuda":
