@@ -23,7 +23,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import shutil
 import socket
 import statistics
 import subprocess
@@ -35,6 +34,7 @@ from typing import Any
 
 import torch
 
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.config import master_binary
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -180,7 +180,7 @@ def _free_port() -> int:
 
 
 def _start_master(log_dir: str) -> tuple[subprocess.Popen, str]:
-    binary = shutil.which("mooncake_master")
+    binary = master_binary()
     if binary is None:
         raise SystemExit("mooncake_master not found: pip install -e '.[mooncake]'")
     port, metrics = _free_port(), _free_port()

@@ -6,18 +6,19 @@ cannot be imported, i.e. where no wheel exists for this Python.
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from mooncake_harness import Instance, MooncakeMaster, Sandbox
 
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.config import master_binary
+
 try:
     import mooncake.engine  # noqa: F401
     import mooncake.store  # noqa: F401
 
-    MOONCAKE_MISSING = None if shutil.which("mooncake_master") else "mooncake_master not on PATH"
+    MOONCAKE_MISSING = None if master_binary() else "the wheel has no mooncake_master"
 except ImportError as e:
     MOONCAKE_MISSING = f"mooncake-transfer-engine is not installed for this Python ({e})"
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.config import master_binary
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -224,7 +225,7 @@ class MooncakeMaster:
         while self.metrics_port == self.rpc_port:
             self.metrics_port = sandbox.free_port()
         self.log_path = log_dir / f"master-{self.rpc_port}.log"
-        binary = shutil.which("mooncake_master")
+        binary = master_binary()
         assert binary is not None, "mooncake_master is not on PATH"
         argv = [
             binary,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import ipaddress
 import os
+import shutil
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
@@ -66,6 +67,20 @@ def import_mooncake(module: str) -> ModuleType:
             f"mooncake.{module} could not be imported on Python "
             f"{sys.version_info.major}.{sys.version_info.minor} ({e}); {INSTALL_HINT}"
         ) from e
+
+
+def master_binary() -> str | None:
+    """Path of the ``mooncake_master`` executable shipped in the wheel (None without one).
+
+    The wheel's binary itself, not a console-script or version-manager shim in front of it, so
+    that the PID of the started process is the master's.
+    """
+    try:
+        import mooncake
+    except ImportError:
+        return shutil.which("mooncake_master")
+    path = os.path.join(os.path.dirname(os.path.abspath(mooncake.__file__)), "mooncake_master")
+    return path if os.access(path, os.X_OK) else shutil.which("mooncake_master")
 
 
 def parse_size_bytes(name: str, value: int | str) -> int:
