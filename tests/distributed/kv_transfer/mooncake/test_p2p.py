@@ -97,6 +97,24 @@ def test_format_mismatch_moves_nothing(shared_instances) -> None:
     assert decode.call("digest_all", cache="mm-nvfp4") == before
 
 
+def test_bad_requests_are_clear_errors(shared_instances) -> None:
+    prefill, decode = shared_instances
+    producer = prefill.call("init_p2p", cache="bad", fmt="bf16", num_blocks=4)
+    consumer = decode.call("init_p2p", cache="bad", fmt="bf16", num_blocks=4)
+    send = {"cache": "bad", "request_id": "r", "consumer": consumer, "slot": 0}
+    with pytest.raises(Exception, match="remote_block_ids: expected 2 ids"):
+        prefill.call("send", **send, src_blocks=[0, 1], dst_blocks=[2])
+    with pytest.raises(Exception, match="slot: expected 0..255, got 256"):
+        prefill.call("send", **{**send, "slot": 256}, src_blocks=[0], dst_blocks=[2])
+    with pytest.raises(Exception, match=r"local_block_ids: block ids must be in \[0, 4\)"):
+        prefill.call("send", **send, src_blocks=[-1], dst_blocks=[2])
+    with pytest.raises(Exception, match="peer metadata: malformed JSON"):
+        prefill.call("send", **{**send, "consumer": "{}"}, src_blocks=[0], dst_blocks=[2])
+    decode.call("expect", cache="bad", request_id="dup", producer=producer, blocks=[1])
+    with pytest.raises(Exception, match="request_id: 'dup' is already expected"):
+        decode.call("expect", cache="bad", request_id="dup", producer=producer, blocks=[1])
+
+
 def test_dead_producer_is_a_failure_in_bounded_time(spawn) -> None:
     prefill, decode = spawn("prefill"), spawn("decode")
     producer = prefill.call("init_p2p", cache="c", fmt="bf16", num_blocks=4)
