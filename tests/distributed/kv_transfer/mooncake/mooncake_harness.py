@@ -6,7 +6,8 @@ process of a test runs in a fresh network namespace whose only interface is ``lo
 (``unshare --net``; processes join it with ``nsenter``), so no byte can leave 127.0.0.1 even
 though Mooncake's clients listen on the wildcard address (its handshake and TCP-transport
 listeners bind ``0.0.0.0`` / ``::`` unconditionally). Without namespaces the processes run in
-the host namespace with every address set to 127.0.0.1 (master ``--rpc_address``,
+the host namespace (also when ``VLLM_KV_TEST_HOST_NETWORK`` is set) with every address set to
+127.0.0.1 (master ``--rpc_address``,
 ``--metrics_host``, ``local_hostname``, ``MC_TCP_BIND_ADDRESS``, P2P handshakes).
 
 Every wait is bounded: start-up, each command, and shutdown have timeouts; processes are
@@ -155,7 +156,8 @@ class Sandbox:
     def __init__(self, log_dir: Path):
         self.log_dir = log_dir
         self._holder: subprocess.Popen | None = None
-        if shutil.which("unshare") and shutil.which("nsenter") and shutil.which("ip"):
+        tools = all(shutil.which(t) for t in ("unshare", "nsenter", "ip", "ss"))
+        if tools and not os.environ.get("VLLM_KV_TEST_HOST_NETWORK"):
             holder = subprocess.Popen(
                 ["unshare", "--net", "--", "sh", "-c", "ip link set lo up && exec sleep 600"],
                 stdout=subprocess.DEVNULL,
@@ -198,8 +200,14 @@ class Sandbox:
         ).stdout
 
     def listening(self, port: int) -> bool:
-        """True when something listens on TCP ``port`` where the processes run."""
-        return f":{port} " in self.run(["ss", "-Htln", f"sport = :{port}"])
+        """True when something listens on TCP ``port`` of 127.0.0.1 where the processes run."""
+        if self._holder is not None:
+            return f":{port} " in self.run(["ss", "-Htln", f"sport = :{port}"])
+        try:
+            with socket.create_connection((LOOPBACK, port), timeout=1):
+                return True
+        except OSError:
+            return False
 
     def free_port(self) -> int:
         """A TCP port free on 127.0.0.1 where the processes run."""
@@ -368,11 +376,14 @@ _WILDCARD = ("*:", "0.0.0.0:", "[::]:")
 
 
 def assert_loopback_only(sandbox: Sandbox, pids: Sequence[int]) -> None:
-    """Every TCP socket where the processes run is on 127.0.0.1 / ::1 (connections: both
-    ends; listeners: loopback or wildcard), at least one connection exists, and when the
-    sandbox is isolated its only interface is ``lo`` and none of ``pids`` has a socket in the
-    test's own namespace."""
+    """Every TCP socket of the test's processes is on 127.0.0.1 / ::1 (connections: both
+    ends; listeners: loopback or wildcard) and at least one connection exists. In an isolated
+    sandbox every socket of the namespace counts, its only interface is ``lo``, and none of
+    ``pids`` has a socket in the test's own namespace; on the host network only the sockets
+    of ``pids`` count (the machine has other users)."""
     rows = [line.split() for line in sandbox.run(["ss", "-Htanp"]).splitlines()]
+    if not sandbox.isolated:
+        rows = [f for f in rows if any(f"pid={pid}," in " ".join(f) for pid in pids)]
     sockets = [(f[0], f[3], f[4]) for f in rows if len(f) >= 5]
     assert any(state == "ESTAB" for state, _, _ in sockets), "no connection: proves nothing"
     for state, local, peer in sockets:
