@@ -15,7 +15,10 @@ record from a different format) are reported by ``get_failed`` and
 Both sides check that their page formats are identical (:class:`KVPageFormat`: model, specs,
 dtype string, scale layouts and values, TP rank, page sizes) before any byte moves: the consumer
 when it accepts a producer, the producer before it writes, and the consumer again on the
-record, which carries the producer's format digest. Metadata travels as JSON text through the
+record, which carries the producer's format digest. Writes are one-sided: after a receive
+failed by timeout, a producer that was only slow may still write those pages later, so the
+engine must treat the failed blocks as dirty until it recomputes them (their mailbox slot is
+retired for the same reason). Metadata travels as JSON text through the
 engine's own request channel (``kv_transfer_params`` upstream); no extra transport.
 """
 
@@ -261,7 +264,8 @@ class MooncakeP2PConnectorWorker:
             done = False
             body = raw[: _RECORD.size]
             (crc,) = struct.unpack_from("<I", raw, _RECORD.size)
-            if body[:8] == RECORD_MAGIC and zlib.crc32(body) == crc:
+            record_seen = body[:8] == RECORD_MAGIC and zlib.crc32(body) == crc
+            if record_seen:
                 _, req, producer_digest, count = _RECORD.unpack(body)
                 if req != _request_digest(request_id):
                     failure = "the completion record names another request"
@@ -280,7 +284,10 @@ class MooncakeP2PConnectorWorker:
                 )
             if done or failure is not None:
                 del self._expected[request_id]
-                self._free_slots.append(expected.slot)
+                if done or record_seen:
+                    # A slot whose producer never answered stays out of use: a late record
+                    # must not be read as the answer for a later request.
+                    self._free_slots.append(expected.slot)
                 if done:
                     self._finished_recv.add(request_id)
                 else:
@@ -316,6 +323,12 @@ class MooncakeP2PConnectorWorker:
             raise ValueError(f"slot: expected 0..{consumer.mailbox_slots - 1}, got {slot}")
         if request_id in self._sending:
             raise ValueError(f"request_id: {request_id!r} is already being sent")
+        if len(self._sending) >= self.mailbox_slots:
+            # One staging row per send in flight holds its completion record.
+            raise RuntimeError(
+                f"send_blocks: {len(self._sending)} sends in flight, at most "
+                f"{self.mailbox_slots}; call get_finished first"
+            )
         srcs: list[int] = []
         dsts: list[int] = []
         lengths: list[int] = []
