@@ -290,7 +290,91 @@ class _Transfer:
     num_bytes: int
 
 
-class SingleDirectionOffloadingHandler(OffloadingHandler):
+class StreamOffloadingHandler(OffloadingHandler):
+    """Runs each job's copy function on a :class:`TransferStream` and reports jobs in order.
+
+    The bookkeeping shared by every handler whose jobs are host-submitted copy functions: jobs
+    run in submission order on ``transfer_stream``; :meth:`get_finished` polls them in
+    submission order and stops at the first unfinished one. ``depends_on``: another handler
+    whose earlier, unreported jobs each new job waits for (see the module's ordering
+    contract). A job whose copy function raised is reported with ``success=False``; its
+    exception stays readable through :meth:`job_error`.
+    """
+
+    def __init__(
+        self,
+        transfer_type: TransferType,
+        transfer_stream: TransferStream,
+        wait_for_compute: bool,
+        depends_on: StreamOffloadingHandler | None = None,
+    ):
+        self.transfer_type = transfer_type
+        self.transfer_stream = transfer_stream
+        self.wait_for_compute = wait_for_compute
+        self.depends_on = depends_on
+        self._transfers: deque[_Transfer] = deque()
+        self._in_flight: dict[int, _Transfer] = {}
+        self._errors: dict[int, BaseException] = {}
+
+    def unreported_events(self) -> list[TransferEvent]:
+        """Completion events of the jobs submitted and not yet reported, in submission order."""
+        return [transfer.event for transfer in self._transfers]
+
+    def submit_job(self, job_id: int, copy_fn: Callable[[], None], num_bytes: int) -> bool:
+        """Queue ``copy_fn`` as job ``job_id`` moving ``num_bytes`` bytes; returns True."""
+        if job_id in self._in_flight:
+            raise ValueError(f"job_id: job {job_id} is already in flight")
+        if self.depends_on is not None and (waits := self.depends_on.unreported_events()):
+            event = self.transfer_stream.submit(copy_fn, self.wait_for_compute, waits)
+        else:
+            event = self.transfer_stream.submit(copy_fn, self.wait_for_compute)
+        transfer = _Transfer(job_id, event, num_bytes)
+        self._transfers.append(transfer)
+        self._in_flight[job_id] = transfer
+        return True
+
+    def job_error(self, job_id: int) -> BaseException | None:
+        """The exception that failed reported job ``job_id`` (None when it succeeded)."""
+        return self._errors.get(job_id)
+
+    def get_finished(self) -> list[TransferResult]:
+        results: list[TransferResult] = []
+        # Poll in submission order; stop at the first job still running, so that a later
+        # job is never reported before an earlier one.
+        while self._transfers and self._transfers[0].event.query():
+            transfer = self._transfers.popleft()
+            del self._in_flight[transfer.job_id]
+            error = transfer.event.error
+            if error is not None:
+                self._errors[transfer.job_id] = error
+            results.append(
+                TransferResult(
+                    job_id=transfer.job_id,
+                    success=error is None,
+                    transfer_size=transfer.num_bytes,
+                    transfer_time=transfer.event.elapsed_seconds(),
+                    transfer_type=self.transfer_type,
+                )
+            )
+        return results
+
+    def wait(self, job_ids: Iterable[int]) -> None:
+        for job_id in job_ids:
+            transfer = self._in_flight.get(job_id)
+            if transfer is not None:
+                transfer.event.synchronize()
+
+    def wait_all(self) -> None:
+        """Block until every submitted job has finished (results stay unreported)."""
+        for transfer in list(self._transfers):
+            transfer.event.synchronize()
+
+    def shutdown(self) -> None:
+        self.wait_all()
+        self.transfer_stream.close()
+
+
+class SingleDirectionOffloadingHandler(StreamOffloadingHandler):
     """Copies pages from ``src_tensors`` to ``dst_tensors`` (one direction), in order.
 
     ``src_tensors[i]`` and ``dst_tensors[i]`` are ``torch.uint8`` page tensors
@@ -314,7 +398,7 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         transfer_stream: TransferStream,
         wait_for_compute: bool,
         swap_blocks: SwapBlocksFn | None = None,
-        depends_on: SingleDirectionOffloadingHandler | None = None,
+        depends_on: StreamOffloadingHandler | None = None,
     ):
         if len(src_tensors) != len(dst_tensors) or not src_tensors:
             raise ValueError(
@@ -347,18 +431,9 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         self.dst_block_size_factor = dst_block_size_factor
         self.num_src_blocks = min(t.shape[0] for t in src_tensors) // src_block_size_factor
         self.num_dst_blocks = min(t.shape[0] for t in dst_tensors) // dst_block_size_factor
-        self.transfer_type = transfer_type
-        self.transfer_stream = transfer_stream
-        self.wait_for_compute = wait_for_compute
+        super().__init__(transfer_type, transfer_stream, wait_for_compute, depends_on)
         self._swap_blocks = swap_blocks
         self._bytes_per_page_all_tensors = sum(self.page_sizes_bytes)
-        self._transfers: deque[_Transfer] = deque()
-        self._in_flight: dict[int, _Transfer] = {}
-        self.depends_on = depends_on
-
-    def unreported_events(self) -> list[TransferEvent]:
-        """Completion events of the jobs submitted and not yet reported, in submission order."""
-        return [transfer.event for transfer in self._transfers]
 
     def _check_ids(self, name: str, ids: np.ndarray, num_blocks: int) -> None:
         if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
@@ -406,43 +481,9 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
             for src, dst, page_size in triples:
                 swap_blocks(src, dst, page_size, mapping)
 
-        if self.depends_on is not None and (waits := self.depends_on.unreported_events()):
-            event = self.transfer_stream.submit(copy_pages, self.wait_for_compute, waits)
-        else:
-            event = self.transfer_stream.submit(copy_pages, self.wait_for_compute)
-        transfer = _Transfer(job_id, event, mapping.shape[0] * self._bytes_per_page_all_tensors)
-        self._transfers.append(transfer)
-        self._in_flight[job_id] = transfer
-        return True
-
-    def get_finished(self) -> list[TransferResult]:
-        results: list[TransferResult] = []
-        # Poll in submission order; stop at the first job still running, so that a later
-        # job is never reported before an earlier one.
-        while self._transfers and self._transfers[0].event.query():
-            transfer = self._transfers.popleft()
-            del self._in_flight[transfer.job_id]
-            results.append(
-                TransferResult(
-                    job_id=transfer.job_id,
-                    success=transfer.event.error is None,
-                    transfer_size=transfer.num_bytes,
-                    transfer_time=transfer.event.elapsed_seconds(),
-                    transfer_type=self.transfer_type,
-                )
-            )
-        return results
-
-    def wait(self, job_ids: Iterable[int]) -> None:
-        for job_id in job_ids:
-            transfer = self._in_flight.get(job_id)
-            if transfer is not None:
-                transfer.event.synchronize()
-
-    def shutdown(self) -> None:
-        for transfer in list(self._transfers):
-            transfer.event.synchronize()
-        self.transfer_stream.close()
+        return self.submit_job(
+            job_id, copy_pages, mapping.shape[0] * self._bytes_per_page_all_tensors
+        )
 
 
 class CpuGpuOffloadingHandlers:

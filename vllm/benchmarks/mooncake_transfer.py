@@ -1,0 +1,352 @@
+"""Benchmark of KV-page movement through Mooncake on one machine (loopback).
+
+Two processes, as two engine instances: this one (the writer / prefill side) and a child
+(the reader / decode side), plus a ``mooncake_master`` on 127.0.0.1 started here (or
+``--master host:port``). Measured, per batch of ``--blocks`` offloaded blocks (every layer's
+page of each block id):
+
+- store put: ``GPU -> MOONCAKE`` offload jobs of the writer (fresh keys every repetition);
+- store get: ``MOONCAKE -> GPU`` load jobs of the reader (header and size checks included);
+- P2P: ``send_blocks`` from the writer into the reader's pages until the send is reported;
+- memcpy: ``dst.copy_(src)`` of the same number of bytes in one contiguous buffer, in the same
+  run (the machine's plain copy speed, the baseline).
+
+Reports pages/s (one page = one layer's page of one block) and GB/s (10^9 bytes/s of page bytes
+moved), the median of ``--reps`` repetitions, and × memcpy. Everything listens and connects on
+127.0.0.1 (Mooncake's own listeners bind the wildcard address; run under
+``unshare --net sh -c 'ip link set lo up && ...'`` to keep them off the network entirely).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.config import master_binary
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+)
+
+LOOPBACK = "127.0.0.1"
+_WAIT_S = 60.0
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    """One measured path: medians over the repetitions."""
+
+    path: str
+    blocks: int
+    pages: int
+    bytes: int
+    seconds: float
+
+    @property
+    def pages_per_s(self) -> float:
+        return self.pages / self.seconds
+
+    @property
+    def gb_per_s(self) -> float:
+        """10^9 bytes of pages per second."""
+        return self.bytes / self.seconds / 1e9
+
+
+def _kv_cache(num_layers: int, num_blocks: int) -> tuple[KVCacheConfig, dict[str, torch.Tensor]]:
+    """``num_layers`` bf16 layers of 8 heads × 128 and 16-token pages (64 KiB each)."""
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    names = [f"layers.{i}.attn" for i in range(num_layers)]
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[KVCacheTensor(num_blocks * spec.page_size_bytes, [n]) for n in names],
+        kv_cache_groups=[KVCacheGroupSpec(names, spec)],
+    )
+    raw = {
+        n: torch.randint(0, 256, (t.size,), dtype=torch.uint8)
+        for n, t in zip(names, config.kv_cache_tensors, strict=True)
+    }
+    return config, raw
+
+
+class _Side:
+    """One instance: its KV cache, a store worker and a P2P worker."""
+
+    def __init__(self, master: str, num_layers: int, num_blocks: int, segment: int, name: str):
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.config import MooncakeConfig
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.p2p import (
+            MooncakeP2PConnectorWorker,
+        )
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
+            OffloadingConnectorWorker,
+        )
+        from vllm.v1.kv_offload.mooncake import MooncakeOffloadingSpec
+
+        self.config, self.raw = _kv_cache(num_layers, num_blocks)
+        options = {"model": "bench", "kv_cache_dtype": "auto"}
+        extra = {
+            **options,
+            "max_blocks_per_batch": 256,
+            "mooncake": {
+                "master_server_address": master,
+                "global_segment_size": segment,
+                "local_hostname": LOOPBACK,
+            },
+        }
+        self.store = OffloadingConnectorWorker(MooncakeOffloadingSpec(self.config, 16, extra))
+        self.store.register_kv_caches(self.raw, self.config)
+        self.p2p = MooncakeP2PConnectorWorker(
+            MooncakeConfig(local_hostname=LOOPBACK, timeout_s=_WAIT_S), name, options
+        )
+        self.p2p.register_kv_caches(self.raw, self.config)
+
+    def job(self, src: Any, dst: Any) -> float:
+        start = time.perf_counter()
+        job_id = self.store.transfer_async((src, dst))
+        while True:
+            for result in self.store.get_finished():
+                if result.job_id == job_id:
+                    if not result.success:
+                        raise RuntimeError(f"store job {job_id} failed")
+                    return time.perf_counter() - start
+            if time.perf_counter() - start > _WAIT_S:
+                raise TimeoutError(f"store job {job_id} did not finish in {_WAIT_S} s")
+            time.sleep(0.0005)
+
+    def offload(self, hashes: list[bytes], blocks: list[int]) -> float:
+        from vllm.v1.kv_offload.mediums import GPULoadStoreSpec, MooncakeLoadStoreSpec
+
+        return self.job(GPULoadStoreSpec(blocks), MooncakeLoadStoreSpec(hashes))
+
+    def load(self, hashes: list[bytes], blocks: list[int]) -> float:
+        from vllm.v1.kv_offload.mediums import GPULoadStoreSpec, MooncakeLoadStoreSpec
+
+        return self.job(MooncakeLoadStoreSpec(hashes), GPULoadStoreSpec(blocks))
+
+    def wait_p2p(self, request_id: str, sending: bool) -> None:
+        deadline = time.perf_counter() + _WAIT_S
+        while time.perf_counter() < deadline:
+            sent, received = self.p2p.get_finished()
+            failed = self.p2p.get_failed()
+            if request_id in failed:
+                raise RuntimeError(failed[request_id])
+            if request_id in ((sent if sending else received) or ()):
+                return
+            time.sleep(0.0002)
+        raise TimeoutError(f"P2P request {request_id} did not finish in {_WAIT_S} s")
+
+
+def _reader_main(conn: Any, args: dict[str, Any]) -> None:
+    """The child (decode side): answers the parent's commands over a pipe."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.p2p import P2PAgentMetadata
+
+    os.environ["MC_TCP_BIND_ADDRESS"] = LOOPBACK
+    side = _Side(**args, name="reader")
+    conn.send(side.p2p.metadata().to_json())
+    while True:
+        cmd, payload = conn.recv()
+        if cmd == "load":
+            conn.send(side.load(*payload))
+        elif cmd == "expect":
+            request_id, producer, blocks = payload
+            conn.send(
+                side.p2p.expect_request(request_id, P2PAgentMetadata.from_json(producer), blocks)
+            )
+        elif cmd == "wait_recv":
+            side.wait_p2p(payload, sending=False)
+            conn.send(True)
+        else:
+            conn.send(None)
+            return
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def _start_master(log_dir: str) -> tuple[subprocess.Popen, str]:
+    binary = master_binary()
+    if binary is None:
+        raise SystemExit("mooncake_master not found: pip install -e '.[mooncake]'")
+    port, metrics = _free_port(), _free_port()
+    log = open(os.path.join(log_dir, "master.log"), "w")  # noqa: SIM115 - closed with the process
+    proc = subprocess.Popen(
+        [
+            binary,
+            f"--rpc_address={LOOPBACK}",
+            f"--rpc_port={port}",
+            f"--metrics_host={LOOPBACK}",
+            f"--metrics_port={metrics}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((LOOPBACK, port), timeout=0.5):
+                return proc, f"{LOOPBACK}:{port}"
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise SystemExit("mooncake_master did not start within 20 s")
+
+
+def _memcpy_seconds(num_bytes: int, reps: int) -> float:
+    src = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run(layers: int, blocks: int, reps: int, master: str | None, progress: bool = True):
+    """Measure every path; returns the results (memcpy first)."""
+    os.environ["MC_TCP_BIND_ADDRESS"] = LOOPBACK
+    torch.set_num_threads(1)
+    num_blocks = 2 * blocks
+    page = 16 * 8 * 256 * 2
+    block_bytes = layers * page
+    segment = max(64 << 20, 2 * (reps + 1) * blocks * block_bytes)
+    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if progress else (lambda *a: None)
+    with tempfile.TemporaryDirectory() as tmp:
+        master_proc = None
+        if master is None:
+            master_proc, master = _start_master(tmp)
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        args = {
+            "master": master,
+            "num_layers": layers,
+            "num_blocks": num_blocks,
+            "segment": segment,
+        }
+        reader = ctx.Process(target=_reader_main, args=(child, args), daemon=True)
+        reader.start()
+        try:
+            writer = _Side(**args, name="writer")
+            if not parent.poll(_WAIT_S):
+                raise TimeoutError("the reader process did not start")
+            consumer_meta = parent.recv()
+            from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.p2p import (
+                P2PAgentMetadata,
+            )
+
+            consumer = P2PAgentMetadata.from_json(consumer_meta)
+            producer = writer.p2p.metadata().to_json()
+            src = list(range(blocks))
+            dst = list(range(blocks, 2 * blocks))
+            total = blocks * block_bytes
+            times: dict[str, list[float]] = {"store put": [], "store get": [], "P2P": []}
+            for rep in range(reps + 1):  # the first repetition warms up, not counted
+                hashes = [os.urandom(32) for _ in range(blocks)]
+                put = writer.offload(hashes, src)
+                parent.send(("load", (hashes, dst)))
+                get = parent.recv()
+                request_id = f"bench-{rep}"
+                parent.send(("expect", (request_id, producer, dst)))
+                slot = parent.recv()
+                start = time.perf_counter()
+                writer.p2p.send_blocks(request_id, consumer, slot, src, dst)
+                writer.wait_p2p(request_id, sending=True)
+                p2p = time.perf_counter() - start
+                parent.send(("wait_recv", request_id))
+                parent.recv()
+                if rep:
+                    times["store put"].append(put)
+                    times["store get"].append(get)
+                    times["P2P"].append(p2p)
+                log(
+                    f"rep {rep}/{reps}{' (warm-up)' if rep == 0 else ''}: put {put * 1e3:.1f} ms, "
+                    f"get {get * 1e3:.1f} ms, P2P {p2p * 1e3:.1f} ms for {total / 2**20:.0f} MiB"
+                )
+            memcpy = _memcpy_seconds(total, max(reps, 5))
+            pages = blocks * layers
+            results = [BenchResult("memcpy", blocks, pages, total, memcpy)]
+            results += [
+                BenchResult(path, blocks, pages, total, statistics.median(ts))
+                for path, ts in times.items()
+            ]
+            parent.send(("exit", None))
+            parent.poll(10) and parent.recv()
+            writer.store.shutdown()
+            writer.p2p.shutdown()
+        finally:
+            reader.join(timeout=10)
+            if reader.is_alive():
+                reader.kill()
+            if master_proc is not None:
+                master_proc.terminate()
+                try:
+                    master_proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    master_proc.kill()
+    return results
+
+
+def markdown(results: list[BenchResult]) -> str:
+    memcpy = results[0]
+    lines = [
+        "| path | blocks | pages | MiB | ms (median) | pages/s | GB/s | × memcpy |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.path} | {r.blocks} | {r.pages} | {r.bytes / 2**20:.0f} | "
+            f"{r.seconds * 1e3:.2f} | {r.pages_per_s:,.0f} | {r.gb_per_s:.2f} | "
+            f"{r.gb_per_s / memcpy.gb_per_s:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=8, help="layers (one 64 KiB page each)")
+    parser.add_argument("--blocks", type=int, default=32, help="blocks per batch")
+    parser.add_argument("--reps", type=int, default=5, help="timed repetitions (+1 warm-up)")
+    parser.add_argument(
+        "--master", help="host:port of a running mooncake_master (default: start one on 127.0.0.1)"
+    )
+    parser.add_argument("--json", help="write the results as JSON to this file")
+    args = parser.parse_args(argv)
+    for name in ("layers", "blocks", "reps"):
+        if getattr(args, name) <= 0:
+            print(f"--{name}: expected a positive int, got {getattr(args, name)}", file=sys.stderr)
+            return 2
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as e:
+        print(f"mooncake: not installed ({e}); pip install -e '.[mooncake]'", file=sys.stderr)
+        return 2
+    results = run(args.layers, args.blocks, args.reps, args.master)
+    print(markdown(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                [
+                    {**asdict(r), "pages_per_s": r.pages_per_s, "gb_per_s": r.gb_per_s}
+                    for r in results
+                ],
+                f,
+                indent=2,
+            )
+    return 0
