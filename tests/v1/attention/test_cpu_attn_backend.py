@@ -359,4 +359,4 @@ def test_registered_and_selectable_on_cpu_only() -> None:
     assert CPUAttentionBackend.get_kv_cache_shape(3, 16, 2, 64, "nvfp4") == (3, 2, 16, 2, 36)
     assert CPUAttentionBackend.validate_configuration(64, torch.bfloat16, "nvfp4", 16, None) == []
     reasons = CPUAttentionBackend.validate_configuration(64, torch.bfloat16, "auto", 16, (9, 0))
-    assert reasons == ["CPU_ATTN does not run on 9.0"]
+    assert reasons == ["CPU_ATTN does not run on sm_90"]
