@@ -369,12 +369,14 @@ struct EntryDecoder {
 // ------------------------------------------------------------------------------ work planning
 
 // One unit of parallel work: query tokens [q_begin, q_end) of sequence `seq` (indices among its
-// q_len query tokens) for the query heads of KV head `kv_head`, over key positions
+// q_len query tokens) for the query heads of KV heads [kv_begin, kv_end), over key positions
 // [key_begin, key_end). partial >= 0: write (max, sum, accumulator) partials at that float offset
-// of the scratch buffer instead of the output.
+// of the scratch buffer instead of the output. Rows are ordered (KV head, query token, query head
+// of the group).
 struct WorkItem {
   int seq;
-  int kv_head;
+  int kv_begin;
+  int kv_end;
   int q_begin;
   int q_end;
   int key_begin;
@@ -385,7 +387,8 @@ struct WorkItem {
 // The splits of one (sequence, KV head, query block) whose partials are merged afterwards.
 struct MergeItem {
   int seq;
-  int kv_head;
+  int kv_begin;
+  int kv_end;
   int q_begin;
   int q_end;
   int num_splits;
@@ -435,6 +438,16 @@ inline std::pair<int, int> key_range(const PagedAttentionParams& p, int seq_len,
 // Key positions per split at least; shorter ranges are not worth a merge.
 inline constexpr int kMinSplitKeys = 512;
 
+// Items with at most this many rows per KV head (decode) take all KV heads: a page is then read
+// whole (NHD: one dense region), which the hardware prefetchers stream, instead of one head's
+// scattered rows per item. Their parallelism comes from split-K.
+inline constexpr int kMaxRowsForAllHeads = 16;
+
+inline int kv_heads_per_item(const PagedAttentionParams& p, const AttentionGeometry& geo,
+                             int q_tokens) {
+  return q_tokens * geo.group <= kMaxRowsForAllHeads ? p.num_kv_heads : 1;
+}
+
 // Items for `num_threads` threads: (sequence x KV head x query block), each split into as many
 // page-aligned key ranges as it takes to give every thread about four items.
 inline AttentionPlan plan_attention(const PagedAttentionParams& p, int num_threads) {
@@ -443,7 +456,10 @@ inline AttentionPlan plan_attention(const PagedAttentionParams& p, int num_threa
   int64_t base_items = 0;
   for (int seq = 0; seq < p.num_seqs; ++seq) {
     const int q_len = query_len(p, seq);
-    base_items += int64_t(p.num_kv_heads) * ((q_len + geo.query_block - 1) / geo.query_block);
+    for (int q_begin = 0; q_begin < q_len; q_begin += geo.query_block) {
+      const int q_tokens = std::min(q_len, q_begin + geo.query_block) - q_begin;
+      base_items += p.num_kv_heads / kv_heads_per_item(p, geo, q_tokens);
+    }
   }
   const int64_t wanted = 4 * int64_t(std::max(1, num_threads));
   const int64_t splits_wanted = base_items == 0 ? 1 : (wanted + base_items - 1) / base_items;
@@ -457,14 +473,17 @@ inline AttentionPlan plan_attention(const PagedAttentionParams& p, int num_threa
       const int span = key_end - key_begin;
       const int splits = int(std::max<int64_t>(
           1, std::min<int64_t>(splits_wanted, span / std::max(kMinSplitKeys, p.block_size))));
-      for (int kv_head = 0; kv_head < p.num_kv_heads; ++kv_head) {
+      const int heads = kv_heads_per_item(p, geo, q_end - q_begin);
+      for (int kv_begin = 0; kv_begin < p.num_kv_heads; kv_begin += heads) {
+        const int kv_end = kv_begin + heads;
         if (splits == 1) {
-          plan.items.push_back({seq, kv_head, q_begin, q_end, key_begin, key_end, -1});
+          plan.items.push_back({seq, kv_begin, kv_end, q_begin, q_end, key_begin, key_end, -1});
           continue;
         }
-        const int64_t rows = int64_t(q_end - q_begin) * geo.group;
+        const int64_t rows = int64_t(heads) * (q_end - q_begin) * geo.group;
         const int64_t stride = rows * geo.partial_row_floats();
-        plan.merges.push_back({seq, kv_head, q_begin, q_end, splits, plan.scratch_floats});
+        plan.merges.push_back(
+            {seq, kv_begin, kv_end, q_begin, q_end, splits, plan.scratch_floats});
         // Page-aligned boundaries, as even as the pages allow.
         const int first_page = key_begin / p.block_size;
         const int pages = (key_end - 1) / p.block_size - first_page + 1;
@@ -474,7 +493,7 @@ inline AttentionPlan plan_attention(const PagedAttentionParams& p, int num_threa
           const int e = s == splits - 1
                             ? key_end
                             : (first_page + int(int64_t(pages) * (s + 1) / splits)) * p.block_size;
-          plan.items.push_back({seq, kv_head, q_begin, q_end, b, e, plan.scratch_floats});
+          plan.items.push_back({seq, kv_begin, kv_end, q_begin, q_end, b, e, plan.scratch_floats});
           plan.scratch_floats += stride;
         }
       }
@@ -532,29 +551,30 @@ inline float side_scale(const CacheSide& side, int head, CacheKind kind) {
 // Writes the finished rows of one item: out = acc / l (softmax with the sink logit of each query
 // head in the denominator) times the V scale.
 inline void finish_rows(const PagedAttentionParams& p, const AttentionGeometry& geo, int seq,
-                        int kv_head, int q_begin, int q_end, const float* m, const float* l,
-                        const float* acc, int64_t acc_stride) {
-  const int q_len = query_len(p, seq);
-  const int first_row = p.query_start_loc[seq] + 0 * q_len;
-  const float v_scale = side_scale(p.value_cache, kv_head, p.cache_kind);
-  for (int j = q_begin; j < q_end; ++j) {
-    for (int g = 0; g < geo.group; ++g) {
-      const int r = (j - q_begin) * geo.group + g;
-      const int head = kv_head * geo.group + g;
-      float max = m[r];
-      float sum = l[r];
-      float factor = 1.0f;  // weight of the accumulator
-      if (p.sinks != nullptr) {
-        const float sink = p.sinks[head];
-        const float top = std::max(max, sink);
-        factor = max == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(max - top);
-        sum = sum * factor + std::exp(sink - top);
-      }
-      const float weight = sum > 0.0f ? factor / sum * v_scale : 0.0f;
-      const int64_t out_base = (first_row + j) * p.out_token_stride + head * p.out_head_stride;
-      const float* a = acc + r * acc_stride;
-      for (int d = 0; d < geo.head_size_v; ++d) {
-        store_output(p.out, out_base + d, p.io_type, a[d] * weight);
+                        int kv_begin, int kv_end, int q_begin, int q_end, const float* m,
+                        const float* l, const float* acc, int64_t acc_stride) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  int r = 0;
+  for (int kv_head = kv_begin; kv_head < kv_end; ++kv_head) {
+    const float v_scale = side_scale(p.value_cache, kv_head, p.cache_kind);
+    for (int j = q_begin; j < q_end; ++j) {
+      for (int g = 0; g < geo.group; ++g, ++r) {
+        const int head = kv_head * geo.group + g;
+        float sum = l[r];
+        float factor = 1.0f;  // weight of the accumulator
+        if (p.sinks != nullptr) {
+          const float sink = p.sinks[head];
+          const float top = std::max(m[r], sink);
+          factor = m[r] == neg_inf ? 0.0f : std::exp(m[r] - top);
+          sum = sum * factor + std::exp(sink - top);
+        }
+        const float weight = sum > 0.0f ? factor / sum * v_scale : 0.0f;
+        const int64_t out_base = int64_t(p.query_start_loc[seq] + j) * p.out_token_stride +
+                                 int64_t(head) * p.out_head_stride;
+        const float* a = acc + r * acc_stride;
+        for (int d = 0; d < geo.head_size_v; ++d) {
+          store_output(p.out, out_base + d, p.io_type, a[d] * weight);
+        }
       }
     }
   }
@@ -564,7 +584,7 @@ inline void finish_rows(const PagedAttentionParams& p, const AttentionGeometry& 
 inline void merge_partials(const PagedAttentionParams& p, const MergeItem& item,
                            const float* scratch) {
   const AttentionGeometry geo(p);
-  const int rows = (item.q_end - item.q_begin) * geo.group;
+  const int rows = (item.kv_end - item.kv_begin) * (item.q_end - item.q_begin) * geo.group;
   const int row_floats = geo.partial_row_floats();
   const int64_t split_stride = int64_t(rows) * row_floats;
   std::vector<float> m(rows), l(rows), acc(int64_t(rows) * geo.head_size_v);
@@ -587,8 +607,8 @@ inline void merge_partials(const PagedAttentionParams& p, const MergeItem& item,
     m[r] = top;
     l[r] = sum;
   }
-  finish_rows(p, geo, item.seq, item.kv_head, item.q_begin, item.q_end, m.data(), l.data(),
-              acc.data(), geo.head_size_v);
+  finish_rows(p, geo, item.seq, item.kv_begin, item.kv_end, item.q_begin, item.q_end, m.data(),
+              l.data(), acc.data(), geo.head_size_v);
 }
 
 template <CacheKind K, SourceType C, SimdLevel L>
@@ -620,11 +640,13 @@ class PagedAttention {
     const int q_len = query_len(p_, item.seq);
     const int seq_len = p_.seq_lens[item.seq];
     const int tokens = item.q_end - item.q_begin;
-    const int rows = tokens * geo_.group;
+    const int heads = item.kv_end - item.kv_begin;
+    const int head_rows = tokens * geo_.group;  // rows per KV head
+    const int rows = heads * head_rows;
     // Per-thread buffers, reused across items.
     thread_local std::vector<float> buffer;
     const int64_t need = int64_t(rows) * (dim_k_ + dim_v_ + tokens_ + 2) +
-                         int64_t(p_.block_size) * (dim_k_ + dim_v_) + 2 * kLanes;
+                         int64_t(p_.block_size) * (dim_k_ + dim_v_);
     if (int64_t(buffer.size()) < need) buffer.assign(need, 0.0f);
     float* q = buffer.data();
     float* acc = q + int64_t(rows) * dim_k_;
@@ -635,25 +657,31 @@ class PagedAttention {
     float* v_tile = k_tile + int64_t(p_.block_size) * dim_k_;
     const float neg_inf = -std::numeric_limits<float>::infinity();
 
-    // Query rows, pre-multiplied by the softmax scale and the K dequantization scale.
-    const float q_scale = p_.scale * side_scale(p_.key_cache, item.kv_head, K);
+    // Key range of each query token, within the item's.
     std::vector<std::pair<int, int>> ranges(tokens);
-    for (int j = item.q_begin; j < item.q_end; ++j) {
-      auto [begin, end] = key_range(p_, seq_len, q_len, j);
-      ranges[j - item.q_begin] = {std::max(begin, item.key_begin), std::min(end, item.key_end)};
-      const int64_t token = p_.query_start_loc[item.seq] + j;
-      for (int g = 0; g < geo_.group; ++g) {
-        const int r = (j - item.q_begin) * geo_.group + g;
-        const int64_t base = token * p_.query_token_stride +
-                             int64_t(item.kv_head * geo_.group + g) * p_.query_head_stride;
-        float* row = q + int64_t(r) * dim_k_;
-        for (int d = 0; d < geo_.head_size; ++d) {
-          row[d] = load_query(p_.query, base + d, p_.io_type) * q_scale;
+    for (int jt = 0; jt < tokens; ++jt) {
+      const auto [begin, end] = key_range(p_, seq_len, q_len, item.q_begin + jt);
+      ranges[jt] = {std::max(begin, item.key_begin), std::min(end, item.key_end)};
+    }
+    // Query rows, pre-multiplied by the softmax scale and the K dequantization scale.
+    for (int hh = 0; hh < heads; ++hh) {
+      const int kv_head = item.kv_begin + hh;
+      const float q_scale = p_.scale * side_scale(p_.key_cache, kv_head, K);
+      for (int jt = 0; jt < tokens; ++jt) {
+        const int64_t token = p_.query_start_loc[item.seq] + item.q_begin + jt;
+        for (int g = 0; g < geo_.group; ++g) {
+          const int r = hh * head_rows + jt * geo_.group + g;
+          const int64_t base = token * p_.query_token_stride +
+                               int64_t(kv_head * geo_.group + g) * p_.query_head_stride;
+          float* row = q + int64_t(r) * dim_k_;
+          for (int d = 0; d < geo_.head_size; ++d) {
+            row[d] = load_query(p_.query, base + d, p_.io_type) * q_scale;
+          }
+          std::fill(row + geo_.head_size, row + dim_k_, 0.0f);
+          std::fill(acc + int64_t(r) * dim_v_, acc + int64_t(r + 1) * dim_v_, 0.0f);
+          m[r] = neg_inf;
+          l[r] = 0.0f;
         }
-        std::fill(row + geo_.head_size, row + dim_k_, 0.0f);
-        std::fill(acc + int64_t(r) * dim_v_, acc + int64_t(r + 1) * dim_v_, 0.0f);
-        m[r] = neg_inf;
-        l[r] = 0.0f;
       }
     }
     // Zero tile padding so that padded lanes contribute nothing.
@@ -670,44 +698,55 @@ class PagedAttention {
       const int lo = std::max(page_start, item.key_begin);
       const int hi = std::min(page_start + p_.block_size, item.key_end);
       const int64_t block = pages[page_start / p_.block_size];
-      // Which rows see any key of this page (ranges are monotone in j, but check each).
+      // Pages come in block-table order, not address order: request the next page's rows now
+      // so that their misses overlap this page's work.
+      if (page_start + p_.block_size < item.key_end) {
+        const int64_t next = pages[page_start / p_.block_size + 1];
+        for (int h = item.kv_begin; h < item.kv_end; ++h) {
+          prefetch_page(p_.key_cache, k_layout_, next, h, geo_.head_size);
+          prefetch_page(p_.value_cache, v_layout_, next, h, geo_.head_size_v);
+        }
+      }
+      // Whether any query token sees a key of this page (causal prefill skips the future).
       bool any = false;
       for (const auto& [b, e] : ranges) any |= std::max(b, lo) < std::min(e, hi);
       if (!any) continue;
-      decode_page(p_.key_cache, k_layout_, k_groups_, block, lo - page_start, hi - page_start,
-                  item.kv_head, geo_.head_size, dim_k_, k_tile);
-      bool any_weight = false;
-      for (int jt = 0; jt < tokens; ++jt) {
-        const int b = std::max(ranges[jt].first, lo) - page_start;
-        const int e = std::min(ranges[jt].second, hi) - page_start;
-        const int r0 = jt * geo_.group;
-        for (int g = 0; g < geo_.group; ++g) {
-          float* s = scores + int64_t(r0 + g) * tokens_;
-          std::fill(s, s + tokens_, neg_inf);
+      for (int hh = 0; hh < heads; ++hh) {
+        const int kv_head = item.kv_begin + hh;
+        const int h0 = hh * head_rows;
+        decode_page(p_.key_cache, k_layout_, k_groups_, block, lo - page_start, hi - page_start,
+                    kv_head, geo_.head_size, dim_k_, k_tile);
+        for (int jt = 0; jt < tokens; ++jt) {
+          const int b = std::max(ranges[jt].first, lo) - page_start;
+          const int e = std::min(ranges[jt].second, hi) - page_start;
+          const int r0 = h0 + jt * geo_.group;
+          for (int g = 0; g < geo_.group; ++g) {
+            float* s = scores + int64_t(r0 + g) * tokens_;
+            std::fill(s, s + tokens_, neg_inf);
+          }
+          if (b >= e) continue;
+          score_rows(q + int64_t(r0) * dim_k_, k_tile, b, e, scores + int64_t(r0) * tokens_);
+          for (int g = 0; g < geo_.group; ++g) {
+            softmax_step(scores + int64_t(r0 + g) * tokens_, m[r0 + g], l[r0 + g],
+                         acc + int64_t(r0 + g) * dim_v_);
+          }
         }
-        if (b >= e) continue;
-        any_weight = true;
-        score_rows(q + int64_t(r0) * dim_k_, k_tile, b, e, scores + int64_t(r0) * tokens_);
-        for (int g = 0; g < geo_.group; ++g) {
-          softmax_step(scores + int64_t(r0 + g) * tokens_, m[r0 + g], l[r0 + g],
-                       acc + int64_t(r0 + g) * dim_v_);
+        decode_page(p_.value_cache, v_layout_, v_groups_, block, lo - page_start,
+                    hi - page_start, kv_head, geo_.head_size_v, dim_v_, v_tile);
+        for (int jt = 0; jt < tokens; ++jt) {
+          const int b = std::max(ranges[jt].first, lo) - page_start;
+          const int e = std::min(ranges[jt].second, hi) - page_start;
+          if (b >= e) continue;
+          const int r0 = h0 + jt * geo_.group;
+          accumulate_rows(scores + int64_t(r0) * tokens_, v_tile, b, e,
+                          acc + int64_t(r0) * dim_v_);
         }
-      }
-      if (!any_weight) continue;
-      decode_page(p_.value_cache, v_layout_, v_groups_, block, lo - page_start, hi - page_start,
-                  item.kv_head, geo_.head_size_v, dim_v_, v_tile);
-      for (int jt = 0; jt < tokens; ++jt) {
-        const int b = std::max(ranges[jt].first, lo) - page_start;
-        const int e = std::min(ranges[jt].second, hi) - page_start;
-        if (b >= e) continue;
-        const int r0 = jt * geo_.group;
-        accumulate_rows(scores + int64_t(r0) * tokens_, v_tile, b, e,
-                        acc + int64_t(r0) * dim_v_);
       }
     }
 
     if (item.partial < 0) {
-      finish_rows(p_, geo_, item.seq, item.kv_head, item.q_begin, item.q_end, m, l, acc, dim_v_);
+      finish_rows(p_, geo_, item.seq, item.kv_begin, item.kv_end, item.q_begin, item.q_end, m, l,
+                  acc, dim_v_);
       return;
     }
     float* out = scratch + item.partial;
@@ -723,6 +762,28 @@ class PagedAttention {
  private:
   static int round_up(int n) { return (n + kLanes - 1) / kLanes * kLanes; }
 
+  static constexpr int64_t kElementBytes =
+      K == CacheKind::kUnquantized ? (C == SourceType::kFloat32 ? 4 : 2) : 1;
+
+  // Start loading the rows of head `head` of page `block` (and NVFP4 scales) into the cache.
+  void prefetch_page(const CacheSide& side, const Nvfp4SideLayout& layout, int64_t block,
+                     int head, int dim) const {
+    const auto* base = static_cast<const char*>(side.data);
+    for (int t = 0; t < p_.block_size; ++t) {
+      const char* row;
+      int64_t bytes;
+      if constexpr (K == CacheKind::kNvfp4) {
+        row = base + layout.data_offset(block, t, head);
+        bytes = dim / 2;
+        __builtin_prefetch(base + layout.scale_base(block, t, head, side.scale_layout));
+      } else {
+        row = base + entry_offset(side, block, t, head) * kElementBytes;
+        bytes = dim * kElementBytes;
+      }
+      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b);
+    }
+  }
+
   // Decodes tokens [t0, t1) of page `block`, head `head` into tile rows t0..t1-1.
   void decode_page(const CacheSide& side, const Nvfp4SideLayout& layout,
                    const std::vector<int64_t>& groups, int64_t block, int t0, int t1, int head,
@@ -735,11 +796,8 @@ class PagedAttention {
                         base + layout.scale_base(block, t, head, side.scale_layout),
                         groups.data(), dim, dst);
       } else {
-        constexpr int64_t kBytes = K == CacheKind::kUnquantized && C == SourceType::kFloat32 ? 4
-                                   : K == CacheKind::kUnquantized                           ? 2
-                                                                                            : 1;
-        Decoder::decode(base + entry_offset(side, block, t, head) * kBytes, nullptr, nullptr, dim,
-                        dst);
+        Decoder::decode(base + entry_offset(side, block, t, head) * kElementBytes, nullptr,
+                        nullptr, dim, dst);
       }
     }
   }
