@@ -11,6 +11,11 @@ Cold cache by default: the last-level cache (CPU L3, GPU L2) is flushed before e
 outside the timed region, so the op, its baseline and the roofline copy all stream from memory.
 ``--warm`` times repeated calls on cache-resident buffers instead (% of roofline can then exceed
 100, the roofline being a DRAM copy). The table's title and the JSON's ``mode`` say which.
+
+``--op attention`` benchmarks the CPU attention backend instead (:mod:`vllm.benchmarks.attention`):
+decode (batch 1..64, context 1k..32k) and prefill per format (``--kinds``), with µs, GB/s of cache
+read, % of the copy roofline, × the reference backend and the time relative to bf16; ``--plot``
+draws decode GB/s against context.
 """
 
 from __future__ import annotations
@@ -24,7 +29,11 @@ from typing import IO, Any
 
 import torch
 
+from vllm.benchmarks import attention
 from vllm.benchmarks import reshape_and_cache_flash as core
+
+OPS = ("reshape_and_cache_flash", "attention")
+"""Values of ``--op``."""
 
 EXIT_USAGE = 2
 """Exit status for bad arguments, a missing extension or a missing optional package."""
@@ -125,6 +134,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument(
+        "--op",
+        choices=OPS,
+        default=OPS[0],
+        help="what to benchmark: the cache write (default) or the CPU attention backend",
+    )
     parser.add_argument("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda if any)")
     parser.add_argument("--quick", action="store_true", help="a small configuration (seconds)")
     parser.add_argument(
@@ -154,6 +169,8 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     if args.threads:
         torch.set_num_threads(args.threads)
+    if getattr(args, "op", OPS[0]) == "attention":
+        return run_attention(args)
     bar = None if args.no_progress else ProgressBar()
     device = args.device or core.default_device()
     try:
@@ -173,5 +190,37 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.json}", file=sys.stderr)
     if args.plot:
         write_plot(rows, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def run_attention(args: argparse.Namespace) -> int:
+    """``--op attention``: the CPU attention benchmark over the ``--kinds`` formats."""
+    for flag, value in (("--tokens", args.tokens), ("--device", args.device)):
+        if value is not None and not (flag == "--device" and value == "cpu"):
+            print(
+                f"vllm-kv bench: error: {flag}: not used by --op attention (CPU, fixed shapes), "
+                f"got {value}",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
+    bar = None if args.no_progress else ProgressBar()
+    try:
+        rows = attention.run(args.kinds, args.quick, bar, warm=args.warm)
+    except (ValueError, ImportError) as e:
+        error: Exception | None = e
+    else:
+        error = None
+    if bar is not None:
+        bar.close()
+    if error is not None:
+        print(f"vllm-kv bench: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    print(attention.format_table(rows))
+    if args.json:
+        attention.write_json(rows, args.json)
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        attention.write_plot(rows, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
