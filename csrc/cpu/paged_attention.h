@@ -94,9 +94,11 @@ inline void store(float* p, VecF<L> v) {
   std::memcpy(p, &v, sizeof(v));
 }
 
+// x in every lane. (x - 0 is x for every x, -0 included, so this folds to a broadcast; 0 + x
+// would not, as 0 + -0 is +0.)
 template <SimdLevel L>
 inline VecF<L> splat(float x) {
-  return VecF<L>{} + x;
+  return x - VecF<L>{};
 }
 
 // a * b + c, fused where the level has FMA (the file is built with -ffp-contract=off for the
@@ -187,17 +189,25 @@ alignas(64) inline constexpr float kE2M1Values[16] = {0.0f,  0.5f,  1.0f,  1.5f,
 
 inline float e5m2_to_float(uint8_t byte) { return fp16_bits_to_float(uint16_t(byte) << 8); }
 
-// FP8 e4m3 block-scale byte -> fp32, by table (one entry per byte).
+// FP8 e4m3 byte -> fp32 at compile time (the value e4m3_to_float gives; exact).
+constexpr float e4m3_value(int byte) {
+  const int exponent = (byte >> 3) & 0xF;
+  const int mantissa = byte & 0x7;
+  if ((byte & 0x7F) == 0x7F) return std::numeric_limits<float>::quiet_NaN();
+  float magnitude = exponent == 0 ? float(mantissa) / 8.0f : 1.0f + float(mantissa) / 8.0f;
+  for (int e = exponent == 0 ? 1 : exponent; e < 7; ++e) magnitude /= 2.0f;  // 2^(e - 7)
+  for (int e = 7; e < exponent; ++e) magnitude *= 2.0f;
+  return (byte & 0x80) ? -magnitude : magnitude;
+}
+
+// NVFP4 block-scale byte -> fp32, by table (no initialisation guard in the decode loops).
 struct E4m3Table {
   float values[256];
-  E4m3Table() {
-    for (int b = 0; b < 256; ++b) values[b] = e4m3_to_float(uint8_t(b));
+  constexpr E4m3Table() : values() {
+    for (int b = 0; b < 256; ++b) values[b] = e4m3_value(b);
   }
 };
-inline const E4m3Table& e4m3_table() {
-  static const E4m3Table table;
-  return table;
-}
+alignas(64) inline constexpr E4m3Table kE4m3Table{};
 
 // Decodes one cache entry (a token's head) of `dim` elements to fp32 at dst. The formats:
 // unquantized fp32 / fp16 / bf16 (C), FP8 e4m3 / e5m2 (K), NVFP4 (data bytes + per-group scale
@@ -222,8 +232,8 @@ struct EntryDecoder {
     for (int i = begin; i < dim; ++i) {
       if constexpr (K == CacheKind::kNvfp4) {
         const uint8_t byte = src[i / 2];
-        const float block_scale = e4m3_table().values[scales[group_offsets[i / kNvfp4GroupSize]]];
-        dst[i] = kE2M1Values[(i % 2 == 0) ? (byte & 0xF) : (byte >> 4)] * block_scale;
+        dst[i] = kE2M1Values[(i % 2 == 0) ? (byte & 0xF) : (byte >> 4)] *
+                 block_scale(scales, group_offsets, i);
       } else if constexpr (K == CacheKind::kFp8E4M3) {
         dst[i] = e4m3_to_float(src[i]);
       } else if constexpr (K == CacheKind::kFp8E5M2) {
@@ -238,60 +248,66 @@ struct EntryDecoder {
     }
   }
 
+  // Elements [i, i + kLanes<L>) as one vector (i a multiple of kLanes<L>, i + kLanes<L> <= dim);
+  // only for the vector levels. The decode lives in registers: both the page-tile path and the
+  // fused dot products (PagedAttention) use it.
+  static VecF<L> vector(const uint8_t* src, const uint8_t* scales, const int64_t* group_offsets,
+                        int i) {
 #if defined(VLLM_KV_HAVE_AVX512)
-  // Returns how many leading elements were decoded (a multiple of 16).
+    if constexpr (L == SimdLevel::kAvx512) return vector_avx512(src, scales, group_offsets, i);
+#endif
+#if defined(VLLM_KV_HAVE_AVX2)
+    if constexpr (L == SimdLevel::kAvx2) return vector_avx2(src, scales, group_offsets, i);
+#endif
+    static_assert(L != SimdLevel::kGeneric, "the generic level decodes element by element");
+  }
+
+  static float block_scale(const uint8_t* scales, const int64_t* group_offsets, int i) {
+    return kE4m3Table.values[scales[group_offsets[i / kNvfp4GroupSize]]];
+  }
+
+#if defined(VLLM_KV_HAVE_AVX512)
   static int decode_avx512(const uint8_t* src, const uint8_t* scales,
                            const int64_t* group_offsets, int dim, float* dst) {
     int i = 0;
-    if constexpr (K == CacheKind::kNvfp4) {
-      const __m512 table = _mm512_load_ps(kE2M1Values);
-      const __m128i low_nibble = _mm_set1_epi8(0x0F);
-      const float* scale_values = e4m3_table().values;
-      for (; i + 16 <= dim; i += 16) {
-        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i / 2));
-        const __m128i lo = _mm_and_si128(bytes, low_nibble);
-        const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibble);
-        const __m512i codes = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
-        const __m512 values = _mm512_permutexvar_ps(codes, table);
-        const float block_scale = scale_values[scales[group_offsets[i / kNvfp4GroupSize]]];
-        _mm512_storeu_ps(dst + i, _mm512_mul_ps(values, _mm512_set1_ps(block_scale)));
-      }
-    } else if constexpr (K == CacheKind::kFp8E4M3 || K == CacheKind::kFp8E5M2) {
-      for (; i + 16 <= dim; i += 16) {
-        const __m256i bytes =
-            _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
-        _mm512_storeu_ps(dst + i, fp8_to_float(bytes));
-      }
-    } else if constexpr (C == SourceType::kFloat32) {
-      for (; i + 16 <= dim; i += 16) {
-        _mm512_storeu_ps(dst + i, _mm512_loadu_ps(reinterpret_cast<const float*>(src) + i));
-      }
-    } else {
-      for (; i + 16 <= dim; i += 16) {
-        const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 2 * i));
-        __m512 values;
-        if constexpr (C == SourceType::kBFloat16) {
-          values = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-        } else {
-          values = _mm512_cvtph_ps(bits);
-        }
-        _mm512_storeu_ps(dst + i, values);
-      }
+    for (; i + 16 <= dim; i += 16) {
+      _mm512_storeu_ps(dst + i, vector_avx512(src, scales, group_offsets, i));
     }
     return i;
   }
 
-  // 16 FP8 bytes (zero-extended to 16-bit lanes) -> fp32, through fp16 (exact for both formats).
-  static __m512 fp8_to_float(__m256i bytes) {
-    if constexpr (K == CacheKind::kFp8E5M2) {
-      return _mm512_cvtph_ps(_mm256_slli_epi16(bytes, 8));  // e5m2 is the high byte of an fp16
+  static __m512 vector_avx512(const uint8_t* src, const uint8_t* scales,
+                              const int64_t* group_offsets, int i) {
+    if constexpr (K == CacheKind::kNvfp4) {
+      const __m128i low_nibble = _mm_set1_epi8(0x0F);
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i / 2));
+      const __m128i lo = _mm_and_si128(bytes, low_nibble);
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibble);
+      const __m512i codes = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
+      const __m512 values = _mm512_permutexvar_ps(codes, _mm512_load_ps(kE2M1Values));
+      return _mm512_mul_ps(values, _mm512_set1_ps(block_scale(scales, group_offsets, i)));
+    } else if constexpr (K == CacheKind::kFp8E4M3 || K == CacheKind::kFp8E5M2) {
+      const __m256i bytes =
+          _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+      if constexpr (K == CacheKind::kFp8E5M2) {
+        return _mm512_cvtph_ps(_mm256_slli_epi16(bytes, 8));  // e5m2 is the high byte of fp16
+      } else {
+        return _mm512_mul_ps(_mm512_cvtph_ps(e4m3_as_fp16_bits(bytes)), _mm512_set1_ps(256.0f));
+      }
+    } else if constexpr (C == SourceType::kFloat32) {
+      return _mm512_loadu_ps(reinterpret_cast<const float*>(src) + i);
     } else {
-      return _mm512_mul_ps(_mm512_cvtph_ps(e4m3_as_fp16_bits(bytes)), _mm512_set1_ps(256.0f));
+      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 2 * i));
+      if constexpr (C == SourceType::kBFloat16) {
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+      } else {
+        return _mm512_cvtph_ps(bits);
+      }
     }
   }
 
-  // e4m3 s.eeee.mmm -> fp16 s.0eeee.mmm0000000 (the value / 256; exact, subnormals included);
-  // the NaN bytes 0x7F / 0xFF -> an fp16 NaN.
+  // e4m3 s.eeee.mmm (zero-extended to 16-bit lanes) -> fp16 s.0eeee.mmm0000000, the value / 256
+  // (exact, subnormals included); the NaN bytes 0x7F / 0xFF -> an fp16 NaN.
   static __m256i e4m3_as_fp16_bits(__m256i bytes) {
     const __m256i magnitude = _mm256_and_si256(bytes, _mm256_set1_epi16(0x7F));
     const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x80)), 8);
@@ -305,63 +321,52 @@ struct EntryDecoder {
   static int decode_avx2(const uint8_t* src, const uint8_t* scales, const int64_t* group_offsets,
                          int dim, float* dst) {
     int i = 0;
-    if constexpr (K == CacheKind::kNvfp4) {
-      const __m256 table = _mm256_load_ps(kE2M1Values);  // the 8 magnitudes
-      const __m128i low_nibble = _mm_set1_epi8(0x0F);
-      const __m256i sign_bit = _mm256_set1_epi32(int32_t(0x80000000u));
-      const float* scale_values = e4m3_table().values;
-      for (; i + 16 <= dim; i += 16) {
-        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i / 2));
-        const __m128i lo = _mm_and_si128(bytes, low_nibble);
-        const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibble);
-        const __m128i codes = _mm_unpacklo_epi8(lo, hi);
-        const __m256 block_scale =
-            _mm256_set1_ps(scale_values[scales[group_offsets[i / kNvfp4GroupSize]]]);
-        for (int half = 0; half < 2; ++half) {
-          const __m256i code =
-              _mm256_cvtepu8_epi32(half == 0 ? codes : _mm_srli_si128(codes, 8));
-          const __m256 magnitude = _mm256_permutevar8x32_ps(table, code);
-          const __m256 sign =
-              _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(code, 28), sign_bit));
-          _mm256_storeu_ps(dst + i + 8 * half,
-                           _mm256_mul_ps(_mm256_or_ps(magnitude, sign), block_scale));
-        }
-      }
-    } else if constexpr (K == CacheKind::kFp8E4M3 || K == CacheKind::kFp8E5M2) {
-      for (; i + 8 <= dim; i += 8) {
-        const __m128i bytes =
-            _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)));
-        __m256 values;
-        if constexpr (K == CacheKind::kFp8E5M2) {
-          values = _mm256_cvtph_ps(_mm_slli_epi16(bytes, 8));
-        } else {
-          const __m128i magnitude = _mm_and_si128(bytes, _mm_set1_epi16(0x7F));
-          const __m128i sign = _mm_slli_epi16(_mm_and_si128(bytes, _mm_set1_epi16(0x80)), 8);
-          const __m128i nan = _mm_and_si128(_mm_cmpeq_epi16(magnitude, _mm_set1_epi16(0x7F)),
-                                            _mm_set1_epi16(0x7E00));
-          const __m128i half_bits =
-              _mm_or_si128(_mm_or_si128(sign, _mm_slli_epi16(magnitude, 7)), nan);
-          values = _mm256_mul_ps(_mm256_cvtph_ps(half_bits), _mm256_set1_ps(256.0f));
-        }
-        _mm256_storeu_ps(dst + i, values);
-      }
-    } else if constexpr (C == SourceType::kFloat32) {
-      for (; i + 8 <= dim; i += 8) {
-        _mm256_storeu_ps(dst + i, _mm256_loadu_ps(reinterpret_cast<const float*>(src) + i));
-      }
-    } else {
-      for (; i + 8 <= dim; i += 8) {
-        const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * i));
-        __m256 values;
-        if constexpr (C == SourceType::kBFloat16) {
-          values = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-        } else {
-          values = _mm256_cvtph_ps(bits);
-        }
-        _mm256_storeu_ps(dst + i, values);
-      }
+    for (; i + 8 <= dim; i += 8) {
+      _mm256_storeu_ps(dst + i, vector_avx2(src, scales, group_offsets, i));
     }
     return i;
+  }
+
+  static __m256 vector_avx2(const uint8_t* src, const uint8_t* scales,
+                            const int64_t* group_offsets, int i) {
+    if constexpr (K == CacheKind::kNvfp4) {
+      // 4 bytes = 8 codes (half a group); magnitudes by permute, the sign from bit 3.
+      const __m128i low_nibble = _mm_set1_epi8(0x0F);
+      int32_t word;
+      std::memcpy(&word, src + i / 2, 4);
+      const __m128i bytes = _mm_cvtsi32_si128(word);
+      const __m128i lo = _mm_and_si128(bytes, low_nibble);
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibble);
+      const __m256i code = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
+      const __m256 magnitude = _mm256_permutevar8x32_ps(_mm256_load_ps(kE2M1Values), code);
+      const __m256 sign = _mm256_castsi256_ps(_mm256_and_si256(
+          _mm256_slli_epi32(code, 28), _mm256_set1_epi32(int32_t(0x80000000u))));
+      return _mm256_mul_ps(_mm256_or_ps(magnitude, sign),
+                           _mm256_set1_ps(block_scale(scales, group_offsets, i)));
+    } else if constexpr (K == CacheKind::kFp8E4M3 || K == CacheKind::kFp8E5M2) {
+      const __m128i bytes =
+          _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)));
+      if constexpr (K == CacheKind::kFp8E5M2) {
+        return _mm256_cvtph_ps(_mm_slli_epi16(bytes, 8));
+      } else {
+        const __m128i magnitude = _mm_and_si128(bytes, _mm_set1_epi16(0x7F));
+        const __m128i sign = _mm_slli_epi16(_mm_and_si128(bytes, _mm_set1_epi16(0x80)), 8);
+        const __m128i nan = _mm_and_si128(_mm_cmpeq_epi16(magnitude, _mm_set1_epi16(0x7F)),
+                                          _mm_set1_epi16(0x7E00));
+        const __m128i half_bits =
+            _mm_or_si128(_mm_or_si128(sign, _mm_slli_epi16(magnitude, 7)), nan);
+        return _mm256_mul_ps(_mm256_cvtph_ps(half_bits), _mm256_set1_ps(256.0f));
+      }
+    } else if constexpr (C == SourceType::kFloat32) {
+      return _mm256_loadu_ps(reinterpret_cast<const float*>(src) + i);
+    } else {
+      const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * i));
+      if constexpr (C == SourceType::kBFloat16) {
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+      } else {
+        return _mm256_cvtph_ps(bits);
+      }
+    }
   }
 #endif
 };
@@ -623,7 +628,9 @@ class PagedAttention {
         geo_(p),
         dim_k_(round_up(geo_.head_size)),
         dim_v_(round_up(geo_.head_size_v)),
-        tokens_(round_up(p.block_size)) {
+        tokens_(round_up(p.block_size)),
+        fused_(L != SimdLevel::kGeneric && geo_.head_size % kLanes == 0 &&
+               geo_.head_size_v % kLanes == 0) {
     if constexpr (K == CacheKind::kNvfp4) {
       k_layout_ = Nvfp4SideLayout(p.key_cache, p.block_size, p.num_kv_heads);
       v_layout_ = Nvfp4SideLayout(p.value_cache, p.block_size, p.num_kv_heads);
@@ -692,6 +699,14 @@ class PagedAttention {
                 0.0f);
     }
 
+    // Fused path: addresses of the page's rows (data, NVFP4 scales) of the current head.
+    thread_local std::vector<const uint8_t*> row_refs;
+    if (int64_t(row_refs.size()) < 4 * int64_t(p_.block_size)) row_refs.resize(4 * p_.block_size);
+    const uint8_t** k_rows = row_refs.data();
+    const uint8_t** k_scales = k_rows + p_.block_size;
+    const uint8_t** v_rows = k_scales + p_.block_size;
+    const uint8_t** v_scales = v_rows + p_.block_size;
+
     const int32_t* pages = p_.block_table + int64_t(item.seq) * p_.block_table_stride;
     for (int page_start = item.key_begin - item.key_begin % p_.block_size;
          page_start < item.key_end; page_start += p_.block_size) {
@@ -714,8 +729,13 @@ class PagedAttention {
       for (int hh = 0; hh < heads; ++hh) {
         const int kv_head = item.kv_begin + hh;
         const int h0 = hh * head_rows;
-        decode_page(p_.key_cache, k_layout_, k_groups_, block, lo - page_start, hi - page_start,
-                    kv_head, geo_.head_size, dim_k_, k_tile);
+        if (fused_) {
+          locate_page(p_.key_cache, k_layout_, block, lo - page_start, hi - page_start, kv_head,
+                      k_rows, k_scales);
+        } else {
+          decode_page(p_.key_cache, k_layout_, k_groups_, block, lo - page_start,
+                      hi - page_start, kv_head, geo_.head_size, dim_k_, k_tile);
+        }
         for (int jt = 0; jt < tokens; ++jt) {
           const int b = std::max(ranges[jt].first, lo) - page_start;
           const int e = std::min(ranges[jt].second, hi) - page_start;
@@ -725,20 +745,26 @@ class PagedAttention {
             std::fill(s, s + tokens_, neg_inf);
           }
           if (b >= e) continue;
-          score_rows(q + int64_t(r0) * dim_k_, k_tile, b, e, scores + int64_t(r0) * tokens_);
+          score_rows(q + int64_t(r0) * dim_k_, k_tile, k_rows, k_scales, b, e,
+                     scores + int64_t(r0) * tokens_);
           for (int g = 0; g < geo_.group; ++g) {
             softmax_step(scores + int64_t(r0 + g) * tokens_, m[r0 + g], l[r0 + g],
                          acc + int64_t(r0 + g) * dim_v_);
           }
         }
-        decode_page(p_.value_cache, v_layout_, v_groups_, block, lo - page_start,
-                    hi - page_start, kv_head, geo_.head_size_v, dim_v_, v_tile);
+        if (fused_) {
+          locate_page(p_.value_cache, v_layout_, block, lo - page_start, hi - page_start,
+                      kv_head, v_rows, v_scales);
+        } else {
+          decode_page(p_.value_cache, v_layout_, v_groups_, block, lo - page_start,
+                      hi - page_start, kv_head, geo_.head_size_v, dim_v_, v_tile);
+        }
         for (int jt = 0; jt < tokens; ++jt) {
           const int b = std::max(ranges[jt].first, lo) - page_start;
           const int e = std::min(ranges[jt].second, hi) - page_start;
           if (b >= e) continue;
           const int r0 = h0 + jt * geo_.group;
-          accumulate_rows(scores + int64_t(r0) * tokens_, v_tile, b, e,
+          accumulate_rows(scores + int64_t(r0) * tokens_, v_tile, v_rows, v_scales, b, e,
                           acc + int64_t(r0) * dim_v_);
         }
       }
@@ -802,11 +828,28 @@ class PagedAttention {
     }
   }
 
-  // scores[g][t] = q_g . k_t for the group's rows g and tokens [b, e), then the soft cap.
-  void score_rows(const float* q, const float* k_tile, int b, int e, float* scores) const {
+  // Addresses of rows [t0, t1) of head `head` of page `block` (data; NVFP4 scale base).
+  void locate_page(const CacheSide& side, const Nvfp4SideLayout& layout, int64_t block, int t0,
+                   int t1, int head, const uint8_t** rows, const uint8_t** scales) const {
+    const auto* base = static_cast<const uint8_t*>(side.data);
+    for (int t = t0; t < t1; ++t) {
+      if constexpr (K == CacheKind::kNvfp4) {
+        rows[t] = base + layout.data_offset(block, t, head);
+        scales[t] = base + layout.scale_base(block, t, head, side.scale_layout);
+      } else {
+        rows[t] = base + entry_offset(side, block, t, head) * kElementBytes;
+      }
+    }
+  }
+
+  // scores[g][t] = q_g . k_t for the group's rows g and tokens [b, e), then the soft cap. K rows
+  // come from the decoded tile, or (fused_) are decoded in registers from the cache.
+  void score_rows(const float* q, const float* k_tile, const uint8_t* const* k_rows,
+                  const uint8_t* const* k_scales, int b, int e, float* scores) const {
     int g = 0;
-    for (; g + 4 <= geo_.group; g += 4) score_chunk<4>(q, k_tile, b, e, scores, g);
-    for (; g < geo_.group; ++g) score_chunk<1>(q, k_tile, b, e, scores, g);
+    for (; g + 8 <= geo_.group; g += 8) score_chunk<8>(q, k_tile, k_rows, k_scales, b, e, scores, g);
+    for (; g + 4 <= geo_.group; g += 4) score_chunk<4>(q, k_tile, k_rows, k_scales, b, e, scores, g);
+    for (; g < geo_.group; ++g) score_chunk<1>(q, k_tile, k_rows, k_scales, b, e, scores, g);
     if (p_.logits_soft_cap > 0.0f) {
       const float cap = p_.logits_soft_cap;
       for (int gg = 0; gg < geo_.group; ++gg) {
@@ -816,14 +859,30 @@ class PagedAttention {
     }
   }
 
+  // Vector d of key t: from the cache (fused_) or the tile.
+  V key_vector(const float* k_tile, const uint8_t* const* k_rows, const uint8_t* const* k_scales,
+               int t, int d) const {
+    if constexpr (L != SimdLevel::kGeneric) {
+      if (fused_) return Decoder::vector(k_rows[t], k_scales[t], k_groups_.data(), d);
+    }
+    return load<L>(k_tile + int64_t(t) * dim_k_ + d);
+  }
+
+  V value_vector(const float* v_tile, const uint8_t* const* v_rows,
+                 const uint8_t* const* v_scales, int t, int d) const {
+    if constexpr (L != SimdLevel::kGeneric) {
+      if (fused_) return Decoder::vector(v_rows[t], v_scales[t], v_groups_.data(), d);
+    }
+    return load<L>(v_tile + int64_t(t) * dim_v_ + d);
+  }
+
   template <int kRows>
-  void score_chunk(const float* q, const float* k_tile, int b, int e, float* scores,
-                   int g0) const {
+  void score_chunk(const float* q, const float* k_tile, const uint8_t* const* k_rows,
+                   const uint8_t* const* k_scales, int b, int e, float* scores, int g0) const {
     for (int t = b; t < e; ++t) {
-      const float* k = k_tile + int64_t(t) * dim_k_;
       V sum[kRows] = {};
       for (int d = 0; d < dim_k_; d += kLanes) {
-        const V kv = load<L>(k + d);
+        const V kv = key_vector(k_tile, k_rows, k_scales, t, d);
         for (int i = 0; i < kRows; ++i) {
           sum[i] = fmadd<L>(load<L>(q + int64_t(g0 + i) * dim_k_ + d), kv, sum[i]);
         }
@@ -859,21 +918,26 @@ class PagedAttention {
   }
 
   // acc_g += sum_t w[g][t] * v_t for the group's rows.
-  void accumulate_rows(const float* weights, const float* v_tile, int b, int e,
-                       float* acc) const {
+  void accumulate_rows(const float* weights, const float* v_tile, const uint8_t* const* v_rows,
+                       const uint8_t* const* v_scales, int b, int e, float* acc) const {
     int g = 0;
-    for (; g + 4 <= geo_.group; g += 4) accumulate_chunk<4>(weights, v_tile, b, e, acc, g);
-    for (; g < geo_.group; ++g) accumulate_chunk<1>(weights, v_tile, b, e, acc, g);
+    for (; g + 8 <= geo_.group; g += 8) {
+      accumulate_chunk<8>(weights, v_tile, v_rows, v_scales, b, e, acc, g);
+    }
+    for (; g + 4 <= geo_.group; g += 4) {
+      accumulate_chunk<4>(weights, v_tile, v_rows, v_scales, b, e, acc, g);
+    }
+    for (; g < geo_.group; ++g) accumulate_chunk<1>(weights, v_tile, v_rows, v_scales, b, e, acc, g);
   }
 
   template <int kRows>
-  void accumulate_chunk(const float* weights, const float* v_tile, int b, int e, float* acc,
-                        int g0) const {
+  void accumulate_chunk(const float* weights, const float* v_tile, const uint8_t* const* v_rows,
+                        const uint8_t* const* v_scales, int b, int e, float* acc, int g0) const {
     for (int d = 0; d < dim_v_; d += kLanes) {
       V a[kRows];
       for (int i = 0; i < kRows; ++i) a[i] = load<L>(acc + int64_t(g0 + i) * dim_v_ + d);
       for (int t = b; t < e; ++t) {
-        const V v = load<L>(v_tile + int64_t(t) * dim_v_ + d);
+        const V v = value_vector(v_tile, v_rows, v_scales, t, d);
         for (int i = 0; i < kRows; ++i) {
           a[i] = fmadd<L>(splat<L>(weights[int64_t(g0 + i) * tokens_ + t]), v, a[i]);
         }
@@ -887,6 +951,9 @@ class PagedAttention {
   int dim_k_;   // head_size rounded up to whole vectors (tile and query row stride)
   int dim_v_;   // head_size_v rounded up (tile and accumulator row stride)
   int tokens_;  // block_size rounded up (score row stride)
+  // Decode in registers inside the dot products (vector levels, head sizes of whole vectors);
+  // otherwise pages are decoded into the fp32 tiles first.
+  bool fused_;
   Nvfp4SideLayout k_layout_{};
   Nvfp4SideLayout v_layout_{};
   std::vector<int64_t> k_groups_;
