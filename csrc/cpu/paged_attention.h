@@ -630,7 +630,9 @@ class PagedAttention {
         dim_v_(round_up(geo_.head_size_v)),
         tokens_(round_up(p.block_size)),
         fused_(L != SimdLevel::kGeneric && geo_.head_size % kLanes == 0 &&
-               geo_.head_size_v % kLanes == 0) {
+               geo_.head_size_v % kLanes == 0),
+        k_page_bytes_(page_bytes(geo_.head_size)),
+        v_page_bytes_(page_bytes(geo_.head_size_v)) {
     if constexpr (K == CacheKind::kNvfp4) {
       k_layout_ = Nvfp4SideLayout(p.key_cache, p.block_size, p.num_kv_heads);
       v_layout_ = Nvfp4SideLayout(p.value_cache, p.block_size, p.num_kv_heads);
@@ -715,11 +717,18 @@ class PagedAttention {
       const int64_t block = pages[page_start / p_.block_size];
       // Pages come in block-table order, not address order: request the next page's rows now
       // so that their misses overlap this page's work.
-      if (page_start + p_.block_size < item.key_end) {
-        const int64_t next = pages[page_start / p_.block_size + 1];
-        for (int h = item.kv_begin; h < item.kv_end; ++h) {
-          prefetch_page(p_.key_cache, k_layout_, next, h, geo_.head_size);
-          prefetch_page(p_.value_cache, v_layout_, next, h, geo_.head_size_v);
+      const int ahead = page_start + kPrefetchPages * p_.block_size;
+      if (ahead < item.key_end) {
+        const int64_t next = pages[ahead / p_.block_size];
+        if (heads == p_.num_kv_heads) {
+          // Whole pages: their K and V regions are dense, one request per line.
+          prefetch_region(p_.key_cache, next, k_page_bytes_);
+          prefetch_region(p_.value_cache, next, v_page_bytes_);
+        } else {
+          for (int h = item.kv_begin; h < item.kv_end; ++h) {
+            prefetch_page(p_.key_cache, k_layout_, next, h, geo_.head_size);
+            prefetch_page(p_.value_cache, v_layout_, next, h, geo_.head_size_v);
+          }
         }
       }
       // Whether any query token sees a key of this page (causal prefill skips the future).
@@ -790,6 +799,22 @@ class PagedAttention {
 
   static constexpr int64_t kElementBytes =
       K == CacheKind::kUnquantized ? (C == SourceType::kFloat32 ? 4 : 2) : 1;
+
+  // Pages prefetched ahead of the one being attended.
+  static constexpr int kPrefetchPages = 2;
+
+  // Bytes of one page of a side (all heads; pages are dense in NHD and HND alike).
+  int64_t page_bytes(int head_size) const {
+    const int64_t last_dim = K == CacheKind::kNvfp4 ? head_size / 2 + head_size / kNvfp4GroupSize
+                                                    : int64_t(head_size);
+    return int64_t(p_.block_size) * p_.num_kv_heads * last_dim * kElementBytes;
+  }
+
+  void prefetch_region(const CacheSide& side, int64_t block, int64_t bytes) const {
+    const char* begin =
+        static_cast<const char*>(side.data) + block * side.block_stride * kElementBytes;
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(begin + b);
+  }
 
   // Start loading the rows of head `head` of page `block` (and NVFP4 scales) into the cache.
   void prefetch_page(const CacheSide& side, const Nvfp4SideLayout& layout, int64_t block,
@@ -954,6 +979,8 @@ class PagedAttention {
   // Decode in registers inside the dot products (vector levels, head sizes of whole vectors);
   // otherwise pages are decoded into the fp32 tiles first.
   bool fused_;
+  int64_t k_page_bytes_;
+  int64_t v_page_bytes_;
   Nvfp4SideLayout k_layout_{};
   Nvfp4SideLayout v_layout_{};
   std::vector<int64_t> k_groups_;
