@@ -170,11 +170,29 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if getattr(args, "op", OPS[0]) == "attention":
-        return run_attention(args)
+        for flag, value in (("--tokens", args.tokens), ("--device", args.device)):
+            if value is not None and not (flag == "--device" and value == "cpu"):
+                print(
+                    f"vllm-kv bench: error: {flag}: not used by --op attention (CPU, fixed "
+                    f"shapes), got {value}",
+                    file=sys.stderr,
+                )
+                return EXIT_USAGE
+
+        def measure(bar: ProgressBar | None) -> Sequence[Any]:
+            return attention.run(args.kinds, args.quick, bar, warm=args.warm)
+
+        table, write_json, plot = attention.format_table, attention.write_json, attention.write_plot
+    else:
+        device = args.device or core.default_device()
+
+        def measure(bar: ProgressBar | None) -> Sequence[Any]:
+            return core.run(device, args.kinds, args.tokens, args.quick, bar, warm=args.warm)
+
+        table, write_json, plot = format_table, core.write_json, write_plot
     bar = None if args.no_progress else ProgressBar()
-    device = args.device or core.default_device()
     try:
-        rows = core.run(device, args.kinds, args.tokens, args.quick, bar, warm=args.warm)
+        rows = measure(bar)
     except (ValueError, ImportError) as e:
         error: Exception | None = e
     else:
@@ -184,43 +202,11 @@ def run(args: argparse.Namespace) -> int:
     if error is not None:
         print(f"vllm-kv bench: error: {error}", file=sys.stderr)
         return EXIT_USAGE
-    print(format_table(rows))
+    print(table(rows))
     if args.json:
-        core.write_json(rows, args.json)
+        write_json(rows, args.json)
         print(f"wrote {args.json}", file=sys.stderr)
     if args.plot:
-        write_plot(rows, args.plot)
-        print(f"wrote {args.plot}", file=sys.stderr)
-    return 0
-
-
-def run_attention(args: argparse.Namespace) -> int:
-    """``--op attention``: the CPU attention benchmark over the ``--kinds`` formats."""
-    for flag, value in (("--tokens", args.tokens), ("--device", args.device)):
-        if value is not None and not (flag == "--device" and value == "cpu"):
-            print(
-                f"vllm-kv bench: error: {flag}: not used by --op attention (CPU, fixed shapes), "
-                f"got {value}",
-                file=sys.stderr,
-            )
-            return EXIT_USAGE
-    bar = None if args.no_progress else ProgressBar()
-    try:
-        rows = attention.run(args.kinds, args.quick, bar, warm=args.warm)
-    except (ValueError, ImportError) as e:
-        error: Exception | None = e
-    else:
-        error = None
-    if bar is not None:
-        bar.close()
-    if error is not None:
-        print(f"vllm-kv bench: error: {error}", file=sys.stderr)
-        return EXIT_USAGE
-    print(attention.format_table(rows))
-    if args.json:
-        attention.write_json(rows, args.json)
-        print(f"wrote {args.json}", file=sys.stderr)
-    if args.plot:
-        attention.write_plot(rows, args.plot)
+        plot(rows, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
