@@ -1,6 +1,13 @@
 // CPU implementation of _C_cache_ops::paged_attention: shared validation, the per-sequence value
 // checks (lengths, page ids, scale values) that need the tensors' contents, then the torch-free
 // kernel of cpu/paged_attention.h.
+
+// GCC 12 reports its own AVX-512 intrinsics (their undefined pass-through operands) as
+// maybe-uninitialized (GCC bug 105593, fixed in 13). The pragma has to come before the first
+// inclusion of <immintrin.h>, which torch's headers also include.
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

@@ -652,6 +652,9 @@ class PagedAttention {
     const int heads = item.kv_end - item.kv_begin;
     const int head_rows = tokens * geo_.group;  // rows per KV head
     const int rows = heads * head_rows;
+    // Decode in registers when each K / V vector serves one pass over few rows (decode); with
+    // many query rows (prefill) a page decoded once into the tiles serves them all.
+    const bool fused = fused_ && head_rows <= kMaxFusedRows;
     // Per-thread buffers, reused across items.
     thread_local std::vector<float> buffer;
     const int64_t need = int64_t(rows) * (dim_k_ + dim_v_ + tokens_ + 2) +
@@ -738,7 +741,7 @@ class PagedAttention {
       for (int hh = 0; hh < heads; ++hh) {
         const int kv_head = item.kv_begin + hh;
         const int h0 = hh * head_rows;
-        if (fused_) {
+        if (fused) {
           locate_page(p_.key_cache, k_layout_, block, lo - page_start, hi - page_start, kv_head,
                       k_rows, k_scales);
         } else {
@@ -754,14 +757,14 @@ class PagedAttention {
             std::fill(s, s + tokens_, neg_inf);
           }
           if (b >= e) continue;
-          score_rows(q + int64_t(r0) * dim_k_, k_tile, k_rows, k_scales, b, e,
+          score_rows(q + int64_t(r0) * dim_k_, fused ? nullptr : k_tile, k_rows, k_scales, b, e,
                      scores + int64_t(r0) * tokens_);
           for (int g = 0; g < geo_.group; ++g) {
             softmax_step(scores + int64_t(r0 + g) * tokens_, m[r0 + g], l[r0 + g],
                          acc + int64_t(r0 + g) * dim_v_);
           }
         }
-        if (fused_) {
+        if (fused) {
           locate_page(p_.value_cache, v_layout_, block, lo - page_start, hi - page_start,
                       kv_head, v_rows, v_scales);
         } else {
@@ -773,8 +776,8 @@ class PagedAttention {
           const int e = std::min(ranges[jt].second, hi) - page_start;
           if (b >= e) continue;
           const int r0 = h0 + jt * geo_.group;
-          accumulate_rows(scores + int64_t(r0) * tokens_, v_tile, v_rows, v_scales, b, e,
-                          acc + int64_t(r0) * dim_v_);
+          accumulate_rows(scores + int64_t(r0) * tokens_, fused ? nullptr : v_tile, v_rows,
+                          v_scales, b, e, acc + int64_t(r0) * dim_v_);
         }
       }
     }
@@ -799,6 +802,9 @@ class PagedAttention {
 
   static constexpr int64_t kElementBytes =
       K == CacheKind::kUnquantized ? (C == SourceType::kFloat32 ? 4 : 2) : 1;
+
+  // Rows per KV head up to which an item decodes in registers (fused).
+  static constexpr int kMaxFusedRows = 8;
 
   // Pages prefetched ahead of the one being attended.
   static constexpr int kPrefetchPages = 2;
@@ -884,11 +890,11 @@ class PagedAttention {
     }
   }
 
-  // Vector d of key t: from the cache (fused_) or the tile.
+  // Vector d of key t: from the tile, or decoded from the cache when there is no tile (fused).
   V key_vector(const float* k_tile, const uint8_t* const* k_rows, const uint8_t* const* k_scales,
                int t, int d) const {
     if constexpr (L != SimdLevel::kGeneric) {
-      if (fused_) return Decoder::vector(k_rows[t], k_scales[t], k_groups_.data(), d);
+      if (k_tile == nullptr) return Decoder::vector(k_rows[t], k_scales[t], k_groups_.data(), d);
     }
     return load<L>(k_tile + int64_t(t) * dim_k_ + d);
   }
@@ -896,7 +902,7 @@ class PagedAttention {
   V value_vector(const float* v_tile, const uint8_t* const* v_rows,
                  const uint8_t* const* v_scales, int t, int d) const {
     if constexpr (L != SimdLevel::kGeneric) {
-      if (fused_) return Decoder::vector(v_rows[t], v_scales[t], v_groups_.data(), d);
+      if (v_tile == nullptr) return Decoder::vector(v_rows[t], v_scales[t], v_groups_.data(), d);
     }
     return load<L>(v_tile + int64_t(t) * dim_v_ + d);
   }
@@ -976,8 +982,8 @@ class PagedAttention {
   int dim_k_;   // head_size rounded up to whole vectors (tile and query row stride)
   int dim_v_;   // head_size_v rounded up (tile and accumulator row stride)
   int tokens_;  // block_size rounded up (score row stride)
-  // Decode in registers inside the dot products (vector levels, head sizes of whole vectors);
-  // otherwise pages are decoded into the fp32 tiles first.
+  // Decode in registers inside the dot products is possible (vector levels, head sizes of whole
+  // vectors); otherwise pages are always decoded into the fp32 tiles first.
   bool fused_;
   int64_t k_page_bytes_;
   int64_t v_page_bytes_;
