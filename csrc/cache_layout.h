@@ -45,15 +45,29 @@ struct Nvfp4SideLayout {
     return block * block_stride + (token * token_step + head * head_step) * data_bytes;
   }
 
-  // Scale byte of group `group` of (block, token, head), placed by the scale layout.
+  // Scale byte of group `group` of (block, token, head), placed by the scale layout: the sum of a
+  // per-entry base and a per-group offset (so that readers can hoist the base out of the group
+  // loop).
   KV_HOST_DEVICE int64_t scale_offset(int64_t block, int token, int64_t head, int group,
                                       ScaleLayout layout) const {
+    return scale_base(block, token, head, layout) + scale_group_offset(group, layout);
+  }
+
+  KV_HOST_DEVICE int64_t scale_base(int64_t block, int token, int64_t head,
+                                    ScaleLayout layout) const {
     int row = token;
-    int col = group;
-    if (layout == ScaleLayout::kInterleave4)
-      interleave4_position(token, group, num_groups, row, col);
+    int col = 0;
+    if (layout == ScaleLayout::kInterleave4) interleave4_position(token, 0, num_groups, row, col);
     return block * block_stride + scale_region_offset +
            (row * token_step + head * head_step) * num_groups + col;
+  }
+
+  KV_HOST_DEVICE int64_t scale_group_offset(int group, ScaleLayout layout) const {
+    if (layout != ScaleLayout::kInterleave4) return group;
+    int row = 0;
+    int col = 0;
+    interleave4_position(0, group, num_groups, row, col);
+    return row * token_step * num_groups + col;
   }
 };
 

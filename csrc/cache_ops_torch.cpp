@@ -5,6 +5,7 @@
 #include <c10/util/irange.h>
 
 #include <climits>
+#include <cmath>
 #include <sstream>
 #include <vector>
 
@@ -138,6 +139,16 @@ CacheSide make_side(const at::Tensor& cache, const char* name, int64_t head_size
   return side;
 }
 
+// The interleave4 scale layout's divisibility needs (a no-op for linear).
+void check_interleave4(ScaleLayout layout, const char* name, int64_t block_size, int64_t dim) {
+  if (layout != ScaleLayout::kInterleave4) return;
+  TORCH_CHECK(block_size % 4 == 0, name,
+              ": interleave4 needs a block size that is a multiple of 4, got block_size ",
+              block_size);
+  TORCH_CHECK((dim / kNvfp4GroupSize) % 4 == 0, name,
+              ": interleave4 needs head_size / 16 to be a multiple of 4, got head size ", dim);
+}
+
 // The scale rule (one home; Python: vllm/kv_quant/kv_scale.py): a float32 tensor holding one
 // value in any shape (0-d as upstream engines pass it, [1], [1, 1], ...) is per-tensor; a
 // contiguous [H] is per-head. Returns whether the scale is per-head.
@@ -237,15 +248,8 @@ ReshapeAndCacheParams prepare_reshape_and_cache_flash(
   check_int_range(block_size, "key_cache block_size");
 
   if (kind == CacheKind::kNvfp4) {
-    for (const auto& [layout, name, dim] : {std::tuple{k_layout, "k_scale_layout", head_size},
-                                            std::tuple{v_layout, "v_scale_layout", head_size_v}}) {
-      if (layout != ScaleLayout::kInterleave4) continue;
-      TORCH_CHECK(block_size % 4 == 0, name,
-                  ": interleave4 needs a block size that is a multiple of 4, got block_size ",
-                  block_size);
-      TORCH_CHECK((dim / kNvfp4GroupSize) % 4 == 0, name,
-                  ": interleave4 needs head_size / 16 to be a multiple of 4, got head size ", dim);
-    }
+    check_interleave4(k_layout, "k_scale_layout", block_size, head_size);
+    check_interleave4(v_layout, "v_scale_layout", block_size, head_size_v);
   }
 
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "slot_mapping: expected dtype int64, got ",
@@ -276,6 +280,146 @@ ReshapeAndCacheParams prepare_reshape_and_cache_flash(
                           k_per_head, k_layout);
   p.value_cache = make_side(value_cache, "value_cache", head_size_v, cache_last_dim(head_size_v),
                             v_scale, v_per_head, v_layout);
+  return p;
+}
+
+PagedAttentionParams prepare_paged_attention(
+    const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+    const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
+    const at::Tensor& query_start_loc, const std::string& kv_cache_dtype, const at::Tensor& k_scale,
+    const at::Tensor& v_scale, double scale, int64_t sliding_window, double logits_soft_cap,
+    const std::optional<at::Tensor>& sinks, bool causal, const std::string& k_scale_layout,
+    const std::optional<std::string>& v_scale_layout) {
+  const CacheKind kind = get_cache_kind(kv_cache_dtype);
+  const ScaleLayout k_layout = parse_scale_layout(k_scale_layout, "k_scale_layout");
+  const ScaleLayout v_layout =
+      v_scale_layout ? parse_scale_layout(*v_scale_layout, "v_scale_layout") : k_layout;
+  for (const auto& [t, name] :
+       {std::pair{&out, "out"}, std::pair{&query, "query"}, std::pair{&value_cache, "value_cache"},
+        std::pair{&block_table, "block_table"}, std::pair{&seq_lens, "seq_lens"},
+        std::pair{&query_start_loc, "query_start_loc"}, std::pair{&k_scale, "k_scale"},
+        std::pair{&v_scale, "v_scale"}}) {
+    check_same_device(*t, name, key_cache);
+  }
+  if (sinks) check_same_device(*sinks, "sinks", key_cache);
+
+  TORCH_CHECK(query.dim() == 3, "query: expected a 3-D tensor [T, num_heads, head_size], got shape ",
+              shape_str(query));
+  TORCH_CHECK(out.dim() == 3, "out: expected a 3-D tensor [T, num_heads, head_size_v], got shape ",
+              shape_str(out));
+  const SourceType io_type = source_type_of(query, "query");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type(), "out: expected dtype ",
+              dtype_str(query.scalar_type()), " (query's), got ", dtype_str(out.scalar_type()));
+  const int64_t heads = query.size(1);
+  const int64_t head_size = query.size(2);
+  const int64_t head_size_v = out.size(2);
+  TORCH_CHECK(out.size(1) == heads, "out: expected num_heads = query.size(1) = ", heads,
+              " at dim 1, got shape ", shape_str(out));
+  TORCH_CHECK(head_size > 0 && head_size_v > 0 && heads > 0,
+              "query: expected non-empty heads, got shape ", shape_str(query), " and out shape ",
+              shape_str(out));
+  TORCH_CHECK(query.stride(2) == 1, "query: expected a contiguous last dim, got strides ",
+              query.strides());
+  TORCH_CHECK(out.stride(2) == 1, "out: expected a contiguous last dim, got strides ",
+              out.strides());
+
+  const bool quantized = kind != CacheKind::kUnquantized;
+  TORCH_CHECK(key_cache.dim() == 4, "key_cache: expected a 4-D tensor [num_blocks, block_size, "
+              "num_kv_heads, head_dim], got shape ", shape_str(key_cache));
+  const int64_t kv_heads = key_cache.size(2);
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "key_cache: expected num_kv_heads dividing "
+              "num_heads = ", heads, " (GQA) at dim 2, got shape ", shape_str(key_cache));
+  const auto cache_last_dim = [&](int64_t d) {
+    return kind == CacheKind::kNvfp4 ? d / 2 + d / kNvfp4GroupSize : d;
+  };
+  if (kind == CacheKind::kNvfp4) {
+    TORCH_CHECK(head_size % kNvfp4GroupSize == 0, "query: nvfp4 needs a head size that is a "
+                "multiple of ", kNvfp4GroupSize, ", got ", head_size);
+    TORCH_CHECK(head_size_v % kNvfp4GroupSize == 0, "out: nvfp4 needs a head size that is a "
+                "multiple of ", kNvfp4GroupSize, ", got ", head_size_v);
+  }
+  for (const auto& [cache, name, dim] : {std::tuple{&key_cache, "key_cache", head_size},
+                                         std::tuple{&value_cache, "value_cache", head_size_v}}) {
+    if (quantized) {
+      TORCH_CHECK(cache->scalar_type() == at::kByte, name, ": expected dtype uint8 for "
+                  "kv_cache_dtype '", kv_cache_dtype, "', got ", dtype_str(cache->scalar_type()));
+    } else {
+      source_type_of(*cache, name);
+    }
+    TORCH_CHECK(cache->dim() == 4 && cache->size(0) == key_cache.size(0) &&
+                    cache->size(1) == key_cache.size(1) && cache->size(2) == kv_heads &&
+                    cache->size(3) == cache_last_dim(dim),
+                name, ": expected shape [", key_cache.size(0), ", ", key_cache.size(1), ", ",
+                kv_heads, ", ", cache_last_dim(dim), "] for head size ", dim,
+                " and kv_cache_dtype '", kv_cache_dtype, "', got ", shape_str(*cache));
+  }
+  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), "value_cache: expected dtype ",
+              dtype_str(key_cache.scalar_type()), " (key_cache's), got ",
+              dtype_str(value_cache.scalar_type()));
+  const int64_t block_size = key_cache.size(1);
+  check_int_range(block_size, "key_cache block_size");
+  if (kind == CacheKind::kNvfp4) {
+    check_interleave4(k_layout, "k_scale_layout", block_size, head_size);
+    check_interleave4(v_layout, "v_scale_layout", block_size, head_size_v);
+  }
+  const bool k_per_head = check_scale(k_scale, "k_scale", kv_heads);
+  const bool v_per_head = check_scale(v_scale, "v_scale", kv_heads);
+
+  for (const auto& [t, name] : {std::pair{&seq_lens, "seq_lens"},
+                                std::pair{&query_start_loc, "query_start_loc"}}) {
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->dim() == 1 && t->is_contiguous(), name,
+                ": expected a contiguous 1-D int32 tensor, got ", dtype_str(t->scalar_type()),
+                " of shape ", shape_str(*t));
+  }
+  const int64_t num_seqs = seq_lens.size(0);
+  check_int_range(num_seqs, "seq_lens");
+  TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1, "query_start_loc: expected ", num_seqs + 1,
+              " entries (num_seqs + 1), got ", query_start_loc.size(0));
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 &&
+                  block_table.size(0) >= num_seqs &&
+                  (block_table.size(1) <= 1 || block_table.stride(1) == 1),
+              "block_table: expected an int32 tensor [num_seqs, max_blocks] with num_seqs >= ",
+              num_seqs, " and contiguous rows, got ", dtype_str(block_table.scalar_type()),
+              " of shape ", shape_str(block_table), " and strides ", block_table.strides());
+  TORCH_CHECK(std::isfinite(scale), "scale: expected a finite softmax scale, got ", scale);
+  TORCH_CHECK(sliding_window >= 0 && sliding_window <= INT_MAX,
+              "sliding_window: expected a window in tokens (0 = none), got ", sliding_window);
+  TORCH_CHECK(logits_soft_cap >= 0 && std::isfinite(logits_soft_cap),
+              "logits_soft_cap: expected a finite cap >= 0 (0 = none), got ", logits_soft_cap);
+  if (sinks) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->dim() == 1 &&
+                    sinks->size(0) == heads && sinks->is_contiguous(),
+                "sinks: expected a contiguous float32 tensor [num_heads] = [", heads, "], got ",
+                dtype_str(sinks->scalar_type()), " of shape ", shape_str(*sinks));
+  }
+
+  PagedAttentionParams p{};
+  p.out = out.data_ptr();
+  p.out_token_stride = out.stride(0);
+  p.out_head_stride = out.stride(1);
+  p.query = query.data_ptr();
+  p.query_token_stride = query.stride(0);
+  p.query_head_stride = query.stride(1);
+  p.io_type = io_type;
+  p.cache_kind = kind;
+  p.cache_type = quantized ? SourceType::kFloat32 : source_type_of(key_cache, "key_cache");
+  p.key_cache = make_side(key_cache, "key_cache", head_size, cache_last_dim(head_size), k_scale,
+                          k_per_head, k_layout);
+  p.value_cache = make_side(value_cache, "value_cache", head_size_v, cache_last_dim(head_size_v),
+                            v_scale, v_per_head, v_layout);
+  p.block_table = block_table.data_ptr<int32_t>();
+  p.block_table_stride = block_table.stride(0);
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.query_start_loc = query_start_loc.data_ptr<int32_t>();
+  p.num_seqs = int(num_seqs);
+  p.num_heads = int(heads);
+  p.num_kv_heads = int(kv_heads);
+  p.block_size = int(block_size);
+  p.scale = float(scale);
+  p.sliding_window = int(sliding_window);
+  p.logits_soft_cap = float(logits_soft_cap);
+  p.sinks = sinks ? sinks->data_ptr<float>() : nullptr;
+  p.causal = causal;
   return p;
 }
 

@@ -10,4 +10,13 @@ TORCH_LIBRARY(_C_cache_ops, m) {
   m.def(
       "swap_blocks(Tensor src, Tensor(a!) dst, int block_size_in_bytes, Tensor block_mapping) -> "
       "()");
+  // Paged attention over a cache written by reshape_and_cache_flash (every format); simd picks
+  // the CPU kernels' instruction set ("auto": the widest compiled).
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_table, Tensor seq_lens, Tensor query_start_loc, str kv_cache_dtype, "
+      "Tensor k_scale, Tensor v_scale, float scale, int sliding_window, float logits_soft_cap, "
+      "Tensor? sinks, bool causal, str k_scale_layout=\"linear\", str? v_scale_layout=None, "
+      "str simd=\"auto\") -> ()");
+  m.def("paged_attention_simd_levels() -> str[]");
 }

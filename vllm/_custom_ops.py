@@ -71,6 +71,30 @@ def _swap_blocks_fake(
     return None
 
 
+@torch.library.register_fake("_C_cache_ops::paged_attention")
+def _paged_attention_fake(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+    logits_soft_cap: float,
+    sinks: torch.Tensor | None,
+    causal: bool,
+    k_scale_layout: str = "linear",
+    v_scale_layout: str | None = None,
+    simd: str = "auto",
+) -> None:
+    return None
+
+
 def _layout_name(layout: ScaleLayout | str) -> str:
     return layout.value if isinstance(layout, ScaleLayout) else layout
 
@@ -155,3 +179,61 @@ def convert_fp8(
         output.copy_(quantize_fp8(input, scale_tensor, fmt))
     else:
         output.copy_(dequantize_fp8(input, scale_tensor, fmt, out_dtype=output.dtype))
+
+
+def paged_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    causal: bool = True,
+    k_scale_layout: ScaleLayout | str = ScaleLayout.LINEAR,
+    v_scale_layout: ScaleLayout | str | None = None,
+    simd: str = "auto",
+) -> None:
+    """Paged attention of ``query [T, Hq, D]`` over the cache sides ``key_cache`` /
+    ``value_cache`` (logical ``[B, N, Hkv, D']``, NHD or HND, any format
+    ``reshape_and_cache_flash`` writes), into ``out [T, Hq, Dv]`` (query's dtype).
+
+    ``block_table`` int32 ``[num_seqs, max_blocks]``, ``seq_lens`` int32 ``[num_seqs]`` (tokens
+    in the cache), ``query_start_loc`` int32 ``[num_seqs + 1]`` (each sequence's query tokens are
+    its last ones). ``k_scale`` / ``v_scale``: fp32, one value in any shape or ``[Hkv]``. ``sliding_window`` in
+    tokens, ``logits_soft_cap`` and ``sinks`` (fp32 ``[Hq]`` logits) optional. ``simd`` picks the
+    CPU kernels' instruction set: ``"auto"`` or one of :func:`paged_attention_simd_levels`.
+    """
+    torch.ops._C_cache_ops.paged_attention(
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        kv_cache_dtype,
+        k_scale,
+        v_scale,
+        float(scale),
+        0 if sliding_window is None else int(sliding_window),
+        0.0 if logits_soft_cap is None else float(logits_soft_cap),
+        sinks,
+        causal,
+        _layout_name(k_scale_layout),
+        None if v_scale_layout is None else _layout_name(v_scale_layout),
+        simd,
+    )
+
+
+def paged_attention_simd_levels() -> list[str]:
+    """Instruction-set levels of the CPU attention kernels in this build, widest first
+    (``avx512``, ``avx2``, ``generic``; which exist depends on the compile target)."""
+    return list(torch.ops._C_cache_ops.paged_attention_simd_levels())

@@ -11,6 +11,11 @@ Cold cache by default: the last-level cache (CPU L3, GPU L2) is flushed before e
 outside the timed region, so the op, its baseline and the roofline copy all stream from memory.
 ``--warm`` times repeated calls on cache-resident buffers instead (% of roofline can then exceed
 100, the roofline being a DRAM copy). The table's title and the JSON's ``mode`` say which.
+
+``--op attention`` benchmarks the CPU attention backend instead (:mod:`vllm.benchmarks.attention`):
+decode (batch 1..64, context 1k..32k) and prefill per format (``--kinds``), with µs, GB/s of cache
+read, % of the copy roofline, × the reference backend and the time relative to bf16; ``--plot``
+draws decode GB/s against context.
 """
 
 from __future__ import annotations
@@ -25,7 +30,11 @@ from typing import IO, Any
 
 import torch
 
+from vllm.benchmarks import attention
 from vllm.benchmarks import reshape_and_cache_flash as core
+
+OPS = ("reshape_and_cache_flash", "attention")
+"""Values of ``--op``."""
 
 EXIT_USAGE = 2
 """Exit status for bad arguments, a missing extension or a missing optional package."""
@@ -126,6 +135,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument(
+        "--op",
+        choices=OPS,
+        default=OPS[0],
+        help="what to benchmark: the cache write (default) or the CPU attention backend",
+    )
     parser.add_argument("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda if any)")
     parser.add_argument("--quick", action="store_true", help="a small configuration (seconds)")
     parser.add_argument(
@@ -183,10 +198,30 @@ def run(args: argparse.Namespace) -> int:
             return EXIT_USAGE
     if args.threads:
         torch.set_num_threads(args.threads)
+    if getattr(args, "op", OPS[0]) == "attention":
+        for flag, value in (("--tokens", args.tokens), ("--device", args.device)):
+            if value is not None and not (flag == "--device" and value == "cpu"):
+                print(
+                    f"vllm-kv bench: error: {flag}: not used by --op attention (CPU, fixed "
+                    f"shapes), got {value}",
+                    file=sys.stderr,
+                )
+                return EXIT_USAGE
+
+        def measure(bar: ProgressBar | None) -> Sequence[Any]:
+            return attention.run(args.kinds, args.quick, bar, warm=args.warm)
+
+        table, write_json, plot = attention.format_table, attention.write_json, attention.write_plot
+    else:
+        device = args.device or core.default_device()
+
+        def measure(bar: ProgressBar | None) -> Sequence[Any]:
+            return core.run(device, args.kinds, args.tokens, args.quick, bar, warm=args.warm)
+
+        table, write_json, plot = format_table, core.write_json, write_plot
     bar = None if args.no_progress else ProgressBar()
-    device = args.device or core.default_device()
     try:
-        rows = core.run(device, args.kinds, args.tokens, args.quick, bar, warm=args.warm)
+        rows = measure(bar)
     except (ValueError, ImportError) as e:
         error: Exception | None = e
     else:
@@ -196,11 +231,11 @@ def run(args: argparse.Namespace) -> int:
     if error is not None:
         print(f"vllm-kv bench: error: {error}", file=sys.stderr)
         return EXIT_USAGE
-    print(format_table(rows))
+    print(table(rows))
     if args.json:
-        core.write_json(rows, args.json)
+        write_json(rows, args.json)
         print(f"wrote {args.json}", file=sys.stderr)
     if args.plot:
-        write_plot(rows, args.plot)
+        plot(rows, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0

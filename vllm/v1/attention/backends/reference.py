@@ -158,6 +158,21 @@ class ReferenceAttentionMetadata:
         )
 
 
+@dataclass(frozen=True)
+class CheckedForward:
+    """The validated inputs of a forward call: ``query [T, Hq, D]``, the cache sides, the output
+    ``[T, Hq, Dv]``, fp32 scales (``[1]`` or ``[Hkv]``) and the metadata as int lists."""
+
+    query: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    output: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    query_start_loc: list[int]
+    seq_lens: list[int]
+
+
 def _gather_pages(side: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     """Copy pages ``pages`` of a cache side ``(B, N, H, F)`` into a new ``(p, N, H, F)`` tensor
     whose pages keep the side's byte order within a page (NHD or HND), so that the NVFP4
@@ -382,7 +397,7 @@ class ReferenceAttentionImpl(AttentionImpl):
             return fp8_read_cache(pages, scale, fmt, torch.float32)
         return pages.to(torch.float32)
 
-    def forward(
+    def _check_forward(
         self,
         layer: AttentionLayer,
         query: torch.Tensor,
@@ -390,14 +405,10 @@ class ReferenceAttentionImpl(AttentionImpl):
         value: torch.Tensor | None,
         kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
         attn_metadata: ReferenceAttentionMetadata,
-        output: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Attention of ``query [T, num_heads, D]`` (or ``[T, num_heads*D]``) over the cache.
-
-        When ``key`` / ``value`` are given they are first written at
-        ``attn_metadata.slot_mapping``. Returns ``[T, num_heads, head_size_v]`` in the query
-        dtype (written into ``output`` when given; rows past ``num_actual_tokens`` untouched).
-        """
+        output: torch.Tensor | None,
+    ) -> CheckedForward:
+        """Validate :meth:`forward`'s arguments, write ``key`` / ``value`` when given, and
+        return the normalised inputs (``output`` allocated when ``None``)."""
         if (key is None) != (value is None):
             raise ValueError("key, value: pass both (to write them first) or neither")
         if query.dim() == 2:
@@ -453,6 +464,37 @@ class ReferenceAttentionImpl(AttentionImpl):
                 f"block_table: expected shape [{len(seq_lens)}, max_blocks], "
                 f"got {list(block_table.shape)}"
             )
+        return CheckedForward(
+            query, key_cache, value_cache, output, k_scale, v_scale, qsl, seq_lens
+        )
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: ReferenceAttentionMetadata,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of ``query [T, num_heads, D]`` (or ``[T, num_heads*D]``) over the cache.
+
+        When ``key`` / ``value`` are given they are first written at
+        ``attn_metadata.slot_mapping``. Returns ``[T, num_heads, head_size_v]`` in the query
+        dtype (written into ``output`` when given; rows past ``num_actual_tokens`` untouched).
+        """
+        checked = self._check_forward(layer, query, key, value, kv_cache, attn_metadata, output)
+        query, key_cache, value_cache, output = (
+            checked.query,
+            checked.key_cache,
+            checked.value_cache,
+            checked.output,
+        )
+        k_scale, v_scale = checked.k_scale, checked.v_scale
+        qsl, seq_lens = checked.query_start_loc, checked.seq_lens
+        block_table = attn_metadata.block_table
+        device = key_cache.device
         num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
         block_table = block_table.to(device=device, dtype=torch.int64)
 

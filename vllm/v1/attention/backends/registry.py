@@ -27,6 +27,7 @@ class AttentionBackendEnum(Enum):
 
     FLASHINFER = "vllm.v1.attention.backends.flashinfer.FlashInferBackend"
     REFERENCE = "vllm.v1.attention.backends.reference.ReferenceAttentionBackend"
+    CPU_ATTN = "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
     MLA_COMMON = "vllm.v1.attention.backends.mla.common.MLACommonBackend"
 
     def get_path(self) -> str:

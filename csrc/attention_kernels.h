@@ -1,0 +1,48 @@
+// Framework-free interface of the paged-attention kernels: the parameter block that the torch glue
+// fills after validation. Included by C++ sources only (the CPU backend); no torch headers.
+#pragma once
+
+#include <cstdint>
+
+#include "cache_kernels.h"
+
+namespace vllm_kv {
+
+// Vector instruction set of the CPU attention kernels. kGeneric is portable C++ (16-byte GCC
+// vectors, scalar format decode); kAvx2 needs AVX2 + FMA + F16C; kAvx512 needs AVX-512F/BW/VL.
+// Which levels exist is fixed when the extension is compiled (the -march target); kAuto picks the
+// widest of them.
+enum class SimdLevel { kAuto = -1, kGeneric = 0, kAvx2 = 1, kAvx512 = 2 };
+
+// Paged attention over a cache written by reshape_and_cache_flash (same CacheSide description).
+// Sequence i owns query rows query_start_loc[i] .. query_start_loc[i+1]-1: the last q_len_i of its
+// seq_lens[i] tokens. block_table[i * block_table_stride + j] is the page of its positions
+// j*block_size .. j*block_size + block_size-1.
+struct PagedAttentionParams {
+  void* out;  // [T, num_heads, head_size_v], io_type
+  int64_t out_token_stride;
+  int64_t out_head_stride;
+  const void* query;  // [T, num_heads, head_size], io_type, last dim contiguous
+  int64_t query_token_stride;
+  int64_t query_head_stride;
+  SourceType io_type;
+  CacheKind cache_kind;
+  SourceType cache_type;  // element type of an unquantized cache
+  CacheSide key_cache;
+  CacheSide value_cache;
+  const int32_t* block_table;
+  int64_t block_table_stride;
+  const int32_t* seq_lens;         // [num_seqs]
+  const int32_t* query_start_loc;  // [num_seqs + 1]
+  int num_seqs;
+  int num_heads;
+  int num_kv_heads;
+  int block_size;
+  float scale;            // softmax scale applied to q.k
+  int sliding_window;     // tokens; 0 = none
+  float logits_soft_cap;  // 0 = none
+  const float* sinks;     // fp32 [num_heads] logits, or nullptr
+  bool causal;
+};
+
+}  // namespace vllm_kv

@@ -1,0 +1,136 @@
+// CPU implementation of _C_cache_ops::paged_attention: shared validation, the per-sequence value
+// checks (lengths, page ids, scale values) that need the tensors' contents, then the torch-free
+// kernel of cpu/paged_attention.h.
+
+// GCC 12 reports its own AVX-512 intrinsics (their undefined pass-through operands) as
+// maybe-uninitialized (GCC bug 105593, fixed in 13). The pragma has to come before the first
+// inclusion of <immintrin.h>, which torch's headers also include.
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/irange.h>
+#include <torch/library.h>
+
+#include <string>
+#include <vector>
+
+#include "cache_ops_torch.h"
+#include "cpu/cpu_op_utils.h"
+#include "cpu/paged_attention.h"
+#include "dispatch_utils.h"
+
+namespace vllm_kv {
+namespace {
+
+constexpr const char* simd_level_name(SimdLevel level) {
+  switch (level) {
+    case SimdLevel::kAvx512:
+      return "avx512";
+    case SimdLevel::kAvx2:
+      return "avx2";
+    case SimdLevel::kGeneric:
+      return "generic";
+    case SimdLevel::kAuto:
+      break;
+  }
+  return "auto";
+}
+
+constexpr SimdLevel kAllLevels[] = {SimdLevel::kAvx512, SimdLevel::kAvx2, SimdLevel::kGeneric};
+
+// The instruction-set levels this build compiled, widest first.
+std::vector<std::string> paged_attention_simd_levels() {
+  std::vector<std::string> names;
+  for (const SimdLevel level : kAllLevels) {
+    if (cpu::attention::simd_level_compiled(level)) names.emplace_back(simd_level_name(level));
+  }
+  return names;
+}
+
+SimdLevel parse_simd_level(const std::string& name) {
+  if (name == "auto") return SimdLevel::kAuto;
+  for (const SimdLevel level : kAllLevels) {
+    if (name != simd_level_name(level)) continue;
+    TORCH_CHECK(cpu::attention::simd_level_compiled(level), "simd: '", name,
+                "' is not compiled into this build (target of VLLM_KV_CPU_ARCH); available: ",
+                c10::Join(", ", paged_attention_simd_levels()));
+    return level;
+  }
+  TORCH_CHECK(false, "simd: expected 'auto' or one of ",
+              c10::Join(", ", paged_attention_simd_levels()), ", got '", name, "'");
+}
+
+// Lengths and page ids of every sequence, before anything is read from the cache.
+void check_sequences(const PagedAttentionParams& p, int64_t query_rows, int64_t out_rows,
+                     int64_t num_blocks, int64_t max_blocks) {
+  TORCH_CHECK(p.query_start_loc[0] == 0, "query_start_loc: expected 0 first, got ",
+              p.query_start_loc[0]);
+  for (const int seq : c10::irange(p.num_seqs)) {
+    const int64_t seq_len = p.seq_lens[seq];
+    const int64_t q_len = int64_t(p.query_start_loc[seq + 1]) - p.query_start_loc[seq];
+    TORCH_CHECK(q_len >= 0 && q_len <= seq_len, "seq_lens: sequence ", seq, " has ", seq_len,
+                " tokens and ", q_len,
+                " query tokens (query_start_loc); expected 0 <= query_len <= seq_len");
+    if (q_len == 0) continue;
+    const int first_key = cpu::attention::key_range(p, int(seq_len), int(q_len), 0).first;
+    const int64_t first_page = first_key / p.block_size;
+    const int64_t last_page = (seq_len - 1) / p.block_size;
+    TORCH_CHECK(last_page < max_blocks, "block_table: sequence ", seq, " of ", seq_len,
+                " tokens needs ", last_page + 1, " pages of ", p.block_size,
+                " tokens, the table has ", max_blocks, " columns");
+    for (int64_t j = first_page; j <= last_page; ++j) {
+      const int64_t page = p.block_table[seq * p.block_table_stride + j];
+      TORCH_CHECK(page >= 0 && page < num_blocks, "block_table: sequence ", seq, " uses page ",
+                  page, " at column ", j, ", the cache has ", num_blocks, " pages");
+    }
+  }
+  const int64_t tokens = p.query_start_loc[p.num_seqs];
+  TORCH_CHECK(tokens <= query_rows, "query: expected at least ", tokens,
+              " rows (query_start_loc[-1]), got ", query_rows);
+  TORCH_CHECK(tokens <= out_rows, "out: expected at least ", tokens,
+              " rows (query_start_loc[-1]), got ", out_rows);
+}
+
+void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                         const at::Tensor& value_cache, const at::Tensor& block_table,
+                         const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                         const std::string& kv_cache_dtype, const at::Tensor& k_scale,
+                         const at::Tensor& v_scale, double scale, int64_t sliding_window,
+                         double logits_soft_cap, const std::optional<at::Tensor>& sinks,
+                         bool causal, const std::string& k_scale_layout,
+                         const std::optional<std::string>& v_scale_layout,
+                         const std::string& simd) {
+  check_cpu(key_cache, "key_cache");
+  const SimdLevel level = parse_simd_level(simd);
+  const PagedAttentionParams p = prepare_paged_attention(
+      out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, kv_cache_dtype,
+      k_scale, v_scale, scale, sliding_window, logits_soft_cap, sinks, causal, k_scale_layout,
+      v_scale_layout);
+  check_sequences(p, query.size(0), out.size(0), key_cache.size(0), block_table.size(1));
+  if (is_quantized(p.cache_kind)) {
+    check_scale_values(k_scale, "k_scale", kv_cache_dtype);
+    check_scale_values(v_scale, "v_scale", kv_cache_dtype);
+  }
+  const cpu::attention::AttentionPlan plan =
+      cpu::attention::plan_attention(p, at::get_num_threads());
+  const at::Tensor scratch = at::empty({plan.scratch_floats}, query.options().dtype(at::kFloat));
+  cpu::attention::paged_attention(
+      p, plan, scratch.data_ptr<float>(), level,
+      [](int64_t begin, int64_t end, int64_t grain, const auto& fn) {
+        dynamic_parallel_for(begin, end, grain, fn);
+      });
+}
+
+}  // namespace
+}  // namespace vllm_kv
+
+TORCH_LIBRARY_IMPL(_C_cache_ops, CPU, m) {
+  m.impl("paged_attention", &vllm_kv::paged_attention_cpu);
+}
+
+TORCH_LIBRARY_IMPL(_C_cache_ops, CompositeExplicitAutograd, m) {
+  m.impl("paged_attention_simd_levels", &vllm_kv::paged_attention_simd_levels);
+}

@@ -1,0 +1,1057 @@
+// CPU paged attention over every cache format (decode, prefill, chunked prefill). Framework-free:
+// the torch glue validates the arguments, fills a PagedAttentionParams and passes in a
+// parallel-for.
+//
+// Work item = (sequence, KV head, block of query tokens, split of the key range). Its rows are the
+// query tokens of the block times the query heads of the KV head's group (GQA), so that each
+// decoded page of K / V serves all of them. Pages are decoded one at a time into an fp32 tile of
+// page size (L1 / L2 resident; a sequence's K / V is never materialised) with SIMD format decoders,
+// and attended with an online softmax in fp32. Per-tensor or per-head scales are constant within
+// an item: the K scale is folded into the query, the V scale into the output. Long key ranges of
+// few items are split (split-K); the splits' (max, sum, accumulator) partials are merged after.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "attention_kernels.h"
+#include "cache_kernels.h"
+#include "cache_layout.h"
+#include "kv_quant_math.h"
+
+namespace vllm_kv::cpu::attention {
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define VLLM_KV_HAVE_AVX512 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define VLLM_KV_HAVE_AVX2 1
+#endif
+
+// Whether the build target has the instructions of `level` (kGeneric always).
+constexpr bool simd_level_compiled(SimdLevel level) {
+  switch (level) {
+    case SimdLevel::kGeneric:
+      return true;
+    case SimdLevel::kAvx2:
+#if defined(VLLM_KV_HAVE_AVX2)
+      return true;
+#else
+      return false;
+#endif
+    case SimdLevel::kAvx512:
+#if defined(VLLM_KV_HAVE_AVX512)
+      return true;
+#else
+      return false;
+#endif
+    case SimdLevel::kAuto:
+      return true;
+  }
+  return false;
+}
+
+constexpr SimdLevel widest_simd_level() {
+  if (simd_level_compiled(SimdLevel::kAvx512)) return SimdLevel::kAvx512;
+  if (simd_level_compiled(SimdLevel::kAvx2)) return SimdLevel::kAvx2;
+  return SimdLevel::kGeneric;
+}
+
+// ------------------------------------------------------------------------------ vector math
+
+template <int kBytes>
+struct FloatVecOf {
+  typedef float type __attribute__((vector_size(kBytes)));
+};
+
+template <SimdLevel L>
+inline constexpr int kVecBytes = L == SimdLevel::kAvx512 ? 64 : L == SimdLevel::kAvx2 ? 32 : 16;
+
+template <SimdLevel L>
+using VecF = typename FloatVecOf<kVecBytes<L>>::type;
+
+template <SimdLevel L>
+inline constexpr int kLanes = kVecBytes<L> / 4;
+
+template <SimdLevel L>
+inline VecF<L> load(const float* p) {
+  VecF<L> v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+template <SimdLevel L>
+inline void store(float* p, VecF<L> v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+
+// x in every lane. (x - 0 is x for every x, -0 included, so this folds to a broadcast; 0 + x
+// would not, as 0 + -0 is +0.)
+template <SimdLevel L>
+inline VecF<L> splat(float x) {
+  return x - VecF<L>{};
+}
+
+// a * b + c, fused where the level has FMA (the file is built with -ffp-contract=off for the
+// bit-exact quantizers, so fusion is spelled out).
+template <SimdLevel L>
+inline VecF<L> fmadd(VecF<L> a, VecF<L> b, VecF<L> c) {
+#if defined(VLLM_KV_HAVE_AVX512)
+  if constexpr (L == SimdLevel::kAvx512) return _mm512_fmadd_ps(a, b, c);
+#endif
+#if defined(VLLM_KV_HAVE_AVX2)
+  if constexpr (L == SimdLevel::kAvx2) return _mm256_fmadd_ps(a, b, c);
+#endif
+  return a * b + c;
+}
+
+template <SimdLevel L>
+inline VecF<L> vmax(VecF<L> a, VecF<L> b) {
+  return a > b ? a : b;
+}
+
+// Sum of the lanes, by halving.
+template <int kN, typename V, size_t... kI>
+inline auto low_half(V v, std::index_sequence<kI...>) {
+  return __builtin_shufflevector(v, v, kI...);
+}
+template <int kN, typename V, size_t... kI>
+inline auto high_half(V v, std::index_sequence<kI...>) {
+  return __builtin_shufflevector(v, v, (kI + kN / 2)...);
+}
+
+template <int kN, typename V>
+inline float reduce_add(V v) {
+  if constexpr (kN == 4) {
+    return (v[0] + v[2]) + (v[1] + v[3]);
+  } else {
+    const auto lo = low_half<kN>(v, std::make_index_sequence<kN / 2>{});
+    const auto hi = high_half<kN>(v, std::make_index_sequence<kN / 2>{});
+    return reduce_add<kN / 2>(lo + hi);
+  }
+}
+
+template <int kN, typename V>
+inline float reduce_max(V v) {
+  if constexpr (kN == 4) {
+    return std::max(std::max(v[0], v[2]), std::max(v[1], v[3]));
+  } else {
+    const auto lo = low_half<kN>(v, std::make_index_sequence<kN / 2>{});
+    const auto hi = high_half<kN>(v, std::make_index_sequence<kN / 2>{});
+    return reduce_max<kN / 2>(lo > hi ? lo : hi);
+  }
+}
+
+template <SimdLevel L>
+using VecI = decltype(VecF<L>{} > VecF<L>{});
+
+// exp(x) for x <= 0 (x < -87, -inf included, gives 0): 2^k * p(r) with k = round(x / ln2),
+// r = x - k ln2 in [-ln2/2, ln2/2] and p a degree-6 Taylor polynomial (relative error ~2e-7).
+template <SimdLevel L>
+inline VecF<L> vexp(VecF<L> x) {
+  using V = VecF<L>;
+  using I = VecI<L>;
+  const V clamped = vmax<L>(x, splat<L>(-87.0f));
+  const V t = fmadd<L>(clamped, splat<L>(1.44269504088896341f), splat<L>(0.5f));
+  V k = __builtin_convertvector(__builtin_convertvector(t, I), V);  // toward zero
+  k = k > t ? k - 1.0f : k;                                          // floor
+  // r = x - k ln2 in two steps (ln2 = hi + lo, hi exact in 16 bits) to keep r accurate.
+  const V r = fmadd<L>(k, splat<L>(-1.428606765330187e-06f),
+                       fmadd<L>(k, splat<L>(-0.693145751953125f), clamped));
+  V p = splat<L>(1.0f / 720.0f);
+  p = fmadd<L>(p, r, splat<L>(1.0f / 120.0f));
+  p = fmadd<L>(p, r, splat<L>(1.0f / 24.0f));
+  p = fmadd<L>(p, r, splat<L>(1.0f / 6.0f));
+  p = fmadd<L>(p, r, splat<L>(0.5f));
+  p = fmadd<L>(p, r, splat<L>(1.0f));
+  p = fmadd<L>(p, r, splat<L>(1.0f));
+  const I bits = (__builtin_convertvector(k, I) + 127) << 23;
+  V two_k;
+  std::memcpy(&two_k, &bits, sizeof(two_k));
+  return x < splat<L>(-87.0f) ? splat<L>(0.0f) : p * two_k;
+}
+
+// ---------------------------------------------------------------------------- format decode
+
+// E2M1 code (bit 3 = sign) -> value.
+alignas(64) inline constexpr float kE2M1Values[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,
+                                                      4.0f,  6.0f,  -0.0f, -0.5f, -1.0f, -1.5f,
+                                                      -2.0f, -3.0f, -4.0f, -6.0f};
+
+inline float e5m2_to_float(uint8_t byte) { return fp16_bits_to_float(uint16_t(byte) << 8); }
+
+// FP8 e4m3 byte -> fp32 at compile time (the value e4m3_to_float gives; exact).
+constexpr float e4m3_value(int byte) {
+  const int exponent = (byte >> 3) & 0xF;
+  const int mantissa = byte & 0x7;
+  if ((byte & 0x7F) == 0x7F) return std::numeric_limits<float>::quiet_NaN();
+  float magnitude = exponent == 0 ? float(mantissa) / 8.0f : 1.0f + float(mantissa) / 8.0f;
+  for (int e = exponent == 0 ? 1 : exponent; e < 7; ++e) magnitude /= 2.0f;  // 2^(e - 7)
+  for (int e = 7; e < exponent; ++e) magnitude *= 2.0f;
+  return (byte & 0x80) ? -magnitude : magnitude;
+}
+
+// NVFP4 block-scale byte -> fp32, by table (no initialisation guard in the decode loops).
+struct E4m3Table {
+  float values[256];
+  constexpr E4m3Table() : values() {
+    for (int b = 0; b < 256; ++b) values[b] = e4m3_value(b);
+  }
+};
+alignas(64) inline constexpr E4m3Table kE4m3Table{};
+
+// Decodes one cache entry (a token's head) of `dim` elements to fp32 at dst. The formats:
+// unquantized fp32 / fp16 / bf16 (C), FP8 e4m3 / e5m2 (K), NVFP4 (data bytes + per-group scale
+// bytes at scales + group_offsets[g]). Dequantization scales are applied by the caller.
+template <CacheKind K, SourceType C, SimdLevel L>
+struct EntryDecoder {
+  static void decode(const uint8_t* src, const uint8_t* scales, const int64_t* group_offsets,
+                     int dim, float* dst) {
+    int i = 0;
+#if defined(VLLM_KV_HAVE_AVX512)
+    if constexpr (L == SimdLevel::kAvx512) i = decode_avx512(src, scales, group_offsets, dim, dst);
+#endif
+#if defined(VLLM_KV_HAVE_AVX2)
+    if constexpr (L == SimdLevel::kAvx2) i = decode_avx2(src, scales, group_offsets, dim, dst);
+#endif
+    decode_scalar(src, scales, group_offsets, i, dim, dst);
+  }
+
+  // Elements [begin, dim), one at a time.
+  static void decode_scalar(const uint8_t* src, const uint8_t* scales,
+                            const int64_t* group_offsets, int begin, int dim, float* dst) {
+    for (int i = begin; i < dim; ++i) {
+      if constexpr (K == CacheKind::kNvfp4) {
+        const uint8_t byte = src[i / 2];
+        dst[i] = kE2M1Values[(i % 2 == 0) ? (byte & 0xF) : (byte >> 4)] *
+                 block_scale(scales, group_offsets, i);
+      } else if constexpr (K == CacheKind::kFp8E4M3) {
+        dst[i] = e4m3_to_float(src[i]);
+      } else if constexpr (K == CacheKind::kFp8E5M2) {
+        dst[i] = e5m2_to_float(src[i]);
+      } else if constexpr (C == SourceType::kFloat32) {
+        std::memcpy(dst + i, src + 4 * int64_t(i), 4);
+      } else {
+        uint16_t bits;
+        std::memcpy(&bits, src + 2 * int64_t(i), 2);
+        dst[i] = C == SourceType::kBFloat16 ? bf16_bits_to_float(bits) : fp16_bits_to_float(bits);
+      }
+    }
+  }
+
+  // Elements [i, i + kLanes<L>) as one vector (i a multiple of kLanes<L>, i + kLanes<L> <= dim);
+  // only for the vector levels. The decode lives in registers: both the page-tile path and the
+  // fused dot products (PagedAttention) use it.
+  static VecF<L> vector(const uint8_t* src, const uint8_t* scales, const int64_t* group_offsets,
+                        int i) {
+#if defined(VLLM_KV_HAVE_AVX512)
+    if constexpr (L == SimdLevel::kAvx512) return vector_avx512(src, scales, group_offsets, i);
+#endif
+#if defined(VLLM_KV_HAVE_AVX2)
+    if constexpr (L == SimdLevel::kAvx2) return vector_avx2(src, scales, group_offsets, i);
+#endif
+    static_assert(L != SimdLevel::kGeneric, "the generic level decodes element by element");
+  }
+
+  static float block_scale(const uint8_t* scales, const int64_t* group_offsets, int i) {
+    return kE4m3Table.values[scales[group_offsets[i / kNvfp4GroupSize]]];
+  }
+
+#if defined(VLLM_KV_HAVE_AVX512)
+  static int decode_avx512(const uint8_t* src, const uint8_t* scales,
+                           const int64_t* group_offsets, int dim, float* dst) {
+    int i = 0;
+    for (; i + 16 <= dim; i += 16) {
+      _mm512_storeu_ps(dst + i, vector_avx512(src, scales, group_offsets, i));
+    }
+    return i;
+  }
+
+  static __m512 vector_avx512(const uint8_t* src, const uint8_t* scales,
+                              const int64_t* group_offsets, int i) {
+    if constexpr (K == CacheKind::kNvfp4) {
+      const __m128i low_nibble = _mm_set1_epi8(0x0F);
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i / 2));
+      const __m128i lo = _mm_and_si128(bytes, low_nibble);
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibble);
+      const __m512i codes = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
+      const __m512 values = _mm512_permutexvar_ps(codes, _mm512_load_ps(kE2M1Values));
+      return _mm512_mul_ps(values, _mm512_set1_ps(block_scale(scales, group_offsets, i)));
+    } else if constexpr (K == CacheKind::kFp8E4M3 || K == CacheKind::kFp8E5M2) {
+      const __m256i bytes =
+          _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+      if constexpr (K == CacheKind::kFp8E5M2) {
+        return _mm512_cvtph_ps(_mm256_slli_epi16(bytes, 8));  // e5m2 is the high byte of fp16
+      } else {
+        return _mm512_mul_ps(_mm512_cvtph_ps(e4m3_as_fp16_bits(bytes)), _mm512_set1_ps(256.0f));
+      }
+    } else if constexpr (C == SourceType::kFloat32) {
+      return _mm512_loadu_ps(reinterpret_cast<const float*>(src) + i);
+    } else {
+      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 2 * i));
+      if constexpr (C == SourceType::kBFloat16) {
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+      } else {
+        return _mm512_cvtph_ps(bits);
+      }
+    }
+  }
+
+  // e4m3 s.eeee.mmm (zero-extended to 16-bit lanes) -> fp16 s.0eeee.mmm0000000, the value / 256
+  // (exact, subnormals included); the NaN bytes 0x7F / 0xFF -> an fp16 NaN.
+  static __m256i e4m3_as_fp16_bits(__m256i bytes) {
+    const __m256i magnitude = _mm256_and_si256(bytes, _mm256_set1_epi16(0x7F));
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x80)), 8);
+    const __m256i nan = _mm256_and_si256(_mm256_cmpeq_epi16(magnitude, _mm256_set1_epi16(0x7F)),
+                                         _mm256_set1_epi16(0x7E00));
+    return _mm256_or_si256(_mm256_or_si256(sign, _mm256_slli_epi16(magnitude, 7)), nan);
+  }
+#endif
+
+#if defined(VLLM_KV_HAVE_AVX2)
+  static int decode_avx2(const uint8_t* src, const uint8_t* scales, const int64_t* group_offsets,
+                         int dim, float* dst) {
+    int i = 0;
+    for (; i + 8 <= dim; i += 8) {
+      _mm256_storeu_ps(dst + i, vector_avx2(src, scales, group_offsets, i));
+    }
+    return i;
+  }
+
+  static __m256 vector_avx2(const uint8_t* src, const uint8_t* scales,
+                            const int64_t* group_offsets, int i) {
+    if constexpr (K == CacheKind::kNvfp4) {
+      // 4 bytes = 8 codes (half a group); magnitudes by permute, the sign from bit 3.
+      const __m128i low_nibble = _mm_set1_epi8(0x0F);
+      int32_t word;
+      std::memcpy(&word, src + i / 2, 4);
+      const __m128i bytes = _mm_cvtsi32_si128(word);
+      const __m128i lo = _mm_and_si128(bytes, low_nibble);
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibble);
+      const __m256i code = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
+      const __m256 magnitude = _mm256_permutevar8x32_ps(_mm256_load_ps(kE2M1Values), code);
+      const __m256 sign = _mm256_castsi256_ps(_mm256_and_si256(
+          _mm256_slli_epi32(code, 28), _mm256_set1_epi32(int32_t(0x80000000u))));
+      return _mm256_mul_ps(_mm256_or_ps(magnitude, sign),
+                           _mm256_set1_ps(block_scale(scales, group_offsets, i)));
+    } else if constexpr (K == CacheKind::kFp8E4M3 || K == CacheKind::kFp8E5M2) {
+      const __m128i bytes =
+          _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)));
+      if constexpr (K == CacheKind::kFp8E5M2) {
+        return _mm256_cvtph_ps(_mm_slli_epi16(bytes, 8));
+      } else {
+        const __m128i magnitude = _mm_and_si128(bytes, _mm_set1_epi16(0x7F));
+        const __m128i sign = _mm_slli_epi16(_mm_and_si128(bytes, _mm_set1_epi16(0x80)), 8);
+        const __m128i nan = _mm_and_si128(_mm_cmpeq_epi16(magnitude, _mm_set1_epi16(0x7F)),
+                                          _mm_set1_epi16(0x7E00));
+        const __m128i half_bits =
+            _mm_or_si128(_mm_or_si128(sign, _mm_slli_epi16(magnitude, 7)), nan);
+        return _mm256_mul_ps(_mm256_cvtph_ps(half_bits), _mm256_set1_ps(256.0f));
+      }
+    } else if constexpr (C == SourceType::kFloat32) {
+      return _mm256_loadu_ps(reinterpret_cast<const float*>(src) + i);
+    } else {
+      const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * i));
+      if constexpr (C == SourceType::kBFloat16) {
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+      } else {
+        return _mm256_cvtph_ps(bits);
+      }
+    }
+  }
+#endif
+};
+
+// ------------------------------------------------------------------------------ work planning
+
+// One unit of parallel work: query tokens [q_begin, q_end) of sequence `seq` (indices among its
+// q_len query tokens) for the query heads of KV heads [kv_begin, kv_end), over key positions
+// [key_begin, key_end). partial >= 0: write (max, sum, accumulator) partials at that float offset
+// of the scratch buffer instead of the output. Rows are ordered (KV head, query token, query head
+// of the group).
+struct WorkItem {
+  int seq;
+  int kv_begin;
+  int kv_end;
+  int q_begin;
+  int q_end;
+  int key_begin;
+  int key_end;
+  int64_t partial;
+};
+
+// The splits of one (sequence, KV head, query block) whose partials are merged afterwards.
+struct MergeItem {
+  int seq;
+  int kv_begin;
+  int kv_end;
+  int q_begin;
+  int q_end;
+  int num_splits;
+  int64_t partial;
+};
+
+struct AttentionPlan {
+  std::vector<WorkItem> items;
+  std::vector<MergeItem> merges;
+  int64_t scratch_floats = 0;
+};
+
+// Shape facts of one call, derived from the parameters.
+struct AttentionGeometry {
+  int group;        // query heads per KV head
+  int query_block;  // query tokens per work item
+  int head_size;
+  int head_size_v;
+
+  explicit AttentionGeometry(const PagedAttentionParams& p)
+      : group(p.num_heads / p.num_kv_heads),
+        query_block(std::max(1, 64 / (p.num_heads / p.num_kv_heads))),
+        head_size(p.key_cache.head_size),
+        head_size_v(p.value_cache.head_size) {}
+
+  // Floats per row of a split's partial: max, sum, accumulator.
+  int partial_row_floats() const { return head_size_v + 2; }
+};
+
+inline int query_len(const PagedAttentionParams& p, int seq) {
+  return p.query_start_loc[seq + 1] - p.query_start_loc[seq];
+}
+
+// Key positions [begin, end) that query token j (of q_len) of a sequence of seq_len tokens sees.
+inline std::pair<int, int> key_range(const PagedAttentionParams& p, int seq_len, int q_len, int j) {
+  const int pos = seq_len - q_len + j;
+  int begin = 0;
+  int end = seq_len;
+  if (p.sliding_window > 0) {
+    begin = std::max(0, pos - p.sliding_window + 1);
+    if (!p.causal) end = std::min(seq_len, pos + p.sliding_window);
+  }
+  if (p.causal) end = pos + 1;
+  return {begin, end};
+}
+
+// Key positions per split at least; shorter ranges are not worth a merge.
+inline constexpr int kMinSplitKeys = 512;
+
+// Items with at most this many rows per KV head (decode) take all KV heads: a page is then read
+// whole (NHD: one dense region), which the hardware prefetchers stream, instead of one head's
+// scattered rows per item. Their parallelism comes from split-K.
+inline constexpr int kMaxRowsForAllHeads = 16;
+
+inline int kv_heads_per_item(const PagedAttentionParams& p, const AttentionGeometry& geo,
+                             int q_tokens) {
+  return q_tokens * geo.group <= kMaxRowsForAllHeads ? p.num_kv_heads : 1;
+}
+
+// Items for `num_threads` threads: (sequence x KV head x query block), each split into as many
+// page-aligned key ranges as it takes to give every thread about four items.
+inline AttentionPlan plan_attention(const PagedAttentionParams& p, int num_threads) {
+  const AttentionGeometry geo(p);
+  AttentionPlan plan;
+  int64_t base_items = 0;
+  for (int seq = 0; seq < p.num_seqs; ++seq) {
+    const int q_len = query_len(p, seq);
+    for (int q_begin = 0; q_begin < q_len; q_begin += geo.query_block) {
+      const int q_tokens = std::min(q_len, q_begin + geo.query_block) - q_begin;
+      base_items += p.num_kv_heads / kv_heads_per_item(p, geo, q_tokens);
+    }
+  }
+  const int64_t wanted = 4 * int64_t(std::max(1, num_threads));
+  const int64_t splits_wanted = base_items == 0 ? 1 : (wanted + base_items - 1) / base_items;
+  for (int seq = 0; seq < p.num_seqs; ++seq) {
+    const int seq_len = p.seq_lens[seq];
+    const int q_len = query_len(p, seq);
+    for (int q_begin = 0; q_begin < q_len; q_begin += geo.query_block) {
+      const int q_end = std::min(q_len, q_begin + geo.query_block);
+      const int key_begin = key_range(p, seq_len, q_len, q_begin).first;
+      const int key_end = key_range(p, seq_len, q_len, q_end - 1).second;
+      const int span = key_end - key_begin;
+      const int splits = int(std::max<int64_t>(
+          1, std::min<int64_t>(splits_wanted, span / std::max(kMinSplitKeys, p.block_size))));
+      const int heads = kv_heads_per_item(p, geo, q_end - q_begin);
+      for (int kv_begin = 0; kv_begin < p.num_kv_heads; kv_begin += heads) {
+        const int kv_end = kv_begin + heads;
+        if (splits == 1) {
+          plan.items.push_back({seq, kv_begin, kv_end, q_begin, q_end, key_begin, key_end, -1});
+          continue;
+        }
+        const int64_t rows = int64_t(heads) * (q_end - q_begin) * geo.group;
+        const int64_t stride = rows * geo.partial_row_floats();
+        plan.merges.push_back(
+            {seq, kv_begin, kv_end, q_begin, q_end, splits, plan.scratch_floats});
+        // Page-aligned boundaries, as even as the pages allow.
+        const int first_page = key_begin / p.block_size;
+        const int pages = (key_end - 1) / p.block_size - first_page + 1;
+        for (int s = 0; s < splits; ++s) {
+          const int b = s == 0 ? key_begin
+                               : (first_page + int(int64_t(pages) * s / splits)) * p.block_size;
+          const int e = s == splits - 1
+                            ? key_end
+                            : (first_page + int(int64_t(pages) * (s + 1) / splits)) * p.block_size;
+          plan.items.push_back({seq, kv_begin, kv_end, q_begin, q_end, b, e, plan.scratch_floats});
+          plan.scratch_floats += stride;
+        }
+      }
+    }
+  }
+  return plan;
+}
+
+// -------------------------------------------------------------------------------- the kernel
+
+inline float bf16_round(float x) {
+  // Round to nearest even on the upper 16 bits; NaN stays NaN (quiet).
+  const uint32_t bits = float_as_bits(x);
+  if (is_nan(x)) return bits_as_float((bits | 0x00400000u) & 0xFFFF0000u);
+  return bits_as_float((bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u);
+}
+
+inline void store_output(void* out, int64_t index, SourceType type, float x) {
+  switch (type) {
+    case SourceType::kFloat32:
+      static_cast<float*>(out)[index] = x;
+      return;
+    case SourceType::kBFloat16: {
+      const uint16_t bits = uint16_t(float_as_bits(bf16_round(x)) >> 16);
+      std::memcpy(static_cast<uint16_t*>(out) + index, &bits, 2);
+      return;
+    }
+    case SourceType::kFloat16: {
+      const _Float16 h = static_cast<_Float16>(x);
+      std::memcpy(static_cast<uint16_t*>(out) + index, &h, 2);
+      return;
+    }
+  }
+}
+
+inline float load_query(const void* query, int64_t index, SourceType type) {
+  switch (type) {
+    case SourceType::kFloat32:
+      return static_cast<const float*>(query)[index];
+    case SourceType::kBFloat16:
+    case SourceType::kFloat16: {
+      uint16_t bits;
+      std::memcpy(&bits, static_cast<const uint16_t*>(query) + index, 2);
+      return type == SourceType::kBFloat16 ? bf16_bits_to_float(bits) : fp16_bits_to_float(bits);
+    }
+  }
+  return 0.0f;
+}
+
+inline float side_scale(const CacheSide& side, int head, CacheKind kind) {
+  if (kind == CacheKind::kUnquantized) return 1.0f;
+  return side.scale[side.scale_per_head ? head : 0];
+}
+
+// Writes the finished rows of one item: out = acc / l (softmax with the sink logit of each query
+// head in the denominator) times the V scale.
+inline void finish_rows(const PagedAttentionParams& p, const AttentionGeometry& geo, int seq,
+                        int kv_begin, int kv_end, int q_begin, int q_end, const float* m,
+                        const float* l, const float* acc, int64_t acc_stride) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  int r = 0;
+  for (int kv_head = kv_begin; kv_head < kv_end; ++kv_head) {
+    const float v_scale = side_scale(p.value_cache, kv_head, p.cache_kind);
+    for (int j = q_begin; j < q_end; ++j) {
+      for (int g = 0; g < geo.group; ++g, ++r) {
+        const int head = kv_head * geo.group + g;
+        float sum = l[r];
+        float factor = 1.0f;  // weight of the accumulator
+        if (p.sinks != nullptr) {
+          const float sink = p.sinks[head];
+          const float top = std::max(m[r], sink);
+          factor = m[r] == neg_inf ? 0.0f : std::exp(m[r] - top);
+          sum = sum * factor + std::exp(sink - top);
+        }
+        const float weight = sum > 0.0f ? factor / sum * v_scale : 0.0f;
+        const int64_t out_base = int64_t(p.query_start_loc[seq] + j) * p.out_token_stride +
+                                 int64_t(head) * p.out_head_stride;
+        const float* a = acc + r * acc_stride;
+        for (int d = 0; d < geo.head_size_v; ++d) {
+          store_output(p.out, out_base + d, p.io_type, a[d] * weight);
+        }
+      }
+    }
+  }
+}
+
+// Merges the partials of split items (log-sum-exp weights) and writes the rows.
+inline void merge_partials(const PagedAttentionParams& p, const MergeItem& item,
+                           const float* scratch) {
+  const AttentionGeometry geo(p);
+  const int rows = (item.kv_end - item.kv_begin) * (item.q_end - item.q_begin) * geo.group;
+  const int row_floats = geo.partial_row_floats();
+  const int64_t split_stride = int64_t(rows) * row_floats;
+  std::vector<float> m(rows), l(rows), acc(int64_t(rows) * geo.head_size_v);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int r = 0; r < rows; ++r) {
+    float top = neg_inf;
+    for (int s = 0; s < item.num_splits; ++s) {
+      top = std::max(top, scratch[item.partial + s * split_stride + r * row_floats]);
+    }
+    float sum = 0.0f;
+    float* a = acc.data() + int64_t(r) * geo.head_size_v;
+    std::fill(a, a + geo.head_size_v, 0.0f);
+    for (int s = 0; s < item.num_splits; ++s) {
+      const float* part = scratch + item.partial + s * split_stride + r * row_floats;
+      if (part[0] == neg_inf) continue;
+      const float w = std::exp(part[0] - top);
+      sum += part[1] * w;
+      for (int d = 0; d < geo.head_size_v; ++d) a[d] += part[2 + d] * w;
+    }
+    m[r] = top;
+    l[r] = sum;
+  }
+  finish_rows(p, geo, item.seq, item.kv_begin, item.kv_end, item.q_begin, item.q_end, m.data(),
+              l.data(), acc.data(), geo.head_size_v);
+}
+
+template <CacheKind K, SourceType C, SimdLevel L>
+class PagedAttention {
+ public:
+  static constexpr int kLanes = attention::kLanes<L>;
+  using V = VecF<L>;
+  using Decoder = EntryDecoder<K, C, L>;
+
+  explicit PagedAttention(const PagedAttentionParams& p)
+      : p_(p),
+        geo_(p),
+        dim_k_(round_up(geo_.head_size)),
+        dim_v_(round_up(geo_.head_size_v)),
+        tokens_(round_up(p.block_size)),
+        fused_(L != SimdLevel::kGeneric && geo_.head_size % kLanes == 0 &&
+               geo_.head_size_v % kLanes == 0),
+        k_page_bytes_(page_bytes(geo_.head_size)),
+        v_page_bytes_(page_bytes(geo_.head_size_v)) {
+    if constexpr (K == CacheKind::kNvfp4) {
+      k_layout_ = Nvfp4SideLayout(p.key_cache, p.block_size, p.num_kv_heads);
+      v_layout_ = Nvfp4SideLayout(p.value_cache, p.block_size, p.num_kv_heads);
+      for (int g = 0; g < k_layout_.num_groups; ++g) {
+        k_groups_.push_back(k_layout_.scale_group_offset(g, p.key_cache.scale_layout));
+      }
+      for (int g = 0; g < v_layout_.num_groups; ++g) {
+        v_groups_.push_back(v_layout_.scale_group_offset(g, p.value_cache.scale_layout));
+      }
+    }
+  }
+
+  void run(const WorkItem& item, float* scratch) const {
+    const int q_len = query_len(p_, item.seq);
+    const int seq_len = p_.seq_lens[item.seq];
+    const int tokens = item.q_end - item.q_begin;
+    const int heads = item.kv_end - item.kv_begin;
+    const int head_rows = tokens * geo_.group;  // rows per KV head
+    const int rows = heads * head_rows;
+    // Decode in registers when each K / V vector serves one pass over few rows (decode); with
+    // many query rows (prefill) a page decoded once into the tiles serves them all.
+    const bool fused = fused_ && head_rows <= kMaxFusedRows;
+    // Per-thread buffers, reused across items.
+    thread_local std::vector<float> buffer;
+    const int64_t need = int64_t(rows) * (dim_k_ + dim_v_ + tokens_ + 2) +
+                         int64_t(p_.block_size) * (dim_k_ + dim_v_);
+    if (int64_t(buffer.size()) < need) buffer.assign(need, 0.0f);
+    float* q = buffer.data();
+    float* acc = q + int64_t(rows) * dim_k_;
+    float* scores = acc + int64_t(rows) * dim_v_;
+    float* m = scores + int64_t(rows) * tokens_;
+    float* l = m + rows;
+    float* k_tile = l + rows;
+    float* v_tile = k_tile + int64_t(p_.block_size) * dim_k_;
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+
+    // Key range of each query token, within the item's.
+    std::vector<std::pair<int, int>> ranges(tokens);
+    for (int jt = 0; jt < tokens; ++jt) {
+      const auto [begin, end] = key_range(p_, seq_len, q_len, item.q_begin + jt);
+      ranges[jt] = {std::max(begin, item.key_begin), std::min(end, item.key_end)};
+    }
+    // Query rows, pre-multiplied by the softmax scale and the K dequantization scale.
+    for (int hh = 0; hh < heads; ++hh) {
+      const int kv_head = item.kv_begin + hh;
+      const float q_scale = p_.scale * side_scale(p_.key_cache, kv_head, K);
+      for (int jt = 0; jt < tokens; ++jt) {
+        const int64_t token = p_.query_start_loc[item.seq] + item.q_begin + jt;
+        for (int g = 0; g < geo_.group; ++g) {
+          const int r = hh * head_rows + jt * geo_.group + g;
+          const int64_t base = token * p_.query_token_stride +
+                               int64_t(kv_head * geo_.group + g) * p_.query_head_stride;
+          float* row = q + int64_t(r) * dim_k_;
+          for (int d = 0; d < geo_.head_size; ++d) {
+            row[d] = load_query(p_.query, base + d, p_.io_type) * q_scale;
+          }
+          std::fill(row + geo_.head_size, row + dim_k_, 0.0f);
+          std::fill(acc + int64_t(r) * dim_v_, acc + int64_t(r + 1) * dim_v_, 0.0f);
+          m[r] = neg_inf;
+          l[r] = 0.0f;
+        }
+      }
+    }
+    // Zero tile padding so that padded lanes contribute nothing.
+    for (int t = 0; t < p_.block_size; ++t) {
+      std::fill(k_tile + int64_t(t) * dim_k_ + geo_.head_size, k_tile + int64_t(t + 1) * dim_k_,
+                0.0f);
+      std::fill(v_tile + int64_t(t) * dim_v_ + geo_.head_size_v, v_tile + int64_t(t + 1) * dim_v_,
+                0.0f);
+    }
+
+    // Fused path: addresses of the page's rows (data, NVFP4 scales) of the current head.
+    thread_local std::vector<const uint8_t*> row_refs;
+    if (int64_t(row_refs.size()) < 4 * int64_t(p_.block_size)) row_refs.resize(4 * p_.block_size);
+    const uint8_t** k_rows = row_refs.data();
+    const uint8_t** k_scales = k_rows + p_.block_size;
+    const uint8_t** v_rows = k_scales + p_.block_size;
+    const uint8_t** v_scales = v_rows + p_.block_size;
+
+    const int32_t* pages = p_.block_table + int64_t(item.seq) * p_.block_table_stride;
+    for (int page_start = item.key_begin - item.key_begin % p_.block_size;
+         page_start < item.key_end; page_start += p_.block_size) {
+      const int lo = std::max(page_start, item.key_begin);
+      const int hi = std::min(page_start + p_.block_size, item.key_end);
+      const int64_t block = pages[page_start / p_.block_size];
+      // Pages come in block-table order, not address order: request the next page's rows now
+      // so that their misses overlap this page's work.
+      const int ahead = page_start + kPrefetchPages * p_.block_size;
+      if (ahead < item.key_end) {
+        const int64_t next = pages[ahead / p_.block_size];
+        if (heads == p_.num_kv_heads) {
+          // Whole pages: their K and V regions are dense, one request per line.
+          prefetch_region(p_.key_cache, next, k_page_bytes_);
+          prefetch_region(p_.value_cache, next, v_page_bytes_);
+        } else {
+          for (int h = item.kv_begin; h < item.kv_end; ++h) {
+            prefetch_page(p_.key_cache, k_layout_, next, h, geo_.head_size);
+            prefetch_page(p_.value_cache, v_layout_, next, h, geo_.head_size_v);
+          }
+        }
+      }
+      // Whether any query token sees a key of this page (causal prefill skips the future).
+      bool any = false;
+      for (const auto& [b, e] : ranges) any |= std::max(b, lo) < std::min(e, hi);
+      if (!any) continue;
+      for (int hh = 0; hh < heads; ++hh) {
+        const int kv_head = item.kv_begin + hh;
+        const int h0 = hh * head_rows;
+        if (fused) {
+          locate_page(p_.key_cache, k_layout_, block, lo - page_start, hi - page_start, kv_head,
+                      k_rows, k_scales);
+        } else {
+          decode_page(p_.key_cache, k_layout_, k_groups_, block, lo - page_start,
+                      hi - page_start, kv_head, geo_.head_size, dim_k_, k_tile);
+        }
+        for (int jt = 0; jt < tokens; ++jt) {
+          const int b = std::max(ranges[jt].first, lo) - page_start;
+          const int e = std::min(ranges[jt].second, hi) - page_start;
+          const int r0 = h0 + jt * geo_.group;
+          for (int g = 0; g < geo_.group; ++g) {
+            float* s = scores + int64_t(r0 + g) * tokens_;
+            std::fill(s, s + tokens_, neg_inf);
+          }
+          if (b >= e) continue;
+          score_rows(q + int64_t(r0) * dim_k_, fused ? nullptr : k_tile, k_rows, k_scales, b, e,
+                     scores + int64_t(r0) * tokens_);
+          for (int g = 0; g < geo_.group; ++g) {
+            softmax_step(scores + int64_t(r0 + g) * tokens_, m[r0 + g], l[r0 + g],
+                         acc + int64_t(r0 + g) * dim_v_);
+          }
+        }
+        if (fused) {
+          locate_page(p_.value_cache, v_layout_, block, lo - page_start, hi - page_start,
+                      kv_head, v_rows, v_scales);
+        } else {
+          decode_page(p_.value_cache, v_layout_, v_groups_, block, lo - page_start,
+                      hi - page_start, kv_head, geo_.head_size_v, dim_v_, v_tile);
+        }
+        for (int jt = 0; jt < tokens; ++jt) {
+          const int b = std::max(ranges[jt].first, lo) - page_start;
+          const int e = std::min(ranges[jt].second, hi) - page_start;
+          if (b >= e) continue;
+          const int r0 = h0 + jt * geo_.group;
+          accumulate_rows(scores + int64_t(r0) * tokens_, fused ? nullptr : v_tile, v_rows,
+                          v_scales, b, e, acc + int64_t(r0) * dim_v_);
+        }
+      }
+    }
+
+    if (item.partial < 0) {
+      finish_rows(p_, geo_, item.seq, item.kv_begin, item.kv_end, item.q_begin, item.q_end, m, l,
+                  acc, dim_v_);
+      return;
+    }
+    float* out = scratch + item.partial;
+    const int row_floats = geo_.partial_row_floats();
+    for (int r = 0; r < rows; ++r) {
+      out[int64_t(r) * row_floats] = m[r];
+      out[int64_t(r) * row_floats + 1] = l[r];
+      std::memcpy(out + int64_t(r) * row_floats + 2, acc + int64_t(r) * dim_v_,
+                  sizeof(float) * geo_.head_size_v);
+    }
+  }
+
+ private:
+  static int round_up(int n) { return (n + kLanes - 1) / kLanes * kLanes; }
+
+  static constexpr int64_t kElementBytes =
+      K == CacheKind::kUnquantized ? (C == SourceType::kFloat32 ? 4 : 2) : 1;
+
+  // Rows per KV head up to which an item decodes in registers (fused).
+  static constexpr int kMaxFusedRows = 8;
+
+  // Pages prefetched ahead of the one being attended.
+  static constexpr int kPrefetchPages = 2;
+
+  // Bytes of one page of a side (all heads; pages are dense in NHD and HND alike).
+  int64_t page_bytes(int head_size) const {
+    const int64_t last_dim = K == CacheKind::kNvfp4 ? head_size / 2 + head_size / kNvfp4GroupSize
+                                                    : int64_t(head_size);
+    return int64_t(p_.block_size) * p_.num_kv_heads * last_dim * kElementBytes;
+  }
+
+  void prefetch_region(const CacheSide& side, int64_t block, int64_t bytes) const {
+    const char* begin =
+        static_cast<const char*>(side.data) + block * side.block_stride * kElementBytes;
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(begin + b);
+  }
+
+  // Start loading the rows of head `head` of page `block` (and NVFP4 scales) into the cache.
+  void prefetch_page(const CacheSide& side, const Nvfp4SideLayout& layout, int64_t block,
+                     int head, int dim) const {
+    const auto* base = static_cast<const char*>(side.data);
+    for (int t = 0; t < p_.block_size; ++t) {
+      const char* row;
+      int64_t bytes;
+      if constexpr (K == CacheKind::kNvfp4) {
+        row = base + layout.data_offset(block, t, head);
+        bytes = dim / 2;
+        __builtin_prefetch(base + layout.scale_base(block, t, head, side.scale_layout));
+      } else {
+        row = base + entry_offset(side, block, t, head) * kElementBytes;
+        bytes = dim * kElementBytes;
+      }
+      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b);
+    }
+  }
+
+  // Decodes tokens [t0, t1) of page `block`, head `head` into tile rows t0..t1-1.
+  void decode_page(const CacheSide& side, const Nvfp4SideLayout& layout,
+                   const std::vector<int64_t>& groups, int64_t block, int t0, int t1, int head,
+                   int dim, int row_stride, float* tile) const {
+    const auto* base = static_cast<const uint8_t*>(side.data);
+    for (int t = t0; t < t1; ++t) {
+      float* dst = tile + int64_t(t) * row_stride;
+      if constexpr (K == CacheKind::kNvfp4) {
+        Decoder::decode(base + layout.data_offset(block, t, head),
+                        base + layout.scale_base(block, t, head, side.scale_layout),
+                        groups.data(), dim, dst);
+      } else {
+        Decoder::decode(base + entry_offset(side, block, t, head) * kElementBytes, nullptr,
+                        nullptr, dim, dst);
+      }
+    }
+  }
+
+  // Addresses of rows [t0, t1) of head `head` of page `block` (data; NVFP4 scale base).
+  void locate_page(const CacheSide& side, const Nvfp4SideLayout& layout, int64_t block, int t0,
+                   int t1, int head, const uint8_t** rows, const uint8_t** scales) const {
+    const auto* base = static_cast<const uint8_t*>(side.data);
+    for (int t = t0; t < t1; ++t) {
+      if constexpr (K == CacheKind::kNvfp4) {
+        rows[t] = base + layout.data_offset(block, t, head);
+        scales[t] = base + layout.scale_base(block, t, head, side.scale_layout);
+      } else {
+        rows[t] = base + entry_offset(side, block, t, head) * kElementBytes;
+      }
+    }
+  }
+
+  // scores[g][t] = q_g . k_t for the group's rows g and tokens [b, e), then the soft cap. K rows
+  // come from the decoded tile, or (fused_) are decoded in registers from the cache.
+  void score_rows(const float* q, const float* k_tile, const uint8_t* const* k_rows,
+                  const uint8_t* const* k_scales, int b, int e, float* scores) const {
+    int g = 0;
+    for (; g + 8 <= geo_.group; g += 8) score_chunk<8>(q, k_tile, k_rows, k_scales, b, e, scores, g);
+    for (; g + 4 <= geo_.group; g += 4) score_chunk<4>(q, k_tile, k_rows, k_scales, b, e, scores, g);
+    for (; g < geo_.group; ++g) score_chunk<1>(q, k_tile, k_rows, k_scales, b, e, scores, g);
+    if (p_.logits_soft_cap > 0.0f) {
+      const float cap = p_.logits_soft_cap;
+      for (int gg = 0; gg < geo_.group; ++gg) {
+        float* s = scores + int64_t(gg) * tokens_;
+        for (int t = b; t < e; ++t) s[t] = cap * std::tanh(s[t] / cap);
+      }
+    }
+  }
+
+  // Vector d of key t: from the tile, or decoded from the cache when there is no tile (fused).
+  V key_vector(const float* k_tile, const uint8_t* const* k_rows, const uint8_t* const* k_scales,
+               int t, int d) const {
+    if constexpr (L != SimdLevel::kGeneric) {
+      if (k_tile == nullptr) return Decoder::vector(k_rows[t], k_scales[t], k_groups_.data(), d);
+    }
+    return load<L>(k_tile + int64_t(t) * dim_k_ + d);
+  }
+
+  V value_vector(const float* v_tile, const uint8_t* const* v_rows,
+                 const uint8_t* const* v_scales, int t, int d) const {
+    if constexpr (L != SimdLevel::kGeneric) {
+      if (v_tile == nullptr) return Decoder::vector(v_rows[t], v_scales[t], v_groups_.data(), d);
+    }
+    return load<L>(v_tile + int64_t(t) * dim_v_ + d);
+  }
+
+  template <int kRows>
+  void score_chunk(const float* q, const float* k_tile, const uint8_t* const* k_rows,
+                   const uint8_t* const* k_scales, int b, int e, float* scores, int g0) const {
+    for (int t = b; t < e; ++t) {
+      V sum[kRows] = {};
+      for (int d = 0; d < dim_k_; d += kLanes) {
+        const V kv = key_vector(k_tile, k_rows, k_scales, t, d);
+        for (int i = 0; i < kRows; ++i) {
+          sum[i] = fmadd<L>(load<L>(q + int64_t(g0 + i) * dim_k_ + d), kv, sum[i]);
+        }
+      }
+      for (int i = 0; i < kRows; ++i) {
+        scores[int64_t(g0 + i) * tokens_ + t] = reduce_add<kLanes>(sum[i]);
+      }
+    }
+  }
+
+  // Online-softmax update of one row with a page of scores (-inf where masked): new max, rescale
+  // of the running sum and accumulator, scores replaced by their weights exp(s - max).
+  void softmax_step(float* s, float& m, float& l, float* acc) const {
+    V top = splat<L>(-std::numeric_limits<float>::infinity());
+    for (int t = 0; t < tokens_; t += kLanes) top = vmax<L>(top, load<L>(s + t));
+    const float page_max = reduce_max<kLanes>(top);
+    if (page_max == -std::numeric_limits<float>::infinity()) return;
+    const float new_max = std::max(m, page_max);
+    V sum = V{};
+    for (int t = 0; t < tokens_; t += kLanes) {
+      const V w = vexp<L>(load<L>(s + t) - new_max);
+      store<L>(s + t, w);
+      sum += w;
+    }
+    if (new_max != m) {
+      const float correction = std::exp(m - new_max);  // 0 for the first keys
+      l *= correction;
+      const V c = splat<L>(correction);
+      for (int d = 0; d < dim_v_; d += kLanes) store<L>(acc + d, load<L>(acc + d) * c);
+      m = new_max;
+    }
+    l += reduce_add<kLanes>(sum);
+  }
+
+  // acc_g += sum_t w[g][t] * v_t for the group's rows.
+  void accumulate_rows(const float* weights, const float* v_tile, const uint8_t* const* v_rows,
+                       const uint8_t* const* v_scales, int b, int e, float* acc) const {
+    int g = 0;
+    for (; g + 8 <= geo_.group; g += 8) {
+      accumulate_chunk<8>(weights, v_tile, v_rows, v_scales, b, e, acc, g);
+    }
+    for (; g + 4 <= geo_.group; g += 4) {
+      accumulate_chunk<4>(weights, v_tile, v_rows, v_scales, b, e, acc, g);
+    }
+    for (; g < geo_.group; ++g) accumulate_chunk<1>(weights, v_tile, v_rows, v_scales, b, e, acc, g);
+  }
+
+  template <int kRows>
+  void accumulate_chunk(const float* weights, const float* v_tile, const uint8_t* const* v_rows,
+                        const uint8_t* const* v_scales, int b, int e, float* acc, int g0) const {
+    for (int d = 0; d < dim_v_; d += kLanes) {
+      V a[kRows];
+      for (int i = 0; i < kRows; ++i) a[i] = load<L>(acc + int64_t(g0 + i) * dim_v_ + d);
+      for (int t = b; t < e; ++t) {
+        const V v = value_vector(v_tile, v_rows, v_scales, t, d);
+        for (int i = 0; i < kRows; ++i) {
+          a[i] = fmadd<L>(splat<L>(weights[int64_t(g0 + i) * tokens_ + t]), v, a[i]);
+        }
+      }
+      for (int i = 0; i < kRows; ++i) store<L>(acc + int64_t(g0 + i) * dim_v_ + d, a[i]);
+    }
+  }
+
+  const PagedAttentionParams& p_;
+  AttentionGeometry geo_;
+  int dim_k_;   // head_size rounded up to whole vectors (tile and query row stride)
+  int dim_v_;   // head_size_v rounded up (tile and accumulator row stride)
+  int tokens_;  // block_size rounded up (score row stride)
+  // Decode in registers inside the dot products is possible (vector levels, head sizes of whole
+  // vectors); otherwise pages are always decoded into the fp32 tiles first.
+  bool fused_;
+  int64_t k_page_bytes_;
+  int64_t v_page_bytes_;
+  Nvfp4SideLayout k_layout_{};
+  Nvfp4SideLayout v_layout_{};
+  std::vector<int64_t> k_groups_;
+  std::vector<int64_t> v_groups_;
+};
+
+// Runs the attention of `p` with instruction set `level` (kAuto: the widest compiled) over the
+// items of `plan`. parallel_for(begin, end, grain, fn) runs fn on sub-ranges of [begin, end) in
+// parallel. scratch holds plan.scratch_floats floats.
+template <typename ParallelFor>
+void paged_attention(const PagedAttentionParams& p, const AttentionPlan& plan, float* scratch,
+                     SimdLevel level, const ParallelFor& parallel_for) {
+  if (level == SimdLevel::kAuto) level = widest_simd_level();
+  const auto run = [&](auto kind_tag, auto type_tag, auto level_tag) {
+    const PagedAttention<decltype(kind_tag)::value, decltype(type_tag)::value,
+                         decltype(level_tag)::value>
+        kernel(p);
+    parallel_for(0, int64_t(plan.items.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) kernel.run(plan.items[i], scratch);
+    });
+  };
+  const auto with_level = [&](auto kind_tag, auto type_tag) {
+    switch (level) {
+#if defined(VLLM_KV_HAVE_AVX512)
+      case SimdLevel::kAvx512:
+        return run(kind_tag, type_tag, std::integral_constant<SimdLevel, SimdLevel::kAvx512>{});
+#endif
+#if defined(VLLM_KV_HAVE_AVX2)
+      case SimdLevel::kAvx2:
+        return run(kind_tag, type_tag, std::integral_constant<SimdLevel, SimdLevel::kAvx2>{});
+#endif
+      default:
+        return run(kind_tag, type_tag, std::integral_constant<SimdLevel, SimdLevel::kGeneric>{});
+    }
+  };
+  using F32 = std::integral_constant<SourceType, SourceType::kFloat32>;
+  switch (p.cache_kind) {
+    case CacheKind::kFp8E4M3:
+      with_level(std::integral_constant<CacheKind, CacheKind::kFp8E4M3>{}, F32{});
+      break;
+    case CacheKind::kFp8E5M2:
+      with_level(std::integral_constant<CacheKind, CacheKind::kFp8E5M2>{}, F32{});
+      break;
+    case CacheKind::kNvfp4:
+      with_level(std::integral_constant<CacheKind, CacheKind::kNvfp4>{}, F32{});
+      break;
+    case CacheKind::kUnquantized: {
+      using U = std::integral_constant<CacheKind, CacheKind::kUnquantized>;
+      switch (p.cache_type) {
+        case SourceType::kFloat32:
+          with_level(U{}, F32{});
+          break;
+        case SourceType::kFloat16:
+          with_level(U{}, std::integral_constant<SourceType, SourceType::kFloat16>{});
+          break;
+        case SourceType::kBFloat16:
+          with_level(U{}, std::integral_constant<SourceType, SourceType::kBFloat16>{});
+          break;
+      }
+      break;
+    }
+  }
+  parallel_for(0, int64_t(plan.merges.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) merge_partials(p, plan.merges[i], scratch);
+  });
+}
+
+}  // namespace vllm_kv::cpu::attention

@@ -1,0 +1,367 @@
+"""Benchmark of the CPU attention backend (``CPU_ATTN``) reading each cache format: decode
+(batch x context) and prefill, per format; time, GB/s of cache read, % of a copy roofline
+measured in the same run, the speed-up over the reference backend measured in the same run,
+and each quantized format's time relative to bf16 at equal shape.
+
+Model shape: 32 query heads, 8 KV heads of 128 (GQA 4), pages of 16 tokens, bf16 queries.
+Formats: ``auto`` (bf16 cache), ``fp8`` (e4m3, per-tensor scale), ``nvfp4`` (linear scales).
+Bytes counted per call: the cache bytes of every key position read (K and V, NVFP4 block
+scales included) plus the query read and the output written; the roofline copy counts read +
+written bytes the same way. Cold cache by default (the last-level cache is flushed before every
+timed call, see :mod:`vllm.benchmarks.reshape_and_cache_flash`); ``warm=True`` repeats calls on
+cache-resident buffers. The reference backend is slow (pure torch): it is timed only on the
+shapes whose batch x context is at most :data:`REFERENCE_MAX_TOKENS` (fewer runs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vllm.benchmarks.reshape_and_cache_flash import (
+    CacheFlusher,
+    Progress,
+    flush_bytes,
+    measure_roofline_gbps,
+    mode_caption,
+    roofline_bytes,
+    time_call,
+)
+from vllm.utils.torch_utils import nvfp4_kv_cache_full_dim
+
+FORMATS = ("auto", "fp8", "nvfp4")
+CACHE_DTYPES = {"auto": "auto", "fp8": "fp8_e4m3", "nvfp4": "nvfp4"}
+NUM_HEADS = 32
+NUM_KV_HEADS = 8
+HEAD_SIZE = 128
+BLOCK_SIZE = 16
+QUERY_DTYPE = torch.bfloat16
+
+DECODE_SHAPES = ((1, 1024), (1, 8192), (1, 32768), (8, 8192), (8, 32768), (64, 1024), (64, 4096))
+"""(batch, context) of the decode rows: batch 1..64, context 1k..32k, at most 256k tokens."""
+PREFILL_SHAPES = ((512, 2048), (2048, 2048))
+"""(query tokens, context) of the one-sequence prefill rows (chunked: query < context)."""
+QUICK_DECODE_SHAPES = ((1, 1024), (1, 8192), (8, 1024))
+QUICK_PREFILL_SHAPES = ((128, 512),)
+REFERENCE_MAX_TOKENS = 8192
+"""The reference backend is timed on shapes of at most this many cached tokens in all."""
+
+
+@dataclasses.dataclass
+class AttentionRow:
+    """One measurement of CPU_ATTN on one (phase, format, batch, context) shape."""
+
+    phase: str  # "decode" or "prefill"
+    format: str
+    batch: int
+    query_tokens: int  # per sequence
+    context: int  # tokens per sequence in the cache
+    device: str
+    op_us: float
+    bytes_moved: int
+    op_gbps: float
+    roofline_gbps: float
+    pct_roofline: float
+    reference_us: float | None
+    speedup_vs_reference: float | None
+    time_vs_bf16: float | None  # op time / the bf16 (auto) op time of the same shape
+    threads: int
+    mode: str = "cold"
+
+
+def cache_bytes_per_token(fmt: str) -> int:
+    """Bytes of K plus V per cached token (all KV heads)."""
+    per_head = {
+        "auto": 2 * HEAD_SIZE,
+        "fp8": HEAD_SIZE,
+        "nvfp4": nvfp4_kv_cache_full_dim(HEAD_SIZE),
+    }
+    return 2 * NUM_KV_HEADS * per_head[fmt]
+
+
+def bytes_moved(fmt: str, batch: int, query_tokens: int, context: int) -> int:
+    """Cache bytes read plus query read plus output written by one call."""
+    io = 2 * batch * query_tokens * NUM_HEADS * HEAD_SIZE * QUERY_DTYPE.itemsize
+    return batch * context * cache_bytes_per_token(fmt) + io
+
+
+@dataclasses.dataclass
+class _Problem:
+    impl: Any
+    reference: Any
+    layer: Any
+    kv_cache: torch.Tensor
+    metadata: Any
+    query: torch.Tensor
+
+    def op(self) -> None:
+        self.impl.forward(self.layer, self.query, None, None, self.kv_cache, self.metadata)
+
+    def reference_op(self) -> None:
+        self.reference.forward(self.layer, self.query, None, None, self.kv_cache, self.metadata)
+
+
+def _problem(fmt: str, batch: int, query_tokens: int, context: int) -> _Problem:
+    """Random cache contents (valid codes: no NaN bytes) for ``batch`` sequences of ``context``
+    tokens on shuffled pages, and their last ``query_tokens`` queries."""
+    from vllm.v1.attention.backends import AttentionLayerScales, ReferenceAttentionImpl
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionImpl
+
+    cache_dtype = CACHE_DTYPES[fmt]
+    pages = (context + BLOCK_SIZE - 1) // BLOCK_SIZE
+    num_blocks = batch * pages
+    shape = CPUAttentionBackend.get_kv_cache_shape(
+        num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, cache_dtype
+    )
+    if fmt == "auto":
+        kv_cache = torch.randn(shape, dtype=QUERY_DTYPE)
+    else:
+        kv_cache = torch.randint(0, 256, shape, dtype=torch.uint8)
+        if fmt == "nvfp4":
+            data = NUM_KV_HEADS * BLOCK_SIZE * HEAD_SIZE // 2
+            pages_view = kv_cache.view(num_blocks, 2, -1)
+            pages_view[:, :, data:] = torch.randint(0x30, 0x40, pages_view[:, :, data:].shape)
+        else:
+            kv_cache[(kv_cache & 0x7F) == 0x7F] = 0x38
+    table = torch.randperm(num_blocks).reshape(batch, pages).to(torch.int32)
+    kwargs = dict(num_kv_heads=NUM_KV_HEADS, kv_cache_dtype=cache_dtype)
+    impl = CPUAttentionImpl(NUM_HEADS, HEAD_SIZE, **kwargs)
+    reference = ReferenceAttentionImpl(NUM_HEADS, HEAD_SIZE, **kwargs)
+    metadata = CPUAttentionBackend.get_metadata_cls().build(
+        [context] * batch, [query_tokens] * batch, table, BLOCK_SIZE
+    )
+    query = torch.randn(batch * query_tokens, NUM_HEADS, HEAD_SIZE, dtype=QUERY_DTYPE)
+    scale = torch.tensor([0.05])
+    return _Problem(impl, reference, AttentionLayerScales(scale, scale), kv_cache, metadata, query)
+
+
+def shapes(quick: bool = False) -> list[tuple[str, int, int, int]]:
+    """(phase, batch, query tokens, context) of every row, each run for every format."""
+    decode = QUICK_DECODE_SHAPES if quick else DECODE_SHAPES
+    prefill = QUICK_PREFILL_SHAPES if quick else PREFILL_SHAPES
+    return [("decode", b, 1, c) for b, c in decode] + [("prefill", 1, q, c) for q, c in prefill]
+
+
+def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
+    def both() -> None:
+        first()
+        second()
+
+    return both
+
+
+def run(
+    formats: Sequence[str] = FORMATS,
+    quick: bool = False,
+    progress: Progress | None = None,
+    warm: bool = False,
+    with_reference: bool = True,
+) -> list[AttentionRow]:
+    """Measure every shape of :func:`shapes` for every format on the CPU; one row each.
+
+    Raises ``ValueError`` for an unknown format, ``ImportError`` when the extension is not
+    built."""
+    if unknown := sorted(set(formats) - set(FORMATS)):
+        raise ValueError(f"formats: unknown {unknown}, expected some of {', '.join(FORMATS)}")
+    from vllm import _custom_ops  # noqa: F401  (ImportError when the extension is not built)
+
+    device = torch.device("cpu")
+    ordered = [f for f in FORMATS if f in formats]
+    todo = [(shape, fmt) for shape in shapes(quick) for fmt in ordered]
+    total = 1 + len(todo)
+    report = progress or (lambda _done, _total, _msg: None)
+    min_time_s = 0.05 if quick else 0.2
+    mode = "warm" if warm else "cold"
+    flush = None if warm else CacheFlusher(device)
+    report(0, total, f"measuring the copy roofline ({mode} cache) ...")
+    roofline = measure_roofline_gbps(device, roofline_bytes(device, quick), min_time_s, flush)
+    report(1, total, f"copy roofline: {roofline:.1f} GB/s")
+    rows: list[AttentionRow] = []
+    bf16_us: dict[tuple[str, int, int, int], float] = {}
+    for (phase, batch, q_tokens, context), fmt in todo:
+        problem = _problem(fmt, batch, q_tokens, context)
+        before = before_ref = None
+        if flush is not None:
+            # Re-warm the code path on a small independent problem, not the timed buffers.
+            other = _problem(fmt, 1, 1, BLOCK_SIZE)
+            before = _then(flush, other.op)
+            before_ref = _then(flush, other.reference_op)
+        op_s = time_call(problem.op, device, min_time_s, max_runs=500, before=before)
+        ref_us = None
+        if with_reference and batch * context <= REFERENCE_MAX_TOKENS:
+            ref_s = time_call(
+                problem.reference_op, device, min_time_s, max_runs=3, before=before_ref
+            )
+            ref_us = ref_s * 1e6
+        nbytes = bytes_moved(fmt, batch, q_tokens, context)
+        gbps = nbytes / op_s / 1e9
+        key = (phase, batch, q_tokens, context)
+        if fmt == "auto":
+            bf16_us[key] = op_s * 1e6
+        row = AttentionRow(
+            phase=phase,
+            format=fmt,
+            batch=batch,
+            query_tokens=q_tokens,
+            context=context,
+            device=str(device),
+            op_us=op_s * 1e6,
+            bytes_moved=nbytes,
+            op_gbps=gbps,
+            roofline_gbps=roofline,
+            pct_roofline=100 * gbps / roofline,
+            reference_us=ref_us,
+            speedup_vs_reference=None if ref_us is None else ref_us / (op_s * 1e6),
+            time_vs_bf16=op_s * 1e6 / bf16_us[key] if key in bf16_us else None,
+            threads=torch.get_num_threads(),
+            mode=mode,
+        )
+        rows.append(row)
+        ref = "" if row.speedup_vs_reference is None else f" {row.speedup_vs_reference:.0f}x ref"
+        report(
+            1 + len(rows),
+            total,
+            f"{phase} {fmt:5s} b={batch} q={q_tokens} ctx={context}: {row.op_us:.0f} us "
+            f"{gbps:.1f} GB/s {row.pct_roofline:.0f}%{ref}",
+        )
+        del problem
+    return rows
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def to_markdown(rows: Sequence[AttentionRow]) -> str:
+    """The rows as a Markdown table; the header names the cache mode."""
+    mode = rows[0].mode if rows else "cold"
+    lines = [
+        f"| phase | format | batch | query | context | µs ({mode}) | MB read + written | GB/s "
+        "| % of copy roofline | × reference | time / bf16 |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.phase} | {r.format} | {r.batch} | {r.query_tokens} | {r.context} "
+            f"| {r.op_us:.1f} | {r.bytes_moved / 1e6:.2f} | {r.op_gbps:.2f} "
+            f"| {r.pct_roofline:.1f} | {_fmt(r.speedup_vs_reference, '.0f')} "
+            f"| {_fmt(r.time_vs_bf16, '.2f')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def format_table(rows: Sequence[AttentionRow]) -> str:
+    """Fixed-width table for the terminal, titled with the roofline and cache mode."""
+    headers = [
+        "phase",
+        "format",
+        "batch",
+        "query",
+        "context",
+        "us",
+        "GB/s",
+        "% roofline",
+        "x reference",
+        "time/bf16",
+    ]
+    body = [
+        [
+            r.phase,
+            r.format,
+            str(r.batch),
+            str(r.query_tokens),
+            str(r.context),
+            f"{r.op_us:.1f}",
+            f"{r.op_gbps:.2f}",
+            f"{r.pct_roofline:.1f}",
+            _fmt(r.speedup_vs_reference, ".0f"),
+            _fmt(r.time_vs_bf16, ".2f"),
+        ]
+        for r in rows
+    ]
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(headers)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(
+            c.ljust(w) if i < 2 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ).rstrip()
+
+    title = (
+        f"CPU_ATTN on cpu ({rows[0].threads} threads), {rows[0].mode} cache; roofline (copy, "
+        f"same run): {rows[0].roofline_gbps:.1f} GB/s"
+    )
+    return "\n".join([title, "", line(headers), line(["-" * w for w in widths]), *map(line, body)])
+
+
+def to_json(rows: Sequence[AttentionRow]) -> dict[str, Any]:
+    """The rows with the run's settings (model shape, mode, threads, roofline)."""
+    mode = rows[0].mode if rows else None
+    return {
+        "benchmark": "attention",
+        "backend": "CPU_ATTN",
+        "baseline": "REFERENCE",
+        "model": {
+            "num_heads": NUM_HEADS,
+            "num_kv_heads": NUM_KV_HEADS,
+            "head_size": HEAD_SIZE,
+            "block_size": BLOCK_SIZE,
+            "query_dtype": str(QUERY_DTYPE),
+        },
+        "mode": mode,
+        "mode_description": mode_caption(mode) if mode else None,
+        "bytes_counted": "cache read + query read + output written",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "roofline_gbps": rows[0].roofline_gbps if rows else None,
+        "flush_bytes": flush_bytes(torch.device("cpu")) if mode == "cold" else None,
+        "rows": [dataclasses.asdict(r) for r in rows],
+    }
+
+
+def write_json(rows: Sequence[AttentionRow], path: str | Path) -> None:
+    Path(path).write_text(json.dumps(to_json(rows), indent=2) + "\n")
+
+
+def write_plot(rows: Sequence[AttentionRow], path: str | Path) -> None:
+    """Decode GB/s against context (log x), one line per (format, batch), the roofline dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    groups: dict[tuple[str, int], list[AttentionRow]] = {}
+    for r in rows:
+        if r.phase == "decode":
+            groups.setdefault((r.format, r.batch), []).append(r)
+    for (fmt, batch), group in groups.items():
+        group.sort(key=lambda r: r.context)
+        style = "-o" if len(group) > 1 else "s"
+        ax.plot(
+            [r.context for r in group],
+            [r.op_gbps for r in group],
+            style,
+            label=f"{fmt} batch {batch}",
+        )
+    if rows:
+        ax.axhline(
+            rows[0].roofline_gbps,
+            color="black",
+            linestyle="--",
+            label=f"copy roofline {rows[0].roofline_gbps:.0f} GB/s",
+        )
+    ax.set_xscale("log")
+    ax.set_xlabel("context (tokens per sequence)")
+    ax.set_ylabel("GB/s (cache read)")
+    ax.set_title(f"CPU_ATTN decode ({rows[0].mode if rows else 'cold'} cache)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(str(path), format="png", dpi=110)
+    plt.close(fig)

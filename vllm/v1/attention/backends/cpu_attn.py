@@ -1,0 +1,114 @@
+"""CPU attention backend: compiled paged attention that reads every cache format in place.
+
+Same cache shape and layouts as the reference backend
+(:class:`~vllm.v1.attention.backends.reference.ReferenceAttentionBackend`:
+``(B, 2, N, H, D')``, NHD or HND, separate K / V regions when ``head_size_v != head_size``), so
+either backend reads what the other wrote; same metadata and impl constructor. The impl runs
+``torch.ops._C_cache_ops.paged_attention`` (``csrc/cpu/paged_attention.h``): per (sequence, KV
+head, query block, key split) it decodes one page at a time (unquantized, FP8 e4m3 / e5m2 with
+per-tensor or per-head scales, NVFP4 with linear or interleave4 block scales) with SIMD decoders
+and attends with an online softmax in fp32 (GQA, causal and chunked prefill, sliding window,
+sinks, logits soft cap, ``head_size_v``).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from vllm.kv_quant.kv_scale import kv_scale_as_1d
+from vllm.v1.attention.backends.abstract import AttentionLayer, DeviceCapability
+from vllm.v1.attention.backends.reference import (
+    ReferenceAttentionBackend,
+    ReferenceAttentionImpl,
+    ReferenceAttentionMetadata,
+)
+
+
+class CPUAttentionBackend(ReferenceAttentionBackend):
+    """Compiled paged attention on CPU over every cache format (needs the built extension)."""
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+
+    @staticmethod
+    def get_name() -> str:
+        return "CPU_ATTN"
+
+    @classmethod
+    def supports_compute_capability(cls, capability: DeviceCapability | None) -> bool:
+        """CPU only (``capability is None``)."""
+        return capability is None
+
+    @staticmethod
+    def get_impl_cls() -> type[CPUAttentionImpl]:
+        return CPUAttentionImpl
+
+    @staticmethod
+    def get_metadata_cls() -> type[CPUAttentionMetadata]:
+        return CPUAttentionMetadata
+
+
+class CPUAttentionMetadata(ReferenceAttentionMetadata):
+    """The reference backend's metadata (``build(seq_lens, query_lens, block_table,
+    block_size)``); the impl passes its int32 copies to the kernel."""
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int32).contiguous()
+
+
+class CPUAttentionImpl(ReferenceAttentionImpl):
+    """The reference impl's constructor, checks and cache writer; :meth:`forward` runs the
+    compiled kernel. ``simd`` (class attribute or per instance) picks the kernels' instruction
+    set: ``"auto"`` or one of :func:`vllm._custom_ops.paged_attention_simd_levels`."""
+
+    simd: str = "auto"
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: ReferenceAttentionMetadata,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of ``query [T, num_heads, D]`` (or ``[T, num_heads*D]``) over the cache,
+        as :meth:`ReferenceAttentionImpl.forward` (same arguments, result and errors)."""
+        from vllm import _custom_ops as ops
+
+        checked = self._check_forward(layer, query, key, value, kv_cache, attn_metadata, output)
+        query = checked.query if checked.query.stride(-1) == 1 else checked.query.contiguous()
+        output = checked.output
+        target = output
+        if output.stride(-1) != 1:
+            target = torch.empty(output.shape, dtype=output.dtype, device=output.device)
+        sinks = None
+        if self.sinks is not None:
+            sinks = self.sinks.to(device=query.device, dtype=torch.float32).contiguous()
+        ops.paged_attention(
+            target,
+            query,
+            checked.key_cache,
+            checked.value_cache,
+            _int32(attn_metadata.block_table),
+            _int32(attn_metadata.seq_lens),
+            _int32(attn_metadata.query_start_loc),
+            self.kv_cache_dtype,
+            kv_scale_as_1d(checked.k_scale, "k_scale", self.num_kv_heads).contiguous(),
+            kv_scale_as_1d(checked.v_scale, "v_scale", self.num_kv_heads).contiguous(),
+            self.scale,
+            self.sliding_window,
+            self.logits_soft_cap,
+            sinks,
+            attn_metadata.causal,
+            self.k_scale_layout,
+            self.v_scale_layout,
+            simd=self.simd,
+        )
+        if target is not output:
+            rows = attn_metadata.num_actual_tokens
+            output[:rows] = target[:rows]
+        return output
