@@ -209,8 +209,8 @@ def paged_attention(
     in the cache), ``query_start_loc`` int32 ``[num_seqs + 1]`` (each sequence's query tokens are
     its last ones). ``k_scale`` / ``v_scale``: fp32, one value in any shape or ``[Hkv]``.
     ``sliding_window`` in tokens, ``logits_soft_cap`` and ``sinks`` (fp32 ``[Hq]`` logits)
-    optional. ``simd`` picks the
-    CPU kernels' instruction set: ``"auto"`` or one of :func:`paged_attention_simd_levels`.
+    optional. ``simd`` picks the CPU kernels' instruction set: ``"auto"`` or one of
+    :func:`paged_attention_simd_levels`.
     """
     torch.ops._C_cache_ops.paged_attention(
         out,
