@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck disable=SC2329  # the step functions are exported and run through `bash -c`
 # One command for a lent GPU: builds the extension for this GPU, runs the kernel tests on it, the
 # rest of the test suite, the byte-exact GPU check program, the benchmarks and, when
 # compute-sanitizer is there, memcheck on the kernel tests; writes the results under $OUT.
@@ -29,7 +30,7 @@
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$ROOT"
+cd "$ROOT" || exit 2
 
 OUT_DIR="${OUT:-}"
 BUDGET=540
@@ -206,7 +207,8 @@ EOF
 {
   echo "# GPU session: $(sed -n 's/^gpu=//p' "$GPU_INFO")"
   echo
-  echo "- date: $(date -u +%Y-%m-%dT%H:%MZ); commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  echo "- date: $(date -u +%Y-%m-%dT%H:%MZ);" \
+    "commit: $(git rev-parse --short HEAD 2> /dev/null || echo unknown)"
   echo "- $(tr '\n' ' ' < "$GPU_INFO")"
   echo "- built for: $ARCH; total wall time: $((SECONDS - START)) s of a $BUDGET s budget"
   echo
