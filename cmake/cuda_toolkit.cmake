@@ -6,8 +6,9 @@
 # try-compile) and requires libnvrtc from the toolkit (pip users get it from the nvidia-* wheels
 # torch depends on instead). Here every one of those comes from us, found once:
 #
-# - nvcc: CMAKE_CUDA_COMPILER or CUDACXX if set, else $CUDA_HOME/bin, $CUDA_PATH/bin, PATH,
-#   /usr/local/cuda/bin. CMake's compiler identification resolves wrappers to the real toolkit.
+# - nvcc: CMAKE_CUDA_COMPILER or CUDACXX if set, else $CUDA_HOME/bin or $CUDA_PATH/bin (which
+#   must then hold nvcc), else PATH, else /usr/local/cuda/bin. CMake's compiler identification
+#   resolves a wrapper script to the real toolkit.
 # - the toolkit: CMake's CUDAToolkit package, from that compiler; handed to torch's FindCUDA as
 #   CUDA_TOOLKIT_ROOT_DIR and CUDA_NVCC_EXECUTABLE.
 # - architectures: CMAKE_CUDA_ARCHITECTURES (setup.py fills it from VLLM_KV_CUDA_ARCHS or
@@ -26,11 +27,32 @@ endif()
 # ours; CMakeLists.txt puts them back on the target.
 set(VLLM_KV_CUDA_ARCHITECTURES "${CMAKE_CUDA_ARCHITECTURES}")
 
+# --- architectures, in torch's spelling: 90a -> 9.0a, 120a -> 12.0a, 80-virtual -> 8.0+PTX ------
+set(TORCH_CUDA_ARCH_LIST "")
+foreach(_arch IN LISTS VLLM_KV_CUDA_ARCHITECTURES)
+  if(NOT _arch MATCHES "^([0-9]+)([0-9])([af]?)(-real|-virtual)?$")
+    message(FATAL_ERROR
+      "vllm-kvcache: CUDA architecture '${_arch}': expected entries like 80, 90a or 120a-real "
+      "(set VLLM_KV_CUDA_ARCHS or CMAKE_CUDA_ARCHITECTURES)")
+  endif()
+  set(_torch_arch "${CMAKE_MATCH_1}.${CMAKE_MATCH_2}${CMAKE_MATCH_3}")
+  if(CMAKE_MATCH_4 STREQUAL "-virtual")
+    string(APPEND _torch_arch "+PTX")
+  endif()
+  list(APPEND TORCH_CUDA_ARCH_LIST "${_torch_arch}")
+endforeach()
+
 # --- nvcc -------------------------------------------------------------------------------------
 if(NOT CMAKE_CUDA_COMPILER AND "$ENV{CUDACXX}" STREQUAL "")
   set(_vllm_kv_nvcc_hints "")
   foreach(_var CUDA_HOME CUDA_PATH)
     if(NOT "$ENV{${_var}}" STREQUAL "")
+      # A toolkit named explicitly must be used, not silently replaced by another nvcc.
+      if(NOT EXISTS "$ENV{${_var}}/bin/nvcc")
+        message(FATAL_ERROR
+          "vllm-kvcache: ${_var}=$ENV{${_var}}, but $ENV{${_var}}/bin/nvcc does not exist. Set "
+          "${_var} to the CUDA toolkit's directory (the one holding bin/nvcc), or unset it.")
+      endif()
       list(APPEND _vllm_kv_nvcc_hints "$ENV{${_var}}/bin")
     endif()
   endforeach()
@@ -70,23 +92,8 @@ if(VLLM_KV_TORCH_CUDA_VERSION)
       "${_vllm_kv_torch_cuda_major}.x toolkit (or CUDACXX to its nvcc).")
   endif()
 endif()
-set(CUDA_TOOLKIT_ROOT_DIR "${_vllm_kv_cuda_root}" CACHE PATH "CUDA toolkit (for torch's FindCUDA)" FORCE)
+set(CUDA_TOOLKIT_ROOT_DIR "${_vllm_kv_cuda_root}" CACHE PATH "toolkit for torch's FindCUDA" FORCE)
 set(CUDA_NVCC_EXECUTABLE "${CUDAToolkit_NVCC_EXECUTABLE}" CACHE FILEPATH "real nvcc" FORCE)
-
-# --- architectures, in torch's spelling: 90a -> 9.0a, 120a -> 12.0a, 80-virtual -> 8.0+PTX ------
-set(TORCH_CUDA_ARCH_LIST "")
-foreach(_arch IN LISTS VLLM_KV_CUDA_ARCHITECTURES)
-  if(NOT _arch MATCHES "^([0-9]+)([0-9])([af]?)(-real|-virtual)?$")
-    message(FATAL_ERROR
-      "vllm-kvcache: CUDA architecture '${_arch}': expected entries like 80, 90a or 120a-real "
-      "(set VLLM_KV_CUDA_ARCHS or CMAKE_CUDA_ARCHITECTURES)")
-  endif()
-  set(_torch_arch "${CMAKE_MATCH_1}.${CMAKE_MATCH_2}${CMAKE_MATCH_3}")
-  if(CMAKE_MATCH_4 STREQUAL "-virtual")
-    string(APPEND _torch_arch "+PTX")
-  endif()
-  list(APPEND TORCH_CUDA_ARCH_LIST "${_torch_arch}")
-endforeach()
 
 # --- libnvrtc -----------------------------------------------------------------------------------
 set(_vllm_kv_wheel_lib_dirs "")
