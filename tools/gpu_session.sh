@@ -2,7 +2,8 @@
 # shellcheck disable=SC2329  # the step functions are exported and run through `bash -c`
 # One command for a lent GPU: builds the extension for this GPU, runs the kernel tests on it, the
 # rest of the test suite, the byte-exact GPU check program, the benchmarks and, when
-# compute-sanitizer is there, memcheck on the kernel tests; writes the results under $OUT.
+# compute-sanitizer is there, memcheck on the check program and the kernel tests; writes the
+# results under $OUT.
 #
 #   tools/gpu_session.sh [--out DIR] [--budget SECONDS] [--dry-run]
 #
@@ -40,7 +41,7 @@ while [[ $# -gt 0 ]]; do
     --out) OUT_DIR="${2:?--out needs a directory}"; shift ;;
     --budget) BUDGET="${2:?--budget needs seconds}"; shift ;;
     --dry-run) DRY_RUN=1 ;;
-    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+    -h|--help) awk 'NR > 2 && /^#/ { sub(/^# ?/, ""); print; next } NR > 2 { exit }' "$0"; exit 0 ;;
     *) echo "gpu_session.sh: unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -78,7 +79,7 @@ step() {
   local left=$((BUDGET - (SECONDS - START) - 20))
   local limit=$((cap < left ? cap : left))
   if [[ $DRY_RUN == 1 ]]; then
-    printf '%-13s (at most %3d s):\n' "$name" "$cap"
+    printf '%-16s (at most %3d s):\n' "$name" "$cap"
     declare -f "$fn" | sed '1,2d;$d'
     return 0
   fi
@@ -167,7 +168,17 @@ benchmark() {
   "$PYTHON" benchmarks/kernels/benchmark_reshape_and_cache_flash.py --device cuda \
     --json "$OUT_DIR/bench.json" --markdown "$WORK/bench.md"
 }
-memcheck() {
+memcheck_kernels() {
+  if ! command -v compute-sanitizer > /dev/null; then
+    echo "compute-sanitizer not on PATH: memcheck not run"
+    return 0
+  fi
+  # The torch-free check program: every kernel variant on random problems, each buffer its own
+  # cudaMalloc, so any out-of-bounds access is reported.
+  [[ -x "$WORK/gpu_check" ]] || { echo "no gpu_check binary: the gpu-check step failed"; return 1; }
+  compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 "$WORK/gpu_check" 300
+}
+memcheck_tests() {
   if ! command -v compute-sanitizer > /dev/null; then
     echo "compute-sanitizer not on PATH: memcheck not run"
     return 0
@@ -180,14 +191,16 @@ memcheck() {
 }
 
 export PYTHON NVCC ARCH OUT_DIR WORK GPU_INFO
-export -f env_report build kernel_tests suite_tests gpu_check benchmark memcheck
+export -f env_report build kernel_tests suite_tests gpu_check benchmark memcheck_kernels \
+  memcheck_tests
 step environment 30 env_report
 step build 240 build
 step kernel-tests 150 kernel_tests
 step gpu-check 90 gpu_check
 step benchmark 120 benchmark
 step suite-tests 90 suite_tests
-step memcheck 600 memcheck  # last: it takes whatever the budget has left
+step memcheck-kernels 60 memcheck_kernels
+step memcheck-tests 600 memcheck_tests  # last: it takes whatever the budget has left
 [[ $DRY_RUN == 1 ]] && exit 0
 
 # --- summary.md -----------------------------------------------------------------------------
