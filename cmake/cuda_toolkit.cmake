@@ -23,8 +23,8 @@
 if(NOT CMAKE_CUDA_ARCHITECTURES)
   set(CMAKE_CUDA_ARCHITECTURES "80;90a;100a;120a")
 endif()
-# find_package(Torch) resets CMAKE_CUDA_ARCHITECTURES and appends its own -gencode flags: keep
-# ours; CMakeLists.txt puts them back on the target.
+# find_package(Torch) resets CMAKE_CUDA_ARCHITECTURES (warning that it ignores it: expected) and
+# appends its own -gencode flags: keep ours; CMakeLists.txt puts them back on the target.
 set(VLLM_KV_CUDA_ARCHITECTURES "${CMAKE_CUDA_ARCHITECTURES}")
 
 # --- architectures, in torch's spelling: 90a -> 9.0a, 120a -> 12.0a, 80-virtual -> 8.0+PTX ------
