@@ -1,5 +1,5 @@
 // Torch glue shared by the CPU and CUDA registrations of the cache ops: host-side validation of
-// every device-independent precondition (DESIGN.md §6, §10). Each check is a TORCH_CHECK whose
+// every device-independent precondition (docs/design.md §6, §10). Each check is a TORCH_CHECK whose
 // message names the argument, the expected and the actual value; nothing is written before all
 // checks pass. Device-specific value checks (slot range, scale values) are done by the CPU op only.
 #pragma once
@@ -14,8 +14,9 @@
 
 namespace vllm_kv {
 
-// DESIGN.md §3: the Fp8KVCacheDataType of a kv_cache_dtype string; unknown strings (nvfp4
-// included) fail with "Unsupported fp8 kv cache data type: <s>".
+// docs/design.md §3: the Fp8KVCacheDataType of a kv_cache_dtype string; unknown strings (nvfp4
+// included) fail with "kv_cache_dtype: unknown KV-cache dtype '<s>'; expected one of
+// <the accepted names>".
 Fp8KVCacheDataType get_fp8_kv_cache_data_type(const std::string& kv_cache_dtype);
 
 // The cache kind of a kv_cache_dtype string: nvfp4 is routed before the fp8 dispatch.

@@ -1,8 +1,6 @@
-"""Small pieces of the accuracy machinery: format ids, scales, slots, metrics, WordPiece."""
+"""Small pieces of the accuracy machinery: format ids, scales, slots, metrics."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +15,6 @@ from vllm.accuracy.formats import (
 )
 from vllm.accuracy.metrics import MetricsAccumulator, make_reference
 from vllm.accuracy.samples import KVSample
-from vllm.accuracy.wordpiece import WordPieceTokenizer, basic_tokenize
 
 
 @pytest.mark.parametrize(
@@ -62,7 +59,7 @@ def test_parse_formats_defaults_and_dedup() -> None:
 
 
 def test_bytes_per_token_matches_design_worked_example() -> None:
-    # DESIGN §4: N=16, H=8, D=128 pages of 65,536 / 32,768 / 18,432 bytes.
+    # docs/design.md §4: N=16, H=8, D=128 pages of 65,536 / 32,768 / 18,432 bytes.
     for name, page in (("bf16", 65536), ("fp8_e5m2", 32768), ("nvfp4", 18432)):
         assert parse_format(name).bytes_per_token(8, 128, 128) * 16 == page
     assert CacheFormat("nvfp4").cache_last_dim(128) == 72
@@ -102,38 +99,3 @@ def test_metrics_known_values() -> None:
     assert m.v_rel_rms == 0.0
     assert m.out_cos_mean == pytest.approx(-1.0) and m.out_rel_err == pytest.approx(2.0)
     assert m.kl_mean == 0.0  # zero queries: uniform attention either way
-
-
-def test_basic_tokenize() -> None:
-    assert basic_tokenize("Héllo, WORLD!  naïve\tcafé's 3.5") == [
-        "hello",
-        ",",
-        "world",
-        "!",
-        "naive",
-        "cafe",
-        "'",
-        "s",
-        "3",
-        ".",
-        "5",
-    ]
-    assert basic_tokenize("a中b") == ["a", "中", "b"]
-
-
-def test_wordpiece(tmp_path: Path) -> None:
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "un", "##aff", "##able", "run", "##ning", ","]
-    path = tmp_path / "vocab.txt"
-    path.write_text("\n".join(vocab) + "\n", encoding="utf-8")
-    tok = WordPieceTokenizer(path, max_length=6)
-    assert tok.tokenize("Unaffable, running xyz") == [
-        "un",
-        "##aff",
-        "##able",
-        ",",
-        "run",
-        "##ning",
-        "[UNK]",
-    ]
-    # max_length 6: [CLS] + the first 4 pieces + [SEP]
-    assert tok.encode("unaffable running") == [2, 4, 5, 6, 7, 3]

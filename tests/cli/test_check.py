@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from vllm.accuracy import real
+import real_kv_samples as real
 from vllm.cli import check
 from vllm.cli.main import main
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_table(capsys: pytest.CaptureFixture) -> None:
@@ -85,3 +90,22 @@ def test_help(capsys: pytest.CaptureFixture) -> None:
         main(["check", "--help"])
     assert info.value.code == 0
     assert "--real" in capsys.readouterr().out
+
+
+def test_real_model_source_is_loaded_only_for_real() -> None:
+    """The model, tokenizer and texts live outside ``vllm`` and are imported only by --real."""
+    code = (
+        "import sys\n"
+        "from vllm.cli.main import main\n"
+        "assert main(['check', '--formats', 'bf16', '--writer', 'reference']) == 0\n"
+        "assert 'real_kv_samples' not in sys.modules, 'imported without --real'\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr

@@ -41,7 +41,7 @@ def test_default_model_tables(capsys):
     assert code == 0
     assert DEFAULT_PRESET in out
     assert "full_attention" in out
-    # bf16 / fp8 / nvfp4 pages of 16 tokens x 8 heads x 128 (DESIGN §4) and bytes per token.
+    # bf16 / fp8 / nvfp4 pages of 16 tokens x 8 heads x 128 (docs/design.md §4) and bytes per token.
     for text in ("65,536", "32,768", "18,432", "131,072", "65,536", "36,864", "0.281x"):
         assert text in out
     assert "--memory" in out
@@ -224,3 +224,23 @@ def test_python_dash_m_subprocess():
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["plan"]["per_dtype"]["bfloat16"]["num_blocks"] == 80 * GiB // (18 * 32768)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--memory", "-5GiB"], "--memory: expected a positive size such as 80GiB, got '-5GiB'"),
+        (["--memory=-5GiB"], "--memory: expected a positive size such as 80GiB, got '-5GiB'"),
+        (["--memory", "-1", "--json"], "--memory: expected a positive size such as 80GiB, got"),
+        (["--memory", "5XB"], "--memory: cannot read '5XB'; expected bytes or a number"),
+        (["--tp", "-2"], "--tp: expected a positive integer, got '-2'"),
+    ],
+)
+def test_bad_values_are_one_line_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["plan", *argv])
+    assert info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"vllm-kv plan: error: {message}")
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err

@@ -1,17 +1,18 @@
-"""Read a :class:`~vllm.accuracy.cache_io.PagedCache` through the reference attention backend.
+"""Read a :class:`~vllm.accuracy.paged_cache.PagedCache` through the reference attention backend.
 
 Attention output comes from ``ReferenceAttentionImpl.forward`` (paged attention computed
 straight from the cache bytes: it gathers the pages of each sequence through its block table
 and dequantizes them with :mod:`vllm.kv_quant`), with ``causal=False`` so that every query sees
 all of its sequence's keys. The dequantized K/V for the reconstruction metrics come from the
-same reference codecs, gathered slot by slot (:class:`~vllm.accuracy.cache_io.CodecReader`).
+same reference codecs, gathered slot by slot (:class:`~vllm.accuracy.codec_reader.CodecReader`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from vllm.accuracy.cache_io import CodecReader, PagedCache
+from vllm.accuracy.codec_reader import CodecReader
+from vllm.accuracy.paged_cache import PagedCache
 
 
 def backend_status() -> tuple[bool, str]:
@@ -24,7 +25,7 @@ def backend_status() -> tuple[bool, str]:
 
 
 class BackendReader:
-    """A :class:`~vllm.accuracy.cache_io.CacheReader` backed by ``ReferenceAttentionImpl``."""
+    """A :class:`~vllm.accuracy.paged_cache.CacheReader` backed by ``ReferenceAttentionImpl``."""
 
     name = "backend"
 

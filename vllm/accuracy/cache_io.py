@@ -1,37 +1,51 @@
 """Write K/V into a paged cache and read them back, for every format of the check.
 
-The cache is FlashInfer-shaped: logical ``(B, 2, N, H, D')`` (``D' = F(D)`` for NVFP4, DESIGN.md
-§7), NHD or HND physical order. Each sequence gets its own pages, drawn in a seeded random order
-so that logical and physical page order differ. Unwritten bytes hold seeded random garbage, so a
-writer that misses a slot or a reader that looks at the wrong one shows up as an error.
+The cache is FlashInfer-shaped: logical ``(B, 2, N, H, D')`` (``D' = F(D)`` for NVFP4,
+docs/design.md §7), NHD or HND physical order. Each sequence gets its own pages, drawn in a
+seeded random order so that logical and physical page order differ. Unwritten bytes hold seeded
+random garbage, so a writer that misses a slot or a reader that looks at the wrong one shows up as
+an error.
 
 Writers (``writer=``): ``op`` is the extension's ``vllm._custom_ops.reshape_and_cache_flash``;
 ``reference`` the pure-torch codecs of :mod:`vllm.kv_quant`; ``auto`` the op when the extension
 is loaded and has a kernel for the device, else the codecs.
 
-Readers implement :class:`CacheReader`: they return the dequantized K/V of the written tokens
-and the paged-attention output. :class:`CodecReader` dequantizes with :mod:`vllm.kv_quant`;
-:class:`BackendReader` runs the reference attention backend. The reader trusts what the
-:class:`PagedCache` says (scales, scale layouts), so a test can corrupt the bytes or those
-fields between writing and reading.
+Readers (``reader=``, :func:`make_reader`) implement :class:`CacheReader`
+(:mod:`vllm.accuracy.paged_cache`): they return the dequantized K/V of the written tokens and the
+paged-attention output. :class:`CodecReader` (:mod:`vllm.accuracy.codec_reader`) dequantizes
+with :mod:`vllm.kv_quant`; :class:`BackendReader` (:mod:`vllm.accuracy.backend_reader`) runs the
+reference attention backend. The reader trusts what the :class:`PagedCache` says (scales, scale
+layouts), so a test can corrupt the bytes or those fields between writing and reading.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
-from dataclasses import dataclass
-from typing import Protocol
-
 import torch
 
-from vllm.accuracy.attention import attention_output
+from vllm.accuracy.backend_reader import BackendReader, backend_status
+from vllm.accuracy.codec_reader import CodecReader, dequantize_side
 from vllm.accuracy.formats import CacheFormat
+from vllm.accuracy.paged_cache import CacheReader, PagedCache
 from vllm.accuracy.samples import KVSample
 from vllm.kv_quant.fp8 import fp8_format_from_cache_dtype
-from vllm.kv_quant.fp8_cache import fp8_read_cache, fp8_write_cache
-from vllm.kv_quant.nvfp4_cache import nvfp4_read_cache, nvfp4_write_cache
-from vllm.kv_quant.scale_layout import ScaleLayout
+from vllm.kv_quant.fp8_cache import fp8_write_cache
+from vllm.kv_quant.nvfp4_cache import nvfp4_write_cache
+
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "READERS",
+    "WRITERS",
+    "CacheReader",
+    "CodecReader",
+    "PagedCache",
+    "allocate_cache",
+    "assign_slots",
+    "dequantize_side",
+    "extension_status",
+    "make_reader",
+    "resolve_writer",
+    "write_cache",
+]
 
 WRITERS: tuple[str, ...] = ("auto", "op", "reference")
 READERS: tuple[str, ...] = ("auto", "backend", "codec")
@@ -39,59 +53,11 @@ DEFAULT_BLOCK_SIZE = 16
 """Tokens per page."""
 
 
-@dataclass
-class PagedCache:
-    """A written paged cache plus everything a reader needs to interpret it.
-
-    Attributes:
-        fmt: the format the cache was written in.
-        kv_cache: logical ``(B, 2, N, H, D')`` view (uint8 for quantized formats, else bf16).
-        slot_mapping: int64 ``[T]``, slot of each written token, in sample token order.
-        block_tables: one int64 tensor of page ids per sequence.
-        seq_lens: tokens of each sequence.
-        k_scale, v_scale: fp32 ``[1]`` or ``[H]`` dequantization scales the reader uses.
-        k_scale_layout, v_scale_layout: NVFP4 block-scale layouts the reader assumes.
-        head_size, head_size_v: K and V head sizes in elements.
-        writer: which writer produced the bytes (``op`` or ``reference``).
-    """
-
-    fmt: CacheFormat
-    kv_cache: torch.Tensor
-    slot_mapping: torch.Tensor
-    block_tables: list[torch.Tensor]
-    seq_lens: tuple[int, ...]
-    k_scale: torch.Tensor
-    v_scale: torch.Tensor
-    k_scale_layout: ScaleLayout
-    v_scale_layout: ScaleLayout
-    head_size: int
-    head_size_v: int
-    writer: str
-
-    @property
-    def key_cache(self) -> torch.Tensor:
-        """K side ``(B, N, H, D')``."""
-        return self.kv_cache[:, 0]
-
-    @property
-    def value_cache(self) -> torch.Tensor:
-        """V side ``(B, N, H, D')``."""
-        return self.kv_cache[:, 1]
-
-    @property
-    def block_size(self) -> int:
-        return self.kv_cache.shape[2]
-
-    def replace(self, **changes: object) -> PagedCache:
-        """A copy with some fields replaced (the tensors are shared, not copied)."""
-        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
-
-
 def extension_status() -> tuple[bool, str]:
     """Whether ``reshape_and_cache_flash`` of the compiled extension can be called, and why
     not when it cannot."""
     try:
-        ops = importlib.import_module("vllm._custom_ops")
+        from vllm import _custom_ops as ops
     except Exception as e:  # ImportError, or the extension failing to load
         return False, f"vllm._custom_ops not importable ({type(e).__name__}: {e})"
     if not hasattr(ops, "reshape_and_cache_flash"):
@@ -192,7 +158,8 @@ def _write_with_op(
 ) -> bool:
     """Write through the compiled ``reshape_and_cache_flash``. Returns False (nothing written)
     when the extension has no kernel for the device and ``fallback`` allows the codecs."""
-    ops = importlib.import_module("vllm._custom_ops")
+    from vllm import _custom_ops as ops  # loads the extension; imported once the writer is "op"
+
     layout_kw = {}
     if fmt.is_nvfp4:
         layout_kw = {
@@ -304,62 +271,6 @@ def write_cache(
     )
 
 
-class CacheReader(Protocol):
-    """Reads a :class:`PagedCache` back."""
-
-    name: str
-
-    def read_kv(self, cache: PagedCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantized K ``[T, H, D]`` and V ``[T, H, Dv]`` (fp32) of the written tokens, in
-        sample token order."""
-        ...
-
-    def attend(
-        self, cache: PagedCache, query: torch.Tensor, query_lens: tuple[int, ...]
-    ) -> torch.Tensor:
-        """Paged attention output ``[sum(query_lens), Hq, Dv]`` (fp32): every query of a
-        sequence attends to all of that sequence's cached tokens."""
-        ...
-
-
-def dequantize_side(
-    cache: PagedCache, side: torch.Tensor, scale: torch.Tensor, layout: ScaleLayout, head_size: int
-) -> torch.Tensor:
-    """Whole side ``(B, N, H, D')`` dequantized to fp32 ``(B, N, H, D)`` by the reference
-    codecs, trusting ``scale`` and ``layout``."""
-    fmt = cache.fmt
-    if fmt.is_nvfp4:
-        return nvfp4_read_cache(side, scale, head_size, layout)
-    if fmt.is_fp8:
-        fp8 = fp8_format_from_cache_dtype(fmt.kv_cache_dtype)
-        return fp8_read_cache(side, scale, fp8)
-    return side.to(torch.float32)
-
-
-class CodecReader:
-    """Dequantizes whole pages with :mod:`vllm.kv_quant` and gathers the written slots;
-    attention is plain fp32 math over the gathered K/V."""
-
-    name = "codec"
-
-    def read_kv(self, cache: PagedCache) -> tuple[torch.Tensor, torch.Tensor]:
-        n = cache.block_size
-        page, row = cache.slot_mapping // n, cache.slot_mapping % n
-        k = dequantize_side(
-            cache, cache.key_cache, cache.k_scale, cache.k_scale_layout, cache.head_size
-        )
-        v = dequantize_side(
-            cache, cache.value_cache, cache.v_scale, cache.v_scale_layout, cache.head_size_v
-        )
-        return k[page, row], v[page, row]
-
-    def attend(
-        self, cache: PagedCache, query: torch.Tensor, query_lens: tuple[int, ...]
-    ) -> torch.Tensor:
-        k, v = self.read_kv(cache)
-        return attention_output(query, k, v, cache.seq_lens, query_lens)
-
-
 def make_reader(reader: str = "auto") -> CacheReader:
     """The reader named ``reader``: ``codec``, ``backend`` (the reference attention backend;
     raises when it is not available) or ``auto`` (the backend when available)."""
@@ -367,8 +278,6 @@ def make_reader(reader: str = "auto") -> CacheReader:
         raise ValueError(f"reader: expected one of {', '.join(READERS)}, got {reader!r}")
     if reader == "codec":
         return CodecReader()
-    from vllm.accuracy.backend_reader import BackendReader, backend_status
-
     ok, why = backend_status()
     if ok:
         return BackendReader()

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from vllm.accuracy.attention import attention_logits
-from vllm.accuracy.cache_io import CacheReader, PagedCache
+from vllm.accuracy.paged_cache import CacheReader, PagedCache
 from vllm.accuracy.samples import KVSample
 
 

@@ -24,6 +24,7 @@ import vllm
 from vllm.accuracy.cache_io import READERS, WRITERS
 from vllm.accuracy.formats import DEFAULT_FORMATS, CacheFormat, parse_formats
 from vllm.accuracy.runner import CheckReport, run_check
+from vllm.accuracy.synthetic import synthetic_sample
 
 EXIT_USAGE = 2
 """Exit status for bad arguments or a missing optional dependency."""
@@ -86,15 +87,16 @@ def _resolve_device(text: str) -> torch.device:
 
 def collect_reports(args: argparse.Namespace) -> list[CheckReport]:
     """Run the check for the parsed ``args``; raises ``ValueError`` for bad arguments and
-    :class:`~vllm.accuracy.real.MissingDependencyError` when ``--real`` lacks a package."""
+    ``real_kv_samples.MissingDependencyError`` (a ``RuntimeError``) when ``--real`` lacks a
+    package."""
     device = _resolve_device(args.device)
     formats: list[CacheFormat] = parse_formats(args.formats)
     real = None
     if args.real:
-        from vllm.accuracy import real
+        # The real-model source is an application of its own, loaded only when asked for.
+        import real_kv_samples as real
 
         real.model_dir()  # fail early, before any work, when a package is missing
-    from vllm.accuracy.synthetic import synthetic_sample
 
     common = {
         "writer": args.writer,
@@ -114,9 +116,7 @@ def collect_reports(args: argparse.Namespace) -> list[CheckReport]:
             **common,
         )
     ]
-    if args.real:
-        from vllm.accuracy import real
-
+    if real is not None:
         reports.append(
             run_check(
                 real.real_samples(device=device),
@@ -131,11 +131,9 @@ def collect_reports(args: argparse.Namespace) -> list[CheckReport]:
 
 def run(args: argparse.Namespace) -> int:
     """Handler of ``vllm-kv check``; returns the exit status."""
-    from vllm.accuracy.real import MissingDependencyError
-
     try:
         reports = collect_reports(args)
-    except (ValueError, MissingDependencyError, RuntimeError) as e:
+    except (ValueError, RuntimeError) as e:  # RuntimeError: also a missing --real package
         print(f"vllm-kv check: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     if args.json:

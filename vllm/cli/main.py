@@ -14,12 +14,21 @@ import importlib
 import pkgutil
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 import vllm
 import vllm.cli
 
 PROG = "vllm-kv"
 _NOT_SUBCOMMANDS = frozenset({"main", "__main__"})
+
+
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """Reports bad arguments as one line, ``vllm-kv plan: error: --memory: expected ...``,
+    exit status 2 (the subcommands' parsers inherit this class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message.removeprefix('argument ')}\n")
 
 
 def subcommand_modules() -> list[str]:
@@ -36,7 +45,7 @@ def subcommand_modules() -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``vllm-kv`` parser with every discovered subcommand registered."""
-    parser = argparse.ArgumentParser(
+    parser = _OneLineErrorParser(
         prog=PROG, description="KV-cache tools: page sizes, memory plans and checks."
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {vllm.__version__}")

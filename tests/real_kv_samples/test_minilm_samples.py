@@ -12,11 +12,12 @@ import importlib.util
 import pytest
 import torch
 
-from vllm.accuracy import real
+import real_kv_samples as real
+from real_kv_samples.bert import Bert
+from real_kv_samples.texts import PARAGRAPHS
 from vllm.accuracy.formats import parse_formats
 from vllm.accuracy.runner import CheckReport, run_check
 from vllm.accuracy.samples import KVSample
-from vllm.accuracy.texts import PARAGRAPHS
 
 _missing = real.missing_packages()
 needs_model = pytest.mark.skipif(
@@ -88,8 +89,6 @@ def test_wordpiece_matches_shipped_tokenizer_json() -> None:
 @needs_transformers
 def test_bert_matches_transformers_layer_by_layer() -> None:
     from transformers import BertModel
-
-    from vllm.accuracy.bert import Bert
 
     path = real.model_dir()
     hf = BertModel.from_pretrained(str(path), attn_implementation="eager").eval()

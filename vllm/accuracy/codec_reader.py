@@ -1,0 +1,56 @@
+"""Read a :class:`~vllm.accuracy.paged_cache.PagedCache` back with the reference codecs.
+
+Whole pages are dequantized with :mod:`vllm.kv_quant` and the written slots gathered; attention
+is plain fp32 math over the gathered K/V (:mod:`vllm.accuracy.attention`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.accuracy.attention import attention_output
+from vllm.accuracy.paged_cache import PagedCache
+from vllm.kv_quant.fp8 import fp8_format_from_cache_dtype
+from vllm.kv_quant.fp8_cache import fp8_read_cache
+from vllm.kv_quant.nvfp4_cache import nvfp4_read_cache
+from vllm.kv_quant.scale_layout import ScaleLayout
+
+__all__ = ["CodecReader", "dequantize_side"]
+
+
+def dequantize_side(
+    cache: PagedCache, side: torch.Tensor, scale: torch.Tensor, layout: ScaleLayout, head_size: int
+) -> torch.Tensor:
+    """Whole side ``(B, N, H, D')`` dequantized to fp32 ``(B, N, H, D)`` by the reference
+    codecs, trusting ``scale`` and ``layout``."""
+    fmt = cache.fmt
+    if fmt.is_nvfp4:
+        return nvfp4_read_cache(side, scale, head_size, layout)
+    if fmt.is_fp8:
+        fp8 = fp8_format_from_cache_dtype(fmt.kv_cache_dtype)
+        return fp8_read_cache(side, scale, fp8)
+    return side.to(torch.float32)
+
+
+class CodecReader:
+    """Dequantizes whole pages with :mod:`vllm.kv_quant` and gathers the written slots;
+    attention is plain fp32 math over the gathered K/V."""
+
+    name = "codec"
+
+    def read_kv(self, cache: PagedCache) -> tuple[torch.Tensor, torch.Tensor]:
+        n = cache.block_size
+        page, row = cache.slot_mapping // n, cache.slot_mapping % n
+        k = dequantize_side(
+            cache, cache.key_cache, cache.k_scale, cache.k_scale_layout, cache.head_size
+        )
+        v = dequantize_side(
+            cache, cache.value_cache, cache.v_scale, cache.v_scale_layout, cache.head_size_v
+        )
+        return k[page, row], v[page, row]
+
+    def attend(
+        self, cache: PagedCache, query: torch.Tensor, query_lens: tuple[int, ...]
+    ) -> torch.Tensor:
+        k, v = self.read_kv(cache)
+        return attention_output(query, k, v, cache.seq_lens, query_lens)

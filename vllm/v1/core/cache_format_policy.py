@@ -1,0 +1,143 @@
+"""Which cache format each layer gets for a requested ``kv_cache_dtype`` (the fallback policy).
+
+Attention layers use ``kv_cache_dtype_str_to_dtype(cache_dtype, model dtype)``
+and ``get_kv_quant_mode(cache_dtype)``. Mamba / linear-attention states always use the model
+dtype (the KV-cache dtype does not apply to them). NVFP4 is not a format for MLA latents: for
+``nvfp4`` requests V3 MLA layers fall back to the model dtype (plain fp8 MLA needs a calibrated
+per-tensor fp8 scale that an NVFP4 checkpoint does not carry) and DeepSeek-V4 layers fall back to
+``fp8_ds_mla`` (its 584-byte record carries its own scales); the indexer falls back to its fp8
+entry (132 bytes). Every fallback is recorded in the specs' notes
+(:attr:`~vllm.v1.core.model_specs.ModelKVSpecs.notes`).
+
+:func:`layer_spec` is the one place that applies it: one layer, one requested dtype (already
+resolved for ``kv_cache_dtype_skip_layers``) → its spec, the dtype string it got and the note
+explaining a fallback.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE, kv_cache_dtype_str_to_dtype
+from vllm.v1.core.model_layout import STATE_KINDS, LayerDesc
+from vllm.v1.kv_cache_interface import (
+    FP8_DS_MLA_HEAD_SIZE,
+    FullAttentionSpec,
+    KVCacheSpec,
+    KVQuantMode,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+    get_kv_quant_mode,
+)
+
+__all__ = ["DSV4_INDEXER_FP8_SCALE_GROUP", "FP8_DS_MLA_ALIGNMENT", "layer_spec"]
+
+FP8_DS_MLA_ALIGNMENT = 576
+"""Page alignment (bytes) of compressed ``fp8_ds_mla`` pages (docs/design.md §4)."""
+
+DSV4_INDEXER_FP8_SCALE_GROUP = 128
+"""fp8 indexer keys carry one 4-byte fp32 scale per this many values: index_head_dim 128 gives
+the 132-byte entry of rtp-llm's ``fp8_indexer_entry``."""
+
+
+def _attention_kwargs(
+    layer: LayerDesc, block_size: int, cache_dtype: str, model_dtype: str
+) -> dict[str, Any]:
+    """Page, head and dtype fields of an attention spec of ``layer`` cached as ``cache_dtype``."""
+    return dict(
+        block_size=block_size,
+        num_kv_heads=layer.num_kv_heads,
+        head_size=layer.head_size,
+        dtype=kv_cache_dtype_str_to_dtype(cache_dtype, model_dtype),
+        kv_quant_mode=get_kv_quant_mode(cache_dtype),
+    )
+
+
+def layer_spec(
+    layer: LayerDesc, cache_dtype: str, model_dtype: str, block_size: int
+) -> tuple[KVCacheSpec, str, str | None]:
+    """Spec of ``layer`` for ``cache_dtype`` (already skip-resolved): (spec, effective dtype
+    string, fallback note or None)."""
+    mode = get_kv_quant_mode(cache_dtype)
+    kind = layer.kind
+    if kind in STATE_KINDS:
+        dtype = kv_cache_dtype_str_to_dtype("auto", model_dtype)
+        note = None
+        if mode.is_quantized:
+            note = (
+                f"{kind} layers keep their recurrent state in the model dtype ({model_dtype}); "
+                "a quantized kv_cache_dtype applies to attention layers only"
+            )
+        spec = MambaSpec(
+            block_size=block_size,
+            shapes=layer.state_shapes,
+            dtypes=(dtype,) * len(layer.state_shapes),
+            mamba_type=layer.mamba_type or "mamba2",
+        )
+        return spec, "auto", note
+    if kind in ("full_attention", "sliding_window"):
+        common = _attention_kwargs(layer, block_size, cache_dtype, model_dtype)
+        if kind == "full_attention":
+            return FullAttentionSpec(**common), cache_dtype, None
+        assert layer.sliding_window is not None
+        return SlidingWindowSpec(sliding_window=layer.sliding_window, **common), cache_dtype, None
+    if kind == "mla":
+        note = None
+        effective = cache_dtype
+        if mode.is_nvfp4:
+            effective = "auto"
+            note = (
+                f"mla layers: nvfp4 is not an MLA cache format; kept in the model dtype "
+                f"({model_dtype}) since plain fp8 MLA needs a calibrated fp8 scale"
+            )
+        latent = _attention_kwargs(layer, block_size, effective, model_dtype)
+        spec = MLAAttentionSpec(
+            cache_dtype_str=effective if latent["kv_quant_mode"].is_quantized else None, **latent
+        )
+        return spec, effective, note
+    # DeepSeek-V4 kinds: quantized requests use the self-scaled fp8 formats.
+    note = None
+    if mode.is_quantized:
+        if cache_dtype not in ("fp8", "fp8_e4m3"):
+            note = (
+                f"deepseek_v4: {cache_dtype} is not a DeepSeek-V4 cache format; latent caches "
+                "use fp8_ds_mla (584 B per slot) and indexer keys the fp8 entry (128 values + "
+                "fp32 scale), both e4m3 with their own scales"
+            )
+        if kind == "mla_indexer":
+            spec = MLAAttentionSpec(
+                block_size=block_size,
+                num_kv_heads=1,
+                head_size=layer.head_size + 4 * -(-layer.head_size // DSV4_INDEXER_FP8_SCALE_GROUP),
+                dtype=STR_DTYPE_TO_TORCH_DTYPE["fp8"],
+                kv_quant_mode=KVQuantMode.FP8_PER_TENSOR,
+                compress_ratio=layer.compress_ratio,
+            )
+            return spec, "fp8", note
+        if layer.head_size != FP8_DS_MLA_HEAD_SIZE:
+            raise ValueError(
+                f"config: key 'head_dim' must be {FP8_DS_MLA_HEAD_SIZE} for the fp8_ds_mla "
+                f"cache, got {layer.head_size}"
+            )
+        quant = dict(
+            block_size=block_size,
+            num_kv_heads=layer.num_kv_heads,
+            head_size=layer.head_size,
+            dtype=STR_DTYPE_TO_TORCH_DTYPE["fp8"],
+            kv_quant_mode=KVQuantMode.FP8_PER_TENSOR,
+            cache_dtype_str="fp8_ds_mla",
+        )
+        if kind == "sliding_window_mla":
+            assert layer.sliding_window is not None
+            return SlidingWindowMLASpec(sliding_window=layer.sliding_window, **quant), "fp8", note
+        spec = MLAAttentionSpec(
+            compress_ratio=layer.compress_ratio, alignment=FP8_DS_MLA_ALIGNMENT, **quant
+        )
+        return spec, "fp8_ds_mla", note
+    plain = _attention_kwargs(layer, block_size, cache_dtype, model_dtype)
+    if kind == "sliding_window_mla":
+        assert layer.sliding_window is not None
+        return SlidingWindowMLASpec(sliding_window=layer.sliding_window, **plain), cache_dtype, None
+    return MLAAttentionSpec(compress_ratio=layer.compress_ratio, **plain), cache_dtype, None
