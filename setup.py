@@ -9,6 +9,7 @@ compiler's default, for a build that moves to other machines).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -62,7 +63,10 @@ class CMakeBuild(build_ext):
         if shutil.which("ninja") is None:
             raise RuntimeError("building vllm._C needs ninja on PATH")
         output = Path(self.get_ext_fullpath(ext.name)).resolve()
-        build_dir = Path(self.build_temp).resolve() / "cmake"
+        # One CMake build directory per torch installation: its cache pins Torch_DIR and the
+        # CUDA set-up, so a build against another torch (CPU and CUDA venvs) must not reuse it.
+        torch_key = hashlib.sha256(str(Path(torch.__file__).parent).encode()).hexdigest()[:8]
+        build_dir = Path(self.build_temp).resolve() / f"cmake-torch{torch.__version__}-{torch_key}"
         build_dir.mkdir(parents=True, exist_ok=True)
         with_cuda = torch.version.cuda is not None
         args = [
@@ -81,14 +85,11 @@ class CMakeBuild(build_ext):
         ]
         if "VLLM_KV_CPU_ARCH" in os.environ:
             args.append(f"-DVLLM_KV_CPU_ARCH={os.environ['VLLM_KV_CPU_ARCH']}")
-        if with_cuda:
-            from torch.utils.cpp_extension import CUDA_HOME
-
+        if with_cuda:  # nvcc, the toolkit and nvrtc are found by cmake/cuda_toolkit.cmake
+            args.append(f"-DVLLM_KV_TORCH_CUDA_VERSION={torch.version.cuda}")
             archs = cuda_architectures()
             if archs:
                 args.append(f"-DCMAKE_CUDA_ARCHITECTURES={archs}")
-            if "CUDACXX" not in os.environ and CUDA_HOME:  # the toolkit torch's build uses
-                args.append(f"-DCMAKE_CUDA_COMPILER={Path(CUDA_HOME) / 'bin' / 'nvcc'}")
         subprocess.run(args, check=True)
         subprocess.run([cmake, "--build", str(build_dir)], check=True)
         # Copy, then rename over the old library: processes that have it loaded keep their

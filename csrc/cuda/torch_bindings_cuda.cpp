@@ -1,19 +1,21 @@
 // CUDA implementations of the _C_cache_ops ops (compiled only when torch has CUDA). The schemas
 // are registered in csrc/torch_bindings.cpp; validation is shared with the CPU ops
-// (csrc/cache_ops_torch.h); the kernels are torch-free (reshape_and_cache_flash.h).
+// (csrc/cache_ops_torch.h); the kernels are torch-free (reshape_and_cache_flash.h). Only c10's CUDA
+// stream/guard headers, not ATen/cuda/CUDAContext.h (which drags in cuBLAS and cuSPARSE):
+// tools/check_glue_headers.py keeps it that way.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <cuda_runtime.h>
+#include <cuda_runtime_api.h>
 #include <torch/library.h>
 
 #include <cstdint>
 #include <optional>
 #include <string>
 
-#include "../cache_ops_torch.h"
-#include "reshape_and_cache_flash.h"
+#include "cache_ops_torch.h"
+#include "cuda/reshape_and_cache_flash.h"
 
 namespace vllm_kv {
 namespace {
@@ -31,7 +33,7 @@ void reshape_and_cache_flash_cuda(const at::Tensor& key, const at::Tensor& value
       k_scale_layout, v_scale_layout);
   if (params.num_tokens == 0) return;
   const c10::cuda::CUDAGuard device_guard(key.device());
-  launch_reshape_and_cache_flash(params, at::cuda::getCurrentCUDAStream());
+  launch_reshape_and_cache_flash(params, c10::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -64,7 +66,7 @@ void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, int64_t block_size
   if (num_pairs == 0) return;
 
   const c10::cuda::CUDAGuard device_guard(src_device.is_cuda() ? src_device : dst_device);
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const char* src_ptr = static_cast<const char*>(src.data_ptr());
   char* dst_ptr = static_cast<char*>(dst.data_ptr());
   const auto mapping = block_mapping.accessor<int64_t, 2>();  // CPU int64 [n, 2], checked above
