@@ -7,10 +7,12 @@
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "cache_kernels.h"
 #include "cache_layout.h"
@@ -93,21 +95,49 @@ inline void reduce_max(U32v* v) {  // v[0 .. kSeg): segments of kSeg lanes
   }
 }
 
-// float_to_e2m1 (kv_quant_math.h) lane by lane, as round-half-to-even to a float with one
-// mantissa bit (which is what its thresholds spell out) in a few integer operations:
-// |v| < 1 is a multiple of 0.5, code RNE(2|v|) in {0, 1, 2}, rounded by adding 2^23;
-// |v| >= 1 keeps one mantissa bit (ties to even; a carry bumps the exponent), code
-// 2 * (exponent - 127) + mantissa + 2, saturated at 7 (6.0). NaN gives code 0.
-inline U32v float_to_e2m1(F32v v) {
+// float_to_e2m1 (kv_quant_math.h) lane by lane for lanes that are not NaN, as round-half-to-even
+// to a float with one mantissa bit (which is what its thresholds spell out) in a few integer
+// operations: |v| < 1 is a multiple of 0.5, code RNE(2|v|) in {0, 1, 2}, rounded by adding 2^22
+// (whose ulp is 0.5); |v| >= 1 keeps one mantissa bit (ties to even; a carry bumps the exponent),
+// code 2 * (exponent - 127) + mantissa + 2, saturated at 7 (6.0). A product x * multiplier is
+// NaN only for a NaN x (the group is then written as zeros) or an infinite multiplier (a global
+// scale below 2^-128, quantized by the scalar path instead): see quantize_nvfp4_token.
+inline U32v float_to_e2m1_not_nan(F32v v) {
   const U32v bits = std::bit_cast<U32v>(v);
   const U32v abs_bits = bits & 0x7FFFFFFFu;
   const F32v a = std::bit_cast<F32v>(abs_bits);
-  const U32v small = std::bit_cast<U32v>(a * 2.0f + 8388608.0f) - 0x4B000000u;
-  const U32v rounded = abs_bits + 0x1FFFFFu + ((abs_bits >> 22) & 1u);
-  const U32v large = (rounded >> 22) - 252u;
+  const U32v small = std::bit_cast<U32v>(a + 4194304.0f) - 0x4A800000u;
+  const U32v large = (abs_bits + (0x1FFFFFu - (252u << 22)) + ((abs_bits >> 22) & 1u)) >> 22;
   const U32v magnitude = a < 1.0f ? small : (large < 7u ? large : 7u);
-  const U32v not_nan = std::bit_cast<U32v>(v == v);
-  return (((bits >> 28) & 0x8u) | magnitude) & not_nan;
+  return ((bits >> 28) & 0x8u) | magnitude;
+}
+
+// float_to_e4m3_satfinite (kv_quant_math.h) lane by lane, the same operations.
+inline U32v float_to_e4m3_satfinite(F32v x) {
+  const U32v bits = std::bit_cast<U32v>(x);
+  const U32v abs_bits = bits & 0x7FFFFFFFu;
+  const F32v magnitude = std::bit_cast<F32v>(abs_bits);
+  constexpr float kMinNormal = 0.015625f;  // 2^-6
+  const F32v clamped = magnitude < kMinNormal ? magnitude : kMinNormal;
+  // Multiples of the subnormal step 2^-9, rounded to an integer by adding 2^23.
+  const U32v subnormal = std::bit_cast<U32v>(clamped * 512.0f + 8388608.0f) - 0x4B000000u;
+  const U32v rounded = abs_bits + 0x7FFFFu + ((abs_bits >> 20) & 1u);
+  const U32v normal = (((rounded >> 23) - 120u) << 3) | ((rounded >> 20) & 0x7u);
+  U32v code = magnitude < kMinNormal ? subnormal : normal;
+  code = magnitude >= kFp8E4M3Max ? 0x7Eu : code;
+  return abs_bits > 0x7F800000u ? U32v{} + kFp8NanByte : (((bits >> 24) & 0x80u) | code);
+}
+
+// e4m3_to_float (kv_quant_math.h) lane by lane for bytes 0..255, the same operations.
+inline F32v e4m3_to_float(U32v byte) {
+  const U32v exponent = (byte >> 3) & 0xFu;
+  const U32v mantissa = byte & 0x7u;
+  const U32v subnormal =
+      std::bit_cast<U32v>(__builtin_convertvector(mantissa, F32v) * 0.001953125f);
+  const U32v normal = ((exponent + 120u) << 23) | (mantissa << 20);
+  U32v magnitude = exponent == 0u ? subnormal : normal;
+  magnitude = (byte & 0x7Fu) == 0x7Fu ? 0x7FC00000u : magnitude;
+  return std::bit_cast<F32v>(((byte & 0x80u) << 24) | magnitude);
 }
 
 // One group of 16 values widened to fp32, kVecsPerGroup vectors.
@@ -135,42 +165,71 @@ inline U32v partial_max_abs_bits(const Group& group) {
   return m;
 }
 
-// The 8 packed E2M1 bytes of x_i * multiplier (even element in the low nibble).
+// The 8 packed E2M1 bytes of x_i * multiplier (even element in the low nibble), for a group
+// without NaN and a finite multiplier.
 inline void pack_e2m1(const Group& group, float multiplier, uint8_t* data) {
   for (int k = 0; k < kVecsPerGroup; ++k) {
     // Element pairs (2j, 2j+1) share a 64-bit lane, odd element high: byte j is the low code
     // with the high one shifted from bit 32 to bit 4.
-    const U64v pairs = std::bit_cast<U64v>(float_to_e2m1(group.v[k] * multiplier));
+    const U64v pairs = std::bit_cast<U64v>(float_to_e2m1_not_nan(group.v[k] * multiplier));
     const auto packed = __builtin_convertvector(pairs | (pairs >> 28), Vec<uint8_t, kLanes / 2>);
     std::memcpy(data + k * (kLanes / 2), &packed, kLanes / 2);
   }
 }
 
-// Block-scale bytes and multipliers of kChunk groups from their max |x| bits and global scales,
-// in one loop that the compiler vectorises (out of line: inlined into the token loop, GCC no
-// longer vectorises it).
+// Block-scale bytes and multipliers of kChunk groups from their max |x| bits and inverse global
+// scales: nvfp4_scale_byte and nvfp4_multiplier (kv_quant_math.h) lane by lane.
 template <int kChunk>
-__attribute__((noinline)) void nvfp4_chunk_scales(const uint32_t (&max_abs_bits)[kChunk],
-                                                  const float (&global_scale)[kChunk],
-                                                  uint8_t (&scale_bytes)[kChunk],
-                                                  float (&multipliers)[kChunk]) {
-  for (int q = 0; q < kChunk; ++q) {
-    const float inv_global_scale = kv_fdiv(1.0f, global_scale[q]);
-    const bool has_nan = max_abs_bits[q] > 0x7F800000u;
-    scale_bytes[q] = nvfp4_scale_byte(bits_as_float(max_abs_bits[q]), has_nan, inv_global_scale);
-    multipliers[q] = nvfp4_multiplier(scale_bytes[q], inv_global_scale);
+inline void nvfp4_chunk_scales(const uint32_t* max_abs_bits, const float* inv_global_scale,
+                               uint8_t* scale_bytes, float* multipliers) {
+  static_assert(kChunk % kLanes == 0);
+  for (int q = 0; q < kChunk; q += kLanes) {
+    U32v amax_bits;
+    F32v inv;
+    std::memcpy(&amax_bits, max_abs_bits + q, sizeof(amax_bits));
+    std::memcpy(&inv, inv_global_scale + q, sizeof(inv));
+    const F32v nan = std::bit_cast<F32v>(U32v{} + 0x7FC00000u);
+    const F32v block_scale =
+        amax_bits > 0x7F800000u ? nan : std::bit_cast<F32v>(amax_bits) * inv / kE2M1Max;
+    const U32v bytes = float_to_e4m3_satfinite(block_scale);
+    const F32v scale_f = e4m3_to_float(bytes);
+    const F32v multiplier = scale_f == 0.0f ? F32v{} : inv / scale_f;
+    const auto narrow = __builtin_convertvector(bytes, Vec<uint8_t, kLanes>);
+    std::memcpy(scale_bytes + q, &narrow, kLanes);
+    std::memcpy(multipliers + q, &multiplier, sizeof(multiplier));
   }
 }
 
+// Groups per chunk of quantize_nvfp4_token.
+inline constexpr int kNvfp4Chunk = 64;
+
+// Inverse global scale kv_fdiv(1, scale) of every group of a token (num_heads * num_groups, then
+// padded with 1 to whole chunks), and whether one is infinite (a scale below 2^-128).
+struct InverseGroupScales {
+  std::vector<float> values;
+  bool any_infinite = false;
+
+  InverseGroupScales(const CacheSide& side, int num_heads, int num_groups) {
+    const int total = num_heads * num_groups;
+    values.assign((total + kNvfp4Chunk - 1) / kNvfp4Chunk * kNvfp4Chunk, 1.0f);
+    for (int h = 0; h < num_heads; ++h) {
+      const float inv = kv_fdiv(1.0f, head_scale(side, h));
+      any_infinite |= std::isinf(inv);
+      std::fill_n(values.begin() + h * num_groups, num_groups, inv);
+    }
+  }
+};
+
 // Quantizes the num_heads * num_groups groups of one token (DESIGN.md §5, the steps of
-// nvfp4_quantize_group) into a packed NVFP4 side. Works in chunks of groups, one pass per step:
-// the vector max of each group, then the scale arithmetic of the whole chunk in one loop that the
-// compiler vectorises, then the vector E2M1 encoding.
+// nvfp4_quantize_group) into a packed NVFP4 side, with the vector encoders (finite inverse global
+// scales only). Works in chunks of groups, one pass per step: the vector max of each group, then
+// the scale arithmetic of the whole chunk, then the E2M1 encoding.
 template <SourceType S>
 inline void quantize_nvfp4_token(const typename SourceTraits<S>::Storage* row, CacheSide side,
-                                 Nvfp4SideLayout layout, int num_heads, int64_t block, int token) {
+                                 Nvfp4SideLayout layout, const float* inv_scales, int num_heads,
+                                 int64_t block, int token) {
   // side and layout by value: the byte stores below could alias them through a reference.
-  constexpr int kChunk = 64;
+  constexpr int kChunk = kNvfp4Chunk;
   constexpr int kPacked = kNvfp4GroupSize / 2;
   uint8_t* cache = static_cast<uint8_t*>(side.data);
   const int num_groups = layout.num_groups;
@@ -181,13 +240,8 @@ inline void quantize_nvfp4_token(const typename SourceTraits<S>::Storage* row, C
     const int n = std::min(kChunk, total - first);
     const auto* x = row + int64_t(first) * kNvfp4GroupSize;  // a token's [H, D] is contiguous
     Group groups[kChunk];
-    uint32_t max_bits[kChunk] = {};
-    float global_scale[kChunk];
-    for (int q = 0, h = head, g = group; q < kChunk; ++q) {
-      global_scale[q] = q < n ? head_scale(side, h) : 1.0f;
-      if (++g == num_groups) g = 0, ++h;
-    }
-    for (int q0 = 0; q0 < n; q0 += kLanes) {
+    uint32_t max_bits[kChunk];
+    for (int q0 = 0; q0 < kChunk; q0 += kLanes) {
       U32v partial[kLanes];
       for (int q = q0; q < q0 + kLanes; ++q) {
         if (q < n) {
@@ -202,7 +256,7 @@ inline void quantize_nvfp4_token(const typename SourceTraits<S>::Storage* row, C
     }
     uint8_t scale_bytes[kChunk];
     float multipliers[kChunk];
-    nvfp4_chunk_scales(max_bits, global_scale, scale_bytes, multipliers);
+    nvfp4_chunk_scales<kChunk>(max_bits, inv_scales + first, scale_bytes, multipliers);
     for (int q = 0; q < n;) {
       // The rest of the current head's groups in this chunk.
       const int count = std::min(n - q, num_groups - group);
@@ -225,6 +279,29 @@ inline void quantize_nvfp4_token(const typename SourceTraits<S>::Storage* row, C
       }
       group += count;
       if (group == num_groups) group = 0, ++head;
+    }
+  }
+}
+
+// quantize_nvfp4_token with the scalar nvfp4_quantize_group, for any global scales.
+template <SourceType S>
+inline void quantize_nvfp4_token_scalar(const typename SourceTraits<S>::Storage* row,
+                                        CacheSide side, Nvfp4SideLayout layout,
+                                        const float* inv_scales, int num_heads, int64_t block,
+                                        int token) {
+  uint8_t* cache = static_cast<uint8_t*>(side.data);
+  for (int head = 0; head < num_heads; ++head) {
+    uint8_t* data = cache + layout.data_offset(block, token, head);
+    for (int group = 0; group < layout.num_groups; ++group, data += kNvfp4GroupSize / 2) {
+      const int q = head * layout.num_groups + group;
+      float x[kNvfp4GroupSize];
+      for (int i = 0; i < kNvfp4GroupSize; ++i) {
+        x[i] = SourceTraits<S>::to_float(row[q * kNvfp4GroupSize + i]);
+      }
+      uint8_t packed[kNvfp4GroupSize / 2];
+      cache[layout.scale_offset(block, token, head, group, side.scale_layout)] =
+          nvfp4_quantize_group(x, inv_scales[q], packed);
+      std::memcpy(data, packed, sizeof(packed));
     }
   }
 }
@@ -255,6 +332,13 @@ void write_side(const typename SourceTraits<S>::Storage* src, int64_t src_token_
       return nullptr;  // head_size need not be a multiple of 16 here
     }
   }();
+  const auto inv_scales = [&] {
+    if constexpr (K == CacheKind::kNvfp4) {
+      return InverseGroupScales(side, num_heads, nvfp4_layout.num_groups);
+    } else {
+      return nullptr;
+    }
+  }();
   for (int64_t i = begin; i < end; ++i) {
     if constexpr (K != CacheKind::kUnquantized) {
       if (i + 1 < end) prefetch_row(src + (i + 1) * src_token_stride, num_heads * head_size);
@@ -275,7 +359,10 @@ void write_side(const typename SourceTraits<S>::Storage* src, int64_t src_token_
         }
       }
     } else if constexpr (K == CacheKind::kNvfp4) {
-      quantize_nvfp4_token<S>(row, side, nvfp4_layout, num_heads, pos.block, int(pos.token));
+      const auto quantize_token =
+          inv_scales.any_infinite ? quantize_nvfp4_token_scalar<S> : quantize_nvfp4_token<S>;
+      quantize_token(row, side, nvfp4_layout, inv_scales.values.data(), num_heads, pos.block,
+                     int(pos.token));
     } else {  // FP8: q = fp8(clamp(x / scale)), one IEEE division per element
       uint8_t* cache = static_cast<uint8_t*>(side.data);
       for (int h = 0; h < num_heads; ++h) {
