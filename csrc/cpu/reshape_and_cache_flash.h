@@ -19,6 +19,10 @@
 #include "dispatch_utils.h"
 #include "kv_quant_math.h"
 
+#if defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
+
 namespace vllm_kv::cpu {
 
 // Page and row of a slot (slot >= 0).
@@ -177,6 +181,57 @@ inline void pack_e2m1(const Group& group, float multiplier, uint8_t* data) {
   }
 }
 
+#if defined(__AVX512BW__)
+// The 64 packed bytes of 8 groups from their E2M1 codes (16 lanes of 0..15 each): group g's
+// 8 bytes at 8g, even element in the low nibble.
+inline __m512i pack_e2m1_x8(const __m512i (&codes)[8]) {
+  // Per 128-bit lane l, bytes: elements 4l..4l+3 of groups 0, 1, 2, 3 (and of 4, 5, 6, 7).
+  const __m512i low = _mm512_packus_epi16(_mm512_packus_epi32(codes[0], codes[1]),
+                                          _mm512_packus_epi32(codes[2], codes[3]));
+  const __m512i high = _mm512_packus_epi16(_mm512_packus_epi32(codes[4], codes[5]),
+                                           _mm512_packus_epi32(codes[6], codes[7]));
+  // The low byte of each 16-bit word (an element pair): low code | high code << 4.
+  const __m512i byte_mask = _mm512_set1_epi16(0xFF);
+  constexpr int kOrAnd = 0xA8;  // (a | b) & c
+  const __m512i low_pairs =
+      _mm512_ternarylogic_epi32(_mm512_srli_epi16(low, 4), low, byte_mask, kOrAnd);
+  const __m512i high_pairs =
+      _mm512_ternarylogic_epi32(_mm512_srli_epi16(high, 4), high, byte_mask, kOrAnd);
+  // Word g of lane l: bytes 2l, 2l+1 of group g. Gather each group's four words.
+  const __m512i words = _mm512_packus_epi16(low_pairs, high_pairs);
+  const __m512i order = _mm512_set_epi16(31, 23, 15, 7, 30, 22, 14, 6, 29, 21, 13, 5, 28, 20, 12,
+                                         4, 27, 19, 11, 3, 26, 18, 10, 2, 25, 17, 9, 1, 24, 16, 8,
+                                         0);
+  return _mm512_permutexvar_epi16(order, words);
+}
+#endif
+
+// The packed E2M1 bytes of groups [0, n) of a chunk (8 per group, even element in the low
+// nibble) into packed[0, 8 * round_up(n, 8)); a group whose scale byte is the NaN byte is zeros.
+inline void encode_chunk(const Group* groups, const float* multipliers,
+                         const uint8_t* scale_bytes, int n, uint8_t* packed) {
+  constexpr int kPacked = kNvfp4GroupSize / 2;
+#if defined(__AVX512BW__)
+  static_assert(kVecsPerGroup == 1);
+  for (int q = 0; q < n; q += 8) {
+    __m512i codes[8];
+    for (int k = 0; k < 8; ++k) {
+      codes[k] = q + k < n ? std::bit_cast<__m512i>(float_to_e2m1_not_nan(
+                                 groups[q + k].v[0] * multipliers[q + k]))
+                           : _mm512_setzero_si512();
+    }
+    _mm512_storeu_si512(packed + q * kPacked, pack_e2m1_x8(codes));
+  }
+#else
+  for (int q = 0; q < n; ++q) pack_e2m1(groups[q], multipliers[q], packed + q * kPacked);
+#endif
+  if (std::memchr(scale_bytes, kFp8NanByte, n) != nullptr) {  // rare: groups holding a NaN
+    for (int q = 0; q < n; ++q) {
+      if (scale_bytes[q] == kFp8NanByte) std::memset(packed + q * kPacked, 0, kPacked);
+    }
+  }
+}
+
 // Block-scale bytes and multipliers of kChunk groups from their max |x| bits and inverse global
 // scales: nvfp4_scale_byte and nvfp4_multiplier (kv_quant_math.h) lane by lane.
 template <int kChunk>
@@ -257,26 +312,35 @@ inline void quantize_nvfp4_token(const typename SourceTraits<S>::Storage* row, C
     uint8_t scale_bytes[kChunk];
     float multipliers[kChunk];
     nvfp4_chunk_scales<kChunk>(max_bits, inv_scales + first, scale_bytes, multipliers);
+    uint8_t packed[kChunk * kPacked];
+    encode_chunk(groups, multipliers, scale_bytes, n, packed);
+    // NHD: the token's data entries, and its linear scale entries, follow each other over heads.
+    const bool heads_adjacent = layout.head_step == 1;
+    if (heads_adjacent) {
+      std::memcpy(cache + layout.data_offset(block, token, head) + group * kPacked, packed,
+                  n * kPacked);
+      if (side.scale_layout == ScaleLayout::kLinear) {
+        std::memcpy(cache + layout.scale_offset(block, token, head, group, ScaleLayout::kLinear),
+                    scale_bytes, n);
+      }
+    }
     for (int q = 0; q < n;) {
       // The rest of the current head's groups in this chunk.
       const int count = std::min(n - q, num_groups - group);
-      if (side.scale_layout == ScaleLayout::kLinear) {  // a (token, head)'s scales are one run
-        std::memcpy(cache + layout.scale_offset(block, token, head, group, ScaleLayout::kLinear),
-                    scale_bytes + q, count);
-      } else {
+      if (side.scale_layout == ScaleLayout::kInterleave4) {
         for (int k = 0; k < count; ++k) {
           cache[layout.scale_offset(block, token, head, group + k, ScaleLayout::kInterleave4)] =
               scale_bytes[q + k];
         }
+      } else if (!heads_adjacent) {  // a (token, head)'s scales are one run
+        std::memcpy(cache + layout.scale_offset(block, token, head, group, ScaleLayout::kLinear),
+                    scale_bytes + q, count);
       }
-      uint8_t* data = cache + layout.data_offset(block, token, head) + group * kPacked;
-      for (int k = 0; k < count; ++k, ++q, data += kPacked) {
-        if (scale_bytes[q] == kFp8NanByte) {
-          std::memset(data, 0, kPacked);
-        } else {
-          pack_e2m1(groups[q], multipliers[q], data);
-        }
+      if (!heads_adjacent) {
+        std::memcpy(cache + layout.data_offset(block, token, head) + group * kPacked,
+                    packed + q * kPacked, count * kPacked);
       }
+      q += count;
       group += count;
       if (group == num_groups) group = 0, ++head;
     }
