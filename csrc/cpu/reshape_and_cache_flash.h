@@ -20,7 +20,13 @@
 #include "kv_quant_math.h"
 
 #if defined(__AVX512BW__)
+// GCC 12 reports the deliberately undefined pass-through operands inside its AVX-512 intrinsics
+// as uninitialized (GCC bug 105593).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
+#pragma GCC diagnostic pop
 #endif
 
 namespace vllm_kv::cpu {
@@ -206,6 +212,16 @@ inline __m512i pack_e2m1_x8(const __m512i (&codes)[8]) {
 }
 #endif
 
+// Zeroes the packed data of groups [0, n) whose scale byte is the NaN byte (groups holding a NaN).
+inline void zero_nan_groups(const uint8_t* scale_bytes, int n, uint8_t* packed) {
+  constexpr int kPacked = kNvfp4GroupSize / 2;
+  if (std::memchr(scale_bytes, kFp8NanByte, n) != nullptr) {  // rare
+    for (int q = 0; q < n; ++q) {
+      if (scale_bytes[q] == kFp8NanByte) std::memset(packed + q * kPacked, 0, kPacked);
+    }
+  }
+}
+
 // The packed E2M1 bytes of groups [0, n) of a chunk (8 per group, even element in the low
 // nibble) into packed[0, 8 * round_up(n, 8)); a group whose scale byte is the NaN byte is zeros.
 inline void encode_chunk(const Group* groups, const float* multipliers,
@@ -225,11 +241,7 @@ inline void encode_chunk(const Group* groups, const float* multipliers,
 #else
   for (int q = 0; q < n; ++q) pack_e2m1(groups[q], multipliers[q], packed + q * kPacked);
 #endif
-  if (std::memchr(scale_bytes, kFp8NanByte, n) != nullptr) {  // rare: groups holding a NaN
-    for (int q = 0; q < n; ++q) {
-      if (scale_bytes[q] == kFp8NanByte) std::memset(packed + q * kPacked, 0, kPacked);
-    }
-  }
+  zero_nan_groups(scale_bytes, n, packed);
 }
 
 // Block-scale bytes and multipliers of kChunk groups from their max |x| bits and inverse global
@@ -254,6 +266,90 @@ inline void nvfp4_chunk_scales(const uint32_t* max_abs_bits, const float* inv_gl
     std::memcpy(multipliers + q, &multiplier, sizeof(multiplier));
   }
 }
+
+#if defined(__AVX512BW__)
+// Groups that bf16_group_maxima and bf16_encode_groups take at a time.
+inline constexpr int kBf16Groups = 16;
+
+// NVFP4 of bf16 groups with AVX-512, 16 consecutive groups of a token at a time, keeping the data
+// in bf16 until it is multiplied: a 512-bit vector holds two groups.
+//  - Max |x| on the bf16 bits (they order like |x|, NaN above +Inf), a transposing reduction of
+//    16-bit lanes; the fp32 bits of the max are its bf16 bits << 16.
+//  - Widening by interleaving zero words: per 128-bit lane, unpacklo gives elements 0-3 and
+//    unpackhi elements 4-7 of that lane's 8, so each fp32 vector holds half of both groups (lanes
+//    0-1 group 2j, lanes 2-3 group 2j+1), multiplied by [m_2j x 8, m_2j+1 x 8].
+//  - packus_epi32 of the two code vectors puts every group's 16 codes back in element order.
+// Loads bf16 groups 2j and 2j + 1 of x, zeros past group n.
+inline __m512i load_bf16_pair(const uint16_t* x, int n, int j) {
+  const int words = std::clamp(n - 2 * j, 0, 2) * kNvfp4GroupSize;
+  const __mmask32 valid = words == 32 ? ~__mmask32{0} : (__mmask32{1} << words) - 1;
+  return _mm512_maskz_loadu_epi16(valid, x + j * 2 * kNvfp4GroupSize);
+}
+
+// The fp32 bits of max |x_i| of groups [0, 16) of x (0 past group n) into max_bits[0, 16).
+inline void bf16_group_maxima(const uint16_t* x, int n, uint32_t* max_bits) {
+  // Halves of the same group meet, pair by pair of vectors.
+  const __m512i abs_mask = _mm512_set1_epi16(0x7FFF);
+  __m512i quarter[4];  // 128-bit lane k of quarter[i]: 8 partial maxima of group 4i + k
+  for (int i = 0; i < 4; ++i) {
+    const __m512i a = _mm512_and_si512(load_bf16_pair(x, n, 2 * i), abs_mask);
+    const __m512i b = _mm512_and_si512(load_bf16_pair(x, n, 2 * i + 1), abs_mask);
+    quarter[i] =
+        _mm512_max_epu16(_mm512_shuffle_i32x4(a, b, 0x88), _mm512_shuffle_i32x4(a, b, 0xDD));
+  }
+  __m512i half[2];  // lane k of half[i]: 4 partial maxima of group 8i + k, then of 8i + 4 + k
+  for (int i = 0; i < 2; ++i) {
+    half[i] = _mm512_max_epu16(_mm512_unpacklo_epi64(quarter[2 * i], quarter[2 * i + 1]),
+                               _mm512_unpackhi_epi64(quarter[2 * i], quarter[2 * i + 1]));
+  }
+  // Dword j of lane k: 2 partial maxima of group 4j + k.
+  const __m512i even =
+      _mm512_set_epi32(30, 28, 14, 12, 26, 24, 10, 8, 22, 20, 6, 4, 18, 16, 2, 0);
+  const __m512i odd = _mm512_set_epi32(31, 29, 15, 13, 27, 25, 11, 9, 23, 21, 7, 5, 19, 17, 3, 1);
+  const __m512i pairs = _mm512_max_epu16(_mm512_permutex2var_epi32(half[0], even, half[1]),
+                                         _mm512_permutex2var_epi32(half[0], odd, half[1]));
+  const __m512i maxima = _mm512_max_epu16(pairs, _mm512_srli_epi32(pairs, 16));
+  const __m512i group_order =
+      _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  _mm512_storeu_si512(max_bits, _mm512_slli_epi32(_mm512_permutexvar_epi32(group_order, maxima), 16));
+}
+
+// The packed data of groups [0, 16) of x (past group n: zero codes) into packed[0, 128).
+inline void bf16_encode_groups(const uint16_t* x, int n, const float* multipliers,
+                               uint8_t* packed) {
+  const __m512 multiplier = _mm512_loadu_ps(multipliers);
+  const __m512i zero = _mm512_setzero_si512();
+  const __m512i byte_mask = _mm512_set1_epi16(0xFF);
+  constexpr int kOrAnd = 0xA8;  // (a | b) & c
+  // Dword 4l + d of the final packus: bytes 4(l % 2) to 4(l % 2) + 3 of group 2d + l / 2.
+  const __m512i dword_order =
+      _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  for (int j0 = 0; j0 < kBf16Groups / 2; j0 += 4) {  // 8 groups
+    __m512i words[4];  // codes of groups 2j, 2j + 1 as 16-bit words in element order
+    for (int j = j0; j < j0 + 4; ++j) {
+      const __m512i raw = load_bf16_pair(x, n, j);
+      const __m512i pair_index = _mm512_set_epi32(2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1,
+                                                  2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1,
+                                                  2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j,
+                                                  2 * j);
+      const F32v m = std::bit_cast<F32v>(_mm512_permutexvar_ps(pair_index, multiplier));
+      const F32v low = std::bit_cast<F32v>(_mm512_unpacklo_epi16(zero, raw)) * m;
+      const F32v high = std::bit_cast<F32v>(_mm512_unpackhi_epi16(zero, raw)) * m;
+      words[j - j0] = _mm512_packus_epi32(std::bit_cast<__m512i>(float_to_e2m1_not_nan(low)),
+                                          std::bit_cast<__m512i>(float_to_e2m1_not_nan(high)));
+    }
+    __m512i nibbles[2];
+    for (int i = 0; i < 2; ++i) {
+      const __m512i bytes = _mm512_packus_epi16(words[2 * i], words[2 * i + 1]);
+      nibbles[i] =
+          _mm512_ternarylogic_epi32(_mm512_srli_epi16(bytes, 4), bytes, byte_mask, kOrAnd);
+    }
+    const __m512i out =
+        _mm512_permutexvar_epi32(dword_order, _mm512_packus_epi16(nibbles[0], nibbles[1]));
+    _mm512_storeu_si512(packed + j0 * kNvfp4GroupSize, out);
+  }
+}
+#endif
 
 // Groups per chunk of quantize_nvfp4_token.
 inline constexpr int kNvfp4Chunk = 64;
@@ -294,6 +390,23 @@ inline void quantize_nvfp4_token(const typename SourceTraits<S>::Storage* row, C
   for (int first = 0; first < total; first += kChunk) {
     const int n = std::min(kChunk, total - first);
     const auto* x = row + int64_t(first) * kNvfp4GroupSize;  // a token's [H, D] is contiguous
+    uint8_t scale_bytes[kChunk];
+    alignas(64) uint8_t packed[kChunk * kPacked];
+#if defined(__AVX512BW__)
+    if constexpr (S == SourceType::kBFloat16) {
+      alignas(64) uint32_t max_bits[kChunk];
+      alignas(64) float multipliers[kChunk];
+      for (int q = 0; q < kChunk; q += kBf16Groups) {
+        bf16_group_maxima(x + q * kNvfp4GroupSize, n - q, max_bits + q);
+      }
+      nvfp4_chunk_scales<kChunk>(max_bits, inv_scales + first, scale_bytes, multipliers);
+      for (int q = 0; q < n; q += kBf16Groups) {
+        bf16_encode_groups(x + q * kNvfp4GroupSize, n - q, multipliers + q, packed + q * kPacked);
+      }
+      zero_nan_groups(scale_bytes, n, packed);
+    } else
+#endif
+    {
     Group groups[kChunk];
     uint32_t max_bits[kChunk];
     for (int q0 = 0; q0 < kChunk; q0 += kLanes) {
@@ -309,11 +422,10 @@ inline void quantize_nvfp4_token(const typename SourceTraits<S>::Storage* row, C
       reduce_max<kLanes>(partial);
       std::memcpy(max_bits + q0, &partial[0], sizeof(U32v));
     }
-    uint8_t scale_bytes[kChunk];
     float multipliers[kChunk];
     nvfp4_chunk_scales<kChunk>(max_bits, inv_scales + first, scale_bytes, multipliers);
-    uint8_t packed[kChunk * kPacked];
     encode_chunk(groups, multipliers, scale_bytes, n, packed);
+    }
     // NHD: the token's data entries, and its linear scale entries, follow each other over heads.
     const bool heads_adjacent = layout.head_step == 1;
     if (heads_adjacent) {

@@ -8,16 +8,19 @@
 //     sizes, NHD / HND, padded pages, strides, misalignment, skipped slots, linear / interleave4
 //     scales) and adversarial NVFP4 groups, whole cache images compared byte for byte with the
 //     independent scalar reference FlashTestProblem::expected.
-//   bench T H D [reps]: one thread, bf16 -> FP8 e4m3 and NVFP4, NHD; ns per element.
+//   bench | bench-cold  T H D [reps]: one thread, bf16 -> FP8 e4m3 and NVFP4, NHD, cache-resident
+//     or cold (caches flushed before every call); best ns per element.
 //
 //   g++ -std=c++20 -O3 -march=native -ffp-contract=off -fopenmp -I csrc
 //       csrc/cpu/tests/check_reshape_and_cache_flash_cpu.cpp -o /tmp/check_cpu && /tmp/check_cpu
+#include <algorithm>
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <vector>
 #include <string>
 
 #include "cpu/reshape_and_cache_flash.h"
@@ -182,24 +185,33 @@ bool check_adversarial_nvfp4(int num_problems) {
   return failed == 0;
 }
 
-int bench(int tokens, int heads, int head_size, int reps) {
+// One thread, bf16 -> FP8 e4m3 and NVFP4, NHD, pages in random order (as a prefill writes them).
+// Cold: a 64 MiB buffer (twice this machine's L3) is written before every timed call, so that
+// the call reads its source and cache lines from memory.
+int bench(int tokens, int heads, int head_size, int reps, bool cold) {
   std::mt19937_64 rng(1);
+  std::vector<uint8_t> flush(cold ? size_t(64) << 20 : 0);
   for (const CacheKind kind : {CacheKind::kFp8E4M3, CacheKind::kNvfp4}) {
     test::FlashTestProblem t = test::make_dense_problem(SourceType::kBFloat16, kind, tokens, heads,
                                                         head_size, 16, false, rng);
+    std::vector<int64_t> pages(t.shape.num_blocks);
+    for (size_t b = 0; b < pages.size(); ++b) pages[b] = int64_t(b);
+    std::shuffle(pages.begin(), pages.end(), rng);
+    for (int i = 0; i < tokens; ++i) t.slots[i] = pages[i / 16] * 16 + i % 16;
     const ReshapeAndCacheParams p = t.params(t.cache.data(), t.key.data(), t.value.data(),
                                              t.slots.data(), t.k_scale.data(), t.v_scale.data());
     double best = 1e30;
     for (int r = 0; r < reps; ++r) {
+      for (size_t i = 0; i < flush.size(); i += 64) flush[i] += 1;
       const auto t0 = std::chrono::steady_clock::now();
       cpu::reshape_and_cache_flash(p, kSerial);
       best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
                                 .count());
     }
     const double elements = 2.0 * tokens * heads * head_size;
-    std::printf("%-6s T=%d H=%d D=%d: best of %d %.1f us, %.3f ns/element\n",
-                kind == CacheKind::kNvfp4 ? "nvfp4" : "fp8", tokens, heads, head_size, reps,
-                best * 1e6, best * 1e9 / elements);
+    std::printf("%-6s T=%d H=%d D=%d %s: best of %d %.1f us, %.3f ns/element\n",
+                kind == CacheKind::kNvfp4 ? "nvfp4" : "fp8", tokens, heads, head_size,
+                cold ? "cold" : "warm", reps, best * 1e6, best * 1e9 / elements);
   }
   return 0;
 }
@@ -207,9 +219,10 @@ int bench(int tokens, int heads, int head_size, int reps) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc > 1 && std::string(argv[1]) == "bench") {
+  if (argc > 1 && (std::string(argv[1]) == "bench" || std::string(argv[1]) == "bench-cold")) {
     return bench(argc > 2 ? std::atoi(argv[2]) : 256, argc > 3 ? std::atoi(argv[3]) : 8,
-                 argc > 4 ? std::atoi(argv[4]) : 128, argc > 5 ? std::atoi(argv[5]) : 20);
+                 argc > 4 ? std::atoi(argv[4]) : 128, argc > 5 ? std::atoi(argv[5]) : 20,
+                 std::string(argv[1]) == "bench-cold");
   }
   std::printf("vector width: %d bytes\n", cpu::kVecBytes);
   int passed = 0, failed = 0;
