@@ -271,6 +271,11 @@ inline void nvfp4_chunk_scales(const uint32_t* max_abs_bits, const float* inv_gl
 // Groups that bf16_group_maxima and bf16_encode_groups take at a time.
 inline constexpr int kBf16Groups = 16;
 
+// All-lane masks: GCC 12 warns that the unmasked forms of several intrinsics use an
+// uninitialized pass-through operand (GCC bug 105593), the zero-masked forms compile the same.
+inline constexpr __mmask16 kAll16 = 0xFFFF;
+inline constexpr __mmask8 kAll8 = 0xFF;
+
 // NVFP4 of bf16 groups with AVX-512, 16 consecutive groups of a token at a time, keeping the data
 // in bf16 until it is multiplied: a 512-bit vector holds two groups.
 //  - Max |x| on the bf16 bits (they order like |x|, NaN above +Inf), a transposing reduction of
@@ -295,12 +300,13 @@ inline void bf16_group_maxima(const uint16_t* x, int n, uint32_t* max_bits) {
     const __m512i a = _mm512_and_si512(load_bf16_pair(x, n, 2 * i), abs_mask);
     const __m512i b = _mm512_and_si512(load_bf16_pair(x, n, 2 * i + 1), abs_mask);
     quarter[i] =
-        _mm512_max_epu16(_mm512_shuffle_i32x4(a, b, 0x88), _mm512_shuffle_i32x4(a, b, 0xDD));
+        _mm512_max_epu16(_mm512_maskz_shuffle_i32x4(kAll16, a, b, 0x88),
+                         _mm512_maskz_shuffle_i32x4(kAll16, a, b, 0xDD));
   }
   __m512i half[2];  // lane k of half[i]: 4 partial maxima of group 8i + k, then of 8i + 4 + k
   for (int i = 0; i < 2; ++i) {
-    half[i] = _mm512_max_epu16(_mm512_unpacklo_epi64(quarter[2 * i], quarter[2 * i + 1]),
-                               _mm512_unpackhi_epi64(quarter[2 * i], quarter[2 * i + 1]));
+    half[i] = _mm512_max_epu16(_mm512_maskz_unpacklo_epi64(kAll8, quarter[2 * i], quarter[2 * i + 1]),
+                               _mm512_maskz_unpackhi_epi64(kAll8, quarter[2 * i], quarter[2 * i + 1]));
   }
   // Dword j of lane k: 2 partial maxima of group 4j + k.
   const __m512i even =
@@ -308,10 +314,14 @@ inline void bf16_group_maxima(const uint16_t* x, int n, uint32_t* max_bits) {
   const __m512i odd = _mm512_set_epi32(31, 29, 15, 13, 27, 25, 11, 9, 23, 21, 7, 5, 19, 17, 3, 1);
   const __m512i pairs = _mm512_max_epu16(_mm512_permutex2var_epi32(half[0], even, half[1]),
                                          _mm512_permutex2var_epi32(half[0], odd, half[1]));
-  const __m512i maxima = _mm512_max_epu16(pairs, _mm512_srli_epi32(pairs, 16));
+  const __m512i maxima =
+      _mm512_max_epu16(pairs, std::bit_cast<__m512i>(std::bit_cast<U32v>(pairs) >> 16));
   const __m512i group_order =
       _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
-  _mm512_storeu_si512(max_bits, _mm512_slli_epi32(_mm512_permutexvar_epi32(group_order, maxima), 16));
+  // bf16 bits << 16: fp32 bits.
+  const U32v ordered =
+      std::bit_cast<U32v>(_mm512_maskz_permutexvar_epi32(kAll16, group_order, maxima)) << 16;
+  std::memcpy(max_bits, &ordered, sizeof(ordered));
 }
 
 // The packed data of groups [0, 16) of x (past group n: zero codes) into packed[0, 128).
@@ -332,7 +342,7 @@ inline void bf16_encode_groups(const uint16_t* x, int n, const float* multiplier
                                                   2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1,
                                                   2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j,
                                                   2 * j);
-      const F32v m = std::bit_cast<F32v>(_mm512_permutexvar_ps(pair_index, multiplier));
+      const F32v m = std::bit_cast<F32v>(_mm512_maskz_permutexvar_ps(kAll16, pair_index, multiplier));
       const F32v low = std::bit_cast<F32v>(_mm512_unpacklo_epi16(zero, raw)) * m;
       const F32v high = std::bit_cast<F32v>(_mm512_unpackhi_epi16(zero, raw)) * m;
       words[j - j0] = _mm512_packus_epi32(std::bit_cast<__m512i>(float_to_e2m1_not_nan(low)),
@@ -342,10 +352,12 @@ inline void bf16_encode_groups(const uint16_t* x, int n, const float* multiplier
     for (int i = 0; i < 2; ++i) {
       const __m512i bytes = _mm512_packus_epi16(words[2 * i], words[2 * i + 1]);
       nibbles[i] =
-          _mm512_ternarylogic_epi32(_mm512_srli_epi16(bytes, 4), bytes, byte_mask, kOrAnd);
+          _mm512_ternarylogic_epi32(
+          std::bit_cast<__m512i>(std::bit_cast<Vec<uint16_t>>(bytes) >> 4), bytes, byte_mask, kOrAnd);
     }
     const __m512i out =
-        _mm512_permutexvar_epi32(dword_order, _mm512_packus_epi16(nibbles[0], nibbles[1]));
+        _mm512_maskz_permutexvar_epi32(kAll16, dword_order,
+                                       _mm512_packus_epi16(nibbles[0], nibbles[1]));
     _mm512_storeu_si512(packed + j0 * kNvfp4GroupSize, out);
   }
 }
