@@ -1,8 +1,12 @@
 // CPU reshape_and_cache_flash (DESIGN.md §6). Framework-free: the torch glue validates the
 // arguments, fills a ReshapeAndCacheParams and passes in the parallel-for (at::parallel_for) that
-// splits the tokens among threads. FP8 bytes and NVFP4 block scales come from the scalar code of
-// kv_quant_math.h (in loops the compiler vectorises), E2M1 codes from a lane-parallel form of its
-// float_to_e2m1 (equal on all 2^32 fp32 inputs), every address from cache_layout.h.
+// splits the tokens among threads. FP8 bytes come from the scalar code of kv_quant_math.h (in
+// loops the compiler vectorises); NVFP4 from lane-parallel forms of its encoders (equal on all
+// 2^32 fp32 inputs, checked by csrc/cpu/tests/check_reshape_and_cache_flash_cpu.cpp), in GCC/Clang
+// vector extensions at the build target's width (AVX-512, AVX2, SSE2 or NEON), plus AVX-512
+// intrinsics where those lower badly (packing, bf16 data); the instruction set is the build's
+// (-march), chosen at compile time. Global scales below 2^-128 (whose inverse is Inf) take the
+// scalar nvfp4_quantize_group. Every address comes from cache_layout.h.
 #pragma once
 
 #include <algorithm>
