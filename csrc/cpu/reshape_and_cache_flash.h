@@ -288,21 +288,24 @@ inline constexpr __mmask8 kAll8 = 0xFF;
 //    unpackhi elements 4-7 of that lane's 8, so each fp32 vector holds half of both groups (lanes
 //    0-1 group 2j, lanes 2-3 group 2j+1), multiplied by [m_2j x 8, m_2j+1 x 8].
 //  - packus_epi32 of the two code vectors puts every group's 16 codes back in element order.
-// Loads bf16 groups 2j and 2j + 1 of x, zeros past group n.
+// Loads bf16 groups 2j and 2j + 1 of x, zeros past group n (kFull: n >= 16, no masking).
+template <bool kFull>
 inline __m512i load_bf16_pair(const uint16_t* x, int n, int j) {
+  if constexpr (kFull) return _mm512_loadu_si512(x + j * 2 * kNvfp4GroupSize);
   const int words = std::clamp(n - 2 * j, 0, 2) * kNvfp4GroupSize;
   const __mmask32 valid = words == 32 ? ~__mmask32{0} : (__mmask32{1} << words) - 1;
   return _mm512_maskz_loadu_epi16(valid, x + j * 2 * kNvfp4GroupSize);
 }
 
 // The fp32 bits of max |x_i| of groups [0, 16) of x (0 past group n) into max_bits[0, 16).
+template <bool kFull>
 inline void bf16_group_maxima(const uint16_t* x, int n, uint32_t* max_bits) {
   // Halves of the same group meet, pair by pair of vectors.
   const __m512i abs_mask = _mm512_set1_epi16(0x7FFF);
   __m512i quarter[4];  // 128-bit lane k of quarter[i]: 8 partial maxima of group 4i + k
   for (int i = 0; i < 4; ++i) {
-    const __m512i a = _mm512_and_si512(load_bf16_pair(x, n, 2 * i), abs_mask);
-    const __m512i b = _mm512_and_si512(load_bf16_pair(x, n, 2 * i + 1), abs_mask);
+    const __m512i a = _mm512_and_si512(load_bf16_pair<kFull>(x, n, 2 * i), abs_mask);
+    const __m512i b = _mm512_and_si512(load_bf16_pair<kFull>(x, n, 2 * i + 1), abs_mask);
     quarter[i] =
         _mm512_max_epu16(_mm512_maskz_shuffle_i32x4(kAll16, a, b, 0x88),
                          _mm512_maskz_shuffle_i32x4(kAll16, a, b, 0xDD));
@@ -329,6 +332,7 @@ inline void bf16_group_maxima(const uint16_t* x, int n, uint32_t* max_bits) {
 }
 
 // The packed data of groups [0, 16) of x (past group n: zero codes) into packed[0, 128).
+template <bool kFull>
 inline void bf16_encode_groups(const uint16_t* x, int n, const float* multipliers,
                                uint8_t* packed) {
   const __m512 multiplier = _mm512_loadu_ps(multipliers);
@@ -338,10 +342,12 @@ inline void bf16_encode_groups(const uint16_t* x, int n, const float* multiplier
   // Dword 4l + d of the final packus: bytes 4(l % 2) to 4(l % 2) + 3 of group 2d + l / 2.
   const __m512i dword_order =
       _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  KV_UNROLL  // constant lane indices below
   for (int j0 = 0; j0 < kBf16Groups / 2; j0 += 4) {  // 8 groups
     __m512i words[4];  // codes of groups 2j, 2j + 1 as 16-bit words in element order
+    KV_UNROLL
     for (int j = j0; j < j0 + 4; ++j) {
-      const __m512i raw = load_bf16_pair(x, n, j);
+      const __m512i raw = load_bf16_pair<kFull>(x, n, j);
       const __m512i pair_index = _mm512_set_epi32(2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1,
                                                   2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1,
                                                   2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j,
@@ -413,11 +419,21 @@ inline void quantize_nvfp4_token(const typename SourceTraits<S>::Storage* row, C
       alignas(64) uint32_t max_bits[kChunk];
       alignas(64) float multipliers[kChunk];
       for (int q = 0; q < kChunk; q += kBf16Groups) {
-        bf16_group_maxima(x + q * kNvfp4GroupSize, n - q, max_bits + q);
+        if (n - q >= kBf16Groups) {
+          bf16_group_maxima<true>(x + q * kNvfp4GroupSize, n - q, max_bits + q);
+        } else {
+          bf16_group_maxima<false>(x + q * kNvfp4GroupSize, n - q, max_bits + q);
+        }
       }
       nvfp4_chunk_scales<kChunk>(max_bits, inv_scales + first, scale_bytes, multipliers);
       for (int q = 0; q < n; q += kBf16Groups) {
-        bf16_encode_groups(x + q * kNvfp4GroupSize, n - q, multipliers + q, packed + q * kPacked);
+        if (n - q >= kBf16Groups) {
+          bf16_encode_groups<true>(x + q * kNvfp4GroupSize, n - q, multipliers + q,
+                                   packed + q * kPacked);
+        } else {
+          bf16_encode_groups<false>(x + q * kNvfp4GroupSize, n - q, multipliers + q,
+                                    packed + q * kPacked);
+        }
       }
       zero_nan_groups(scale_bytes, n, packed);
     } else
