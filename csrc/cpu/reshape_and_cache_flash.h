@@ -209,9 +209,8 @@ inline __m512i pack_e2m1_x8(const __m512i (&codes)[8]) {
       _mm512_ternarylogic_epi32(_mm512_srli_epi16(high, 4), high, byte_mask, kOrAnd);
   // Word g of lane l: bytes 2l, 2l+1 of group g. Gather each group's four words.
   const __m512i words = _mm512_packus_epi16(low_pairs, high_pairs);
-  const __m512i order = _mm512_set_epi16(31, 23, 15, 7, 30, 22, 14, 6, 29, 21, 13, 5, 28, 20, 12,
-                                         4, 27, 19, 11, 3, 26, 18, 10, 2, 25, 17, 9, 1, 24, 16, 8,
-                                         0);
+  const __m512i order = _mm512_set_epi16(31, 23, 15, 7, 30, 22, 14, 6, 29, 21, 13, 5, 28, 20, 12, 4,
+                                         27, 19, 11, 3, 26, 18, 10, 2, 25, 17, 9, 1, 24, 16, 8, 0);
   return _mm512_permutexvar_epi16(order, words);
 }
 #endif
@@ -228,16 +227,16 @@ inline void zero_nan_groups(const uint8_t* scale_bytes, int n, uint8_t* packed) 
 
 // The packed E2M1 bytes of groups [0, n) of a chunk (8 per group, even element in the low
 // nibble) into packed[0, 8 * round_up(n, 8)); a group whose scale byte is the NaN byte is zeros.
-inline void encode_chunk(const Group* groups, const float* multipliers,
-                         const uint8_t* scale_bytes, int n, uint8_t* packed) {
+inline void encode_chunk(const Group* groups, const float* multipliers, const uint8_t* scale_bytes,
+                         int n, uint8_t* packed) {
   constexpr int kPacked = kNvfp4GroupSize / 2;
 #if defined(__AVX512BW__)
   static_assert(kVecsPerGroup == 1);
   for (int q = 0; q < n; q += 8) {
     __m512i codes[8];
     for (int k = 0; k < 8; ++k) {
-      codes[k] = q + k < n ? std::bit_cast<__m512i>(float_to_e2m1_not_nan(
-                                 groups[q + k].v[0] * multipliers[q + k]))
+      codes[k] = q + k < n ? std::bit_cast<__m512i>(
+                                 float_to_e2m1_not_nan(groups[q + k].v[0] * multipliers[q + k]))
                            : _mm512_setzero_si512();
     }
     _mm512_storeu_si512(packed + q * kPacked, pack_e2m1_x8(codes));
@@ -306,18 +305,17 @@ inline void bf16_group_maxima(const uint16_t* x, int n, uint32_t* max_bits) {
   for (int i = 0; i < 4; ++i) {
     const __m512i a = _mm512_and_si512(load_bf16_pair<kFull>(x, n, 2 * i), abs_mask);
     const __m512i b = _mm512_and_si512(load_bf16_pair<kFull>(x, n, 2 * i + 1), abs_mask);
-    quarter[i] =
-        _mm512_max_epu16(_mm512_maskz_shuffle_i32x4(kAll16, a, b, 0x88),
-                         _mm512_maskz_shuffle_i32x4(kAll16, a, b, 0xDD));
+    quarter[i] = _mm512_max_epu16(_mm512_maskz_shuffle_i32x4(kAll16, a, b, 0x88),
+                                  _mm512_maskz_shuffle_i32x4(kAll16, a, b, 0xDD));
   }
   __m512i half[2];  // lane k of half[i]: 4 partial maxima of group 8i + k, then of 8i + 4 + k
   for (int i = 0; i < 2; ++i) {
-    half[i] = _mm512_max_epu16(_mm512_maskz_unpacklo_epi64(kAll8, quarter[2 * i], quarter[2 * i + 1]),
-                               _mm512_maskz_unpackhi_epi64(kAll8, quarter[2 * i], quarter[2 * i + 1]));
+    half[i] =
+        _mm512_max_epu16(_mm512_maskz_unpacklo_epi64(kAll8, quarter[2 * i], quarter[2 * i + 1]),
+                         _mm512_maskz_unpackhi_epi64(kAll8, quarter[2 * i], quarter[2 * i + 1]));
   }
   // Dword j of lane k: 2 partial maxima of group 4j + k.
-  const __m512i even =
-      _mm512_set_epi32(30, 28, 14, 12, 26, 24, 10, 8, 22, 20, 6, 4, 18, 16, 2, 0);
+  const __m512i even = _mm512_set_epi32(30, 28, 14, 12, 26, 24, 10, 8, 22, 20, 6, 4, 18, 16, 2, 0);
   const __m512i odd = _mm512_set_epi32(31, 29, 15, 13, 27, 25, 11, 9, 23, 21, 7, 5, 19, 17, 3, 1);
   const __m512i pairs = _mm512_max_epu16(_mm512_permutex2var_epi32(half[0], even, half[1]),
                                          _mm512_permutex2var_epi32(half[0], odd, half[1]));
@@ -342,17 +340,18 @@ inline void bf16_encode_groups(const uint16_t* x, int n, const float* multiplier
   // Dword 4l + d of the final packus: bytes 4(l % 2) to 4(l % 2) + 3 of group 2d + l / 2.
   const __m512i dword_order =
       _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
-  KV_UNROLL  // constant lane indices below
+  // Fully unrolled, so that the lane indices below are constants.
+  KV_UNROLL
   for (int j0 = 0; j0 < kBf16Groups / 2; j0 += 4) {  // 8 groups
     __m512i words[4];  // codes of groups 2j, 2j + 1 as 16-bit words in element order
     KV_UNROLL
     for (int j = j0; j < j0 + 4; ++j) {
       const __m512i raw = load_bf16_pair<kFull>(x, n, j);
       const __m512i pair_index = _mm512_set_epi32(2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1,
-                                                  2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1,
-                                                  2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j,
-                                                  2 * j);
-      const F32v m = std::bit_cast<F32v>(_mm512_maskz_permutexvar_ps(kAll16, pair_index, multiplier));
+                                                  2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j,
+                                                  2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j);
+      const F32v m =
+          std::bit_cast<F32v>(_mm512_maskz_permutexvar_ps(kAll16, pair_index, multiplier));
       const F32v low = std::bit_cast<F32v>(_mm512_unpacklo_epi16(zero, raw)) * m;
       const F32v high = std::bit_cast<F32v>(_mm512_unpackhi_epi16(zero, raw)) * m;
       words[j - j0] = _mm512_packus_epi32(std::bit_cast<__m512i>(float_to_e2m1_not_nan(low)),
@@ -361,13 +360,12 @@ inline void bf16_encode_groups(const uint16_t* x, int n, const float* multiplier
     __m512i nibbles[2];
     for (int i = 0; i < 2; ++i) {
       const __m512i bytes = _mm512_packus_epi16(words[2 * i], words[2 * i + 1]);
-      nibbles[i] =
-          _mm512_ternarylogic_epi32(
-          std::bit_cast<__m512i>(std::bit_cast<Vec<uint16_t>>(bytes) >> 4), bytes, byte_mask, kOrAnd);
+      nibbles[i] = _mm512_ternarylogic_epi32(
+          std::bit_cast<__m512i>(std::bit_cast<Vec<uint16_t>>(bytes) >> 4), bytes, byte_mask,
+          kOrAnd);
     }
-    const __m512i out =
-        _mm512_maskz_permutexvar_epi32(kAll16, dword_order,
-                                       _mm512_packus_epi16(nibbles[0], nibbles[1]));
+    const __m512i out = _mm512_maskz_permutexvar_epi32(kAll16, dword_order,
+                                                       _mm512_packus_epi16(nibbles[0], nibbles[1]));
     _mm512_storeu_si512(packed + j0 * kNvfp4GroupSize, out);
   }
 }
@@ -439,24 +437,24 @@ inline void quantize_nvfp4_token(const typename SourceTraits<S>::Storage* row, C
     } else
 #endif
     {
-    Group groups[kChunk];
-    uint32_t max_bits[kChunk];
-    for (int q0 = 0; q0 < kChunk; q0 += kLanes) {
-      U32v partial[kLanes];
-      for (int q = q0; q < q0 + kLanes; ++q) {
-        if (q < n) {
-          groups[q] = widen_group<S>(x + q * kNvfp4GroupSize);
-          partial[q - q0] = partial_max_abs_bits(groups[q]);
-        } else {
-          partial[q - q0] = U32v{};
+      Group groups[kChunk];
+      uint32_t max_bits[kChunk];
+      for (int q0 = 0; q0 < kChunk; q0 += kLanes) {
+        U32v partial[kLanes];
+        for (int q = q0; q < q0 + kLanes; ++q) {
+          if (q < n) {
+            groups[q] = widen_group<S>(x + q * kNvfp4GroupSize);
+            partial[q - q0] = partial_max_abs_bits(groups[q]);
+          } else {
+            partial[q - q0] = U32v{};
+          }
         }
+        reduce_max<kLanes>(partial);
+        std::memcpy(max_bits + q0, &partial[0], sizeof(U32v));
       }
-      reduce_max<kLanes>(partial);
-      std::memcpy(max_bits + q0, &partial[0], sizeof(U32v));
-    }
-    float multipliers[kChunk];
-    nvfp4_chunk_scales<kChunk>(max_bits, inv_scales + first, scale_bytes, multipliers);
-    encode_chunk(groups, multipliers, scale_bytes, n, packed);
+      float multipliers[kChunk];
+      nvfp4_chunk_scales<kChunk>(max_bits, inv_scales + first, scale_bytes, multipliers);
+      encode_chunk(groups, multipliers, scale_bytes, n, packed);
     }
     // NHD: the token's data entries, and its linear scale entries, follow each other over heads.
     const bool heads_adjacent = layout.head_step == 1;

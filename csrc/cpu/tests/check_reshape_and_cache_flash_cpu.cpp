@@ -20,8 +20,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
-#include <vector>
 #include <string>
+#include <vector>
 
 #include "cpu/reshape_and_cache_flash.h"
 #include "cuda/tests/flash_test_problem.h"
@@ -172,7 +172,7 @@ bool check_adversarial_nvfp4(int num_problems) {
             std::memcpy(image->data() + i * 4, &x, 4);
           } else {
             const uint16_t h = source == SourceType::kBFloat16 ? test::float_to_bf16_bits(x)
-                                                                : test::float_to_fp16_bits(x);
+                                                               : test::float_to_fp16_bits(x);
             std::memcpy(image->data() + i * 2, &h, 2);
           }
         }
@@ -205,8 +205,8 @@ int bench(int tokens, int heads, int head_size, int reps, bool cold) {
       for (size_t i = 0; i < flush.size(); i += 64) flush[i] += 1;
       const auto t0 = std::chrono::steady_clock::now();
       cpu::reshape_and_cache_flash(p, kSerial);
-      best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
-                                .count());
+      best = std::min(best,
+                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
     const double elements = 2.0 * tokens * heads * head_size;
     std::printf("%-6s T=%d H=%d D=%d %s: best of %d %.1f us, %.3f ns/element\n",
@@ -234,8 +234,7 @@ int main(int argc, char** argv) {
       [](uint32_t bits) { return (bits & 0x7FFFFFFFu) > 0x7F800000u; }));
   count(check_all_floats(
       "float_to_e4m3_satfinite (vector)",
-      [](cpu::F32v v) { return cpu::float_to_e4m3_satfinite(v); }, float_to_e4m3_satfinite,
-      never));
+      [](cpu::F32v v) { return cpu::float_to_e4m3_satfinite(v); }, float_to_e4m3_satfinite, never));
   count(check_e4m3_decode());
   count(check_random_problems(6000));
   count(check_adversarial_nvfp4(3000));
