@@ -23,7 +23,7 @@
 #include "dispatch_utils.h"
 #include "kv_quant_math.h"
 
-#if defined(__AVX512BW__)
+#if defined(__AVX2__)
 // GCC 12 reports the deliberately undefined pass-through operands inside its AVX-512 intrinsics
 // as uninitialized (GCC bug 105593).
 #pragma GCC diagnostic push
@@ -109,6 +109,20 @@ inline void reduce_max(U32v* v) {  // v[0 .. kSeg): segments of kSeg lanes
   }
 }
 
+// Lane-wise unsigned minimum in one instruction (GCC spells `a < b ? a : b` on vectors as a
+// compare and a blend).
+inline U32v umin(U32v a, U32v b) {
+#if defined(__AVX512F__)
+  return std::bit_cast<U32v>(
+      _mm512_maskz_min_epu32(0xFFFF, std::bit_cast<__m512i>(a), std::bit_cast<__m512i>(b)));
+#elif defined(__AVX2__)
+  return std::bit_cast<U32v>(
+      _mm256_min_epu32(std::bit_cast<__m256i>(a), std::bit_cast<__m256i>(b)));
+#else
+  return a < b ? a : b;
+#endif
+}
+
 // float_to_e2m1 (kv_quant_math.h) lane by lane for lanes that are not NaN, as round-half-to-even
 // to a float with one mantissa bit (which is what its thresholds spell out) in a few integer
 // operations: |v| < 1 is a multiple of 0.5, code RNE(2|v|) in {0, 1, 2}, rounded by adding 2^22
@@ -122,7 +136,7 @@ inline U32v float_to_e2m1_not_nan(F32v v) {
   const F32v a = std::bit_cast<F32v>(abs_bits);
   const U32v small = std::bit_cast<U32v>(a + 4194304.0f) - 0x4A800000u;
   const U32v large = (abs_bits + (0x1FFFFFu - (252u << 22)) + ((abs_bits >> 22) & 1u)) >> 22;
-  const U32v magnitude = a < 1.0f ? small : (large < 7u ? large : 7u);
+  const U32v magnitude = a < 1.0f ? small : umin(large, U32v{} + 7u);
   return ((bits >> 28) & 0x8u) | magnitude;
 }
 
