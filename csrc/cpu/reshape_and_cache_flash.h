@@ -1,21 +1,37 @@
 // CPU reshape_and_cache_flash (docs/design.md §6). Framework-free: the torch glue validates the
 // arguments, fills a ReshapeAndCacheParams and passes in the parallel-for (at::parallel_for) that
-// splits the tokens among threads. FP8 bytes and NVFP4 block scales come from the scalar code of
-// kv_quant_math.h (in loops the compiler vectorises), E2M1 codes from a lane-parallel form of its
-// float_to_e2m1 (equal on all 2^32 fp32 inputs), every address from cache_layout.h.
+// splits the tokens among threads. FP8 bytes come from the scalar code of kv_quant_math.h (in
+// loops the compiler vectorises); NVFP4 from lane-parallel forms of its encoders (equal on all
+// 2^32 fp32 inputs, checked by csrc/cpu/tests/check_reshape_and_cache_flash_cpu.cpp), in GCC/Clang
+// vector extensions at the build target's width (AVX-512, AVX2, SSE2 or NEON), plus AVX-512
+// intrinsics where those lower badly (packing, bf16 data); the instruction set is the build's
+// (-march), chosen at compile time. Global scales below 2^-128 (whose inverse is Inf) take the
+// scalar nvfp4_quantize_group. Every address comes from cache_layout.h.
 #pragma once
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "cache_kernels.h"
 #include "cache_layout.h"
 #include "dispatch_utils.h"
 #include "kv_quant_math.h"
+
+#if defined(__AVX2__)
+// GCC 12 reports the deliberately undefined pass-through operands inside its AVX-512 intrinsics
+// as uninitialized (GCC bug 105593).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+#endif
 
 namespace vllm_kv::cpu {
 
@@ -93,21 +109,63 @@ inline void reduce_max(U32v* v) {  // v[0 .. kSeg): segments of kSeg lanes
   }
 }
 
-// float_to_e2m1 (kv_quant_math.h) lane by lane, as round-half-to-even to a float with one
-// mantissa bit (which is what its thresholds spell out) in a few integer operations:
-// |v| < 1 is a multiple of 0.5, code RNE(2|v|) in {0, 1, 2}, rounded by adding 2^23;
-// |v| >= 1 keeps one mantissa bit (ties to even; a carry bumps the exponent), code
-// 2 * (exponent - 127) + mantissa + 2, saturated at 7 (6.0). NaN gives code 0.
-inline U32v float_to_e2m1(F32v v) {
+// Lane-wise unsigned minimum in one instruction (GCC spells `a < b ? a : b` on vectors as a
+// compare and a blend).
+inline U32v umin(U32v a, U32v b) {
+#if defined(__AVX512F__)
+  return std::bit_cast<U32v>(
+      _mm512_maskz_min_epu32(0xFFFF, std::bit_cast<__m512i>(a), std::bit_cast<__m512i>(b)));
+#elif defined(__AVX2__)
+  return std::bit_cast<U32v>(
+      _mm256_min_epu32(std::bit_cast<__m256i>(a), std::bit_cast<__m256i>(b)));
+#else
+  return a < b ? a : b;
+#endif
+}
+
+// float_to_e2m1 (kv_quant_math.h) lane by lane for lanes that are not NaN, as round-half-to-even
+// to a float with one mantissa bit (which is what its thresholds spell out) in a few integer
+// operations: |v| < 1 is a multiple of 0.5, code RNE(2|v|) in {0, 1, 2}, rounded by adding 2^22
+// (whose ulp is 0.5); |v| >= 1 keeps one mantissa bit (ties to even; a carry bumps the exponent),
+// code 2 * (exponent - 127) + mantissa + 2, saturated at 7 (6.0). A product x * multiplier is
+// NaN only for a NaN x (the group is then written as zeros) or an infinite multiplier (a global
+// scale below 2^-128, quantized by the scalar path instead): see quantize_nvfp4_token.
+inline U32v float_to_e2m1_not_nan(F32v v) {
   const U32v bits = std::bit_cast<U32v>(v);
   const U32v abs_bits = bits & 0x7FFFFFFFu;
   const F32v a = std::bit_cast<F32v>(abs_bits);
-  const U32v small = std::bit_cast<U32v>(a * 2.0f + 8388608.0f) - 0x4B000000u;
-  const U32v rounded = abs_bits + 0x1FFFFFu + ((abs_bits >> 22) & 1u);
-  const U32v large = (rounded >> 22) - 252u;
-  const U32v magnitude = a < 1.0f ? small : (large < 7u ? large : 7u);
-  const U32v not_nan = std::bit_cast<U32v>(v == v);
-  return (((bits >> 28) & 0x8u) | magnitude) & not_nan;
+  const U32v small = std::bit_cast<U32v>(a + 4194304.0f) - 0x4A800000u;
+  const U32v large = (abs_bits + (0x1FFFFFu - (252u << 22)) + ((abs_bits >> 22) & 1u)) >> 22;
+  const U32v magnitude = a < 1.0f ? small : umin(large, U32v{} + 7u);
+  return ((bits >> 28) & 0x8u) | magnitude;
+}
+
+// float_to_e4m3_satfinite (kv_quant_math.h) lane by lane, the same operations.
+inline U32v float_to_e4m3_satfinite(F32v x) {
+  const U32v bits = std::bit_cast<U32v>(x);
+  const U32v abs_bits = bits & 0x7FFFFFFFu;
+  const F32v magnitude = std::bit_cast<F32v>(abs_bits);
+  constexpr float kMinNormal = 0.015625f;  // 2^-6
+  const F32v clamped = magnitude < kMinNormal ? magnitude : kMinNormal;
+  // Multiples of the subnormal step 2^-9, rounded to an integer by adding 2^23.
+  const U32v subnormal = std::bit_cast<U32v>(clamped * 512.0f + 8388608.0f) - 0x4B000000u;
+  const U32v rounded = abs_bits + 0x7FFFFu + ((abs_bits >> 20) & 1u);
+  const U32v normal = (((rounded >> 23) - 120u) << 3) | ((rounded >> 20) & 0x7u);
+  U32v code = magnitude < kMinNormal ? subnormal : normal;
+  code = magnitude >= kFp8E4M3Max ? 0x7Eu : code;
+  return abs_bits > 0x7F800000u ? U32v{} + kFp8NanByte : (((bits >> 24) & 0x80u) | code);
+}
+
+// e4m3_to_float (kv_quant_math.h) lane by lane for bytes 0..255, the same operations.
+inline F32v e4m3_to_float(U32v byte) {
+  const U32v exponent = (byte >> 3) & 0xFu;
+  const U32v mantissa = byte & 0x7u;
+  const U32v subnormal =
+      std::bit_cast<U32v>(__builtin_convertvector(mantissa, F32v) * 0.001953125f);
+  const U32v normal = ((exponent + 120u) << 23) | (mantissa << 20);
+  U32v magnitude = exponent == 0u ? subnormal : normal;
+  magnitude = (byte & 0x7Fu) == 0x7Fu ? 0x7FC00000u : magnitude;
+  return std::bit_cast<F32v>(((byte & 0x80u) << 24) | magnitude);
 }
 
 // One group of 16 values widened to fp32, kVecsPerGroup vectors.
@@ -135,42 +193,228 @@ inline U32v partial_max_abs_bits(const Group& group) {
   return m;
 }
 
-// The 8 packed E2M1 bytes of x_i * multiplier (even element in the low nibble).
+// The 8 packed E2M1 bytes of x_i * multiplier (even element in the low nibble), for a group
+// without NaN and a finite multiplier.
 inline void pack_e2m1(const Group& group, float multiplier, uint8_t* data) {
   for (int k = 0; k < kVecsPerGroup; ++k) {
     // Element pairs (2j, 2j+1) share a 64-bit lane, odd element high: byte j is the low code
     // with the high one shifted from bit 32 to bit 4.
-    const U64v pairs = std::bit_cast<U64v>(float_to_e2m1(group.v[k] * multiplier));
+    const U64v pairs = std::bit_cast<U64v>(float_to_e2m1_not_nan(group.v[k] * multiplier));
     const auto packed = __builtin_convertvector(pairs | (pairs >> 28), Vec<uint8_t, kLanes / 2>);
     std::memcpy(data + k * (kLanes / 2), &packed, kLanes / 2);
   }
 }
 
-// Block-scale bytes and multipliers of kChunk groups from their max |x| bits and global scales,
-// in one loop that the compiler vectorises (out of line: inlined into the token loop, GCC no
-// longer vectorises it).
-template <int kChunk>
-__attribute__((noinline)) void nvfp4_chunk_scales(const uint32_t (&max_abs_bits)[kChunk],
-                                                  const float (&global_scale)[kChunk],
-                                                  uint8_t (&scale_bytes)[kChunk],
-                                                  float (&multipliers)[kChunk]) {
-  for (int q = 0; q < kChunk; ++q) {
-    const float inv_global_scale = kv_fdiv(1.0f, global_scale[q]);
-    const bool has_nan = max_abs_bits[q] > 0x7F800000u;
-    scale_bytes[q] = nvfp4_scale_byte(bits_as_float(max_abs_bits[q]), has_nan, inv_global_scale);
-    multipliers[q] = nvfp4_multiplier(scale_bytes[q], inv_global_scale);
+#if defined(__AVX512BW__)
+// The 64 packed bytes of 8 groups from their E2M1 codes (16 lanes of 0..15 each): group g's
+// 8 bytes at 8g, even element in the low nibble.
+inline __m512i pack_e2m1_x8(const __m512i (&codes)[8]) {
+  // Per 128-bit lane l, bytes: elements 4l..4l+3 of groups 0, 1, 2, 3 (and of 4, 5, 6, 7).
+  const __m512i low = _mm512_packus_epi16(_mm512_packus_epi32(codes[0], codes[1]),
+                                          _mm512_packus_epi32(codes[2], codes[3]));
+  const __m512i high = _mm512_packus_epi16(_mm512_packus_epi32(codes[4], codes[5]),
+                                           _mm512_packus_epi32(codes[6], codes[7]));
+  // The low byte of each 16-bit word (an element pair): low code | high code << 4.
+  const __m512i byte_mask = _mm512_set1_epi16(0xFF);
+  constexpr int kOrAnd = 0xA8;  // (a | b) & c
+  const __m512i low_pairs =
+      _mm512_ternarylogic_epi32(_mm512_srli_epi16(low, 4), low, byte_mask, kOrAnd);
+  const __m512i high_pairs =
+      _mm512_ternarylogic_epi32(_mm512_srli_epi16(high, 4), high, byte_mask, kOrAnd);
+  // Word g of lane l: bytes 2l, 2l+1 of group g. Gather each group's four words.
+  const __m512i words = _mm512_packus_epi16(low_pairs, high_pairs);
+  const __m512i order = _mm512_set_epi16(31, 23, 15, 7, 30, 22, 14, 6, 29, 21, 13, 5, 28, 20, 12, 4,
+                                         27, 19, 11, 3, 26, 18, 10, 2, 25, 17, 9, 1, 24, 16, 8, 0);
+  return _mm512_permutexvar_epi16(order, words);
+}
+#endif
+
+// Zeroes the packed data of groups [0, n) whose scale byte is the NaN byte (groups holding a NaN).
+inline void zero_nan_groups(const uint8_t* scale_bytes, int n, uint8_t* packed) {
+  constexpr int kPacked = kNvfp4GroupSize / 2;
+  if (std::memchr(scale_bytes, kFp8NanByte, n) != nullptr) {  // rare
+    for (int q = 0; q < n; ++q) {
+      if (scale_bytes[q] == kFp8NanByte) std::memset(packed + q * kPacked, 0, kPacked);
+    }
   }
 }
 
+// The packed E2M1 bytes of groups [0, n) of a chunk (8 per group, even element in the low
+// nibble) into packed[0, 8 * round_up(n, 8)); a group whose scale byte is the NaN byte is zeros.
+inline void encode_chunk(const Group* groups, const float* multipliers, const uint8_t* scale_bytes,
+                         int n, uint8_t* packed) {
+  constexpr int kPacked = kNvfp4GroupSize / 2;
+#if defined(__AVX512BW__)
+  static_assert(kVecsPerGroup == 1);
+  for (int q = 0; q < n; q += 8) {
+    __m512i codes[8];
+    for (int k = 0; k < 8; ++k) {
+      codes[k] = q + k < n ? std::bit_cast<__m512i>(
+                                 float_to_e2m1_not_nan(groups[q + k].v[0] * multipliers[q + k]))
+                           : _mm512_setzero_si512();
+    }
+    _mm512_storeu_si512(packed + q * kPacked, pack_e2m1_x8(codes));
+  }
+#else
+  for (int q = 0; q < n; ++q) pack_e2m1(groups[q], multipliers[q], packed + q * kPacked);
+#endif
+  zero_nan_groups(scale_bytes, n, packed);
+}
+
+// Block-scale bytes and multipliers of kChunk groups from their max |x| bits and inverse global
+// scales: nvfp4_scale_byte and nvfp4_multiplier (kv_quant_math.h) lane by lane.
+template <int kChunk>
+inline void nvfp4_chunk_scales(const uint32_t* max_abs_bits, const float* inv_global_scale,
+                               uint8_t* scale_bytes, float* multipliers) {
+  static_assert(kChunk % kLanes == 0);
+  for (int q = 0; q < kChunk; q += kLanes) {
+    U32v amax_bits;
+    F32v inv;
+    std::memcpy(&amax_bits, max_abs_bits + q, sizeof(amax_bits));
+    std::memcpy(&inv, inv_global_scale + q, sizeof(inv));
+    const F32v nan = std::bit_cast<F32v>(U32v{} + 0x7FC00000u);
+    const F32v block_scale =
+        amax_bits > 0x7F800000u ? nan : std::bit_cast<F32v>(amax_bits) * inv / kE2M1Max;
+    const U32v bytes = float_to_e4m3_satfinite(block_scale);
+    const F32v scale_f = e4m3_to_float(bytes);
+    const F32v multiplier = scale_f == 0.0f ? F32v{} : inv / scale_f;
+    const auto narrow = __builtin_convertvector(bytes, Vec<uint8_t, kLanes>);
+    std::memcpy(scale_bytes + q, &narrow, kLanes);
+    std::memcpy(multipliers + q, &multiplier, sizeof(multiplier));
+  }
+}
+
+#if defined(__AVX512BW__)
+// Groups that bf16_group_maxima and bf16_encode_groups take at a time.
+inline constexpr int kBf16Groups = 16;
+
+// All-lane masks: GCC 12 warns that the unmasked forms of several intrinsics use an
+// uninitialized pass-through operand (GCC bug 105593), the zero-masked forms compile the same.
+inline constexpr __mmask16 kAll16 = 0xFFFF;
+inline constexpr __mmask8 kAll8 = 0xFF;
+
+// NVFP4 of bf16 groups with AVX-512, 16 consecutive groups of a token at a time, keeping the data
+// in bf16 until it is multiplied: a 512-bit vector holds two groups.
+//  - Max |x| on the bf16 bits (they order like |x|, NaN above +Inf), a transposing reduction of
+//    16-bit lanes; the fp32 bits of the max are its bf16 bits << 16.
+//  - Widening by interleaving zero words: per 128-bit lane, unpacklo gives elements 0-3 and
+//    unpackhi elements 4-7 of that lane's 8, so each fp32 vector holds half of both groups (lanes
+//    0-1 group 2j, lanes 2-3 group 2j+1), multiplied by [m_2j x 8, m_2j+1 x 8].
+//  - packus_epi32 of the two code vectors puts every group's 16 codes back in element order.
+// Loads bf16 groups 2j and 2j + 1 of x, zeros past group n (kFull: n >= 16, no masking).
+template <bool kFull>
+inline __m512i load_bf16_pair(const uint16_t* x, int n, int j) {
+  if constexpr (kFull) return _mm512_loadu_si512(x + j * 2 * kNvfp4GroupSize);
+  const int words = std::clamp(n - 2 * j, 0, 2) * kNvfp4GroupSize;
+  const __mmask32 valid = words == 32 ? ~__mmask32{0} : (__mmask32{1} << words) - 1;
+  return _mm512_maskz_loadu_epi16(valid, x + j * 2 * kNvfp4GroupSize);
+}
+
+// The fp32 bits of max |x_i| of groups [0, 16) of x (0 past group n) into max_bits[0, 16).
+template <bool kFull>
+inline void bf16_group_maxima(const uint16_t* x, int n, uint32_t* max_bits) {
+  // Halves of the same group meet, pair by pair of vectors.
+  const __m512i abs_mask = _mm512_set1_epi16(0x7FFF);
+  __m512i quarter[4];  // 128-bit lane k of quarter[i]: 8 partial maxima of group 4i + k
+  for (int i = 0; i < 4; ++i) {
+    const __m512i a = _mm512_and_si512(load_bf16_pair<kFull>(x, n, 2 * i), abs_mask);
+    const __m512i b = _mm512_and_si512(load_bf16_pair<kFull>(x, n, 2 * i + 1), abs_mask);
+    quarter[i] = _mm512_max_epu16(_mm512_maskz_shuffle_i32x4(kAll16, a, b, 0x88),
+                                  _mm512_maskz_shuffle_i32x4(kAll16, a, b, 0xDD));
+  }
+  __m512i half[2];  // lane k of half[i]: 4 partial maxima of group 8i + k, then of 8i + 4 + k
+  for (int i = 0; i < 2; ++i) {
+    half[i] =
+        _mm512_max_epu16(_mm512_maskz_unpacklo_epi64(kAll8, quarter[2 * i], quarter[2 * i + 1]),
+                         _mm512_maskz_unpackhi_epi64(kAll8, quarter[2 * i], quarter[2 * i + 1]));
+  }
+  // Dword j of lane k: 2 partial maxima of group 4j + k.
+  const __m512i even = _mm512_set_epi32(30, 28, 14, 12, 26, 24, 10, 8, 22, 20, 6, 4, 18, 16, 2, 0);
+  const __m512i odd = _mm512_set_epi32(31, 29, 15, 13, 27, 25, 11, 9, 23, 21, 7, 5, 19, 17, 3, 1);
+  const __m512i pairs = _mm512_max_epu16(_mm512_permutex2var_epi32(half[0], even, half[1]),
+                                         _mm512_permutex2var_epi32(half[0], odd, half[1]));
+  const __m512i maxima =
+      _mm512_max_epu16(pairs, std::bit_cast<__m512i>(std::bit_cast<U32v>(pairs) >> 16));
+  const __m512i group_order =
+      _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  // bf16 bits << 16: fp32 bits.
+  const U32v ordered =
+      std::bit_cast<U32v>(_mm512_maskz_permutexvar_epi32(kAll16, group_order, maxima)) << 16;
+  std::memcpy(max_bits, &ordered, sizeof(ordered));
+}
+
+// The packed data of groups [0, 16) of x (past group n: zero codes) into packed[0, 128).
+template <bool kFull>
+inline void bf16_encode_groups(const uint16_t* x, int n, const float* multipliers,
+                               uint8_t* packed) {
+  const __m512 multiplier = _mm512_loadu_ps(multipliers);
+  const __m512i zero = _mm512_setzero_si512();
+  const __m512i byte_mask = _mm512_set1_epi16(0xFF);
+  constexpr int kOrAnd = 0xA8;  // (a | b) & c
+  // Dword 4l + d of the final packus: bytes 4(l % 2) to 4(l % 2) + 3 of group 2d + l / 2.
+  const __m512i dword_order =
+      _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  // Fully unrolled, so that the lane indices below are constants.
+  KV_UNROLL
+  for (int j0 = 0; j0 < kBf16Groups / 2; j0 += 4) {  // 8 groups
+    __m512i words[4];  // codes of groups 2j, 2j + 1 as 16-bit words in element order
+    KV_UNROLL
+    for (int j = j0; j < j0 + 4; ++j) {
+      const __m512i raw = load_bf16_pair<kFull>(x, n, j);
+      const __m512i pair_index = _mm512_set_epi32(2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1,
+                                                  2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j,
+                                                  2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j);
+      const F32v m =
+          std::bit_cast<F32v>(_mm512_maskz_permutexvar_ps(kAll16, pair_index, multiplier));
+      const F32v low = std::bit_cast<F32v>(_mm512_unpacklo_epi16(zero, raw)) * m;
+      const F32v high = std::bit_cast<F32v>(_mm512_unpackhi_epi16(zero, raw)) * m;
+      words[j - j0] = _mm512_packus_epi32(std::bit_cast<__m512i>(float_to_e2m1_not_nan(low)),
+                                          std::bit_cast<__m512i>(float_to_e2m1_not_nan(high)));
+    }
+    __m512i nibbles[2];
+    for (int i = 0; i < 2; ++i) {
+      const __m512i bytes = _mm512_packus_epi16(words[2 * i], words[2 * i + 1]);
+      nibbles[i] = _mm512_ternarylogic_epi32(
+          std::bit_cast<__m512i>(std::bit_cast<Vec<uint16_t>>(bytes) >> 4), bytes, byte_mask,
+          kOrAnd);
+    }
+    const __m512i out = _mm512_maskz_permutexvar_epi32(kAll16, dword_order,
+                                                       _mm512_packus_epi16(nibbles[0], nibbles[1]));
+    _mm512_storeu_si512(packed + j0 * kNvfp4GroupSize, out);
+  }
+}
+#endif
+
+// Groups per chunk of quantize_nvfp4_token.
+inline constexpr int kNvfp4Chunk = 64;
+
+// Inverse global scale kv_fdiv(1, scale) of every group of a token (num_heads * num_groups, then
+// padded with 1 to whole chunks), and whether one is infinite (a scale below 2^-128).
+struct InverseGroupScales {
+  std::vector<float> values;
+  bool any_infinite = false;
+
+  InverseGroupScales(const CacheSide& side, int num_heads, int num_groups) {
+    const int total = num_heads * num_groups;
+    values.assign((total + kNvfp4Chunk - 1) / kNvfp4Chunk * kNvfp4Chunk, 1.0f);
+    for (int h = 0; h < num_heads; ++h) {
+      const float inv = kv_fdiv(1.0f, head_scale(side, h));
+      any_infinite |= std::isinf(inv);
+      std::fill_n(values.begin() + h * num_groups, num_groups, inv);
+    }
+  }
+};
+
 // Quantizes the num_heads * num_groups groups of one token (docs/design.md §5, the steps of
-// nvfp4_quantize_group) into a packed NVFP4 side. Works in chunks of groups, one pass per step:
-// the vector max of each group, then the scale arithmetic of the whole chunk in one loop that the
-// compiler vectorises, then the vector E2M1 encoding.
+// nvfp4_quantize_group) into a packed NVFP4 side, with the vector encoders (finite inverse global
+// scales only). Works in chunks of groups, one pass per step: the vector max of each group, then
+// the scale arithmetic of the whole chunk, then the E2M1 encoding.
 template <SourceType S>
 inline void quantize_nvfp4_token(const typename SourceTraits<S>::Storage* row, CacheSide side,
-                                 Nvfp4SideLayout layout, int num_heads, int64_t block, int token) {
+                                 Nvfp4SideLayout layout, const float* inv_scales, int num_heads,
+                                 int64_t block, int token) {
   // side and layout by value: the byte stores below could alias them through a reference.
-  constexpr int kChunk = 64;
+  constexpr int kChunk = kNvfp4Chunk;
   constexpr int kPacked = kNvfp4GroupSize / 2;
   uint8_t* cache = static_cast<uint8_t*>(side.data);
   const int num_groups = layout.num_groups;
@@ -180,51 +424,104 @@ inline void quantize_nvfp4_token(const typename SourceTraits<S>::Storage* row, C
   for (int first = 0; first < total; first += kChunk) {
     const int n = std::min(kChunk, total - first);
     const auto* x = row + int64_t(first) * kNvfp4GroupSize;  // a token's [H, D] is contiguous
-    Group groups[kChunk];
-    uint32_t max_bits[kChunk] = {};
-    float global_scale[kChunk];
-    for (int q = 0, h = head, g = group; q < kChunk; ++q) {
-      global_scale[q] = q < n ? head_scale(side, h) : 1.0f;
-      if (++g == num_groups) g = 0, ++h;
-    }
-    for (int q0 = 0; q0 < n; q0 += kLanes) {
-      U32v partial[kLanes];
-      for (int q = q0; q < q0 + kLanes; ++q) {
-        if (q < n) {
-          groups[q] = widen_group<S>(x + q * kNvfp4GroupSize);
-          partial[q - q0] = partial_max_abs_bits(groups[q]);
+    uint8_t scale_bytes[kChunk];
+    alignas(64) uint8_t packed[kChunk * kPacked];
+#if defined(__AVX512BW__)
+    if constexpr (S == SourceType::kBFloat16) {
+      alignas(64) uint32_t max_bits[kChunk];
+      alignas(64) float multipliers[kChunk];
+      for (int q = 0; q < kChunk; q += kBf16Groups) {
+        if (n - q >= kBf16Groups) {
+          bf16_group_maxima<true>(x + q * kNvfp4GroupSize, n - q, max_bits + q);
         } else {
-          partial[q - q0] = U32v{};
+          bf16_group_maxima<false>(x + q * kNvfp4GroupSize, n - q, max_bits + q);
         }
       }
-      reduce_max<kLanes>(partial);
-      std::memcpy(max_bits + q0, &partial[0], sizeof(U32v));
+      nvfp4_chunk_scales<kChunk>(max_bits, inv_scales + first, scale_bytes, multipliers);
+      for (int q = 0; q < n; q += kBf16Groups) {
+        if (n - q >= kBf16Groups) {
+          bf16_encode_groups<true>(x + q * kNvfp4GroupSize, n - q, multipliers + q,
+                                   packed + q * kPacked);
+        } else {
+          bf16_encode_groups<false>(x + q * kNvfp4GroupSize, n - q, multipliers + q,
+                                    packed + q * kPacked);
+        }
+      }
+      zero_nan_groups(scale_bytes, n, packed);
+    } else
+#endif
+    {
+      Group groups[kChunk];
+      uint32_t max_bits[kChunk];
+      for (int q0 = 0; q0 < kChunk; q0 += kLanes) {
+        U32v partial[kLanes];
+        for (int q = q0; q < q0 + kLanes; ++q) {
+          if (q < n) {
+            groups[q] = widen_group<S>(x + q * kNvfp4GroupSize);
+            partial[q - q0] = partial_max_abs_bits(groups[q]);
+          } else {
+            partial[q - q0] = U32v{};
+          }
+        }
+        reduce_max<kLanes>(partial);
+        std::memcpy(max_bits + q0, &partial[0], sizeof(U32v));
+      }
+      float multipliers[kChunk];
+      nvfp4_chunk_scales<kChunk>(max_bits, inv_scales + first, scale_bytes, multipliers);
+      encode_chunk(groups, multipliers, scale_bytes, n, packed);
     }
-    uint8_t scale_bytes[kChunk];
-    float multipliers[kChunk];
-    nvfp4_chunk_scales(max_bits, global_scale, scale_bytes, multipliers);
+    // NHD: the token's data entries, and its linear scale entries, follow each other over heads.
+    const bool heads_adjacent = layout.head_step == 1;
+    if (heads_adjacent) {
+      std::memcpy(cache + layout.data_offset(block, token, head) + group * kPacked, packed,
+                  n * kPacked);
+      if (side.scale_layout == ScaleLayout::kLinear) {
+        std::memcpy(cache + layout.scale_offset(block, token, head, group, ScaleLayout::kLinear),
+                    scale_bytes, n);
+      }
+    }
     for (int q = 0; q < n;) {
       // The rest of the current head's groups in this chunk.
       const int count = std::min(n - q, num_groups - group);
-      if (side.scale_layout == ScaleLayout::kLinear) {  // a (token, head)'s scales are one run
-        std::memcpy(cache + layout.scale_offset(block, token, head, group, ScaleLayout::kLinear),
-                    scale_bytes + q, count);
-      } else {
+      if (side.scale_layout == ScaleLayout::kInterleave4) {
         for (int k = 0; k < count; ++k) {
           cache[layout.scale_offset(block, token, head, group + k, ScaleLayout::kInterleave4)] =
               scale_bytes[q + k];
         }
+      } else if (!heads_adjacent) {  // a (token, head)'s scales are one run
+        std::memcpy(cache + layout.scale_offset(block, token, head, group, ScaleLayout::kLinear),
+                    scale_bytes + q, count);
       }
-      uint8_t* data = cache + layout.data_offset(block, token, head) + group * kPacked;
-      for (int k = 0; k < count; ++k, ++q, data += kPacked) {
-        if (scale_bytes[q] == kFp8NanByte) {
-          std::memset(data, 0, kPacked);
-        } else {
-          pack_e2m1(groups[q], multipliers[q], data);
-        }
+      if (!heads_adjacent) {
+        std::memcpy(cache + layout.data_offset(block, token, head) + group * kPacked,
+                    packed + q * kPacked, count * kPacked);
       }
+      q += count;
       group += count;
       if (group == num_groups) group = 0, ++head;
+    }
+  }
+}
+
+// quantize_nvfp4_token with the scalar nvfp4_quantize_group, for any global scales.
+template <SourceType S>
+inline void quantize_nvfp4_token_scalar(const typename SourceTraits<S>::Storage* row,
+                                        CacheSide side, Nvfp4SideLayout layout,
+                                        const float* inv_scales, int num_heads, int64_t block,
+                                        int token) {
+  uint8_t* cache = static_cast<uint8_t*>(side.data);
+  for (int head = 0; head < num_heads; ++head) {
+    uint8_t* data = cache + layout.data_offset(block, token, head);
+    for (int group = 0; group < layout.num_groups; ++group, data += kNvfp4GroupSize / 2) {
+      const int q = head * layout.num_groups + group;
+      float x[kNvfp4GroupSize];
+      for (int i = 0; i < kNvfp4GroupSize; ++i) {
+        x[i] = SourceTraits<S>::to_float(row[q * kNvfp4GroupSize + i]);
+      }
+      uint8_t packed[kNvfp4GroupSize / 2];
+      cache[layout.scale_offset(block, token, head, group, side.scale_layout)] =
+          nvfp4_quantize_group(x, inv_scales[q], packed);
+      std::memcpy(data, packed, sizeof(packed));
     }
   }
 }
@@ -255,6 +552,13 @@ void write_side(const typename SourceTraits<S>::Storage* src, int64_t src_token_
       return nullptr;  // head_size need not be a multiple of 16 here
     }
   }();
+  const auto inv_scales = [&] {
+    if constexpr (K == CacheKind::kNvfp4) {
+      return InverseGroupScales(side, num_heads, nvfp4_layout.num_groups);
+    } else {
+      return nullptr;
+    }
+  }();
   for (int64_t i = begin; i < end; ++i) {
     if constexpr (K != CacheKind::kUnquantized) {
       if (i + 1 < end) prefetch_row(src + (i + 1) * src_token_stride, num_heads * head_size);
@@ -275,7 +579,10 @@ void write_side(const typename SourceTraits<S>::Storage* src, int64_t src_token_
         }
       }
     } else if constexpr (K == CacheKind::kNvfp4) {
-      quantize_nvfp4_token<S>(row, side, nvfp4_layout, num_heads, pos.block, int(pos.token));
+      const auto quantize_token =
+          inv_scales.any_infinite ? quantize_nvfp4_token_scalar<S> : quantize_nvfp4_token<S>;
+      quantize_token(row, side, nvfp4_layout, inv_scales.values.data(), num_heads, pos.block,
+                     int(pos.token));
     } else {  // FP8: q = fp8(clamp(x / scale)), one IEEE division per element
       uint8_t* cache = static_cast<uint8_t*>(side.data);
       for (int h = 0; h < num_heads; ++h) {

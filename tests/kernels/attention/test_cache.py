@@ -423,6 +423,22 @@ def _special_values(dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", SOURCE_DTYPES, ids=_id)
 @pytest.mark.parametrize("scale", [1.0, 0.5, 3.0])
 def test_special_values(device: str, kind: str, dtype: torch.dtype, scale: float) -> None:
+    check_special_values(device, kind, dtype, [scale], [scale, 1.0 / scale])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "nvfp4"])
+@pytest.mark.parametrize("dtype", SOURCE_DTYPES, ids=_id)
+def test_subnormal_scale(device: str, kind: str, dtype: torch.dtype) -> None:
+    """A subnormal scale is finite and > 0, hence valid, but its inverse overflows to Inf (for
+    NVFP4: Inf multipliers, NaN for x = 0, which the CPU kernel's vector path does not handle)."""
+    check_special_values(device, kind, dtype, [1e-40], [0.5, 1e-40])
+
+
+def check_special_values(
+    device: str, kind: str, dtype: torch.dtype, k_scale: list[float], v_scale: list[float]
+) -> None:
+    """The rows of _special_values as keys, reversed as values, both against the reference."""
     values = _special_values(dtype)  # [R, 16]
     num_heads, head_size = 2, 32
     t = values.shape[0] * 16 // (num_heads * head_size) + 1
@@ -439,8 +455,8 @@ def test_special_values(device: str, kind: str, dtype: torch.dtype, scale: float
     )
     case.key = flat.view(t, num_heads, head_size).to(device)
     case.value = flat.flip(0).view(t, num_heads, head_size).to(device)
-    case.k_scale = torch.full((1,), scale, device=device)
-    case.v_scale = torch.tensor([scale, 1.0 / scale], device=device)
+    case.k_scale = torch.tensor(k_scale, device=device)
+    case.v_scale = torch.tensor(v_scale, device=device)
     check_against_reference(case)
 
 
