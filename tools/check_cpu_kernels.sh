@@ -11,7 +11,7 @@
 # Environment: CXX (default g++). Exits non-zero on any failure.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$ROOT"
+cd "$ROOT" || exit 1
 CXX="${CXX:-g++}"
 if [[ $# -gt 0 ]]; then
   TARGETS=("$@")

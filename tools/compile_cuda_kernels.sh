@@ -25,7 +25,7 @@
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$ROOT"
+cd "$ROOT" || exit 1
 
 HOST_CHECKS=1
 KEEP_DIR=""
@@ -63,6 +63,8 @@ if [[ ${#SOURCES[@]} -eq 0 ]]; then
   exit 1
 fi
 
+# The commas are nvcc's own list syntax (one host-compiler / ptxas argument each).
+# shellcheck disable=SC2054
 NVCC_FLAGS=(
   -O3 -I csrc
   -Werror all-warnings
