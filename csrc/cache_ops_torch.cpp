@@ -164,11 +164,9 @@ ReshapeAndCacheParams prepare_reshape_and_cache_flash(
     const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
     const at::Tensor& value_cache, const at::Tensor& slot_mapping,
     const std::string& kv_cache_dtype, const at::Tensor& k_scale, const at::Tensor& v_scale,
-    const std::string& k_scale_layout, const std::optional<std::string>& v_scale_layout) {
+    const std::optional<std::string>& k_scale_layout,
+    const std::optional<std::string>& v_scale_layout) {
   const CacheKind kind = get_cache_kind(kv_cache_dtype);
-  const ScaleLayout k_layout = parse_scale_layout(k_scale_layout, "k_scale_layout");
-  const ScaleLayout v_layout =
-      v_scale_layout ? parse_scale_layout(*v_scale_layout, "v_scale_layout") : k_layout;
 
   check_same_device(key, "key", key_cache);
   check_same_device(value, "value", key_cache);
@@ -236,6 +234,15 @@ ReshapeAndCacheParams prepare_reshape_and_cache_flash(
   const int64_t block_size = key_cache.size(1);
   check_int_range(block_size, "key_cache block_size");
 
+  // Layouts: a named one is parsed; V without a name follows a named K; a side with no name at
+  // all gets the default for its geometry (upstream's interleave4 where it fits).
+  const ScaleLayout k_layout = k_scale_layout
+                                   ? parse_scale_layout(*k_scale_layout, "k_scale_layout")
+                                   : default_scale_layout(block_size, head_size);
+  const ScaleLayout v_layout = v_scale_layout
+                                   ? parse_scale_layout(*v_scale_layout, "v_scale_layout")
+                               : k_scale_layout ? k_layout
+                                                : default_scale_layout(block_size, head_size_v);
   if (kind == CacheKind::kNvfp4) {
     for (const auto& [layout, name, dim] : {std::tuple{k_layout, "k_scale_layout", head_size},
                                             std::tuple{v_layout, "v_scale_layout", head_size_v}}) {

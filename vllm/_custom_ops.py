@@ -55,7 +55,7 @@ def _reshape_and_cache_flash_fake(
     kv_cache_dtype: str,
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
-    k_scale_layout: str = "linear",
+    k_scale_layout: str | None = None,
     v_scale_layout: str | None = None,
 ) -> None:
     # Same scale rule as the compiled op, so that tracing rejects what the op would reject.
@@ -71,7 +71,7 @@ def _swap_blocks_fake(
     return None
 
 
-def _layout_name(layout: ScaleLayout | str) -> str:
+def _layout_name(layout: ScaleLayout | str | None) -> str | None:
     return layout.value if isinstance(layout, ScaleLayout) else layout
 
 
@@ -95,14 +95,16 @@ def reshape_and_cache_flash(
     kv_cache_dtype: str,
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
-    k_scale_layout: ScaleLayout | str = ScaleLayout.LINEAR,
+    k_scale_layout: ScaleLayout | str | None = None,
     v_scale_layout: ScaleLayout | str | None = None,
     *,
     debug_checks: bool | None = None,
 ) -> None:
     """Write ``key [T_pad, H, D]`` / ``value [T_pad, H, Dv]`` token ``i < T`` into slot
     ``slot_mapping[i]`` of the paged caches (logical ``[B, N, H, D']``, NHD or HND), quantizing
-    for ``kv_cache_dtype`` (docs/design.md §6). ``v_scale_layout=None`` means "same as K".
+    for ``kv_cache_dtype`` (docs/design.md §6). NVFP4 block-scale layouts: ``None`` is
+    upstream's default, :meth:`ScaleLayout.default_for` the side's geometry (interleave4 where it
+    fits, else linear); ``v_scale_layout=None`` with a named ``k_scale_layout`` means "same as K".
 
     ``debug_checks`` (default: env ``VLLM_KV_DEBUG_CHECKS=1``) checks on the host that the
     scales of a quantized cache are finite and > 0 before the op runs; on CUDA this syncs.
@@ -122,7 +124,7 @@ def reshape_and_cache_flash(
         k_scale,
         v_scale,
         _layout_name(k_scale_layout),
-        None if v_scale_layout is None else _layout_name(v_scale_layout),
+        _layout_name(v_scale_layout),
     )
 
 
