@@ -14,27 +14,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 import torch
 
 from vllm.config.cache import CACHE_DTYPES
+from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backends.utils import get_kv_cache_layout, validate_kv_cache_layout
 
 if TYPE_CHECKING:
     from vllm.kv_quant.scale_layout import ScaleLayout
-
-
-class DeviceCapability(NamedTuple):
-    """CUDA compute capability ``major.minor`` (sm_90 is ``(9, 0)``)."""
-
-    major: int
-    minor: int
-
-    def as_version_str(self) -> str:
-        return f"{self.major}.{self.minor}"
-
-    def to_int(self) -> int:
-        """``major * 10 + minor`` (sm_100 is 100)."""
-        return self.major * 10 + self.minor
-
-    def __str__(self) -> str:
-        return f"sm_{self.to_int()}"
 
 
 def as_device_capability(
