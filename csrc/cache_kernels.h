@@ -19,6 +19,15 @@ enum class CacheKind { kUnquantized = 0, kFp8E4M3 = 1, kFp8E5M2 = 2, kNvfp4 = 3 
 // Placement of NVFP4 block scales inside each head's [block_size, head_size / 16] plane.
 enum class ScaleLayout { kLinear = 0, kInterleave4 = 1 };
 
+// The layout used when the caller names none (Python twin: ScaleLayout.default_for in
+// vllm/kv_quant/scale_layout.py): upstream vLLM always writes the 4x4-swizzled (interleave4)
+// order, so that is the default wherever it fits (block_size % 4 == 0 and head_size / 16 a
+// multiple of 4, i.e. head_size % 64 == 0); geometries upstream cannot write fall back to linear.
+inline ScaleLayout default_scale_layout(int64_t block_size, int64_t head_size) {
+  const bool fits = block_size > 0 && block_size % 4 == 0 && head_size > 0 && head_size % 64 == 0;
+  return fits ? ScaleLayout::kInterleave4 : ScaleLayout::kLinear;
+}
+
 // One side (K or V) of a paged cache, logical [num_blocks, block_size, num_heads, last_dim].
 // Strides are in elements of the cache dtype (bytes for FP8 and NVFP4); NHD and HND caches
 // differ only in token_stride / head_stride. For NVFP4, last_dim = head_size / 2 + head_size / 16

@@ -149,6 +149,26 @@ void check_interleave4(ScaleLayout layout, const char* name, int64_t block_size,
               ": interleave4 needs head_size / 16 to be a multiple of 4, got head size ", dim);
 }
 
+// The scale layouts of a call, for both ops (the one home of the rule): a named layout is parsed;
+// V without a name follows a named K; a side with no name at all gets the default for its geometry
+// (default_scale_layout: upstream's interleave4 where it fits). NVFP4 sides are checked against
+// interleave4's divisibility needs.
+std::pair<ScaleLayout, ScaleLayout> resolve_scale_layouts(const std::optional<std::string>& k_name,
+                                                          const std::optional<std::string>& v_name,
+                                                          CacheKind kind, int64_t block_size,
+                                                          int64_t head_size, int64_t head_size_v) {
+  const ScaleLayout k_layout = k_name ? parse_scale_layout(*k_name, "k_scale_layout")
+                                      : default_scale_layout(block_size, head_size);
+  const ScaleLayout v_layout = v_name   ? parse_scale_layout(*v_name, "v_scale_layout")
+                               : k_name ? k_layout
+                                        : default_scale_layout(block_size, head_size_v);
+  if (kind == CacheKind::kNvfp4) {
+    check_interleave4(k_layout, "k_scale_layout", block_size, head_size);
+    check_interleave4(v_layout, "v_scale_layout", block_size, head_size_v);
+  }
+  return {k_layout, v_layout};
+}
+
 // The scale rule (one home; Python: vllm/kv_quant/kv_scale.py): a float32 tensor holding one
 // value in any shape (0-d as upstream engines pass it, [1], [1, 1], ...) is per-tensor; a
 // contiguous [H] is per-head. Returns whether the scale is per-head.
@@ -175,11 +195,9 @@ ReshapeAndCacheParams prepare_reshape_and_cache_flash(
     const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
     const at::Tensor& value_cache, const at::Tensor& slot_mapping,
     const std::string& kv_cache_dtype, const at::Tensor& k_scale, const at::Tensor& v_scale,
-    const std::string& k_scale_layout, const std::optional<std::string>& v_scale_layout) {
+    const std::optional<std::string>& k_scale_layout,
+    const std::optional<std::string>& v_scale_layout) {
   const CacheKind kind = get_cache_kind(kv_cache_dtype);
-  const ScaleLayout k_layout = parse_scale_layout(k_scale_layout, "k_scale_layout");
-  const ScaleLayout v_layout =
-      v_scale_layout ? parse_scale_layout(*v_scale_layout, "v_scale_layout") : k_layout;
 
   check_same_device(key, "key", key_cache);
   check_same_device(value, "value", key_cache);
@@ -247,10 +265,8 @@ ReshapeAndCacheParams prepare_reshape_and_cache_flash(
   const int64_t block_size = key_cache.size(1);
   check_int_range(block_size, "key_cache block_size");
 
-  if (kind == CacheKind::kNvfp4) {
-    check_interleave4(k_layout, "k_scale_layout", block_size, head_size);
-    check_interleave4(v_layout, "v_scale_layout", block_size, head_size_v);
-  }
+  const auto [k_layout, v_layout] = resolve_scale_layouts(k_scale_layout, v_scale_layout, kind,
+                                                          block_size, head_size, head_size_v);
 
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "slot_mapping: expected dtype int64, got ",
               dtype_str(slot_mapping.scalar_type()));
@@ -288,12 +304,10 @@ PagedAttentionParams prepare_paged_attention(
     const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
     const at::Tensor& query_start_loc, const std::string& kv_cache_dtype, const at::Tensor& k_scale,
     const at::Tensor& v_scale, double scale, int64_t sliding_window, double logits_soft_cap,
-    const std::optional<at::Tensor>& sinks, bool causal, const std::string& k_scale_layout,
+    const std::optional<at::Tensor>& sinks, bool causal,
+    const std::optional<std::string>& k_scale_layout,
     const std::optional<std::string>& v_scale_layout) {
   const CacheKind kind = get_cache_kind(kv_cache_dtype);
-  const ScaleLayout k_layout = parse_scale_layout(k_scale_layout, "k_scale_layout");
-  const ScaleLayout v_layout =
-      v_scale_layout ? parse_scale_layout(*v_scale_layout, "v_scale_layout") : k_layout;
   for (const auto& [t, name] :
        {std::pair{&out, "out"}, std::pair{&query, "query"}, std::pair{&value_cache, "value_cache"},
         std::pair{&block_table, "block_table"}, std::pair{&seq_lens, "seq_lens"},
@@ -358,10 +372,8 @@ PagedAttentionParams prepare_paged_attention(
               dtype_str(value_cache.scalar_type()));
   const int64_t block_size = key_cache.size(1);
   check_int_range(block_size, "key_cache block_size");
-  if (kind == CacheKind::kNvfp4) {
-    check_interleave4(k_layout, "k_scale_layout", block_size, head_size);
-    check_interleave4(v_layout, "v_scale_layout", block_size, head_size_v);
-  }
+  const auto [k_layout, v_layout] = resolve_scale_layouts(k_scale_layout, v_scale_layout, kind,
+                                                          block_size, head_size, head_size_v);
   const bool k_per_head = check_scale(k_scale, "k_scale", kv_heads);
   const bool v_per_head = check_scale(v_scale, "v_scale", kv_heads);
 

@@ -25,12 +25,14 @@ CacheKind get_cache_kind(const std::string& kv_cache_dtype);
 
 // Validates the arguments of reshape_and_cache_flash (dtypes, devices, shapes, strides, head
 // sizes, NVFP4 and interleave4 divisibility, scale shapes) and returns the kernel parameter block
-// pointing into the given tensors. Does not read device memory.
+// pointing into the given tensors. Does not read device memory. A layout left unnamed is
+// default_scale_layout(block_size, head size of that side); an unnamed V follows a named K.
 ReshapeAndCacheParams prepare_reshape_and_cache_flash(
     const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
     const at::Tensor& value_cache, const at::Tensor& slot_mapping,
     const std::string& kv_cache_dtype, const at::Tensor& k_scale, const at::Tensor& v_scale,
-    const std::string& k_scale_layout, const std::optional<std::string>& v_scale_layout);
+    const std::optional<std::string>& k_scale_layout,
+    const std::optional<std::string>& v_scale_layout);
 
 // Validates the arguments of paged_attention (dtypes, devices, shapes, strides, GQA, head sizes,
 // NVFP4 and interleave4 divisibility, scale and metadata shapes) and returns the kernel parameter
@@ -41,7 +43,8 @@ PagedAttentionParams prepare_paged_attention(
     const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
     const at::Tensor& query_start_loc, const std::string& kv_cache_dtype, const at::Tensor& k_scale,
     const at::Tensor& v_scale, double scale, int64_t sliding_window, double logits_soft_cap,
-    const std::optional<at::Tensor>& sinks, bool causal, const std::string& k_scale_layout,
+    const std::optional<at::Tensor>& sinks, bool causal,
+    const std::optional<std::string>& k_scale_layout,
     const std::optional<std::string>& v_scale_layout);
 
 // Validates the arguments of swap_blocks: block_mapping is an int64 CPU [n, 2] tensor of

@@ -6,7 +6,7 @@ TORCH_LIBRARY(_C_cache_ops, m) {
   m.def(
       "reshape_and_cache_flash(Tensor key, Tensor value, Tensor(a!) key_cache, "
       "Tensor(b!) value_cache, Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, "
-      "Tensor v_scale, str k_scale_layout=\"linear\", str? v_scale_layout=None) -> ()");
+      "Tensor v_scale, str? k_scale_layout=None, str? v_scale_layout=None) -> ()");
   m.def(
       "swap_blocks(Tensor src, Tensor(a!) dst, int block_size_in_bytes, Tensor block_mapping) -> "
       "()");
@@ -16,7 +16,7 @@ TORCH_LIBRARY(_C_cache_ops, m) {
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_table, Tensor seq_lens, Tensor query_start_loc, str kv_cache_dtype, "
       "Tensor k_scale, Tensor v_scale, float scale, int sliding_window, float logits_soft_cap, "
-      "Tensor? sinks, bool causal, str k_scale_layout=\"linear\", str? v_scale_layout=None, "
+      "Tensor? sinks, bool causal, str? k_scale_layout=None, str? v_scale_layout=None, "
       "str simd=\"auto\") -> ()");
   m.def("paged_attention_simd_levels() -> str[]");
 }

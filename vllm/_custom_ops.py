@@ -55,7 +55,7 @@ def _reshape_and_cache_flash_fake(
     kv_cache_dtype: str,
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
-    k_scale_layout: str = "linear",
+    k_scale_layout: str | None = None,
     v_scale_layout: str | None = None,
 ) -> None:
     # Same scale rule as the compiled op, so that tracing rejects what the op would reject.
@@ -88,14 +88,14 @@ def _paged_attention_fake(
     logits_soft_cap: float,
     sinks: torch.Tensor | None,
     causal: bool,
-    k_scale_layout: str = "linear",
+    k_scale_layout: str | None = None,
     v_scale_layout: str | None = None,
     simd: str = "auto",
 ) -> None:
     return None
 
 
-def _layout_name(layout: ScaleLayout | str) -> str:
+def _layout_name(layout: ScaleLayout | str | None) -> str | None:
     return layout.value if isinstance(layout, ScaleLayout) else layout
 
 
@@ -119,14 +119,16 @@ def reshape_and_cache_flash(
     kv_cache_dtype: str,
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
-    k_scale_layout: ScaleLayout | str = ScaleLayout.LINEAR,
+    k_scale_layout: ScaleLayout | str | None = None,
     v_scale_layout: ScaleLayout | str | None = None,
     *,
     debug_checks: bool | None = None,
 ) -> None:
     """Write ``key [T_pad, H, D]`` / ``value [T_pad, H, Dv]`` token ``i < T`` into slot
     ``slot_mapping[i]`` of the paged caches (logical ``[B, N, H, D']``, NHD or HND), quantizing
-    for ``kv_cache_dtype`` (docs/design.md §6). ``v_scale_layout=None`` means "same as K".
+    for ``kv_cache_dtype`` (docs/design.md §6). NVFP4 block-scale layouts: ``None`` is
+    upstream's default, :meth:`ScaleLayout.default_for` the side's geometry (interleave4 where it
+    fits, else linear); ``v_scale_layout=None`` with a named ``k_scale_layout`` means "same as K".
 
     ``debug_checks`` (default: env ``VLLM_KV_DEBUG_CHECKS=1``) checks on the host that the
     scales of a quantized cache are finite and > 0 before the op runs; on CUDA this syncs.
@@ -146,7 +148,7 @@ def reshape_and_cache_flash(
         k_scale,
         v_scale,
         _layout_name(k_scale_layout),
-        None if v_scale_layout is None else _layout_name(v_scale_layout),
+        _layout_name(v_scale_layout),
     )
 
 
@@ -197,7 +199,7 @@ def paged_attention(
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
     causal: bool = True,
-    k_scale_layout: ScaleLayout | str = ScaleLayout.LINEAR,
+    k_scale_layout: ScaleLayout | str | None = None,
     v_scale_layout: ScaleLayout | str | None = None,
     simd: str = "auto",
 ) -> None:
@@ -209,7 +211,8 @@ def paged_attention(
     in the cache), ``query_start_loc`` int32 ``[num_seqs + 1]`` (each sequence's query tokens are
     its last ones). ``k_scale`` / ``v_scale``: fp32, one value in any shape or ``[Hkv]``.
     ``sliding_window`` in tokens, ``logits_soft_cap`` and ``sinks`` (fp32 ``[Hq]`` logits)
-    optional. ``simd`` picks the CPU kernels' instruction set: ``"auto"`` or one of
+    optional. Scale layouts as for :func:`reshape_and_cache_flash` (``None``: the default for the
+    geometry). ``simd`` picks the CPU kernels' instruction set: ``"auto"`` or one of
     :func:`paged_attention_simd_levels`.
     """
     torch.ops._C_cache_ops.paged_attention(

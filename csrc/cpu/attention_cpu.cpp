@@ -100,7 +100,7 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
                          const std::string& kv_cache_dtype, const at::Tensor& k_scale,
                          const at::Tensor& v_scale, double scale, int64_t sliding_window,
                          double logits_soft_cap, const std::optional<at::Tensor>& sinks,
-                         bool causal, const std::string& k_scale_layout,
+                         bool causal, const std::optional<std::string>& k_scale_layout,
                          const std::optional<std::string>& v_scale_layout,
                          const std::string& simd) {
   check_cpu(key_cache, "key_cache");

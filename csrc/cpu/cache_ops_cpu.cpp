@@ -19,7 +19,7 @@ void reshape_and_cache_flash_cpu(const at::Tensor& key, const at::Tensor& value,
                                  at::Tensor& key_cache, at::Tensor& value_cache,
                                  const at::Tensor& slot_mapping, const std::string& kv_cache_dtype,
                                  const at::Tensor& k_scale, const at::Tensor& v_scale,
-                                 const std::string& k_scale_layout,
+                                 const std::optional<std::string>& k_scale_layout,
                                  const std::optional<std::string>& v_scale_layout) {
   check_cpu(key_cache, "key_cache");
   const ReshapeAndCacheParams p = prepare_reshape_and_cache_flash(

@@ -24,7 +24,7 @@ void reshape_and_cache_flash_cuda(const at::Tensor& key, const at::Tensor& value
                                   at::Tensor& key_cache, at::Tensor& value_cache,
                                   const at::Tensor& slot_mapping, const std::string& kv_cache_dtype,
                                   const at::Tensor& k_scale, const at::Tensor& v_scale,
-                                  const std::string& k_scale_layout,
+                                  const std::optional<std::string>& k_scale_layout,
                                   const std::optional<std::string>& v_scale_layout) {
   TORCH_CHECK(key.is_cuda(), "reshape_and_cache_flash: key: expected a CUDA tensor, got device ",
               key.device());

@@ -20,19 +20,28 @@ from vllm.accuracy.samples import KVSample
 @pytest.mark.parametrize(
     ("text", "dtype", "per_head", "layout", "name"),
     [
-        ("bf16", "bfloat16", False, "linear", "bf16"),
-        ("bfloat16", "bfloat16", False, "linear", "bf16"),
-        ("fp8", "fp8_e4m3", False, "linear", "fp8_e4m3"),
-        ("fp8_e5m2/head", "fp8_e5m2", True, "linear", "fp8_e5m2/head"),
-        ("nvfp4/tensor", "nvfp4", False, "linear", "nvfp4"),
+        ("bf16", "bfloat16", False, None, "bf16"),
+        ("bfloat16", "bfloat16", False, None, "bf16"),
+        ("fp8", "fp8_e4m3", False, None, "fp8_e4m3"),
+        ("fp8_e5m2/head", "fp8_e5m2", True, None, "fp8_e5m2/head"),
+        ("nvfp4/tensor", "nvfp4", False, None, "nvfp4"),
         ("nvfp4/head@interleave4", "nvfp4", True, "interleave4", "nvfp4/head@interleave4"),
-        (" nvfp4@linear ", "nvfp4", False, "linear", "nvfp4"),
+        (" nvfp4@linear ", "nvfp4", False, "linear", "nvfp4@linear"),
     ],
 )
-def test_parse_format(text: str, dtype: str, per_head: bool, layout: str, name: str) -> None:
+def test_parse_format(text: str, dtype: str, per_head: bool, layout: str | None, name: str) -> None:
+    """A format without @layout keeps the op's default (resolved per geometry)."""
     fmt = parse_format(text)
-    assert (fmt.kv_cache_dtype, fmt.per_head, fmt.scale_layout.value) == (dtype, per_head, layout)
+    got_layout = None if fmt.scale_layout is None else fmt.scale_layout.value
+    assert (fmt.kv_cache_dtype, fmt.per_head, got_layout) == (dtype, per_head, layout)
     assert fmt.name == name and parse_format(fmt.name) == fmt
+
+
+def test_format_scale_layout_defaults_per_geometry() -> None:
+    nvfp4 = parse_format("nvfp4")
+    assert nvfp4.scale_layout_for(16, 128).value == "interleave4"
+    assert nvfp4.scale_layout_for(16, 80).value == "linear"
+    assert parse_format("nvfp4@linear").scale_layout_for(16, 128).value == "linear"
 
 
 @pytest.mark.parametrize(

@@ -122,7 +122,7 @@ def test_page_stride_matches_design_example() -> None:
     raw = torch.zeros(2, 2, 16, 8, 72, dtype=torch.uint8)
     x = torch.randn(1, 8, 128, generator=gen)
     gs = torch.tensor([0.01])
-    nvfp4_write_cache(x, raw[:, 1], torch.tensor([16 + 3]), gs)
+    nvfp4_write_cache(x, raw[:, 1], torch.tensor([16 + 3]), gs, "linear")
     packed, scales = quantize_nvfp4(x, gs)
     flat = raw.reshape(-1)
     page1_v = 18432 + 9216

@@ -162,10 +162,8 @@ def _write_with_op(
 
     layout_kw = {}
     if fmt.is_nvfp4:
-        layout_kw = {
-            "k_scale_layout": fmt.scale_layout.value,
-            "v_scale_layout": fmt.scale_layout.value,
-        }
+        scale_layout = fmt.scale_layout_for(key_cache.shape[1], sample.head_size).value
+        layout_kw = {"k_scale_layout": scale_layout, "v_scale_layout": scale_layout}
     try:
         ops.reshape_and_cache_flash(
             sample.key,
@@ -199,8 +197,9 @@ def _write_with_codecs(
     """Write with the pure-torch reference codecs of :mod:`vllm.kv_quant`."""
     key, value = sample.key, sample.value
     if fmt.is_nvfp4:
-        nvfp4_write_cache(key, key_cache, slot_mapping, k_scale, fmt.scale_layout)
-        nvfp4_write_cache(value, value_cache, slot_mapping, v_scale, fmt.scale_layout)
+        scale_layout = fmt.scale_layout_for(key_cache.shape[1], sample.head_size)
+        nvfp4_write_cache(key, key_cache, slot_mapping, k_scale, scale_layout)
+        nvfp4_write_cache(value, value_cache, slot_mapping, v_scale, scale_layout)
     elif fmt.is_fp8:
         fp8 = fp8_format_from_cache_dtype(fmt.kv_cache_dtype)
         fp8_write_cache(key, key_cache, slot_mapping, k_scale, fp8)
@@ -263,8 +262,8 @@ def write_cache(
         seq_lens=sample.seq_lens,
         k_scale=k_scale,
         v_scale=v_scale,
-        k_scale_layout=fmt.scale_layout,
-        v_scale_layout=fmt.scale_layout,
+        k_scale_layout=fmt.scale_layout_for(block_size, sample.head_size),
+        v_scale_layout=fmt.scale_layout_for(block_size, sample.head_size_v),
         head_size=sample.head_size,
         head_size_v=sample.head_size_v,
         writer=used,

@@ -10,6 +10,8 @@ Format ids, as the CLI's ``--formats`` takes them::
     fp8_e4m3 | fp8_e5m2 | nvfp4       per-tensor scale ("fp8" is an alias of fp8_e4m3)
     <quantized>/head                  per-head scale, e.g. fp8_e4m3/head
     nvfp4[/head]@interleave4          NVFP4 with 4-token-interleaved block scales
+    nvfp4[/head]@linear               NVFP4 with linear block scales (plain nvfp4 uses the
+                                      op's default: interleave4 where the geometry fits)
 
 Scales come from the data: ``scale = amax(|x|) / MAX`` with ``MAX = 448`` for FP8 e4m3 and
 for NVFP4 (the global scale, docs/design.md §5: "for example amax/448") and ``MAX = 57344`` for
@@ -64,13 +66,14 @@ class CacheFormat:
             ``nvfp4``.
         per_head: one scale per KV head (``[H]``) instead of one per tensor (``[1]``).
             Ignored (always False) for ``bfloat16``.
-        scale_layout: NVFP4 block-scale layout in the page (K and V alike); ``LINEAR`` for
-            every other dtype.
+        scale_layout: NVFP4 block-scale layout in the page (K and V alike); ``None`` (the
+            only value for other dtypes) is the op's default for the cache geometry
+            (:meth:`scale_layout_for`).
     """
 
     kv_cache_dtype: str
     per_head: bool = False
-    scale_layout: ScaleLayout = ScaleLayout.LINEAR
+    scale_layout: ScaleLayout | None = None
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in _SHORT_NAMES:
@@ -80,7 +83,7 @@ class CacheFormat:
             )
         if self.kv_cache_dtype == "bfloat16" and self.per_head:
             raise ValueError("per_head: bf16 has no scale, so no per-head scale")
-        if self.kv_cache_dtype != "nvfp4" and self.scale_layout is not ScaleLayout.LINEAR:
+        if self.kv_cache_dtype != "nvfp4" and self.scale_layout is not None:
             raise ValueError(
                 f"scale_layout: only NVFP4 has block scales, got {self.scale_layout.value!r} "
                 f"for {self.kv_cache_dtype}"
@@ -92,9 +95,14 @@ class CacheFormat:
         out = _SHORT_NAMES[self.kv_cache_dtype]
         if self.per_head:
             out += "/head"
-        if self.scale_layout is not ScaleLayout.LINEAR:
+        if self.scale_layout is not None:
             out += f"@{self.scale_layout.value}"
         return out
+
+    def scale_layout_for(self, block_size: int, head_size: int) -> ScaleLayout:
+        """The NVFP4 block-scale layout of a cache of this format with pages of ``block_size``
+        tokens and heads of ``head_size``: the named one, else the op's default."""
+        return ScaleLayout.resolve(self.scale_layout, block_size, head_size)
 
     @property
     def is_quantized(self) -> bool:
@@ -166,7 +174,7 @@ def parse_format(text: str) -> CacheFormat:
         raise ValueError(f"formats: unknown format {raw!r}; expected {accepted}")
     kv_cache_dtype = _DTYPE_ALIASES[dtype]
     try:
-        scale_layout = ScaleLayout.parse(layout) if layout else ScaleLayout.LINEAR
+        scale_layout = ScaleLayout.parse(layout) if layout else None
         return CacheFormat(kv_cache_dtype, granularity == "head", scale_layout)
     except ValueError as e:
         raise ValueError(f"formats: invalid format {raw!r}: {e}") from None

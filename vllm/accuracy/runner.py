@@ -60,7 +60,11 @@ class FormatReport:
             "format": self.fmt.name,
             "kv_cache_dtype": self.fmt.kv_cache_dtype,
             "scale_granularity": self.fmt.granularity,
-            "scale_layout": self.fmt.scale_layout.value if self.fmt.is_nvfp4 else None,
+            "scale_layout": (
+                (self.fmt.scale_layout.value if self.fmt.scale_layout else "default")
+                if self.fmt.is_nvfp4
+                else None
+            ),
             "scale_method": self.fmt.scale_method,
             "bytes_per_token": self.bytes_per_token,
             "writer": self.writer,

@@ -80,7 +80,7 @@ def nvfp4_write_cache(
     cache_side: torch.Tensor,
     slot_mapping: torch.Tensor,
     global_scale: torch.Tensor,
-    scale_layout: ScaleLayout | str = ScaleLayout.LINEAR,
+    scale_layout: ScaleLayout | str | None = None,
 ) -> None:
     """Quantize the first ``T`` tokens of ``x [T_pad, H, D]`` and write them into a packed
     NVFP4 cache side ``(B, N, H, F)`` in place.
@@ -89,7 +89,8 @@ def nvfp4_write_cache(
     slots are skipped; a slot ``>= B*N`` raises ``ValueError`` before anything is written.
     ``global_scale`` is fp32, one value (any shape) or ``[H]``. Only the data bytes and
     (layout-placed) scale bytes of the written ``(page, token, head)`` entries change. If a slot
-    appears twice, which token ends up in it is unspecified.
+    appears twice, which token ends up in it is unspecified. ``scale_layout=None`` is the op's
+    default, :meth:`ScaleLayout.default_for` ``(N, D)`` (upstream's interleave4 where it fits).
     """
     _check_input(x, cache_side)
     num_blocks, block_size, num_heads, _ = cache_side.shape
@@ -101,7 +102,7 @@ def nvfp4_write_cache(
     data, scale = _split(cache_side, head_size)
     global_scale = kv_scale_as_1d(global_scale, "global_scale", num_heads)
     num_scales = head_size // NVFP4_GROUP_SIZE
-    layout = ScaleLayout.parse(scale_layout)
+    layout = ScaleLayout.resolve(scale_layout, block_size, head_size)
     device = cache_side.device
     rows, cols = layout_index(layout, block_size, num_scales, device)  # checks interleave4 dims
     check_slot_mapping(slot_mapping, x.shape[0], num_blocks * block_size, device)
@@ -127,13 +128,14 @@ def nvfp4_write_cache(
 def nvfp4_read_cache_raw(
     cache_side: torch.Tensor,
     head_size: int,
-    scale_layout: ScaleLayout | str = ScaleLayout.LINEAR,
+    scale_layout: ScaleLayout | str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Raw bytes of a packed NVFP4 cache side ``(B, N, H, F)``.
 
     Returns ``(packed codes uint8 (B, N, H, D/2), block scales uint8 (B, N, H, D/16))``, both
     new contiguous tensors; the scales are in linear ``[t][s]`` order whatever ``scale_layout``
-    the cache uses.
+    the cache uses (``None``: :meth:`ScaleLayout.default_for` ``(N, head_size)``, as written by
+    default).
     """
     if cache_side.dim() != 4 or cache_side.dtype != torch.uint8:
         raise ValueError(
@@ -141,7 +143,7 @@ def nvfp4_read_cache_raw(
             f"of shape {list(cache_side.shape)}"
         )
     data, scale = _split(cache_side, head_size)
-    layout = ScaleLayout.parse(scale_layout)
+    layout = ScaleLayout.resolve(scale_layout, cache_side.shape[1], head_size)
     planes = scale.permute(0, 2, 1, 3)  # (B, H, N, S): one [N, S] plane per (page, head)
     linear = from_layout(planes, layout).permute(0, 2, 1, 3)
     return data.contiguous(), linear.contiguous()
@@ -151,12 +153,13 @@ def nvfp4_read_cache(
     cache_side: torch.Tensor,
     global_scale: torch.Tensor,
     head_size: int,
-    scale_layout: ScaleLayout | str = ScaleLayout.LINEAR,
+    scale_layout: ScaleLayout | str | None = None,
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Dequantize a whole packed NVFP4 cache side ``(B, N, H, F)`` to ``(B, N, H, D)``
     (``E2M1[q] * float(sf) * global_scale`` in fp32, then cast to ``out_dtype``).
-    ``global_scale`` is fp32, one value (any shape) or ``[H]``."""
+    ``global_scale`` is fp32, one value (any shape) or ``[H]``; ``scale_layout=None`` reads the
+    default layout for the geometry (:meth:`ScaleLayout.default_for`)."""
     packed, block_scales = nvfp4_read_cache_raw(cache_side, head_size, scale_layout)
     global_scale = kv_scale_as_1d(global_scale, "global_scale", cache_side.shape[2])
     return dequantize_nvfp4(packed, block_scales, global_scale, out_dtype)

@@ -4,6 +4,11 @@
 element ``(t, s)`` at ``(t, s)``. ``INTERLEAVE4`` (the 4-token interleave read by
 TRT-LLM-generation kernels) stores it at row ``(t//4)*4 + s//(S//4)``, column
 ``(s % (S//4))*4 + t%4``; it needs ``N % 4 == 0`` and ``S % 4 == 0``.
+
+Upstream vLLM's ``reshape_and_cache_flash`` always writes NVFP4 scales in the interleave4 order
+(its 4x4 swizzle), so that is the default wherever the geometry allows it
+(:meth:`ScaleLayout.default_for`; the C++ twin is ``default_scale_layout`` in
+``csrc/cache_kernels.h``).
 """
 
 from __future__ import annotations
@@ -29,6 +34,23 @@ class ScaleLayout(str, Enum):
         except ValueError:
             accepted = ", ".join(repr(m.value) for m in cls)
             raise ValueError(f"scale_layout: expected one of {accepted}, got {value!r}") from None
+
+    @classmethod
+    def default_for(cls, block_size: int, head_size: int) -> ScaleLayout:
+        """The layout used when a caller names none, for pages of ``block_size`` tokens and
+        heads of ``head_size`` elements: upstream's ``INTERLEAVE4`` whenever it fits
+        (``block_size % 4 == 0`` and ``S = head_size / 16`` a multiple of 4, i.e.
+        ``head_size % 64 == 0``), ``LINEAR`` for geometries upstream cannot write."""
+        if block_size > 0 and block_size % 4 == 0 and head_size > 0 and head_size % 64 == 0:
+            return cls.INTERLEAVE4
+        return cls.LINEAR
+
+    @classmethod
+    def resolve(
+        cls, value: ScaleLayout | str | None, block_size: int, head_size: int
+    ) -> ScaleLayout:
+        """``value`` parsed, or :meth:`default_for` the geometry when it is ``None``."""
+        return cls.default_for(block_size, head_size) if value is None else cls.parse(value)
 
 
 def interleave4_index(

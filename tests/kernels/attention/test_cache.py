@@ -25,7 +25,7 @@ from vllm.kv_quant import (
 )
 from vllm.utils.torch_utils import nvfp4_kv_cache_full_dim, nvfp4_kv_cache_split_views
 
-from ..quantization.nvfp4_utils import dequant_nvfp4_kv_cache
+from ..quantization.nvfp4_utils import dequant_nvfp4_kv_cache_nhd
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICES = [
@@ -356,7 +356,7 @@ def test_interleave4_and_dequant(
     device: str, k_layout: ScaleLayout | str, v_layout: ScaleLayout | str | None, hnd: bool
 ) -> None:
     """Scale layouts (enum or str) match the reference; the cache dequantizes back close to the
-    input through nvfp4_kv_cache_split_views and dequant_nvfp4_kv_cache."""
+    input through nvfp4_kv_cache_split_views and dequant_nvfp4_kv_cache_nhd."""
     case = make_case(
         device, "nvfp4", torch.bfloat16, head_size=128, hnd=hnd, per_head_scale=True, skip_every=0
     )
@@ -374,7 +374,7 @@ def test_interleave4_and_dequant(
         (case.value_cache, case.v_scale, v_layout or k_layout, case.value),
     ):
         (data,), (sf,) = nvfp4_kv_cache_split_views(side)
-        deq = dequant_nvfp4_kv_cache(data, sf, scale, 128, block_size, layout)[pages, rows]
+        deq = dequant_nvfp4_kv_cache_nhd(data, sf, scale, 128, block_size, layout)[pages, rows]
         src = x[: slots.shape[0]].float()
         amax = src.abs().amax(dim=-1, keepdim=True)
         in_range = (amax / (scale.view(1, -1, 1) * 6) < 448).expand_as(src)

@@ -15,14 +15,19 @@ import pytest
 import torch
 
 from vllm import _custom_ops as ops
-from vllm.kv_quant import fp8_write_cache, nvfp4_write_cache
+from vllm.kv_quant import ScaleLayout, fp8_write_cache, nvfp4_read_cache, nvfp4_write_cache
+from vllm.kv_quant.scale_layout import to_layout
 from vllm.utils.torch_utils import (
     is_quantized_kv_cache,
     nvfp4_kv_cache_split_views,
     set_random_seed,
 )
 
-from ..quantization.nvfp4_utils import dequant_nvfp4_kv_cache
+from ..quantization.nvfp4_utils import (
+    dequant_nvfp4_kv_cache,
+    dequant_nvfp4_kv_cache_nhd,
+    unswizzle_4x4,
+)
 from ..utils import DEFAULT_OPCHECK_TEST_UTILS, opcheck
 
 pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
@@ -110,12 +115,19 @@ def test_reshape_and_cache_flash(
             raw, expected.view(torch.uint8) if got.dtype != torch.uint8 else expected
         )
     if kind == "nvfp4":
-        # Upstream's check: dequantize the written slots through the split views.
+        # Upstream's check: split views, permuted to HND, upstream's dequant (which
+        # un-swizzles the scales: the default layout must be upstream's wherever it fits).
         for side, x, scale in ((key_cache, key, k_scale), (value_cache, value, v_scale)):
             (data,), (block_scale,) = nvfp4_kv_cache_split_views(side)
-            deq = dequant_nvfp4_kv_cache(
-                data, block_scale, scale.reshape(-1), head_size, block_size
-            )
+            if scale_type == "tensor" and ScaleLayout.default_for(block_size, head_size) is (
+                ScaleLayout.INTERLEAVE4
+            ):
+                # Our views are logical (B, N, H, .) for NHC and HNC alike: permute to HND.
+                data, block_scale = data.permute(0, 2, 1, 3), block_scale.permute(0, 2, 1, 3)
+                hnd = dequant_nvfp4_kv_cache(data, block_scale, scale.item(), head_size, block_size)
+                deq = hnd.permute(0, 2, 1, 3)
+            else:  # per-head scales or a geometry upstream cannot write (linear default)
+                deq = dequant_nvfp4_kv_cache_nhd(data, block_scale, scale, head_size, block_size)
             got = deq.reshape(-1, NUM_HEADS, head_size)[slot_mapping]
             torch.testing.assert_close(got, x.float(), atol=1.5, rtol=0.5)
 
@@ -198,3 +210,93 @@ def test_convert_fp8_round_trip(dtype: torch.dtype, kv_dtype: str) -> None:
     torch.testing.assert_close(cache, converted, atol=0.001, rtol=rtol)
     with pytest.raises(ValueError, match="output: expected input's shape"):
         ops.convert_fp8(cache_fp8[:1], cache)
+
+
+# ----------------------------------------------------------------- NVFP4 default scale layout
+
+
+def test_interleave4_is_upstreams_swizzle() -> None:
+    """Our INTERLEAVE4 placement is the order upstream's dequant un-swizzles (re-stated
+    independently in nvfp4_utils.unswizzle_4x4)."""
+    for block_size, head_size in ((4, 64), (16, 128), (32, 256), (8, 192)):
+        linear = torch.randint(0, 256, (3, 2, block_size, head_size // 16), dtype=torch.uint8)
+        stored = to_layout(linear, ScaleLayout.INTERLEAVE4)
+        assert not torch.equal(stored, linear)
+        assert torch.equal(unswizzle_4x4(stored), linear)
+
+
+def _nvfp4_write_pair(block_size: int, head_size: int, *layouts):
+    """(caches written by the op with ``layouts`` appended to upstream's eight arguments,
+    key, value, slot_mapping, k_scale, v_scale)."""
+    generator = torch.Generator().manual_seed(block_size * 1000 + head_size)
+    num_blocks, heads, tokens = 3, 2, 2 * block_size + 1
+    key = torch.randn(tokens, heads, head_size, generator=generator, dtype=torch.bfloat16)
+    value = torch.randn(tokens, heads, head_size, generator=generator, dtype=torch.bfloat16)
+    slots = torch.randperm(num_blocks * block_size, generator=generator)[:tokens]
+    width = head_size // 2 + head_size // 16
+    key_cache = torch.zeros(num_blocks, block_size, heads, width, dtype=torch.uint8)
+    value_cache = torch.zeros_like(key_cache)
+    k_scale = (key.abs().amax() / 448.0).float()
+    v_scale = (value.abs().amax() / 448.0).float()
+    torch.ops._C_cache_ops.reshape_and_cache_flash(
+        key, value, key_cache, value_cache, slots, "nvfp4", k_scale, v_scale, *layouts
+    )
+    return key_cache, value_cache, key, value, slots, k_scale, v_scale
+
+
+def _reference_pair(block_size: int, head_size: int, k_layout, v_layout):
+    _, _, key, value, slots, k_scale, v_scale = _nvfp4_write_pair(block_size, head_size, "linear")
+    key_cache = torch.zeros(3, block_size, 2, head_size // 2 + head_size // 16, dtype=torch.uint8)
+    value_cache = torch.zeros_like(key_cache)
+    nvfp4_write_cache(key, key_cache, slots, k_scale, k_layout)
+    nvfp4_write_cache(value, value_cache, slots, v_scale, v_layout)
+    return key_cache, value_cache
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 4, 6, 8, 12, 16, 32])
+@pytest.mark.parametrize("head_size", [16, 32, 48, 64, 80, 128, 192, 256])
+def test_default_scale_layout_grid(block_size: int, head_size: int) -> None:
+    """The compiled op's default (C++ default_scale_layout) is ScaleLayout.default_for for
+    every geometry: upstream's interleave4 where block_size % 4 == 0 and head_size % 64 == 0,
+    linear elsewhere; the reference codecs' defaults agree."""
+    rule = ScaleLayout.default_for(block_size, head_size)
+    fits = block_size % 4 == 0 and head_size % 64 == 0
+    assert rule is (ScaleLayout.INTERLEAVE4 if fits else ScaleLayout.LINEAR)
+    key_cache, value_cache, *_ = _nvfp4_write_pair(block_size, head_size)
+    expected = _reference_pair(block_size, head_size, rule, rule)
+    assert torch.equal(key_cache, expected[0]) and torch.equal(value_cache, expected[1])
+    assert torch.equal(key_cache, _reference_pair(block_size, head_size, None, None)[0])
+    if fits:  # the two layouts give different bytes, so the check above can fail
+        linear = _reference_pair(block_size, head_size, "linear", "linear")
+        assert not torch.equal(key_cache, linear[0])
+
+
+def test_default_scale_layout_upstream_geometry_and_head_80() -> None:
+    """Upstream's geometry (block 16, head 128) defaults to interleave4 through the op, the
+    Python wrapper and the reference reader; head 80 (S = 5) falls back to linear."""
+    key_cache, value_cache, key, value, slots, k_scale, v_scale = _nvfp4_write_pair(16, 128)
+    assert torch.equal(key_cache, _reference_pair(16, 128, "interleave4", "interleave4")[0])
+    via_wrapper = torch.zeros_like(key_cache), torch.zeros_like(value_cache)
+    ops.reshape_and_cache_flash(key, value, *via_wrapper, slots, "nvfp4", k_scale, v_scale)
+    assert torch.equal(via_wrapper[0], key_cache) and torch.equal(via_wrapper[1], value_cache)
+    assert torch.equal(
+        nvfp4_read_cache(key_cache, k_scale, 128),
+        nvfp4_read_cache(key_cache, k_scale, 128, ScaleLayout.INTERLEAVE4),
+    )
+    key_cache_80, *_ = _nvfp4_write_pair(6, 80)
+    assert torch.equal(key_cache_80, _reference_pair(6, 80, "linear", "linear")[0])
+
+
+@pytest.mark.parametrize(
+    ("layouts", "k_expected", "v_expected"),
+    [
+        (("linear",), "linear", "linear"),  # V follows a named K
+        (("interleave4", "linear"), "interleave4", "linear"),
+        (("linear", "interleave4"), "linear", "interleave4"),
+        ((None, "linear"), "interleave4", "linear"),  # unnamed K gets the default
+    ],
+)
+def test_explicit_scale_layouts_override_default(layouts, k_expected, v_expected) -> None:
+    key_cache, value_cache, *_ = _nvfp4_write_pair(16, 128, *layouts)
+    expected = _reference_pair(16, 128, k_expected, v_expected)
+    assert torch.equal(key_cache, expected[0]) and torch.equal(value_cache, expected[1])

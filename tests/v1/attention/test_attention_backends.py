@@ -120,13 +120,20 @@ def test_backend_properties() -> None:
     assert FlashInferBackend.supports_block_size(256)
     assert not FlashInferBackend.supports_block_size(8)
     assert ReferenceAttentionBackend.supports_block_size(3)
-    assert FlashInferBackend.get_nvfp4_scale_layout().value == "interleave4"
-    assert ReferenceAttentionBackend.get_nvfp4_scale_layout().value == "linear"
+    assert FlashInferBackend.get_nvfp4_scale_layout(16, 128).value == "interleave4"
+    # REFERENCE reads what the op writes by default: upstream's interleave4 where it fits.
+    assert ReferenceAttentionBackend.get_nvfp4_scale_layout(16, 128).value == "interleave4"
+    assert ReferenceAttentionBackend.get_nvfp4_scale_layout(6, 128).value == "linear"
+    assert ReferenceAttentionBackend.get_nvfp4_scale_layout(16, 80).value == "linear"
     # The per-cache record (K, V) that writers and readers take comes from the same method.
-    assert FlashInferBackend.get_kv_cache_scale_layouts() == KVCacheScaleLayouts(
-        FlashInferBackend.get_nvfp4_scale_layout(), FlashInferBackend.get_nvfp4_scale_layout()
+    assert FlashInferBackend.get_kv_cache_scale_layouts(16, 128) == KVCacheScaleLayouts(
+        FlashInferBackend.get_nvfp4_scale_layout(16, 128),
+        FlashInferBackend.get_nvfp4_scale_layout(16, 128),
     )
-    assert tuple(ReferenceAttentionBackend.get_kv_cache_scale_layouts()) == ("linear", "linear")
+    assert tuple(ReferenceAttentionBackend.get_kv_cache_scale_layouts(16, 128, 80)) == (
+        "interleave4",
+        "linear",
+    )
     assert FlashInferBackend.get_required_kv_cache_layout(B200) == "HND"
     assert FlashInferBackend.get_required_kv_cache_layout(H100) is None
     assert ReferenceAttentionBackend.get_required_kv_cache_layout(B200) is None

@@ -45,7 +45,7 @@ class Case:
     """One batch: sequences of ``seq_lens`` tokens whose last ``query_lens`` are queries."""
 
     cache_dtype: str = "auto"
-    scale_layout: str = "linear"
+    scale_layout: str | None = "linear"
     layout: str = "NHD"
     num_kv_heads: int = 2
     group: int = 2
@@ -290,6 +290,24 @@ def test_scale_shapes(k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
         metadata,
     )
     got = cpu.forward(AttentionLayerScales(k_scale, v_scale), query, None, None, kv_cache, metadata)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize(("head_size", "expected_layout"), [(64, "interleave4"), (80, "linear")])
+def test_default_scale_layout_is_the_writers(head_size: int, expected_layout: str) -> None:
+    """No scale layout named anywhere, as an upstream engine calls: the CPU kernel resolves the
+    writer's default (interleave4 where the geometry allows it, else linear)."""
+    case = Case("nvfp4", None, head_size=head_size, head_size_v=head_size)
+    _, cpu, layer, kv_cache, metadata, query = setup(case)
+    explicit = ReferenceAttentionImpl(
+        case.num_kv_heads * case.group,
+        head_size,
+        num_kv_heads=case.num_kv_heads,
+        kv_cache_dtype="nvfp4",
+        k_scale_layout=expected_layout,
+    )
+    expected = explicit.forward(layer, query, None, None, kv_cache, metadata)
+    got = cpu.forward(layer, query, None, None, kv_cache, metadata)
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 

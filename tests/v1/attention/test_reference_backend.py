@@ -283,19 +283,19 @@ def test_impl_argument_errors() -> None:
 
 
 def test_scale_layout_defaults_come_from_the_backend() -> None:
-    """Unset layouts are the reference backend's own (linear, K and V); an explicit K layout
-    also sets V's unless V is given. The write and read paths use these attributes."""
-    default = ReferenceAttentionBackend.get_kv_cache_scale_layouts()
-    impl = ReferenceAttentionImpl(8, 64, kv_cache_dtype="nvfp4")
-    assert (impl.k_scale_layout, impl.v_scale_layout) == tuple(default)
-    assert impl.k_scale_layout is ScaleLayout.LINEAR
-    impl = ReferenceAttentionImpl(8, 64, kv_cache_dtype="nvfp4", k_scale_layout="interleave4")
-    assert impl.v_scale_layout is ScaleLayout.INTERLEAVE4
-    impl = ReferenceAttentionImpl(8, 64, kv_cache_dtype="nvfp4", v_scale_layout="interleave4")
-    assert (impl.k_scale_layout, impl.v_scale_layout) == (
-        ScaleLayout.LINEAR,
-        ScaleLayout.INTERLEAVE4,
+    """Unset layouts are the reference backend's own for the cache geometry (the op's default:
+    interleave4 where it fits, else linear); an explicit K layout also sets V's unless V is
+    given. The write and read paths use :meth:`scale_layouts`."""
+    impl = ReferenceAttentionImpl(8, 128, kv_cache_dtype="nvfp4", head_size_v=80)
+    assert impl.scale_layouts(16) == ReferenceAttentionBackend.get_kv_cache_scale_layouts(
+        16, 128, 80
     )
+    assert tuple(impl.scale_layouts(16)) == (ScaleLayout.INTERLEAVE4, ScaleLayout.LINEAR)
+    assert tuple(impl.scale_layouts(6)) == (ScaleLayout.LINEAR, ScaleLayout.LINEAR)
+    impl = ReferenceAttentionImpl(8, 64, kv_cache_dtype="nvfp4", k_scale_layout="linear")
+    assert tuple(impl.scale_layouts(16)) == (ScaleLayout.LINEAR, ScaleLayout.LINEAR)
+    impl = ReferenceAttentionImpl(8, 64, kv_cache_dtype="nvfp4", v_scale_layout="linear")
+    assert tuple(impl.scale_layouts(16)) == (ScaleLayout.INTERLEAVE4, ScaleLayout.LINEAR)
 
 
 def test_forward_errors() -> None:

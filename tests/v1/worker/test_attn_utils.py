@@ -401,8 +401,10 @@ def test_init_kv_cache_mla_and_mamba_hybrid() -> None:
 
 def test_scale_layouts_are_recorded_per_layer_from_each_backend() -> None:
     """The NVFP4 scale layout is a property of the cache chosen with its backend: FlashInfer
-    layers get interleave4, REFERENCE layers linear; MLA and Mamba layers have none."""
+    layers get interleave4, REFERENCE layers the op's default for their geometry (interleave4
+    for head 128, linear for head 80); MLA and Mamba layers have none."""
     nvfp4 = attn_spec(dtype=torch.uint8, kv_quant_mode=KVQuantMode.NVFP4)
+    nvfp4_80 = attn_spec(dtype=torch.uint8, kv_quant_mode=KVQuantMode.NVFP4, head_size=80)
     mla = dsv4_spec(4)
     mamba = MambaSpec(block_size=256, shapes=((4, 8),), dtypes=(torch.float32,))
     config = KVCacheConfig(
@@ -410,6 +412,7 @@ def test_scale_layouts_are_recorded_per_layer_from_each_backend() -> None:
         kv_cache_tensors=[
             KVCacheTensor(size=2 * nvfp4.page_size_bytes, shared_by=["fi"]),
             KVCacheTensor(size=2 * nvfp4.page_size_bytes, shared_by=["ref"]),
+            KVCacheTensor(size=2 * nvfp4_80.page_size_bytes, shared_by=["ref80"]),
             KVCacheTensor(size=2 * mla.page_size_bytes, shared_by=["mla"]),
             KVCacheTensor(size=2 * mamba.page_size_bytes, shared_by=["ssm"]),
         ],
@@ -417,22 +420,30 @@ def test_scale_layouts_are_recorded_per_layer_from_each_backend() -> None:
             KVCacheGroupSpec(["fi", "ref"], nvfp4),
             KVCacheGroupSpec(["mla"], mla),
             KVCacheGroupSpec(["ssm"], mamba),
+            KVCacheGroupSpec(["ref80"], nvfp4_80),
         ],
     )
-    backends = {"fi": FlashInferBackend, "ref": ReferenceAttentionBackend, "mla": MLACommonBackend}
+    backends = {
+        "fi": FlashInferBackend,
+        "ref": ReferenceAttentionBackend,
+        "mla": MLACommonBackend,
+        "ref80": ReferenceAttentionBackend,
+    }
     layouts = get_kv_cache_scale_layouts(config, backends)
     assert layouts == {
         "fi": KVCacheScaleLayouts(ScaleLayout.INTERLEAVE4, ScaleLayout.INTERLEAVE4),
-        "ref": KVCacheScaleLayouts(ScaleLayout.LINEAR, ScaleLayout.LINEAR),
+        "ref": KVCacheScaleLayouts(ScaleLayout.INTERLEAVE4, ScaleLayout.INTERLEAVE4),
+        "ref80": KVCacheScaleLayouts(ScaleLayout.LINEAR, ScaleLayout.LINEAR),
     }
-    assert layouts["fi"] == FlashInferBackend.get_kv_cache_scale_layouts()
+    assert layouts["fi"] == FlashInferBackend.get_kv_cache_scale_layouts(16, 128)
     k_layout, v_layout = layouts["fi"]  # unpacks as (k, v)
     assert (k_layout, v_layout) == (layouts["fi"].k_scale_layout, layouts["fi"].v_scale_layout)
     # One backend per group works too, and a layer without a backend is an error.
     per_group = get_kv_cache_scale_layouts(
-        config, [FlashInferBackend, MLACommonBackend, ReferenceAttentionBackend]
+        config,
+        [FlashInferBackend, MLACommonBackend, ReferenceAttentionBackend, ReferenceAttentionBackend],
     )
-    assert set(per_group) == {"fi", "ref"}
+    assert set(per_group) == {"fi", "ref", "ref80"}
     assert per_group["ref"].k_scale_layout is ScaleLayout.INTERLEAVE4
     with pytest.raises(ValueError, match=r"no backend for attention layer\(s\) ref, mla"):
         get_kv_cache_scale_layouts(config, {"fi": FlashInferBackend})

@@ -14,27 +14,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 import torch
 
 from vllm.config.cache import CACHE_DTYPES
+from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backends.utils import get_kv_cache_layout, validate_kv_cache_layout
 
 if TYPE_CHECKING:
     from vllm.kv_quant.scale_layout import ScaleLayout
-
-
-class DeviceCapability(NamedTuple):
-    """CUDA compute capability ``major.minor`` (sm_90 is ``(9, 0)``)."""
-
-    major: int
-    minor: int
-
-    def as_version_str(self) -> str:
-        return f"{self.major}.{self.minor}"
-
-    def to_int(self) -> int:
-        """``major * 10 + minor`` (sm_100 is 100)."""
-        return self.major * 10 + self.minor
-
-    def __str__(self) -> str:
-        return f"sm_{self.to_int()}"
 
 
 def as_device_capability(
@@ -214,19 +198,27 @@ class AttentionBackend(ABC):
         return None
 
     @classmethod
-    def get_nvfp4_scale_layout(cls) -> ScaleLayout:
-        """Scale layout of NVFP4 caches that this backend's reader expects."""
+    def get_nvfp4_scale_layout(cls, block_size: int, head_size: int) -> ScaleLayout:
+        """Scale layout of the NVFP4 caches (pages of ``block_size`` tokens, heads of
+        ``head_size`` elements) that this backend's reader expects; by default the op's,
+        :meth:`ScaleLayout.default_for` (upstream's interleave4 where it fits)."""
         from vllm.kv_quant.scale_layout import ScaleLayout
 
-        return ScaleLayout.LINEAR
+        return ScaleLayout.default_for(block_size, head_size)
 
     @classmethod
-    def get_kv_cache_scale_layouts(cls) -> KVCacheScaleLayouts:
-        """NVFP4 scale layouts (K, V) of the caches this backend reads: both
-        :meth:`get_nvfp4_scale_layout`. Record them with the cache and pass them to the writer
-        and the reader (see :func:`~vllm.v1.worker.gpu.attn_utils.get_kv_cache_scale_layouts`)."""
-        layout = cls.get_nvfp4_scale_layout()
-        return KVCacheScaleLayouts(layout, layout)
+    def get_kv_cache_scale_layouts(
+        cls, block_size: int, head_size: int, head_size_v: int | None = None
+    ) -> KVCacheScaleLayouts:
+        """NVFP4 scale layouts (K, V) of the caches this backend reads: each side's
+        :meth:`get_nvfp4_scale_layout` (``head_size_v`` defaults to ``head_size``). Record them
+        with the cache and pass them to the writer and the reader (see
+        :func:`~vllm.v1.worker.gpu.attn_utils.get_kv_cache_scale_layouts`)."""
+        head_size_v = head_size if head_size_v is None else head_size_v
+        return KVCacheScaleLayouts(
+            cls.get_nvfp4_scale_layout(block_size, head_size),
+            cls.get_nvfp4_scale_layout(block_size, head_size_v),
+        )
 
     @classmethod
     def _validate_common(

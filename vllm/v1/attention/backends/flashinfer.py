@@ -92,8 +92,9 @@ class FlashInferBackend(AttentionBackend):
         return None
 
     @classmethod
-    def get_nvfp4_scale_layout(cls) -> ScaleLayout:
-        """trtllm-gen reads NVFP4 block scales in the 4-token interleave (K and V)."""
+    def get_nvfp4_scale_layout(cls, block_size: int, head_size: int) -> ScaleLayout:
+        """trtllm-gen reads NVFP4 block scales in the 4-token interleave (K and V) whatever the
+        geometry (its validation admits only geometries that fit it)."""
         from vllm.kv_quant.scale_layout import ScaleLayout
 
         return ScaleLayout.INTERLEAVE4

@@ -30,6 +30,7 @@ from vllm.v1.attention.backends.abstract import (
     AttentionBackend,
     AttentionImpl,
     AttentionLayer,
+    KVCacheScaleLayouts,
     MultipleOf,
     kv_cache_dim,
     paged_kv_cache_shape,
@@ -209,8 +210,9 @@ class ReferenceAttentionImpl(AttentionImpl):
     the cache; the same values serve the write (:meth:`do_kv_cache_update`) and the read
     (:meth:`forward`). Pass the layouts recorded with the cache
     (:func:`~vllm.v1.worker.gpu.attn_utils.get_kv_cache_scale_layouts`, e.g. interleave4 for a
-    FlashInfer cache). Defaults: K's is :class:`ReferenceAttentionBackend`'s (linear);
-    ``v_scale_layout=None`` means K's when ``k_scale_layout`` is given, else the backend's.
+    FlashInfer cache). Defaults (:meth:`scale_layouts`): :class:`ReferenceAttentionBackend`'s
+    for the cache's geometry, i.e. the op's default; ``v_scale_layout=None`` means K's when
+    ``k_scale_layout`` is given.
     """
 
     def __init__(
@@ -277,16 +279,23 @@ class ReferenceAttentionImpl(AttentionImpl):
         self.kv_cache_dtype = kv_cache_dtype
         self.logits_soft_cap = logits_soft_cap
         self.sinks = sinks
-        default = ReferenceAttentionBackend.get_kv_cache_scale_layouts()
-        self.k_scale_layout = (
-            default.k_scale_layout if k_scale_layout is None else ScaleLayout.parse(k_scale_layout)
+        # None: the backend's default for the cache's geometry, known at the first cache.
+        self.k_scale_layout = None if k_scale_layout is None else ScaleLayout.parse(k_scale_layout)
+        self.v_scale_layout = (
+            ScaleLayout.parse(v_scale_layout) if v_scale_layout is not None else self.k_scale_layout
         )
-        if v_scale_layout is not None:
-            self.v_scale_layout = ScaleLayout.parse(v_scale_layout)
-        elif k_scale_layout is not None:
-            self.v_scale_layout = self.k_scale_layout
-        else:
-            self.v_scale_layout = default.v_scale_layout
+
+    def scale_layouts(self, block_size: int) -> KVCacheScaleLayouts:
+        """NVFP4 scale layouts (K, V) of this impl's caches with pages of ``block_size``
+        tokens: the named ones, else :class:`ReferenceAttentionBackend`'s default for the
+        geometry (upstream's interleave4 where it fits, else linear)."""
+        default = ReferenceAttentionBackend.get_kv_cache_scale_layouts(
+            block_size, self.head_size, self.head_size_v
+        )
+        return KVCacheScaleLayouts(
+            default.k_scale_layout if self.k_scale_layout is None else self.k_scale_layout,
+            default.v_scale_layout if self.v_scale_layout is None else self.v_scale_layout,
+        )
 
     # ----------------------------------------------------------------------------- checks
 
@@ -345,6 +354,7 @@ class ReferenceAttentionImpl(AttentionImpl):
         key_cache, value_cache = split_kv_cache(kv_cache)
         self._check_side(key_cache, "key_cache", self.head_size)
         self._check_side(value_cache, "value_cache", self.head_size_v)
+        k_layout, v_layout = self.scale_layouts(key_cache.shape[1])
         op = _copy_op()
         if op is not None:
             op(
@@ -356,16 +366,16 @@ class ReferenceAttentionImpl(AttentionImpl):
                 self.kv_cache_dtype,
                 layer._k_scale,
                 layer._v_scale,
-                k_scale_layout=self.k_scale_layout.value,
-                v_scale_layout=self.v_scale_layout.value,
+                k_scale_layout=k_layout.value,
+                v_scale_layout=v_layout.value,
             )
             return
         from vllm.kv_quant import fp8_write_cache, nvfp4_write_cache
         from vllm.kv_quant.nvfp4_cache import check_slot_mapping
 
         for x, side, scale, layout in (
-            (key, key_cache, layer._k_scale, self.k_scale_layout),
-            (value, value_cache, layer._v_scale, self.v_scale_layout),
+            (key, key_cache, layer._k_scale, k_layout),
+            (value, value_cache, layer._v_scale, v_layout),
         ):
             if self._is_nvfp4:
                 nvfp4_write_cache(x, side, slot_mapping, scale.to(side.device), layout)
@@ -496,6 +506,7 @@ class ReferenceAttentionImpl(AttentionImpl):
         block_table = attn_metadata.block_table
         device = key_cache.device
         num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
+        k_layout, v_layout = self.scale_layouts(block_size)
         block_table = block_table.to(device=device, dtype=torch.int64)
 
         for i, seq_len in enumerate(seq_lens):
@@ -527,11 +538,9 @@ class ReferenceAttentionImpl(AttentionImpl):
                 )
             start = first_key - p0 * block_size
             stop = last_key + 1 - p0 * block_size
-            k = self._dequantize(
-                _gather_pages(key_cache, pages), k_scale, self.head_size, self.k_scale_layout
-            )
+            k = self._dequantize(_gather_pages(key_cache, pages), k_scale, self.head_size, k_layout)
             v = self._dequantize(
-                _gather_pages(value_cache, pages), v_scale, self.head_size_v, self.v_scale_layout
+                _gather_pages(value_cache, pages), v_scale, self.head_size_v, v_layout
             )
             k = k.reshape(-1, self.num_kv_heads, self.head_size)[start:stop]
             v = v.reshape(-1, self.num_kv_heads, self.head_size_v)[start:stop]

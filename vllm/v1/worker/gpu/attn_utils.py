@@ -496,27 +496,35 @@ def _reshape_kv_cache(
 
 
 def get_kv_cache_scale_layouts(
-    kv_cache_config: KVCacheConfig, attn_backends: AttnBackends
+    kv_cache_config: KVCacheConfig,
+    attn_backends: AttnBackends,
+    kernel_block_sizes: Sequence[int] | None = None,
 ) -> dict[str, KVCacheScaleLayouts]:
     """NVFP4 block-scale layouts ``(k_scale_layout, v_scale_layout)`` of each (non-MLA)
     attention layer's cache: its backend's
-    (:meth:`~vllm.v1.attention.backends.abstract.AttentionBackend.get_kv_cache_scale_layouts`;
-    FlashInfer: interleave4, REFERENCE: linear).
+    (:meth:`~vllm.v1.attention.backends.abstract.AttentionBackend.get_kv_cache_scale_layouts`
+    for the layer's kernel block size and head sizes; FlashInfer: interleave4, others: the op's
+    default, upstream's interleave4 where the geometry allows it, else linear).
 
     The layout is a property of the cache selected with the backend: record it next to the
-    views of :func:`init_kv_cache` (same ``attn_backends``) and pass it to the writer
-    (``reshape_and_cache_flash``'s ``k_scale_layout`` / ``v_scale_layout``, or
+    views of :func:`init_kv_cache` (same ``attn_backends`` and ``kernel_block_sizes``) and pass
+    it to the writer (``reshape_and_cache_flash``'s ``k_scale_layout`` / ``v_scale_layout``, or
     ``ReferenceAttentionImpl``) and to the reader. MLA and Mamba layers have no K/V scale
     planes and are left out. ``ValueError`` when an attention layer has no backend.
     """
     backends = _normalize_backends(kv_cache_config, attn_backends)
     layer_specs = dict(iter_layer_specs(kv_cache_config))
     _check_backends_cover(layer_specs, backends)
-    return {
-        name: backends[name].get_kv_cache_scale_layouts()
-        for name, spec in layer_specs.items()
-        if isinstance(spec, AttentionSpec) and not _is_mla_spec(spec)
-    }
+    kernel_sizes = _kernel_block_sizes(kv_cache_config, backends, kernel_block_sizes)
+    layouts: dict[str, KVCacheScaleLayouts] = {}
+    for group, kernel_block_size in zip(kv_cache_config.kv_cache_groups, kernel_sizes, strict=True):
+        for name in group.layer_names:
+            spec = layer_specs[name]
+            if isinstance(spec, AttentionSpec) and not _is_mla_spec(spec):
+                layouts[name] = backends[name].get_kv_cache_scale_layouts(
+                    kernel_block_size, spec.head_size, spec.head_size_v
+                )
+    return layouts
 
 
 # --------------------------------------------------------------------------------- init

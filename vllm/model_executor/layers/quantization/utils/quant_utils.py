@@ -1,0 +1,66 @@
+"""Dequantization helper that upstream vLLM's kernel tests import (``scaled_dequantize``).
+
+``x = x_q * x_s`` in fp32, then cast: ``x_s`` is one value (per-tensor, any shape) or a grid of
+per-group scales, each covering a ``group_shape = (rows, cols)`` tile of the last two dims of
+``x_q`` (``-1`` in ``group_shape`` means the whole extent).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class GroupShape(NamedTuple):
+    """Elements of ``x_q``'s last two dims that share one scale; ``-1`` is the full extent."""
+
+    group_rows: int
+    group_cols: int
+
+
+def _full_group_shape(x_q: torch.Tensor, group_shape: tuple[int, int]) -> tuple[int, int]:
+    rows, cols = group_shape
+    return (x_q.shape[-2] if rows == -1 else rows, x_q.shape[-1] if cols == -1 else cols)
+
+
+def scaled_dequantize(
+    x_q: torch.Tensor,
+    x_s: torch.Tensor,
+    group_shape: GroupShape | tuple[int, int] | None = None,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``x_q`` (any numeric dtype, ``[..., M, N]``) times its scales, as ``out_dtype``.
+
+    ``group_shape=None``: ``x_s`` is one value (0-d, ``[1]``, ...) or already broadcastable.
+    Otherwise ``x_s`` is ``[..., M / rows, N / cols]``; a 1-D ``x_s`` is one scale per column
+    group when ``rows == M`` and per row group when ``cols == N``. ``ValueError`` on a scale
+    grid that does not tile ``x_q``.
+    """
+    scale = x_s.to(torch.float32)
+    if group_shape is not None:
+        if x_q.dim() < 2:
+            raise ValueError(f"x_q: expected at least 2 dims [..., M, N], got {list(x_q.shape)}")
+        rows, cols = _full_group_shape(x_q, tuple(group_shape))
+        m, n = x_q.shape[-2], x_q.shape[-1]
+        if scale.dim() == 0:
+            scale = scale.reshape(1, 1)
+        elif scale.dim() == 1:
+            if rows == m:
+                scale = scale.unsqueeze(-2)
+            elif cols == n:
+                scale = scale.unsqueeze(-1)
+            else:
+                raise ValueError(
+                    f"x_s: a 1-D scale needs group_shape to span all rows ({m}) or all "
+                    f"columns ({n}), got {(rows, cols)}"
+                )
+        if m % rows or n % cols or tuple(scale.shape[-2:]) != (m // rows, n // cols):
+            raise ValueError(
+                f"x_s: expected [..., {m}/{rows}, {n}/{cols}] scales for group_shape "
+                f"{(rows, cols)} and x_q {list(x_q.shape)}, got {list(x_s.shape)}"
+            )
+        scale = scale.repeat_interleave(rows, dim=-2).repeat_interleave(cols, dim=-1)
+    elif scale.numel() == 1:
+        scale = scale.reshape(())
+    return (x_q.to(torch.float32) * scale).to(out_dtype)

@@ -1,0 +1,19 @@
+"""``current_platform``, as upstream vLLM names it: CUDA when torch sees a CUDA device, else
+CPU (chosen once, at import)."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.platforms.cpu import CpuPlatform
+from vllm.platforms.cuda import CudaPlatform
+from vllm.platforms.interface import DeviceCapability, Platform
+
+
+def _detect() -> Platform:
+    return CudaPlatform() if torch.cuda.is_available() else CpuPlatform()
+
+
+current_platform: Platform = _detect()
+
+__all__ = ["CpuPlatform", "CudaPlatform", "DeviceCapability", "Platform", "current_platform"]

@@ -1,0 +1,63 @@
+"""The platform contract that upstream vLLM's kernel tests ask of ``current_platform``.
+
+Only what those tests and our backends use: the device kind (``device_type``, :meth:`is_cuda`,
+:meth:`is_cpu`), the CUDA compute capability, and the FP8 dtype of the platform.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, NamedTuple
+
+import torch
+
+
+class DeviceCapability(NamedTuple):
+    """CUDA compute capability ``major.minor`` (sm_90 is ``(9, 0)``)."""
+
+    major: int
+    minor: int
+
+    def as_version_str(self) -> str:
+        return f"{self.major}.{self.minor}"
+
+    def to_int(self) -> int:
+        """``major * 10 + minor`` (sm_100 is 100)."""
+        return self.major * 10 + self.minor
+
+    def __str__(self) -> str:
+        return f"sm_{self.to_int()}"
+
+
+class Platform:
+    """A device kind. Subclasses set :attr:`device_type` and, for GPUs, report a capability."""
+
+    device_type: ClassVar[str] = ""
+
+    @classmethod
+    def is_cuda(cls) -> bool:
+        return cls.device_type == "cuda"
+
+    @classmethod
+    def is_cpu(cls) -> bool:
+        return cls.device_type == "cpu"
+
+    @classmethod
+    def get_device_capability(cls, device_id: int = 0) -> DeviceCapability | None:
+        """Compute capability of device ``device_id``; ``None`` where there is none (CPU)."""
+        return None
+
+    @classmethod
+    def has_device_capability(cls, capability: tuple[int, int] | int, device_id: int = 0) -> bool:
+        """Whether device ``device_id`` has at least ``capability``: ``(major, minor)`` or the
+        int ``major * 10 + minor`` (100 is sm_100). False when it reports no capability."""
+        current = cls.get_device_capability(device_id)
+        if current is None:
+            return False
+        if isinstance(capability, tuple):
+            return current >= capability
+        return current.to_int() >= capability
+
+    @classmethod
+    def fp8_dtype(cls) -> torch.dtype:
+        """The FP8 dtype of ``kv_cache_dtype="fp8"`` on this platform (OCP e4m3)."""
+        return torch.float8_e4m3fn
