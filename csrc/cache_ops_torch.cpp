@@ -15,9 +15,8 @@ namespace vllm_kv {
 
 Fp8KVCacheDataType get_fp8_kv_cache_data_type(const std::string& kv_cache_dtype) {
   const std::optional<Fp8KVCacheDataType> type = parse_fp8_kv_cache_data_type(kv_cache_dtype);
-  TORCH_CHECK(type.has_value(), "Unsupported fp8 kv cache data type: ", kv_cache_dtype,
-              " (kv_cache_dtype: expected one of auto, float16, bfloat16, float32, float, fp8, "
-              "fp8_e4m3, fp8_e5m2, nvfp4)");
+  TORCH_CHECK(type.has_value(), "kv_cache_dtype: unknown KV-cache dtype '", kv_cache_dtype,
+              "'; expected one of ", kKvCacheDtypeNames);
   return *type;
 }
 
@@ -109,7 +108,7 @@ void check_source(const at::Tensor& x, const char* name) {
 // Side of a paged cache, logical [B, N, H, last_dim]; each page's [N, H, last_dim] region must be
 // dense in NHD or HND order. Size-1 dims get the canonical stride of the detected order.
 CacheSide make_side(const at::Tensor& cache, const char* name, int64_t head_size, int64_t last_dim,
-                    const at::Tensor& scale, ScaleLayout layout) {
+                    const at::Tensor& scale, bool scale_per_head, ScaleLayout layout) {
   const int64_t num_blocks = cache.size(0);
   const int64_t block_size = cache.size(1);
   const int64_t heads = cache.size(2);
@@ -134,18 +133,24 @@ CacheSide make_side(const at::Tensor& cache, const char* name, int64_t head_size
   side.head_stride = nhd ? last_dim : block_size * last_dim;
   side.head_size = int(head_size);
   side.scale = scale.data_ptr<float>();
-  side.scale_per_head = scale.size(0) != 1;
+  side.scale_per_head = scale_per_head;
   side.scale_layout = layout;
   return side;
 }
 
-void check_scale(const at::Tensor& scale, const char* name, int64_t heads) {
+// The scale rule (one home; Python: vllm/kv_quant/kv_scale.py): a float32 tensor holding one
+// value in any shape (0-d as upstream engines pass it, [1], [1, 1], ...) is per-tensor; a
+// contiguous [H] is per-head. Returns whether the scale is per-head.
+bool check_scale(const at::Tensor& scale, const char* name, int64_t heads) {
   TORCH_CHECK(scale.scalar_type() == at::kFloat, name, ": expected dtype float32, got ",
               dtype_str(scale.scalar_type()));
-  TORCH_CHECK(scale.dim() == 1 && (scale.size(0) == 1 || scale.size(0) == heads), name,
-              ": expected shape [1] or [H] = [", heads, "], got ", shape_str(scale));
-  TORCH_CHECK(scale.size(0) == 1 || scale.stride(0) == 1, name,
-              ": expected a contiguous tensor, got stride ", scale.stride(0));
+  if (scale.numel() == 1) return false;
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == heads, name,
+              ": expected one value (shape [], [1], ...) or [H] = [", heads, "], got shape ",
+              shape_str(scale));
+  TORCH_CHECK(scale.stride(0) == 1, name, ": expected a contiguous tensor, got stride ",
+              scale.stride(0));
+  return true;
 }
 
 void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& key_cache) {
@@ -252,8 +257,8 @@ ReshapeAndCacheParams prepare_reshape_and_cache_flash(
   TORCH_CHECK(slot_mapping.size(0) <= tokens_padded,
               "slot_mapping: expected at most T_pad = key.size(0) = ", tokens_padded,
               " entries, got ", slot_mapping.size(0));
-  check_scale(k_scale, "k_scale", heads);
-  check_scale(v_scale, "v_scale", heads);
+  const bool k_per_head = check_scale(k_scale, "k_scale", heads);
+  const bool v_per_head = check_scale(v_scale, "v_scale", heads);
 
   ReshapeAndCacheParams p{};
   p.key = key.data_ptr();
@@ -267,10 +272,10 @@ ReshapeAndCacheParams prepare_reshape_and_cache_flash(
   p.num_heads = int(heads);
   p.source_type = source;
   p.cache_kind = kind;
-  p.key_cache =
-      make_side(key_cache, "key_cache", head_size, cache_last_dim(head_size), k_scale, k_layout);
+  p.key_cache = make_side(key_cache, "key_cache", head_size, cache_last_dim(head_size), k_scale,
+                          k_per_head, k_layout);
   p.value_cache = make_side(value_cache, "value_cache", head_size_v, cache_last_dim(head_size_v),
-                            v_scale, v_layout);
+                            v_scale, v_per_head, v_layout);
   return p;
 }
 

@@ -15,7 +15,8 @@
 namespace vllm_kv {
 
 // DESIGN.md §3: the Fp8KVCacheDataType of a kv_cache_dtype string; unknown strings (nvfp4
-// included) fail with "Unsupported fp8 kv cache data type: <s>".
+// included) fail with "kv_cache_dtype: unknown KV-cache dtype '<s>'; expected one of
+// <the accepted names>".
 Fp8KVCacheDataType get_fp8_kv_cache_data_type(const std::string& kv_cache_dtype);
 
 // The cache kind of a kv_cache_dtype string: nvfp4 is routed before the fp8 dispatch.

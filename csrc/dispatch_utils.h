@@ -15,6 +15,10 @@ namespace vllm_kv {
 
 inline constexpr std::string_view kNvfp4DtypeString = "nvfp4";
 
+// Every kv_cache_dtype string the cache ops accept (the parsers below), for error messages.
+inline constexpr std::string_view kKvCacheDtypeNames =
+    "auto, float16, bfloat16, float32, float, fp8, fp8_e4m3, fp8_e5m2, nvfp4";
+
 // DESIGN.md §3: auto, float16, bfloat16, float32 / float -> kAuto (unquantized); fp8, fp8_e4m3 ->
 // kFp8E4M3; fp8_e5m2 -> kFp8E5M2. Anything else (nvfp4 included) -> nullopt.
 inline std::optional<Fp8KVCacheDataType> parse_fp8_kv_cache_data_type(std::string_view s) {

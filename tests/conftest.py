@@ -7,6 +7,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from vllm.utils.torch_utils import create_kv_caches_with_random, create_kv_caches_with_random_flash
+
 
 @pytest.fixture
 def single_intra_op_thread() -> Iterator[None]:
@@ -17,3 +19,15 @@ def single_intra_op_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def kv_cache_factory():
+    """Upstream's fixture: :func:`vllm.utils.torch_utils.create_kv_caches_with_random`."""
+    return create_kv_caches_with_random
+
+
+@pytest.fixture
+def kv_cache_factory_flashinfer():
+    """Upstream's fixture: :func:`vllm.utils.torch_utils.create_kv_caches_with_random_flash`."""
+    return create_kv_caches_with_random_flash

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from vllm.kv_quant.fp8 import dequantize_fp8, fp8_format_from_cache_dtype, quantize_fp8
+from vllm.kv_quant.kv_scale import kv_scale_as_1d
 from vllm.kv_quant.scale_layout import ScaleLayout
 from vllm.utils.torch_utils import is_quantized_kv_cache
 
@@ -56,6 +58,9 @@ def _reshape_and_cache_flash_fake(
     k_scale_layout: str = "linear",
     v_scale_layout: str | None = None,
 ) -> None:
+    # Same scale rule as the compiled op, so that tracing rejects what the op would reject.
+    kv_scale_as_1d(k_scale, "k_scale", key.shape[1])
+    kv_scale_as_1d(v_scale, "v_scale", key.shape[1])
     return None
 
 
@@ -71,6 +76,7 @@ def _layout_name(layout: ScaleLayout | str) -> str:
 
 
 def _check_scale_values(name: str, scale: torch.Tensor, kv_cache_dtype: str) -> None:
+    scale = scale.reshape(-1)
     bad = ~(torch.isfinite(scale) & (scale > 0))
     if bool(bad.any()):
         index = int(bad.nonzero()[0, 0])
@@ -127,3 +133,25 @@ def swap_blocks(
     bytes ``[s*block_size_in_bytes, (s+1)*block_size_in_bytes)`` of ``src``'s storage (from its
     data_ptr) go to page ``d`` of ``dst``. CPU↔CPU, CPU↔CUDA and CUDA→CUDA."""
     torch.ops._C_cache_ops.swap_blocks(src, dst, block_size_in_bytes, block_mapping)
+
+
+def convert_fp8(
+    output: torch.Tensor, input: torch.Tensor, scale: float = 1.0, kv_dtype: str = "fp8"
+) -> None:
+    """Upstream's FP8 conversion helper, run with the reference codecs (:mod:`vllm.kv_quant`).
+
+    If ``output`` is uint8 (FP8 bytes), ``input`` (fp32/fp16/bf16) is quantized into it as
+    ``input / scale``; otherwise ``input`` holds FP8 bytes and ``output`` receives
+    ``fp8(input) * scale`` in ``output``'s dtype. ``kv_dtype`` is ``fp8`` / ``fp8_e4m3`` (E4M3)
+    or ``fp8_e5m2``. Shapes must match.
+    """
+    fmt = fp8_format_from_cache_dtype(kv_dtype)
+    if output.shape != input.shape:
+        raise ValueError(
+            f"output: expected input's shape {list(input.shape)}, got {list(output.shape)}"
+        )
+    scale_tensor = torch.tensor(float(scale), dtype=torch.float32)
+    if output.dtype == torch.uint8:
+        output.copy_(quantize_fp8(input, scale_tensor, fmt))
+    else:
+        output.copy_(dequantize_fp8(input, scale_tensor, fmt, out_dtype=output.dtype))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -187,3 +188,28 @@ def test_help(capsys: pytest.CaptureFixture) -> None:
         main(["bench", "--help"])
     assert info.value.code == 0
     assert "--plot" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag", ["--json", "--plot"])
+def test_unwritable_output_fails_before_the_run(
+    fake: list[dict], tmp_path: Path, capsys: pytest.CaptureFixture, flag: str
+) -> None:
+    """A missing directory, a directory as the path, or a read-only directory: exit 2 with one
+    line, and the benchmark never runs."""
+    if flag == "--plot" and importlib.util.find_spec("matplotlib") is None:
+        pytest.skip(f"--plot needs matplotlib: {bench.PLOT_HINT}")
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    read_only.chmod(0o500)
+    cases = {
+        str(tmp_path / "missing" / "out.x"): "does not exist",
+        str(tmp_path): "got the directory",
+    }
+    if os.geteuid() != 0:  # root writes anywhere
+        cases[str(read_only / "out.x")] = "is not writable"
+    for path, reason in cases.items():
+        assert main(["bench", "--quick", "--no-progress", flag, path]) == bench.EXIT_USAGE
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"vllm-kv bench: error: {flag}: expected")
+        assert reason in err
+    assert fake == []

@@ -191,13 +191,22 @@ def test_format_enum_and_cache_dtype_mapping() -> None:
             fp8_format_from_cache_dtype(bad)
 
 
+@pytest.mark.parametrize("shape", [(), (1,), (1, 1)], ids=["0d", "1", "1x1"])
+def test_one_value_scale_in_any_shape_is_per_tensor(shape: tuple[int, ...]) -> None:
+    x = torch.randn(3, 4, 16)
+    scale = torch.full(shape, 0.01)
+    q = quantize_fp8(x, scale)
+    assert torch.equal(q, quantize_fp8(x, torch.tensor([0.01])))
+    assert torch.equal(dequantize_fp8(q, scale), dequantize_fp8(q, torch.tensor([0.01])))
+
+
 def test_scale_validation() -> None:
     x = torch.zeros(3, 4, 16)
     for bad in (
         torch.tensor([1.0], dtype=torch.float64),
         torch.tensor([1.0, 2.0]),
-        torch.ones(1, 1),
-        torch.tensor(1.0),
+        torch.ones(1, 4),
+        torch.ones(4, 1),
     ):
         with pytest.raises(ValueError, match="scale"):
             quantize_fp8(x, bad)

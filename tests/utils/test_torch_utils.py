@@ -1,17 +1,25 @@
+import random
+
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from vllm.kv_quant import dequantize_fp8
 from vllm.utils.torch_utils import (
     MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP,
     STR_DTYPE_TO_TORCH_DTYPE,
     _nvfp4_split_data_scale,
+    create_kv_caches_with_random,
+    create_kv_caches_with_random_flash,
     get_dtype_size,
+    get_kv_cache_torch_dtype,
     is_quantized_kv_cache,
     kv_cache_dtype_str_to_dtype,
     nvfp4_kv_cache_full_dim,
     nvfp4_kv_cache_split_views,
+    set_random_seed,
 )
 
 
@@ -150,8 +158,8 @@ def test_split_views_tile_every_page(
     """
     cache, raw = _padded_cache(num_blocks, block_size, num_heads, head_size, hnd, pad)
     if one_side:
-        views = list(nvfp4_kv_cache_split_views(cache[:, 1]))
-        view_uint8 = [views[0], views[1].view(torch.uint8)]
+        (data,), (scale,) = nvfp4_kv_cache_split_views(cache[:, 1])
+        view_uint8 = [data, scale.view(torch.uint8)]
     else:
         (k_data, v_data), (k_scale, v_scale) = nvfp4_kv_cache_split_views(cache)
         view_uint8 = [k_data, v_data, k_scale.view(torch.uint8), v_scale.view(torch.uint8)]
@@ -170,3 +178,59 @@ def test_split_views_tile_every_page(
     expected = torch.zeros(num_blocks, page, dtype=torch.int64)
     expected[:, (side_bytes if one_side else 0) : 2 * side_bytes] = 1
     assert torch.equal(counts, expected.flatten())
+
+
+def test_get_kv_cache_torch_dtype_and_set_random_seed() -> None:
+    assert get_kv_cache_torch_dtype("auto", "bfloat16") is torch.bfloat16
+    assert get_kv_cache_torch_dtype("auto", torch.float16) is torch.float16
+    assert get_kv_cache_torch_dtype("fp8_e5m2") is torch.uint8
+    assert get_kv_cache_torch_dtype(torch.float32) is torch.float32
+    with pytest.raises(ValueError, match="kv_cache_dtype: unknown KV-cache dtype 'int3'"):
+        get_kv_cache_torch_dtype("int3")
+    with pytest.raises(ValueError, match="cache_dtype: expected a kv_cache_dtype string"):
+        get_kv_cache_torch_dtype(None)
+    set_random_seed(7)
+    first = (random.random(), np.random.rand(), torch.rand(1))
+    set_random_seed(7)
+    assert (random.random(), np.random.rand(), torch.rand(1)) == first
+
+
+@pytest.mark.parametrize("kind", ["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "nvfp4"])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_create_kv_caches_with_random_flash(kind: str, layout: str) -> None:
+    num_blocks, block_size, heads, head_size = 3, 16, 2, 64
+    keys, values = create_kv_caches_with_random_flash(
+        num_blocks, block_size, 2, heads, head_size, kind, torch.bfloat16, 0, "cpu", layout
+    )
+    assert len(keys) == len(values) == 2
+    last = nvfp4_kv_cache_full_dim(head_size) if kind == "nvfp4" else head_size
+    for k, v in zip(keys, values, strict=True):
+        assert k.shape == v.shape == (num_blocks, block_size, heads, last)
+        assert k.dtype == (torch.uint8 if is_quantized_kv_cache(kind) else torch.bfloat16)
+        token_stride, head_stride = (
+            (heads * last, last) if layout == "NHD" else (last, block_size * last)
+        )
+        assert k.stride() == (2 * block_size * heads * last, token_stride, head_stride, 1)
+        assert v.data_ptr() - k.data_ptr() == block_size * heads * last * k.element_size()
+        if kind.startswith("fp8"):
+            decoded = dequantize_fp8(k, torch.ones(1), kind)
+            assert bool(decoded.isfinite().all()) and float(decoded.abs().max()) <= 0.14
+        elif kind != "nvfp4":
+            assert float(k.float().abs().max()) <= head_size**-0.5
+    again, _ = create_kv_caches_with_random_flash(
+        num_blocks, block_size, 2, heads, head_size, kind, torch.bfloat16, 0, "cpu", layout
+    )
+    assert torch.equal(again[0], keys[0])
+    with pytest.raises(ValueError, match="cache_layout: expected one of NHD, HND, got 'NCHW'"):
+        create_kv_caches_with_random_flash(1, 16, 1, 2, 64, kind, torch.bfloat16, 0, "cpu", "NCHW")
+
+
+def test_create_kv_caches_with_random() -> None:
+    keys, values = create_kv_caches_with_random(4, 16, 1, 2, 64, "fp8", "half", 0, "cpu")
+    assert keys[0].shape == (4, 2, 4, 16, 16) and values[0].shape == (4, 2, 64, 16)
+    keys, values = create_kv_caches_with_random(4, 16, 1, 2, 80, "auto", torch.float32, 0, "cpu")
+    assert keys[0].shape == (4, 2, 20, 16, 4) and keys[0].dtype == torch.float32
+    with pytest.raises(ValueError, match="head_size: an fp8 cache in this layout needs"):
+        create_kv_caches_with_random(4, 16, 1, 2, 72, "fp8", "half", 0, "cpu")
+    with pytest.raises(ValueError, match="cache_dtype: nvfp4 has no"):
+        create_kv_caches_with_random(4, 16, 1, 2, 64, "nvfp4", "half", 0, "cpu")

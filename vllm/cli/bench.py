@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -147,11 +148,39 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
+def output_path_error(flag: str, path: str) -> str | None:
+    """Why ``path`` cannot be written as ``flag``'s output file, or None when it can.
+
+    Checked before the benchmark runs, so that a typo costs no benchmark time."""
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        return f"{flag}: expected a file path, got the directory {path!r}"
+    if not folder.is_dir():
+        return (
+            f"{flag}: expected a path in an existing directory, got {path!r} "
+            f"({folder} does not exist)"
+        )
+    if target.exists() and not os.access(target, os.W_OK):
+        return f"{flag}: expected a writable file, got {path!r} (not writable)"
+    if not target.exists() and not os.access(folder, os.W_OK | os.X_OK):
+        return (
+            f"{flag}: expected a path in a writable directory, got {path!r} "
+            f"({folder} is not writable)"
+        )
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Handler of ``vllm-kv bench``; returns the exit status."""
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         print(f"vllm-kv bench: error: --plot needs matplotlib: {PLOT_HINT}", file=sys.stderr)
         return EXIT_USAGE
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        problem = output_path_error(flag, path) if path else None
+        if problem is not None:
+            print(f"vllm-kv bench: error: {problem}", file=sys.stderr)
+            return EXIT_USAGE
     if args.threads:
         torch.set_num_threads(args.threads)
     bar = None if args.no_progress else ProgressBar()

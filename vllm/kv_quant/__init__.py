@@ -17,6 +17,7 @@ from vllm.kv_quant.fp8 import (
     quantize_fp8,
 )
 from vllm.kv_quant.fp8_cache import fp8_read_cache, fp8_write_cache
+from vllm.kv_quant.kv_scale import is_per_tensor_scale, kv_scale_as_1d
 from vllm.kv_quant.nvfp4 import (
     E2M1_MAX,
     E2M1_VALUES,
@@ -62,6 +63,8 @@ __all__ = [
     "fp32_to_fp8_bytes",
     "from_layout",
     "interleave4_index",
+    "is_per_tensor_scale",
+    "kv_scale_as_1d",
     "layout_index",
     "nvfp4_read_cache",
     "nvfp4_read_cache_raw",

@@ -15,6 +15,8 @@ from enum import Enum
 
 import torch
 
+from vllm.kv_quant.kv_scale import is_per_tensor_scale, kv_scale_as_1d
+
 FP8_E4M3_MAX = 448.0
 """Largest finite float8_e4m3fn magnitude (byte 0x7E)."""
 
@@ -105,25 +107,12 @@ def fp8_bytes_to_fp32(q: torch.Tensor, fmt: Fp8Format | str) -> torch.Tensor:
     return q.to(torch.float32)
 
 
-def _broadcast_scale(scale: torch.Tensor, ref: torch.Tensor, ref_name: str) -> torch.Tensor:
-    """Validate a dequantization scale for ``ref [..., H, D]``; return it broadcastable to
-    ``ref`` on ``ref``'s device (a per-head scale ``[H]`` becomes ``[H, 1]``)."""
-    if not isinstance(scale, torch.Tensor):
-        raise ValueError(f"scale: expected a torch.float32 tensor, got {type(scale).__name__}")
-    if scale.dtype != torch.float32:
-        raise ValueError(f"scale: expected dtype torch.float32, got {scale.dtype}")
-    if scale.dim() != 1:
-        raise ValueError(f"scale: expected shape [1] or [H], got {list(scale.shape)}")
-    scale = scale.to(ref.device)
-    if scale.shape[0] == 1:
-        return scale
-    if ref.dim() < 2 or scale.shape[0] != ref.shape[-2]:
-        heads = ref.shape[-2] if ref.dim() >= 2 else "n/a"
-        raise ValueError(
-            f"scale: expected shape [1] or [H] with H = {ref_name}.shape[-2] = {heads}, "
-            f"got {list(scale.shape)}"
-        )
-    return scale.unsqueeze(-1)
+def _broadcast_scale(scale: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Validate a dequantization scale for ``ref [..., H, D]`` (rule: :mod:`.kv_scale`); return
+    it broadcastable to ``ref`` on ``ref``'s device (a per-head ``[H]`` becomes ``[H, 1]``)."""
+    heads = ref.shape[-2] if ref.dim() >= 2 else None
+    scale = kv_scale_as_1d(scale, "scale", heads).to(ref.device)
+    return scale if is_per_tensor_scale(scale) else scale.unsqueeze(-1)
 
 
 def quantize_fp8(
@@ -138,7 +127,7 @@ def quantize_fp8(
     if x.dtype not in _FLOAT_INPUT_DTYPES:
         raise ValueError(f"x: expected dtype float32, float16 or bfloat16, got {x.dtype}")
     fmt = as_fp8_format(fmt)
-    s = _broadcast_scale(scale, x, "x")
+    s = _broadcast_scale(scale, x)
     y = x.to(torch.float32) / s
     return fp32_to_fp8_bytes(y, fmt)
 
@@ -152,5 +141,5 @@ def dequantize_fp8(
     """Dequantize FP8 bytes ``q [..., H, D]`` (uint8): ``float32(q) * scale`` (one fp32
     multiply), then cast to ``out_dtype``."""
     fmt = as_fp8_format(fmt)
-    s = _broadcast_scale(scale, q, "q")
+    s = _broadcast_scale(scale, q)
     return (fp8_bytes_to_fp32(q, fmt) * s).to(out_dtype)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm.kv_quant.kv_scale import kv_scale_as_1d
 from vllm.kv_quant.nvfp4 import NVFP4_GROUP_SIZE, dequantize_nvfp4, quantize_nvfp4
 from vllm.kv_quant.scale_layout import ScaleLayout, from_layout, layout_index
 from vllm.utils.torch_utils import _nvfp4_split_data_scale, nvfp4_kv_cache_full_dim
@@ -63,17 +64,6 @@ def _check_input(x: torch.Tensor, cache_side: torch.Tensor) -> None:
         )
 
 
-def _check_head_scale(global_scale: torch.Tensor, num_heads: int) -> None:
-    if not isinstance(global_scale, torch.Tensor) or global_scale.dtype != torch.float32:
-        got = global_scale.dtype if isinstance(global_scale, torch.Tensor) else type(global_scale)
-        raise ValueError(f"global_scale: expected a torch.float32 tensor, got {got}")
-    if global_scale.dim() != 1 or global_scale.shape[0] not in (1, num_heads):
-        raise ValueError(
-            f"global_scale: expected shape [1] or [H] = [{num_heads}], "
-            f"got {list(global_scale.shape)}"
-        )
-
-
 def _split(cache_side: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Data view (uint8) and scale view (uint8) of a side, after checking ``F == F(head_size)``."""
     full_dim = nvfp4_kv_cache_full_dim(head_size)
@@ -109,7 +99,7 @@ def nvfp4_write_cache(
             f"x: NVFP4 needs a head size that is a multiple of {NVFP4_GROUP_SIZE}, got {head_size}"
         )
     data, scale = _split(cache_side, head_size)
-    _check_head_scale(global_scale, num_heads)
+    global_scale = kv_scale_as_1d(global_scale, "global_scale", num_heads)
     num_scales = head_size // NVFP4_GROUP_SIZE
     layout = ScaleLayout.parse(scale_layout)
     device = cache_side.device
@@ -168,5 +158,5 @@ def nvfp4_read_cache(
     (``E2M1[q] * float(sf) * global_scale`` in fp32, then cast to ``out_dtype``).
     ``global_scale`` is fp32 ``[1]`` or ``[H]``."""
     packed, block_scales = nvfp4_read_cache_raw(cache_side, head_size, scale_layout)
-    _check_head_scale(global_scale, cache_side.shape[2])
+    global_scale = kv_scale_as_1d(global_scale, "global_scale", cache_side.shape[2])
     return dequantize_nvfp4(packed, block_scales, global_scale, out_dtype)

@@ -1,7 +1,10 @@
-"""Torch dtype maps and NVFP4 cache-layout utilities."""
+"""Torch dtype maps, NVFP4 cache-layout utilities and upstream vLLM's test-cache helpers."""
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import torch
 
 STR_DTYPE_TO_TORCH_DTYPE: dict[str, torch.dtype] = {
@@ -56,6 +59,33 @@ def kv_cache_dtype_str_to_dtype(
             f"of {', '.join(STR_DTYPE_TO_TORCH_DTYPE)}"
         )
     return STR_DTYPE_TO_TORCH_DTYPE[kv_cache_dtype]
+
+
+def get_kv_cache_torch_dtype(
+    cache_dtype: str | torch.dtype | None,
+    model_dtype: str | torch.dtype | None = None,
+) -> torch.dtype:
+    """Storage dtype of a KV cache (upstream's name and signature).
+
+    A string goes through :func:`kv_cache_dtype_str_to_dtype` (``auto`` resolves to
+    ``model_dtype``); a ``torch.dtype`` is returned as is; anything else raises ``ValueError``.
+    """
+    if isinstance(cache_dtype, torch.dtype):
+        return cache_dtype
+    if isinstance(cache_dtype, str):
+        return kv_cache_dtype_str_to_dtype(cache_dtype, model_dtype)
+    raise ValueError(
+        f"cache_dtype: expected a kv_cache_dtype string or a torch.dtype, got {cache_dtype!r}"
+    )
+
+
+def set_random_seed(seed: int | None) -> None:
+    """Seed Python's ``random``, NumPy and torch (every device); ``None`` leaves them alone."""
+    if seed is None:
+        return
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
 
 
 def nvfp4_kv_cache_full_dim(head_size: int) -> int:
@@ -119,17 +149,18 @@ def _nvfp4_split_data_scale(side: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 def nvfp4_kv_cache_split_views(
     kv_cache: torch.Tensor,
-) -> (
-    tuple[torch.Tensor, torch.Tensor]
-    | tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-):
-    """Data and scale views of a packed NVFP4 cache.
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """Data and scale views of a packed NVFP4 cache, as upstream vLLM returns them.
 
-    A 4-D side ``(B, N, H, F)`` gives ``(data, scale)``; a 5-D ``(B, 2, N, H, F)`` cache gives
-    ``((k_data, v_data), (k_scale, v_scale))``. NHD and HND are read from the strides.
+    A 5-D cache ``(B, 2, N, H, F)`` gives ``((k_data, v_data), (k_scale, v_scale))``; a 4-D
+    side ``(B, N, H, F)`` gives one-element tuples ``((data,), (scale,))``, so that
+    ``(data,), (scale,) = nvfp4_kv_cache_split_views(key_cache)`` unpacks it. Data views are
+    uint8 ``(B, N, H, D/2)``, scale views float8_e4m3fn ``(B, N, H, D/16)``; NHD and HND are
+    read from the strides and kept.
     """
     if kv_cache.dim() == 4:
-        return _nvfp4_split_data_scale(kv_cache)
+        data, scale = _nvfp4_split_data_scale(kv_cache)
+        return (data,), (scale,)
     if kv_cache.dim() == 5 and kv_cache.shape[1] == 2:
         k_data, k_scale = _nvfp4_split_data_scale(kv_cache[:, 0])
         v_data, v_scale = _nvfp4_split_data_scale(kv_cache[:, 1])
@@ -138,3 +169,118 @@ def nvfp4_kv_cache_split_views(
         "kv_cache: expected a 4-D side (B, N, H, F) or a 5-D cache (B, 2, N, H, F), "
         f"got shape {tuple(kv_cache.shape)}"
     )
+
+
+_CACHE_LAYOUT_ORDERS: dict[str, tuple[int, ...]] = {
+    "NHD": (0, 1, 2, 3, 4),
+    "HND": (0, 1, 3, 2, 4),
+}
+"""Physical dim order of a logical ``(B, 2, N, H, F)`` cache for each ``cache_layout``."""
+
+
+def _fill_random(cache: torch.Tensor, cache_dtype: str | torch.dtype | None, bound: float) -> None:
+    """Fill ``cache`` with values uniform in ``[-bound, bound]``, stored as its format stores
+    them: FP8 caches get the bytes of those values (scale 1), unquantized caches the values."""
+    if isinstance(cache_dtype, str) and cache_dtype.startswith("fp8"):
+        # Local import: vllm.kv_quant imports this module.
+        from vllm.kv_quant.fp8 import fp8_format_from_cache_dtype, quantize_fp8
+
+        values = torch.empty(cache.shape, dtype=torch.float32, device=cache.device)
+        values.uniform_(-bound, bound)
+        one = torch.ones((), dtype=torch.float32)
+        cache.copy_(quantize_fp8(values, one, fp8_format_from_cache_dtype(cache_dtype)))
+    elif cache.dtype.is_floating_point:
+        cache.uniform_(-bound, bound)
+    else:
+        raise ValueError(f"cache_dtype: cannot fill a {cache.dtype} cache for {cache_dtype!r}")
+
+
+def create_kv_caches_with_random_flash(
+    num_blocks: int,
+    block_size: int,
+    num_layers: int,
+    num_heads: int,
+    head_size: int,
+    cache_dtype: str | torch.dtype | None,
+    model_dtype: str | torch.dtype | None = None,
+    seed: int | None = None,
+    device: str | None = "cuda",
+    cache_layout: str | None = "NHD",
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Random flash-layout caches, one ``(B, 2, N, H, F)`` tensor per layer (upstream's helper).
+
+    Returns ``(key_caches, value_caches)``: per layer the views ``kv[:, 0]`` and ``kv[:, 1]``,
+    logical ``(B, N, H, F)``, stored in ``cache_layout`` order (``NHD`` or ``HND``).
+    ``F = head_size`` except for ``nvfp4`` (``F = 9 * head_size / 16``, random bytes).
+    Unquantized values are uniform in ``+-head_size**-0.5``; FP8 caches hold those values'
+    bytes at scale 1.
+    """
+    if cache_layout not in _CACHE_LAYOUT_ORDERS:
+        raise ValueError(
+            f"cache_layout: expected one of {', '.join(_CACHE_LAYOUT_ORDERS)}, got {cache_layout!r}"
+        )
+    set_random_seed(seed)
+    dtype = get_kv_cache_torch_dtype(cache_dtype, model_dtype)
+    is_nvfp4 = cache_dtype == "nvfp4"
+    last_dim = nvfp4_kv_cache_full_dim(head_size) if is_nvfp4 else head_size
+    logical = (num_blocks, 2, block_size, num_heads, last_dim)
+    order = _CACHE_LAYOUT_ORDERS[cache_layout]
+    physical = tuple(logical[i] for i in order)
+    to_logical = [order.index(i) for i in range(len(order))]
+    key_caches: list[torch.Tensor] = []
+    value_caches: list[torch.Tensor] = []
+    for _ in range(num_layers):
+        if is_nvfp4:
+            raw = torch.randint(0, 256, physical, dtype=torch.uint8, device=device)
+        else:
+            raw = torch.empty(physical, dtype=dtype, device=device)
+            _fill_random(raw, cache_dtype, head_size**-0.5)
+        kv = raw.permute(*to_logical)
+        key_caches.append(kv[:, 0])
+        value_caches.append(kv[:, 1])
+    return key_caches, value_caches
+
+
+def create_kv_caches_with_random(
+    num_blocks: int,
+    block_size: int,
+    num_layers: int,
+    num_heads: int,
+    head_size: int,
+    cache_dtype: str | torch.dtype | None,
+    model_dtype: str | torch.dtype | None = None,
+    seed: int | None = None,
+    device: str | None = "cuda",
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Random caches in upstream's older paged layout (upstream's helper): per layer a key cache
+    ``(B, H, D/x, N, x)`` with ``x = 16 / element size`` and a value cache ``(B, H, D, N)``.
+
+    Values as in :func:`create_kv_caches_with_random_flash`; FP8 needs ``head_size % 16 == 0``;
+    NVFP4 has no such layout.
+    """
+    if isinstance(cache_dtype, str) and cache_dtype.startswith("fp8") and head_size % 16:
+        raise ValueError(
+            f"head_size: an {cache_dtype} cache in this layout needs a multiple of 16, "
+            f"got {head_size}"
+        )
+    if cache_dtype == "nvfp4":
+        raise ValueError("cache_dtype: nvfp4 has no (B, H, D/x, N, x) layout; use the flash one")
+    set_random_seed(seed)
+    dtype = get_kv_cache_torch_dtype(cache_dtype, model_dtype)
+    x = 16 // get_dtype_size(dtype)
+    bound = head_size**-0.5
+    key_caches: list[torch.Tensor] = []
+    value_caches: list[torch.Tensor] = []
+    for _ in range(num_layers):
+        key_cache = torch.empty(
+            (num_blocks, num_heads, head_size // x, block_size, x), dtype=dtype, device=device
+        )
+        _fill_random(key_cache, cache_dtype, bound)
+        key_caches.append(key_cache)
+    for _ in range(num_layers):
+        value_cache = torch.empty(
+            (num_blocks, num_heads, head_size, block_size), dtype=dtype, device=device
+        )
+        _fill_random(value_cache, cache_dtype, bound)
+        value_caches.append(value_cache)
+    return key_caches, value_caches

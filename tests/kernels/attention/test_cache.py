@@ -284,6 +284,18 @@ def test_matches_reference(
     )
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["auto", "fp8_e4m3", "fp8_e5m2", "nvfp4"])
+@pytest.mark.parametrize("shape", [(), (1, 1), (1, 1, 1)], ids=["0d", "1x1", "1x1x1"])
+def test_one_value_scale_in_any_shape(device: str, kind: str, shape: tuple[int, ...]) -> None:
+    """Upstream engines pass 0-d scales (``layer._k_scale``, ``key.amax() / 64``): any
+    one-element shape is the per-tensor scale, on the op and on the reference writer."""
+    case = make_case(device, kind, torch.bfloat16)
+    case.k_scale = case.k_scale.reshape(shape)
+    case.v_scale = case.v_scale.reshape(shape)
+    check_against_reference(case)
+
+
 HEAD_SIZES = [46, 64, 80, 128, 256]
 HEAD_AND_BLOCK = [
     (kind, head_size, block_size)
@@ -361,7 +373,7 @@ def test_interleave4_and_dequant(
         (case.key_cache, case.k_scale, k_layout, case.key),
         (case.value_cache, case.v_scale, v_layout or k_layout, case.value),
     ):
-        data, sf = nvfp4_kv_cache_split_views(side)
+        (data,), (sf,) = nvfp4_kv_cache_split_views(side)
         deq = dequant_nvfp4_kv_cache(data, sf, scale, 128, block_size, layout)[pages, rows]
         src = x[: slots.shape[0]].float()
         amax = src.abs().amax(dim=-1, keepdim=True)
@@ -588,9 +600,10 @@ def _cache_with_last_dim(last_dim: int, dtype: torch.dtype = torch.uint8):
 # (id, kv_cache_dtype, mutation, message regex, checked on CPU only)
 BAD_INPUTS = [
     ("unknown_dtype_string", "fp8", _set(kv_cache_dtype="fp8_e3m4"),
-     r"Unsupported fp8 kv cache data type: fp8_e3m4", False),
+     r"kv_cache_dtype: unknown KV-cache dtype 'fp8_e3m4'; expected one of auto, float16, "
+     r"bfloat16, float32, float, fp8, fp8_e4m3, fp8_e5m2, nvfp4", False),
     ("half_is_not_accepted", "auto", _set(kv_cache_dtype="half"),
-     r"Unsupported fp8 kv cache data type: half", False),
+     r"kv_cache_dtype: unknown KV-cache dtype 'half'; expected one of ", False),
     ("bad_k_layout", "nvfp4", _set(k_scale_layout="tiled"),
      r"k_scale_layout: expected 'linear' or 'interleave4', got 'tiled'", False),
     ("bad_v_layout", "nvfp4", _set(v_scale_layout="Linear"),
@@ -633,9 +646,11 @@ BAD_INPUTS = [
     ("slot_mapping_2d", "fp8", _set(slot_mapping=lambda c: c.slot_mapping.view(-1, 1)),
      r"slot_mapping: expected a 1-D tensor", False),
     ("scale_shape", "fp8", _set(k_scale=lambda c: torch.ones(3, device=c.key.device)),
-     r"k_scale: expected shape \[1\] or \[H\] = \[4\], got \[3\]", False),
-    ("scale_rank", "nvfp4", _set(v_scale=lambda c: torch.ones(1, 1, device=c.key.device)),
-     r"v_scale: expected shape \[1\] or \[H\] = \[4\], got \[1, 1\]", False),
+     r"k_scale: expected one value \(shape \[\], \[1\], ...\) or \[H\] = \[4\], got shape \[3\]",
+     False),
+    ("scale_rank", "nvfp4", _set(v_scale=lambda c: torch.ones(1, 4, device=c.key.device)),
+     r"v_scale: expected one value \(shape \[\], \[1\], ...\) or \[H\] = \[4\], got shape \[1, 4\]",
+     False),
     ("scale_dtype", "fp8", _set(k_scale=lambda c: c.k_scale.half()),
      r"k_scale: expected dtype float32, got float16", False),
     ("nvfp4_head_size", "nvfp4",

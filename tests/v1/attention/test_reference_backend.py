@@ -314,8 +314,12 @@ def test_forward_errors() -> None:
         )
     with pytest.raises(ValueError, match="k_scale: a quantized KV cache needs finite scales > 0"):
         impl.forward(AttentionLayerScales(torch.zeros(1), torch.ones(1)), q, None, None, cache, ok)
-    with pytest.raises(ValueError, match=r"v_scale: expected shape \[1\] or \[num_kv_heads\]"):
+    with pytest.raises(ValueError, match=r"v_scale: expected one value .* or \[H\] = \[2\]"):
         impl.forward(AttentionLayerScales(torch.ones(1), torch.ones(3)), q, None, None, cache, ok)
+    # Upstream layers keep 0-d scales: same output as [1].
+    zero_d = AttentionLayerScales(torch.tensor(1.0), torch.tensor(1.0))
+    expected = impl.forward(layer, q, None, None, cache, ok)
+    assert torch.equal(impl.forward(zero_d, q, None, None, cache, ok), expected)
     with pytest.raises(ValueError, match=r"query: expected shape \[T, 4, 64\]"):
         impl.forward(layer, torch.zeros(1, 2, 64), None, None, cache, ok)
     with pytest.raises(ValueError, match="pass both"):

@@ -18,7 +18,13 @@ from typing import Any, ClassVar
 import torch
 
 from vllm.config.cache import CACHE_DTYPES
-from vllm.kv_quant import ScaleLayout, fp8_format_from_cache_dtype, fp8_read_cache, nvfp4_read_cache
+from vllm.kv_quant import (
+    ScaleLayout,
+    fp8_format_from_cache_dtype,
+    fp8_read_cache,
+    kv_scale_as_1d,
+    nvfp4_read_cache,
+)
 from vllm.utils import check_positive_int
 from vllm.v1.attention.backends.abstract import (
     AttentionBackend,
@@ -298,14 +304,7 @@ class ReferenceAttentionImpl(AttentionImpl):
             )
 
     def _check_scale(self, scale: torch.Tensor, name: str) -> torch.Tensor:
-        if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
-            got = scale.dtype if isinstance(scale, torch.Tensor) else type(scale).__name__
-            raise ValueError(f"{name}: expected a torch.float32 tensor, got {got}")
-        if scale.dim() != 1 or scale.shape[0] not in (1, self.num_kv_heads):
-            raise ValueError(
-                f"{name}: expected shape [1] or [num_kv_heads] = [{self.num_kv_heads}], "
-                f"got {list(scale.shape)}"
-            )
+        scale = kv_scale_as_1d(scale, name, self.num_kv_heads)
         if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
             raise ValueError(
                 f"{name}: a quantized KV cache needs finite scales > 0, got {scale.tolist()}"
