@@ -27,6 +27,15 @@ from enum import IntEnum
 import torch
 
 __all__ = [
+    "AUTO",
+    "BFLOAT16",
+    "FLOAT16",
+    "FLOAT32",
+    "FP8_DS_MLA",
+    "FP8_E4M3",
+    "FP8_E5M2",
+    "NVFP4",
+    "accepted_names_of",
     "FP8_DS_MLA_HEAD_SIZE",
     "FP8_DS_MLA_RECORD_BYTES",
     "KERNEL_OPS",
@@ -34,6 +43,8 @@ __all__ = [
     "KVCacheFormat",
     "KVQuantMode",
     "cache_dtype_names",
+    "find_dtype_name",
+    "find_format",
     "format_for_storage",
     "formats",
     "kernel_cache_kind",
@@ -241,6 +252,26 @@ def torch_dtype_names() -> dict[str, torch.dtype]:
     return table
 
 
+def find_format(kv_cache_dtype: str) -> KVCacheFormat | None:
+    """The format named by ``kv_cache_dtype``, or ``None`` when no format has that name."""
+    return _BY_NAME.get(kv_cache_dtype) if isinstance(kv_cache_dtype, str) else None
+
+
+def find_dtype_name(name: str) -> KVCacheFormat | None:
+    """The format a ``kv_cache_dtype`` string or a torch dtype alias (``half``) names, else
+    ``None`` (for display: a dtype name that is not a cache dtype still has a label)."""
+    fmt = find_format(name)
+    if fmt is None:
+        fmt = next((f for f in _FORMATS.values() if name in f.torch_dtype_aliases), None)
+    return fmt
+
+
+def accepted_names_of(*fmts: KVCacheFormat) -> list[str]:
+    """Every accepted name (aliases included) of ``fmts``, in order: what a backend that
+    supports these formats lists as its ``supported_kv_cache_dtypes``."""
+    return [name for fmt in fmts for name in fmt.accepted_names]
+
+
 def lookup(
     kv_cache_dtype: str, arg_name: str = "kv_cache_dtype", *, include_mla_only: bool = True
 ) -> KVCacheFormat:
@@ -250,7 +281,7 @@ def lookup(
     ones. ``include_mla_only=False`` rejects MLA-only record layouts the same way (where a user
     or a non-MLA layer names the dtype).
     """
-    fmt = _BY_NAME.get(kv_cache_dtype) if isinstance(kv_cache_dtype, str) else None
+    fmt = find_format(kv_cache_dtype)
     if fmt is None or (fmt.mla_only and not include_mla_only):
         accepted = cache_dtype_names(include_mla_only=include_mla_only)
         raise ValueError(
@@ -283,8 +314,8 @@ def format_for_storage(quant_mode: KVQuantMode, storage_dtype: torch.dtype) -> K
 def kernel_cache_kind(kv_cache_dtype: str, arg_name: str = "kv_cache_dtype") -> str:
     """The compiled kernels' ``CacheKind`` for ``kv_cache_dtype``: the one check that rejects a
     registered format the kernels do not write (``ValueError`` naming the format and the missing
-    kernels), after :func:`lookup`'s unknown-dtype check."""
-    fmt = lookup(kv_cache_dtype, arg_name, include_mla_only=False)
+    kernels, e.g. ``fp8_ds_mla``), after :func:`lookup`'s unknown-dtype check."""
+    fmt = lookup(kv_cache_dtype, arg_name)
     if fmt.cache_kind is None:
         raise ValueError(f"{arg_name}: format {fmt.name!r} has no kernel support ({KERNEL_OPS})")
     return fmt.cache_kind
