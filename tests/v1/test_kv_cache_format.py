@@ -25,7 +25,6 @@ from vllm.v1.kv_cache_format import (
     format_for_storage,
     kernel_cache_kind,
     lookup,
-    registered_format,
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
@@ -108,7 +107,7 @@ def test_accepted_names_and_the_one_error() -> None:
 def test_upstream_typing_and_tables_are_the_registry() -> None:
     """``CacheDType`` stays upstream's ``Literal``; it must list exactly the registry's names."""
     assert get_args(CacheDType) == CACHE_DTYPES == cache_dtype_names()
-    assert STR_DTYPE_TO_TORCH_DTYPE == {
+    assert {
         "float16": torch.float16,
         "half": torch.float16,
         "bfloat16": torch.bfloat16,
@@ -118,7 +117,7 @@ def test_upstream_typing_and_tables_are_the_registry() -> None:
         "fp8_e4m3": torch.uint8,
         "fp8_e5m2": torch.uint8,
         "nvfp4": torch.uint8,
-    }
+    } == STR_DTYPE_TO_TORCH_DTYPE
     assert MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP == {"fp8": "fp8_e4m3", "nvfp4": "nvfp4"}
     assert kv_cache_dtype_str_to_dtype("half", None) == torch.float16  # upstream accepts it
     assert kv_cache_dtype_str_to_dtype("auto", "bfloat16") == torch.bfloat16
