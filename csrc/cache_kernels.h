@@ -6,7 +6,7 @@
 
 namespace vllm_kv {
 
-// Cache element kind selected by the kv_cache_dtype string (DESIGN.md §3). NVFP4 is routed
+// Cache element kind selected by the kv_cache_dtype string (docs/design.md §3). NVFP4 is routed
 // before this enum is consulted.
 enum class Fp8KVCacheDataType { kAuto = 0, kFp8E4M3 = 1, kFp8E5M2 = 2 };
 
@@ -22,7 +22,7 @@ enum class ScaleLayout { kLinear = 0, kInterleave4 = 1 };
 // One side (K or V) of a paged cache, logical [num_blocks, block_size, num_heads, last_dim].
 // Strides are in elements of the cache dtype (bytes for FP8 and NVFP4); NHD and HND caches
 // differ only in token_stride / head_stride. For NVFP4, last_dim = head_size / 2 + head_size / 16
-// and each page holds [data | scales] as in DESIGN.md §5.
+// and each page holds [data | scales] as in docs/design.md §5.
 struct CacheSide {
   void* data;
   int64_t block_stride;

@@ -1,5 +1,5 @@
-// Where each element of a token lives in a paged cache side (DESIGN.md §5). Shared by the CPU and
-// CUDA kernels so both address the cache identically; framework-free.
+// Where each element of a token lives in a paged cache side (docs/design.md §5). Shared by the CPU
+// and CUDA kernels so both address the cache identically; framework-free.
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,5 @@
 // Torch glue shared by the CPU and CUDA registrations of the cache ops: host-side validation of
-// every device-independent precondition (DESIGN.md §6, §10). Each check is a TORCH_CHECK whose
+// every device-independent precondition (docs/design.md §6, §10). Each check is a TORCH_CHECK whose
 // message names the argument, the expected and the actual value; nothing is written before all
 // checks pass. Device-specific value checks (slot range, scale values) are done by the CPU op only.
 #pragma once
@@ -14,7 +14,7 @@
 
 namespace vllm_kv {
 
-// DESIGN.md §3: the Fp8KVCacheDataType of a kv_cache_dtype string; unknown strings (nvfp4
+// docs/design.md §3: the Fp8KVCacheDataType of a kv_cache_dtype string; unknown strings (nvfp4
 // included) fail with "kv_cache_dtype: unknown KV-cache dtype '<s>'; expected one of
 // <the accepted names>".
 Fp8KVCacheDataType get_fp8_kv_cache_data_type(const std::string& kv_cache_dtype);

@@ -19,8 +19,8 @@ inline constexpr std::string_view kNvfp4DtypeString = "nvfp4";
 inline constexpr std::string_view kKvCacheDtypeNames =
     "auto, float16, bfloat16, float32, float, fp8, fp8_e4m3, fp8_e5m2, nvfp4";
 
-// DESIGN.md §3: auto, float16, bfloat16, float32 / float -> kAuto (unquantized); fp8, fp8_e4m3 ->
-// kFp8E4M3; fp8_e5m2 -> kFp8E5M2. Anything else (nvfp4 included) -> nullopt.
+// docs/design.md §3: auto, float16, bfloat16, float32 / float -> kAuto (unquantized); fp8,
+// fp8_e4m3 -> kFp8E4M3; fp8_e5m2 -> kFp8E5M2. Anything else (nvfp4 included) -> nullopt.
 inline std::optional<Fp8KVCacheDataType> parse_fp8_kv_cache_data_type(std::string_view s) {
   if (s == "auto" || s == "float16" || s == "bfloat16" || s == "float32" || s == "float") {
     return Fp8KVCacheDataType::kAuto;

@@ -1,8 +1,8 @@
 // Scalar quantization arithmetic shared by the CPU and CUDA cache kernels.
 //
 // Every function here mirrors the pure-torch reference codecs in vllm/kv_quant/ operation for
-// operation (DESIGN.md §5), so both kernels produce the reference's bytes. No torch headers: the
-// file compiles as host C++ and as CUDA device code. Multiplications and divisions go through
+// operation (docs/design.md §5), so both kernels produce the reference's bytes. No torch headers:
+// the file compiles as host C++ and as CUDA device code. Multiplications and divisions go through
 // kv_fmul / kv_fdiv so that nvcc can neither fuse nor approximate them.
 #pragma once
 
@@ -159,7 +159,7 @@ KV_HOST_DEVICE uint8_t float_to_e2m1(float v) {
   return sign | magnitude;
 }
 
-// NVFP4 block-scale byte of a group (DESIGN.md §5, steps 1-3, 6) from its amax = max |x_i| and
+// NVFP4 block-scale byte of a group (docs/design.md §5, steps 1-3, 6) from its amax = max |x_i| and
 // whether it holds a NaN: e4m3_satfinite((amax * inv_global_scale) / 6), kFp8NanByte for NaN.
 KV_HOST_DEVICE uint8_t nvfp4_scale_byte(float amax, bool has_nan, float inv_global_scale) {
   const float block_scale =
@@ -174,7 +174,7 @@ KV_HOST_DEVICE float nvfp4_multiplier(uint8_t scale_byte, float inv_global_scale
   return scale_f == 0.0f ? 0.0f : kv_fdiv(inv_global_scale, scale_f);
 }
 
-// Quantizes one group of 16 fp32 values to NVFP4 (DESIGN.md §5, steps 1-6) given
+// Quantizes one group of 16 fp32 values to NVFP4 (docs/design.md §5, steps 1-6) given
 // inv_global_scale = 1 / global_scale. Writes 8 packed bytes (even element in the low nibble)
 // and returns the FP8-e4m3 block-scale byte.
 KV_HOST_DEVICE uint8_t nvfp4_quantize_group(const float (&x)[kNvfp4GroupSize],

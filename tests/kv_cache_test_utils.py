@@ -19,8 +19,8 @@ DEVICES = [
 
 
 def dsv4_spec(ratio: int) -> MLAAttentionSpec:
-    """A DeepSeek-V4 compressed latent spec (DESIGN §4/§7 worked example): 256-token pages of
-    ``fp8_ds_mla`` records compressed ``ratio``x, 576-byte page alignment."""
+    """A DeepSeek-V4 compressed latent spec (docs/design.md §4/§7 worked example): 256-token
+    pages of ``fp8_ds_mla`` records compressed ``ratio``x, 576-byte page alignment."""
     return MLAAttentionSpec(
         block_size=256,
         num_kv_heads=1,

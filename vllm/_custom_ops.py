@@ -111,7 +111,7 @@ def reshape_and_cache_flash(
 ) -> None:
     """Write ``key [T_pad, H, D]`` / ``value [T_pad, H, Dv]`` token ``i < T`` into slot
     ``slot_mapping[i]`` of the paged caches (logical ``[B, N, H, D']``, NHD or HND), quantizing
-    for ``kv_cache_dtype`` (DESIGN.md §6). ``v_scale_layout=None`` means "same as K".
+    for ``kv_cache_dtype`` (docs/design.md §6). ``v_scale_layout=None`` means "same as K".
 
     ``debug_checks`` (default: env ``VLLM_KV_DEBUG_CHECKS=1``) checks on the host that the
     scales of a quantized cache are finite and > 0 before the op runs; on CUDA this syncs.

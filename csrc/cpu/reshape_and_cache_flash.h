@@ -1,4 +1,4 @@
-// CPU reshape_and_cache_flash (DESIGN.md §6). Framework-free: the torch glue validates the
+// CPU reshape_and_cache_flash (docs/design.md §6). Framework-free: the torch glue validates the
 // arguments, fills a ReshapeAndCacheParams and passes in the parallel-for (at::parallel_for) that
 // splits the tokens among threads. FP8 bytes and NVFP4 block scales come from the scalar code of
 // kv_quant_math.h (in loops the compiler vectorises), E2M1 codes from a lane-parallel form of its
@@ -162,7 +162,7 @@ __attribute__((noinline)) void nvfp4_chunk_scales(const uint32_t (&max_abs_bits)
   }
 }
 
-// Quantizes the num_heads * num_groups groups of one token (DESIGN.md §5, the steps of
+// Quantizes the num_heads * num_groups groups of one token (docs/design.md §5, the steps of
 // nvfp4_quantize_group) into a packed NVFP4 side. Works in chunks of groups, one pass per step:
 // the vector max of each group, then the scale arithmetic of the whole chunk in one loop that the
 // compiler vectorises, then the vector E2M1 encoding.

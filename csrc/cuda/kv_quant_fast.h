@@ -11,7 +11,7 @@
 // for every one of the 2^32 fp32 inputs (exhaustively checked on the host by
 // csrc/cuda/tests/check_kv_quant_fast.cpp, which tools/compile_cuda_kernels.sh runs), and
 // nvfp4_quantize_group_fast performs exactly the fp32 operations of nvfp4_quantize_group
-// (DESIGN.md §5, steps 1-6, same order and rounding) with those encoders. Framework-free;
+// (docs/design.md §5, steps 1-6, same order and rounding) with those encoders. Framework-free;
 // compiles as host C++ and as CUDA device code.
 #pragma once
 

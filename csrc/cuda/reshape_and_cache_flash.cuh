@@ -1,5 +1,5 @@
-// CUDA kernels of reshape_and_cache_flash (DESIGN.md §5, §6). Torch-free: raw pointers, sizes and
-// strides from ReshapeAndCacheParams, launched on a caller-given cudaStream_t.
+// CUDA kernels of reshape_and_cache_flash (docs/design.md §5, §6). Torch-free: raw pointers, sizes
+// and strides from ReshapeAndCacheParams, launched on a caller-given cudaStream_t.
 //
 // Work decomposition. A token's work is cut into "units": the K side first, then the V side,
 // each head_size / kVec units per head (kVec elements per unit). One thread writes one unit of
@@ -11,7 +11,7 @@
 //   unquantized: unit = one aligned vector of up to 16 bytes, copied as raw bytes.
 //   FP8:         unit = kVec (up to 16) elements: vector loads, one IEEE division by the scale per
 //                element (kv_fdiv = __fdiv_rn), FP8 encoding, one vector store of kVec bytes.
-//   NVFP4:       unit = one 16-element group (DESIGN.md §5 steps 1-6), 8 data bytes stored at
+//   NVFP4:       unit = one 16-element group (docs/design.md §5 steps 1-6), 8 data bytes stored at
 //                Nvfp4SideLayout::data_offset, 1 scale byte at Nvfp4SideLayout::scale_offset.
 //
 // The widest vector width that every pointer, stride and head size allows is chosen on the host

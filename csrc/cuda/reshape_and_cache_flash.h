@@ -1,4 +1,4 @@
-// Host entry point of the CUDA reshape_and_cache_flash kernels (DESIGN.md §6). Framework-free:
+// Host entry point of the CUDA reshape_and_cache_flash kernels (docs/design.md §6). Framework-free:
 // the torch glue validates the arguments (prepare_reshape_and_cache_flash), then calls this with
 // the current stream. Kernels live in reshape_and_cache_flash.cuh.
 #pragma once

@@ -59,7 +59,7 @@ def test_parse_formats_defaults_and_dedup() -> None:
 
 
 def test_bytes_per_token_matches_design_worked_example() -> None:
-    # DESIGN §4: N=16, H=8, D=128 pages of 65,536 / 32,768 / 18,432 bytes.
+    # docs/design.md §4: N=16, H=8, D=128 pages of 65,536 / 32,768 / 18,432 bytes.
     for name, page in (("bf16", 65536), ("fp8_e5m2", 32768), ("nvfp4", 18432)):
         assert parse_format(name).bytes_per_token(8, 128, 128) * 16 == page
     assert CacheFormat("nvfp4").cache_last_dim(128) == 72

@@ -41,7 +41,7 @@ def test_default_model_tables(capsys):
     assert code == 0
     assert DEFAULT_PRESET in out
     assert "full_attention" in out
-    # bf16 / fp8 / nvfp4 pages of 16 tokens x 8 heads x 128 (DESIGN §4) and bytes per token.
+    # bf16 / fp8 / nvfp4 pages of 16 tokens x 8 heads x 128 (docs/design.md §4) and bytes per token.
     for text in ("65,536", "32,768", "18,432", "131,072", "65,536", "36,864", "0.281x"):
         assert text in out
     assert "--memory" in out

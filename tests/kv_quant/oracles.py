@@ -83,7 +83,7 @@ def e2m1_oracle(v: torch.Tensor) -> torch.Tensor:
 
 
 def nvfp4_oracle(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed, block scale bytes) of ``x [..., D]`` following DESIGN.md §5 step by step."""
+    """(packed, block scale bytes) of ``x [..., D]`` following docs/design.md §5 step by step."""
     x64 = x.cpu().to(torch.float64)
     lead, dim = x64.shape[:-1], x64.shape[-1]
     g = x64.reshape(*lead, dim // 16, 16)

@@ -1,4 +1,4 @@
-"""Whole-page NVFP4 cache writer/reader against byte offsets computed from DESIGN.md §5."""
+"""Whole-page NVFP4 cache writer/reader against byte offsets computed from docs/design.md §5."""
 
 from __future__ import annotations
 

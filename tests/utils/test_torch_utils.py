@@ -196,7 +196,7 @@ def test_get_kv_cache_torch_dtype_and_set_random_seed() -> None:
 
 
 @pytest.mark.parametrize("kind", ["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "nvfp4"])
-@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("layout", ["NHD", "HND", "NHC", "HNC"])
 def test_create_kv_caches_with_random_flash(kind: str, layout: str) -> None:
     num_blocks, block_size, heads, head_size = 3, 16, 2, 64
     keys, values = create_kv_caches_with_random_flash(
@@ -208,7 +208,7 @@ def test_create_kv_caches_with_random_flash(kind: str, layout: str) -> None:
         assert k.shape == v.shape == (num_blocks, block_size, heads, last)
         assert k.dtype == (torch.uint8 if is_quantized_kv_cache(kind) else torch.bfloat16)
         token_stride, head_stride = (
-            (heads * last, last) if layout == "NHD" else (last, block_size * last)
+            (heads * last, last) if layout[0] == "N" else (last, block_size * last)
         )
         assert k.stride() == (2 * block_size * heads * last, token_stride, head_stride, 1)
         assert v.data_ptr() - k.data_ptr() == block_size * heads * last * k.element_size()
@@ -221,8 +221,10 @@ def test_create_kv_caches_with_random_flash(kind: str, layout: str) -> None:
         num_blocks, block_size, 2, heads, head_size, kind, torch.bfloat16, 0, "cpu", layout
     )
     assert torch.equal(again[0], keys[0])
-    with pytest.raises(ValueError, match="cache_layout: expected one of NHD, HND, got 'NCHW'"):
-        create_kv_caches_with_random_flash(1, 16, 1, 2, 64, kind, torch.bfloat16, 0, "cpu", "NCHW")
+    with pytest.raises(
+        ValueError, match="cache_layout: expected one of NHD, HND, NHC, HNC, got 'N'"
+    ):
+        create_kv_caches_with_random_flash(1, 16, 1, 2, 64, kind, torch.bfloat16, 0, "cpu", "N")
 
 
 def test_create_kv_caches_with_random() -> None:

@@ -44,7 +44,8 @@ def test_quant_mode() -> None:
     assert KVQuantMode.NVFP4 == 4 and KVQuantMode.FP8_PER_TENSOR == 1
     assert KVQuantMode.NVFP4.is_nvfp4 and KVQuantMode.NVFP4.is_quantized
     assert KVQuantMode.FP8_PER_TENSOR.is_fp8 and not KVQuantMode.NONE.is_quantized
-    for name in ("int8", "half"):  # "half" is a torch dtype name, not a cache dtype (DESIGN §3)
+    # "half" is a torch dtype name, not a cache dtype (docs/design.md §3)
+    for name in ("int8", "half"):
         with pytest.raises(ValueError, match=f"kv_cache_dtype: unknown KV-cache dtype '{name}'"):
             get_kv_quant_mode(name)
 
@@ -54,7 +55,8 @@ def test_quant_mode() -> None:
     ("cache_dtype", "page"), [("bfloat16", 65_536), ("fp8", 32_768), ("nvfp4", 18_432)]
 )
 def test_worked_page_sizes(cls, cache_dtype: str, page: int) -> None:
-    """DESIGN §4: N=16, H=8, D=128; FP8 needs no branch, NVFP4 holds for both spec classes."""
+    """docs/design.md §4: N=16, H=8, D=128; FP8 needs no branch, NVFP4 holds for both spec
+    classes."""
     spec = _spec(cls, cache_dtype)
     assert spec.real_page_size_bytes == page
     assert spec.page_size_bytes == page

@@ -1,9 +1,10 @@
 """Write K/V into a paged cache and read them back, for every format of the check.
 
-The cache is FlashInfer-shaped: logical ``(B, 2, N, H, D')`` (``D' = F(D)`` for NVFP4, DESIGN.md
-§7), NHD or HND physical order. Each sequence gets its own pages, drawn in a seeded random order
-so that logical and physical page order differ. Unwritten bytes hold seeded random garbage, so a
-writer that misses a slot or a reader that looks at the wrong one shows up as an error.
+The cache is FlashInfer-shaped: logical ``(B, 2, N, H, D')`` (``D' = F(D)`` for NVFP4,
+docs/design.md §7), NHD or HND physical order. Each sequence gets its own pages, drawn in a
+seeded random order so that logical and physical page order differ. Unwritten bytes hold seeded
+random garbage, so a writer that misses a slot or a reader that looks at the wrong one shows up as
+an error.
 
 Writers (``writer=``): ``op`` is the extension's ``vllm._custom_ops.reshape_and_cache_flash``;
 ``reference`` the pure-torch codecs of :mod:`vllm.kv_quant`; ``auto`` the op when the extension

@@ -1,6 +1,6 @@
 """The KV-cache formats that ``vllm-kv check`` measures, and their data-derived scales.
 
-A format is a ``kv_cache_dtype`` string (DESIGN.md §3) plus how its dequantization scale is
+A format is a ``kv_cache_dtype`` string (docs/design.md §3) plus how its dequantization scale is
 chosen: one fp32 scale per tensor (``[1]``) or one per KV head (``[H]``), and for NVFP4 where
 the block scales live in a page (:class:`~vllm.kv_quant.scale_layout.ScaleLayout`).
 
@@ -12,7 +12,7 @@ Format ids, as the CLI's ``--formats`` takes them::
     nvfp4[/head]@interleave4          NVFP4 with 4-token-interleaved block scales
 
 Scales come from the data: ``scale = amax(|x|) / MAX`` with ``MAX = 448`` for FP8 e4m3 and
-for NVFP4 (the global scale, DESIGN.md §5: "for example amax/448") and ``MAX = 57344`` for
+for NVFP4 (the global scale, docs/design.md §5: "for example amax/448") and ``MAX = 57344`` for
 FP8 e5m2; ``amax`` over the whole tensor, or over each head for a per-head scale.
 """
 

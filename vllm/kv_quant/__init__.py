@@ -1,6 +1,6 @@
 """Pure-torch reference codecs for every KV-cache byte format (FP8, NVFP4, scale layouts).
 
-These functions are the single source of truth for the cache formats of DESIGN.md §5: compiled
+These functions are the single source of truth for the cache formats of docs/design.md §5: compiled
 kernels (CPU and CUDA) are tested against them bit for bit. They run on the input's device.
 """
 

@@ -1,6 +1,6 @@
 """Reference FP8 (e4m3 / e5m2) KV-cache codec with per-tensor or per-head scales.
 
-Byte format (DESIGN.md §5): ``q = fp8(clamp(x / scale, -MAX, MAX))`` rounded to nearest even,
+Byte format (docs/design.md §5): ``q = fp8(clamp(x / scale, -MAX, MAX))`` rounded to nearest even,
 stored as uint8; a NaN input gives the canonical byte :data:`FP8_NAN_BYTE` whatever its sign.
 ``scale`` is the *dequantization* scale (fp32, shape ``[1]`` or ``[H]``), in units of "real value
 per fp8 unit": ``x ≈ float(q) * scale``.

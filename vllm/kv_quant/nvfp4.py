@@ -1,6 +1,6 @@
 """Reference NVFP4 codec: E2M1 values, FP8-e4m3 block scales, fp32 global scale.
 
-Byte format (DESIGN.md §5). Each group of 16 consecutive elements of the last dim shares one
+Byte format (docs/design.md §5). Each group of 16 consecutive elements of the last dim shares one
 e4m3 block scale byte ``sf``; each element is a 4-bit E2M1 code (bit 3 = sign, bits 0..2 index
 into :data:`E2M1_VALUES`). Two codes per byte, even element in the low nibble. ``global_scale``
 is the fp32 *dequantization* scale: ``x ≈ E2M1[q] * float(sf) * global_scale``.

@@ -1,7 +1,7 @@
 """Whole-page reference writer and reader of a packed NVFP4 KV-cache side.
 
 A side is a uint8 tensor with logical shape ``(B, N, H, F)``, ``F = D/2 + D/16``, NHD or HND
-strides, page stride ``P`` bytes (DESIGN.md §5). Each page of the side is ``[data | scales]``;
+strides, page stride ``P`` bytes (docs/design.md §5). Each page of the side is ``[data | scales]``;
 :func:`vllm.utils.torch_utils._nvfp4_split_data_scale` gives the data view ``(B, N, H, D/2)`` and
 the scale view ``(B, N, H, S)``, ``S = D/16``. For head ``h`` of page ``b`` the scale plane is
 ``scale_view[b, :, h, :]`` (``[N, S]``), holding element ``(t, s)`` at the position that the

@@ -161,8 +161,11 @@ def nvfp4_kv_cache_split_views(
 _CACHE_LAYOUT_ORDERS: dict[str, tuple[int, ...]] = {
     "NHD": (0, 1, 2, 3, 4),
     "HND": (0, 1, 3, 2, 4),
+    "NHC": (0, 1, 2, 3, 4),
+    "HNC": (0, 1, 3, 2, 4),
 }
-"""Physical dim order of a logical ``(B, 2, N, H, F)`` cache for each ``cache_layout``."""
+"""Physical dim order of a logical ``(B, 2, N, H, F)`` cache for each ``cache_layout``; upstream
+spells the layouts both NHD / HND and (newer code and tests) NHC / HNC."""
 
 
 def _fill_random(cache: torch.Tensor, cache_dtype: str | torch.dtype | None, bound: float) -> None:
@@ -198,7 +201,8 @@ def create_kv_caches_with_random_flash(
     """Random flash-layout caches, one ``(B, 2, N, H, F)`` tensor per layer (upstream's helper).
 
     Returns ``(key_caches, value_caches)``: per layer the views ``kv[:, 0]`` and ``kv[:, 1]``,
-    logical ``(B, N, H, F)``, stored in ``cache_layout`` order (``NHD`` or ``HND``).
+    logical ``(B, N, H, F)``, stored in ``cache_layout`` order (``NHD`` / ``NHC`` token-major,
+    ``HND`` / ``HNC`` head-major).
     ``F = head_size`` except for ``nvfp4`` (``F = 9 * head_size / 16``, random bytes).
     Unquantized values are uniform in ``+-head_size**-0.5``; FP8 caches hold those values'
     bytes at scale 1.

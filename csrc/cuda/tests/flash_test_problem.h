@@ -152,7 +152,7 @@ struct FlashTestProblem {
 
   // The cache image after the problem is written, computed independently of the kernels: plain
   // loops over tokens, heads and elements, the scalar quantization of kv_quant_math.h, and cache
-  // addresses from the page layout of DESIGN.md §5 (NHD / HND, [data | scales] regions,
+  // addresses from the page layout of docs/design.md §5 (NHD / HND, [data | scales] regions,
   // interleave4 formula) rather than from strides or cache_layout.h. Out-of-range slots skip.
   Bytes expected() const {
     Bytes out(cache.size());

@@ -1,6 +1,6 @@
 """Helpers of the KV-offload tests: hand-built KV-cache configs, worker-style views, writers.
 
-The views follow DESIGN.md §7 (what ``_reshape_kv_cache`` gives): one int8 buffer per
+The views follow docs/design.md §7 (what ``_reshape_kv_cache`` gives): one int8 buffer per
 ``KVCacheTensor``; per layer ``num_blocks = raw.numel() // page_size_bytes``; attention caches
 ``(B_kernel, 2, N_kernel, H, D')`` in NHD order with a block stride of one page; Mamba layers get
 one view per state tensor, state ``i`` at byte offset ``Σ_{j<i} size_j`` of each page.

@@ -703,7 +703,7 @@ def test_bad_input(
     device: str, kind: str, mutate: Callable[[Case], None], message: str, cpu_only: bool
 ) -> None:
     if cpu_only and device != "cpu":
-        pytest.skip("value checks of slots and scales run on the CPU only (DESIGN.md §6)")
+        pytest.skip("value checks of slots and scales run on the CPU only (docs/design.md §6)")
     dtype = torch.float16 if kind == "float16" else torch.bfloat16
     case = make_case(device, kind, dtype, per_head_scale=True)
     mutate(case)
@@ -727,7 +727,7 @@ def test_mixed_devices(moved: str) -> None:
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_cuda_skips_out_of_range_slots() -> None:
-    """GPU kernels bound-check slots and skip those >= B*N (DESIGN.md §6)."""
+    """GPU kernels bound-check slots and skip those >= B*N (docs/design.md §6)."""
     case = make_case("cuda", "nvfp4", torch.bfloat16)
     expected = expected_buffers(case)
     case.slot_mapping = torch.cat([case.slot_mapping, case.slot_mapping.new_tensor([96, 10**9])])

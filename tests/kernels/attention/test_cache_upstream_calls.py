@@ -63,7 +63,7 @@ def _reference_write(side, x, slots, kind, scale) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)  # upstream's
 @pytest.mark.parametrize("head_size", [64, 80, 256])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-@pytest.mark.parametrize("cache_layout", ["NHD", "HND"])
+@pytest.mark.parametrize("cache_layout", ["NHC", "HNC"])  # upstream's test spelling
 @pytest.mark.parametrize("scale_type", ["tensor", "attn_head"])
 @torch.inference_mode()
 def test_reshape_and_cache_flash(

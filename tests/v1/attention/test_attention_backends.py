@@ -1,5 +1,5 @@
-"""Backend layer: shapes and stride orders (DESIGN §7), the KV-cache layout setting, FlashInfer
-validation per dtype × device capability, the selector, and slot mappings."""
+"""Backend layer: shapes and stride orders (docs/design.md §7), the KV-cache layout setting,
+FlashInfer validation per dtype × device capability, the selector, and slot mappings."""
 
 from __future__ import annotations
 

@@ -139,7 +139,8 @@ def test_every_preset_plans(name, dtype):
     plan = _plan(name, dtype)
     assert_worker_consumable(plan)
     assert plan.fits and plan.blocks_per_request <= plan.kv_cache_config.num_blocks
-    # Raised block sizes stay multiples of the requested one (offload's hash block, DESIGN §8).
+    # Raised block sizes stay multiples of the requested one (offload's hash block,
+    # docs/design.md §8).
     for group in plan.kv_cache_config.kv_cache_groups:
         assert group.kv_cache_spec.block_size % plan.base.block_size == 0
     assert plan.max_concurrency >= 1

@@ -150,7 +150,7 @@ def test_head_dim_rule_and_llama_numbers():
     assert len(specs) == 32
     spec = specs["model.layers.0.self_attn"]
     assert (spec.num_kv_heads, spec.head_size, spec.block_size) == (8, 128, 16)
-    assert spec.page_size_bytes == 65536  # DESIGN §4 worked example
+    assert spec.page_size_bytes == 65536  # docs/design.md §4 worked example
     assert (
         _specs("llama-3.1-8b-instruct", "fp8").specs["model.layers.0.self_attn"].page_size_bytes
         == 32768
@@ -258,7 +258,7 @@ def test_deepseek_v4(name):
         deepseek_v4_compressor_state_bytes(preset)
         == derived["compressor_state_bytes_per_sequence_aiconfigurator_model"]
     )
-    # fp8: the rtp-llm engine entries and the DESIGN §4 worked example (block 256).
+    # fp8: the rtp-llm engine entries and the docs/design.md §4 worked example (block 256).
     fp8 = _specs(name, "fp8")
     engine = derived["engine_entry_bytes_rtp_llm"]
     for layer_name, spec in fp8.specs.items():

@@ -1,5 +1,5 @@
 """``_allocate_kv_cache`` / ``_reshape_kv_cache``: coverage checks, page math of the views,
-the DeepSeek-V4 compressed worked example (DESIGN §7), padding, kernel-block splitting,
+the DeepSeek-V4 compressed worked example (docs/design.md §7), padding, kernel-block splitting,
 Mamba state views, ``UniformTypeKVCacheSpecs`` groups, and validation before allocation."""
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def attn_spec(**overrides) -> FullAttentionSpec:
     return FullAttentionSpec(**kwargs)
 
 
-# ------------------------------------------------------------------ DeepSeek-V4 (DESIGN §7)
+# ------------------------------------------------------------------ DeepSeek-V4 (docs/design.md §7)
 
 
 def test_dsv4_c128_view_fits_its_buffer() -> None:

@@ -35,7 +35,7 @@ from vllm.v1.kv_cache_interface import (
 __all__ = ["DSV4_INDEXER_FP8_SCALE_GROUP", "FP8_DS_MLA_ALIGNMENT", "layer_spec"]
 
 FP8_DS_MLA_ALIGNMENT = 576
-"""Page alignment (bytes) of compressed ``fp8_ds_mla`` pages (DESIGN §4)."""
+"""Page alignment (bytes) of compressed ``fp8_ds_mla`` pages (docs/design.md §4)."""
 
 DSV4_FP8_NAME = FP8_E4M3.accepted_names[0]
 """``fp8``: the dtype string DeepSeek-V4's self-scaled e4m3 entries are reported under."""

@@ -11,7 +11,7 @@ from vllm.v1.core.model_config import positive_int_key, required_key, unwrap_con
 from vllm.v1.core.model_layout import LayerDesc, ParsedLayers
 
 DSV4_BLOCK_SIZE = 256
-"""Default tokens per page for DeepSeek-V4 (DESIGN §4 worked example; a multiple of 128)."""
+"""Default tokens per page for DeepSeek-V4 (docs/design.md §4 worked example; a multiple of 128)."""
 
 DSV4_CSA_RATIO = 4
 """Compressed sparse attention (with indexer) ratio."""

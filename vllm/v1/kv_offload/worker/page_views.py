@@ -1,7 +1,7 @@
 """Byte-page views of a worker's KV cache, the unit that offloading copies.
 
 The worker allocates one raw byte buffer per :class:`~vllm.v1.kv_cache_interface.KVCacheTensor`
-and gives each layer that shares it a view (DESIGN.md §7). Page ``p`` of a layer is bytes
+and gives each layer that shares it a view (docs/design.md §7). Page ``p`` of a layer is bytes
 ``[p * page_size_bytes, (p + 1) * page_size_bytes)`` of the buffer, where ``page_size_bytes`` is
 the layer spec's page size (padding included). All layers of one buffer have the same page size
 (the planner pads pages for that), so one page of a buffer holds one block of exactly one layer,
