@@ -82,6 +82,8 @@ def test_fp8_ds_mla_is_an_mla_only_record() -> None:
         fmt.last_dim(576)
     with pytest.raises(ValueError, match="kv_cache_dtype: unknown KV-cache dtype 'fp8_ds_mla'"):
         lookup("fp8_ds_mla", include_mla_only=False)
+    with pytest.raises(ValueError, match="format 'fp8_ds_mla' has no kernel support"):
+        kernel_cache_kind("fp8_ds_mla")
 
 
 def test_nvfp4_row_size() -> None:

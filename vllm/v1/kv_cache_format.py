@@ -173,11 +173,6 @@ class KVCacheFormat:
     def is_nvfp4(self) -> bool:
         return self.quant_mode.is_nvfp4
 
-    @property
-    def has_kernel(self) -> bool:
-        """Whether the compiled cache kernels write this format."""
-        return self.cache_kind is not None
-
     def last_dim(self, head_size: int) -> int:
         """Last dim of the cache for head size ``head_size`` (storage elements)."""
         return self.row_dim(head_size)
