@@ -124,6 +124,7 @@ def test_upstream_typing_and_tables_are_the_registry() -> None:
     assert kv_cache_dtype_str_to_dtype("half", None) == torch.float16  # upstream accepts it
     assert kv_cache_dtype_str_to_dtype("auto", "bfloat16") == torch.bfloat16
     assert find_dtype_name("half") is lookup("float16") and find_dtype_name("int8") is None
+    assert not is_quantized_kv_cache("int8")  # a predicate: an unknown name is not quantized
 
 
 def test_backend_lists_expand_aliases() -> None:

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from vllm.v1.kv_cache_format import (
+    find_format,
     lookup,
     nvfp4_packed_dim,
     torch_dtype_names,
@@ -28,9 +29,10 @@ def get_dtype_size(dtype: torch.dtype) -> int:
 
 
 def is_quantized_kv_cache(kv_cache_dtype: str) -> bool:
-    """True for the quantized (FP8 and NVFP4) cache dtype strings; ``ValueError`` for a string
-    that is not a KV-cache dtype."""
-    return lookup(kv_cache_dtype).is_quantized
+    """True for the quantized (FP8 and NVFP4) cache dtype strings, False for the unquantized
+    ones and for a string that names no format (a predicate, as upstream's: it does not raise)."""
+    fmt = find_format(kv_cache_dtype)
+    return fmt is not None and fmt.is_quantized
 
 
 def kv_cache_dtype_str_to_dtype(
