@@ -2,8 +2,8 @@
 
 Byte format (docs/design.md §5): ``q = fp8(clamp(x / scale, -MAX, MAX))`` rounded to nearest even,
 stored as uint8; a NaN input gives the canonical byte :data:`FP8_NAN_BYTE` whatever its sign.
-``scale`` is the *dequantization* scale (fp32, shape ``[1]`` or ``[H]``), in units of "real value
-per fp8 unit": ``x ≈ float(q) * scale``.
+``scale`` is the *dequantization* scale (fp32, one value in any shape or ``[H]``, see
+:mod:`vllm.kv_quant.kv_scale`), in units of "real value per fp8 unit": ``x ≈ float(q) * scale``.
 
 Every operation is a single IEEE fp32 op on the input's device, so CPU and CUDA give the same
 bytes, and compiled kernels are tested against these functions bit for bit.

@@ -34,7 +34,7 @@ def fp8_write_cache(
 
     Token ``i`` goes to page ``slot_mapping[i] // N``, row ``slot_mapping[i] % N``; negative
     slots are skipped; a slot ``>= B*N`` raises ``ValueError`` before anything is written.
-    ``scale`` is the fp32 dequantization scale, ``[1]`` or ``[H]``.
+    ``scale`` is the fp32 dequantization scale: one value (any shape) or ``[H]``.
     """
     _check_side(cache_side)
     if x.dtype not in _FLOAT_INPUT_DTYPES:
@@ -61,6 +61,6 @@ def fp8_read_cache(
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Dequantize a whole FP8 cache side ``(B, N, H, D)``: ``float32(q) * scale``, cast to
-    ``out_dtype``. ``scale`` is fp32 ``[1]`` or ``[H]``."""
+    ``out_dtype``. ``scale``: fp32, one value or ``[H]``."""
     _check_side(cache_side)
     return dequantize_fp8(cache_side, scale, fmt, out_dtype)

@@ -87,9 +87,9 @@ def nvfp4_write_cache(
 
     Token ``i`` goes to page ``slot_mapping[i] // N``, row ``slot_mapping[i] % N``; negative
     slots are skipped; a slot ``>= B*N`` raises ``ValueError`` before anything is written.
-    ``global_scale`` is fp32 ``[1]`` or ``[H]``. Only the data bytes and (layout-placed) scale
-    bytes of the written ``(page, token, head)`` entries change. If a slot appears twice, which
-    token ends up in it is unspecified.
+    ``global_scale`` is fp32, one value (any shape) or ``[H]``. Only the data bytes and
+    (layout-placed) scale bytes of the written ``(page, token, head)`` entries change. If a slot
+    appears twice, which token ends up in it is unspecified.
     """
     _check_input(x, cache_side)
     num_blocks, block_size, num_heads, _ = cache_side.shape
@@ -156,7 +156,7 @@ def nvfp4_read_cache(
 ) -> torch.Tensor:
     """Dequantize a whole packed NVFP4 cache side ``(B, N, H, F)`` to ``(B, N, H, D)``
     (``E2M1[q] * float(sf) * global_scale`` in fp32, then cast to ``out_dtype``).
-    ``global_scale`` is fp32 ``[1]`` or ``[H]``."""
+    ``global_scale`` is fp32, one value (any shape) or ``[H]``."""
     packed, block_scales = nvfp4_read_cache_raw(cache_side, head_size, scale_layout)
     global_scale = kv_scale_as_1d(global_scale, "global_scale", cache_side.shape[2])
     return dequantize_nvfp4(packed, block_scales, global_scale, out_dtype)

@@ -98,8 +98,9 @@ class AttentionLayer(Protocol):
 
 
 class AttentionLayerScales:
-    """A minimal :class:`AttentionLayer`: holds ``k_scale`` / ``v_scale`` (fp32 ``[1]`` or
-    ``[H]``; default ``[1.0]``), the dequantization scales of a quantized cache."""
+    """A minimal :class:`AttentionLayer`: holds ``k_scale`` / ``v_scale``, the dequantization
+    scales of a quantized cache (fp32, one value in any shape, e.g. 0-d as upstream layers hold
+    them, or ``[H]``; default ``[1.0]``)."""
 
     def __init__(
         self, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None

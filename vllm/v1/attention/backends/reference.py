@@ -4,7 +4,7 @@ Same cache layout and shapes as :class:`~vllm.v1.attention.backends.flashinfer.F
 (``(B, 2, N, H, D')``, NHD or HND, ``D' = F(D)`` for NVFP4), plus separate K / V regions when
 ``head_size_v != head_size``. The impl computes paged attention straight from the cache:
 per sequence it gathers the pages it needs, dequantizes them with the reference codecs of
-:mod:`vllm.kv_quant` (unquantized, FP8 e4m3 / e5m2 with ``[1]`` or ``[H]`` scales, NVFP4 with
+:mod:`vllm.kv_quant` (unquantized, FP8 e4m3 / e5m2 with per-tensor or ``[H]`` scales, NVFP4 with
 linear or interleave4 block scales, K and V layouts independent), then attends in fp32.
 """
 
