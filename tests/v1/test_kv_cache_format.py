@@ -215,3 +215,10 @@ def test_cpp_parser_accepts_exactly_the_registry_names() -> None:
         ops.reshape_and_cache_flash(source, source, cache, cache.clone(), slots, name, one, one)
         assert cache.any()
         assert kernel_cache_kind(name) == fmt.cache_kind
+
+
+def test_scale_layout_names_are_the_codecs_layouts() -> None:
+    from vllm.kv_quant.scale_layout import ScaleLayout
+
+    named = {layout for fmt in registry.formats() for layout in fmt.scale_layouts}
+    assert named == {layout.value for layout in ScaleLayout}
