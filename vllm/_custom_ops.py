@@ -15,7 +15,7 @@ import torch
 from vllm.kv_quant.fp8 import dequantize_fp8, fp8_format_from_cache_dtype, quantize_fp8
 from vllm.kv_quant.kv_scale import kv_scale_as_1d
 from vllm.kv_quant.scale_layout import ScaleLayout
-from vllm.utils.torch_utils import is_quantized_kv_cache
+from vllm.v1.kv_cache_format import find_format, kernel_cache_kind, lookup
 
 DEBUG_CHECKS_ENV = "VLLM_KV_DEBUG_CHECKS"
 """Set to ``1`` to make :func:`reshape_and_cache_flash` check scale values on the host (a device
@@ -58,7 +58,8 @@ def _reshape_and_cache_flash_fake(
     k_scale_layout: str | None = None,
     v_scale_layout: str | None = None,
 ) -> None:
-    # Same scale rule as the compiled op, so that tracing rejects what the op would reject.
+    # Same dtype and scale rules as the compiled op, so that tracing rejects what it would.
+    check_kernel_support(kv_cache_dtype)
     kv_scale_as_1d(k_scale, "k_scale", key.shape[1])
     kv_scale_as_1d(v_scale, "v_scale", key.shape[1])
     return None
@@ -93,6 +94,14 @@ def _paged_attention_fake(
     simd: str = "auto",
 ) -> None:
     return None
+
+
+def check_kernel_support(kv_cache_dtype: str) -> None:
+    """``ValueError`` for a registered format the compiled kernels do not write (the registry's
+    :func:`~vllm.v1.kv_cache_format.kernel_cache_kind`). A string that names no format goes on
+    to the op, whose own parser rejects it with the same list of accepted names."""
+    if find_format(kv_cache_dtype) is not None:
+        kernel_cache_kind(kv_cache_dtype)
 
 
 def _layout_name(layout: ScaleLayout | str | None) -> str | None:
@@ -133,9 +142,10 @@ def reshape_and_cache_flash(
     ``debug_checks`` (default: env ``VLLM_KV_DEBUG_CHECKS=1``) checks on the host that the
     scales of a quantized cache are finite and > 0 before the op runs; on CUDA this syncs.
     """
+    check_kernel_support(kv_cache_dtype)
     if debug_checks is None:
         debug_checks = os.environ.get(DEBUG_CHECKS_ENV, "0") == "1"
-    if debug_checks and is_quantized_kv_cache(kv_cache_dtype):
+    if debug_checks and lookup(kv_cache_dtype).is_quantized:
         _check_scale_values("k_scale", k_scale, kv_cache_dtype)
         _check_scale_values("v_scale", v_scale, kv_cache_dtype)
     torch.ops._C_cache_ops.reshape_and_cache_flash(

@@ -24,26 +24,25 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm.kv_quant.fp8 import FP8_E4M3_MAX, FP8_E5M2_MAX
+from vllm.kv_quant.fp8 import FP8_E4M3_MAX, Fp8Format
 from vllm.kv_quant.scale_layout import ScaleLayout
-from vllm.utils.torch_utils import nvfp4_kv_cache_full_dim
-from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
+from vllm.v1.kv_cache_format import BFLOAT16, FP8_E4M3, FP8_E5M2, NVFP4, KVCacheFormat, lookup
+from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-_DTYPE_ALIASES: dict[str, str] = {
-    "bf16": "bfloat16",
-    "bfloat16": "bfloat16",
-    "fp8": "fp8_e4m3",
-    "fp8_e4m3": "fp8_e4m3",
-    "fp8_e5m2": "fp8_e5m2",
-    "nvfp4": "nvfp4",
-}
+MEASURED_FORMATS: tuple[KVCacheFormat, ...] = (BFLOAT16, FP8_E4M3, FP8_E5M2, NVFP4)
+"""The registry formats ``vllm-kv check`` can measure: the reference and the quantized ones."""
 
 _SHORT_NAMES: dict[str, str] = {
-    "bfloat16": "bf16",
-    "fp8_e4m3": "fp8_e4m3",
-    "fp8_e5m2": "fp8_e5m2",
-    "nvfp4": "nvfp4",
+    f.name: f.name if f.is_quantized else f.label for f in MEASURED_FORMATS
 }
+"""Canonical dtype → format id (``bf16`` for the unquantized reference)."""
+
+_DTYPE_ALIASES: dict[str, str] = {
+    **{short: name for name, short in _SHORT_NAMES.items()},
+    **{name: f.name for f in MEASURED_FORMATS for name in f.accepted_names},
+}
+"""Every name a format id may start with (its id, e.g. ``bf16``, and the registry's names and
+aliases) → its canonical dtype."""
 
 DEFAULT_FORMATS: tuple[str, ...] = (
     "bf16",
@@ -81,9 +80,14 @@ class CacheFormat:
                 f"kv_cache_dtype: expected one of {', '.join(_SHORT_NAMES)}, "
                 f"got {self.kv_cache_dtype!r}"
             )
-        if self.kv_cache_dtype == "bfloat16" and self.per_head:
-            raise ValueError("per_head: bf16 has no scale, so no per-head scale")
-        if self.kv_cache_dtype != "nvfp4" and self.scale_layout is not None:
+        if not self.is_quantized and self.per_head:
+            raise ValueError(
+                f"per_head: {_SHORT_NAMES[self.kv_cache_dtype]} has no scale, so no per-head scale"
+            )
+        if (
+            self.scale_layout is not None
+            and self.scale_layout.value not in self.format.scale_layouts
+        ):
             raise ValueError(
                 f"scale_layout: only NVFP4 has block scales, got {self.scale_layout.value!r} "
                 f"for {self.kv_cache_dtype}"
@@ -105,26 +109,34 @@ class CacheFormat:
         return ScaleLayout.resolve(self.scale_layout, block_size, head_size)
 
     @property
+    def format(self) -> KVCacheFormat:
+        """The registry's entry for :attr:`kv_cache_dtype`."""
+        return lookup(self.kv_cache_dtype)
+
+    @property
     def is_quantized(self) -> bool:
-        return self.kv_cache_dtype != "bfloat16"
+        return self.format.is_quantized
 
     @property
     def is_nvfp4(self) -> bool:
-        return self.kv_cache_dtype == "nvfp4"
+        return self.format.is_nvfp4
 
     @property
     def is_fp8(self) -> bool:
-        return self.kv_cache_dtype.startswith("fp8")
+        return self.format.is_fp8
 
     @property
     def storage_dtype(self) -> torch.dtype:
         """Element dtype of the cache tensor (uint8 for every quantized format)."""
-        return torch.uint8 if self.is_quantized else torch.bfloat16
+        assert self.format.storage_dtype is not None
+        return self.format.storage_dtype
 
     @property
     def scale_max(self) -> float:
-        """``MAX`` in ``scale = amax / MAX`` (448 for e4m3 and NVFP4, 57344 for e5m2)."""
-        return FP8_E5M2_MAX if self.kv_cache_dtype == "fp8_e5m2" else FP8_E4M3_MAX
+        """``MAX`` in ``scale = amax / MAX``: the FP8 variant's largest value (448 for e4m3,
+        57344 for e5m2), 448 for NVFP4 (its block scales are e4m3)."""
+        variant = self.format.fp8_variant
+        return FP8_E4M3_MAX if variant is None else Fp8Format(variant).max
 
     @property
     def granularity(self) -> str:
@@ -143,7 +155,7 @@ class CacheFormat:
 
     def cache_last_dim(self, head_size: int) -> int:
         """Last dim ``D'`` of the cache tensor: ``D``, or ``F(D) = D/2 + D/16`` for NVFP4."""
-        return nvfp4_kv_cache_full_dim(head_size) if self.is_nvfp4 else head_size
+        return self.format.last_dim(head_size)
 
     def bytes_per_token(self, num_kv_heads: int, head_size: int, head_size_v: int) -> int:
         """K plus V cache bytes of one token of one layer (all KV heads), from the spec's page
@@ -155,7 +167,7 @@ class CacheFormat:
             head_size=head_size,
             head_size_v=head_size_v,
             dtype=self.storage_dtype,
-            kv_quant_mode=get_kv_quant_mode(self.kv_cache_dtype),
+            kv_quant_mode=self.format.quant_mode,
         )
         return spec.real_page_size_bytes // block_size
 

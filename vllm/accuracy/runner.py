@@ -266,7 +266,7 @@ def _scale_line(report: CheckReport) -> str:
     parts = []
     for dtype, fmts in per_dtype.items():
         grans = sorted({f.granularity for f in fmts}, key=("tensor", "head").index)
-        what = "global scale " if dtype == "nvfp4" else ""
+        what = "global scale " if fmts[0].is_nvfp4 else ""
         parts.append(f"{dtype} {what}amax(|x|)/{fmts[0].scale_max:g} per {' or per '.join(grans)}")
     return "scales from the data: " + "; ".join(parts)
 

@@ -32,10 +32,10 @@ from vllm.benchmarks.reshape_and_cache_flash import (
     roofline_bytes,
     time_call,
 )
-from vllm.utils.torch_utils import nvfp4_kv_cache_full_dim
+from vllm.v1.kv_cache_format import lookup
 
 FORMATS = ("auto", "fp8", "nvfp4")
-CACHE_DTYPES = {"auto": "auto", "fp8": "fp8_e4m3", "nvfp4": "nvfp4"}
+"""The benchmarked ``kv_cache_dtype`` strings (``fp8`` is e4m3)."""
 NUM_HEADS = 32
 NUM_KV_HEADS = 8
 HEAD_SIZE = 128
@@ -76,12 +76,9 @@ class AttentionRow:
 
 def cache_bytes_per_token(fmt: str) -> int:
     """Bytes of K plus V per cached token (all KV heads)."""
-    per_head = {
-        "auto": 2 * HEAD_SIZE,
-        "fp8": HEAD_SIZE,
-        "nvfp4": nvfp4_kv_cache_full_dim(HEAD_SIZE),
-    }
-    return 2 * NUM_KV_HEADS * per_head[fmt]
+    cache_format = lookup(fmt)
+    element_bytes = cache_format.resolve_storage_dtype(QUERY_DTYPE).itemsize
+    return 2 * NUM_KV_HEADS * cache_format.last_dim(HEAD_SIZE) * element_bytes
 
 
 def bytes_moved(fmt: str, batch: int, query_tokens: int, context: int) -> int:
@@ -112,24 +109,24 @@ def _problem(fmt: str, batch: int, query_tokens: int, context: int) -> _Problem:
     from vllm.v1.attention.backends import AttentionLayerScales, ReferenceAttentionImpl
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionImpl
 
-    cache_dtype = CACHE_DTYPES[fmt]
+    cache_format = lookup(fmt)
     pages = (context + BLOCK_SIZE - 1) // BLOCK_SIZE
     num_blocks = batch * pages
     shape = CPUAttentionBackend.get_kv_cache_shape(
-        num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, cache_dtype
+        num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, fmt
     )
-    if fmt == "auto":
+    if not cache_format.is_quantized:
         kv_cache = torch.randn(shape, dtype=QUERY_DTYPE)
     else:
         kv_cache = torch.randint(0, 256, shape, dtype=torch.uint8)
-        if fmt == "nvfp4":
+        if cache_format.is_nvfp4:
             data = NUM_KV_HEADS * BLOCK_SIZE * HEAD_SIZE // 2
             pages_view = kv_cache.view(num_blocks, 2, -1)
             pages_view[:, :, data:] = torch.randint(0x30, 0x40, pages_view[:, :, data:].shape)
         else:
             kv_cache[(kv_cache & 0x7F) == 0x7F] = 0x38
     table = torch.randperm(num_blocks).reshape(batch, pages).to(torch.int32)
-    kwargs = dict(num_kv_heads=NUM_KV_HEADS, kv_cache_dtype=cache_dtype)
+    kwargs = dict(num_kv_heads=NUM_KV_HEADS, kv_cache_dtype=fmt)
     impl = CPUAttentionImpl(NUM_HEADS, HEAD_SIZE, **kwargs)
     reference = ReferenceAttentionImpl(NUM_HEADS, HEAD_SIZE, **kwargs)
     metadata = CPUAttentionBackend.get_metadata_cls().build(
@@ -201,7 +198,7 @@ def run(
         nbytes = bytes_moved(fmt, batch, q_tokens, context)
         gbps = nbytes / op_s / 1e9
         key = (phase, batch, q_tokens, context)
-        if fmt == "auto":
+        if not lookup(fmt).is_quantized:
             bf16_us[key] = op_s * 1e6
         row = AttentionRow(
             phase=phase,

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from vllm.kv_quant import fp8_format_from_cache_dtype, fp8_write_cache, nvfp4_write_cache
-from vllm.utils.torch_utils import nvfp4_kv_cache_full_dim
+from vllm.v1.kv_cache_format import lookup
 
 KINDS = ("auto", "fp8", "nvfp4")
 TOKENS = (1, 16, 256, 4096, 16384)
@@ -208,8 +208,9 @@ def _setup(kind: str, num_tokens: int, num_heads: int, device: torch.device) -> 
     pages = torch.randperm(num_blocks, generator=gen)
     t = torch.arange(num_tokens)
     slots = (pages[t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE).to(device)
-    last_dim = nvfp4_kv_cache_full_dim(HEAD_SIZE) if kind == "nvfp4" else HEAD_SIZE
-    cache_dtype = SOURCE_DTYPE if kind == "auto" else torch.uint8
+    fmt = lookup(kind)
+    last_dim = fmt.last_dim(HEAD_SIZE)
+    cache_dtype = fmt.resolve_storage_dtype(SOURCE_DTYPE)
     cache_shape = (num_blocks, BLOCK_SIZE, num_heads, last_dim)
     key_cache = torch.zeros(cache_shape, dtype=cache_dtype, device=device)
     value_cache = torch.zeros(cache_shape, dtype=cache_dtype, device=device)
@@ -240,7 +241,8 @@ def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[],
 
 
 def _baseline(kind: str, s: _Setup) -> tuple[str, Callable[[], None]]:
-    if kind == "auto":
+    fmt = lookup(kind)
+    if not fmt.is_quantized:
         k_flat = s.key_cache.view(-1, *s.key_cache.shape[2:])
         v_flat = s.value_cache.view(-1, *s.value_cache.shape[2:])
 
@@ -249,18 +251,18 @@ def _baseline(kind: str, s: _Setup) -> tuple[str, Callable[[], None]]:
             v_flat.index_copy_(0, s.slots, s.value)
 
         return "index_copy_", index_copy
-    if kind == "nvfp4":
+    if fmt.is_nvfp4:
 
         def nvfp4_reference() -> None:
             nvfp4_write_cache(s.key, s.key_cache, s.slots, s.scale)
             nvfp4_write_cache(s.value, s.value_cache, s.slots, s.scale)
 
         return "reference nvfp4_write_cache", nvfp4_reference
-    fmt = fp8_format_from_cache_dtype(kind)
+    fp8 = fp8_format_from_cache_dtype(kind)
 
     def fp8_reference() -> None:
-        fp8_write_cache(s.key, s.key_cache, s.slots, s.scale, fmt)
-        fp8_write_cache(s.value, s.value_cache, s.slots, s.scale, fmt)
+        fp8_write_cache(s.key, s.key_cache, s.slots, s.scale, fp8)
+        fp8_write_cache(s.value, s.value_cache, s.slots, s.scale, fp8)
 
     return "reference fp8_write_cache", fp8_reference
 
@@ -341,7 +343,7 @@ def run(
             before_baseline = _then(flush, _baseline(kind, other)[1])
         op_s = time_call(op, dev, min_time_s, max_runs=2000, before=before_op)
         # The reference codecs are slow: a few runs are enough for a median.
-        base_runs = 2000 if kind == "auto" else 5
+        base_runs = 5 if lookup(kind).is_quantized else 2000
         base_s = time_call(baseline, dev, min_time_s, max_runs=base_runs, before=before_baseline)
         gbps = s.bytes_moved / op_s / 1e9
         row = Row(

@@ -18,7 +18,6 @@ from typing import Any
 
 from vllm.cli.plan_report import REFERENCE_DTYPE, plan_report
 from vllm.cli.plan_text import render_text
-from vllm.config.cache import CACHE_DTYPES
 from vllm.model_presets import DEFAULT_PRESET, available_presets, load_preset
 from vllm.v1.core.cache_dtype_comparison import compare_cache_dtypes
 from vllm.v1.core.kv_bytes import kv_footprint
@@ -26,6 +25,7 @@ from vllm.v1.core.kv_cache_utils import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from vllm.v1.core.model_config import load_model_config
 from vllm.v1.core.model_families import parse_model_layout
 from vllm.v1.core.model_specs import build_kv_cache_specs
+from vllm.v1.kv_cache_format import cache_dtype_names
 
 DEFAULT_COLUMNS = ("bfloat16", "fp8", "nvfp4")
 """Cache dtypes compared side by side when ``--kv-cache-dtype`` is not given."""
@@ -107,7 +107,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--kv-cache-dtype",
-        choices=CACHE_DTYPES,
+        choices=cache_dtype_names(),
         help=f"plan only this dtype (default: {', '.join(DEFAULT_COLUMNS)} side by side)",
     )
     parser.add_argument(

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from vllm.v1.kv_cache_format import lookup
+
 CacheDType = Literal[
     "auto",
     "float16",
@@ -16,18 +18,17 @@ CacheDType = Literal[
     "fp8_e5m2",
     "nvfp4",
 ]
-"""Accepted ``kv_cache_dtype`` strings. ``auto`` means the model dtype."""
+"""Accepted ``kv_cache_dtype`` strings (upstream's typing name). ``auto`` means the model dtype.
+The registry (:mod:`vllm.v1.kv_cache_format`) is the source of truth; a test pins this
+``Literal`` equal to its user-selectable names."""
 
 CACHE_DTYPES: tuple[str, ...] = get_args(CacheDType)
 
 
 def validate_cache_dtype(cache_dtype: str, arg_name: str = "cache_dtype") -> str:
-    """Return ``cache_dtype`` unchanged, or raise ``ValueError`` listing the accepted strings."""
-    if cache_dtype not in CACHE_DTYPES:
-        raise ValueError(
-            f"{arg_name}: unknown KV-cache dtype {cache_dtype!r}; "
-            f"expected one of {', '.join(CACHE_DTYPES)}"
-        )
+    """Return ``cache_dtype`` unchanged, or raise the registry's ``ValueError`` listing the
+    accepted strings (MLA-only record layouts are not user-selectable)."""
+    lookup(cache_dtype, arg_name, include_mla_only=False)
     return cache_dtype
 
 

@@ -16,6 +16,7 @@ from enum import Enum
 import torch
 
 from vllm.kv_quant.kv_scale import is_per_tensor_scale, kv_scale_as_1d
+from vllm.v1.kv_cache_format import formats, lookup
 
 FP8_E4M3_MAX = 448.0
 """Largest finite float8_e4m3fn magnitude (byte 0x7E)."""
@@ -46,23 +47,25 @@ class Fp8Format(str, Enum):
         return FP8_E4M3_MAX if self is Fp8Format.E4M3 else FP8_E5M2_MAX
 
 
-_CACHE_DTYPE_TO_FORMAT = {
-    "fp8": Fp8Format.E4M3,
-    "fp8_e4m3": Fp8Format.E4M3,
-    "fp8_e5m2": Fp8Format.E5M2,
-}
-
-
 def fp8_format_from_cache_dtype(kv_cache_dtype: str) -> Fp8Format:
     """FP8 format of an FP8 ``kv_cache_dtype`` string (``fp8``/``fp8_e4m3`` → E4M3, ``fp8_e5m2``
-    → E5M2); any other string raises ``ValueError``."""
+    → E5M2; the registry's ``fp8_variant``); any other string raises ``ValueError``."""
     try:
-        return _CACHE_DTYPE_TO_FORMAT[kv_cache_dtype]
-    except (KeyError, TypeError):
+        variant = lookup(kv_cache_dtype, include_mla_only=False).fp8_variant
+    except ValueError:
+        variant = None
+    if variant is None:
+        fp8_names = [
+            name
+            for fmt in formats()
+            if fmt.fp8_variant and not fmt.mla_only
+            for name in fmt.accepted_names
+        ]
         raise ValueError(
-            f"kv_cache_dtype: expected one of {', '.join(_CACHE_DTYPE_TO_FORMAT)} for an FP8 "
+            f"kv_cache_dtype: expected one of {', '.join(fp8_names)} for an FP8 "
             f"cache, got {kv_cache_dtype!r}"
-        ) from None
+        )
+    return Fp8Format(variant)
 
 
 def as_fp8_format(fmt: Fp8Format | str) -> Fp8Format:

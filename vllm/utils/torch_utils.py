@@ -7,28 +7,21 @@ import random
 import numpy as np
 import torch
 
-STR_DTYPE_TO_TORCH_DTYPE: dict[str, torch.dtype] = {
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp8": torch.uint8,
-    "fp8_e4m3": torch.uint8,
-    "fp8_e5m2": torch.uint8,
-    "nvfp4": torch.uint8,
-}
-"""Storage dtype of each ``kv_cache_dtype`` string (``auto`` is resolved against the model)."""
+from vllm.v1.kv_cache_format import (
+    find_format,
+    lookup,
+    nvfp4_packed_dim,
+    torch_dtype_names,
+)
+
+STR_DTYPE_TO_TORCH_DTYPE: dict[str, torch.dtype] = torch_dtype_names()
+"""Storage dtype of each ``kv_cache_dtype`` string and torch dtype name (``half``), from the
+format registry (``auto`` is resolved against the model)."""
 
 MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP: dict[str, str] = {
-    "fp8": "fp8_e4m3",
-    "nvfp4": "nvfp4",
+    algo: lookup(algo).name for algo in ("fp8", "nvfp4")
 }
 """ModelOpt ``kv_cache_quant_algo`` names (lower-cased) to our ``kv_cache_dtype`` strings."""
-
-NVFP4_GROUP_SIZE = 16
-"""Elements sharing one FP8-e4m3 block scale."""
-
 
 def get_dtype_size(dtype: torch.dtype) -> int:
     """Size of one element of ``dtype`` in bytes."""
@@ -36,29 +29,29 @@ def get_dtype_size(dtype: torch.dtype) -> int:
 
 
 def is_quantized_kv_cache(kv_cache_dtype: str) -> bool:
-    """True for the FP8 and NVFP4 cache dtype strings."""
-    return kv_cache_dtype.startswith("fp8") or kv_cache_dtype == "nvfp4"
+    """True for the quantized (FP8 and NVFP4) cache dtype strings, False for the unquantized
+    ones and for a string that names no format (a predicate, as upstream's: it does not raise)."""
+    fmt = find_format(kv_cache_dtype)
+    return fmt is not None and fmt.is_quantized
 
 
 def kv_cache_dtype_str_to_dtype(
     kv_cache_dtype: str, model_dtype: str | torch.dtype | None
 ) -> torch.dtype:
-    """Storage dtype for ``kv_cache_dtype``; ``auto`` resolves to ``model_dtype``."""
-    if kv_cache_dtype == "auto":
-        if isinstance(model_dtype, torch.dtype):
-            return model_dtype
-        if isinstance(model_dtype, str) and model_dtype in STR_DTYPE_TO_TORCH_DTYPE:
-            return STR_DTYPE_TO_TORCH_DTYPE[model_dtype]
-        raise ValueError(
-            f"model_dtype: kv_cache_dtype='auto' needs the model dtype as a torch.dtype or one "
-            f"of {', '.join(STR_DTYPE_TO_TORCH_DTYPE)}, got {model_dtype!r}"
-        )
-    if kv_cache_dtype not in STR_DTYPE_TO_TORCH_DTYPE:
-        raise ValueError(
-            f"kv_cache_dtype: unknown KV-cache dtype {kv_cache_dtype!r}; expected 'auto' or one "
-            f"of {', '.join(STR_DTYPE_TO_TORCH_DTYPE)}"
-        )
-    return STR_DTYPE_TO_TORCH_DTYPE[kv_cache_dtype]
+    """Storage dtype for ``kv_cache_dtype``; ``auto`` resolves to ``model_dtype``. A torch dtype
+    name that is not a cache dtype (``half``) is taken as that dtype, as upstream does."""
+    names = torch_dtype_names()
+    if kv_cache_dtype in names:
+        return names[kv_cache_dtype]
+    fmt = lookup(kv_cache_dtype, include_mla_only=False)
+    if isinstance(model_dtype, torch.dtype):
+        return fmt.resolve_storage_dtype(model_dtype)
+    if isinstance(model_dtype, str) and model_dtype in names:
+        return fmt.resolve_storage_dtype(names[model_dtype])
+    raise ValueError(
+        f"model_dtype: kv_cache_dtype='auto' needs the model dtype as a torch.dtype or one "
+        f"of {', '.join(names)}, got {model_dtype!r}"
+    )
 
 
 def get_kv_cache_torch_dtype(
@@ -89,13 +82,9 @@ def set_random_seed(seed: int | None) -> None:
 
 
 def nvfp4_kv_cache_full_dim(head_size: int) -> int:
-    """Packed NVFP4 bytes per head per side: ``D/2`` data bytes plus ``D/16`` scale bytes."""
-    if head_size <= 0 or head_size % NVFP4_GROUP_SIZE != 0:
-        raise ValueError(
-            f"head_size: NVFP4 KV cache needs a positive multiple of {NVFP4_GROUP_SIZE}, "
-            f"got {head_size}"
-        )
-    return head_size // 2 + head_size // NVFP4_GROUP_SIZE
+    """Packed NVFP4 bytes per head per side: ``D/2`` data bytes plus ``D/16`` scale bytes
+    (upstream's name for the registry's NVFP4 row size)."""
+    return nvfp4_packed_dim(head_size)
 
 
 def _nvfp4_data_dim(full_dim: int) -> int:
@@ -184,14 +173,15 @@ spells the layouts both NHD / HND and (newer code and tests) NHC / HNC."""
 def _fill_random(cache: torch.Tensor, cache_dtype: str | torch.dtype | None, bound: float) -> None:
     """Fill ``cache`` with values uniform in ``[-bound, bound]``, stored as its format stores
     them: FP8 caches get the bytes of those values (scale 1), unquantized caches the values."""
-    if isinstance(cache_dtype, str) and cache_dtype.startswith("fp8"):
+    fp8_variant = lookup(cache_dtype).fp8_variant if isinstance(cache_dtype, str) else None
+    if fp8_variant is not None:
         # Local import: vllm.kv_quant imports this module.
-        from vllm.kv_quant.fp8 import fp8_format_from_cache_dtype, quantize_fp8
+        from vllm.kv_quant.fp8 import Fp8Format, quantize_fp8
 
         values = torch.empty(cache.shape, dtype=torch.float32, device=cache.device)
         values.uniform_(-bound, bound)
         one = torch.ones((), dtype=torch.float32)
-        cache.copy_(quantize_fp8(values, one, fp8_format_from_cache_dtype(cache_dtype)))
+        cache.copy_(quantize_fp8(values, one, Fp8Format(fp8_variant)))
     elif cache.dtype.is_floating_point:
         cache.uniform_(-bound, bound)
     else:
@@ -225,8 +215,10 @@ def create_kv_caches_with_random_flash(
         )
     set_random_seed(seed)
     dtype = get_kv_cache_torch_dtype(cache_dtype, model_dtype)
-    is_nvfp4 = cache_dtype == "nvfp4"
-    last_dim = nvfp4_kv_cache_full_dim(head_size) if is_nvfp4 else head_size
+    fmt = lookup(cache_dtype) if isinstance(cache_dtype, str) else None
+    # Packed formats (NVFP4) get random bytes: every byte pattern is a valid code there.
+    is_packed = fmt is not None and fmt.block_scale_group is not None
+    last_dim = fmt.last_dim(head_size) if fmt is not None else head_size
     logical = (num_blocks, 2, block_size, num_heads, last_dim)
     order = _CACHE_LAYOUT_ORDERS[cache_layout]
     physical = tuple(logical[i] for i in order)
@@ -234,7 +226,7 @@ def create_kv_caches_with_random_flash(
     key_caches: list[torch.Tensor] = []
     value_caches: list[torch.Tensor] = []
     for _ in range(num_layers):
-        if is_nvfp4:
+        if is_packed:
             raw = torch.randint(0, 256, physical, dtype=torch.uint8, device=device)
         else:
             raw = torch.empty(physical, dtype=dtype, device=device)
@@ -262,13 +254,16 @@ def create_kv_caches_with_random(
     Values as in :func:`create_kv_caches_with_random_flash`; FP8 needs ``head_size % 16 == 0``;
     NVFP4 has no such layout.
     """
-    if isinstance(cache_dtype, str) and cache_dtype.startswith("fp8") and head_size % 16:
+    fmt = lookup(cache_dtype) if isinstance(cache_dtype, str) else None
+    if fmt is not None and fmt.block_scale_group is not None:
+        raise ValueError(
+            f"cache_dtype: {cache_dtype} has no (B, H, D/x, N, x) layout; use the flash one"
+        )
+    if fmt is not None and fmt.fp8_variant is not None and head_size % 16:
         raise ValueError(
             f"head_size: an {cache_dtype} cache in this layout needs a multiple of 16, "
             f"got {head_size}"
         )
-    if cache_dtype == "nvfp4":
-        raise ValueError("cache_dtype: nvfp4 has no (B, H, D/x, N, x) layout; use the flash one")
     set_random_seed(seed)
     dtype = get_kv_cache_torch_dtype(cache_dtype, model_dtype)
     x = 16 // get_dtype_size(dtype)

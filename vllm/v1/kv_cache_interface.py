@@ -9,20 +9,19 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
-from enum import IntEnum
 from typing import Any
 
 import torch
 
-from vllm.config.cache import CACHE_DTYPES
-from vllm.utils.torch_utils import get_dtype_size, nvfp4_kv_cache_full_dim
-
-FP8_DS_MLA_RECORD_BYTES = 584
-"""Bytes per stored slot of the ``fp8_ds_mla`` layout (head size 512: 448 fp8 latent bytes,
-64 bf16 RoPE elements, 8 scale bytes)."""
-
-FP8_DS_MLA_HEAD_SIZE = 512
-"""The head size the ``fp8_ds_mla`` record is defined for."""
+from vllm.utils.torch_utils import get_dtype_size
+from vllm.v1.kv_cache_format import (
+    FP8_DS_MLA_HEAD_SIZE,  # noqa: F401  (re-exported: its home before the format registry)
+    FP8_DS_MLA_RECORD_BYTES,  # noqa: F401
+    KVCacheFormat,
+    KVQuantMode,
+    format_for_storage,
+    lookup,
+)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -35,38 +34,9 @@ def round_up(x: int, multiple: int) -> int:
     return cdiv(x, multiple) * multiple
 
 
-class KVQuantMode(IntEnum):
-    """How a KV cache is quantized. Values 2 and 3 are reserved (per-token-head int8/fp8)."""
-
-    NONE = 0
-    FP8_PER_TENSOR = 1
-    NVFP4 = 4
-
-    @property
-    def is_nvfp4(self) -> bool:
-        return self == KVQuantMode.NVFP4
-
-    @property
-    def is_fp8(self) -> bool:
-        return self == KVQuantMode.FP8_PER_TENSOR
-
-    @property
-    def is_quantized(self) -> bool:
-        return self != KVQuantMode.NONE
-
-
 def get_kv_quant_mode(kv_cache_dtype: str) -> KVQuantMode:
-    """Quantization mode of a ``kv_cache_dtype`` string."""
-    if kv_cache_dtype == "nvfp4":
-        return KVQuantMode.NVFP4
-    if kv_cache_dtype.startswith("fp8"):
-        return KVQuantMode.FP8_PER_TENSOR
-    if kv_cache_dtype in CACHE_DTYPES:
-        return KVQuantMode.NONE
-    raise ValueError(
-        f"kv_cache_dtype: unknown KV-cache dtype {kv_cache_dtype!r}; expected one of "
-        f"{', '.join(CACHE_DTYPES)}"
-    )
+    """Quantization mode of a ``kv_cache_dtype`` string (the registry's ``quant_mode``)."""
+    return lookup(kv_cache_dtype).quant_mode
 
 
 def _check_positive(spec: object, *names: str) -> None:
@@ -150,13 +120,14 @@ class AttentionSpec(KVCacheSpec):
                 f"dtype: {self.kv_quant_mode.name} caches are stored as 1-byte elements "
                 f"(torch.uint8), got {self.dtype}"
             )
-        if self.kv_quant_mode.is_nvfp4:
+        group = self.kv_cache_format.block_scale_group
+        if group is not None:
             for name in ("head_size", "head_size_v"):
                 size = getattr(self, name)
-                if size % 16 != 0:
+                if size % group != 0:
                     raise ValueError(
-                        f"{name}: NVFP4 KV cache needs a multiple of 16 (one FP8 scale per 16 "
-                        f"elements), got {size}"
+                        f"{name}: {self.kv_quant_mode.name} KV cache needs a multiple of {group} "
+                        f"(one FP8 scale per {group} elements), got {size}"
                     )
         if self.page_size_padded is not None and self.page_size_padded < self.real_page_size_bytes:
             raise ValueError(
@@ -165,14 +136,18 @@ class AttentionSpec(KVCacheSpec):
             )
 
     @property
+    def kv_cache_format(self) -> KVCacheFormat:
+        """The registry's format of this cache, derived from ``(kv_quant_mode, dtype)`` (FP8 →
+        ``fp8_e4m3``: the variant is not a page-size fact and a spec does not record it)."""
+        return format_for_storage(self.kv_quant_mode, self.dtype)
+
+    @property
     def head_bytes_per_token(self) -> int:
         """K plus V bytes of one token of one head."""
         assert self.head_size_v is not None
-        if self.kv_quant_mode.is_nvfp4:
-            return nvfp4_kv_cache_full_dim(self.head_size) + nvfp4_kv_cache_full_dim(
-                self.head_size_v
-            )
-        return (self.head_size + self.head_size_v) * get_dtype_size(self.dtype)
+        fmt = self.kv_cache_format
+        row_elements = fmt.last_dim(self.head_size) + fmt.last_dim(self.head_size_v)
+        return row_elements * get_dtype_size(self.dtype)
 
     @property
     def real_page_size_bytes(self) -> int:
@@ -253,18 +228,21 @@ class LatentPageSpec(AttentionSpec):
         if self.alignment is not None:
             _check_positive(self, "alignment")
         super().__post_init__()
-        if self.cache_dtype_str == "fp8_ds_mla" and self.head_size != FP8_DS_MLA_HEAD_SIZE:
-            raise ValueError(
-                f"head_size: the fp8_ds_mla record is defined for head size "
-                f"{FP8_DS_MLA_HEAD_SIZE}, got {self.head_size}"
-            )
+        self.kv_cache_format.last_dim(self.head_size)  # a record layout checks its head size
+
+    @property
+    def kv_cache_format(self) -> KVCacheFormat:
+        """The format named by ``cache_dtype_str`` when set (e.g. ``fp8_ds_mla``), else the one
+        ``(kv_quant_mode, dtype)`` describe."""
+        if self.cache_dtype_str is not None:
+            return lookup(self.cache_dtype_str, "cache_dtype_str")
+        return super().kv_cache_format
 
     @property
     def slot_size_bytes(self) -> int:
-        """Bytes of one stored slot (all heads)."""
-        if self.cache_dtype_str == "fp8_ds_mla":
-            return FP8_DS_MLA_RECORD_BYTES * self.num_kv_heads
-        return self.num_kv_heads * self.head_size * get_dtype_size(self.dtype)
+        """Bytes of one stored slot (all heads): one row of the format's last dim per head."""
+        row = self.kv_cache_format.last_dim(self.head_size)
+        return self.num_kv_heads * row * get_dtype_size(self.dtype)
 
     @property
     def real_page_size_bytes(self) -> int:

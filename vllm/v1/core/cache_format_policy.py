@@ -18,13 +18,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE, kv_cache_dtype_str_to_dtype
+from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 from vllm.v1.core.model_layout import STATE_KINDS, LayerDesc
+from vllm.v1.kv_cache_format import AUTO, FP8_DS_MLA, FP8_E4M3, lookup
 from vllm.v1.kv_cache_interface import (
     FP8_DS_MLA_HEAD_SIZE,
     FullAttentionSpec,
     KVCacheSpec,
-    KVQuantMode,
     MambaSpec,
     MLAAttentionSpec,
     SlidingWindowMLASpec,
@@ -36,6 +36,9 @@ __all__ = ["DSV4_INDEXER_FP8_SCALE_GROUP", "FP8_DS_MLA_ALIGNMENT", "layer_spec"]
 
 FP8_DS_MLA_ALIGNMENT = 576
 """Page alignment (bytes) of compressed ``fp8_ds_mla`` pages (docs/design.md §4)."""
+
+DSV4_FP8_NAME = FP8_E4M3.accepted_names[0]
+"""``fp8``: the dtype string DeepSeek-V4's self-scaled e4m3 entries are reported under."""
 
 DSV4_INDEXER_FP8_SCALE_GROUP = 128
 """fp8 indexer keys carry one 4-byte fp32 scale per this many values: index_head_dim 128 gives
@@ -63,7 +66,7 @@ def layer_spec(
     mode = get_kv_quant_mode(cache_dtype)
     kind = layer.kind
     if kind in STATE_KINDS:
-        dtype = kv_cache_dtype_str_to_dtype("auto", model_dtype)
+        dtype = kv_cache_dtype_str_to_dtype(AUTO.name, model_dtype)
         note = None
         if mode.is_quantized:
             note = (
@@ -76,7 +79,7 @@ def layer_spec(
             dtypes=(dtype,) * len(layer.state_shapes),
             mamba_type=layer.mamba_type or "mamba2",
         )
-        return spec, "auto", note
+        return spec, AUTO.name, note
     if kind in ("full_attention", "sliding_window"):
         common = _attention_kwargs(layer, block_size, cache_dtype, model_dtype)
         if kind == "full_attention":
@@ -87,7 +90,7 @@ def layer_spec(
         note = None
         effective = cache_dtype
         if mode.is_nvfp4:
-            effective = "auto"
+            effective = AUTO.name
             note = (
                 f"mla layers: nvfp4 is not an MLA cache format; kept in the model dtype "
                 f"({model_dtype}) since plain fp8 MLA needs a calibrated fp8 scale"
@@ -100,7 +103,7 @@ def layer_spec(
     # DeepSeek-V4 kinds: quantized requests use the self-scaled fp8 formats.
     note = None
     if mode.is_quantized:
-        if cache_dtype not in ("fp8", "fp8_e4m3"):
+        if lookup(cache_dtype) is not FP8_E4M3:
             note = (
                 f"deepseek_v4: {cache_dtype} is not a DeepSeek-V4 cache format; latent caches "
                 "use fp8_ds_mla (584 B per slot) and indexer keys the fp8 entry (128 values + "
@@ -111,11 +114,11 @@ def layer_spec(
                 block_size=block_size,
                 num_kv_heads=1,
                 head_size=layer.head_size + 4 * -(-layer.head_size // DSV4_INDEXER_FP8_SCALE_GROUP),
-                dtype=STR_DTYPE_TO_TORCH_DTYPE["fp8"],
-                kv_quant_mode=KVQuantMode.FP8_PER_TENSOR,
+                dtype=FP8_E4M3.storage_dtype,
+                kv_quant_mode=FP8_E4M3.quant_mode,
                 compress_ratio=layer.compress_ratio,
             )
-            return spec, "fp8", note
+            return spec, DSV4_FP8_NAME, note
         if layer.head_size != FP8_DS_MLA_HEAD_SIZE:
             raise ValueError(
                 f"config: key 'head_dim' must be {FP8_DS_MLA_HEAD_SIZE} for the fp8_ds_mla "
@@ -125,17 +128,21 @@ def layer_spec(
             block_size=block_size,
             num_kv_heads=layer.num_kv_heads,
             head_size=layer.head_size,
-            dtype=STR_DTYPE_TO_TORCH_DTYPE["fp8"],
-            kv_quant_mode=KVQuantMode.FP8_PER_TENSOR,
-            cache_dtype_str="fp8_ds_mla",
+            dtype=FP8_DS_MLA.storage_dtype,
+            kv_quant_mode=FP8_DS_MLA.quant_mode,
+            cache_dtype_str=FP8_DS_MLA.name,
         )
         if kind == "sliding_window_mla":
             assert layer.sliding_window is not None
-            return SlidingWindowMLASpec(sliding_window=layer.sliding_window, **quant), "fp8", note
+            return (
+                SlidingWindowMLASpec(sliding_window=layer.sliding_window, **quant),
+                DSV4_FP8_NAME,
+                note,
+            )
         spec = MLAAttentionSpec(
             compress_ratio=layer.compress_ratio, alignment=FP8_DS_MLA_ALIGNMENT, **quant
         )
-        return spec, "fp8_ds_mla", note
+        return spec, FP8_DS_MLA.name, note
     plain = _attention_kwargs(layer, block_size, cache_dtype, model_dtype)
     if kind == "sliding_window_mla":
         assert layer.sliding_window is not None

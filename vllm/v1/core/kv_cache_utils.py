@@ -51,6 +51,7 @@ from vllm.v1.core.page_size_unification import (
     MAX_PAGE_GROWTH,
     unify_kv_cache_spec_page_size,
 )
+from vllm.v1.kv_cache_format import AUTO
 from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -428,7 +429,7 @@ def plan_kv_cache(
     name, config = load_model_config(model)
     layout = parse_model_layout(config, tensor_parallel_size=tensor_parallel_size)
     if cache_config is None:
-        cache_dtype, skip = "auto", []
+        cache_dtype, skip = AUTO.name, []
         block = block_size
     else:
         cache_dtype, skip = cache_config.cache_dtype, cache_config.kv_cache_dtype_skip_layers

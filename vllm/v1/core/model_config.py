@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm.model_presets import available_presets, load_preset
-from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+from vllm.v1.kv_cache_format import find_dtype_name, formats
 
 __all__ = [
     "attention_heads_per_rank",
@@ -130,11 +130,13 @@ def config_model_dtype(*cfgs: Mapping[str, Any]) -> tuple[str, str | None]:
             value = cfg.get(key)
             if value is None:
                 continue
-            if not isinstance(value, str) or value not in STR_DTYPE_TO_TORCH_DTYPE:
+            fmt = find_dtype_name(value) if isinstance(value, str) else None
+            if fmt is None or fmt.is_auto:
+                model_dtypes = [f.name for f in formats() if not f.is_quantized and not f.is_auto]
                 raise ValueError(
-                    f"config: key '{key}' must be one of float16, bfloat16, float32, got {value!r}"
+                    f"config: key '{key}' must be one of {', '.join(model_dtypes)}, got {value!r}"
                 )
-            if value in ("fp8", "fp8_e4m3", "fp8_e5m2", "nvfp4"):
+            if fmt.is_quantized:
                 raise ValueError(f"config: key '{key}' is not a model dtype: {value!r}")
             return value, None
     return "bfloat16", "config has no torch_dtype; assuming bfloat16 for the model dtype"

@@ -53,6 +53,7 @@ from vllm.v1.core.model_layout import (
     ModelLayout,
 )
 from vllm.v1.core.spec_display import describe_spec
+from vllm.v1.kv_cache_format import AUTO
 from vllm.v1.kv_cache_interface import KVCacheSpec, get_kv_quant_mode
 
 __all__ = [
@@ -165,7 +166,7 @@ def build_kv_cache_specs(
     for layer in layout.layers:
         skipped = _is_skipped(layer, tags, names)
         num_skipped += skipped
-        requested = "auto" if skipped else cache_dtype
+        requested = AUTO.name if skipped else cache_dtype
         spec, eff, note = layer_spec(layer, requested, layout.model_dtype, block_size)
         specs[layer.name] = spec
         kinds[layer.name] = layer.kind

@@ -2,37 +2,33 @@
 
 from __future__ import annotations
 
-from vllm.v1.kv_cache_interface import KVCacheSpec, MambaSpec
+from vllm.v1.kv_cache_format import find_dtype_name
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheSpec, MambaSpec
 
 __all__ = ["describe_spec", "short_dtype_name", "spec_format_label", "spec_format_name"]
 
 
 def spec_format_name(spec: KVCacheSpec) -> str:
-    """The storage format of a spec: ``fp8_ds_mla``, ``nvfp4``, ``fp8`` or the torch dtype name
-    of an unquantized cache (``bfloat16``, ...; a Mamba spec's first state dtype)."""
+    """The storage format of a spec: the registry label of a quantized format (``fp8_ds_mla``,
+    ``nvfp4``, ``fp8``) or the torch dtype name of an unquantized cache (``bfloat16``, ...; a
+    Mamba spec's first state dtype)."""
     if isinstance(spec, MambaSpec):
         return str(spec.dtypes[0]).removeprefix("torch.")
-    if getattr(spec, "cache_dtype_str", None) == "fp8_ds_mla":
-        return "fp8_ds_mla"
-    mode = spec.kv_quant_mode  # type: ignore[attr-defined]
-    if mode.is_nvfp4:
-        return "nvfp4"
-    if mode.is_fp8:
-        return "fp8"
-    return str(spec.dtype).removeprefix("torch.")  # type: ignore[attr-defined]
+    assert isinstance(spec, AttentionSpec)
+    fmt = spec.kv_cache_format
+    return fmt.label if fmt.is_quantized else str(spec.dtype).removeprefix("torch.")
 
 
 def short_dtype_name(name: str) -> str:
-    """``bf16``, ``fp16``, ``fp32`` or ``fp8`` for a dtype name; other names unchanged."""
-    return {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32"}.get(
-        name, "fp8" if name.startswith("fp8") else name
-    )
+    """The registry label (``bf16``, ``fp16``, ``fp32``, ``fp8``, ...) of a cache dtype string or
+    torch dtype name; other names unchanged."""
+    fmt = find_dtype_name(name)
+    return name if fmt is None else fmt.label
 
 
 def spec_format_label(spec: KVCacheSpec) -> str:
     """Short storage-format name of a spec: bf16, fp16, fp32, fp8, fp8_ds_mla or nvfp4."""
-    name = spec_format_name(spec)
-    return name if name in ("fp8_ds_mla", "nvfp4", "fp8") else short_dtype_name(name)
+    return short_dtype_name(spec_format_name(spec))
 
 
 def describe_spec(spec: KVCacheSpec) -> str:

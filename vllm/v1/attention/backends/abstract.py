@@ -13,9 +13,17 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 
 import torch
 
-from vllm.config.cache import CACHE_DTYPES
 from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backends.utils import get_kv_cache_layout, validate_kv_cache_layout
+from vllm.v1.kv_cache_format import (
+    AUTO,
+    BFLOAT16,
+    FLOAT16,
+    accepted_names_of,
+    cache_dtype_names,
+    find_format,
+    lookup,
+)
 
 if TYPE_CHECKING:
     from vllm.kv_quant.scale_layout import ScaleLayout
@@ -85,12 +93,6 @@ class AttentionLayerScales:
         self._v_scale = torch.ones(1, dtype=torch.float32) if v_scale is None else v_scale
 
 
-def _nvfp4_dim(head_size: int) -> int:
-    from vllm.utils.torch_utils import nvfp4_kv_cache_full_dim
-
-    return nvfp4_kv_cache_full_dim(head_size)
-
-
 class AttentionBackend(ABC):
     """Base of all attention backends.
 
@@ -103,7 +105,7 @@ class AttentionBackend(ABC):
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
     """Model (query) dtypes."""
 
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16"]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = accepted_names_of(AUTO, FLOAT16, BFLOAT16)
     """Accepted ``kv_cache_dtype`` strings."""
 
     supported_head_sizes: ClassVar[list[int]] = []
@@ -179,7 +181,8 @@ class AttentionBackend(ABC):
     @classmethod
     def is_kvcache_nvfp4(cls, cache_dtype_str: str) -> bool:
         """True when the cache holds packed NVFP4 (last dim ``F(D)`` bytes)."""
-        return cache_dtype_str == "nvfp4"
+        fmt = find_format(cache_dtype_str)
+        return fmt is not None and fmt.is_nvfp4
 
     @classmethod
     def get_kv_cache_stride_order(cls) -> tuple[int, ...]:
@@ -242,10 +245,11 @@ class AttentionBackend(ABC):
                 f"model dtype {dtype} not supported by {name} (supported: "
                 f"{', '.join(str(d) for d in cls.supported_dtypes)})"
             )
-        if kv_cache_dtype not in CACHE_DTYPES and kv_cache_dtype != "fp8_ds_mla":
+        fmt = find_format(kv_cache_dtype)
+        if fmt is None:
             reasons.append(
                 f"kv_cache_dtype {kv_cache_dtype!r} is not a KV-cache dtype (accepted: "
-                f"{', '.join(CACHE_DTYPES)})"
+                f"{', '.join(cache_dtype_names(include_mla_only=True))})"
             )
         elif not cls.supports_kv_cache_dtype(kv_cache_dtype):
             reasons.append(
@@ -275,11 +279,13 @@ class AttentionBackend(ABC):
                 f"block size {block_size} not supported by {name}: no kernel block size "
                 f"({sizes}) divides it"
             )
-        if cls.is_kvcache_nvfp4(kv_cache_dtype):
+        group = None if fmt is None else fmt.block_scale_group
+        if fmt is not None and group is not None:
             for label, size in (("head size", head_size), ("head_size_v", head_size_v)):
-                if size is not None and size % 16 != 0:
+                if size is not None and size % group != 0:
                     reasons.append(
-                        f"NVFP4 KV cache needs a {label} that is a multiple of 16, got {size}"
+                        f"{fmt.label.upper()} KV cache needs a {label} that is a multiple of "
+                        f"{group}, got {size}"
                     )
         return reasons
 
@@ -348,10 +354,9 @@ class AttentionImpl(ABC):
 
 
 def kv_cache_dim(head_size: int, cache_dtype_str: str) -> int:
-    """Last dim ``D'`` of a paged K/V cache: ``F(D)`` bytes for NVFP4, else ``D``."""
-    if cache_dtype_str == "nvfp4":
-        return _nvfp4_dim(head_size)
-    return head_size
+    """Last dim ``D'`` of a paged K/V cache (the registry's row size): ``F(D)`` bytes for NVFP4,
+    else ``D``."""
+    return lookup(cache_dtype_str, "cache_dtype_str").last_dim(head_size)
 
 
 def check_kv_cache_shape_args(

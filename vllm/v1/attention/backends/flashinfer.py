@@ -30,6 +30,16 @@ from vllm.v1.attention.backends.abstract import (
     as_device_capability,
     paged_kv_cache_shape,
 )
+from vllm.v1.kv_cache_format import (
+    AUTO,
+    BFLOAT16,
+    FLOAT16,
+    FP8_E4M3,
+    FP8_E5M2,
+    NVFP4,
+    accepted_names_of,
+    find_format,
+)
 
 if TYPE_CHECKING:
     from vllm.kv_quant.scale_layout import ScaleLayout
@@ -48,15 +58,9 @@ class FlashInferBackend(AttentionBackend):
     """Paged K/V cache ``(num_blocks, 2, block_size, num_kv_heads, D')`` read by FlashInfer."""
 
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
-    supported_kv_cache_dtypes: ClassVar[list[str]] = [
-        "auto",
-        "float16",
-        "bfloat16",
-        "fp8",
-        "fp8_e4m3",
-        "fp8_e5m2",
-        "nvfp4",
-    ]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = accepted_names_of(
+        AUTO, FLOAT16, BFLOAT16, FP8_E4M3, FP8_E5M2, NVFP4
+    )
     supported_head_sizes: ClassVar[list[int]] = [64, 128, 256]
     supported_kernel_block_sizes: ClassVar[list[int | MultipleOf]] = [16, 32, 64]
 
@@ -139,7 +143,8 @@ class FlashInferBackend(AttentionBackend):
                 f"{MAX_CAPABILITY.as_version_str()}, got {capability.as_version_str()} "
                 f"({capability})"
             )
-        if kv_cache_dtype.startswith("fp8") and capability < FP8_MIN_CAPABILITY:
+        fmt = find_format(kv_cache_dtype)
+        if fmt is not None and fmt.is_fp8 and capability < FP8_MIN_CAPABILITY:
             reasons.append(
                 f"FP8 KV cache ({kv_cache_dtype}) needs FlashInfer's FP8 attention kernels, "
                 f"which need compute capability {FP8_MIN_CAPABILITY.as_version_str()} "
@@ -151,7 +156,12 @@ class FlashInferBackend(AttentionBackend):
                 f"built for the sm_100 family (compute capability 10.x), got {capability}; "
                 "use fp8 on this GPU, or the reference backend ('REFERENCE') to read NVFP4"
             )
-        if kv_cache_dtype in ("float16", "bfloat16") and str(dtype) != f"torch.{kv_cache_dtype}":
+        if (
+            fmt is not None
+            and not fmt.is_quantized
+            and not fmt.is_auto
+            and fmt.storage_dtype != dtype
+        ):
             reasons.append(
                 f"an unquantized KV cache must hold the model dtype for FlashInfer: "
                 f"kv_cache_dtype {kv_cache_dtype!r} with model dtype {dtype}"

@@ -17,10 +17,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from vllm.config.cache import CACHE_DTYPES
 from vllm.kv_quant import (
+    Fp8Format,
     ScaleLayout,
-    fp8_format_from_cache_dtype,
     fp8_read_cache,
     kv_scale_as_1d,
     nvfp4_read_cache,
@@ -36,13 +35,14 @@ from vllm.v1.attention.backends.abstract import (
     paged_kv_cache_shape,
 )
 from vllm.v1.attention.backends.utils import compute_slot_mapping, split_kv_cache
+from vllm.v1.kv_cache_format import cache_dtype_names, lookup
 
 
 class ReferenceAttentionBackend(AttentionBackend):
     """Pure-torch paged attention over every cache format, on CPU and any CUDA GPU."""
 
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list[str]] = list(CACHE_DTYPES)
+    supported_kv_cache_dtypes: ClassVar[list[str]] = list(cache_dtype_names())
     supported_head_sizes: ClassVar[list[int]] = []
     supported_kernel_block_sizes: ClassVar[list[int | MultipleOf]] = [MultipleOf(1)]
     supports_head_size_v: ClassVar[bool] = True
@@ -252,15 +252,15 @@ class ReferenceAttentionImpl(AttentionImpl):
             raise ValueError(
                 f"sliding_window: expected None or a positive int (tokens), got {sliding_window!r}"
             )
-        if kv_cache_dtype not in CACHE_DTYPES:
-            raise ValueError(
-                f"kv_cache_dtype: unknown KV-cache dtype {kv_cache_dtype!r}; expected one of "
-                f"{', '.join(CACHE_DTYPES)}"
-            )
-        if kv_cache_dtype == "nvfp4":
+        fmt = lookup(kv_cache_dtype, include_mla_only=False)
+        group = fmt.block_scale_group
+        if group is not None:
             for name, value in (("head_size", head_size), ("head_size_v", head_size_v)):
-                if value % 16 != 0:
-                    raise ValueError(f"{name}: NVFP4 KV cache needs a multiple of 16, got {value}")
+                if value % group != 0:
+                    raise ValueError(
+                        f"{name}: {fmt.label.upper()} KV cache needs a multiple of {group}, "
+                        f"got {value}"
+                    )
         if logits_soft_cap is not None and not logits_soft_cap > 0:
             raise ValueError(
                 f"logits_soft_cap: expected None or a positive float, got {logits_soft_cap!r}"
@@ -277,6 +277,7 @@ class ReferenceAttentionImpl(AttentionImpl):
         self.scale = 1.0 / math.sqrt(head_size) if scale is None else float(scale)
         self.sliding_window = sliding_window
         self.kv_cache_dtype = kv_cache_dtype
+        self.kv_cache_format = fmt
         self.logits_soft_cap = logits_soft_cap
         self.sinks = sinks
         # None: the backend's default for the cache's geometry, known at the first cache.
@@ -301,11 +302,16 @@ class ReferenceAttentionImpl(AttentionImpl):
 
     @property
     def _is_nvfp4(self) -> bool:
-        return self.kv_cache_dtype == "nvfp4"
+        return self.kv_cache_format.is_nvfp4
 
     @property
     def _is_fp8(self) -> bool:
-        return self.kv_cache_dtype.startswith("fp8")
+        return self.kv_cache_format.is_fp8
+
+    @property
+    def _fp8_format(self) -> Fp8Format:
+        assert self.kv_cache_format.fp8_variant is not None
+        return Fp8Format(self.kv_cache_format.fp8_variant)
 
     def _check_side(self, side: torch.Tensor, name: str, head_size: int) -> None:
         expected_dim = kv_cache_dim(head_size, self.kv_cache_dtype)
@@ -315,7 +321,7 @@ class ReferenceAttentionImpl(AttentionImpl):
                 f"kv_cache_dtype={self.kv_cache_dtype!r}, head size {head_size}, got shape "
                 f"{list(side.shape)}"
             )
-        quantized = self._is_fp8 or self._is_nvfp4
+        quantized = self.kv_cache_format.is_quantized
         if quantized and side.dtype != torch.uint8:
             raise ValueError(
                 f"{name}: expected dtype torch.uint8 for a {self.kv_cache_dtype} cache, "
@@ -380,8 +386,7 @@ class ReferenceAttentionImpl(AttentionImpl):
             if self._is_nvfp4:
                 nvfp4_write_cache(x, side, slot_mapping, scale.to(side.device), layout)
             elif self._is_fp8:
-                fmt = fp8_format_from_cache_dtype(self.kv_cache_dtype)
-                fp8_write_cache(x, side, slot_mapping, scale.to(side.device), fmt)
+                fp8_write_cache(x, side, slot_mapping, scale.to(side.device), self._fp8_format)
             else:
                 num_slots = side.shape[0] * side.shape[1]
                 check_slot_mapping(slot_mapping, x.shape[0], num_slots, side.device)
@@ -403,8 +408,7 @@ class ReferenceAttentionImpl(AttentionImpl):
         if self._is_nvfp4:
             return nvfp4_read_cache(pages, scale, head_size, layout, torch.float32)
         if self._is_fp8:
-            fmt = fp8_format_from_cache_dtype(self.kv_cache_dtype)
-            return fp8_read_cache(pages, scale, fmt, torch.float32)
+            return fp8_read_cache(pages, scale, self._fp8_format, torch.float32)
         return pages.to(torch.float32)
 
     def _check_forward(
@@ -440,7 +444,7 @@ class ReferenceAttentionImpl(AttentionImpl):
         if query.device != device:
             raise ValueError(f"query: expected device {device} (the cache's), got {query.device}")
         k_scale = v_scale = torch.ones(1, dtype=torch.float32)
-        if self._is_fp8 or self._is_nvfp4:
+        if self.kv_cache_format.is_quantized:
             k_scale = self._check_scale(layer._k_scale, "k_scale").to(device)
             v_scale = self._check_scale(layer._v_scale, "v_scale").to(device)
         if key is not None and value is not None:

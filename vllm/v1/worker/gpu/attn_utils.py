@@ -31,6 +31,7 @@ from vllm.v1.attention.backends.abstract import (
     MultipleOf,
     get_device_capability,
 )
+from vllm.v1.kv_cache_format import AUTO, lookup
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     KVCacheConfig,
@@ -74,21 +75,20 @@ def spec_cache_dtype_str(spec: KVCacheSpec, cache_dtype: str | None = None) -> s
     """The ``cache_dtype_str`` a backend gets for ``spec``.
 
     The spec is the per-layer truth (layers kept unquantized by ``kv_cache_dtype_skip_layers``
-    say so in their spec): NVFP4 → ``"nvfp4"``, FP8 → ``cache_dtype`` when it names an FP8
-    variant else ``"fp8"``, unquantized → ``"auto"``; MLA specs with ``cache_dtype_str`` (e.g.
-    ``"fp8_ds_mla"``) → that string.
+    say so in their spec), read through its registry format (``spec.kv_cache_format``): NVFP4 →
+    ``"nvfp4"``, FP8 → ``cache_dtype`` when it names an FP8 variant else ``"fp8"``,
+    unquantized → ``"auto"``; MLA specs with ``cache_dtype_str`` (e.g. ``"fp8_ds_mla"``) → that
+    string.
     """
     mla_str = getattr(spec, "cache_dtype_str", None)
     if mla_str is not None:
         return mla_str
-    mode = getattr(spec, "kv_quant_mode", None)
-    if mode is None or not mode.is_quantized:
-        return "auto"
-    if mode.is_nvfp4:
-        return "nvfp4"
-    if cache_dtype is not None and cache_dtype.startswith("fp8"):
-        return cache_dtype
-    return "fp8"
+    if not isinstance(spec, AttentionSpec) or not spec.kv_cache_format.is_quantized:
+        return AUTO.name
+    fmt = spec.kv_cache_format
+    if cache_dtype is not None and lookup(cache_dtype).quant_mode == fmt.quant_mode:
+        return cache_dtype  # the variant the request named (a spec does not record it)
+    return fmt.accepted_names[0]  # the format's primary name: "fp8" for FP8
 
 
 def _supports_kernel_block_size(backend: type[AttentionBackend], size: int) -> bool:
@@ -332,7 +332,7 @@ def _attention_view(
     kernel_num_blocks = num_blocks * blocks_per_kv_block
     cache_dtype_str = spec_cache_dtype_str(spec, cache_dtype)
     is_mla = _is_mla_spec(spec)
-    dtype = torch.uint8 if cache_dtype_str == "fp8_ds_mla" else spec.dtype
+    dtype = spec.kv_cache_format.resolve_storage_dtype(spec.dtype)
     itemsize = get_dtype_size(dtype)
     what = f"layer {layer_name!r}"
 

@@ -17,21 +17,24 @@ from vllm.v1.attention.backends.abstract import (
     MultipleOf,
     check_kv_cache_shape_args,
 )
-from vllm.v1.kv_cache_interface import FP8_DS_MLA_RECORD_BYTES
+from vllm.v1.kv_cache_format import (
+    AUTO,
+    BFLOAT16,
+    FLOAT16,
+    FP8_DS_MLA,
+    FP8_E4M3,
+    accepted_names_of,
+    lookup,
+)
 
 
 class MLACommonBackend(AttentionBackend):
     """Shapes of MLA caches: ``(num_blocks, block_size, head_size or 584)``."""
 
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
-    supported_kv_cache_dtypes: ClassVar[list[str]] = [
-        "auto",
-        "float16",
-        "bfloat16",
-        "fp8",
-        "fp8_e4m3",
-        "fp8_ds_mla",
-    ]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = accepted_names_of(
+        AUTO, FLOAT16, BFLOAT16, FP8_E4M3, FP8_DS_MLA
+    )
     supported_kernel_block_sizes: ClassVar[list[int | MultipleOf]] = [MultipleOf(1)]
     is_mla: ClassVar[bool] = True
 
@@ -47,7 +50,8 @@ class MLACommonBackend(AttentionBackend):
         head_size: int,
         cache_dtype_str: str = "auto",
     ) -> tuple[int, ...]:
-        """``(num_blocks, block_size, 584 if fp8_ds_mla else head_size)``; one latent head."""
+        """``(num_blocks, block_size, row)``: one latent head, ``row`` the format's last dim
+        (584 bytes for ``fp8_ds_mla``, else ``head_size``)."""
         check_kv_cache_shape_args(
             "MLACommonBackend", num_blocks, block_size, num_kv_heads, head_size
         )
@@ -56,9 +60,8 @@ class MLACommonBackend(AttentionBackend):
                 f"num_kv_heads: an MLA cache holds one latent per slot (1 KV head), "
                 f"got {num_kv_heads}"
             )
-        if cache_dtype_str == "fp8_ds_mla":
-            return (num_blocks, block_size, FP8_DS_MLA_RECORD_BYTES)
-        return (num_blocks, block_size, head_size)
+        row = lookup(cache_dtype_str, "cache_dtype_str").last_dim(head_size)
+        return (num_blocks, block_size, row)
 
     @classmethod
     def get_kv_cache_stride_order(cls) -> tuple[int, ...]:

@@ -1,0 +1,224 @@
+"""The KV-cache format registry: every format fact the code used to re-derive from strings, the
+one lookup and its error, the tables derived from it, and its agreement with the C++ kernels."""
+
+import re
+from pathlib import Path
+from typing import get_args
+
+import pytest
+import torch
+
+from vllm.config.cache import CACHE_DTYPES, CacheDType
+from vllm.utils.torch_utils import (
+    MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP,
+    STR_DTYPE_TO_TORCH_DTYPE,
+    is_quantized_kv_cache,
+    kv_cache_dtype_str_to_dtype,
+)
+from vllm.v1 import kv_cache_format as registry
+from vllm.v1.kv_cache_format import (
+    KVCacheFormat,
+    KVQuantMode,
+    accepted_names_of,
+    cache_dtype_names,
+    find_dtype_name,
+    format_for_storage,
+    kernel_cache_kind,
+    lookup,
+)
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+REPO = Path(__file__).resolve().parents[2]
+
+# name: (canonical, storage dtype, quant mode, label, last dim at D=128, fp8 variant,
+#        scale layouts, mla_only, C++ CacheKind)
+FACTS = {
+    "auto": ("auto", None, KVQuantMode.NONE, "auto", 128, None, (), False, "kUnquantized"),
+    "float16": ("float16", torch.float16, KVQuantMode.NONE, "fp16", 128, None, (), False,
+                "kUnquantized"),
+    "bfloat16": ("bfloat16", torch.bfloat16, KVQuantMode.NONE, "bf16", 128, None, (), False,
+                 "kUnquantized"),
+    "float32": ("float32", torch.float32, KVQuantMode.NONE, "fp32", 128, None, (), False,
+                "kUnquantized"),
+    "float": ("float32", torch.float32, KVQuantMode.NONE, "fp32", 128, None, (), False,
+              "kUnquantized"),
+    "fp8": ("fp8_e4m3", torch.uint8, KVQuantMode.FP8_PER_TENSOR, "fp8", 128, "e4m3", (), False,
+            "kFp8E4M3"),
+    "fp8_e4m3": ("fp8_e4m3", torch.uint8, KVQuantMode.FP8_PER_TENSOR, "fp8", 128, "e4m3", (),
+                 False, "kFp8E4M3"),
+    "fp8_e5m2": ("fp8_e5m2", torch.uint8, KVQuantMode.FP8_PER_TENSOR, "fp8", 128, "e5m2", (),
+                 False, "kFp8E5M2"),
+    "nvfp4": ("nvfp4", torch.uint8, KVQuantMode.NVFP4, "nvfp4", 72, None,
+              ("linear", "interleave4"), False, "kNvfp4"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(FACTS))
+def test_format_facts(name: str) -> None:
+    canonical, storage, mode, label, last_dim, variant, layouts, mla_only, kind = FACTS[name]
+    fmt = lookup(name)
+    assert (fmt.name, fmt.storage_dtype, fmt.quant_mode, fmt.label) == (
+        canonical,
+        storage,
+        mode,
+        label,
+    )
+    assert fmt.last_dim(128) == last_dim
+    assert (fmt.fp8_variant, fmt.scale_layouts, fmt.mla_only, fmt.cache_kind) == (
+        variant,
+        layouts,
+        mla_only,
+        kind,
+    )
+    assert fmt.is_quantized == is_quantized_kv_cache(name) == (mode != KVQuantMode.NONE)
+    assert fmt.is_auto == (name == "auto")
+
+
+def test_fp8_ds_mla_is_an_mla_only_record() -> None:
+    fmt = lookup("fp8_ds_mla")
+    assert fmt.mla_only and fmt.is_fp8 and fmt.storage_dtype == torch.uint8
+    assert fmt.last_dim(512) == 584 and fmt.cache_kind is None
+    with pytest.raises(ValueError, match="head_size: the fp8_ds_mla record is defined for head"):
+        fmt.last_dim(576)
+    with pytest.raises(ValueError, match="kv_cache_dtype: unknown KV-cache dtype 'fp8_ds_mla'"):
+        lookup("fp8_ds_mla", include_mla_only=False)
+    with pytest.raises(ValueError, match="format 'fp8_ds_mla' has no kernel support"):
+        kernel_cache_kind("fp8_ds_mla")
+
+
+def test_nvfp4_row_size() -> None:
+    nvfp4 = lookup("nvfp4")
+    assert [nvfp4.last_dim(d) for d in (16, 64, 128, 256)] == [9, 36, 72, 144]
+    assert nvfp4.block_scale_group == 16
+    with pytest.raises(ValueError, match="head_size: NVFP4 KV cache needs a positive multiple"):
+        nvfp4.last_dim(24)
+
+
+def test_accepted_names_and_the_one_error() -> None:
+    names = "auto, float16, bfloat16, float32, float, fp8, fp8_e4m3, fp8_e5m2, nvfp4"
+    assert ", ".join(cache_dtype_names()) == names
+    assert cache_dtype_names(include_mla_only=True) == (*cache_dtype_names(), "fp8_ds_mla")
+    for bad in ("half", "int8", "FP8", "", None):
+        with pytest.raises(ValueError) as err:
+            lookup(bad, "cache_dtype", include_mla_only=False)  # type: ignore[arg-type]
+        assert str(err.value) == (
+            f"cache_dtype: unknown KV-cache dtype {bad!r}; expected one of {names}"
+        )
+
+
+def test_upstream_typing_and_tables_are_the_registry() -> None:
+    """``CacheDType`` stays upstream's ``Literal``; it must list exactly the registry's names."""
+    assert get_args(CacheDType) == CACHE_DTYPES == cache_dtype_names()
+    assert {
+        "float16": torch.float16,
+        "half": torch.float16,
+        "bfloat16": torch.bfloat16,
+        "float32": torch.float32,
+        "float": torch.float32,
+        "fp8": torch.uint8,
+        "fp8_e4m3": torch.uint8,
+        "fp8_e5m2": torch.uint8,
+        "nvfp4": torch.uint8,
+    } == STR_DTYPE_TO_TORCH_DTYPE
+    assert MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP == {"fp8": "fp8_e4m3", "nvfp4": "nvfp4"}
+    assert kv_cache_dtype_str_to_dtype("half", None) == torch.float16  # upstream accepts it
+    assert kv_cache_dtype_str_to_dtype("auto", "bfloat16") == torch.bfloat16
+    assert find_dtype_name("half") is lookup("float16") and find_dtype_name("int8") is None
+    assert not is_quantized_kv_cache("int8")  # a predicate: an unknown name is not quantized
+
+
+def test_backend_lists_expand_aliases() -> None:
+    assert accepted_names_of(lookup("fp8"), lookup("float32")) == [
+        "fp8",
+        "fp8_e4m3",
+        "float32",
+        "float",
+    ]
+
+
+def test_spec_format_property() -> None:
+    common = dict(block_size=16, num_kv_heads=8, head_size=128)
+    cases = [
+        (torch.bfloat16, KVQuantMode.NONE, "bfloat16"),
+        (torch.float32, KVQuantMode.NONE, "float32"),
+        (torch.uint8, KVQuantMode.NONE, "auto"),  # an unquantized dtype no format names
+        (torch.uint8, KVQuantMode.FP8_PER_TENSOR, "fp8_e4m3"),
+        (torch.float8_e4m3fn, KVQuantMode.FP8_PER_TENSOR, "fp8_e4m3"),
+        (torch.uint8, KVQuantMode.NVFP4, "nvfp4"),
+    ]
+    for dtype, mode, name in cases:
+        spec = FullAttentionSpec(dtype=dtype, kv_quant_mode=mode, **common)  # type: ignore[arg-type]
+        assert spec.kv_cache_format is lookup(name)
+        assert format_for_storage(mode, dtype) is lookup(name)
+    mla = MLAAttentionSpec(
+        block_size=64,
+        num_kv_heads=1,
+        head_size=512,
+        dtype=torch.uint8,
+        kv_quant_mode=KVQuantMode.FP8_PER_TENSOR,
+        cache_dtype_str="fp8_ds_mla",
+    )
+    assert mla.kv_cache_format is lookup("fp8_ds_mla") and mla.page_size_bytes == 64 * 584
+    with pytest.raises(ValueError, match="dtype: no KV-cache format stores NVFP4 caches as"):
+        format_for_storage(KVQuantMode.NVFP4, torch.float16)
+
+
+def test_registration_rules() -> None:
+    with pytest.raises(ValueError, match="accepted_names: must include the canonical name 'x'"):
+        KVCacheFormat(
+            name="x",
+            accepted_names=("y",),
+            storage_dtype=None,
+            quant_mode=KVQuantMode.NONE,
+            label="x",
+        )
+    clash = KVCacheFormat(
+        name="fp8_alt",
+        accepted_names=("fp8_alt", "fp8"),
+        storage_dtype=torch.uint8,
+        quant_mode=KVQuantMode.FP8_PER_TENSOR,
+        label="fp8",
+    )
+    with pytest.raises(ValueError, match="'fp8_alt' reuses the registered KV-cache dtype name"):
+        registry.register_format(clash)
+    assert registry.find_format("fp8_alt") is None
+
+
+def test_cpp_cache_kinds_are_the_registry_kinds() -> None:
+    """The Python side of the Python↔C++ mapping (``cache_kind``) names exactly the
+    ``CacheKind`` enumerators of the kernels."""
+    header = (REPO / "csrc" / "cache_kernels.h").read_text()
+    enum = re.search(r"enum class CacheKind \{([^}]*)\}", header)
+    assert enum is not None
+    cpp_kinds = {item.split("=")[0].strip() for item in enum.group(1).split(",")}
+    assert {f.cache_kind for f in registry.formats() if f.cache_kind} == cpp_kinds
+
+
+def test_cpp_parser_accepts_exactly_the_registry_names() -> None:
+    """The compiled op's own name table (``csrc/dispatch_utils.h``) lists the names the
+    registry gives a kernel, in the same order, and accepts each of them."""
+    ops = pytest.importorskip("vllm._custom_ops")
+    kernel_names = [name for f in registry.formats() if f.cache_kind for name in f.accepted_names]
+    key = torch.randn(2, 1, 16, dtype=torch.float32)
+    slots = torch.tensor([0, 1])
+    one = torch.ones((), dtype=torch.float32)
+    with pytest.raises(RuntimeError) as err:
+        torch.ops._C_cache_ops.reshape_and_cache_flash(
+            key, key, key.new_zeros(1, 2, 1, 16), key.new_zeros(1, 2, 1, 16), slots, "nope",
+            one, one, "linear", None,
+        )  # fmt: skip
+    assert f"expected one of {', '.join(kernel_names)}" in str(err.value)
+    for name in kernel_names:
+        fmt = lookup(name)
+        source = key if fmt.is_quantized else key.to(fmt.resolve_storage_dtype(key.dtype))
+        cache = torch.zeros(1, 2, 1, fmt.last_dim(16), dtype=fmt.resolve_storage_dtype(key.dtype))
+        ops.reshape_and_cache_flash(source, source, cache, cache.clone(), slots, name, one, one)
+        assert cache.any()
+        assert kernel_cache_kind(name) == fmt.cache_kind
+
+
+def test_scale_layout_names_are_the_codecs_layouts() -> None:
+    from vllm.kv_quant.scale_layout import ScaleLayout
+
+    named = {layout for fmt in registry.formats() for layout in fmt.scale_layouts}
+    assert named == {layout.value for layout in ScaleLayout}

@@ -1,0 +1,98 @@
+"""A new format added to the registry only (no kernel yet): every layer above the kernels takes it
+from the registry, and exactly one place rejects it, the kernel-support check in front of the
+compiled op, with an error naming the format and the missing kernels."""
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from vllm.config.cache import CacheConfig
+from vllm.utils.torch_utils import is_quantized_kv_cache, kv_cache_dtype_str_to_dtype
+from vllm.v1.attention.backends.abstract import kv_cache_dim
+from vllm.v1.attention.backends.reference import ReferenceAttentionImpl
+from vllm.v1.core.model_specs import get_kv_cache_specs
+from vllm.v1.kv_cache_format import (
+    KVCacheFormat,
+    KVQuantMode,
+    find_format,
+    kernel_cache_kind,
+    registered_format,
+)
+from vllm.v1.kv_cache_interface import get_kv_quant_mode
+
+ops = pytest.importorskip("vllm._custom_ops")
+
+TOY = KVCacheFormat(
+    name="toy",
+    accepted_names=("toy",),
+    storage_dtype=torch.uint8,
+    quant_mode=KVQuantMode.FP8_PER_TENSOR,
+    label="toy",
+    fp8_variant="e4m3",
+)
+"""An FP8-like format (one e4m3 byte per value, per-tensor scale) that no kernel writes."""
+
+NO_KERNEL = (
+    r"kv_cache_dtype: format 'toy' has no kernel support \(CPU/CUDA reshape_and_cache_flash\)"
+)
+
+LLAMA_LIKE = {
+    "model_type": "llama",
+    "num_hidden_layers": 2,
+    "hidden_size": 1024,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "torch_dtype": "bfloat16",
+    "max_position_embeddings": 4096,
+}
+
+
+@pytest.fixture
+def toy() -> Iterator[KVCacheFormat]:
+    with registered_format(TOY) as fmt:
+        yield fmt
+    assert find_format("toy") is None  # the registry is restored
+
+
+def test_everything_above_the_kernels_takes_it(toy: KVCacheFormat) -> None:
+    assert CacheConfig(cache_dtype="toy").cache_dtype == "toy"  # type: ignore[arg-type]
+    assert kv_cache_dtype_str_to_dtype("toy", "bfloat16") == torch.uint8
+    assert is_quantized_kv_cache("toy")
+    assert get_kv_quant_mode("toy") is KVQuantMode.FP8_PER_TENSOR
+    assert kv_cache_dim(128, "toy") == 128
+    toy_specs = get_kv_cache_specs(LLAMA_LIKE, "toy", 16)
+    fp8_specs = get_kv_cache_specs(LLAMA_LIKE, "fp8", 16)
+    assert [s.page_size_bytes for s in toy_specs.values()] == [16 * 8 * 256] * 2
+    assert toy_specs == fp8_specs  # page-size math comes from the registry's facts
+
+
+def test_the_kernel_support_check_is_the_one_place_that_rejects_it(toy: KVCacheFormat) -> None:
+    key = torch.randn(4, 2, 128, dtype=torch.bfloat16)
+    key_cache = torch.zeros(2, 16, 2, 128, dtype=torch.uint8)
+    value_cache = key_cache.clone()
+    slots = torch.arange(4)
+    one = torch.ones((), dtype=torch.float32)
+    with pytest.raises(ValueError, match=NO_KERNEL):
+        kernel_cache_kind("toy")
+    with pytest.raises(ValueError, match=NO_KERNEL):
+        ops.reshape_and_cache_flash(key, key, key_cache, value_cache, slots, "toy", one, one)
+    with pytest.raises(ValueError, match=NO_KERNEL):  # torch.compile's fake impl: same check
+        ops._reshape_and_cache_flash_fake(key, key, key_cache, value_cache, slots, "toy", one, one)
+    # The reference backend accepts the format and writes through the op: the same check stops it.
+    impl = ReferenceAttentionImpl(num_heads=2, head_size=128, kv_cache_dtype="toy")
+    with pytest.raises(ValueError, match=NO_KERNEL):
+        impl.do_kv_cache_update(_Scales(one), key, key, (key_cache, value_cache), slots)
+    assert not key_cache.any() and not value_cache.any()  # nothing written
+
+
+def test_without_the_entry_it_is_unknown() -> None:
+    with pytest.raises(ValueError, match="kv_cache_dtype: unknown KV-cache dtype 'toy'"):
+        kernel_cache_kind("toy")
+
+
+class _Scales:
+    def __init__(self, scale: torch.Tensor) -> None:
+        self._k_scale = scale
+        self._v_scale = scale
