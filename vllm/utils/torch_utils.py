@@ -23,6 +23,7 @@ MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP: dict[str, str] = {
 }
 """ModelOpt ``kv_cache_quant_algo`` names (lower-cased) to our ``kv_cache_dtype`` strings."""
 
+
 def get_dtype_size(dtype: torch.dtype) -> int:
     """Size of one element of ``dtype`` in bytes."""
     return torch.tensor([], dtype=dtype).element_size()
