@@ -852,7 +852,8 @@ class PagedAttention {
   // instructions. Rounding differs from the fp32 path only in the order of the fp32 sums.
 #if defined(VLLM_KV_HAVE_AVX512_BF16)
   static constexpr bool kBf16Dot =
-      L == SimdLevel::kAvx512 && K == CacheKind::kUnquantized && C == SourceType::kBFloat16;
+      L == SimdLevel::kAvx512 &&
+      ((K == CacheKind::kUnquantized && C == SourceType::kBFloat16) || K == CacheKind::kNvfp4);
 #else
   static constexpr bool kBf16Dot = false;
 #endif
@@ -939,10 +940,10 @@ class PagedAttention {
     if constexpr (kBf16Dot) {
       if (q_bf16 != nullptr) {
         for (; g + 4 <= geo_.group; g += 4) {
-          score_chunk_bf16<4>(q_bf16, k_rows, b, e, scores, g, q_scale);
+          score_chunk_bf16<4>(q_bf16, k_rows, k_scales, b, e, scores, g, q_scale);
         }
         for (; g < geo_.group; ++g) {
-          score_chunk_bf16<1>(q_bf16, k_rows, b, e, scores, g, q_scale);
+          score_chunk_bf16<1>(q_bf16, k_rows, k_scales, b, e, scores, g, q_scale);
         }
       }
     }
@@ -977,11 +978,37 @@ class PagedAttention {
   }
 
 #if defined(VLLM_KV_HAVE_AVX512_BF16)
+  // Key elements [d, d + 32) of a cache row as bf16: bf16 rows as they are; NVFP4 codes through
+  // a 32-entry table, the E2M1 values times each of the two groups' block scales (exact in bf16:
+  // at most 6 significant bits, exponents within range).
+  __m512i key_bf16(const uint8_t* row, const uint8_t* scales, int d) const {
+    if constexpr (K == CacheKind::kNvfp4) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d / 2));
+      const __m128i low_nibble = _mm_set1_epi8(0x0F);
+      const __m128i lo = _mm_and_si128(bytes, low_nibble);
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibble);
+      const __m256i codes = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+      // Elements 16..31 (the second group) index the table's upper half.
+      const __m512i index = _mm512_or_si512(_mm512_cvtepu8_epi16(codes),
+                                            _mm512_maskz_set1_epi16(0xFFFF0000u, 16));
+      const __m512 values = _mm512_load_ps(kE2M1Values);
+      const __m512 first = _mm512_mul_ps(values, _mm512_set1_ps(Decoder::block_scale(
+                                                     scales, k_groups_.data(), d)));
+      const __m512 second = _mm512_mul_ps(values, _mm512_set1_ps(Decoder::block_scale(
+                                                      scales, k_groups_.data(), d + 16)));
+      const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(second, first);
+      return _mm512_permutexvar_epi16(index, table);
+    } else {
+      return _mm512_loadu_si512(row + 2 * d);
+    }
+  }
+
   // score_chunk for bf16 keys and a bf16 query: pairs of bf16 products summed in fp32
   // (vdpbf16ps) straight from the cache, then times q_scale.
   template <int kRows>
-  void score_chunk_bf16(const uint16_t* q, const uint8_t* const* k_rows, int b, int e,
-                        float* scores, int g0, float q_scale) const {
+  void score_chunk_bf16(const uint16_t* q, const uint8_t* const* k_rows,
+                        const uint8_t* const* k_scales, int b, int e, float* scores, int g0,
+                        float q_scale) const {
     constexpr int kTokens = 2;
     __m512 part[kRows][kLanes];
     const __m512 scale = _mm512_set1_ps(q_scale);
@@ -1002,7 +1029,8 @@ class PagedAttention {
           __m512bh kv[kTokens];
           for (int x = 0; x < kTokens; ++x) {
             // A lone last token reads its own row twice (its second sum is dropped).
-            kv[x] = (__m512bh)_mm512_loadu_si512(k_rows[t + std::min(x, n - 1)] + 2 * d);
+            const int tt = t + std::min(x, n - 1);
+            kv[x] = (__m512bh)key_bf16(k_rows[tt], k_scales[tt], d);
           }
           for (int i = 0; i < kRows; ++i) {
             const auto qv = (__m512bh)_mm512_loadu_si512(q + int64_t(g0 + i) * dim_k_ + d);
