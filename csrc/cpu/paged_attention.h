@@ -934,7 +934,8 @@ class PagedAttention {
   // q_scale: what q holds them multiplied by.
   void score_rows(const float* q, const float* k_tile, const uint8_t* const* k_rows,
                   const uint8_t* const* k_scales, int b, int e, float* scores,
-                  const uint16_t* q_bf16, float q_scale) const {
+                  [[maybe_unused]] const uint16_t* q_bf16,
+                  [[maybe_unused]] float q_scale) const {
     int g = 0;
 #if defined(VLLM_KV_HAVE_AVX512_BF16)
     if constexpr (kBf16Dot) {
