@@ -33,6 +33,9 @@ namespace vllm_kv::cpu::attention {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define VLLM_KV_HAVE_AVX512 1
 #endif
+#if defined(VLLM_KV_HAVE_AVX512) && defined(__AVX512BF16__)
+#define VLLM_KV_HAVE_AVX512_BF16 1
+#endif
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define VLLM_KV_HAVE_AVX2 1
 #endif
@@ -153,6 +156,36 @@ inline float reduce_max(V v) {
 
 template <SimdLevel L>
 using VecI = decltype(VecF<L>{} > VecF<L>{});
+
+// Lane sums of kN vectors at once (a transposing tree): out[t] = sum of the lanes of v[t]. One
+// level pairs neighbours a, b holding kN / kS tokens of kS partial sums each into one vector of
+// twice the tokens with kS / 2 partials each (lane j: token j / (kS / 2), a's tokens first).
+constexpr int fold_source(int lanes, int partials, int j, int second) {
+  const int half = partials / 2;
+  const int token = j / half;
+  const int per_vector = lanes / partials;
+  const int from_b = token < per_vector ? 0 : lanes;
+  return from_b + (token % per_vector) * partials + j % half + second * half;
+}
+
+template <int kN, int kS, typename V, size_t... kI>
+inline V fold_pair(V a, V b, std::index_sequence<kI...>) {
+  return __builtin_shufflevector(a, b, fold_source(kN, kS, kI, 0)...) +
+         __builtin_shufflevector(a, b, fold_source(kN, kS, kI, 1)...);
+}
+
+// v holds kS vectors of kN lanes (kS = kN at the top); overwritten.
+template <int kN, int kS = kN, typename V>
+inline V reduce_add_many(V* v) {
+  if constexpr (kS == 1) {
+    return v[0];
+  } else {
+    for (int k = 0; k < kS / 2; ++k) {
+      v[k] = fold_pair<kN, kS>(v[2 * k], v[2 * k + 1], std::make_index_sequence<kN>{});
+    }
+    return reduce_add_many<kN, kS / 2>(v);
+  }
+}
 
 // exp(x) for x <= 0 (x < -87, -inf included, gives 0): 2^k * p(r) with k = round(x / ln2),
 // r = x - k ln2 in [-ln2/2, ln2/2] and p a degree-6 Taylor polynomial (relative error ~2e-7).
@@ -631,6 +664,8 @@ class PagedAttention {
         tokens_(round_up(p.block_size)),
         fused_(L != SimdLevel::kGeneric && geo_.head_size % kLanes == 0 &&
                geo_.head_size_v % kLanes == 0),
+        bf16_dot_(kBf16Dot && fused_ && p.io_type == SourceType::kBFloat16 &&
+                  geo_.head_size % 32 == 0),
         k_page_bytes_(page_bytes(geo_.head_size)),
         v_page_bytes_(page_bytes(geo_.head_size_v)) {
     if constexpr (K == CacheKind::kNvfp4) {
@@ -655,9 +690,11 @@ class PagedAttention {
     // Decode in registers when each K / V vector serves one pass over few rows (decode); with
     // many query rows (prefill) a page decoded once into the tiles serves them all.
     const bool fused = fused_ && head_rows <= kMaxFusedRows;
+    const bool bf16_dot = fused && bf16_dot_;
     // Per-thread buffers, reused across items.
     thread_local std::vector<float> buffer;
-    const int64_t need = int64_t(rows) * (dim_k_ + dim_v_ + tokens_ + 2) +
+    // (The bf16 query rows of the bf16 dot path take rows * dim_k_ / 2 floats; counted whole.)
+    const int64_t need = int64_t(rows) * (2 * dim_k_ + dim_v_ + tokens_ + 2) +
                          int64_t(p_.block_size) * (dim_k_ + dim_v_);
     if (int64_t(buffer.size()) < need) buffer.assign(need, 0.0f);
     float* q = buffer.data();
@@ -667,6 +704,7 @@ class PagedAttention {
     float* l = m + rows;
     float* k_tile = l + rows;
     float* v_tile = k_tile + int64_t(p_.block_size) * dim_k_;
+    auto* q_bf16 = reinterpret_cast<uint16_t*>(v_tile + int64_t(p_.block_size) * dim_v_);
     const float neg_inf = -std::numeric_limits<float>::infinity();
 
     // Key range of each query token, within the item's.
@@ -688,6 +726,11 @@ class PagedAttention {
           float* row = q + int64_t(r) * dim_k_;
           for (int d = 0; d < geo_.head_size; ++d) {
             row[d] = load_query(p_.query, base + d, p_.io_type) * q_scale;
+          }
+          if (bf16_dot) {
+            // The query as given (bf16); its scale is applied to the scores.
+            std::memcpy(q_bf16 + int64_t(r) * dim_k_, static_cast<const uint16_t*>(p_.query) + base,
+                        sizeof(uint16_t) * geo_.head_size);
           }
           std::fill(row + geo_.head_size, row + dim_k_, 0.0f);
           std::fill(acc + int64_t(r) * dim_v_, acc + int64_t(r + 1) * dim_v_, 0.0f);
@@ -721,7 +764,7 @@ class PagedAttention {
       // Pages come in block-table order, not address order: request the next page's rows now
       // so that their misses overlap this page's work.
       const int ahead = page_start + kPrefetchPages * p_.block_size;
-      if (ahead < item.key_end) {
+      if (kPrefetchPages > 0 && ahead < item.key_end) {
         const int64_t next = pages[ahead / p_.block_size];
         if (heads == p_.num_kv_heads) {
           // Whole pages: their K and V regions are dense, one request per line.
@@ -758,7 +801,9 @@ class PagedAttention {
           }
           if (b >= e) continue;
           score_rows(q + int64_t(r0) * dim_k_, fused ? nullptr : k_tile, k_rows, k_scales, b, e,
-                     scores + int64_t(r0) * tokens_);
+                     scores + int64_t(r0) * tokens_,
+                     bf16_dot ? q_bf16 + int64_t(r0) * dim_k_ : nullptr,
+                     p_.scale * side_scale(p_.key_cache, kv_head, K));
           for (int g = 0; g < geo_.group; ++g) {
             softmax_step(scores + int64_t(r0 + g) * tokens_, m[r0 + g], l[r0 + g],
                          acc + int64_t(r0 + g) * dim_v_);
@@ -802,6 +847,16 @@ class PagedAttention {
 
   static constexpr int64_t kElementBytes =
       K == CacheKind::kUnquantized ? (C == SourceType::kFloat32 ? 4 : 2) : 1;
+
+  // bf16 keys dotted with a bf16 query by vdpbf16ps (AVX-512 BF16 builds): no decode, half the
+  // instructions. Rounding differs from the fp32 path only in the order of the fp32 sums.
+#if defined(VLLM_KV_HAVE_AVX512_BF16)
+  static constexpr bool kBf16Dot =
+      L == SimdLevel::kAvx512 &&
+      ((K == CacheKind::kUnquantized && C == SourceType::kBFloat16) || K == CacheKind::kNvfp4);
+#else
+  static constexpr bool kBf16Dot = false;
+#endif
 
   // Rows per KV head up to which an item decodes in registers (fused).
   static constexpr int kMaxFusedRows = 8;
@@ -875,9 +930,25 @@ class PagedAttention {
 
   // scores[g][t] = q_g . k_t for the group's rows g and tokens [b, e), then the soft cap. K rows
   // come from the decoded tile, or (fused_) are decoded in registers from the cache.
+  // q_bf16 (non-null only on the bf16 dot path): the group's query rows in bf16, unscaled;
+  // q_scale: what q holds them multiplied by.
   void score_rows(const float* q, const float* k_tile, const uint8_t* const* k_rows,
-                  const uint8_t* const* k_scales, int b, int e, float* scores) const {
+                  const uint8_t* const* k_scales, int b, int e, float* scores,
+                  [[maybe_unused]] const uint16_t* q_bf16,
+                  [[maybe_unused]] float q_scale) const {
     int g = 0;
+#if defined(VLLM_KV_HAVE_AVX512_BF16)
+    if constexpr (kBf16Dot) {
+      if (q_bf16 != nullptr) {
+        for (; g + 4 <= geo_.group; g += 4) {
+          score_chunk_bf16<4>(q_bf16, k_rows, k_scales, b, e, scores, g, q_scale);
+        }
+        for (; g < geo_.group; ++g) {
+          score_chunk_bf16<1>(q_bf16, k_rows, k_scales, b, e, scores, g, q_scale);
+        }
+      }
+    }
+#endif
     for (; g + 8 <= geo_.group; g += 8) score_chunk<8>(q, k_tile, k_rows, k_scales, b, e, scores, g);
     for (; g + 4 <= geo_.group; g += 4) score_chunk<4>(q, k_tile, k_rows, k_scales, b, e, scores, g);
     for (; g < geo_.group; ++g) score_chunk<1>(q, k_tile, k_rows, k_scales, b, e, scores, g);
@@ -907,19 +978,133 @@ class PagedAttention {
     return load<L>(v_tile + int64_t(t) * dim_v_ + d);
   }
 
+#if defined(VLLM_KV_HAVE_AVX512_BF16)
+  // Key elements [d, d + 32) of a cache row as bf16: bf16 rows as they are; NVFP4 codes through
+  // a 32-entry table, the E2M1 values times each of the two groups' block scales (exact in bf16:
+  // at most 6 significant bits, exponents within range).
+  __m512i key_bf16(const uint8_t* row, const uint8_t* scales, int d) const {
+    if constexpr (K == CacheKind::kNvfp4) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d / 2));
+      const __m128i low_nibble = _mm_set1_epi8(0x0F);
+      const __m128i lo = _mm_and_si128(bytes, low_nibble);
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibble);
+      const __m256i codes = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+      // Elements 16..31 (the second group) index the table's upper half.
+      const __m512i index = _mm512_or_si512(_mm512_cvtepu8_epi16(codes),
+                                            _mm512_maskz_set1_epi16(0xFFFF0000u, 16));
+      const __m512 values = _mm512_load_ps(kE2M1Values);
+      const __m512 first = _mm512_mul_ps(values, _mm512_set1_ps(Decoder::block_scale(
+                                                     scales, k_groups_.data(), d)));
+      const __m512 second = _mm512_mul_ps(values, _mm512_set1_ps(Decoder::block_scale(
+                                                      scales, k_groups_.data(), d + 16)));
+      const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(second, first);
+      return _mm512_permutexvar_epi16(index, table);
+    } else {
+      return _mm512_loadu_si512(row + 2 * d);
+    }
+  }
+
+  // score_chunk for bf16 keys and a bf16 query: pairs of bf16 products summed in fp32
+  // (vdpbf16ps) straight from the cache, then times q_scale.
   template <int kRows>
-  void score_chunk(const float* q, const float* k_tile, const uint8_t* const* k_rows,
-                   const uint8_t* const* k_scales, int b, int e, float* scores, int g0) const {
-    for (int t = b; t < e; ++t) {
-      V sum[kRows] = {};
-      for (int d = 0; d < dim_k_; d += kLanes) {
-        const V kv = key_vector(k_tile, k_rows, k_scales, t, d);
-        for (int i = 0; i < kRows; ++i) {
-          sum[i] = fmadd<L>(load<L>(q + int64_t(g0 + i) * dim_k_ + d), kv, sum[i]);
+  void score_chunk_bf16(const uint16_t* q, const uint8_t* const* k_rows,
+                        const uint8_t* const* k_scales, int b, int e, float* scores, int g0,
+                        float q_scale) const {
+    constexpr int kTokens = 2;
+    __m512 part[kRows][kLanes];
+    const __m512 scale = _mm512_set1_ps(q_scale);
+    for (int t0 = b - b % kLanes; t0 < e; t0 += kLanes) {
+      const int tb = std::max(b, t0);
+      const int te = std::min(e, t0 + kLanes);
+      const bool whole = tb == t0 && te == t0 + kLanes;
+      if (!whole) {
+        for (int i = 0; i < kRows; ++i) std::fill(part[i], part[i] + kLanes, _mm512_setzero_ps());
+      }
+      for (int t = tb; t < te; t += kTokens) {
+        const int n = std::min(kTokens, te - t);
+        __m512 sum[kTokens][kRows];
+        for (int x = 0; x < kTokens; ++x) {
+          for (int i = 0; i < kRows; ++i) sum[x][i] = _mm512_setzero_ps();
+        }
+        for (int d = 0; d < geo_.head_size; d += 32) {
+          __m512bh kv[kTokens];
+          for (int x = 0; x < kTokens; ++x) {
+            // A lone last token reads its own row twice (its second sum is dropped).
+            const int tt = t + std::min(x, n - 1);
+            kv[x] = (__m512bh)key_bf16(k_rows[tt], k_scales[tt], d);
+          }
+          for (int i = 0; i < kRows; ++i) {
+            const auto qv = (__m512bh)_mm512_loadu_si512(q + int64_t(g0 + i) * dim_k_ + d);
+            for (int x = 0; x < kTokens; ++x) sum[x][i] = _mm512_dpbf16_ps(sum[x][i], qv, kv[x]);
+          }
+        }
+        for (int x = 0; x < n; ++x) {
+          for (int i = 0; i < kRows; ++i) part[i][t + x - t0] = sum[x][i];
         }
       }
       for (int i = 0; i < kRows; ++i) {
-        scores[int64_t(g0 + i) * tokens_ + t] = reduce_add<kLanes>(sum[i]);
+        float* row = scores + int64_t(g0 + i) * tokens_;
+        const V s = reduce_add_many<kLanes>(reinterpret_cast<V*>(part[i])) * scale;
+        if (whole) {
+          store<L>(row + t0, s);
+        } else {
+          for (int tt = tb; tt < te; ++tt) row[tt] = s[tt - t0];
+        }
+      }
+    }
+  }
+#endif
+
+  // Tokens are taken kLanes at a time: per token, a vector of partial dot products per row,
+  // then one transposing reduction per row gives the kLanes scores (instead of a horizontal sum
+  // per token and row). Two tokens per pass when the rows are few, so that enough independent
+  // FMA chains are in flight.
+  template <int kRows>
+  void score_chunk(const float* q, const float* k_tile, const uint8_t* const* k_rows,
+                   const uint8_t* const* k_scales, int b, int e, float* scores, int g0) const {
+    constexpr int kTokens = kRows <= 4 ? 2 : 1;
+    V part[kRows][kLanes];
+    for (int t0 = b - b % kLanes; t0 < e; t0 += kLanes) {
+      const int tb = std::max(b, t0);
+      const int te = std::min(e, t0 + kLanes);
+      const bool whole = tb == t0 && te == t0 + kLanes;
+      if (!whole) {
+        for (int i = 0; i < kRows; ++i) std::fill(part[i], part[i] + kLanes, V{});
+      }
+      int t = tb;
+      for (; t + kTokens <= te; t += kTokens) {
+        V sum[kTokens][kRows] = {};
+        for (int d = 0; d < dim_k_; d += kLanes) {
+          V kv[kTokens];
+          for (int x = 0; x < kTokens; ++x) kv[x] = key_vector(k_tile, k_rows, k_scales, t + x, d);
+          for (int i = 0; i < kRows; ++i) {
+            const V qv = load<L>(q + int64_t(g0 + i) * dim_k_ + d);
+            for (int x = 0; x < kTokens; ++x) sum[x][i] = fmadd<L>(qv, kv[x], sum[x][i]);
+          }
+        }
+        for (int x = 0; x < kTokens; ++x) {
+          for (int i = 0; i < kRows; ++i) part[i][t + x - t0] = sum[x][i];
+        }
+      }
+      for (; t < te; ++t) {
+        V sum[kRows] = {};
+        for (int d = 0; d < dim_k_; d += kLanes) {
+          const V kv = key_vector(k_tile, k_rows, k_scales, t, d);
+          for (int i = 0; i < kRows; ++i) {
+            sum[i] = fmadd<L>(load<L>(q + int64_t(g0 + i) * dim_k_ + d), kv, sum[i]);
+          }
+        }
+        for (int i = 0; i < kRows; ++i) part[i][t - t0] = sum[i];
+      }
+      for (int i = 0; i < kRows; ++i) {
+        // t0 + kLanes <= tokens_ (t0 < block_size, a multiple of kLanes): within the row.
+        float* row = scores + int64_t(g0 + i) * tokens_;
+        const V s = reduce_add_many<kLanes>(part[i]);
+        if (whole) {
+          store<L>(row + t0, s);
+        } else {
+          for (int tt = tb; tt < te; ++tt) row[tt] = s[tt - t0];
+        }
       }
     }
   }
@@ -961,10 +1146,37 @@ class PagedAttention {
     for (; g < geo_.group; ++g) accumulate_chunk<1>(weights, v_tile, v_rows, v_scales, b, e, acc, g);
   }
 
+  // Two vectors of the head dimension per pass when the rows are few: enough independent FMA
+  // chains in flight.
   template <int kRows>
   void accumulate_chunk(const float* weights, const float* v_tile, const uint8_t* const* v_rows,
                         const uint8_t* const* v_scales, int b, int e, float* acc, int g0) const {
-    for (int d = 0; d < dim_v_; d += kLanes) {
+    constexpr int kVecs = kRows <= 4 ? 2 : 1;
+    int d = 0;
+    for (; d + kVecs * kLanes <= dim_v_; d += kVecs * kLanes) {
+      V a[kVecs][kRows];
+      for (int x = 0; x < kVecs; ++x) {
+        for (int i = 0; i < kRows; ++i) {
+          a[x][i] = load<L>(acc + int64_t(g0 + i) * dim_v_ + d + x * kLanes);
+        }
+      }
+      for (int t = b; t < e; ++t) {
+        V v[kVecs];
+        for (int x = 0; x < kVecs; ++x) {
+          v[x] = value_vector(v_tile, v_rows, v_scales, t, d + x * kLanes);
+        }
+        for (int i = 0; i < kRows; ++i) {
+          const V w = splat<L>(weights[int64_t(g0 + i) * tokens_ + t]);
+          for (int x = 0; x < kVecs; ++x) a[x][i] = fmadd<L>(w, v[x], a[x][i]);
+        }
+      }
+      for (int x = 0; x < kVecs; ++x) {
+        for (int i = 0; i < kRows; ++i) {
+          store<L>(acc + int64_t(g0 + i) * dim_v_ + d + x * kLanes, a[x][i]);
+        }
+      }
+    }
+    for (; d < dim_v_; d += kLanes) {
       V a[kRows];
       for (int i = 0; i < kRows; ++i) a[i] = load<L>(acc + int64_t(g0 + i) * dim_v_ + d);
       for (int t = b; t < e; ++t) {
@@ -985,6 +1197,8 @@ class PagedAttention {
   // Decode in registers inside the dot products is possible (vector levels, head sizes of whole
   // vectors); otherwise pages are always decoded into the fp32 tiles first.
   bool fused_;
+  // The bf16 dot path applies (kBf16Dot, a bf16 query, head size of whole 32-element vectors).
+  bool bf16_dot_;
   int64_t k_page_bytes_;
   int64_t v_page_bytes_;
   Nvfp4SideLayout k_layout_{};
