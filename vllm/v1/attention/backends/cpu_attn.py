@@ -17,7 +17,6 @@ from typing import ClassVar
 
 import torch
 
-from vllm.kv_quant.kv_scale import kv_scale_as_1d
 from vllm.v1.attention.backends.abstract import AttentionLayer, DeviceCapability
 from vllm.v1.attention.backends.reference import (
     ReferenceAttentionBackend,
@@ -97,8 +96,8 @@ class CPUAttentionImpl(ReferenceAttentionImpl):
             _int32(attn_metadata.seq_lens),
             _int32(attn_metadata.query_start_loc),
             self.kv_cache_dtype,
-            kv_scale_as_1d(checked.k_scale, "k_scale", self.num_kv_heads).contiguous(),
-            kv_scale_as_1d(checked.v_scale, "v_scale", self.num_kv_heads).contiguous(),
+            checked.k_scale.contiguous(),  # already [1] or [H]: _check_forward applied the rule
+            checked.v_scale.contiguous(),
             self.scale,
             self.sliding_window,
             self.logits_soft_cap,
