@@ -666,6 +666,7 @@ class PagedAttention {
                geo_.head_size_v % kLanes == 0),
         bf16_dot_(kBf16Dot && fused_ && p.io_type == SourceType::kBFloat16 &&
                   geo_.head_size % 32 == 0),
+        bf16_v_(kBf16Dot && fused_ && geo_.head_size_v % 32 == 0),
         k_page_bytes_(page_bytes(geo_.head_size)),
         v_page_bytes_(page_bytes(geo_.head_size_v)) {
     if constexpr (K == CacheKind::kNvfp4) {
@@ -691,6 +692,7 @@ class PagedAttention {
     // many query rows (prefill) a page decoded once into the tiles serves them all.
     const bool fused = fused_ && head_rows <= kMaxFusedRows;
     const bool bf16_dot = fused && bf16_dot_;
+    const bool bf16_v = fused && bf16_v_;
     // Per-thread buffers, reused across items.
     thread_local std::vector<float> buffer;
     // (The bf16 query rows of the bf16 dot path take rows * dim_k_ / 2 floats; counted whole.)
@@ -822,7 +824,7 @@ class PagedAttention {
           if (b >= e) continue;
           const int r0 = h0 + jt * geo_.group;
           accumulate_rows(scores + int64_t(r0) * tokens_, fused ? nullptr : v_tile, v_rows,
-                          v_scales, b, e, acc + int64_t(r0) * dim_v_);
+                          v_scales, b, e, acc + int64_t(r0) * dim_v_, bf16_v);
         }
       }
     }
@@ -848,12 +850,12 @@ class PagedAttention {
   static constexpr int64_t kElementBytes =
       K == CacheKind::kUnquantized ? (C == SourceType::kFloat32 ? 4 : 2) : 1;
 
-  // bf16 keys dotted with a bf16 query by vdpbf16ps (AVX-512 BF16 builds): no decode, half the
-  // instructions. Rounding differs from the fp32 path only in the order of the fp32 sums.
+  // Cache rows whose values are exact in bf16 (bf16, FP8, NVFP4) go through vdpbf16ps (AVX-512
+  // BF16 builds): keys dotted with a bf16 query (rounding differs from the fp32 path only in the
+  // order of the fp32 sums), values weighted by the softmax weights rounded to bf16.
 #if defined(VLLM_KV_HAVE_AVX512_BF16)
   static constexpr bool kBf16Dot =
-      L == SimdLevel::kAvx512 &&
-      ((K == CacheKind::kUnquantized && C == SourceType::kBFloat16) || K == CacheKind::kNvfp4);
+      L == SimdLevel::kAvx512 && (K != CacheKind::kUnquantized || C == SourceType::kBFloat16);
 #else
   static constexpr bool kBf16Dot = false;
 #endif
@@ -979,10 +981,12 @@ class PagedAttention {
   }
 
 #if defined(VLLM_KV_HAVE_AVX512_BF16)
-  // Key elements [d, d + 32) of a cache row as bf16: bf16 rows as they are; NVFP4 codes through
-  // a 32-entry table, the E2M1 values times each of the two groups' block scales (exact in bf16:
-  // at most 6 significant bits, exponents within range).
-  __m512i key_bf16(const uint8_t* row, const uint8_t* scales, int d) const {
+  // Elements [d, d + 32) of a cache row as bf16, exactly: bf16 rows as they are; FP8 through
+  // fp32; NVFP4 codes through a 32-entry table, the E2M1 values times each of the two groups'
+  // block scales (at most 6 significant bits, exponents within range). groups: the side's
+  // group offsets.
+  static __m512i row_bf16(const uint8_t* row, const uint8_t* scales, const int64_t* groups,
+                          int d) {
     if constexpr (K == CacheKind::kNvfp4) {
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d / 2));
       const __m128i low_nibble = _mm_set1_epi8(0x0F);
@@ -993,12 +997,16 @@ class PagedAttention {
       const __m512i index = _mm512_or_si512(_mm512_cvtepu8_epi16(codes),
                                             _mm512_maskz_set1_epi16(0xFFFF0000u, 16));
       const __m512 values = _mm512_load_ps(kE2M1Values);
-      const __m512 first = _mm512_mul_ps(values, _mm512_set1_ps(Decoder::block_scale(
-                                                     scales, k_groups_.data(), d)));
-      const __m512 second = _mm512_mul_ps(values, _mm512_set1_ps(Decoder::block_scale(
-                                                      scales, k_groups_.data(), d + 16)));
+      const __m512 first =
+          _mm512_mul_ps(values, _mm512_set1_ps(Decoder::block_scale(scales, groups, d)));
+      const __m512 second =
+          _mm512_mul_ps(values, _mm512_set1_ps(Decoder::block_scale(scales, groups, d + 16)));
       const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(second, first);
       return _mm512_permutexvar_epi16(index, table);
+    } else if constexpr (K == CacheKind::kFp8E4M3 || K == CacheKind::kFp8E5M2) {
+      // FP8 values are exact in bf16 (at most 4 significant bits, exponents within range).
+      return (__m512i)_mm512_cvtne2ps_pbh(Decoder::vector(row, scales, groups, d + 16),
+                                          Decoder::vector(row, scales, groups, d));
     } else {
       return _mm512_loadu_si512(row + 2 * d);
     }
@@ -1031,7 +1039,7 @@ class PagedAttention {
           for (int x = 0; x < kTokens; ++x) {
             // A lone last token reads its own row twice (its second sum is dropped).
             const int tt = t + std::min(x, n - 1);
-            kv[x] = (__m512bh)key_bf16(k_rows[tt], k_scales[tt], d);
+            kv[x] = (__m512bh)row_bf16(k_rows[tt], k_scales[tt], k_groups_.data(), d);
           }
           for (int i = 0; i < kRows; ++i) {
             const auto qv = (__m512bh)_mm512_loadu_si512(q + int64_t(g0 + i) * dim_k_ + d);
@@ -1049,6 +1057,77 @@ class PagedAttention {
           store<L>(row + t0, s);
         } else {
           for (int tt = tb; tt < te; ++tt) row[tt] = s[tt - t0];
+        }
+      }
+    }
+  }
+  // accumulate_chunk by vdpbf16ps, keys in pairs: the V rows of keys t and t + 1, interleaved
+  // element by element, meet the pair (w[g][t], w[g][t + 1]) rounded to bf16 (as flash attention
+  // rounds its probabilities for the PV product); sums in fp32. A lone last key pairs with zeros.
+  template <int kRows>
+  void accumulate_chunk_bf16(const float* weights, const uint8_t* const* v_rows,
+                             const uint8_t* const* v_scales, int b, int e, float* acc,
+                             int g0) const {
+    for (int tb = b; tb < e; tb += 16) {
+      const int te = std::min(e, tb + 16);
+      // Row i's weights of keys [tb, te) in bf16, zero past te: pair j is pairs[i][j].
+      alignas(32) uint32_t pairs[kRows][8];
+      const __mmask16 valid = __mmask16((1u << (te - tb)) - 1);
+      for (int i = 0; i < kRows; ++i) {
+        const __m512 w = _mm512_maskz_loadu_ps(valid, weights + int64_t(g0 + i) * tokens_ + tb);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[i]), (__m256i)_mm512_cvtneps_pbh(w));
+      }
+      int d = 0;
+      if constexpr (kRows <= 4) {  // two slices of 32 per pass: enough chains in flight
+        for (; d + 64 <= geo_.head_size_v; d += 64) {
+          accumulate_slices_bf16<kRows, 2>(pairs, v_rows, v_scales, tb, te, acc, g0, d);
+        }
+      }
+      for (; d < geo_.head_size_v; d += 32) {
+        accumulate_slices_bf16<kRows, 1>(pairs, v_rows, v_scales, tb, te, acc, g0, d);
+      }
+    }
+  }
+
+  // Elements [d, d + 32 kSlices) of the rows' accumulators over keys [tb, te) (see above).
+  template <int kRows, int kSlices>
+  void accumulate_slices_bf16(const uint32_t (*pairs)[8], const uint8_t* const* v_rows,
+                              const uint8_t* const* v_scales, int tb, int te, float* acc, int g0,
+                              int d) const {
+    // Lane 2j of the interleave: element j (of the half) of key t; lane 2j + 1: of key t + 1.
+    alignas(64) static constexpr uint16_t kFirst[32] = {
+        0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+        8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    const __m512i first_half = _mm512_load_si512(kFirst);
+    const __m512i second_half = _mm512_add_epi16(first_half, _mm512_set1_epi16(16));
+    __m512 a[kSlices][2][kRows];
+    for (int c = 0; c < kSlices; ++c) {
+      for (int h = 0; h < 2; ++h) {
+        for (int i = 0; i < kRows; ++i) {
+          a[c][h][i] = _mm512_loadu_ps(acc + int64_t(g0 + i) * dim_v_ + d + 32 * c + 16 * h);
+        }
+      }
+    }
+    for (int t = tb; t < te; t += 2) {
+      const bool partner = t + 1 < te;
+      for (int c = 0; c < kSlices; ++c) {
+        const __m512i x = row_bf16(v_rows[t], v_scales[t], v_groups_.data(), d + 32 * c);
+        const __m512i y = partner ? row_bf16(v_rows[t + 1], v_scales[t + 1], v_groups_.data(),
+                                             d + 32 * c)
+                                  : _mm512_setzero_si512();
+        const auto lo = (__m512bh)_mm512_permutex2var_epi16(x, first_half, y);
+        const auto hi = (__m512bh)_mm512_permutex2var_epi16(x, second_half, y);
+        for (int i = 0; i < kRows; ++i) {
+          const auto w = (__m512bh)_mm512_set1_epi32(int(pairs[i][(t - tb) / 2]));
+          a[c][0][i] = _mm512_dpbf16_ps(a[c][0][i], lo, w);
+          a[c][1][i] = _mm512_dpbf16_ps(a[c][1][i], hi, w);
+        }
+      }
+    }
+    for (int c = 0; c < kSlices; ++c) {
+      for (int h = 0; h < 2; ++h) {
+        for (int i = 0; i < kRows; ++i) {
+          _mm512_storeu_ps(acc + int64_t(g0 + i) * dim_v_ + d + 32 * c + 16 * h, a[c][h][i]);
         }
       }
     }
@@ -1133,10 +1212,23 @@ class PagedAttention {
     l += reduce_add<kLanes>(sum);
   }
 
-  // acc_g += sum_t w[g][t] * v_t for the group's rows.
+  // acc_g += sum_t w[g][t] * v_t for the group's rows; bf16: by the bf16 dot (fused V rows).
   void accumulate_rows(const float* weights, const float* v_tile, const uint8_t* const* v_rows,
-                       const uint8_t* const* v_scales, int b, int e, float* acc) const {
+                       const uint8_t* const* v_scales, int b, int e, float* acc,
+                       [[maybe_unused]] bool bf16) const {
     int g = 0;
+#if defined(VLLM_KV_HAVE_AVX512_BF16)
+    if constexpr (kBf16Dot) {
+      if (bf16) {
+        for (; g + 4 <= geo_.group; g += 4) {
+          accumulate_chunk_bf16<4>(weights, v_rows, v_scales, b, e, acc, g);
+        }
+        for (; g < geo_.group; ++g) {
+          accumulate_chunk_bf16<1>(weights, v_rows, v_scales, b, e, acc, g);
+        }
+      }
+    }
+#endif
     for (; g + 8 <= geo_.group; g += 8) {
       accumulate_chunk<8>(weights, v_tile, v_rows, v_scales, b, e, acc, g);
     }
@@ -1199,6 +1291,8 @@ class PagedAttention {
   bool fused_;
   // The bf16 dot path applies (kBf16Dot, a bf16 query, head size of whole 32-element vectors).
   bool bf16_dot_;
+  // V rows are accumulated by the bf16 dot (kBf16Dot, head size of whole 32-element vectors).
+  bool bf16_v_;
   int64_t k_page_bytes_;
   int64_t v_page_bytes_;
   Nvfp4SideLayout k_layout_{};

@@ -335,10 +335,10 @@ class ReferenceAttentionImpl(AttentionImpl):
 
     def _check_scale(self, scale: torch.Tensor, name: str) -> torch.Tensor:
         scale = kv_scale_as_1d(scale, name, self.num_kv_heads)
-        if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
-            raise ValueError(
-                f"{name}: a quantized KV cache needs finite scales > 0, got {scale.tolist()}"
-            )
+        # One host copy of the (at most num_kv_heads) values: cheaper per call than tensor ops.
+        values = scale.tolist()
+        if not all(math.isfinite(v) and v > 0 for v in values):
+            raise ValueError(f"{name}: a quantized KV cache needs finite scales > 0, got {values}")
         return scale
 
     # ------------------------------------------------------------------------------ write
