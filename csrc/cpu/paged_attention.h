@@ -797,17 +797,13 @@ class PagedAttention {
           const int b = std::max(ranges[jt].first, lo) - page_start;
           const int e = std::min(ranges[jt].second, hi) - page_start;
           const int r0 = h0 + jt * geo_.group;
-          for (int g = 0; g < geo_.group; ++g) {
-            float* s = scores + int64_t(r0 + g) * tokens_;
-            std::fill(s, s + tokens_, neg_inf);
-          }
           if (b >= e) continue;
           score_rows(q + int64_t(r0) * dim_k_, fused ? nullptr : k_tile, k_rows, k_scales, b, e,
                      scores + int64_t(r0) * tokens_,
                      bf16_dot ? q_bf16 + int64_t(r0) * dim_k_ : nullptr,
                      p_.scale * side_scale(p_.key_cache, kv_head, K));
           for (int g = 0; g < geo_.group; ++g) {
-            softmax_step(scores + int64_t(r0 + g) * tokens_, m[r0 + g], l[r0 + g],
+            softmax_step(scores + int64_t(r0 + g) * tokens_, b, e, m[r0 + g], l[r0 + g],
                          acc + int64_t(r0 + g) * dim_v_);
           }
         }
@@ -1018,7 +1014,7 @@ class PagedAttention {
   void score_chunk_bf16(const uint16_t* q, const uint8_t* const* k_rows,
                         const uint8_t* const* k_scales, int b, int e, float* scores, int g0,
                         float q_scale) const {
-    constexpr int kTokens = 2;
+    constexpr int kTokens = kRows <= 4 ? 4 : 2;
     __m512 part[kRows][kLanes];
     const __m512 scale = _mm512_set1_ps(q_scale);
     for (int t0 = b - b % kLanes; t0 < e; t0 += kLanes) {
@@ -1188,16 +1184,22 @@ class PagedAttention {
     }
   }
 
-  // Online-softmax update of one row with a page of scores (-inf where masked): new max, rescale
-  // of the running sum and accumulator, scores replaced by their weights exp(s - max).
-  void softmax_step(float* s, float& m, float& l, float* acc) const {
-    V top = splat<L>(-std::numeric_limits<float>::infinity());
-    for (int t = 0; t < tokens_; t += kLanes) top = vmax<L>(top, load<L>(s + t));
+  // Online-softmax update of one row with the scores of keys [b, e) of a page: new max, rescale
+  // of the running sum and accumulator, scores replaced by their weights exp(s - max). The
+  // lanes outside [b, e) of the vectors touched are set to -inf first (weight 0).
+  void softmax_step(float* s, int b, int e, float& m, float& l, float* acc) const {
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    const int vb = b - b % kLanes;
+    const int ve = (e + kLanes - 1) / kLanes * kLanes;
+    std::fill(s + vb, s + b, neg_inf);
+    std::fill(s + e, s + ve, neg_inf);
+    V top = splat<L>(neg_inf);
+    for (int t = vb; t < ve; t += kLanes) top = vmax<L>(top, load<L>(s + t));
     const float page_max = reduce_max<kLanes>(top);
-    if (page_max == -std::numeric_limits<float>::infinity()) return;
+    if (page_max == neg_inf) return;
     const float new_max = std::max(m, page_max);
     V sum = V{};
-    for (int t = 0; t < tokens_; t += kLanes) {
+    for (int t = vb; t < ve; t += kLanes) {
       const V w = vexp<L>(load<L>(s + t) - new_max);
       store<L>(s + t, w);
       sum += w;
