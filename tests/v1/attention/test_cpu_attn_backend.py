@@ -191,6 +191,32 @@ def test_window_sinks_soft_cap_and_odd_shapes(cache_dtype: str, simd: str) -> No
     )
 
 
+@pytest.mark.parametrize("simd", SIMD_LEVELS)
+@pytest.mark.parametrize(("cache_dtype", "scale_layout"), FORMATS)
+def test_decode_at_model_shape_with_odd_key_counts(
+    cache_dtype: str, scale_layout: str, simd: str
+) -> None:
+    """Decode at the benchmark's model shape (8 KV heads x 128, groups of 8 query heads: two
+    chunks of 4 rows on the bf16 dot path) over key counts that leave a lone last key of a
+    page, a page, and a long split range; the query heads see different scales."""
+    model_dtype = torch.float32 if cache_dtype == "float32" else torch.bfloat16
+    check(
+        Case(
+            cache_dtype,
+            scale_layout,
+            num_kv_heads=8,
+            group=8,
+            head_size=128,
+            head_size_v=128,
+            seq_lens=[1, 17, 33, 1201],
+            query_lens=[1, 1, 1, 1],
+            model_dtype=model_dtype,
+            per_head_scale=cache_dtype.startswith("fp8"),
+        ),
+        simd,
+    )
+
+
 @pytest.mark.parametrize("window", [None, 1, 10_000])
 def test_window_edges_and_non_causal(window: int | None) -> None:
     """A window of one token, one larger than every context, and none."""
