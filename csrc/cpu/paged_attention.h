@@ -6,7 +6,9 @@
 // query tokens of the block times the query heads of the KV head's group (GQA), so that each
 // decoded page of K / V serves all of them. Pages are decoded one at a time into an fp32 tile of
 // page size (L1 / L2 resident; a sequence's K / V is never materialised) with SIMD format decoders,
-// and attended with an online softmax in fp32. Per-tensor or per-head scales are constant within
+// and attended with an online softmax in fp32 (on AVX-512 BF16 builds, decode rows of formats
+// exact in bf16 go through vdpbf16ps, the softmax weights rounded to bf16 for the values' sums,
+// as in flash attention). Per-tensor or per-head scales are constant within
 // an item: the K scale is folded into the query, the V scale into the output. Long key ranges of
 // few items are split (split-K); the splits' (max, sum, accumulator) partials are merged after.
 #pragma once
