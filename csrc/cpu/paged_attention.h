@@ -551,36 +551,46 @@ inline float bf16_round(float x) {
   return bits_as_float((bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u);
 }
 
-inline void store_output(void* out, int64_t index, SourceType type, float x) {
+// out[index + d] = src[d] * factor for d < n, in the output type (bf16: round to nearest even).
+// One type switch per row, not per element.
+inline void store_output_row(void* out, int64_t index, SourceType type, const float* src,
+                             float factor, int n) {
   switch (type) {
     case SourceType::kFloat32:
-      static_cast<float*>(out)[index] = x;
+      for (int d = 0; d < n; ++d) static_cast<float*>(out)[index + d] = src[d] * factor;
       return;
-    case SourceType::kBFloat16: {
-      const uint16_t bits = uint16_t(float_as_bits(bf16_round(x)) >> 16);
-      std::memcpy(static_cast<uint16_t*>(out) + index, &bits, 2);
+    case SourceType::kBFloat16:
+      for (int d = 0; d < n; ++d) {
+        static_cast<uint16_t*>(out)[index + d] =
+            uint16_t(float_as_bits(bf16_round(src[d] * factor)) >> 16);
+      }
       return;
-    }
-    case SourceType::kFloat16: {
-      const _Float16 h = static_cast<_Float16>(x);
-      std::memcpy(static_cast<uint16_t*>(out) + index, &h, 2);
+    case SourceType::kFloat16:
+      for (int d = 0; d < n; ++d) {
+        const _Float16 h = static_cast<_Float16>(src[d] * factor);
+        std::memcpy(static_cast<uint16_t*>(out) + index + d, &h, 2);
+      }
       return;
-    }
   }
 }
 
-inline float load_query(const void* query, int64_t index, SourceType type) {
+// dst[d] = query[index + d] * factor for d < n (one type switch per row).
+inline void load_query_row(const void* query, int64_t index, SourceType type, float factor, int n,
+                           float* dst) {
   switch (type) {
     case SourceType::kFloat32:
-      return static_cast<const float*>(query)[index];
+      for (int d = 0; d < n; ++d) dst[d] = static_cast<const float*>(query)[index + d] * factor;
+      return;
     case SourceType::kBFloat16:
-    case SourceType::kFloat16: {
-      uint16_t bits;
-      std::memcpy(&bits, static_cast<const uint16_t*>(query) + index, 2);
-      return type == SourceType::kBFloat16 ? bf16_bits_to_float(bits) : fp16_bits_to_float(bits);
-    }
+    case SourceType::kFloat16:
+      for (int d = 0; d < n; ++d) {
+        const uint16_t bits = static_cast<const uint16_t*>(query)[index + d];
+        dst[d] = (type == SourceType::kBFloat16 ? bf16_bits_to_float(bits)
+                                                : fp16_bits_to_float(bits)) *
+                 factor;
+      }
+      return;
   }
-  return 0.0f;
 }
 
 inline float side_scale(const CacheSide& side, int head, CacheKind kind) {
@@ -612,9 +622,7 @@ inline void finish_rows(const PagedAttentionParams& p, const AttentionGeometry& 
         const int64_t out_base = int64_t(p.query_start_loc[seq] + j) * p.out_token_stride +
                                  int64_t(head) * p.out_head_stride;
         const float* a = acc + r * acc_stride;
-        for (int d = 0; d < geo.head_size_v; ++d) {
-          store_output(p.out, out_base + d, p.io_type, a[d] * weight);
-        }
+        store_output_row(p.out, out_base, p.io_type, a, weight, geo.head_size_v);
       }
     }
   }
@@ -728,9 +736,7 @@ class PagedAttention {
           const int64_t base = token * p_.query_token_stride +
                                int64_t(kv_head * geo_.group + g) * p_.query_head_stride;
           float* row = q + int64_t(r) * dim_k_;
-          for (int d = 0; d < geo_.head_size; ++d) {
-            row[d] = load_query(p_.query, base + d, p_.io_type) * q_scale;
-          }
+          load_query_row(p_.query, base, p_.io_type, q_scale, geo_.head_size, row);
           if (bf16_dot) {
             // The query as given (bf16); its scale is applied to the scores.
             std::memcpy(q_bf16 + int64_t(r) * dim_k_, static_cast<const uint16_t*>(p_.query) + base,
