@@ -1017,54 +1017,75 @@ class PagedAttention {
   }
 
   // score_chunk for bf16 keys and a bf16 query: pairs of bf16 products summed in fp32
-  // (vdpbf16ps) straight from the cache, then times q_scale.
+  // (vdpbf16ps) straight from the cache, then times q_scale. Keys come kKeys per pass; each
+  // pass's partial sums are folded right away (the first two levels of the transposing
+  // reduction, see reduce_add_many), the last two levels once per kLanes keys.
   template <int kRows>
   void score_chunk_bf16(const uint16_t* q, const uint8_t* const* k_rows,
                         const uint8_t* const* k_scales, int b, int e, float* scores, int g0,
                         float q_scale) const {
-    constexpr int kTokens = kRows <= 4 ? 4 : 2;
-    __m512 part[kRows][kLanes];
-    const __m512 scale = _mm512_set1_ps(q_scale);
+    constexpr int kKeys = 4;
+    constexpr int kPasses = kLanes / kKeys;
+    static_assert(kLanes == 16, "folds below assume 16 lanes");
+    const V scale = splat<L>(q_scale);
     for (int t0 = b - b % kLanes; t0 < e; t0 += kLanes) {
-      const int tb = std::max(b, t0);
-      const int te = std::min(e, t0 + kLanes);
-      const bool whole = tb == t0 && te == t0 + kLanes;
-      if (!whole) {
-        for (int i = 0; i < kRows; ++i) std::fill(part[i], part[i] + kLanes, _mm512_setzero_ps());
-      }
-      for (int t = tb; t < te; t += kTokens) {
-        const int n = std::min(kTokens, te - t);
-        __m512 sum[kTokens][kRows];
-        for (int x = 0; x < kTokens; ++x) {
+      V folded[kRows][kPasses];  // per pass: kKeys keys x 4 partial sums
+      for (int pass = 0; pass < kPasses; ++pass) {
+        const int first = t0 + kKeys * pass;
+        const int lo = std::max(b, first);
+        const int hi = std::min(e, first + kKeys);
+        if (lo >= hi) {
+          for (int i = 0; i < kRows; ++i) folded[i][pass] = V{};
+          continue;
+        }
+        __m512 sum[kKeys][kRows];
+        for (int x = 0; x < kKeys; ++x) {
           for (int i = 0; i < kRows; ++i) sum[x][i] = _mm512_setzero_ps();
         }
         for (int d = 0; d < geo_.head_size; d += 32) {
-          __m512bh kv[kTokens];
-          for (int x = 0; x < kTokens; ++x) {
-            // A lone last token reads its own row twice (its second sum is dropped).
-            const int tt = t + std::min(x, n - 1);
-            kv[x] = (__m512bh)row_bf16(k_rows[tt], k_scales[tt], k_groups_.data(), d);
+          __m512bh kv[kKeys];
+          for (int x = 0; x < kKeys; ++x) {
+            // Keys outside [lo, hi) read a valid row; their sums are dropped below.
+            const int t = std::clamp(first + x, lo, hi - 1);
+            kv[x] = (__m512bh)row_bf16(k_rows[t], k_scales[t], k_groups_.data(), d);
           }
           for (int i = 0; i < kRows; ++i) {
             const auto qv = (__m512bh)_mm512_loadu_si512(q + int64_t(g0 + i) * dim_k_ + d);
-            for (int x = 0; x < kTokens; ++x) sum[x][i] = _mm512_dpbf16_ps(sum[x][i], qv, kv[x]);
+            for (int x = 0; x < kKeys; ++x) sum[x][i] = _mm512_dpbf16_ps(sum[x][i], qv, kv[x]);
           }
         }
-        for (int x = 0; x < n; ++x) {
-          for (int i = 0; i < kRows; ++i) part[i][t + x - t0] = sum[x][i];
+        for (int x = 0; x < kKeys; ++x) {
+          if (first + x >= lo && first + x < hi) continue;
+          for (int i = 0; i < kRows; ++i) sum[x][i] = _mm512_setzero_ps();
+        }
+        for (int i = 0; i < kRows; ++i) {
+          folded[i][pass] = fold<8>(fold<16>(V(sum[0][i]), V(sum[1][i])),
+                                    fold<16>(V(sum[2][i]), V(sum[3][i])));
         }
       }
+      const int tb = std::max(b, t0);
+      const int te = std::min(e, t0 + kLanes);
       for (int i = 0; i < kRows; ++i) {
         float* row = scores + int64_t(g0 + i) * tokens_;
-        const V s = reduce_add_many<kLanes>(reinterpret_cast<V*>(part[i])) * scale;
-        if (whole) {
+        const V s = fold<2>(fold<4>(folded[i][0], folded[i][1]),
+                            fold<4>(folded[i][2], folded[i][3])) *
+                    scale;
+        if (tb == t0 && te == t0 + kLanes) {
           store<L>(row + t0, s);
         } else {
-          for (int tt = tb; tt < te; ++tt) row[tt] = s[tt - t0];
+          for (int t = tb; t < te; ++t) row[t] = s[t - t0];
         }
       }
     }
   }
+
+  // One level of the transposing reduction (fold_pair) over kLanes lanes: a and b hold
+  // kLanes / kPartials keys of kPartials partial sums each.
+  template <int kPartials>
+  static V fold(V a, V b) {
+    return fold_pair<kLanes, kPartials>(a, b, std::make_index_sequence<kLanes>{});
+  }
+
   // accumulate_chunk by vdpbf16ps, keys in pairs: the V rows of keys t and t + 1, interleaved
   // element by element, meet the pair (w[g][t], w[g][t + 1]) rounded to bf16 (as flash attention
   // rounds its probabilities for the PV product); sums in fp32. A lone last key pairs with zeros.
