@@ -14,6 +14,8 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -243,6 +245,24 @@ struct E4m3Table {
   }
 };
 alignas(64) inline constexpr E4m3Table kE4m3Table{};
+
+// bf16 bits of every E2M1 value times every NVFP4 block scale, row = scale byte, 16 codes per row
+// (exact: at most 6 significant bits, exponents within range): an NVFP4 group's values in bf16
+// are one row looked up by code.
+struct ScaledE2M1Table {
+  alignas(32) uint8_t bits[256][32];
+  constexpr ScaledE2M1Table() : bits() {
+    for (int scale = 0; scale < 256; ++scale) {
+      for (int code = 0; code < 16; ++code) {
+        const float value = kE2M1Values[code] * e4m3_value(scale);
+        const uint32_t word = std::bit_cast<uint32_t>(value) >> 16;
+        bits[scale][2 * code] = uint8_t(word & 0xFF);
+        bits[scale][2 * code + 1] = uint8_t(word >> 8);
+      }
+    }
+  }
+};
+alignas(64) inline constexpr ScaledE2M1Table kScaledE2M1{};
 
 // Decodes one cache entry (a token's head) of `dim` elements to fp32 at dst. The formats:
 // unquantized fp32 / fp16 / bf16 (C), FP8 e4m3 / e5m2 (K), NVFP4 (data bytes + per-group scale
@@ -992,20 +1012,29 @@ class PagedAttention {
   static __m512i row_bf16(const uint8_t* row, const uint8_t* scales, const int64_t* groups,
                           int d) {
     if constexpr (K == CacheKind::kNvfp4) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d / 2));
-      const __m128i low_nibble = _mm_set1_epi8(0x0F);
-      const __m128i lo = _mm_and_si128(bytes, low_nibble);
-      const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibble);
-      const __m256i codes = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
-      // Elements 16..31 (the second group) index the table's upper half.
-      const __m512i index = _mm512_or_si512(_mm512_cvtepu8_epi16(codes),
-                                            _mm512_maskz_set1_epi16(0xFFFF0000u, 16));
-      const __m512 values = _mm512_load_ps(kE2M1Values);
-      const __m512 first =
-          _mm512_mul_ps(values, _mm512_set1_ps(Decoder::block_scale(scales, groups, d)));
-      const __m512 second =
-          _mm512_mul_ps(values, _mm512_set1_ps(Decoder::block_scale(scales, groups, d + 16)));
-      const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(second, first);
+      // Word j: source byte j / 2 in both halves, shifted right by 4 for odd j, so that its low
+      // nibble is code j; bit 4 picks the table half of the element's group.
+      alignas(64) static constexpr auto kDuplicate = [] {
+        std::array<uint8_t, 64> index{};
+        for (int k = 0; k < 64; ++k) index[k] = uint8_t(k / 4);
+        return index;
+      }();
+      alignas(64) static constexpr auto kShift = [] {
+        std::array<uint16_t, 32> shift{};
+        for (int j = 0; j < 32; ++j) shift[j] = uint16_t(j % 2 == 0 ? 0 : 4);
+        return shift;
+      }();
+      const __m512i bytes =
+          _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d / 2)));
+      const __m512i words = _mm512_permutexvar_epi8(_mm512_load_si512(kDuplicate.data()), bytes);
+      const __m512i shifted = _mm512_srlv_epi16(words, _mm512_load_si512(kShift.data()));
+      const __m512i index = _mm512_ternarylogic_epi32(  // (shifted & 0xF) | half
+          shifted, _mm512_set1_epi16(0x0F), _mm512_maskz_set1_epi16(0xFFFF0000u, 16), 0xEA);
+      const uint8_t* first = kScaledE2M1.bits[scales[groups[d / kNvfp4GroupSize]]];
+      const uint8_t* second = kScaledE2M1.bits[scales[groups[d / kNvfp4GroupSize + 1]]];
+      const __m512i table = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(first))),
+          _mm256_load_si256(reinterpret_cast<const __m256i*>(second)), 1);
       return _mm512_permutexvar_epi16(index, table);
     } else if constexpr (K == CacheKind::kFp8E4M3 || K == CacheKind::kFp8E5M2) {
       // FP8 values are exact in bf16 (at most 4 significant bits, exponents within range).
