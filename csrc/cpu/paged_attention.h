@@ -37,7 +37,8 @@ namespace vllm_kv::cpu::attention {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define VLLM_KV_HAVE_AVX512 1
 #endif
-#if defined(VLLM_KV_HAVE_AVX512) && defined(__AVX512BF16__)
+// The bf16 dot path (VBMI spreads the NVFP4 codes).
+#if defined(VLLM_KV_HAVE_AVX512) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 #define VLLM_KV_HAVE_AVX512_BF16 1
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
