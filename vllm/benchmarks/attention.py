@@ -4,7 +4,8 @@ measured in the same run, the speed-up over the reference backend measured in th
 and each quantized format's time relative to bf16 at equal shape.
 
 Model shape: 32 query heads, 8 KV heads of 128 (GQA 4), pages of 16 tokens, bf16 queries.
-Formats: ``auto`` (bf16 cache), ``fp8`` (e4m3, per-tensor scale), ``nvfp4`` (linear scales).
+Formats: ``auto`` (bf16 cache), ``fp8`` (e4m3, per-tensor scale), ``nvfp4`` (the writer's default
+block-scale layout, interleave4 at this shape).
 Bytes counted per call: the cache bytes of every key position read (K and V, NVFP4 block
 scales included) plus the query read and the output written; the roofline copy counts read +
 written bytes the same way. Cold cache by default (the last-level cache is flushed before every
