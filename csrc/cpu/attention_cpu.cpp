@@ -117,11 +117,10 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
   const cpu::attention::AttentionPlan plan =
       cpu::attention::plan_attention(p, at::get_num_threads());
   const at::Tensor scratch = at::empty({plan.scratch_floats}, query.options().dtype(at::kFloat));
-  cpu::attention::paged_attention(
-      p, plan, scratch.data_ptr<float>(), level,
-      [](int64_t begin, int64_t end, int64_t grain, const auto& fn) {
-        dynamic_parallel_for(begin, end, grain, fn);
-      });
+  cpu::attention::paged_attention(p, plan, scratch.data_ptr<float>(), level,
+                                  [](int64_t begin, int64_t end, int64_t grain, const auto& fn) {
+                                    dynamic_parallel_for(begin, end, grain, fn);
+                                  });
 }
 
 }  // namespace

@@ -82,7 +82,9 @@ struct FloatVecOf {
 };
 
 template <SimdLevel L>
-inline constexpr int kVecBytes = L == SimdLevel::kAvx512 ? 64 : L == SimdLevel::kAvx2 ? 32 : 16;
+inline constexpr int kVecBytes = L == SimdLevel::kAvx512 ? 64
+                                 : L == SimdLevel::kAvx2 ? 32
+                                                         : 16;
 
 template <SimdLevel L>
 using VecF = typename FloatVecOf<kVecBytes<L>>::type;
@@ -201,7 +203,7 @@ inline VecF<L> vexp(VecF<L> x) {
   const V clamped = vmax<L>(x, splat<L>(-87.0f));
   const V t = fmadd<L>(clamped, splat<L>(1.44269504088896341f), splat<L>(0.5f));
   V k = __builtin_convertvector(__builtin_convertvector(t, I), V);  // toward zero
-  k = k > t ? k - 1.0f : k;                                          // floor
+  k = k > t ? k - 1.0f : k;                                         // floor
   // r = x - k ln2 in two steps (ln2 = hi + lo, hi exact in 16 bits) to keep r accurate.
   const V r = fmadd<L>(k, splat<L>(-1.428606765330187e-06f),
                        fmadd<L>(k, splat<L>(-0.693145751953125f), clamped));
@@ -265,6 +267,50 @@ struct ScaledE2M1Table {
 };
 alignas(64) inline constexpr ScaledE2M1Table kScaledE2M1{};
 
+#if defined(VLLM_KV_HAVE_AVX512_BF16)
+// 32 FP8 bytes -> their values as bf16, exactly (FP8 values have at most 4 significant bits and
+// exponents within bf16's range), by bit arithmetic: normal codes shift their exponent and
+// mantissa into place and rebias; subnormal codes (exponent 0) come from a table; e4m3's NaN
+// codes and e5m2's Inf / NaN codes are mapped explicitly.
+template <CacheKind K>
+inline __m512i fp8_to_bf16_x32(const uint8_t* src) {
+  static_assert(K == CacheKind::kFp8E4M3 || K == CacheKind::kFp8E5M2);
+  constexpr bool kE4m3 = K == CacheKind::kFp8E4M3;
+  // bf16 bits of the subnormal magnitudes m * 2^-9 (e4m3, m < 8) / m * 2^-16 (e5m2, m < 4).
+  alignas(64) static constexpr auto kSubnormal = [] {
+    std::array<uint16_t, 32> bits{};
+    for (int m = 1; m < (kE4m3 ? 8 : 4); ++m) {
+      float value = float(m);
+      for (int e = 0; e < (kE4m3 ? 9 : 16); ++e) value /= 2.0f;
+      bits[m] = uint16_t(std::bit_cast<uint32_t>(value) >> 16);
+    }
+    return bits;
+  }();
+  const __m512i bytes =
+      _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+  const __m512i magnitude = _mm512_and_si512(bytes, _mm512_set1_epi16(0x7F));
+  // e4m3 s.eeee.mmm: exponent + 120, mantissa << 4; e5m2 s.eeeee.mm: exponent + 112, mantissa << 5.
+  __m512i bits =
+      kE4m3 ? _mm512_add_epi16(_mm512_slli_epi16(magnitude, 4), _mm512_set1_epi16(120 << 7))
+            : _mm512_add_epi16(_mm512_slli_epi16(magnitude, 5), _mm512_set1_epi16(112 << 7));
+  const __mmask32 subnormal = _mm512_cmplt_epu16_mask(magnitude, _mm512_set1_epi16(kE4m3 ? 8 : 4));
+  bits = _mm512_mask_permutexvar_epi16(bits, subnormal, magnitude,
+                                       _mm512_load_si512(kSubnormal.data()));
+  if constexpr (kE4m3) {
+    const __mmask32 nan = _mm512_cmpeq_epi16_mask(magnitude, _mm512_set1_epi16(0x7F));
+    bits = _mm512_mask_mov_epi16(bits, nan, _mm512_set1_epi16(0x7FC0));
+  } else {
+    const __mmask32 inf = _mm512_cmpeq_epi16_mask(magnitude, _mm512_set1_epi16(0x7C));
+    const __mmask32 nan = _mm512_cmpgt_epu16_mask(magnitude, _mm512_set1_epi16(0x7C));
+    bits = _mm512_mask_mov_epi16(bits, inf, _mm512_set1_epi16(0x7F80));
+    bits = _mm512_mask_mov_epi16(bits, nan, _mm512_set1_epi16(0x7FC0));
+  }
+  // bits | (bytes << 8 & 0x8000): the sign.
+  return _mm512_ternarylogic_epi32(bits, _mm512_slli_epi16(bytes, 8),
+                                   _mm512_set1_epi16(int16_t(0x8000)), 0xF8);
+}
+#endif
+
 // Decodes one cache entry (a token's head) of `dim` elements to fp32 at dst. The formats:
 // unquantized fp32 / fp16 / bf16 (C), FP8 e4m3 / e5m2 (K), NVFP4 (data bytes + per-group scale
 // bytes at scales + group_offsets[g]). Dequantization scales are applied by the caller.
@@ -283,8 +329,8 @@ struct EntryDecoder {
   }
 
   // Elements [begin, dim), one at a time.
-  static void decode_scalar(const uint8_t* src, const uint8_t* scales,
-                            const int64_t* group_offsets, int begin, int dim, float* dst) {
+  static void decode_scalar(const uint8_t* src, const uint8_t* scales, const int64_t* group_offsets,
+                            int begin, int dim, float* dst) {
     for (int i = begin; i < dim; ++i) {
       if constexpr (K == CacheKind::kNvfp4) {
         const uint8_t byte = src[i / 2];
@@ -323,8 +369,8 @@ struct EntryDecoder {
   }
 
 #if defined(VLLM_KV_HAVE_AVX512)
-  static int decode_avx512(const uint8_t* src, const uint8_t* scales,
-                           const int64_t* group_offsets, int dim, float* dst) {
+  static int decode_avx512(const uint8_t* src, const uint8_t* scales, const int64_t* group_offsets,
+                           int dim, float* dst) {
     int i = 0;
     for (; i + 16 <= dim; i += 16) {
       _mm512_storeu_ps(dst + i, vector_avx512(src, scales, group_offsets, i));
@@ -383,8 +429,8 @@ struct EntryDecoder {
     return i;
   }
 
-  static __m256 vector_avx2(const uint8_t* src, const uint8_t* scales,
-                            const int64_t* group_offsets, int i) {
+  static __m256 vector_avx2(const uint8_t* src, const uint8_t* scales, const int64_t* group_offsets,
+                            int i) {
     if constexpr (K == CacheKind::kNvfp4) {
       // 4 bytes = 8 codes (half a group); magnitudes by permute, the sign from bit 3.
       const __m128i low_nibble = _mm_set1_epi8(0x0F);
@@ -395,8 +441,8 @@ struct EntryDecoder {
       const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibble);
       const __m256i code = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
       const __m256 magnitude = _mm256_permutevar8x32_ps(_mm256_load_ps(kE2M1Values), code);
-      const __m256 sign = _mm256_castsi256_ps(_mm256_and_si256(
-          _mm256_slli_epi32(code, 28), _mm256_set1_epi32(int32_t(0x80000000u))));
+      const __m256 sign = _mm256_castsi256_ps(
+          _mm256_and_si256(_mm256_slli_epi32(code, 28), _mm256_set1_epi32(int32_t(0x80000000u))));
       return _mm256_mul_ps(_mm256_or_ps(magnitude, sign),
                            _mm256_set1_ps(block_scale(scales, group_offsets, i)));
     } else if constexpr (K == CacheKind::kFp8E4M3 || K == CacheKind::kFp8E5M2) {
@@ -407,8 +453,8 @@ struct EntryDecoder {
       } else {
         const __m128i magnitude = _mm_and_si128(bytes, _mm_set1_epi16(0x7F));
         const __m128i sign = _mm_slli_epi16(_mm_and_si128(bytes, _mm_set1_epi16(0x80)), 8);
-        const __m128i nan = _mm_and_si128(_mm_cmpeq_epi16(magnitude, _mm_set1_epi16(0x7F)),
-                                          _mm_set1_epi16(0x7E00));
+        const __m128i nan =
+            _mm_and_si128(_mm_cmpeq_epi16(magnitude, _mm_set1_epi16(0x7F)), _mm_set1_epi16(0x7E00));
         const __m128i half_bits =
             _mm_or_si128(_mm_or_si128(sign, _mm_slli_epi16(magnitude, 7)), nan);
         return _mm256_mul_ps(_mm256_cvtph_ps(half_bits), _mm256_set1_ps(256.0f));
@@ -543,14 +589,13 @@ inline AttentionPlan plan_attention(const PagedAttentionParams& p, int num_threa
         }
         const int64_t rows = int64_t(heads) * (q_end - q_begin) * geo.group;
         const int64_t stride = rows * geo.partial_row_floats();
-        plan.merges.push_back(
-            {seq, kv_begin, kv_end, q_begin, q_end, splits, plan.scratch_floats});
+        plan.merges.push_back({seq, kv_begin, kv_end, q_begin, q_end, splits, plan.scratch_floats});
         // Page-aligned boundaries, as even as the pages allow.
         const int first_page = key_begin / p.block_size;
         const int pages = (key_end - 1) / p.block_size - first_page + 1;
         for (int s = 0; s < splits; ++s) {
-          const int b = s == 0 ? key_begin
-                               : (first_page + int(int64_t(pages) * s / splits)) * p.block_size;
+          const int b =
+              s == 0 ? key_begin : (first_page + int(int64_t(pages) * s / splits)) * p.block_size;
           const int e = s == splits - 1
                             ? key_end
                             : (first_page + int(int64_t(pages) * (s + 1) / splits)) * p.block_size;
@@ -606,9 +651,9 @@ inline void load_query_row(const void* query, int64_t index, SourceType type, fl
     case SourceType::kFloat16:
       for (int d = 0; d < n; ++d) {
         const uint16_t bits = static_cast<const uint16_t*>(query)[index + d];
-        dst[d] = (type == SourceType::kBFloat16 ? bf16_bits_to_float(bits)
-                                                : fp16_bits_to_float(bits)) *
-                 factor;
+        dst[d] =
+            (type == SourceType::kBFloat16 ? bf16_bits_to_float(bits) : fp16_bits_to_float(bits)) *
+            factor;
       }
       return;
   }
@@ -819,8 +864,8 @@ class PagedAttention {
           locate_page(p_.key_cache, k_layout_, block, lo - page_start, hi - page_start, kv_head,
                       k_rows, k_scales);
         } else {
-          decode_page(p_.key_cache, k_layout_, k_groups_, block, lo - page_start,
-                      hi - page_start, kv_head, geo_.head_size, dim_k_, k_tile);
+          decode_page(p_.key_cache, k_layout_, k_groups_, block, lo - page_start, hi - page_start,
+                      kv_head, geo_.head_size, dim_k_, k_tile);
         }
         for (int jt = 0; jt < tokens; ++jt) {
           const int b = std::max(ranges[jt].first, lo) - page_start;
@@ -837,11 +882,11 @@ class PagedAttention {
           }
         }
         if (fused) {
-          locate_page(p_.value_cache, v_layout_, block, lo - page_start, hi - page_start,
-                      kv_head, v_rows, v_scales);
+          locate_page(p_.value_cache, v_layout_, block, lo - page_start, hi - page_start, kv_head,
+                      v_rows, v_scales);
         } else {
-          decode_page(p_.value_cache, v_layout_, v_groups_, block, lo - page_start,
-                      hi - page_start, kv_head, geo_.head_size_v, dim_v_, v_tile);
+          decode_page(p_.value_cache, v_layout_, v_groups_, block, lo - page_start, hi - page_start,
+                      kv_head, geo_.head_size_v, dim_v_, v_tile);
         }
         for (int jt = 0; jt < tokens; ++jt) {
           const int b = std::max(ranges[jt].first, lo) - page_start;
@@ -893,8 +938,8 @@ class PagedAttention {
 
   // Bytes of one page of a side (all heads; pages are dense in NHD and HND alike).
   int64_t page_bytes(int head_size) const {
-    const int64_t last_dim = K == CacheKind::kNvfp4 ? head_size / 2 + head_size / kNvfp4GroupSize
-                                                    : int64_t(head_size);
+    const int64_t last_dim =
+        K == CacheKind::kNvfp4 ? head_size / 2 + head_size / kNvfp4GroupSize : int64_t(head_size);
     return int64_t(p_.block_size) * p_.num_kv_heads * last_dim * kElementBytes;
   }
 
@@ -905,8 +950,8 @@ class PagedAttention {
   }
 
   // Start loading the rows of head `head` of page `block` (and NVFP4 scales) into the cache.
-  void prefetch_page(const CacheSide& side, const Nvfp4SideLayout& layout, int64_t block,
-                     int head, int dim) const {
+  void prefetch_page(const CacheSide& side, const Nvfp4SideLayout& layout, int64_t block, int head,
+                     int dim) const {
     const auto* base = static_cast<const char*>(side.data);
     for (int t = 0; t < p_.block_size; ++t) {
       const char* row;
@@ -932,11 +977,11 @@ class PagedAttention {
       float* dst = tile + int64_t(t) * row_stride;
       if constexpr (K == CacheKind::kNvfp4) {
         Decoder::decode(base + layout.data_offset(block, t, head),
-                        base + layout.scale_base(block, t, head, side.scale_layout),
-                        groups.data(), dim, dst);
+                        base + layout.scale_base(block, t, head, side.scale_layout), groups.data(),
+                        dim, dst);
       } else {
-        Decoder::decode(base + entry_offset(side, block, t, head) * kElementBytes, nullptr,
-                        nullptr, dim, dst);
+        Decoder::decode(base + entry_offset(side, block, t, head) * kElementBytes, nullptr, nullptr,
+                        dim, dst);
       }
     }
   }
@@ -961,8 +1006,7 @@ class PagedAttention {
   // q_scale: what q holds them multiplied by.
   void score_rows(const float* q, const float* k_tile, const uint8_t* const* k_rows,
                   const uint8_t* const* k_scales, int b, int e, float* scores,
-                  [[maybe_unused]] const uint16_t* q_bf16,
-                  [[maybe_unused]] float q_scale) const {
+                  [[maybe_unused]] const uint16_t* q_bf16, [[maybe_unused]] float q_scale) const {
     int g = 0;
 #if defined(VLLM_KV_HAVE_AVX512_BF16)
     if constexpr (kBf16Dot) {
@@ -976,8 +1020,10 @@ class PagedAttention {
       }
     }
 #endif
-    for (; g + 8 <= geo_.group; g += 8) score_chunk<8>(q, k_tile, k_rows, k_scales, b, e, scores, g);
-    for (; g + 4 <= geo_.group; g += 4) score_chunk<4>(q, k_tile, k_rows, k_scales, b, e, scores, g);
+    for (; g + 8 <= geo_.group; g += 8)
+      score_chunk<8>(q, k_tile, k_rows, k_scales, b, e, scores, g);
+    for (; g + 4 <= geo_.group; g += 4)
+      score_chunk<4>(q, k_tile, k_rows, k_scales, b, e, scores, g);
     for (; g < geo_.group; ++g) score_chunk<1>(q, k_tile, k_rows, k_scales, b, e, scores, g);
     if (p_.logits_soft_cap > 0.0f) {
       const float cap = p_.logits_soft_cap;
@@ -997,8 +1043,8 @@ class PagedAttention {
     return load<L>(k_tile + int64_t(t) * dim_k_ + d);
   }
 
-  V value_vector(const float* v_tile, const uint8_t* const* v_rows,
-                 const uint8_t* const* v_scales, int t, int d) const {
+  V value_vector(const float* v_tile, const uint8_t* const* v_rows, const uint8_t* const* v_scales,
+                 int t, int d) const {
     if constexpr (L != SimdLevel::kGeneric) {
       if (v_tile == nullptr) return Decoder::vector(v_rows[t], v_scales[t], v_groups_.data(), d);
     }
@@ -1010,8 +1056,7 @@ class PagedAttention {
   // fp32; NVFP4 codes through a 32-entry table, the E2M1 values times each of the two groups'
   // block scales (at most 6 significant bits, exponents within range). groups: the side's
   // group offsets.
-  static __m512i row_bf16(const uint8_t* row, const uint8_t* scales, const int64_t* groups,
-                          int d) {
+  static __m512i row_bf16(const uint8_t* row, const uint8_t* scales, const int64_t* groups, int d) {
     if constexpr (K == CacheKind::kNvfp4) {
       // Word j: source byte j / 2 in both halves, shifted right by 4 for odd j, so that its low
       // nibble is code j; bit 4 picks the table half of the element's group.
@@ -1038,9 +1083,7 @@ class PagedAttention {
           _mm256_load_si256(reinterpret_cast<const __m256i*>(second)), 1);
       return _mm512_permutexvar_epi16(index, table);
     } else if constexpr (K == CacheKind::kFp8E4M3 || K == CacheKind::kFp8E5M2) {
-      // FP8 values are exact in bf16 (at most 4 significant bits, exponents within range).
-      return (__m512i)_mm512_cvtne2ps_pbh(Decoder::vector(row, scales, groups, d + 16),
-                                          Decoder::vector(row, scales, groups, d));
+      return fp8_to_bf16_x32<K>(row + d);
     } else {
       return _mm512_loadu_si512(row + 2 * d);
     }
@@ -1089,17 +1132,17 @@ class PagedAttention {
           for (int i = 0; i < kRows; ++i) sum[x][i] = _mm512_setzero_ps();
         }
         for (int i = 0; i < kRows; ++i) {
-          folded[i][pass] = fold<8>(fold<16>(V(sum[0][i]), V(sum[1][i])),
-                                    fold<16>(V(sum[2][i]), V(sum[3][i])));
+          folded[i][pass] =
+              fold<8>(fold<16>(V(sum[0][i]), V(sum[1][i])), fold<16>(V(sum[2][i]), V(sum[3][i])));
         }
       }
       const int tb = std::max(b, t0);
       const int te = std::min(e, t0 + kLanes);
       for (int i = 0; i < kRows; ++i) {
         float* row = scores + int64_t(g0 + i) * tokens_;
-        const V s = fold<2>(fold<4>(folded[i][0], folded[i][1]),
-                            fold<4>(folded[i][2], folded[i][3])) *
-                    scale;
+        const V s =
+            fold<2>(fold<4>(folded[i][0], folded[i][1]), fold<4>(folded[i][2], folded[i][3])) *
+            scale;
         if (tb == t0 && te == t0 + kLanes) {
           store<L>(row + t0, s);
         } else {
@@ -1150,9 +1193,9 @@ class PagedAttention {
                               const uint8_t* const* v_scales, int tb, int te, float* acc, int g0,
                               int d) const {
     // Lane 2j of the interleave: element j (of the half) of key t; lane 2j + 1: of key t + 1.
-    alignas(64) static constexpr uint16_t kFirst[32] = {
-        0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
-        8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    alignas(64) static constexpr uint16_t kFirst[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                                        37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                                        11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
     const __m512i first_half = _mm512_load_si512(kFirst);
     const __m512i second_half = _mm512_add_epi16(first_half, _mm512_set1_epi16(16));
     __m512 a[kSlices][2][kRows];
@@ -1167,9 +1210,9 @@ class PagedAttention {
       const bool partner = t + 1 < te;
       for (int c = 0; c < kSlices; ++c) {
         const __m512i x = row_bf16(v_rows[t], v_scales[t], v_groups_.data(), d + 32 * c);
-        const __m512i y = partner ? row_bf16(v_rows[t + 1], v_scales[t + 1], v_groups_.data(),
-                                             d + 32 * c)
-                                  : _mm512_setzero_si512();
+        const __m512i y =
+            partner ? row_bf16(v_rows[t + 1], v_scales[t + 1], v_groups_.data(), d + 32 * c)
+                    : _mm512_setzero_si512();
         const auto lo = (__m512bh)_mm512_permutex2var_epi16(x, first_half, y);
         const auto hi = (__m512bh)_mm512_permutex2var_epi16(x, second_half, y);
         for (int i = 0; i < kRows; ++i) {
@@ -1296,7 +1339,8 @@ class PagedAttention {
     for (; g + 4 <= geo_.group; g += 4) {
       accumulate_chunk<4>(weights, v_tile, v_rows, v_scales, b, e, acc, g);
     }
-    for (; g < geo_.group; ++g) accumulate_chunk<1>(weights, v_tile, v_rows, v_scales, b, e, acc, g);
+    for (; g < geo_.group; ++g)
+      accumulate_chunk<1>(weights, v_tile, v_rows, v_scales, b, e, acc, g);
   }
 
   // Two vectors of the head dimension per pass when the rows are few: enough independent FMA
