@@ -229,6 +229,13 @@ inline __m512i pack_e2m1_x8(const __m512i (&codes)[8]) {
 }
 #endif
 
+// Groups per chunk of quantize_nvfp4_token.
+inline constexpr int kNvfp4Chunk = 64;
+
+inline constexpr int round_up(int n, int multiple) {
+  return (n + multiple - 1) / multiple * multiple;
+}
+
 // Zeroes the packed data of groups [0, n) whose scale byte is the NaN byte (groups holding a NaN).
 inline void zero_nan_groups(const uint8_t* scale_bytes, int n, uint8_t* packed) {
   constexpr int kPacked = kNvfp4GroupSize / 2;
@@ -261,13 +268,12 @@ inline void encode_chunk(const Group* groups, const float* multipliers, const ui
   zero_nan_groups(scale_bytes, n, packed);
 }
 
-// Block-scale bytes and multipliers of kChunk groups from their max |x| bits and inverse global
-// scales: nvfp4_scale_byte and nvfp4_multiplier (kv_quant_math.h) lane by lane.
-template <int kChunk>
+// Block-scale bytes and multipliers of groups [0, count) (count a multiple of kLanes) from their
+// max |x| bits and inverse global scales: nvfp4_scale_byte and nvfp4_multiplier (kv_quant_math.h)
+// lane by lane.
 inline void nvfp4_chunk_scales(const uint32_t* max_abs_bits, const float* inv_global_scale,
-                               uint8_t* scale_bytes, float* multipliers) {
-  static_assert(kChunk % kLanes == 0);
-  for (int q = 0; q < kChunk; q += kLanes) {
+                               int count, uint8_t* scale_bytes, float* multipliers) {
+  for (int q = 0; q < count; q += kLanes) {
     U32v amax_bits;
     F32v inv;
     std::memcpy(&amax_bits, max_abs_bits + q, sizeof(amax_bits));
@@ -380,7 +386,8 @@ template <bool kFull>
 inline void bf16_encode_groups(const uint16_t* x, int n, const float* multipliers,
                                uint8_t* packed) {
   const __m512 multiplier = _mm512_loadu_ps(multipliers);
-  const __m512i table[2] = {_mm512_loadu_si512(kE2M1ByIndex), _mm512_loadu_si512(kE2M1ByIndex + 32)};
+  const __m512i table[2] = {_mm512_loadu_si512(kE2M1ByIndex),
+                            _mm512_loadu_si512(kE2M1ByIndex + 32)};
   // Dword 4l + d of the final packus: bytes 4l to 4l + 3 of pair d (groups 2d, 2d + 1).
   const __m512i dword_order =
       _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
@@ -406,9 +413,6 @@ inline void bf16_encode_groups(const uint16_t* x, int n, const float* multiplier
 }
 #endif
 
-// Groups per chunk of quantize_nvfp4_token.
-inline constexpr int kNvfp4Chunk = 64;
-
 // What the quantizers of one NVFP4 side need besides the data, computed once per call before the
 // tokens are split among threads. Group q = head * num_groups + group of a token has its scale byte
 // at layout.scale_offset(block, token, 0, 0, scale_layout) + scale_offsets[q] and its data at
@@ -426,12 +430,25 @@ struct Nvfp4SidePlan {
   std::vector<int64_t> data_offsets;
   bool scales_contiguous = true;  // scale_offsets[q] == q (linear scales, NHD)
   bool data_contiguous = true;    // data_offsets[q] == 8q (NHD)
+#if defined(__AVX512VBMI__)
+  // Scattered (interleave4 or HND) scale bytes go out as masked 64-byte stores: window w covers
+  // bytes [offset, offset + 64) from the token's scale base, byte i (if mask bit i) taken from
+  // entry index[i] of its chunk's scale bytes. Chunk c's windows: [chunk_windows[c],
+  // chunk_windows[c + 1]).
+  struct ScaleWindow {
+    int64_t offset;
+    uint64_t mask;
+    uint8_t index[64];
+  };
+  std::vector<ScaleWindow> windows;
+  std::vector<int> chunk_windows;
+#endif
 
   Nvfp4SidePlan(const CacheSide& cache_side, int block_size, int heads)
       : side(cache_side), layout(cache_side, block_size, heads), num_heads(heads) {
     const int num_groups = layout.num_groups;
     const int total = num_heads * num_groups;
-    inv_scales.assign((total + kNvfp4Chunk - 1) / kNvfp4Chunk * kNvfp4Chunk, 1.0f);
+    inv_scales.assign(round_up(total, kNvfp4Chunk), 1.0f);
     scale_offsets.resize(total);
     data_offsets.resize(total);
     const int64_t scale_base = layout.scale_offset(0, 0, 0, 0, side.scale_layout);
@@ -447,12 +464,33 @@ struct Nvfp4SidePlan {
         data_contiguous &= data_offsets[q] == q * (kNvfp4GroupSize / 2);
       }
     }
+#if defined(__AVX512VBMI__)
+    for (int first = 0; first < total; first += kNvfp4Chunk) {
+      chunk_windows.push_back(int(windows.size()));
+      std::vector<std::pair<int64_t, int>> entries;  // (offset, index in the chunk), by offset
+      for (int k = 0; k < std::min(kNvfp4Chunk, total - first); ++k) {
+        entries.emplace_back(scale_offsets[first + k], k);
+      }
+      std::sort(entries.begin(), entries.end());
+      for (const auto& [offset, k] : entries) {
+        const bool first_of_chunk = windows.size() == size_t(chunk_windows.back());
+        if (first_of_chunk || offset >= windows.back().offset + 64) {
+          windows.push_back({offset, 0, {}});
+        }
+        ScaleWindow& w = windows.back();
+        w.mask |= uint64_t{1} << (offset - w.offset);
+        w.index[offset - w.offset] = uint8_t(k);
+      }
+    }
+    chunk_windows.push_back(int(windows.size()));
+#endif
   }
 };
 
-// Stores the scale bytes and packed data of groups [first, first + n) of a token.
-inline void store_nvfp4_groups(const Nvfp4SidePlan& plan, int64_t block, int token, int first,
-                               int n, const uint8_t* scale_bytes, const uint8_t* packed) {
+// Stores the scale bytes and packed data of the chunk of groups [first, first + n) of a token
+// (first a multiple of kNvfp4Chunk, n the chunk's size, scale_bytes kNvfp4Chunk long).
+inline void store_nvfp4_chunk(const Nvfp4SidePlan& plan, int64_t block, int token, int first,
+                              int n, const uint8_t* scale_bytes, const uint8_t* packed) {
   constexpr int kPacked = kNvfp4GroupSize / 2;
   uint8_t* cache = static_cast<uint8_t*>(plan.side.data);
   uint8_t* scales = cache + plan.layout.scale_offset(block, token, 0, 0, plan.side.scale_layout);
@@ -460,8 +498,19 @@ inline void store_nvfp4_groups(const Nvfp4SidePlan& plan, int64_t block, int tok
   if (plan.scales_contiguous) {
     std::memcpy(scales + first, scale_bytes, n);
   } else {
+#if defined(__AVX512VBMI__)
+    const __m512i bytes = _mm512_loadu_si512(scale_bytes);
+    const int chunk = first / kNvfp4Chunk;
+    for (int w = plan.chunk_windows[chunk]; w < plan.chunk_windows[chunk + 1]; ++w) {
+      const Nvfp4SidePlan::ScaleWindow& window = plan.windows[w];
+      _mm512_mask_storeu_epi8(
+          scales + window.offset, window.mask,
+          _mm512_permutexvar_epi8(_mm512_loadu_si512(window.index), bytes));
+    }
+#else
     const int64_t* offsets = plan.scale_offsets.data() + first;
     for (int k = 0; k < n; ++k) scales[offsets[k]] = scale_bytes[k];
+#endif
   }
   if (plan.data_contiguous) {
     std::memcpy(data + first * kPacked, packed, n * kPacked);
@@ -471,67 +520,82 @@ inline void store_nvfp4_groups(const Nvfp4SidePlan& plan, int64_t block, int tok
   }
 }
 
-// Quantizes the num_heads * num_groups groups of one token (docs/design.md §5, the steps of
+// Quantizes the chunk of groups [first, first + n) of one token (docs/design.md §5, the steps of
 // nvfp4_quantize_group) into a packed NVFP4 side, with the vector encoders (finite inverse global
-// scales only). Works in chunks of groups, one pass per step: the vector max of each group, then
-// the scale arithmetic of the whole chunk, then the E2M1 encoding.
+// scales only). One pass per step: the vector max of each group, then the scale arithmetic of the
+// whole chunk, then the E2M1 encoding. kFullChunk: n == kNvfp4Chunk, loops of constant length.
+template <SourceType S, bool kFullChunk>
+inline void quantize_nvfp4_chunk(const typename SourceTraits<S>::Storage* row,
+                                 const Nvfp4SidePlan& plan, int64_t block, int token, int first,
+                                 int chunk_groups) {
+  constexpr int kChunk = kNvfp4Chunk;
+  constexpr int kPacked = kNvfp4GroupSize / 2;
+  const int n = kFullChunk ? kChunk : chunk_groups;
+  const float* inv_scales = plan.inv_scales.data();
+  const auto* x = row + int64_t(first) * kNvfp4GroupSize;  // a token's [H, D] is contiguous
+  alignas(64) uint8_t scale_bytes[kChunk];
+  alignas(64) uint8_t packed[kChunk * kPacked];
+#if defined(__AVX512BW__)
+  if constexpr (S == SourceType::kBFloat16) {
+    alignas(64) uint32_t max_bits[kChunk];
+    alignas(64) float multipliers[kChunk];
+    for (int q = 0; q < n; q += kBf16Groups) {
+      if (kFullChunk || n - q >= kBf16Groups) {
+        bf16_group_maxima<true>(x + q * kNvfp4GroupSize, n - q, max_bits + q);
+      } else {
+        bf16_group_maxima<false>(x + q * kNvfp4GroupSize, n - q, max_bits + q);
+      }
+    }
+    static_assert(kBf16Groups % kLanes == 0);
+    nvfp4_chunk_scales(max_bits, inv_scales + first, round_up(n, kBf16Groups), scale_bytes,
+                       multipliers);
+    for (int q = 0; q < n; q += kBf16Groups) {
+      if (kFullChunk || n - q >= kBf16Groups) {
+        bf16_encode_groups<true>(x + q * kNvfp4GroupSize, n - q, multipliers + q,
+                                 packed + q * kPacked);
+      } else {
+        bf16_encode_groups<false>(x + q * kNvfp4GroupSize, n - q, multipliers + q,
+                                  packed + q * kPacked);
+      }
+    }
+    zero_nan_groups(scale_bytes, n, packed);
+  } else
+#endif
+  {
+    Group groups[kChunk];
+    uint32_t max_bits[kChunk];
+    for (int q0 = 0; q0 < n; q0 += kLanes) {
+      U32v partial[kLanes];
+      for (int q = q0; q < q0 + kLanes; ++q) {
+        if (q < n) {
+          groups[q] = widen_group<S>(x + q * kNvfp4GroupSize);
+          partial[q - q0] = partial_max_abs_bits(groups[q]);
+        } else {
+          partial[q - q0] = U32v{};
+        }
+      }
+      reduce_max<kLanes>(partial);
+      std::memcpy(max_bits + q0, &partial[0], sizeof(U32v));
+    }
+    float multipliers[kChunk];
+    nvfp4_chunk_scales(max_bits, inv_scales + first, round_up(n, kLanes), scale_bytes,
+                       multipliers);
+    encode_chunk(groups, multipliers, scale_bytes, n, packed);
+  }
+  store_nvfp4_chunk(plan, block, token, first, n, scale_bytes, packed);
+}
+
+// Quantizes the num_heads * num_groups groups of one token with quantize_nvfp4_chunk.
 template <SourceType S>
 inline void quantize_nvfp4_token(const typename SourceTraits<S>::Storage* row,
                                  const Nvfp4SidePlan& plan, int64_t block, int token) {
-  constexpr int kChunk = kNvfp4Chunk;
-  constexpr int kPacked = kNvfp4GroupSize / 2;
-  const float* inv_scales = plan.inv_scales.data();
   const int total = plan.num_heads * plan.layout.num_groups;
-  for (int first = 0; first < total; first += kChunk) {
-    const int n = std::min(kChunk, total - first);
-    const auto* x = row + int64_t(first) * kNvfp4GroupSize;  // a token's [H, D] is contiguous
-    uint8_t scale_bytes[kChunk];
-    alignas(64) uint8_t packed[kChunk * kPacked];
-#if defined(__AVX512BW__)
-    if constexpr (S == SourceType::kBFloat16) {
-      alignas(64) uint32_t max_bits[kChunk];
-      alignas(64) float multipliers[kChunk];
-      for (int q = 0; q < kChunk; q += kBf16Groups) {
-        if (n - q >= kBf16Groups) {
-          bf16_group_maxima<true>(x + q * kNvfp4GroupSize, n - q, max_bits + q);
-        } else {
-          bf16_group_maxima<false>(x + q * kNvfp4GroupSize, n - q, max_bits + q);
-        }
-      }
-      nvfp4_chunk_scales<kChunk>(max_bits, inv_scales + first, scale_bytes, multipliers);
-      for (int q = 0; q < n; q += kBf16Groups) {
-        if (n - q >= kBf16Groups) {
-          bf16_encode_groups<true>(x + q * kNvfp4GroupSize, n - q, multipliers + q,
-                                   packed + q * kPacked);
-        } else {
-          bf16_encode_groups<false>(x + q * kNvfp4GroupSize, n - q, multipliers + q,
-                                    packed + q * kPacked);
-        }
-      }
-      zero_nan_groups(scale_bytes, n, packed);
-    } else
-#endif
-    {
-      Group groups[kChunk];
-      uint32_t max_bits[kChunk];
-      for (int q0 = 0; q0 < kChunk; q0 += kLanes) {
-        U32v partial[kLanes];
-        for (int q = q0; q < q0 + kLanes; ++q) {
-          if (q < n) {
-            groups[q] = widen_group<S>(x + q * kNvfp4GroupSize);
-            partial[q - q0] = partial_max_abs_bits(groups[q]);
-          } else {
-            partial[q - q0] = U32v{};
-          }
-        }
-        reduce_max<kLanes>(partial);
-        std::memcpy(max_bits + q0, &partial[0], sizeof(U32v));
-      }
-      float multipliers[kChunk];
-      nvfp4_chunk_scales<kChunk>(max_bits, inv_scales + first, scale_bytes, multipliers);
-      encode_chunk(groups, multipliers, scale_bytes, n, packed);
+  for (int first = 0; first < total; first += kNvfp4Chunk) {
+    if (total - first >= kNvfp4Chunk) {
+      quantize_nvfp4_chunk<S, true>(row, plan, block, token, first, kNvfp4Chunk);
+    } else {
+      quantize_nvfp4_chunk<S, false>(row, plan, block, token, first, total - first);
     }
-    store_nvfp4_groups(plan, block, token, first, n, scale_bytes, packed);
   }
 }
 
@@ -539,15 +603,21 @@ inline void quantize_nvfp4_token(const typename SourceTraits<S>::Storage* row,
 template <SourceType S>
 inline void quantize_nvfp4_token_scalar(const typename SourceTraits<S>::Storage* row,
                                         const Nvfp4SidePlan& plan, int64_t block, int token) {
+  constexpr int kPacked = kNvfp4GroupSize / 2;
   const int total = plan.num_heads * plan.layout.num_groups;
-  for (int q = 0; q < total; ++q) {
-    float x[kNvfp4GroupSize];
-    for (int i = 0; i < kNvfp4GroupSize; ++i) {
-      x[i] = SourceTraits<S>::to_float(row[q * kNvfp4GroupSize + i]);
+  for (int first = 0; first < total; first += kNvfp4Chunk) {
+    const int n = std::min(kNvfp4Chunk, total - first);
+    alignas(64) uint8_t scale_bytes[kNvfp4Chunk] = {};
+    uint8_t packed[kNvfp4Chunk][kPacked];
+    for (int k = 0; k < n; ++k) {
+      const int q = first + k;
+      float x[kNvfp4GroupSize];
+      for (int i = 0; i < kNvfp4GroupSize; ++i) {
+        x[i] = SourceTraits<S>::to_float(row[q * kNvfp4GroupSize + i]);
+      }
+      scale_bytes[k] = nvfp4_quantize_group(x, plan.inv_scales[q], packed[k]);
     }
-    uint8_t packed[kNvfp4GroupSize / 2];
-    const uint8_t scale_byte = nvfp4_quantize_group(x, plan.inv_scales[q], packed);
-    store_nvfp4_groups(plan, block, token, q, 1, &scale_byte, packed);
+    store_nvfp4_chunk(plan, block, token, first, n, scale_bytes, packed[0]);
   }
 }
 
@@ -584,7 +654,11 @@ void write_side(const typename SourceTraits<S>::Storage* src, int64_t src_token_
   const int num_heads = p.num_heads;
   for (int64_t i = begin; i < end; ++i) {
     if constexpr (K != CacheKind::kUnquantized) {
-      if (i + 1 < end) prefetch_row(src + (i + 1) * src_token_stride, num_heads * head_size);
+      // Past `end` too: the next task (this thread's or another's, through the shared cache)
+      // starts with that row; a task is a few tokens only.
+      if (i + 1 < p.num_tokens) {
+        prefetch_row(src + (i + 1) * src_token_stride, num_heads * head_size);
+      }
     }
     const int64_t slot = p.slot_mapping[i];
     if (slot < 0) continue;
