@@ -359,9 +359,9 @@ inline constexpr uint16_t kE2M1ByIndex[64] = {0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1
                                               2, 2, 2, 3, 3, 3, 4, 4, 4, 4, 4, 5, 5, 5, 6, 6,
                                               6, 6, 6, 7, 7};
 
-// The packed E2M1 bytes of x_i * m for the 32 bf16 values of raw (no NaN), m[l] the multiplier of
-// dword l's elements: dword i = byte i, element 2i in the low nibble. The sign of x_i * m is that
-// of x_i (m >= 0): the products are of |x_i|, their indices f + c side by side as 16-bit words.
+// The E2M1 codes of x_i * m for the 32 bf16 values of raw (no NaN) as 16-bit words in element
+// order, m[l] the multiplier of dword l's elements. The sign of x_i * m is that of x_i (m >= 0):
+// the products are of |x_i|, their indices f + c side by side as 16-bit words.
 inline __m512i bf16_pair_e2m1(__m512i raw, __m512 m, const __m512i (&table)[2]) {
   const U32v magnitude = std::bit_cast<U32v>(raw) & 0x7FFF7FFFu;
   const U32v even = std::bit_cast<U32v>(std::bit_cast<F32v>(magnitude << 16) * m);
@@ -376,9 +376,7 @@ inline __m512i bf16_pair_e2m1(__m512i raw, __m512 m, const __m512i (&table)[2]) 
       _mm512_set1_epi16(kE2M1IndexMax));
   const U32v magnitudes =
       std::bit_cast<U32v>(_mm512_permutex2var_epi16(table[0], clamped, table[1]));
-  const U32v codes = magnitudes | ((std::bit_cast<U32v>(raw) >> 12) & 0x80008u);
-  return _mm512_madd_epi16(std::bit_cast<__m512i>(codes),
-                           _mm512_set1_epi32(0x00100001));  // even + 16 * odd
+  return std::bit_cast<__m512i>(magnitudes | ((std::bit_cast<U32v>(raw) >> 12) & 0x80008u));
 }
 
 // The packed data of groups [0, 16) of x (past group n: zero codes) into packed[0, 128).
@@ -388,26 +386,31 @@ inline void bf16_encode_groups(const uint16_t* x, int n, const float* multiplier
   const __m512 multiplier = _mm512_loadu_ps(multipliers);
   const __m512i table[2] = {_mm512_loadu_si512(kE2M1ByIndex),
                             _mm512_loadu_si512(kE2M1ByIndex + 32)};
+  const __m512i nibble_weights = _mm512_set1_epi16(0x1001);  // bytes 1, 16: even + 16 * odd
   // Dword 4l + d of the final packus: bytes 4l to 4l + 3 of pair d (groups 2d, 2d + 1).
   const __m512i dword_order =
       _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
   // Fully unrolled, so that the lane indices below are constants.
   KV_UNROLL
   for (int j0 = 0; j0 < kBf16Groups / 2; j0 += 4) {  // 8 groups
-    __m512i bytes[4];  // pair j's 16 bytes, one per dword
+    __m512i codes[4];  // pair j's 32 codes as words
     KV_UNROLL
     for (int j = j0; j < j0 + 4; ++j) {
       const __m512i pair_index = _mm512_set_epi32(2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1,
                                                   2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j,
                                                   2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j);
-      bytes[j - j0] =
+      codes[j - j0] =
           bf16_pair_e2m1(load_bf16_pair<kFull>(x, n, j),
                          _mm512_maskz_permutexvar_ps(kAll16, pair_index, multiplier), table);
     }
-    const __m512i out = _mm512_maskz_permutexvar_epi32(
-        kAll16, dword_order,
-        _mm512_packus_epi16(_mm512_packus_epi32(bytes[0], bytes[1]),
-                            _mm512_packus_epi32(bytes[2], bytes[3])));
+    // Per 128-bit lane l: codes 8l to 8l + 7 of two pairs as bytes, then element pairs merged
+    // into bytes 4l to 4l + 3 of each pair as words.
+    const __m512i low =
+        _mm512_maddubs_epi16(_mm512_packus_epi16(codes[0], codes[1]), nibble_weights);
+    const __m512i high =
+        _mm512_maddubs_epi16(_mm512_packus_epi16(codes[2], codes[3]), nibble_weights);
+    const __m512i out =
+        _mm512_maskz_permutexvar_epi32(kAll16, dword_order, _mm512_packus_epi16(low, high));
     _mm512_storeu_si512(packed + j0 * kNvfp4GroupSize, out);
   }
 }
@@ -676,9 +679,11 @@ void write_side(const typename SourceTraits<S>::Storage* src, int64_t src_token_
         }
       }
     } else if constexpr (K == CacheKind::kNvfp4) {
-      const auto quantize_token =
-          plan.any_infinite ? quantize_nvfp4_token_scalar<S> : quantize_nvfp4_token<S>;
-      quantize_token(row, plan, pos.block, int(pos.token));
+      if (plan.any_infinite) {
+        quantize_nvfp4_token_scalar<S>(row, plan, pos.block, int(pos.token));
+      } else {
+        quantize_nvfp4_token<S>(row, plan, pos.block, int(pos.token));
+      }
     } else {  // FP8: q = fp8(clamp(x / scale)), one IEEE division per element
       uint8_t* cache = static_cast<uint8_t*>(side.data);
       for (int h = 0; h < num_heads; ++h) {

@@ -246,7 +246,7 @@ int main(int argc, char** argv) {
       [](cpu::F32v v) { return cpu::float_to_e4m3_satfinite(v); }, float_to_e4m3_satfinite, never));
   count(check_e4m3_decode());
 #if defined(__AVX512BW__)
-  // bf16_pair_e2m1 on x = +-1.0 and m = |v|: both nibbles of byte l must be float_to_e2m1(v[l]).
+  // bf16_pair_e2m1 on x = +-1.0 and m = |v|: both codes of dword l must be float_to_e2m1(v[l]).
   count(check_all_floats(
       "bf16_pair_e2m1 (AVX-512, non-NaN)",
       [](cpu::F32v v) {
@@ -254,10 +254,10 @@ int main(int argc, char** argv) {
         const cpu::U32v one = 0x3F80u | ((bits >> 16) & 0x8000u);  // bf16 +-1.0
         const __m512i table[2] = {_mm512_loadu_si512(cpu::kE2M1ByIndex),
                                   _mm512_loadu_si512(cpu::kE2M1ByIndex + 32)};
-        const cpu::U32v bytes = std::bit_cast<cpu::U32v>(cpu::bf16_pair_e2m1(
+        const cpu::U32v codes = std::bit_cast<cpu::U32v>(cpu::bf16_pair_e2m1(
             std::bit_cast<__m512i>(one | (one << 16)),
             std::bit_cast<__m512>(bits & 0x7FFFFFFFu), table));
-        return (bytes >> 4) == (bytes & 0xFu) ? bytes & 0xFu : cpu::U32v{} + 0xFFu;
+        return (codes >> 16) == (codes & 0xFFFFu) ? codes & 0xFFFFu : cpu::U32v{} + 0xFFu;
       },
       float_to_e2m1, [](uint32_t bits) { return (bits & 0x7FFFFFFFu) > 0x7F800000u; }));
 #endif
