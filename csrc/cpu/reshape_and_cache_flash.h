@@ -4,9 +4,11 @@
 // loops the compiler vectorises); NVFP4 from lane-parallel forms of its encoders (equal on all
 // 2^32 fp32 inputs, checked by csrc/cpu/tests/check_reshape_and_cache_flash_cpu.cpp), in GCC/Clang
 // vector extensions at the build target's width (AVX-512, AVX2, SSE2 or NEON), plus AVX-512
-// intrinsics where those lower badly (packing, bf16 data); the instruction set is the build's
-// (-march), chosen at compile time. Global scales below 2^-128 (whose inverse is Inf) take the
-// scalar nvfp4_quantize_group. Every address comes from cache_layout.h.
+// intrinsics where those lower badly (packing, bf16 data, whose E2M1 codes come from a table,
+// also checked on all 2^32 products); the instruction set is the build's (-march), chosen at
+// compile time. Global scales below 2^-128 (whose inverse is Inf) take the scalar
+// nvfp4_quantize_group. Every address comes from cache_layout.h, through a per-call plan of
+// per-group offsets (Nvfp4SidePlan).
 #pragma once
 
 #include <algorithm>
@@ -624,7 +626,7 @@ inline void quantize_nvfp4_token_scalar(const typename SourceTraits<S>::Storage*
   }
 }
 
-// Asks for the next token's source row ahead of time: the quantizing loops consume a row faster
+// Asks for a coming token's source row ahead of time: the quantizing loops consume a row faster
 // than the hardware prefetcher, which sees only one short run per token, brings it in.
 template <typename T>
 inline void prefetch_row(const T* row, int64_t elements) {
@@ -655,12 +657,13 @@ void write_side(const typename SourceTraits<S>::Storage* src, int64_t src_token_
   using Storage = typename SourceTraits<S>::Storage;
   const int head_size = side.head_size;
   const int num_heads = p.num_heads;
+  constexpr int64_t kAhead = 2;  // rows prefetched this many tokens ahead (best of 1-4, cold)
   for (int64_t i = begin; i < end; ++i) {
     if constexpr (K != CacheKind::kUnquantized) {
       // Past `end` too: the next task (this thread's or another's, through the shared cache)
-      // starts with that row; a task is a few tokens only.
-      if (i + 1 < p.num_tokens) {
-        prefetch_row(src + (i + 1) * src_token_stride, num_heads * head_size);
+      // starts with those rows; a task is a few tokens only.
+      if (i + kAhead < p.num_tokens) {
+        prefetch_row(src + (i + kAhead) * src_token_stride, num_heads * head_size);
       }
     }
     const int64_t slot = p.slot_mapping[i];
