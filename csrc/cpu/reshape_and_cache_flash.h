@@ -658,11 +658,14 @@ void write_side(const typename SourceTraits<S>::Storage* src, int64_t src_token_
   const int head_size = side.head_size;
   const int num_heads = p.num_heads;
   constexpr int64_t kAhead = 2;  // rows prefetched this many tokens ahead (best of 1-4, cold)
+  // FP8's per-element division leaves the hardware prefetcher enough time on long rows, where
+  // software prefetches measured slower (H=32, D=128: 10%).
+  const bool prefetch = K == CacheKind::kNvfp4 || num_heads * head_size * sizeof(Storage) <= 4096;
   for (int64_t i = begin; i < end; ++i) {
     if constexpr (K != CacheKind::kUnquantized) {
       // Past `end` too: the next task (this thread's or another's, through the shared cache)
       // starts with those rows; a task is a few tokens only.
-      if (i + kAhead < p.num_tokens) {
+      if (prefetch && i + kAhead < p.num_tokens) {
         prefetch_row(src + (i + kAhead) * src_token_stride, num_heads * head_size);
       }
     }
