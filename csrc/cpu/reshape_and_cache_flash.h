@@ -357,9 +357,9 @@ inline void bf16_group_maxima(const uint16_t* x, int n, uint32_t* max_bits) {
 // 0.25, code 0 and below; 1036: 6.0, code 7 and above).
 inline constexpr int kE2M1IndexBase = 1000;
 inline constexpr int kE2M1IndexMax = 36;
-inline constexpr uint16_t kE2M1ByIndex[64] = {0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2,
-                                              2, 2, 2, 3, 3, 3, 4, 4, 4, 4, 4, 5, 5, 5, 6, 6,
-                                              6, 6, 6, 7, 7};
+inline constexpr uint16_t kE2M1ByIndex[64] = {0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2,
+                                              2, 2, 2, 2, 2, 2, 3, 3, 3, 4, 4, 4, 4,
+                                              4, 5, 5, 5, 6, 6, 6, 6, 6, 7, 7};
 
 // The E2M1 codes of x_i * m for the 32 bf16 values of raw (no NaN) as 16-bit words in element
 // order, m[l] the multiplier of dword l's elements. The sign of x_i * m is that of x_i (m >= 0):
@@ -395,7 +395,7 @@ inline void bf16_encode_groups(const uint16_t* x, int n, const float* multiplier
   // Fully unrolled, so that the lane indices below are constants.
   KV_UNROLL
   for (int j0 = 0; j0 < kBf16Groups / 2; j0 += 4) {  // 8 groups
-    __m512i codes[4];  // pair j's 32 codes as words
+    __m512i codes[4];                                // pair j's 32 codes as words
     KV_UNROLL
     for (int j = j0; j < j0 + 4; ++j) {
       const __m512i pair_index = _mm512_set_epi32(2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1,
@@ -494,8 +494,8 @@ struct Nvfp4SidePlan {
 
 // Stores the scale bytes and packed data of the chunk of groups [first, first + n) of a token
 // (first a multiple of kNvfp4Chunk, n the chunk's size, scale_bytes kNvfp4Chunk long).
-inline void store_nvfp4_chunk(const Nvfp4SidePlan& plan, int64_t block, int token, int first,
-                              int n, const uint8_t* scale_bytes, const uint8_t* packed) {
+inline void store_nvfp4_chunk(const Nvfp4SidePlan& plan, int64_t block, int token, int first, int n,
+                              const uint8_t* scale_bytes, const uint8_t* packed) {
   constexpr int kPacked = kNvfp4GroupSize / 2;
   uint8_t* cache = static_cast<uint8_t*>(plan.side.data);
   uint8_t* scales = cache + plan.layout.scale_offset(block, token, 0, 0, plan.side.scale_layout);
@@ -508,9 +508,8 @@ inline void store_nvfp4_chunk(const Nvfp4SidePlan& plan, int64_t block, int toke
     const int chunk = first / kNvfp4Chunk;
     for (int w = plan.chunk_windows[chunk]; w < plan.chunk_windows[chunk + 1]; ++w) {
       const Nvfp4SidePlan::ScaleWindow& window = plan.windows[w];
-      _mm512_mask_storeu_epi8(
-          scales + window.offset, window.mask,
-          _mm512_permutexvar_epi8(_mm512_loadu_si512(window.index), bytes));
+      _mm512_mask_storeu_epi8(scales + window.offset, window.mask,
+                              _mm512_permutexvar_epi8(_mm512_loadu_si512(window.index), bytes));
     }
 #else
     const int64_t* offsets = plan.scale_offsets.data() + first;
@@ -583,8 +582,7 @@ inline void quantize_nvfp4_chunk(const typename SourceTraits<S>::Storage* row,
       std::memcpy(max_bits + q0, &partial[0], sizeof(U32v));
     }
     float multipliers[kChunk];
-    nvfp4_chunk_scales(max_bits, inv_scales + first, round_up(n, kLanes), scale_bytes,
-                       multipliers);
+    nvfp4_chunk_scales(max_bits, inv_scales + first, round_up(n, kLanes), scale_bytes, multipliers);
     encode_chunk(groups, multipliers, scale_bytes, n, packed);
   }
   store_nvfp4_chunk(plan, block, token, first, n, scale_bytes, packed);

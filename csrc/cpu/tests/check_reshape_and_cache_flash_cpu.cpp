@@ -254,9 +254,9 @@ int main(int argc, char** argv) {
         const cpu::U32v one = 0x3F80u | ((bits >> 16) & 0x8000u);  // bf16 +-1.0
         const __m512i table[2] = {_mm512_loadu_si512(cpu::kE2M1ByIndex),
                                   _mm512_loadu_si512(cpu::kE2M1ByIndex + 32)};
-        const cpu::U32v codes = std::bit_cast<cpu::U32v>(cpu::bf16_pair_e2m1(
-            std::bit_cast<__m512i>(one | (one << 16)),
-            std::bit_cast<__m512>(bits & 0x7FFFFFFFu), table));
+        const cpu::U32v codes = std::bit_cast<cpu::U32v>(
+            cpu::bf16_pair_e2m1(std::bit_cast<__m512i>(one | (one << 16)),
+                                std::bit_cast<__m512>(bits & 0x7FFFFFFFu), table));
         return (codes >> 16) == (codes & 0xFFFFu) ? codes & 0xFFFFu : cpu::U32v{} + 0xFFu;
       },
       float_to_e2m1, [](uint32_t bits) { return (bits & 0x7FFFFFFFu) > 0x7F800000u; }));
