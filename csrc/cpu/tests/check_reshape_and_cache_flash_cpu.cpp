@@ -77,6 +77,10 @@ bool check_e4m3_decode() {
 }
 
 const auto kSerial = [](int64_t begin, int64_t end, int64_t, const auto& fn) { fn(begin, end); };
+// One thread taking the tasks of grain tokens one after the other, as the op's parallel-for does.
+const auto kSerialTasks = [](int64_t begin, int64_t end, int64_t grain, const auto& fn) {
+  for (int64_t b = begin; b < end; b += grain) fn(b, std::min(end, b + grain));
+};
 
 // The CPU op rejects out-of-range slots and non-finite or non-positive scales before the kernel
 // runs (cache_ops_cpu.cpp): such problems are turned into valid ones.
@@ -185,7 +189,8 @@ bool check_adversarial_nvfp4(int num_problems) {
   return failed == 0;
 }
 
-// One thread, bf16 -> FP8 e4m3 and NVFP4, NHD, pages in random order (as a prefill writes them).
+// One thread in the op's tasks, bf16 -> FP8 e4m3 and NVFP4, NHD, pages in random order (as a
+// prefill writes them), the default scale layout.
 // Cold: a 64 MiB buffer (twice this machine's L3) is written before every timed call, so that
 // the call reads its source and cache lines from memory.
 int bench(int tokens, int heads, int head_size, int reps, bool cold) {
@@ -194,6 +199,10 @@ int bench(int tokens, int heads, int head_size, int reps, bool cold) {
   for (const CacheKind kind : {CacheKind::kFp8E4M3, CacheKind::kNvfp4}) {
     test::FlashTestProblem t = test::make_dense_problem(SourceType::kBFloat16, kind, tokens, heads,
                                                         head_size, 16, false, rng);
+    // The scale layout the op picks when the caller names none.
+    t.shape.interleave4_k = t.shape.interleave4_v =
+        kind == CacheKind::kNvfp4 &&
+        default_scale_layout(16, head_size) == ScaleLayout::kInterleave4;
     std::vector<int64_t> pages(t.shape.num_blocks);
     for (size_t b = 0; b < pages.size(); ++b) pages[b] = int64_t(b);
     std::shuffle(pages.begin(), pages.end(), rng);
@@ -204,7 +213,7 @@ int bench(int tokens, int heads, int head_size, int reps, bool cold) {
     for (int r = 0; r < reps; ++r) {
       for (size_t i = 0; i < flush.size(); i += 64) flush[i] += 1;
       const auto t0 = std::chrono::steady_clock::now();
-      cpu::reshape_and_cache_flash(p, kSerial);
+      cpu::reshape_and_cache_flash(p, kSerialTasks);
       best = std::min(best,
                       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
@@ -236,6 +245,22 @@ int main(int argc, char** argv) {
       "float_to_e4m3_satfinite (vector)",
       [](cpu::F32v v) { return cpu::float_to_e4m3_satfinite(v); }, float_to_e4m3_satfinite, never));
   count(check_e4m3_decode());
+#if defined(__AVX512BW__)
+  // bf16_pair_e2m1 on x = +-1.0 and m = |v|: both codes of dword l must be float_to_e2m1(v[l]).
+  count(check_all_floats(
+      "bf16_pair_e2m1 (AVX-512, non-NaN)",
+      [](cpu::F32v v) {
+        const cpu::U32v bits = std::bit_cast<cpu::U32v>(v);
+        const cpu::U32v one = 0x3F80u | ((bits >> 16) & 0x8000u);  // bf16 +-1.0
+        const __m512i table[2] = {_mm512_loadu_si512(cpu::kE2M1ByIndex),
+                                  _mm512_loadu_si512(cpu::kE2M1ByIndex + 32)};
+        const cpu::U32v codes = std::bit_cast<cpu::U32v>(
+            cpu::bf16_pair_e2m1(std::bit_cast<__m512i>(one | (one << 16)),
+                                std::bit_cast<__m512>(bits & 0x7FFFFFFFu), table));
+        return (codes >> 16) == (codes & 0xFFFFu) ? codes & 0xFFFFu : cpu::U32v{} + 0xFFu;
+      },
+      float_to_e2m1, [](uint32_t bits) { return (bits & 0x7FFFFFFFu) > 0x7F800000u; }));
+#endif
   count(check_random_problems(6000));
   count(check_adversarial_nvfp4(3000));
   std::printf("%d passed, %d failed\n", passed, failed);
