@@ -508,8 +508,11 @@ inline void store_nvfp4_chunk(const Nvfp4SidePlan& plan, int64_t block, int toke
     const int chunk = first / kNvfp4Chunk;
     for (int w = plan.chunk_windows[chunk]; w < plan.chunk_windows[chunk + 1]; ++w) {
       const Nvfp4SidePlan::ScaleWindow& window = plan.windows[w];
-      _mm512_mask_storeu_epi8(scales + window.offset, window.mask,
-                              _mm512_permutexvar_epi8(_mm512_loadu_si512(window.index), bytes));
+      // (maskz with all lanes: the same vpermb; GCC 12 warns about the unmasked form's
+      // undefined pass-through.)
+      _mm512_mask_storeu_epi8(
+          scales + window.offset, window.mask,
+          _mm512_maskz_permutexvar_epi8(~__mmask64(0), _mm512_loadu_si512(window.index), bytes));
     }
 #else
     const int64_t* offsets = plan.scale_offsets.data() + first;
@@ -541,7 +544,8 @@ inline void quantize_nvfp4_chunk(const typename SourceTraits<S>::Storage* row,
   alignas(64) uint8_t packed[kChunk * kPacked];
 #if defined(__AVX512BW__)
   if constexpr (S == SourceType::kBFloat16) {
-    alignas(64) uint32_t max_bits[kChunk];
+    // Zeroed only for GCC 12's flow analysis: every lane read below is written first.
+    alignas(64) uint32_t max_bits[kChunk] = {};
     alignas(64) float multipliers[kChunk];
     for (int q = 0; q < n; q += kBf16Groups) {
       if (kFullChunk || n - q >= kBf16Groups) {
