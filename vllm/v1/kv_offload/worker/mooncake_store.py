@@ -13,7 +13,11 @@ are the data objects read into the destination pages. A put writes the data firs
 header second, so a reader never trusts a block whose data is not complete. Failures are
 reported, never hidden: a missing or evicted block fails the load job with :class:`StoreMiss`
 (the engine recomputes those tokens), a foreign header with ``ValueError``, a store that
-cannot be reached with :class:`MooncakeStoreError`; the cache pages are left untouched.
+cannot be reached with :class:`MooncakeStoreError`. A failure found by those checks leaves the
+cache untouched. A block that vanishes after them (its holder died between the check and the
+read) fails the load too; the reads are zero-copy, so that job's own destination pages may then
+hold part of the data. They are reported unwritten (the engine recomputes them); no other page
+is ever written.
 """
 
 from __future__ import annotations
@@ -231,6 +235,8 @@ class MooncakeStorePages:
 
         Every header and object size is checked before the first data byte is read; a miss
         raises :class:`StoreMiss`, a foreign header ``ValueError``, and the cache is untouched.
+        A block that disappears after the check raises :class:`StoreMiss` too, and then the
+        job's destination pages may be partly written (never any other page).
         """
         blocks = self.check_job(hash_hex, gpu_block_ids)
         self._check_headers(hash_hex)
@@ -245,7 +251,8 @@ class MooncakeStorePages:
             )
             bad = {h: c for h, c in zip(names, codes, strict=True) if c != block_bytes}
             if bad:
-                # Evicted between the check and the read: those pages were not written.
+                # Gone between the check and the read (evicted, or its holder died): the job
+                # fails; its pages, read in place, may be partly written.
                 raise StoreMiss(
                     f"store: {len(bad)} blocks could not be read (codes "
                     f"{sorted(set(bad.values()))}), first {next(iter(bad))}"
