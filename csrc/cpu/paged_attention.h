@@ -1052,10 +1052,9 @@ class PagedAttention {
   }
 
 #if defined(VLLM_KV_HAVE_AVX512_BF16)
-  // Elements [d, d + 32) of a cache row as bf16, exactly: bf16 rows as they are; FP8 through
-  // fp32; NVFP4 codes through a 32-entry table, the E2M1 values times each of the two groups'
-  // block scales (at most 6 significant bits, exponents within range). groups: the side's
-  // group offsets.
+  // Elements [d, d + 32) of a cache row as bf16, exactly: bf16 rows as they are; FP8 by
+  // fp8_to_bf16_x32; NVFP4 codes looked up in the kScaledE2M1 rows of the two groups' block
+  // scales. groups: the side's group offsets.
   static __m512i row_bf16(const uint8_t* row, const uint8_t* scales, const int64_t* groups, int d) {
     if constexpr (K == CacheKind::kNvfp4) {
       // Word j: source byte j / 2 in both halves, shifted right by 4 for odd j, so that its low
@@ -1208,6 +1207,9 @@ class PagedAttention {
     }
     for (int t = tb; t < te; t += 2) {
       const bool partner = t + 1 < te;
+      __m512bh w[kRows];
+      for (int i = 0; i < kRows; ++i)
+        w[i] = (__m512bh)_mm512_set1_epi32(int(pairs[i][(t - tb) / 2]));
       for (int c = 0; c < kSlices; ++c) {
         const __m512i x = row_bf16(v_rows[t], v_scales[t], v_groups_.data(), d + 32 * c);
         const __m512i y =
@@ -1216,9 +1218,8 @@ class PagedAttention {
         const auto lo = (__m512bh)_mm512_permutex2var_epi16(x, first_half, y);
         const auto hi = (__m512bh)_mm512_permutex2var_epi16(x, second_half, y);
         for (int i = 0; i < kRows; ++i) {
-          const auto w = (__m512bh)_mm512_set1_epi32(int(pairs[i][(t - tb) / 2]));
-          a[c][0][i] = _mm512_dpbf16_ps(a[c][0][i], lo, w);
-          a[c][1][i] = _mm512_dpbf16_ps(a[c][1][i], hi, w);
+          a[c][0][i] = _mm512_dpbf16_ps(a[c][0][i], lo, w[i]);
+          a[c][1][i] = _mm512_dpbf16_ps(a[c][1][i], hi, w[i]);
         }
       }
     }
