@@ -217,6 +217,23 @@ def test_decode_at_model_shape_with_odd_key_counts(
     )
 
 
+def test_lone_last_key_with_infinite_value_stays_inf() -> None:
+    """A page's last key without a partner (17 keys) whose V row holds +Inf: the output element
+    is +Inf as in the reference (the kernels pair the lone key with zeros, not with a zero
+    weight times a row, which would give NaN)."""
+    case = Case(
+        num_kv_heads=8, group=4, head_size=128, head_size_v=128, seq_lens=[17], query_lens=[1]
+    )
+    reference, cpu, layer, kv_cache, metadata, query = setup(case)
+    value_cache = kv_cache[1]
+    block = int(metadata.block_table[0, 1])  # key 16: the second page's first token
+    value_cache[block, 0, 3, 5] = float("inf")
+    got = cpu.forward(layer, query, None, None, kv_cache, metadata).float()
+    expected = reference.forward(layer, query, None, None, kv_cache, metadata).float()
+    assert torch.isinf(expected[0, 12:16, 5]).all()  # query heads of KV head 3
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("window", [None, 1, 10_000])
 def test_window_edges_and_non_causal(window: int | None) -> None:
     """A window of one token, one larger than every context, and none."""
