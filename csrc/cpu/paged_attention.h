@@ -743,6 +743,9 @@ class PagedAttention {
         bf16_dot_(kBf16Dot && fused_ && p.io_type == SourceType::kBFloat16 &&
                   geo_.head_size % 32 == 0),
         bf16_v_(kBf16Dot && fused_ && geo_.head_size_v % 32 == 0),
+        nvfp4_chunks_(K == CacheKind::kNvfp4 && bf16_dot_ && bf16_v_ &&
+                      geo_.head_size == kChunkHeadSize && geo_.head_size_v == kChunkHeadSize &&
+                      p.block_size % kChunkKeys == 0),
         k_page_bytes_(page_bytes(geo_.head_size)),
         v_page_bytes_(page_bytes(geo_.head_size_v)) {
     if constexpr (K == CacheKind::kNvfp4) {
@@ -753,6 +756,12 @@ class PagedAttention {
       }
       for (int g = 0; g < v_layout_.num_groups; ++g) {
         v_groups_.push_back(v_layout_.scale_group_offset(g, p.value_cache.scale_layout));
+      }
+      if (nvfp4_chunks_) {
+        k_scale_select_ = chunk_scale_select(p.key_cache.scale_layout);
+        v_scale_select_ = chunk_scale_select(p.value_cache.scale_layout);
+        k_scale_rows_ = chunk_scale_rows(k_layout_);
+        v_scale_rows_ = chunk_scale_rows(v_layout_);
       }
     }
   }
@@ -860,6 +869,23 @@ class PagedAttention {
       for (int hh = 0; hh < heads; ++hh) {
         const int kv_head = item.kv_begin + hh;
         const int h0 = hh * head_rows;
+#if defined(VLLM_KV_HAVE_AVX512_BF16)
+        if constexpr (K == CacheKind::kNvfp4 && kBf16Dot) {
+          if (bf16_dot && nvfp4_chunks_) {
+            const float q_scale = p_.scale * side_scale(p_.key_cache, kv_head, K);
+            for (int t0 = 0; t0 < p_.block_size; t0 += kChunkKeys) {
+              if (std::max(page_start + t0, lo) >= std::min(page_start + t0 + kChunkKeys, hi)) {
+                continue;
+              }
+              attend_nvfp4_chunk(block, page_start, t0, kv_head, ranges, lo, hi,
+                                 q_bf16 + int64_t(h0) * dim_k_, q_scale,
+                                 scores + int64_t(h0) * tokens_, m + h0, l + h0,
+                                 acc + int64_t(h0) * dim_v_);
+            }
+            continue;
+          }
+        }
+#endif
         if (fused) {
           locate_page(p_.key_cache, k_layout_, block, lo - page_start, hi - page_start, kv_head,
                       k_rows, k_scales);
@@ -932,6 +958,36 @@ class PagedAttention {
 
   // Rows per KV head up to which an item decodes in registers (fused).
   static constexpr int kMaxFusedRows = 8;
+
+  // The NVFP4 chunk path (attend_nvfp4_chunk): keys per chunk, the head size it takes (one
+  // 64-byte row of codes per key) and its block-scale groups.
+  static constexpr int kChunkKeys = 16;
+  static constexpr int kChunkHeadSize = 128;
+  static constexpr int kChunkGroups = kChunkHeadSize / kNvfp4GroupSize;
+  // Byte offsets of the first eight scale-plane rows of a chunk, from its first.
+  using ChunkScaleRows = std::array<int64_t, 8>;
+  // Byte g * kChunkKeys + t: where the scale of (key t, group g) is among a chunk's scale-plane
+  // rows (kChunkGroups bytes each, concatenated).
+  using ChunkScaleSelect = std::array<uint8_t, kChunkGroups * kChunkKeys>;
+
+  static ChunkScaleSelect chunk_scale_select(ScaleLayout layout) {
+    ChunkScaleSelect select{};
+    for (int g = 0; g < kChunkGroups; ++g) {
+      for (int t = 0; t < kChunkKeys; ++t) {
+        int row = t;
+        int col = g;
+        if (layout == ScaleLayout::kInterleave4) interleave4_position(t, g, kChunkGroups, row, col);
+        select[g * kChunkKeys + t] = uint8_t(row * kChunkGroups + col);
+      }
+    }
+    return select;
+  }
+
+  static ChunkScaleRows chunk_scale_rows(const Nvfp4SideLayout& layout) {
+    ChunkScaleRows rows{};
+    for (int r = 0; r < 8; ++r) rows[r] = r * layout.token_step * layout.num_groups;
+    return rows;
+  }
 
   // Pages prefetched ahead of the one being attended.
   static constexpr int kPrefetchPages = 2;
@@ -1025,12 +1081,16 @@ class PagedAttention {
     for (; g + 4 <= geo_.group; g += 4)
       score_chunk<4>(q, k_tile, k_rows, k_scales, b, e, scores, g);
     for (; g < geo_.group; ++g) score_chunk<1>(q, k_tile, k_rows, k_scales, b, e, scores, g);
-    if (p_.logits_soft_cap > 0.0f) {
-      const float cap = p_.logits_soft_cap;
-      for (int gg = 0; gg < geo_.group; ++gg) {
-        float* s = scores + int64_t(gg) * tokens_;
-        for (int t = b; t < e; ++t) s[t] = cap * std::tanh(s[t] / cap);
-      }
+    soft_cap(scores, geo_.group, b, e);
+  }
+
+  // The logits soft cap (if any) on scores [b, e) of `rows` rows.
+  void soft_cap(float* scores, int rows, int b, int e) const {
+    if (p_.logits_soft_cap <= 0.0f) return;
+    const float cap = p_.logits_soft_cap;
+    for (int r = 0; r < rows; ++r) {
+      float* s = scores + int64_t(r) * tokens_;
+      for (int t = b; t < e; ++t) s[t] = cap * std::tanh(s[t] / cap);
     }
   }
 
@@ -1231,6 +1291,349 @@ class PagedAttention {
       }
     }
   }
+
+  // acc + the vdpbf16ps of `values` with the bf16 pair at `pair` in every lane.
+  static __m512 dot_pair(__m512 acc, __m512bh values, const void* pair) {
+    int32_t bits;
+    std::memcpy(&bits, pair, sizeof(bits));
+    return _mm512_dpbf16_ps(acc, values, (__m512bh)_mm512_set1_epi32(bits));
+  }
+
+  // NVFP4 in chunks of kChunkKeys keys (head size kChunkHeadSize on both sides). E2M1 codes become
+  // bf16 unscaled (exact) by one vpermw from a register, and the block scales are applied in fp32:
+  // no per-group table is loaded and no lane sums are folded. Keys: the chunk's rows transposed
+  // so that lanes are keys, each group's dot products multiplied by the keys' block scales.
+  // Values: keys in pairs, interleaved element by element, against the softmax weight times the
+  // key's block scale, rounded to bf16 (as the weights alone are on the other formats' path).
+
+  // Where a side's key rows and scale-plane rows of one chunk of one head are.
+  struct Nvfp4Chunk {
+    const uint8_t* data;    // the chunk's first key row
+    int64_t data_step;      // bytes between key rows
+    const uint8_t* scales;  // the chunk's first scale-plane row (kChunkGroups bytes per row)
+  };
+
+  Nvfp4Chunk chunk_at(const CacheSide& side, const Nvfp4SideLayout& layout, int64_t block, int t0,
+                      int head) const {
+    const auto* base = static_cast<const uint8_t*>(side.data);
+    // The scale plane's rows are the linear layout's entries, whatever the layout puts in them.
+    return {base + layout.data_offset(block, t0, head), layout.token_step * layout.data_bytes,
+            base + layout.scale_base(block, t0, head, ScaleLayout::kLinear)};
+  }
+
+  // scale[g] lane t: block scale of group g of key t, fp32 (exact). The chunk's kChunkKeys
+  // scale-plane rows are gathered and permuted by `select` (chunk_scale_select).
+  static void chunk_scales(const Nvfp4Chunk& chunk, const ChunkScaleRows& rows,
+                           const ChunkScaleSelect& select, __m512 (&scale)[kChunkGroups]) {
+    // (The masked and maskz forms of the intrinsics below: GCC 12 warns about the undefined
+    // vectors of the plain ones.)
+    const __m512i index = _mm512_load_si512(rows.data());
+    const __m512i first =
+        _mm512_mask_i64gather_epi64(_mm512_setzero_si512(), 0xFF, index, chunk.scales, 1);
+    const __m512i second = _mm512_mask_i64gather_epi64(_mm512_setzero_si512(), 0xFF, index,
+                                                       chunk.scales + 8 * rows[1], 1);
+    const __m512i low = _mm512_permutex2var_epi8(first, _mm512_load_si512(select.data()), second);
+    const __m512i high =
+        _mm512_permutex2var_epi8(first, _mm512_load_si512(select.data() + 64), second);
+    const auto to_fp32 = [](__m128i bytes) {
+      const __m256i half = Decoder::e4m3_as_fp16_bits(_mm256_cvtepu8_epi16(bytes));
+      return _mm512_mul_ps(_mm512_maskz_cvtph_ps(0xFFFF, half), _mm512_set1_ps(256.0f));
+    };
+    scale[0] = to_fp32(_mm512_maskz_extracti32x4_epi32(0xF, low, 0));
+    scale[1] = to_fp32(_mm512_maskz_extracti32x4_epi32(0xF, low, 1));
+    scale[2] = to_fp32(_mm512_maskz_extracti32x4_epi32(0xF, low, 2));
+    scale[3] = to_fp32(_mm512_maskz_extracti32x4_epi32(0xF, low, 3));
+    scale[4] = to_fp32(_mm512_maskz_extracti32x4_epi32(0xF, high, 0));
+    scale[5] = to_fp32(_mm512_maskz_extracti32x4_epi32(0xF, high, 1));
+    scale[6] = to_fp32(_mm512_maskz_extracti32x4_epi32(0xF, high, 2));
+    scale[7] = to_fp32(_mm512_maskz_extracti32x4_epi32(0xF, high, 3));
+  }
+
+  // bf16 bits of the E2M1 values, twice: vpermw reads an index's low five bits, so bit 4 (left
+  // over from the neighbouring nibble) may be anything.
+  static __m512i e2m1_bf16_table() {
+    alignas(64) static constexpr auto kTable = [] {
+      std::array<uint16_t, 32> bits{};
+      for (int i = 0; i < 32; ++i)
+        bits[i] = uint16_t(std::bit_cast<uint32_t>(kE2M1Values[i % 16]) >> 16);
+      return bits;
+    }();
+    return _mm512_load_si512(kTable.data());
+  }
+
+  // In place: r[j] lane t becomes r[t] lane j (a 16 x 16 transpose of 32-bit elements).
+  static void transpose_16x16(__m512i (&r)[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+      t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+      t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    // r[4i + c], 128-bit lane b: column 4b + c of rows 4i .. 4i + 3.
+    for (int i = 0; i < 16; i += 4) {
+      r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+      r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+      r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+      r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int c = 0; c < 4; ++c) {
+      const __m512i u = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44);
+      const __m512i v = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+      const __m512i w = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
+      const __m512i x = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
+      t[c] = _mm512_shuffle_i32x4(u, v, 0x88);
+      t[4 + c] = _mm512_shuffle_i32x4(u, v, 0xDD);
+      t[8 + c] = _mm512_shuffle_i32x4(w, x, 0x88);
+      t[12 + c] = _mm512_shuffle_i32x4(w, x, 0xDD);
+    }
+    for (int i = 0; i < 16; ++i) r[i] = t[i];
+  }
+
+  // scores[i][t] = q_i . k_t (times q_scale) for the chunk's keys t, kRows query rows (bf16, row
+  // stride dim_k_). Byte p of every key row holds elements 2p, 2p + 1: after the transpose a
+  // vpmultishiftqb puts both nibbles of byte p of each key where vpermw reads its index.
+  template <int kRows>
+  void score_nvfp4_chunk(const Nvfp4Chunk& chunk, const __m512 (&scale)[kChunkGroups],
+                         const uint16_t* q, float q_scale, float* scores) const {
+    // Per 64-bit lane (two keys): the bit offsets of byte k's low and high nibble of each key.
+    alignas(64) static constexpr auto kNibbles = [] {
+      std::array<std::array<uint8_t, 64>, 4> control{};
+      for (int k = 0; k < 4; ++k) {
+        for (int b = 0; b < 64; ++b) {
+          const int key = (b / 4) % 2;
+          const int high = (b / 2) % 2;
+          control[k][b] = uint8_t(32 * key + 8 * k + 4 * high);
+        }
+      }
+      return control;
+    }();
+    __m512i column[kChunkKeys];
+    for (int t = 0; t < kChunkKeys; ++t) {
+      column[t] = _mm512_loadu_si512(chunk.data + t * chunk.data_step);
+    }
+    transpose_16x16(column);  // column[j] lane t: bytes [4j, 4j + 4) of key t
+    const __m512i table = e2m1_bf16_table();
+    __m512 score[kRows];
+    for (int i = 0; i < kRows; ++i) score[i] = _mm512_setzero_ps();
+    // Unrolled whole: column[] stays in registers.
+#pragma GCC unroll 8
+    for (int g = 0; g < kChunkGroups; ++g) {
+      __m512 sum[kRows];
+      for (int i = 0; i < kRows; ++i) sum[i] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+      for (int p = g * kNvfp4GroupSize / 2; p < (g + 1) * kNvfp4GroupSize / 2; ++p) {
+        const __m512i index =
+            _mm512_multishift_epi64_epi8(_mm512_load_si512(kNibbles[p % 4].data()), column[p / 4]);
+        const auto codes = (__m512bh)_mm512_permutexvar_epi16(index, table);
+        for (int i = 0; i < kRows; ++i) sum[i] = dot_pair(sum[i], codes, q + i * dim_k_ + 2 * p);
+      }
+      for (int i = 0; i < kRows; ++i) score[i] = _mm512_fmadd_ps(sum[i], scale[g], score[i]);
+    }
+    for (int i = 0; i < kRows; ++i) {
+      _mm512_storeu_ps(scores + int64_t(i) * tokens_,
+                       _mm512_mul_ps(score[i], _mm512_set1_ps(q_scale)));
+    }
+  }
+
+  // acc_i += sum_t w[i][t] v_t over the chunk's keys for kRows rows (weights: row stride tokens_;
+  // valid[i]: the keys row i attends).
+  template <int kRows>
+  void accumulate_nvfp4_chunk(const Nvfp4Chunk& chunk, const __m512 (&scale)[kChunkGroups],
+                              const __m512 (&weights)[kRows], const __mmask16* valid,
+                              float* acc) const {
+    // Output dword j (element j of the group) of a key pair: word 0 from the first key, word 1
+    // from the second, both the byte holding element j; odd elements shifted to the high nibble.
+    alignas(64) static constexpr auto kSelect = [] {
+      std::array<std::array<uint8_t, 64>, kChunkGroups> index{};
+      for (int g = 0; g < kChunkGroups; ++g) {
+        for (int b = 0; b < 64; ++b) {
+          const int j = b / 4;
+          const int second = (b / 2) % 2;
+          index[g][b] = uint8_t(64 * second + 8 * g + j / 2);
+        }
+      }
+      return index;
+    }();
+    alignas(64) static constexpr auto kShift = [] {
+      std::array<uint16_t, 32> shift{};
+      for (int w = 0; w < 32; ++w) shift[w] = uint16_t((w / 2) % 2 == 0 ? 0 : 4);
+      return shift;
+    }();
+    // pairs[g][i][m]: row i's weights of keys 2m, 2m + 1 times their group-g scales, in bf16.
+    alignas(32) uint32_t pairs[kChunkGroups][kRows][kChunkKeys / 2];
+    __mmask16 keys = 0;
+    for (int i = 0; i < kRows; ++i) {
+      keys |= valid[i];
+      // (Masked: a key outside valid[i] may have any scale byte, NaN included.)
+      for (int g = 0; g < kChunkGroups; ++g) {
+        _mm256_store_si256(
+            reinterpret_cast<__m256i*>(pairs[g][i]),
+            (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mul_ps(valid[i], weights[i], scale[g])));
+      }
+    }
+    const __m512i table = e2m1_bf16_table();
+    const __m512i shift = _mm512_load_si512(kShift.data());
+    // kGroups groups per pass: each pair of key rows is loaded once for all of them, and the
+    // kGroups * kRows accumulators are enough independent vdpbf16ps chains to hide its latency.
+    constexpr int kGroups = kRows >= 4 ? 4 : kChunkGroups;
+    for (int g0 = 0; g0 < kChunkGroups; g0 += kGroups) {
+      __m512 a[kGroups][kRows];
+      for (int h = 0; h < kGroups; ++h) {
+        for (int i = 0; i < kRows; ++i) {
+          a[h][i] = _mm512_loadu_ps(acc + int64_t(i) * dim_v_ + (g0 + h) * kNvfp4GroupSize);
+        }
+      }
+      for (int pair = 0; pair < kChunkKeys / 2; ++pair) {
+        if (((keys >> (2 * pair)) & 3) == 0) continue;
+        const __m512i x = _mm512_loadu_si512(chunk.data + 2 * pair * chunk.data_step);
+        const __m512i y = _mm512_loadu_si512(chunk.data + (2 * pair + 1) * chunk.data_step);
+        for (int h = 0; h < kGroups; ++h) {
+          const __m512i bytes =
+              _mm512_permutex2var_epi8(x, _mm512_load_si512(kSelect[g0 + h].data()), y);
+          const auto values =
+              (__m512bh)_mm512_permutexvar_epi16(_mm512_srlv_epi16(bytes, shift), table);
+          for (int i = 0; i < kRows; ++i)
+            a[h][i] = dot_pair(a[h][i], values, &pairs[g0 + h][i][pair]);
+        }
+      }
+      for (int h = 0; h < kGroups; ++h) {
+        for (int i = 0; i < kRows; ++i) {
+          _mm512_storeu_ps(acc + int64_t(i) * dim_v_ + (g0 + h) * kNvfp4GroupSize, a[h][i]);
+        }
+      }
+    }
+  }
+
+  // exp(x) for x <= 0 (-inf gives 0): 2^k * 2^f with t = x log2(e), k = round(t), f = t - k in
+  // [-1/2, 1/2], 2^f by its degree-6 Taylor polynomial (relative error ~1e-7 plus t's rounding),
+  // the product by vscalefps (t clamped at -200: 0 exactly).
+  static __m512 exp_scalef(__m512 x) {
+    const __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                   _mm512_set1_ps(-200.0f));
+    const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, k);
+    // ln(2)^n / n!
+    __m512 p = _mm512_set1_ps(1.5403530393381609e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, k);
+  }
+
+  // out[i] = op-reduction of the 16 lanes of v[i]. Four rows share one transposing tree.
+  template <int kRows, typename Op>
+  static void reduce_rows(const __m512 (&v)[kRows], Op op, float (&out)[kRows]) {
+    if constexpr (kRows == 4) {
+      // a: lanes 0-7 v[0]'s halves combined, 8-15 v[1]'s; b likewise for v[2], v[3]; c: 128-bit
+      // lane r holds row r's four partials; then within each 128-bit lane.
+      const __m512 a =
+          op(_mm512_shuffle_f32x4(v[0], v[1], 0x44), _mm512_shuffle_f32x4(v[0], v[1], 0xEE));
+      const __m512 b =
+          op(_mm512_shuffle_f32x4(v[2], v[3], 0x44), _mm512_shuffle_f32x4(v[2], v[3], 0xEE));
+      const __m512 c = op(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+      const __m512 d = op(c, _mm512_permute_ps(c, 0x4E));
+      const __m512 e = op(d, _mm512_permute_ps(d, 0xB1));
+      alignas(64) float lanes[16];
+      _mm512_store_ps(lanes, e);
+      for (int i = 0; i < 4; ++i) out[i] = lanes[4 * i];
+    } else {
+      for (int i = 0; i < kRows; ++i) {
+        __m512 x = v[i];
+        x = op(x, _mm512_shuffle_f32x4(x, x, 0x4E));
+        x = op(x, _mm512_shuffle_f32x4(x, x, 0xB1));
+        x = op(x, _mm512_permute_ps(x, 0x4E));
+        x = op(x, _mm512_permute_ps(x, 0xB1));
+        out[i] = _mm512_cvtss_f32(x);
+      }
+    }
+  }
+
+  // Online-softmax update of kRows rows with a chunk's scores (row stride tokens_; keys outside
+  // valid[i] ignored): new maxima, sums, accumulators rescaled; weights[i] = exp(s - max) on
+  // valid[i], 0 elsewhere. A row without a finite score keeps its state (weights 0), as
+  // softmax_step does.
+  template <int kRows>
+  void softmax_chunk(const float* scores, const __mmask16* valid, float* m, float* l, float* acc,
+                     __m512 (&weights)[kRows]) const {
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    __m512 s[kRows];
+    float top[kRows];
+    for (int i = 0; i < kRows; ++i) {
+      s[i] = _mm512_mask_loadu_ps(_mm512_set1_ps(neg_inf), valid[i], scores + int64_t(i) * tokens_);
+    }
+    reduce_rows<kRows>(s, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); }, top);
+    for (int i = 0; i < kRows; ++i) {
+      if (top[i] == neg_inf) {
+        weights[i] = _mm512_setzero_ps();
+        continue;
+      }
+      const float new_max = std::max(m[i], top[i]);
+      weights[i] =
+          _mm512_maskz_mov_ps(valid[i], exp_scalef(_mm512_sub_ps(s[i], _mm512_set1_ps(new_max))));
+      if (new_max != m[i]) {
+        const float correction = std::exp(m[i] - new_max);  // 0 for the first keys
+        l[i] *= correction;
+        float* a = acc + int64_t(i) * dim_v_;
+        for (int d = 0; d < kChunkHeadSize; d += 16) {
+          _mm512_storeu_ps(a + d,
+                           _mm512_mul_ps(_mm512_loadu_ps(a + d), _mm512_set1_ps(correction)));
+        }
+        m[i] = new_max;
+      }
+    }
+    float sums[kRows];
+    reduce_rows<kRows>(weights, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); }, sums);
+    for (int i = 0; i < kRows; ++i) l[i] += sums[i];
+  }
+
+  // One chunk (page tokens [t0, t0 + kChunkKeys)) of one KV head for the item's rows of that head:
+  // scores, online softmax, values. q / scores / m / l / acc: the head's first row.
+  void attend_nvfp4_chunk(int64_t block, int page_start, int t0, int kv_head,
+                          const std::vector<std::pair<int, int>>& ranges, int lo, int hi,
+                          const uint16_t* q, float q_scale, float* scores, float* m, float* l,
+                          float* acc) const {
+    const int rows = int(ranges.size()) * geo_.group;
+    __m512 scale[kChunkGroups];
+    const Nvfp4Chunk keys = chunk_at(p_.key_cache, k_layout_, block, t0, kv_head);
+    chunk_scales(keys, k_scale_rows_, k_scale_select_, scale);
+    int r = 0;
+    for (; r + 4 <= rows; r += 4) {
+      score_nvfp4_chunk<4>(keys, scale, q + int64_t(r) * dim_k_, q_scale,
+                           scores + int64_t(r) * tokens_ + t0);
+    }
+    for (; r < rows; ++r) {
+      score_nvfp4_chunk<1>(keys, scale, q + int64_t(r) * dim_k_, q_scale,
+                           scores + int64_t(r) * tokens_ + t0);
+    }
+    __mmask16 valid[kMaxFusedRows];
+    const int chunk_lo = std::max(lo, page_start + t0);
+    const int chunk_hi = std::min(hi, page_start + t0 + kChunkKeys);
+    for (int jt = 0; jt < int(ranges.size()); ++jt) {
+      const int b = std::max(ranges[jt].first, chunk_lo) - page_start;
+      const int e = std::min(ranges[jt].second, chunk_hi) - page_start;
+      const int r0 = jt * geo_.group;
+      const __mmask16 mask =
+          b < e ? __mmask16(((1u << (e - t0)) - 1) & ~((1u << (b - t0)) - 1)) : __mmask16(0);
+      for (int g = 0; g < geo_.group; ++g) valid[r0 + g] = mask;
+      if (b < e) soft_cap(scores + int64_t(r0) * tokens_, geo_.group, b, e);
+    }
+    const Nvfp4Chunk values = chunk_at(p_.value_cache, v_layout_, block, t0, kv_head);
+    chunk_scales(values, v_scale_rows_, v_scale_select_, scale);
+    for (r = 0; r + 4 <= rows; r += 4) {
+      __m512 weights[4];
+      softmax_chunk<4>(scores + int64_t(r) * tokens_ + t0, valid + r, m + r, l + r,
+                       acc + int64_t(r) * dim_v_, weights);
+      accumulate_nvfp4_chunk<4>(values, scale, weights, valid + r, acc + int64_t(r) * dim_v_);
+    }
+    for (; r < rows; ++r) {
+      __m512 weights[1];
+      softmax_chunk<1>(scores + int64_t(r) * tokens_ + t0, valid + r, m + r, l + r,
+                       acc + int64_t(r) * dim_v_, weights);
+      accumulate_nvfp4_chunk<1>(values, scale, weights, valid + r, acc + int64_t(r) * dim_v_);
+    }
+  }
 #endif
 
   // Tokens are taken kLanes at a time: per token, a vector of partial dot products per row,
@@ -1399,6 +1802,13 @@ class PagedAttention {
   bool bf16_dot_;
   // V rows are accumulated by the bf16 dot (kBf16Dot, head size of whole 32-element vectors).
   bool bf16_v_;
+  // NVFP4 pages go through attend_nvfp4_chunk (bf16 dot on both sides, head size
+  // kChunkHeadSize, pages of whole chunks).
+  bool nvfp4_chunks_;
+  alignas(64) ChunkScaleSelect k_scale_select_{};
+  alignas(64) ChunkScaleSelect v_scale_select_{};
+  alignas(64) ChunkScaleRows k_scale_rows_{};
+  alignas(64) ChunkScaleRows v_scale_rows_{};
   int64_t k_page_bytes_;
   int64_t v_page_bytes_;
   Nvfp4SideLayout k_layout_{};

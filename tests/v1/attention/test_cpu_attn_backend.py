@@ -5,7 +5,7 @@ NHD / HND x every compiled SIMD level, GQA, prefill / chunked prefill / decode i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 import torch
@@ -215,6 +215,90 @@ def test_decode_at_model_shape_with_odd_key_counts(
         ),
         simd,
     )
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("scale_layout", ["linear", "interleave4"])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_nvfp4_chunks_of_sixteen_keys(
+    block_size: int, layout: str, scale_layout: str, group: int
+) -> None:
+    """NVFP4 at head size 128 with a bf16 query, pages of one or two 16-key chunks: the chunk
+    path of AVX-512 BF16 builds (keys transposed, block scales applied in fp32). Rows per KV
+    head in blocks of 4 and single rows, a block straddling two query tokens (group 3, two
+    queries), chunks cut by the sequence end and by a window start, sinks, soft cap, per-head
+    scales."""
+    base = Case(
+        "nvfp4",
+        scale_layout,
+        layout,
+        group=group,
+        head_size=128,
+        head_size_v=128,
+        block_size=block_size,
+        seq_lens=[1, 17, 70, 300],
+        query_lens=[1, 2, 1, 1],
+        per_head_scale=True,
+    )
+    check(base)
+    num_heads = base.num_kv_heads * group
+    check(
+        replace(
+            base,
+            sliding_window=37,
+            logits_soft_cap=4.0,
+            sinks=torch.linspace(-1.0, 1.0, num_heads),
+        ),
+        seed=1,
+    )
+
+
+@pytest.mark.parametrize("scale_layout", ["linear", "interleave4"])
+def test_nvfp4_chunks_ignore_the_bytes_of_slots_past_the_end(scale_layout: str) -> None:
+    """Every E2M1 code and block-scale byte in the tokens attended; slots past each sequence's
+    end (the last page's tail) hold random bytes with NaN block scales (0x7F), which the chunk
+    path loads with their chunk but must not let into the output."""
+    case = Case(
+        "nvfp4",
+        scale_layout,
+        num_kv_heads=2,
+        group=4,
+        head_size=128,
+        head_size_v=128,
+        seq_lens=[5, 21, 100],
+        query_lens=[1, 1, 1],
+    )
+    reference, cpu, layer, kv_cache, metadata, query = setup(case)
+    gen = torch.Generator().manual_seed(2)
+    n, h, groups = case.block_size, case.num_kv_heads, case.head_size // 16
+    scale_region = n * h * case.head_size // 2  # each page: [data | scales], NHD within each
+
+    def scale_byte(token: int, head: int, group: int) -> int:
+        row, col = token, group
+        if scale_layout == "interleave4":  # 4-token interleave, see docs/design.md
+            row = token // 4 * 4 + group // (groups // 4)
+            col = group % (groups // 4) * 4 + token % 4
+        return scale_region + (row * h + head) * groups + col
+
+    for side in kv_cache:
+        pages = torch.randint(
+            0, 256, (side.shape[0], side[0].numel()), dtype=torch.uint8, generator=gen
+        )
+        scales = pages[:, scale_region:]
+        scales[(scales & 0x7F) == 0x7F] = 0x3C  # no NaN scales in attended tokens
+        for seq, seq_len in enumerate(case.seq_lens):
+            last = int(metadata.block_table[seq, (seq_len - 1) // n])
+            for token in range((seq_len - 1) % n + 1, n):
+                for head in range(h):
+                    for group in range(groups):
+                        pages[last, scale_byte(token, head, group)] = 0x7F
+        side.copy_(pages.view(side.shape))
+    expected = reference.forward(layer, query * 0.05, None, None, kv_cache, metadata).float()
+    got = cpu.forward(layer, query * 0.05, None, None, kv_cache, metadata).float()
+    assert torch.isfinite(expected).all()
+    # Block scales up to 448 make outputs in the thousands: bf16 rounding relative to that scale.
+    torch.testing.assert_close(got, expected, atol=2e-3 * expected.abs().max(), rtol=2e-2)
 
 
 def test_lone_last_key_with_infinite_value_stays_inf() -> None:
