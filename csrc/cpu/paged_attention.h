@@ -846,20 +846,18 @@ class PagedAttention {
       const int lo = std::max(page_start, item.key_begin);
       const int hi = std::min(page_start + p_.block_size, item.key_end);
       const int64_t block = pages[page_start / p_.block_size];
-      // Pages come in block-table order, not address order: request the next page's rows now
-      // so that their misses overlap this page's work.
-      const int ahead = page_start + kPrefetchPages * p_.block_size;
-      if (kPrefetchPages > 0 && ahead < item.key_end) {
-        const int64_t next = pages[ahead / p_.block_size];
-        if (heads == p_.num_kv_heads) {
-          // Whole pages: their K and V regions are dense, one request per line.
-          prefetch_region(p_.key_cache, next, k_page_bytes_);
-          prefetch_region(p_.value_cache, next, v_page_bytes_);
-        } else {
-          for (int h = item.kv_begin; h < item.kv_end; ++h) {
-            prefetch_page(p_.key_cache, k_layout_, next, h, geo_.head_size);
-            prefetch_page(p_.value_cache, v_layout_, next, h, geo_.head_size_v);
-          }
+      // Pages come in block-table order, not address order, and a head's rows of a page are
+      // too few for the hardware prefetchers: request a later page's rows now so that their
+      // misses overlap this page's work. Whole pages (all heads) are requested one page ahead,
+      // a slice per head (below): the whole page at once would be a burst of misses that fills
+      // the miss queues and stalls this page's own loads.
+      const bool whole_pages = heads == p_.num_kv_heads;
+      const int ahead = page_start + (whole_pages ? 1 : kPrefetchPages) * p_.block_size;
+      const int64_t next = ahead < item.key_end ? pages[ahead / p_.block_size] : -1;
+      if (next >= 0 && !whole_pages) {
+        for (int h = item.kv_begin; h < item.kv_end; ++h) {
+          prefetch_page(p_.key_cache, k_layout_, next, h, geo_.head_size);
+          prefetch_page(p_.value_cache, v_layout_, next, h, geo_.head_size_v);
         }
       }
       // Whether any query token sees a key of this page (causal prefill skips the future).
@@ -869,6 +867,10 @@ class PagedAttention {
       for (int hh = 0; hh < heads; ++hh) {
         const int kv_head = item.kv_begin + hh;
         const int h0 = hh * head_rows;
+        if (next >= 0 && whole_pages) {
+          prefetch_slice(p_.key_cache, next, k_page_bytes_, hh, heads);
+          prefetch_slice(p_.value_cache, next, v_page_bytes_, hh, heads);
+        }
 #if defined(VLLM_KV_HAVE_AVX512_BF16)
         if constexpr (K == CacheKind::kNvfp4 && kBf16Dot) {
           if (bf16_dot && nvfp4_chunks_) {
@@ -989,7 +991,7 @@ class PagedAttention {
     return rows;
   }
 
-  // Pages prefetched ahead of the one being attended.
+  // Pages prefetched ahead of the one being attended when items take some heads of a page.
   static constexpr int kPrefetchPages = 2;
 
   // Bytes of one page of a side (all heads; pages are dense in NHD and HND alike).
@@ -999,10 +1001,16 @@ class PagedAttention {
     return int64_t(p_.block_size) * p_.num_kv_heads * last_dim * kElementBytes;
   }
 
-  void prefetch_region(const CacheSide& side, int64_t block, int64_t bytes) const {
-    const char* begin =
+  // Requests slice `slice` of `slices` of the first `bytes` bytes of page `block` of a side (a
+  // side's page is dense, NHD and HND alike), one request per line.
+  void prefetch_slice(const CacheSide& side, int64_t block, int64_t bytes, int slice,
+                      int slices) const {
+    const char* page =
         static_cast<const char*>(side.data) + block * side.block_stride * kElementBytes;
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(begin + b);
+    const int64_t lines = (bytes + 63) / 64;
+    for (int64_t line = lines * slice / slices; line < lines * (slice + 1) / slices; ++line) {
+      __builtin_prefetch(page + 64 * line);
+    }
   }
 
   // Start loading the rows of head `head` of page `block` (and NVFP4 scales) into the cache.
