@@ -1448,23 +1448,34 @@ class PagedAttention {
   void accumulate_nvfp4_chunk(const Nvfp4Chunk& chunk, const __m512 (&scale)[kChunkGroups],
                               const __m512 (&weights)[kRows], const __mmask16* valid,
                               float* acc) const {
-    // Output dword j (element j of the group) of a key pair: word 0 from the first key, word 1
-    // from the second, both the byte holding element j; odd elements shifted to the high nibble.
-    alignas(64) static constexpr auto kSelect = [] {
-      std::array<std::array<uint8_t, 64>, kChunkGroups> index{};
-      for (int g = 0; g < kChunkGroups; ++g) {
+    // A key pair's values, element by element (dword j of a group: element j of the first key,
+    // then of the second), in two steps. kGather: 64-bit lane q of a quad of groups holds byte q
+    // of each of the four groups of the first key (bytes 0-3), then of the second (4-7), which
+    // are elements 2q and 2q + 1 of each. kNibbles[k]: each word of lane q takes the nibble of
+    // group k of the quad that it decodes (vpermw reads an index's low five bits; the fifth,
+    // from the neighbouring nibble, is ignored by the doubled table).
+    constexpr int kQuads = kChunkGroups / 4;
+    alignas(64) static constexpr auto kGather = [] {
+      std::array<std::array<uint8_t, 64>, kQuads> index{};
+      for (int quad = 0; quad < kQuads; ++quad) {
         for (int b = 0; b < 64; ++b) {
-          const int j = b / 4;
-          const int second = (b / 2) % 2;
-          index[g][b] = uint8_t(64 * second + 8 * g + j / 2);
+          const int lane = b / 8;
+          const int second = (b % 8) / 4;
+          const int group = 4 * quad + b % 4;
+          index[quad][b] = uint8_t(64 * second + 8 * group + lane);
         }
       }
       return index;
     }();
-    alignas(64) static constexpr auto kShift = [] {
-      std::array<uint16_t, 32> shift{};
-      for (int w = 0; w < 32; ++w) shift[w] = uint16_t((w / 2) % 2 == 0 ? 0 : 4);
-      return shift;
+    alignas(64) static constexpr auto kNibbles = [] {
+      std::array<std::array<uint8_t, 64>, 4> control{};
+      for (int k = 0; k < 4; ++k) {
+        for (int b = 0; b < 64; ++b) {
+          const int word = (b / 2) % 4;  // element 2q (words 0, 1) or 2q + 1 (2, 3); key word % 2
+          control[k][b] = uint8_t(8 * (4 * (word % 2) + k) + 4 * (word / 2));
+        }
+      }
+      return control;
     }();
     // pairs[g][i][m]: row i's weights of keys 2m, 2m + 1 times their group-g scales, in bf16.
     alignas(32) uint32_t pairs[kChunkGroups][kRows][kChunkKeys / 2];
@@ -1479,9 +1490,9 @@ class PagedAttention {
       }
     }
     const __m512i table = e2m1_bf16_table();
-    const __m512i shift = _mm512_load_si512(kShift.data());
-    // kGroups groups per pass: each pair of key rows is loaded once for all of them, and the
-    // kGroups * kRows accumulators are enough independent vdpbf16ps chains to hide its latency.
+    // kGroups groups (whole quads) per pass: each pair of key rows is loaded once for all of
+    // them, and the kGroups * kRows accumulators are enough independent vdpbf16ps chains to hide
+    // its latency.
     constexpr int kGroups = kRows >= 4 ? 4 : kChunkGroups;
     for (int g0 = 0; g0 < kChunkGroups; g0 += kGroups) {
       __m512 a[kGroups][kRows];
@@ -1494,11 +1505,14 @@ class PagedAttention {
         if (((keys >> (2 * pair)) & 3) == 0) continue;
         const __m512i x = _mm512_loadu_si512(chunk.data + 2 * pair * chunk.data_step);
         const __m512i y = _mm512_loadu_si512(chunk.data + (2 * pair + 1) * chunk.data_step);
+        __m512i quads[kGroups / 4];
+        for (int u = 0; u < kGroups / 4; ++u) {
+          quads[u] = _mm512_permutex2var_epi8(x, _mm512_load_si512(kGather[g0 / 4 + u].data()), y);
+        }
         for (int h = 0; h < kGroups; ++h) {
-          const __m512i bytes =
-              _mm512_permutex2var_epi8(x, _mm512_load_si512(kSelect[g0 + h].data()), y);
-          const auto values =
-              (__m512bh)_mm512_permutexvar_epi16(_mm512_srlv_epi16(bytes, shift), table);
+          const __m512i index =
+              _mm512_multishift_epi64_epi8(_mm512_load_si512(kNibbles[h % 4].data()), quads[h / 4]);
+          const auto values = (__m512bh)_mm512_permutexvar_epi16(index, table);
           for (int i = 0; i < kRows; ++i)
             a[h][i] = dot_pair(a[h][i], values, &pairs[g0 + h][i][pair]);
         }
