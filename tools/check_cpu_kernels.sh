@@ -10,40 +10,22 @@
 #
 # Environment: CXX (default g++). Exits non-zero on any failure.
 set -uo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$ROOT" || exit 1
-CXX="${CXX:-g++}"
-if [[ $# -gt 0 ]]; then
-  TARGETS=("$@")
-elif [[ "$(uname -m)" == x86_64 ]]; then
-  TARGETS=(native x86-64-v3 x86-64)
+# shellcheck source=tools/cpu_check_lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/cpu_check_lib.sh"
+if [[ "$(uname -m)" == x86_64 ]]; then
+  cpu_check_init cpu_kernels native x86-64-v3 x86-64 -- "$@"
 else
-  TARGETS=(native default)
+  cpu_check_init cpu_kernels native default -- "$@"
 fi
-OUT="$(mktemp -d "${TMPDIR:-/tmp}/cpu_kernels.XXXXXX")"
-trap 'rm -rf "$OUT"' EXIT
-FAILURES=0
 for target in "${TARGETS[@]}"; do
-  arch=()
-  [[ "$target" != default ]] && arch=("-march=$target")
-  # The flags of the extension's CPU sources (CMakeLists.txt).
-  if ! "$CXX" -std=c++20 -O3 "${arch[@]}" -ffp-contract=off -fno-fast-math -fno-trapping-math \
-      -fopenmp -Wall -Wextra -Werror -Wno-psabi -I csrc \
-      csrc/cpu/tests/check_reshape_and_cache_flash_cpu.cpp -o "$OUT/check_$target" \
-      > "$OUT/$target.log" 2>&1; then
-    echo "FAIL build for $target:"
-    sed 's/^/    /' "$OUT/$target.log" | head -n 40
-    FAILURES=$((FAILURES + 1))
-    continue
-  fi
+  cpu_check_build "$target" csrc/cpu/tests/check_reshape_and_cache_flash_cpu.cpp -fopenmp \
+    || continue
   t0=$(date +%s)
   if "$OUT/check_$target" > "$OUT/$target.log" 2>&1; then
     printf 'PASS %s (%ss): %s; %s\n' "$target" "$(($(date +%s) - t0))" \
       "$(head -n 1 "$OUT/$target.log")" "$(tail -n 1 "$OUT/$target.log")"
   else
-    echo "FAIL $target:"
-    sed 's/^/    /' "$OUT/$target.log" | tail -n 40
-    FAILURES=$((FAILURES + 1))
+    cpu_check_failed "$target"
   fi
 done
 [[ $FAILURES -eq 0 ]]
