@@ -99,7 +99,7 @@ def test_table_and_json_are_well_formed(synth_report: CheckReport) -> None:
     table = synth_report.to_table()
     assert "fp8_e4m3 amax(|x|)/448 per tensor or per head" in table
     assert "fp8_e5m2 amax(|x|)/57344 per tensor or per head" in table
-    assert "nvfp4 global scale amax(|x|)/448 per tensor or per head" in table
+    assert "nvfp4 global scale amax(|x|)/(448*6) per tensor or per head" in table
     for rep in synth_report.formats:
         assert any(line.startswith(rep.fmt.name + " ") for line in table.splitlines())
     doc = synth_report.to_dict()

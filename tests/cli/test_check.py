@@ -22,7 +22,7 @@ def test_table(capsys: pytest.CaptureFixture) -> None:
     out = capsys.readouterr().out
     assert out.startswith("source: synthetic")
     assert "fp8_e5m2 amax(|x|)/57344 per head;" in out
-    assert "nvfp4 global scale amax(|x|)/448 per tensor" in out
+    assert "nvfp4 global scale amax(|x|)/(448*6) per tensor" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line[:1].isalpha()}
     assert rows["bf16"][1:4] == ["-", "4096", "1.00x"]
     assert rows["bf16"][4:8] == ["0", "0", "0", "0"]
@@ -51,7 +51,7 @@ def test_json(capsys: pytest.CaptureFixture) -> None:
     assert rep["source"] == "synthetic" and rep["layout"] == "HND" and rep["reader"] == "backend"
     assert [f["format"] for f in rep["formats"]] == ["fp8_e4m3", "nvfp4/head"]
     nv = rep["formats"][1]
-    assert nv["scale_method"] == "amax(|x|)/448 per head"
+    assert nv["scale_method"] == "amax(|x|)/(448*6) per head"
     assert nv["writer"] == "reference" and nv["bytes_per_token"] == 1152
     assert len(nv["scales"]["synthetic"]["k"]) == 8
     assert 0.95 < nv["metrics"]["out_cos_mean"] < 1.0

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from vllm.kv_quant import (
     E2M1_VALUES,
+    NVFP4_SCALE_MAX,
     dequantize_nvfp4,
     e2m1_decode,
     e2m1_decode_table,
@@ -385,3 +386,30 @@ def test_element_operation_order(device: str) -> None:
             grp = _groups_from(amax[r : r + 1].float(), x[r, c : c + 1].float())
             packed, _ = quantize_nvfp4(grp[0].to(device), gs[r : r + 1].float().to(device))
             assert int(packed.cpu()[0]) >> 4 == int(spec[r, c]), name
+
+
+def test_recommended_global_scale_keeps_small_groups() -> None:
+    """``amax / NVFP4_SCALE_MAX`` puts the largest block scale at 448 (the top of e4m3), 6x the
+    ``amax / 448`` one: groups 10^5 below the tensor's amax still get a block scale, where
+    ``amax / 448`` rounds theirs to zero and loses them whole, and no group does worse."""
+    gen = torch.Generator().manual_seed(0)
+    group_amax = torch.logspace(0, -5.5, 64).reshape(64, 1)
+    x = (torch.rand(64, 16, generator=gen) * 2 - 1) * group_amax
+    x[:, 0] = group_amax[:, 0]  # each group reaches its amax
+    amax = x.abs().amax()
+
+    def group_errors(max_: float) -> tuple[torch.Tensor, torch.Tensor]:
+        gs = (amax / max_).reshape(1)
+        packed, scales = quantize_nvfp4(x.reshape(1, -1), gs)
+        x_hat = dequantize_nvfp4(packed, scales, gs).reshape(64, 16)
+        return (x_hat - x).norm(dim=1) / x.norm(dim=1), scales.reshape(-1)
+
+    err_rec, scales_rec = group_errors(NVFP4_SCALE_MAX)
+    err_448, scales_448 = group_errors(448.0)
+    assert NVFP4_SCALE_MAX == 448.0 * 6.0
+    assert scales_rec[0] == 0x7E and scales_448[0] < 0x7E  # 448 vs 448/6 for the amax group
+    assert bool((scales_rec > 0).all()) and float(err_rec.max()) < 0.3
+    lost = scales_448 == 0
+    assert int(lost.sum()) >= 3 and bool((err_448[lost] == 1).all())
+    assert bool((err_rec <= err_448 + 0.05).all())
+    assert float(err_rec.mean()) < float(err_448.mean())

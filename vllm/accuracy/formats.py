@@ -13,9 +13,10 @@ Format ids, as the CLI's ``--formats`` takes them::
     nvfp4[/head]@linear               NVFP4 with linear block scales (plain nvfp4 uses the
                                       op's default: interleave4 where the geometry fits)
 
-Scales come from the data: ``scale = amax(|x|) / MAX`` with ``MAX = 448`` for FP8 e4m3 and
-for NVFP4 (the global scale, docs/design.md §5: "for example amax/448") and ``MAX = 57344`` for
-FP8 e5m2; ``amax`` over the whole tensor, or over each head for a per-head scale.
+Scales come from the data: ``scale = amax(|x|) / MAX`` with ``MAX = 448`` for FP8 e4m3,
+``57344`` for FP8 e5m2 and ``448 * 6 = 2688`` for the NVFP4 global scale
+(:data:`~vllm.kv_quant.nvfp4.NVFP4_SCALE_MAX`, docs/design.md §5.3); ``amax`` over the whole
+tensor, or over each head for a per-head scale.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm.kv_quant.fp8 import FP8_E4M3_MAX, Fp8Format
+from vllm.kv_quant.nvfp4 import E2M1_MAX, NVFP4_SCALE_MAX
 from vllm.kv_quant.scale_layout import ScaleLayout
 from vllm.v1.kv_cache_format import BFLOAT16, FP8_E4M3, FP8_E5M2, NVFP4, KVCacheFormat, lookup
 from vllm.v1.kv_cache_interface import FullAttentionSpec
@@ -134,9 +136,21 @@ class CacheFormat:
     @property
     def scale_max(self) -> float:
         """``MAX`` in ``scale = amax / MAX``: the FP8 variant's largest value (448 for e4m3,
-        57344 for e5m2), 448 for NVFP4 (its block scales are e4m3)."""
+        57344 for e5m2), 448 × 6 for NVFP4 (the largest block scale times the largest E2M1
+        value)."""
+        if self.is_nvfp4:
+            return NVFP4_SCALE_MAX
         variant = self.format.fp8_variant
-        return FP8_E4M3_MAX if variant is None else Fp8Format(variant).max
+        if variant is None:
+            raise ValueError(f"format: expected a quantized format, got {self.name!r}")
+        return Fp8Format(variant).max
+
+    @property
+    def scale_max_text(self) -> str:
+        """:attr:`scale_max` as printed in scale rules: ``448``, ``57344`` or ``(448*6)``."""
+        if self.is_nvfp4:
+            return f"({FP8_E4M3_MAX:g}*{E2M1_MAX:g})"
+        return f"{self.scale_max:g}"
 
     @property
     def granularity(self) -> str:
@@ -151,7 +165,7 @@ class CacheFormat:
         if not self.is_quantized:
             return "none (unquantized)"
         per = "per head" if self.per_head else "per tensor"
-        return f"amax(|x|)/{self.scale_max:g} {per}"
+        return f"amax(|x|)/{self.scale_max_text} {per}"
 
     def cache_last_dim(self, head_size: int) -> int:
         """Last dim ``D'`` of the cache tensor: ``D``, or ``F(D) = D/2 + D/16`` for NVFP4."""

@@ -267,7 +267,8 @@ def _scale_line(report: CheckReport) -> str:
     for dtype, fmts in per_dtype.items():
         grans = sorted({f.granularity for f in fmts}, key=("tensor", "head").index)
         what = "global scale " if fmts[0].is_nvfp4 else ""
-        parts.append(f"{dtype} {what}amax(|x|)/{fmts[0].scale_max:g} per {' or per '.join(grans)}")
+        per = " or per ".join(grans)
+        parts.append(f"{dtype} {what}amax(|x|)/{fmts[0].scale_max_text} per {per}")
     return "scales from the data: " + "; ".join(parts)
 
 

@@ -14,7 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from vllm.kv_quant.fp8 import FP8_NAN_BYTE, Fp8Format, fp8_bytes_to_fp32, fp32_to_fp8_bytes
+from vllm.kv_quant.fp8 import (
+    FP8_E4M3_MAX,
+    FP8_NAN_BYTE,
+    Fp8Format,
+    fp8_bytes_to_fp32,
+    fp32_to_fp8_bytes,
+)
 from vllm.v1.kv_cache_format import NVFP4_GROUP_SIZE
 
 E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -22,6 +28,12 @@ E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 E2M1_MAX = 6.0
 """Largest E2M1 magnitude (saturation bound)."""
+
+NVFP4_SCALE_MAX = FP8_E4M3_MAX * E2M1_MAX
+"""``MAX`` of the recommended global scale ``amax(|x|) / MAX`` (448 × 6 = 2688): the group
+holding ``amax`` then gets block scale 448, the top of e4m3, so every smaller group's block scale
+keeps its three mantissa bits for 2.6 binades longer than with ``amax / 448`` (whose largest block
+scale is 448 / 6 ≈ 75) before it turns subnormal or zero (docs/design.md §5.3)."""
 
 _FLOAT_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
