@@ -4,7 +4,9 @@
 kernels are compiled too, for ``VLLM_KV_CUDA_ARCHS`` (CMake list, e.g. ``"90a;100a"``), else
 ``TORCH_CUDA_ARCH_LIST`` (e.g. ``"8.0 9.0a+PTX"``), else ``80;90a;100a;120a``. The CPU kernels are
 compiled with ``-march=native`` unless ``VLLM_KV_CPU_ARCH`` names another target (empty: the
-compiler's default, for a build that moves to other machines).
+compiler's default, for a build that moves to other machines). The CMake build directory is
+``build/cmake-torch<version>-<key>`` in the source tree (one per torch installation), kept between
+installs: reinstalling an unchanged checkout recompiles nothing.
 """
 
 from __future__ import annotations
@@ -65,8 +67,10 @@ class CMakeBuild(build_ext):
         output = Path(self.get_ext_fullpath(ext.name)).resolve()
         # One CMake build directory per torch installation: its cache pins Torch_DIR and the
         # CUDA set-up, so a build against another torch (CPU and CUDA venvs) must not reuse it.
+        # It lives in the source tree's build/, not in pip's per-install temporary directory,
+        # so that reinstalling an unchanged checkout is a ninja no-op instead of a full build.
         torch_key = hashlib.sha256(str(Path(torch.__file__).parent).encode()).hexdigest()[:8]
-        build_dir = Path(self.build_temp).resolve() / f"cmake-torch{torch.__version__}-{torch_key}"
+        build_dir = ROOT / "build" / f"cmake-torch{torch.__version__}-{torch_key}"
         build_dir.mkdir(parents=True, exist_ok=True)
         with_cuda = torch.version.cuda is not None
         args = [
@@ -83,13 +87,18 @@ class CMakeBuild(build_ext):
             f"-DVLLM_KV_OUTPUT_NAME={output.name}",
             f"-DVLLM_KV_WITH_CUDA={'ON' if with_cuda else 'OFF'}",
         ]
+        # The build directory outlives this install: an option not set now is removed from its
+        # cache (-U), so that CMakeLists.txt's default applies instead of an earlier value.
         if "VLLM_KV_CPU_ARCH" in os.environ:
             args.append(f"-DVLLM_KV_CPU_ARCH={os.environ['VLLM_KV_CPU_ARCH']}")
+        else:
+            args.append("-UVLLM_KV_CPU_ARCH")
         if with_cuda:  # nvcc, the toolkit and nvrtc are found by cmake/cuda_toolkit.cmake
             args.append(f"-DVLLM_KV_TORCH_CUDA_VERSION={torch.version.cuda}")
             archs = cuda_architectures()
-            if archs:
-                args.append(f"-DCMAKE_CUDA_ARCHITECTURES={archs}")
+            args.append(
+                f"-DCMAKE_CUDA_ARCHITECTURES={archs}" if archs else "-UCMAKE_CUDA_ARCHITECTURES"
+            )
         subprocess.run(args, check=True)
         subprocess.run([cmake, "--build", str(build_dir)], check=True)
         # Copy, then rename over the old library: processes that have it loaded keep their

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # shellcheck disable=SC2329  # the step functions are exported and run through `bash -c`
-# One command for a lent GPU: builds the extension for this GPU, runs the kernel tests on it, the
+# One command for a GPU machine: builds the extension for this GPU, runs the kernel tests on it, the
 # rest of the test suite, the byte-exact GPU check program, the benchmarks and, when
 # compute-sanitizer is there, memcheck on the check program and the kernel tests; writes the
 # results under $OUT.
 #
 #   tools/gpu_session.sh [--out DIR] [--budget SECONDS] [--dry-run]
 #
-# Made for the device tool's `run` (working directory: a copy of the repository; $OUT comes back,
-# at most 8 files): `tools/gpu_session.sh`, with timeout_s=600 (docs/benchmarks.md). Runs in the
+# Made for a remote runner that starts it in a copy of the repository, gives it 10 minutes, sets
+# $OUT and returns at most 8 files from it (docs/benchmarks.md). Runs in the
 # environment it finds: $PYTHON (default python3) must hold a CUDA build of torch, with setuptools,
 # cmake and ninja; nothing is downloaded. Every step has a time limit taken from the budget
 # (default 540 s, for a 600 s call) and a failing step does not stop the later ones; the exit
@@ -54,7 +54,7 @@ if [[ -z "$OUT_DIR" ]]; then
   if [[ $DRY_RUN == 1 ]]; then
     OUT_DIR="$(mktemp -d "${TMPDIR:-/tmp}/gpu_session.XXXXXX")"
   else
-    echo "gpu_session.sh: no output directory: set OUT (the device tool does) or pass --out DIR" >&2
+    echo "gpu_session.sh: no output directory: set OUT or pass --out DIR" >&2
     exit 2
   fi
 fi
@@ -128,7 +128,7 @@ print(f"torch_cuda={torch.version.cuda}")
 EOF
   then
     echo "gpu_session.sh: FAIL: no usable GPU: $(tail -n 1 "$GPU_INFO")." \
-      "This script runs on a lent GPU machine (device tool); see docs/benchmarks.md." >&2
+      "This script runs on a machine with an NVIDIA GPU; see docs/benchmarks.md." >&2
     exit 2
   fi
   ARCH="${VLLM_KV_CUDA_ARCHS:-$(sed -n 's/^arch=//p' "$GPU_INFO")}"
