@@ -23,6 +23,7 @@ from vllm.v1.attention.backends.reference import (
     ReferenceAttentionImpl,
     ReferenceAttentionMetadata,
 )
+from vllm.v1.attention.backends.reference_metadata import CheckedForward
 
 
 class CPUAttentionBackend(ReferenceAttentionBackend):
@@ -53,8 +54,8 @@ class CPUAttentionMetadata(ReferenceAttentionMetadata):
     block_size)``); the impl passes its int32 copies to the kernel."""
 
 
-def _int32(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.int32).contiguous()
+def _int32(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t.to(device=device, dtype=torch.int32).contiguous()
 
 
 class CPUAttentionImpl(ReferenceAttentionImpl):
@@ -63,6 +64,27 @@ class CPUAttentionImpl(ReferenceAttentionImpl):
     set: ``"auto"`` or one of :func:`vllm._custom_ops.paged_attention_simd_levels`."""
 
     simd: str = "auto"
+
+    def _check_forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: ReferenceAttentionMetadata,
+        output: torch.Tensor | None,
+    ) -> CheckedForward:
+        """The reference impl's checks plus :attr:`simd`, so that the kernel's own checks cannot
+        fail once the new tokens are written."""
+        from vllm import _custom_ops as ops
+
+        levels = ops.paged_attention_simd_levels()
+        if self.simd != "auto" and self.simd not in levels:
+            raise ValueError(
+                f"simd: expected 'auto' or one of {', '.join(levels)}, got {self.simd!r}"
+            )
+        return super()._check_forward(layer, query, key, value, kv_cache, attn_metadata, output)
 
     def forward(
         self,
@@ -78,12 +100,13 @@ class CPUAttentionImpl(ReferenceAttentionImpl):
         as :meth:`ReferenceAttentionImpl.forward` (same arguments, result and errors)."""
         from vllm import _custom_ops as ops
 
-        checked = self._check_forward(layer, query, key, value, kv_cache, attn_metadata, output)
+        checked = self._begin_forward(layer, query, key, value, kv_cache, attn_metadata, output)
         query = checked.query if checked.query.stride(-1) == 1 else checked.query.contiguous()
         output = checked.output
         target = output
         if output.stride(-1) != 1:
             target = torch.empty(output.shape, dtype=output.dtype, device=output.device)
+        device = checked.key_cache.device
         sinks = None
         if self.sinks is not None:
             sinks = self.sinks.to(device=query.device, dtype=torch.float32).contiguous()
@@ -92,9 +115,9 @@ class CPUAttentionImpl(ReferenceAttentionImpl):
             query,
             checked.key_cache,
             checked.value_cache,
-            _int32(attn_metadata.block_table),
-            _int32(attn_metadata.seq_lens),
-            _int32(attn_metadata.query_start_loc),
+            _int32(attn_metadata.block_table, device),
+            _int32(attn_metadata.seq_lens, device),
+            _int32(attn_metadata.query_start_loc, device),
             self.kv_cache_dtype,
             checked.k_scale.contiguous(),  # already [1] or [H]: _check_forward applied the rule
             checked.v_scale.contiguous(),

@@ -11,8 +11,6 @@ linear or interleave4 block scales, K and V layouts independent), then attends i
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -21,6 +19,7 @@ from vllm.kv_quant import (
     Fp8Format,
     ScaleLayout,
     fp8_read_cache,
+    interleave4_index,
     kv_scale_as_1d,
     nvfp4_read_cache,
 )
@@ -34,7 +33,12 @@ from vllm.v1.attention.backends.abstract import (
     kv_cache_dim,
     paged_kv_cache_shape,
 )
-from vllm.v1.attention.backends.utils import compute_slot_mapping, split_kv_cache
+from vllm.v1.attention.backends.reference_metadata import (
+    CheckedForward,
+    ReferenceAttentionMetadata,
+    as_int_list,
+)
+from vllm.v1.attention.backends.utils import check_sequences, key_window, split_kv_cache
 from vllm.v1.kv_cache_format import cache_dtype_names, lookup
 
 
@@ -77,101 +81,6 @@ class ReferenceAttentionBackend(AttentionBackend):
     @staticmethod
     def get_metadata_cls() -> type[ReferenceAttentionMetadata]:
         return ReferenceAttentionMetadata
-
-
-def _as_int_list(values: Sequence[int] | torch.Tensor, name: str) -> list[int]:
-    if isinstance(values, torch.Tensor):
-        if values.dim() != 1:
-            raise ValueError(f"{name}: expected a 1-D tensor, got shape {list(values.shape)}")
-        return [int(v) for v in values.tolist()]
-    return [int(v) for v in values]
-
-
-@dataclass
-class ReferenceAttentionMetadata:
-    """Batch metadata in upstream style.
-
-    Sequence ``i`` has ``seq_lens[i]`` tokens in the cache (its new ones included) and
-    ``q_len_i = query_start_loc[i+1] - query_start_loc[i]`` query tokens, at positions
-    ``seq_lens[i] - q_len_i .. seq_lens[i] - 1``. ``block_table[i, j]`` is the cache page
-    (of ``N`` = the cache's page size in tokens) holding positions ``j*N .. j*N + N-1``.
-    ``slot_mapping [num_actual_tokens]`` (int64) is where each new token's K/V is written.
-    """
-
-    num_actual_tokens: int
-    max_query_len: int
-    query_start_loc: torch.Tensor
-    max_seq_len: int
-    seq_lens: torch.Tensor
-    block_table: torch.Tensor
-    slot_mapping: torch.Tensor
-    causal: bool = True
-
-    @classmethod
-    def build(
-        cls,
-        seq_lens: Sequence[int] | torch.Tensor,
-        query_lens: Sequence[int] | torch.Tensor,
-        block_table: torch.Tensor,
-        block_size: int,
-        causal: bool = True,
-    ) -> ReferenceAttentionMetadata:
-        """Metadata for sequences of ``seq_lens`` tokens whose last ``query_lens`` tokens are
-        new; ``block_table [num_seqs, max_blocks]`` in pages of ``block_size`` tokens."""
-        seqs = _as_int_list(seq_lens, "seq_lens")
-        queries = _as_int_list(query_lens, "query_lens")
-        if len(seqs) != len(queries):
-            raise ValueError(
-                f"query_lens: expected {len(seqs)} entries (one per sequence), got {len(queries)}"
-            )
-        for i, (s, q) in enumerate(zip(seqs, queries, strict=True)):
-            if q < 0 or s < q:
-                raise ValueError(
-                    f"query_lens: sequence {i} has {s} tokens and {q} query tokens; expected "
-                    "0 <= query_len <= seq_len"
-                )
-        if block_table.dim() != 2 or block_table.shape[0] != len(seqs):
-            raise ValueError(
-                f"block_table: expected shape [{len(seqs)}, max_blocks], "
-                f"got {list(block_table.shape)}"
-            )
-        device = block_table.device
-        qsl = [0]
-        for q in queries:
-            qsl.append(qsl[-1] + q)
-        positions = torch.cat(
-            [torch.arange(s - q, s, dtype=torch.int64) for s, q in zip(seqs, queries, strict=True)]
-            + [torch.zeros(0, dtype=torch.int64)]
-        ).to(device)
-        req_indices = torch.repeat_interleave(
-            torch.arange(len(seqs), dtype=torch.int64), torch.tensor(queries, dtype=torch.int64)
-        ).to(device)
-        slot_mapping = compute_slot_mapping(block_table, positions, block_size, req_indices)
-        return cls(
-            num_actual_tokens=qsl[-1],
-            max_query_len=max(queries, default=0),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-            max_seq_len=max(seqs, default=0),
-            seq_lens=torch.tensor(seqs, dtype=torch.int32, device=device),
-            block_table=block_table,
-            slot_mapping=slot_mapping,
-            causal=causal,
-        )
-
-
-@dataclass(frozen=True)
-class CheckedForward:
-    """The validated inputs of a forward call: ``query [T, Hq, D]``, the cache sides, the output
-    ``[T, Hq, Dv]``, fp32 scales (``[1]`` or ``[Hkv]``) and the metadata as int lists."""
-
-    query: torch.Tensor
-    key_cache: torch.Tensor
-    value_cache: torch.Tensor
-    output: torch.Tensor
-    k_scale: torch.Tensor
-    v_scale: torch.Tensor
-    query_start_loc: list[int]
-    seq_lens: list[int]
 
 
 def _gather_pages(side: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
@@ -421,8 +330,9 @@ class ReferenceAttentionImpl(AttentionImpl):
         attn_metadata: ReferenceAttentionMetadata,
         output: torch.Tensor | None,
     ) -> CheckedForward:
-        """Validate :meth:`forward`'s arguments, write ``key`` / ``value`` when given, and
-        return the normalised inputs (``output`` allocated when ``None``)."""
+        """Validate every argument of :meth:`forward` (nothing is written here) and return the
+        normalised inputs (``output`` allocated when ``None``). ``key`` / ``value`` themselves
+        are checked by the writer, before it writes anything."""
         if (key is None) != (value is None):
             raise ValueError("key, value: pass both (to write them first) or neither")
         if query.dim() == 2:
@@ -432,6 +342,11 @@ class ReferenceAttentionImpl(AttentionImpl):
                 f"query: expected shape [T, {self.num_heads}, {self.head_size}], "
                 f"got {list(query.shape)}"
             )
+        supported = ReferenceAttentionBackend.supported_dtypes
+        if query.dtype not in supported:
+            raise ValueError(
+                f"query: expected one of {', '.join(map(str, supported))}, got {query.dtype}"
+            )
         key_cache, value_cache = split_kv_cache(kv_cache)
         self._check_side(key_cache, "key_cache", self.head_size)
         self._check_side(value_cache, "value_cache", self.head_size_v)
@@ -440,6 +355,9 @@ class ReferenceAttentionImpl(AttentionImpl):
                 f"value_cache: expected {list(key_cache.shape[:2])} pages x tokens like "
                 f"key_cache, got {list(value_cache.shape[:2])}"
             )
+        num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
+        if self._is_nvfp4:
+            self._check_scale_layouts(block_size)
         device = key_cache.device
         if query.device != device:
             raise ValueError(f"query: expected device {device} (the cache's), got {query.device}")
@@ -447,40 +365,79 @@ class ReferenceAttentionImpl(AttentionImpl):
         if self.kv_cache_format.is_quantized:
             k_scale = self._check_scale(layer._k_scale, "k_scale").to(device)
             v_scale = self._check_scale(layer._v_scale, "v_scale").to(device)
-        if key is not None and value is not None:
-            self.do_kv_cache_update(layer, key, value, kv_cache, attn_metadata.slot_mapping)
 
         num_tokens = attn_metadata.num_actual_tokens
+        if num_tokens > query.shape[0]:
+            raise ValueError(
+                f"query: expected at least num_actual_tokens={num_tokens} rows, "
+                f"got {query.shape[0]}"
+            )
         if output is None:
             output = torch.zeros(
                 query.shape[0], self.num_heads, self.head_size_v, dtype=query.dtype, device=device
             )
-        elif output.dim() != 3 or tuple(output.shape[1:]) != (self.num_heads, self.head_size_v):
-            raise ValueError(
-                f"output: expected shape [T, {self.num_heads}, {self.head_size_v}], "
-                f"got {list(output.shape)}"
-            )
-        qsl = _as_int_list(attn_metadata.query_start_loc, "query_start_loc")
-        seq_lens = _as_int_list(attn_metadata.seq_lens, "seq_lens")
+        else:
+            self._check_output(output, query, num_tokens)
+        qsl = as_int_list(attn_metadata.query_start_loc, "query_start_loc")
+        seq_lens = as_int_list(attn_metadata.seq_lens, "seq_lens")
         block_table = attn_metadata.block_table
         if len(qsl) != len(seq_lens) + 1 or qsl[0] != 0 or qsl[-1] != num_tokens:
             raise ValueError(
                 f"query_start_loc: expected {len(seq_lens) + 1} entries from 0 to "
                 f"num_actual_tokens={num_tokens}, got {qsl}"
             )
-        if num_tokens > query.shape[0]:
-            raise ValueError(
-                f"query: expected at least num_actual_tokens={num_tokens} rows, "
-                f"got {query.shape[0]}"
-            )
         if block_table.dim() != 2 or block_table.shape[0] < len(seq_lens):
             raise ValueError(
                 f"block_table: expected shape [{len(seq_lens)}, max_blocks], "
                 f"got {list(block_table.shape)}"
             )
+        check_sequences(qsl, seq_lens, block_table, block_size, num_blocks, self.sliding_window)
         return CheckedForward(
             query, key_cache, value_cache, output, k_scale, v_scale, qsl, seq_lens
         )
+
+    def _check_output(self, output: torch.Tensor, query: torch.Tensor, num_tokens: int) -> None:
+        if output.dim() != 3 or tuple(output.shape[1:]) != (self.num_heads, self.head_size_v):
+            raise ValueError(
+                f"output: expected shape [T, {self.num_heads}, {self.head_size_v}], "
+                f"got {list(output.shape)}"
+            )
+        if output.shape[0] < num_tokens:
+            raise ValueError(
+                f"output: expected at least num_actual_tokens={num_tokens} rows, "
+                f"got {output.shape[0]}"
+            )
+        if output.dtype != query.dtype or output.device != query.device:
+            raise ValueError(
+                f"output: expected dtype {query.dtype} on {query.device} (the query's), "
+                f"got {output.dtype} on {output.device}"
+            )
+
+    def _check_scale_layouts(self, block_size: int) -> None:
+        """The NVFP4 scale layouts fit pages of ``block_size`` tokens (interleave4's needs)."""
+        group = self.kv_cache_format.block_scale_group
+        assert group is not None
+        k_layout, v_layout = self.scale_layouts(block_size)
+        for layout, head_size in ((k_layout, self.head_size), (v_layout, self.head_size_v)):
+            if layout is ScaleLayout.INTERLEAVE4:
+                interleave4_index(block_size, head_size // group)
+
+    def _begin_forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: ReferenceAttentionMetadata,
+        output: torch.Tensor | None,
+    ) -> CheckedForward:
+        """:meth:`_check_forward`, then (only once every argument has passed) the write of
+        ``key`` / ``value`` at ``attn_metadata.slot_mapping`` when given."""
+        checked = self._check_forward(layer, query, key, value, kv_cache, attn_metadata, output)
+        if key is not None and value is not None:
+            self.do_kv_cache_update(layer, key, value, kv_cache, attn_metadata.slot_mapping)
+        return checked
 
     def forward(
         self,
@@ -498,7 +455,7 @@ class ReferenceAttentionImpl(AttentionImpl):
         ``attn_metadata.slot_mapping``. Returns ``[T, num_heads, head_size_v]`` in the query
         dtype (written into ``output`` when given; rows past ``num_actual_tokens`` untouched).
         """
-        checked = self._check_forward(layer, query, key, value, kv_cache, attn_metadata, output)
+        checked = self._begin_forward(layer, query, key, value, kv_cache, attn_metadata, output)
         query, key_cache, value_cache, output = (
             checked.query,
             checked.key_cache,
@@ -509,7 +466,7 @@ class ReferenceAttentionImpl(AttentionImpl):
         qsl, seq_lens = checked.query_start_loc, checked.seq_lens
         block_table = attn_metadata.block_table
         device = key_cache.device
-        num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
+        block_size = key_cache.shape[1]
         k_layout, v_layout = self.scale_layouts(block_size)
         block_table = block_table.to(device=device, dtype=torch.int64)
 
@@ -518,28 +475,10 @@ class ReferenceAttentionImpl(AttentionImpl):
             q_len = q_end - q_start
             if q_len == 0:
                 continue
-            if q_len < 0 or q_len > seq_len:
-                raise ValueError(
-                    f"seq_lens: sequence {i} has {seq_len} tokens but {q_len} query tokens"
-                )
             first_q = seq_len - q_len
-            first_key = 0
-            if self.sliding_window is not None:
-                first_key = max(0, first_q - self.sliding_window + 1)
-            last_key = seq_len - 1
+            first_key, last_key = key_window(seq_len, q_len, self.sliding_window)
             p0, p1 = first_key // block_size, last_key // block_size
-            if p1 >= block_table.shape[1]:
-                raise ValueError(
-                    f"block_table: sequence {i} of {seq_len} tokens needs {p1 + 1} pages of "
-                    f"{block_size} tokens, the table has {block_table.shape[1]} columns"
-                )
             pages = block_table[i, p0 : p1 + 1]
-            lo, hi = int(pages.min()), int(pages.max())
-            if lo < 0 or hi >= num_blocks:
-                raise ValueError(
-                    f"block_table: sequence {i} uses pages [{lo}, {hi}], the cache has "
-                    f"{num_blocks} pages"
-                )
             start = first_key - p0 * block_size
             stop = last_key + 1 - p0 * block_size
             k = self._dequantize(_gather_pages(key_cache, pages), k_scale, self.head_size, k_layout)

@@ -201,3 +201,59 @@ def split_kv_cache(
             f"got {shape}"
         )
     return kv_cache[:, 0], kv_cache[:, 1]
+
+
+def key_window(seq_len: int, query_len: int, sliding_window: int | None) -> tuple[int, int]:
+    """First and last key position read by the last ``query_len`` queries of a sequence of
+    ``seq_len`` tokens; with a sliding window ``W`` the query at ``p`` sees ``(p - W, p]``."""
+    first_query = seq_len - query_len
+    first_key = 0 if sliding_window is None else max(0, first_query - sliding_window + 1)
+    return first_key, seq_len - 1
+
+
+def check_sequences(
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    block_table: torch.Tensor,
+    block_size: int,
+    num_blocks: int,
+    sliding_window: int | None,
+) -> None:
+    """Per-sequence checks of paged-attention metadata, before anything is written or read:
+    ``0 <= query_len <= seq_len``, a table column for every page a sequence reads, and page ids
+    in ``[0, num_blocks)`` wherever a sequence reads (``ValueError`` naming the argument)."""
+    rows, first_pages, last_pages = [], [], []
+    for i, seq_len in enumerate(seq_lens):
+        q_len = query_start_loc[i + 1] - query_start_loc[i]
+        if q_len < 0 or q_len > seq_len:
+            raise ValueError(
+                f"seq_lens: sequence {i} has {seq_len} tokens but {q_len} query tokens"
+            )
+        if q_len == 0:
+            continue
+        first_key, last_key = key_window(seq_len, q_len, sliding_window)
+        if last_key // block_size >= block_table.shape[1]:
+            raise ValueError(
+                f"block_table: sequence {i} of {seq_len} tokens needs "
+                f"{last_key // block_size + 1} pages of {block_size} tokens, the table has "
+                f"{block_table.shape[1]} columns"
+            )
+        rows.append(i)
+        first_pages.append(first_key // block_size)
+        last_pages.append(last_key // block_size)
+    if not rows:
+        return
+    device = block_table.device
+    pages = block_table[torch.tensor(rows, device=device)]
+    columns = torch.arange(block_table.shape[1], device=device)
+    used = (columns >= torch.tensor(first_pages, device=device)[:, None]) & (
+        columns <= torch.tensor(last_pages, device=device)[:, None]
+    )
+    bad = (used & ((pages < 0) | (pages >= num_blocks))).any(dim=1)
+    if bool(bad.any()):
+        k = int(bad.nonzero()[0, 0])
+        read = pages[k][used[k]]
+        raise ValueError(
+            f"block_table: sequence {rows[k]} uses pages [{int(read.min())}, {int(read.max())}], "
+            f"the cache has {num_blocks} pages"
+        )

@@ -1,0 +1,106 @@
+"""Metadata of the reference (and ``CPU_ATTN``) attention backend and the validated inputs of
+a forward call."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from vllm.v1.attention.backends.utils import compute_slot_mapping
+
+
+def as_int_list(values: Sequence[int] | torch.Tensor, name: str) -> list[int]:
+    if isinstance(values, torch.Tensor):
+        if values.dim() != 1:
+            raise ValueError(f"{name}: expected a 1-D tensor, got shape {list(values.shape)}")
+        return [int(v) for v in values.tolist()]
+    return [int(v) for v in values]
+
+
+@dataclass
+class ReferenceAttentionMetadata:
+    """Batch metadata in upstream style.
+
+    Sequence ``i`` has ``seq_lens[i]`` tokens in the cache (its new ones included) and
+    ``q_len_i = query_start_loc[i+1] - query_start_loc[i]`` query tokens, at positions
+    ``seq_lens[i] - q_len_i .. seq_lens[i] - 1``. ``block_table[i, j]`` is the cache page
+    (of ``N`` = the cache's page size in tokens) holding positions ``j*N .. j*N + N-1``.
+    ``slot_mapping [num_actual_tokens]`` (int64) is where each new token's K/V is written.
+    """
+
+    num_actual_tokens: int
+    max_query_len: int
+    query_start_loc: torch.Tensor
+    max_seq_len: int
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    causal: bool = True
+
+    @classmethod
+    def build(
+        cls,
+        seq_lens: Sequence[int] | torch.Tensor,
+        query_lens: Sequence[int] | torch.Tensor,
+        block_table: torch.Tensor,
+        block_size: int,
+        causal: bool = True,
+    ) -> ReferenceAttentionMetadata:
+        """Metadata for sequences of ``seq_lens`` tokens whose last ``query_lens`` tokens are
+        new; ``block_table [num_seqs, max_blocks]`` in pages of ``block_size`` tokens."""
+        seqs = as_int_list(seq_lens, "seq_lens")
+        queries = as_int_list(query_lens, "query_lens")
+        if len(seqs) != len(queries):
+            raise ValueError(
+                f"query_lens: expected {len(seqs)} entries (one per sequence), got {len(queries)}"
+            )
+        for i, (s, q) in enumerate(zip(seqs, queries, strict=True)):
+            if q < 0 or s < q:
+                raise ValueError(
+                    f"query_lens: sequence {i} has {s} tokens and {q} query tokens; expected "
+                    "0 <= query_len <= seq_len"
+                )
+        if block_table.dim() != 2 or block_table.shape[0] != len(seqs):
+            raise ValueError(
+                f"block_table: expected shape [{len(seqs)}, max_blocks], "
+                f"got {list(block_table.shape)}"
+            )
+        device = block_table.device
+        qsl = [0]
+        for q in queries:
+            qsl.append(qsl[-1] + q)
+        positions = torch.cat(
+            [torch.arange(s - q, s, dtype=torch.int64) for s, q in zip(seqs, queries, strict=True)]
+            + [torch.zeros(0, dtype=torch.int64)]
+        ).to(device)
+        req_indices = torch.repeat_interleave(
+            torch.arange(len(seqs), dtype=torch.int64), torch.tensor(queries, dtype=torch.int64)
+        ).to(device)
+        slot_mapping = compute_slot_mapping(block_table, positions, block_size, req_indices)
+        return cls(
+            num_actual_tokens=qsl[-1],
+            max_query_len=max(queries, default=0),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+            max_seq_len=max(seqs, default=0),
+            seq_lens=torch.tensor(seqs, dtype=torch.int32, device=device),
+            block_table=block_table,
+            slot_mapping=slot_mapping,
+            causal=causal,
+        )
+
+
+@dataclass(frozen=True)
+class CheckedForward:
+    """The validated inputs of a forward call: ``query [T, Hq, D]``, the cache sides, the output
+    ``[T, Hq, Dv]``, fp32 scales (``[1]`` or ``[Hkv]``) and the metadata as int lists."""
+
+    query: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    output: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    query_start_loc: list[int]
+    seq_lens: list[int]
