@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from vllm.kv_quant.fp8 import dequantize_fp8, fp8_format_from_cache_dtype, quantize_fp8
 from vllm.kv_quant.kv_scale import kv_scale_as_1d
@@ -45,6 +46,34 @@ def _load_extension() -> None:
 _load_extension()
 
 
+def _is_abstract(t: torch.Tensor) -> bool:
+    return t.is_meta or is_fake(t)
+
+
+def _reject_real_and_meta(
+    tensors: dict[str, torch.Tensor | None], reference: str, same_device: bool = True
+) -> None:
+    """The fake kernels run whenever one argument is on ``meta`` (the dispatcher ranks Meta
+    above every real device), so a real cache with a meta argument would write nothing and
+    return. Shape propagation and ``torch.compile`` pass only meta / fake tensors; a mix of
+    real and meta tensors is a caller bug: ``RuntimeError`` naming the first odd argument."""
+    given = {name: t for name, t in tensors.items() if t is not None}
+    abstract = {name for name, t in given.items() if _is_abstract(t)}
+    if not abstract or len(abstract) == len(given):
+        return
+    ref = given[reference]
+    if reference in abstract:
+        name = next(n for n in given if n not in abstract)
+        raise RuntimeError(
+            f"{name}: expected a meta tensor ({reference} is on meta: shape propagation), "
+            f"got a tensor on {given[name].device}"
+        )
+    name = next(n for n in given if n in abstract)
+    if same_device:
+        raise RuntimeError(f"{name}: expected device {ref.device} ({reference}'s device), got meta")
+    raise RuntimeError(f"{name}: expected a real device ({reference} is on {ref.device}), got meta")
+
+
 @torch.library.register_fake("_C_cache_ops::reshape_and_cache_flash")
 def _reshape_and_cache_flash_fake(
     key: torch.Tensor,
@@ -58,6 +87,18 @@ def _reshape_and_cache_flash_fake(
     k_scale_layout: str | None = None,
     v_scale_layout: str | None = None,
 ) -> None:
+    _reject_real_and_meta(
+        dict(
+            key_cache=key_cache,
+            key=key,
+            value=value,
+            value_cache=value_cache,
+            slot_mapping=slot_mapping,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        ),
+        "key_cache",
+    )
     # Same dtype and scale rules as the compiled op, so that tracing rejects what it would.
     check_kernel_support(kv_cache_dtype)
     kv_scale_as_1d(k_scale, "k_scale", key.shape[1])
@@ -69,7 +110,9 @@ def _reshape_and_cache_flash_fake(
 def _swap_blocks_fake(
     src: torch.Tensor, dst: torch.Tensor, block_size_in_bytes: int, block_mapping: torch.Tensor
 ) -> None:
-    return None
+    _reject_real_and_meta(
+        dict(dst=dst, src=src, block_mapping=block_mapping), "dst", same_device=False
+    )
 
 
 @torch.library.register_fake("_C_cache_ops::paged_attention")
@@ -93,7 +136,21 @@ def _paged_attention_fake(
     v_scale_layout: str | None = None,
     simd: str = "auto",
 ) -> None:
-    return None
+    _reject_real_and_meta(
+        dict(
+            key_cache=key_cache,
+            out=out,
+            query=query,
+            value_cache=value_cache,
+            block_table=block_table,
+            seq_lens=seq_lens,
+            query_start_loc=query_start_loc,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            sinks=sinks,
+        ),
+        "key_cache",
+    )
 
 
 def check_kernel_support(kv_cache_dtype: str) -> None:

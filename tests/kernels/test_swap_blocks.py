@@ -147,3 +147,20 @@ def test_mapping_must_be_on_cpu() -> None:
     src, dst = _random_bytes(1024, 13, "cuda"), _random_bytes(1024, 14, "cpu")
     with pytest.raises(RuntimeError, match=r"block_mapping: expected a CPU tensor"):
         ops.swap_blocks(src, dst, 256, torch.tensor([[0, 1]], device="cuda"))
+
+
+def test_meta_arguments() -> None:
+    """All tensors on meta (shape propagation) is fine; a real tensor next to a meta one is an
+    error naming the argument (the dispatcher would run the fake kernel and copy nothing)."""
+    src, dst = _random_bytes(1024, 17, "cpu"), _random_bytes(1024, 18, "cpu")
+    mapping = torch.tensor([[0, 1]], dtype=torch.int64)
+    ops.swap_blocks(src.to("meta"), dst.to("meta"), 256, mapping.to("meta"))
+    before = dst.clone()
+    for args, message in [
+        ((src.to("meta"), dst, 256, mapping), r"src: expected a real device \(dst is on cpu\)"),
+        ((src, dst, 256, mapping.to("meta")), r"block_mapping: expected a real device .*got meta"),
+        ((src, dst.to("meta"), 256, mapping), r"src: expected a meta tensor \(dst is on meta"),
+    ]:
+        with pytest.raises(RuntimeError, match=message):
+            torch.ops._C_cache_ops.swap_blocks(*args)
+    assert torch.equal(dst, before)

@@ -498,6 +498,9 @@ def test_op_errors_name_the_argument() -> None:
         (dict(sliding_window=-1), r"sliding_window: expected a window in tokens"),
         (dict(query_start_loc=torch.tensor([0, 37, 60, 44], dtype=torch.int32)), r"seq_lens: "),
         (dict(query=query[:5]), r"query: expected at least 44 rows"),
+        # A meta argument selects the fake kernel, which must not return without a word.
+        (dict(out=out.to("meta")), r"out: expected device cpu \(key_cache's device\), got meta"),
+        (dict(block_table=metadata.block_table.to("meta")), r"block_table: expected device cpu"),
     ]:
         with pytest.raises((RuntimeError, ValueError), match=pattern):
             ops.paged_attention(**{**args, **change})
