@@ -4,8 +4,10 @@
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
+#include <cstdint>
 #include <sstream>
 #include <vector>
 
@@ -184,6 +186,36 @@ bool check_scale(const at::Tensor& scale, const char* name, int64_t heads) {
   return true;
 }
 
+// Pages (b of key_cache, b' of value_cache) that share a byte, if any. Each side's pages are dense
+// regions (make_side) of N*H*D' elements, page_stride bytes apart. Exact when both sides have the
+// same page stride (one buffer split into K and V, as upstream's kv_cache[:, 0] / kv_cache[:, 1],
+// or two buffers); otherwise only the same start address is found.
+std::optional<std::pair<int64_t, int64_t>> overlapping_pages(const at::Tensor& key_cache,
+                                                             const at::Tensor& value_cache) {
+  if (key_cache.numel() == 0 || value_cache.numel() == 0) return std::nullopt;
+  const auto page_bytes = [](const at::Tensor& t) {
+    return t.size(1) * t.size(2) * t.size(3) * int64_t(t.element_size());
+  };
+  const auto page_stride = [&](const at::Tensor& t) {
+    return t.size(0) <= 1 ? page_bytes(t) : t.stride(0) * int64_t(t.element_size());
+  };
+  // value_cache's start minus key_cache's, in bytes.
+  const int64_t d = int64_t(reinterpret_cast<intptr_t>(value_cache.data_ptr()) -
+                            reinterpret_cast<intptr_t>(key_cache.data_ptr()));
+  if (d == 0) return std::pair<int64_t, int64_t>{0, 0};
+  const int64_t stride = page_stride(key_cache);
+  const int64_t blocks = key_cache.size(0);
+  if (stride != page_stride(value_cache) && blocks > 1) return std::nullopt;
+  // Page b of K and b' of V overlap iff m = b - b' has m * stride in (d - Pk, d + Pv).
+  const int64_t low = d - page_bytes(key_cache);
+  int64_t m = low / stride;
+  if (low % stride != 0 && low < 0) --m;  // floor
+  m = std::max<int64_t>(m + 1, 1 - blocks);
+  if (m > blocks - 1 || m * stride >= d + page_bytes(value_cache)) return std::nullopt;
+  const int64_t value_page = std::max<int64_t>(0, -m);
+  return std::pair<int64_t, int64_t>{value_page + m, value_page};
+}
+
 void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& key_cache) {
   TORCH_CHECK(t.device() == key_cache.device(), name, ": expected device ", key_cache.device(),
               " (key_cache's device), got ", t.device());
@@ -296,6 +328,12 @@ ReshapeAndCacheParams prepare_reshape_and_cache_flash(
                           k_per_head, k_layout);
   p.value_cache = make_side(value_cache, "value_cache", head_size_v, cache_last_dim(head_size_v),
                             v_scale, v_per_head, v_layout);
+  if (const auto pages = overlapping_pages(key_cache, value_cache)) {
+    TORCH_CHECK(false,
+                "value_cache: expected a different tensor from key_cache, got the same bytes "
+                "(value_cache page ",
+                pages->second, " overlaps key_cache page ", pages->first, ")");
+  }
   return p;
 }
 

@@ -708,6 +708,21 @@ BAD_INPUTS = [
      r"k_scale: expected finite values > 0 .*got k_scale\[0\] = inf", True),
     ("v_scale_negative", "fp8_e4m3", _set(v_scale=lambda c: -c.v_scale),
      r"v_scale: expected finite values > 0", True),
+    # A meta argument makes the dispatcher pick the fake kernel: it must not return silently.
+    ("key_on_meta", "fp8", _set(key=lambda c: c.key.to("meta")),
+     r"key: expected device (cpu|cuda:0) \(key_cache's device\), got meta", False),
+    ("slot_mapping_on_meta", "nvfp4", _set(slot_mapping=lambda c: c.slot_mapping.to("meta")),
+     r"slot_mapping: expected device (cpu|cuda:0) \(key_cache's device\), got meta", False),
+    ("k_scale_on_meta", "auto", _set(k_scale=lambda c: c.k_scale.to("meta")),
+     r"k_scale: expected device (cpu|cuda:0) \(key_cache's device\), got meta", False),
+    ("v_scale_on_meta", "nvfp4", _set(v_scale=lambda c: c.v_scale.to("meta")),
+     r"v_scale: expected device (cpu|cuda:0) \(key_cache's device\), got meta", False),
+    ("value_cache_is_key_cache", "fp8", _set(value_cache=lambda c: c.key_cache),
+     r"value_cache: expected a different tensor from key_cache, got the same bytes "
+     r"\(value_cache page 0 overlaps key_cache page 0\)", False),
+    ("value_cache_views_key_cache", "nvfp4",
+     _set(value_cache=lambda c: c.key_cache.view(c.key_cache.shape)),
+     r"value_cache: expected a different tensor from key_cache, got the same bytes", False),
 ]  # fmt: skip
 
 
@@ -765,4 +780,68 @@ def test_debug_checks_reject_bad_scales(
         monkeypatch.setenv(ops.DEBUG_CHECKS_ENV, "1")
     with pytest.raises(ValueError, match=r"v_scale: expected finite values > 0 .*v_scale\[1\] = 0"):
         ops.reshape_and_cache_flash(*case.args(), debug_checks=None if via_env else True)
+    assert_bytes_equal(case.buffers, before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("hnd", [False, True], ids=["NHD", "HND"])
+def test_cache_sides_sharing_bytes(device: str, hnd: bool) -> None:
+    """Upstream's kv_cache[:, 0] / kv_cache[:, 1] (distinct views of one buffer) are accepted
+    (every other test writes them); sides whose pages share bytes are not, even when shifted by
+    whole or partial pages, and nothing is written."""
+    case = make_case(device, "auto", torch.bfloat16, num_blocks=6, hnd=hnd)
+    kv = case.key_cache.unflatten(0, (3, 2))  # pages 2b and 2b + 1 of key_cache
+    half_page = case.key_cache[0].numel() // 2
+    sides = [
+        (kv[:, 0], kv[:, 1], None),  # interleaved pages: accepted; else (V page, K page) shared
+        (kv[:, 1], kv[:, 0], None),
+        (case.key_cache[1:4], case.key_cache[:3], (1, 0)),  # V page 1 is K page 0
+        (case.key_cache[:3], case.key_cache[2:5], (0, 2)),  # V page 0 is K page 2
+        (
+            case.key_cache[:3],
+            case.key_cache.as_strided(
+                (3, *case.key_cache.shape[1:]),
+                case.key_cache.stride(),
+                case.key_cache.storage_offset() + half_page,
+            ),
+            (0, 0),
+        ),
+    ]
+    case.slot_mapping = make_slots(40, 3 * 16, 7, torch.Generator().manual_seed(1), device)
+    for key_cache, value_cache, pages in sides:
+        case.key_cache, case.value_cache = key_cache, value_cache
+        if pages is None:
+            check_against_reference(case)
+            continue
+        before = case.snapshot()
+        v_page, k_page = pages
+        with pytest.raises(
+            RuntimeError,
+            match=rf"value_cache: expected a different tensor from key_cache, got the same bytes "
+            rf"\(value_cache page {v_page} overlaps key_cache page {k_page}\)",
+        ):
+            case.run()
+        assert_bytes_equal(case.buffers, before)
+
+
+def test_meta_tensors() -> None:
+    """All tensors on meta (shape propagation) is fine, directly through torch.ops too; a meta
+    cache side with real other arguments, or the reverse, is an error naming the argument."""
+    case = make_case("cpu", "nvfp4", torch.bfloat16, num_tokens=8, per_head_scale=True)
+    op = torch.ops._C_cache_ops.reshape_and_cache_flash
+    args = list(case.args())
+    meta = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in args]
+    op(*meta)
+    ops.reshape_and_cache_flash(*meta)
+    before = case.snapshot()
+    value_cache_on_meta = args[:3] + [args[3].to("meta")] + args[4:]
+    with pytest.raises(
+        RuntimeError, match=r"value_cache: expected device cpu \(key_cache's device\), got meta"
+    ):
+        op(*value_cache_on_meta)
+    only_key_cache_on_meta = args[:2] + [args[2].to("meta")] + args[3:]
+    with pytest.raises(
+        RuntimeError, match=r"key: expected a meta tensor \(key_cache is on meta.*got .* cpu"
+    ):
+        op(*only_key_cache_on_meta)
     assert_bytes_equal(case.buffers, before)
