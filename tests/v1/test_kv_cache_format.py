@@ -161,6 +161,8 @@ def test_spec_format_property() -> None:
     assert mla.kv_cache_format is lookup("fp8_ds_mla") and mla.page_size_bytes == 64 * 584
     with pytest.raises(ValueError, match="dtype: no KV-cache format stores NVFP4 caches as"):
         format_for_storage(KVQuantMode.NVFP4, torch.float16)
+    with pytest.raises(ValueError, match=r"dtype: expected a KV-cache storage dtype .*int32"):
+        format_for_storage(KVQuantMode.NONE, torch.int32)  # no format stores int32
 
 
 def test_registration_rules() -> None:

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from kv_cache_test_utils import dsv4_spec
 
 from vllm.utils.torch_utils import nvfp4_kv_cache_full_dim
+from vllm.v1.kv_cache_format import KVCacheFormat, registered_format, storage_dtypes
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -101,6 +102,64 @@ def test_quantized_spec_needs_byte_storage() -> None:
 def test_positive_fields(field: str) -> None:
     with pytest.raises(ValueError, match=f"{field}: expected a positive int"):
         _spec(FullAttentionSpec, **{field: 0})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(dtype="bfloat16"), r"dtype: expected a torch.dtype, got 'bfloat16' \(str\)"),
+        (dict(dtype=None), r"dtype: expected a torch.dtype, got None \(NoneType\)"),
+        (
+            dict(dtype=torch.int32),
+            r"dtype: expected a KV-cache storage dtype \(torch.float16, torch.bfloat16, "
+            r"torch.float32, torch.uint8\), got torch.int32",
+        ),
+        (dict(dtype=torch.float64), r"dtype: expected a KV-cache storage dtype .*torch.float64"),
+        (dict(kv_quant_mode=1), r"kv_quant_mode: expected a KVQuantMode, got 1 \(int\)"),
+    ],
+    ids=["str", "none", "int32", "float64", "int_mode"],
+)
+@pytest.mark.parametrize("cls", [FullAttentionSpec, SlidingWindowSpec, MLAAttentionSpec])
+def test_dtype_is_a_kv_cache_storage_dtype(cls, kwargs: dict, message: str) -> None:
+    """Checked at construction: a str dtype used to fail later with a TypeError from torch,
+    and an int32 spec allocated an int32 cache."""
+    with pytest.raises(ValueError, match=message):
+        _spec(cls, **kwargs)
+
+
+def test_storage_dtypes_come_from_the_registry() -> None:
+    """A format registered with a new storage dtype makes specs of that dtype valid."""
+    with pytest.raises(ValueError, match="dtype: expected a KV-cache storage dtype"):
+        _spec(FullAttentionSpec, dtype=torch.int16)
+    int16 = KVCacheFormat(
+        name="int16_toy",
+        accepted_names=("int16_toy",),
+        storage_dtype=torch.int16,
+        quant_mode=KVQuantMode.NONE,
+        label="i16",
+    )
+    with registered_format(int16):
+        spec = _spec(FullAttentionSpec, dtype=torch.int16)
+        assert spec.kv_cache_format is int16
+        assert torch.int16 in storage_dtypes()
+    assert torch.int16 not in storage_dtypes()
+
+
+@pytest.mark.parametrize(
+    ("shapes", "dtypes", "message"),
+    [
+        (((-1, 4),), (torch.float32,), r"shapes\[0\]: expected a state shape of positive "
+         r"ints, got \(-1, 4\)"),
+        (((3, 4), (0, 2)), (torch.float32,) * 2, r"shapes\[1\]: .*got \(0, 2\)"),
+        (((3, 4.0),), (torch.float32,), r"shapes\[0\]: .*got \(3, 4.0\)"),
+        (((3, 4),), ("float32",), r"dtypes\[0\]: expected a torch.dtype, got 'float32' \(str\)"),
+    ],
+    ids=["negative", "zero", "float", "str_dtype"],
+)  # fmt: skip
+def test_mamba_spec_fields(shapes, dtypes, message: str) -> None:
+    """MambaSpec(shapes=((-1, 4),)) used to give page_size_bytes == -8."""
+    with pytest.raises(ValueError, match=message):
+        MambaSpec(block_size=16, shapes=shapes, dtypes=dtypes)
 
 
 def test_sliding_window_must_be_positive() -> None:

@@ -52,6 +52,7 @@ __all__ = [
     "nvfp4_packed_dim",
     "register_format",
     "registered_format",
+    "storage_dtypes",
     "torch_dtype_names",
     "unregister_format",
 ]
@@ -247,6 +248,15 @@ def torch_dtype_names() -> dict[str, torch.dtype]:
     return table
 
 
+def storage_dtypes() -> tuple[torch.dtype, ...]:
+    """Every element dtype a KV-cache tensor may have: the storage dtypes of the registered
+    formats (``auto`` stores the model dtype, one of the unquantized ones), in registration
+    order, without repeats."""
+    return tuple(
+        dict.fromkeys(f.storage_dtype for f in _FORMATS.values() if f.storage_dtype is not None)
+    )
+
+
 def find_format(kv_cache_dtype: str) -> KVCacheFormat | None:
     """The format named by ``kv_cache_dtype``, or ``None`` when no format has that name."""
     return _BY_NAME.get(kv_cache_dtype) if isinstance(kv_cache_dtype, str) else None
@@ -289,14 +299,20 @@ def lookup(
 def format_for_storage(quant_mode: KVQuantMode, storage_dtype: torch.dtype) -> KVCacheFormat:
     """The format a spec describes with ``(kv_quant_mode, dtype)``: the first registered
     non-MLA-only format with that mode and storage dtype (FP8 → ``fp8_e4m3``: a spec does not
-    record the FP8 variant, which has the same bytes). An unquantized dtype no format names is
-    ``auto`` (stored as the model dtype, whatever it is); quantized bytes may be viewed as
-    another dtype of the same element size; anything else raises."""
+    record the FP8 variant, which has the same bytes). An unquantized dtype that no unquantized
+    format names but some format stores (:func:`storage_dtypes`) is ``auto``; quantized bytes may
+    be viewed as another dtype of the same element size; anything else raises (``int32``)."""
     candidates = [f for f in _FORMATS.values() if f.quant_mode == quant_mode and not f.mla_only]
     for fmt in candidates:
         if fmt.storage_dtype == storage_dtype:
             return fmt
     if not quant_mode.is_quantized:
+        stored = storage_dtypes()
+        if storage_dtype not in stored:
+            raise ValueError(
+                f"dtype: expected a KV-cache storage dtype ({', '.join(map(str, stored))}), "
+                f"got {storage_dtype}"
+            )
         return _FORMATS["auto"]
     for fmt in candidates:  # quantized bytes viewed as another 1-byte dtype (float8_e4m3fn)
         if fmt.storage_dtype is not None and fmt.storage_dtype.itemsize == storage_dtype.itemsize:

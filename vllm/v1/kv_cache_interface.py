@@ -39,6 +39,11 @@ def get_kv_quant_mode(kv_cache_dtype: str) -> KVQuantMode:
     return lookup(kv_cache_dtype).quant_mode
 
 
+def _check_torch_dtype(name: str, value: object) -> None:
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"{name}: expected a torch.dtype, got {value!r} ({type(value).__name__})")
+
+
 def _check_positive(spec: object, *names: str) -> None:
     for name in names:
         value = getattr(spec, name)
@@ -115,11 +120,19 @@ class AttentionSpec(KVCacheSpec):
         if self.head_size_v is None:
             object.__setattr__(self, "head_size_v", self.head_size)
         _check_positive(self, "block_size", "num_kv_heads", "head_size", "head_size_v")
+        _check_torch_dtype("dtype", self.dtype)
+        if not isinstance(self.kv_quant_mode, KVQuantMode):
+            raise ValueError(
+                f"kv_quant_mode: expected a KVQuantMode, got {self.kv_quant_mode!r} "
+                f"({type(self.kv_quant_mode).__name__})"
+            )
         if self.kv_quant_mode.is_quantized and get_dtype_size(self.dtype) != 1:
             raise ValueError(
                 f"dtype: {self.kv_quant_mode.name} caches are stored as 1-byte elements "
                 f"(torch.uint8), got {self.dtype}"
             )
+        # The registry's storage-dtype rule, also for latent specs that name their format.
+        format_for_storage(self.kv_quant_mode, self.dtype)
         group = self.kv_cache_format.block_scale_group
         if group is not None:
             for name in ("head_size", "head_size_v"):
@@ -220,14 +233,14 @@ class LatentPageSpec(AttentionSpec):
     alignment: int | None = None
 
     def __post_init__(self) -> None:
+        if self.alignment is not None:
+            _check_positive(self, "alignment")
+        super().__post_init__()
         if self.kv_quant_mode.is_nvfp4:
             raise ValueError(
                 "kv_quant_mode: NVFP4 is not a format for MLA caches (supported: unquantized, "
                 "fp8, fp8_ds_mla)"
             )
-        if self.alignment is not None:
-            _check_positive(self, "alignment")
-        super().__post_init__()
         self.kv_cache_format.last_dim(self.head_size)  # a record layout checks its head size
 
     @property
@@ -306,6 +319,12 @@ class MambaSpec(KVCacheSpec):
                 f"shapes/dtypes: expected one dtype per state shape, got {len(self.shapes)} "
                 f"shapes and {len(self.dtypes)} dtypes"
             )
+        for i, (shape, dtype) in enumerate(zip(self.shapes, self.dtypes, strict=True)):
+            if any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in shape):
+                raise ValueError(
+                    f"shapes[{i}]: expected a state shape of positive ints, got {shape!r}"
+                )
+            _check_torch_dtype(f"dtypes[{i}]", dtype)
         if self.page_size_padded is not None and self.page_size_padded < self.real_page_size_bytes:
             raise ValueError(
                 f"page_size_padded: a padded page must hold the real page of "
