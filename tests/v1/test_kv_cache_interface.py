@@ -11,6 +11,7 @@ from vllm.v1.kv_cache_format import KVCacheFormat, registered_format, storage_dt
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
+    KVCacheConfig,
     KVQuantMode,
     MambaSpec,
     MLAAttentionSpec,
@@ -160,6 +161,18 @@ def test_mamba_spec_fields(shapes, dtypes, message: str) -> None:
     """MambaSpec(shapes=((-1, 4),)) used to give page_size_bytes == -8."""
     with pytest.raises(ValueError, match=message):
         MambaSpec(block_size=16, shapes=shapes, dtypes=dtypes)
+
+
+@pytest.mark.parametrize("num_blocks", [-8, -1, True, 2.0, "8"])
+def test_kv_cache_config_num_blocks(num_blocks) -> None:
+    """Rejected at construction (it used to surface only in init_kv_cache)."""
+    with pytest.raises(ValueError, match=r"num_blocks: expected an int >= 0 .*got "):
+        KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[])
+
+
+def test_kv_cache_config_with_no_blocks_is_valid() -> None:
+    """Upstream's connector tests build KVCacheConfig(num_blocks=0, [], [])."""
+    assert KVCacheConfig(num_blocks=0, kv_cache_tensors=[], kv_cache_groups=[]).num_blocks == 0
 
 
 def test_sliding_window_must_be_positive() -> None:

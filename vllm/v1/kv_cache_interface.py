@@ -439,6 +439,11 @@ class KVCacheConfig:
     kv_cache_tensors: list[KVCacheTensor]
     kv_cache_groups: list[KVCacheGroupSpec]
 
+    def __post_init__(self) -> None:
+        n = self.num_blocks
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"num_blocks: expected an int >= 0 (pages per tensor), got {n!r}")
+
 
 def iter_layer_specs(config: KVCacheConfig) -> Iterator[tuple[str, KVCacheSpec]]:
     """``(layer name, the layer's own spec)`` for every layer of ``config``, group by group.
