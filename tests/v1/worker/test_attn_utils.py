@@ -103,7 +103,7 @@ def test_dsv4_c4_view() -> None:
         37_376,
         37_440,
     )
-    config = one_group(spec, 37_440 * 100 + 1000)  # a tail that holds no whole page
+    config = one_group(spec, 37_440 * 100)
     view = _reshape_kv_cache(config, _allocate_kv_cache(config, "meta"), [MLACommonBackend])["l0"]
     assert tuple(view.shape) == (100, 64, 584)
     assert view.stride() == (37_440, 584, 1)
@@ -239,7 +239,7 @@ def test_mamba_state_views() -> None:
     ssm[2].fill_(1.0)
     assert int(raw["l0"].view(torch.uint8)[2 * 4096 + 48 + 3]) == 0x3F  # 1.0f high byte
     misaligned = MambaSpec(block_size=1, shapes=((3,), (2,)), dtypes=(torch.uint8, torch.float32))
-    config = one_group(misaligned, 7 * 10)
+    config = one_group(misaligned, misaligned.page_size_bytes * 10)
     with pytest.raises(ValueError, match="not aligned"):
         _reshape_kv_cache(config, _allocate_kv_cache(config, "meta"), {})
 
@@ -329,6 +329,69 @@ def test_other_config_errors() -> None:
     negative = one_group(spec, -1)
     with pytest.raises(ValueError, match=r"kv_cache_tensors\[0\].size"):
         _allocate_kv_cache(negative, "meta")
+
+
+def _nvfp4_config(size: int, num_blocks: int = 8) -> KVCacheConfig:
+    """One NVFP4 layer ``layer.0`` of 9216-byte pages (N=16, H=8, D=64)."""
+    spec = attn_spec(
+        num_kv_heads=8, head_size=64, dtype=torch.uint8, kv_quant_mode=KVQuantMode.NVFP4
+    )
+    assert spec.page_size_bytes == 9216
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[KVCacheTensor(size=size, shared_by=["layer.0"])],
+        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
+    )
+
+
+@pytest.mark.parametrize(
+    ("size", "message"),
+    [
+        (8 * 9216 - 3, r"kv_cache_tensors\[0\].size: expected 8 pages x 9216 bytes = 73728 "
+         r"bytes for layer 'layer.0', got 73725"),
+        (4 * 9216, r"kv_cache_tensors\[0\].size: expected 8 pages x 9216 bytes = 73728 bytes "
+         r"for layer 'layer.0', got 36864"),
+        (8 * 9216 + 100, r"kv_cache_tensors\[0\].size: expected a whole number of 9216-byte "
+         r"pages \(at least 8\) for layer 'layer.0', got 73828 bytes = 8 pages \+ 100 bytes"),
+    ],
+    ids=["3_bytes_short", "half", "partial_page"],
+)  # fmt: skip
+def test_tensor_size_mismatch_is_an_error_before_allocation(
+    size: int, message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tensor short of num_blocks pages once gave a 7- or 4-page cache for num_blocks=8."""
+    config = _nvfp4_config(size)
+
+    def no_allocation(*args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("allocated before the size check")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "zeros", no_allocation)
+        with pytest.raises(ValueError, match=message):
+            init_kv_cache(config, [ReferenceAttentionBackend], "cpu", cache_dtype="nvfp4")
+        with pytest.raises(ValueError, match=message):
+            _allocate_kv_cache(config, "meta")
+
+
+def test_tensor_with_more_whole_pages_is_allowed() -> None:
+    """As upstream: a layer's page count is its buffer's whole pages, at least num_blocks."""
+    cache = init_kv_cache(
+        _nvfp4_config(10 * 9216), [ReferenceAttentionBackend], "cpu", cache_dtype="nvfp4"
+    )
+    assert cache["layer.0"].shape[0] == 10
+    empty = init_kv_cache(_nvfp4_config(0, 0), [ReferenceAttentionBackend], "cpu")
+    assert empty["layer.0"].shape[0] == 0
+
+
+def test_raw_buffer_short_of_num_blocks_is_an_error() -> None:
+    config = _nvfp4_config(8 * 9216)
+    raw = {"layer.0": torch.zeros(7 * 9216, dtype=torch.int8, device="meta")}
+    with pytest.raises(
+        ValueError,
+        match=r"kv_cache_raw_tensors\['layer.0'\]: expected 8 pages x 9216 bytes = 73728 bytes "
+        r"for layer 'layer.0', got 64512",
+    ):
+        _reshape_kv_cache(config, raw, [ReferenceAttentionBackend])
 
 
 def test_reshape_errors() -> None:
@@ -518,7 +581,8 @@ def test_view_and_kernel_block_errors() -> None:
         _reshape_kv_cache(config, raw, [_ThreeDimBackend])
     with pytest.raises(ValueError, match=r"shape \(2, 2, 16, 8, 129\).*does not match the spec"):
         _reshape_kv_cache(config, raw, [_WideBackend])
-    split = one_group(attn_spec(head_size_v=64), spec.page_size_bytes * 2)
+    split_spec = attn_spec(head_size_v=64)
+    split = one_group(split_spec, split_spec.page_size_bytes * 2)
     with pytest.raises(ValueError, match=r"K side .* \+ V side .* do not match the spec's"):
         _reshape_kv_cache(split, _allocate_kv_cache(split, "meta"), [_WideBackend])
     odd = attn_spec(page_size_padded=spec.page_size_bytes + 1)

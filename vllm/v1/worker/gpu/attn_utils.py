@@ -40,6 +40,11 @@ from vllm.v1.kv_cache_interface import (
     MambaSpec,
     iter_layer_specs,
 )
+from vllm.v1.worker.gpu.kv_cache_buffers import (
+    _allocate_kv_cache,
+    check_buffer_pages,
+    group_layers,
+)
 
 LayerKVCache = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | list[torch.Tensor]
 """One layer's cache view(s); see the module docstring."""
@@ -55,20 +60,6 @@ def _is_mla_spec(spec: KVCacheSpec) -> bool:
     """MLA-like specs (one latent slot per stored token): ``MLAAttentionSpec`` and its
     sliding-window sibling."""
     return isinstance(spec, LatentPageSpec)
-
-
-def _group_layers(kv_cache_config: KVCacheConfig) -> dict[str, int]:
-    """Layer name → group index; a layer in two groups is an error."""
-    owner: dict[str, int] = {}
-    for group_idx, group in enumerate(kv_cache_config.kv_cache_groups):
-        for layer_name in group.layer_names:
-            if layer_name in owner:
-                raise ValueError(
-                    f"kv_cache_config: layer {layer_name!r} is in KV-cache groups "
-                    f"{owner[layer_name]} and {group_idx}; a layer belongs to one group"
-                )
-            owner[layer_name] = group_idx
-    return owner
 
 
 def spec_cache_dtype_str(spec: KVCacheSpec, cache_dtype: str | None = None) -> str:
@@ -184,56 +175,6 @@ def _paged_view(
     return typed.as_strided(
         tuple(logical_shape), tuple(strides), typed.storage_offset() + offset_elems
     )
-
-
-# ----------------------------------------------------------------------------- allocate
-
-
-def _check_tensor_coverage(kv_cache_config: KVCacheConfig) -> None:
-    """Every layer of every group is named by exactly one ``KVCacheTensor``, and every named
-    layer belongs to a group; sizes are non-negative ints."""
-    group_layers = _group_layers(kv_cache_config)
-    named_by: dict[str, int] = {}
-    for idx, tensor in enumerate(kv_cache_config.kv_cache_tensors):
-        if isinstance(tensor.size, bool) or not isinstance(tensor.size, int) or tensor.size < 0:
-            raise ValueError(
-                f"kv_cache_tensors[{idx}].size: expected a non-negative int (bytes), "
-                f"got {tensor.size!r}"
-            )
-        for layer_name in tensor.shared_by:
-            if layer_name in named_by:
-                raise ValueError(
-                    f"kv_cache_config: layer {layer_name!r} is named by kv_cache_tensors"
-                    f"[{named_by[layer_name]}] and kv_cache_tensors[{idx}]; each layer gets "
-                    "exactly one buffer"
-                )
-            named_by[layer_name] = idx
-    missing = [name for name in group_layers if name not in named_by]
-    if missing:
-        raise ValueError(
-            f"kv_cache_config: no KVCacheTensor covers layer(s) {', '.join(missing)} "
-            "(every layer of every group needs a buffer)"
-        )
-    unknown = [name for name in named_by if name not in group_layers]
-    if unknown:
-        raise ValueError(
-            f"kv_cache_config: KVCacheTensor(s) name layer(s) {', '.join(unknown)} that are "
-            "in no KV-cache group"
-        )
-
-
-def _allocate_kv_cache(
-    kv_cache_config: KVCacheConfig, device: torch.device | str
-) -> dict[str, torch.Tensor]:
-    """One zeroed int8 buffer of ``size`` bytes per ``KVCacheTensor``, shared by the layers
-    it names. Coverage is checked before anything is allocated. Returns layer → buffer."""
-    _check_tensor_coverage(kv_cache_config)
-    raw_tensors: dict[str, torch.Tensor] = {}
-    for tensor in kv_cache_config.kv_cache_tensors:
-        buffer = torch.zeros(tensor.size, dtype=torch.int8, device=device)
-        for layer_name in tensor.shared_by:
-            raw_tensors[layer_name] = buffer
-    return raw_tensors
 
 
 # ------------------------------------------------------------------------------ reshape
@@ -457,7 +398,7 @@ def _reshape_kv_cache(
     """
     if cache_dtype is not None:
         validate_cache_dtype(cache_dtype)
-    group_of = _group_layers(kv_cache_config)
+    group_of = group_layers(kv_cache_config)
     backends = _normalize_backends(kv_cache_config, attn_backends)
     kernel_sizes = _kernel_block_sizes(kv_cache_config, backends, kernel_block_sizes)
     missing = [
@@ -474,6 +415,13 @@ def _reshape_kv_cache(
                 f"kv_cache_raw_tensors[{layer_name!r}]: expected a 1-D torch.int8 buffer, got "
                 f"{raw.dtype} of shape {list(raw.shape)}"
             )
+        check_buffer_pages(
+            f"kv_cache_raw_tensors[{layer_name!r}]",
+            raw.numel(),
+            layer_name,
+            spec,
+            kv_cache_config.num_blocks,
+        )
         if isinstance(spec, MambaSpec):
             kv_caches[layer_name] = _mamba_views(layer_name, spec, raw)
         elif isinstance(spec, AttentionSpec):
