@@ -14,6 +14,7 @@ import torch
 from vllm.v1.attention.backends import AttentionLayerScales, ReferenceAttentionMetadata
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionImpl
 from vllm.v1.attention.backends.reference import ReferenceAttentionImpl
+from vllm.v1.attention.backends.utils import check_sequences
 
 pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
 
@@ -139,3 +140,18 @@ def test_interleave4_geometry_raises_before_the_write(
     with pytest.raises((ValueError, RuntimeError), match=r"interleave4 .*needs"):
         impl.forward(layer, query, new, new, kv_cache, metadata)
     assert not kv_cache.any()
+
+
+def test_check_sequences_reads_only_the_pages_a_sequence_attends() -> None:
+    """Out-of-range ids outside what a sequence reads (past its last page, before its sliding
+    window, rows of sequences without queries) are not errors; inside, they are."""
+    table = torch.tensor([[-1, 0, 1, 99], [2, 3, -5, -5], [99, 99, 99, 99]], dtype=torch.int32)
+    # Sequence 0: 12 tokens, 1 query, window 4 -> keys 8..11, page 2 only (block 4).
+    # Sequence 1: 8 tokens, 2 queries, no window in reach -> pages 0..1. Sequence 2: no queries.
+    check_sequences([0, 1, 3, 3], [12, 8, 5], table, 4, 4, 4)
+    with pytest.raises(ValueError, match=r"block_table: sequence 0 uses pages \[-1, 1\]"):
+        check_sequences([0, 1, 3, 3], [12, 8, 5], table, 4, 4, None)
+    with pytest.raises(ValueError, match=r"block_table: sequence 1 uses pages \[-5, 3\]"):
+        check_sequences([0, 1, 3, 3], [12, 9, 5], table, 4, 4, 4)
+    with pytest.raises(ValueError, match=r"seq_lens: sequence 2 has 5 tokens but 6 query tokens"):
+        check_sequences([0, 1, 3, 9], [12, 8, 5], table, 4, 4, 4)

@@ -10,6 +10,7 @@ linear or interleave4 block scales, K and V layouts independent), then attends i
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, ClassVar
 
@@ -91,6 +92,14 @@ def _gather_pages(side: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     perm = [0, *inner]
     gathered = side.permute(perm).index_select(0, pages)
     return gathered.permute([perm.index(d) for d in range(4)])
+
+
+@functools.lru_cache(maxsize=64)
+def _check_interleave4(block_size: int, num_scales: int) -> None:
+    """``ValueError`` when interleave4 cannot hold ``num_scales`` scales per token in pages of
+    ``block_size`` tokens (the rule of :func:`~vllm.kv_quant.interleave4_index`; a geometry that
+    passed is remembered, an error is raised again each time)."""
+    interleave4_index(block_size, num_scales, "meta")
 
 
 def _copy_op() -> Any | None:
@@ -420,7 +429,7 @@ class ReferenceAttentionImpl(AttentionImpl):
         k_layout, v_layout = self.scale_layouts(block_size)
         for layout, head_size in ((k_layout, self.head_size), (v_layout, self.head_size_v)):
             if layout is ScaleLayout.INTERLEAVE4:
-                interleave4_index(block_size, head_size // group)
+                _check_interleave4(block_size, head_size // group)
 
     def _begin_forward(
         self,

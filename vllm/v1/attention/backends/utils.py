@@ -222,38 +222,45 @@ def check_sequences(
     """Per-sequence checks of paged-attention metadata, before anything is written or read:
     ``0 <= query_len <= seq_len``, a table column for every page a sequence reads, and page ids
     in ``[0, num_blocks)`` wherever a sequence reads (``ValueError`` naming the argument)."""
-    rows, first_pages, last_pages = [], [], []
-    for i, seq_len in enumerate(seq_lens):
-        q_len = query_start_loc[i + 1] - query_start_loc[i]
+    columns = block_table.shape[1]
+    last_pages = [-1] * len(seq_lens)  # -1: the sequence reads no page
+    for i, (seq_len, start, end) in enumerate(
+        zip(seq_lens, query_start_loc[:-1], query_start_loc[1:], strict=True)
+    ):
+        q_len = end - start
         if q_len < 0 or q_len > seq_len:
             raise ValueError(
                 f"seq_lens: sequence {i} has {seq_len} tokens but {q_len} query tokens"
             )
-        if q_len == 0:
-            continue
-        first_key, last_key = key_window(seq_len, q_len, sliding_window)
-        if last_key // block_size >= block_table.shape[1]:
+        if q_len and (seq_len - 1) // block_size >= columns:
             raise ValueError(
                 f"block_table: sequence {i} of {seq_len} tokens needs "
-                f"{last_key // block_size + 1} pages of {block_size} tokens, the table has "
-                f"{block_table.shape[1]} columns"
+                f"{(seq_len - 1) // block_size + 1} pages of {block_size} tokens, the table has "
+                f"{columns} columns"
             )
-        rows.append(i)
-        first_pages.append(first_key // block_size)
-        last_pages.append(last_key // block_size)
-    if not rows:
+        last_pages[i] = (seq_len - 1) // block_size if q_len else -1
+    width = max(last_pages, default=-1) + 1
+    if width == 0:
         return
+    pages = block_table[: len(seq_lens), :width]
+    low, high = torch.aminmax(pages)
+    if bool((low >= 0) & (high < num_blocks)):  # the common case: every id in range
+        return
+    # Some id is out of range: is it one that a sequence reads?
+    first_pages = [
+        key_window(s, end - start, sliding_window)[0] // block_size
+        for s, start, end in zip(seq_lens, query_start_loc[:-1], query_start_loc[1:], strict=True)
+    ]
     device = block_table.device
-    pages = block_table[torch.tensor(rows, device=device)]
-    columns = torch.arange(block_table.shape[1], device=device)
-    used = (columns >= torch.tensor(first_pages, device=device)[:, None]) & (
-        columns <= torch.tensor(last_pages, device=device)[:, None]
+    column = torch.arange(width, device=device)
+    read = (column >= torch.tensor(first_pages, device=device)[:, None]) & (
+        column <= torch.tensor(last_pages, device=device)[:, None]
     )
-    bad = (used & ((pages < 0) | (pages >= num_blocks))).any(dim=1)
+    bad = (read & ((pages < 0) | (pages >= num_blocks))).any(dim=1)
     if bool(bad.any()):
-        k = int(bad.nonzero()[0, 0])
-        read = pages[k][used[k]]
+        i = int(bad.nonzero()[0, 0])
+        used = pages[i][read[i]]
         raise ValueError(
-            f"block_table: sequence {rows[k]} uses pages [{int(read.min())}, {int(read.max())}], "
+            f"block_table: sequence {i} uses pages [{int(used.min())}, {int(used.max())}], "
             f"the cache has {num_blocks} pages"
         )
