@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
 from pathlib import Path
 
 import pytest
 
-from vllm.benchmarks import attention
-from vllm.cli import bench
+from vllm.benchmarks import attention, noise, timing
 from vllm.cli.main import main
 
 pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
+USAGE = 2
+"""vllm-kv's exit status for a bad argument."""
 
 
 @pytest.fixture
@@ -43,11 +45,32 @@ def test_run_rows(tiny: None) -> None:
     assert len(seen) == 1 + 1 + len(rows) and "copy roofline" in seen[1]
     for r in rows:
         assert r.op_us > 0 and r.roofline_gbps > 0 and r.speedup_vs_reference > 0
-        assert r.pct_roofline == pytest.approx(100 * r.op_gbps / r.roofline_gbps)
+        assert r.repeats == timing.REPEATS == len(r.op_us_samples) == len(r.baseline_us_samples)
+        assert r.op_us == statistics.median(r.op_us_samples)
+        assert r.reference_us == statistics.median(r.baseline_us_samples)
+        paired = [
+            100 * r.bytes_moved / us / 1e3 / gbps
+            for us, gbps in zip(r.op_us_samples, r.roofline_gbps_samples, strict=True)
+        ]
+        assert r.pct_roofline == pytest.approx(statistics.median(paired))
+        assert set(r.flags) <= set(noise.FLAGS)
     assert rows[0].time_vs_bf16 == 1.0
     assert rows[1].time_vs_bf16 == pytest.approx(rows[1].op_us / rows[0].op_us)
     with pytest.raises(ValueError, match=r"formats: unknown \['int4'\]"):
         attention.run(["int4"])
+    with pytest.raises(ValueError, match="repeats must be positive"):
+        attention.run(["auto"], repeats=0)
+
+
+def test_reference_only_on_small_shapes(tiny: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above REFERENCE_MAX_TOKENS no reference is timed: no ratio, no baseline samples, and no
+    noisy-baseline flag."""
+    monkeypatch.setattr(attention, "REFERENCE_MAX_TOKENS", 50)
+    rows = attention.run(["auto"], quick=True, repeats=2)
+    assert [r.speedup_vs_reference is None for r in rows] == [True, False]
+    assert rows[0].baseline_us_samples is None and rows[0].baseline_spread_pct is None
+    assert "noisy-baseline" not in rows[0].flags
+    assert len(rows[1].baseline_us_samples) == 2
 
 
 def test_cli_table_json_plot(tiny: None, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -59,16 +82,36 @@ def test_cli_table_json_plot(tiny: None, tmp_path: Path, capsys: pytest.CaptureF
         argv += ["--plot", str(tmp_path / "a.png")]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert out.startswith("CPU_ATTN on cpu (1 threads), cold cache; roofline")
+    assert out.startswith("CPU_ATTN on cpu (1 threads), cold cache; roofline (copy, next to each")
     assert "decode   fp8" in out and "time/bf16" in out
+    lines = out.splitlines()
+    assert lines[2].split()[5:9] == ["median", "us", "spread", "%"]
+    assert lines[2].split()[-1] == "flags"
+    body = [line.split() for line in lines[4:8]]
     data = json.loads(out_json.read_text())
+    for cells, r in zip(body, data["rows"], strict=True):
+        assert cells[5:7] == [f"{r['op_us']:.1f}", f"{r['op_spread_pct']:.1f}"]
+        assert cells[11:] == ([",".join(r["flags"])] if r["flags"] else [])
+    assert lines[8] == "" and lines[9].startswith("median of 5 repeats")
     assert data["benchmark"] == "attention" and data["model"]["num_kv_heads"] == 8
     assert [r["format"] for r in data["rows"]] == ["auto", "fp8", "auto", "fp8"]
+    assert data["repeats"] == 5 and "flag_legend" in data and "load" in data
+    assert data["roofline_gbps"] == statistics.median(
+        g for r in data["rows"] for g in r["roofline_gbps_samples"]
+    )
     if plot:
         assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def _exit_status(argv: list[str]) -> int | str | None:
+    """``main``'s status, whether it returns it or argparse exits with it."""
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return exc.code
+
+
 def test_cli_rejects_cache_options(capsys: pytest.CaptureFixture) -> None:
-    assert main(["bench", "--op", "attention", "--tokens", "4"]) == bench.EXIT_USAGE
+    assert _exit_status(["bench", "--op", "attention", "--tokens", "4"]) == USAGE
     assert "--tokens: not used by --op attention" in capsys.readouterr().err
-    assert main(["bench", "--op", "attention", "--device", "cuda"]) == bench.EXIT_USAGE
+    assert _exit_status(["bench", "--op", "attention", "--device", "cuda"]) == USAGE

@@ -1,7 +1,7 @@
 """Benchmark of the CPU attention backend (``CPU_ATTN``) reading each cache format: decode
-(batch x context) and prefill, per format; time, GB/s of cache read, % of a copy roofline
-measured in the same run, the speed-up over the reference backend measured in the same run,
-and each quantized format's time relative to bf16 at equal shape.
+(batch x context) and prefill, per format; time, GB/s of cache read, % of a copy roofline timed
+next to every row, the speed-up over the reference backend measured in the same run, and each
+quantized format's time relative to bf16 at equal shape.
 
 Model shape: 32 query heads, 8 KV heads of 128 (GQA 4), pages of 16 tokens, bf16 queries.
 Formats: ``auto`` (bf16 cache), ``fp8`` (e4m3, per-tensor scale), ``nvfp4`` (the writer's default
@@ -11,7 +11,12 @@ scales included) plus the query read and the output written; the roofline copy c
 written bytes the same way. Cold cache by default (the last-level cache is flushed before every
 timed call, see :mod:`vllm.benchmarks.reshape_and_cache_flash`); ``warm=True`` repeats calls on
 cache-resident buffers. The reference backend is slow (pure torch): it is timed only on the
-shapes whose batch x context is at most :data:`REFERENCE_MAX_TOKENS` (fewer runs).
+shapes whose batch x context is at most :data:`REFERENCE_MAX_TOKENS`, one call per repeat.
+
+Repeats, medians, spreads, flags and the load warning as for ``reshape_and_cache_flash``
+(:mod:`vllm.benchmarks.noise`): each row is :data:`~vllm.benchmarks.timing.REPEATS` repeats of
+(roofline copy, op, reference), its times the medians, its % of roofline the median of each
+repeat's op against the copy timed just before it.
 """
 
 from __future__ import annotations
@@ -24,14 +29,15 @@ from typing import Any
 
 import torch
 
-from vllm.benchmarks.reshape_and_cache_flash import (
-    CacheFlusher,
+from vllm.benchmarks import noise
+from vllm.benchmarks.timing import (
+    REPEATS,
     Progress,
+    Session,
+    Timed,
     flush_bytes,
-    measure_roofline_gbps,
     mode_caption,
-    roofline_bytes,
-    time_call,
+    then,
 )
 from vllm.v1.kv_cache_format import lookup
 
@@ -54,8 +60,10 @@ REFERENCE_MAX_TOKENS = 8192
 
 
 @dataclasses.dataclass
-class AttentionRow:
-    """One measurement of CPU_ATTN on one (phase, format, batch, context) shape."""
+class AttentionRow(noise.RepeatStats):
+    """One measurement of CPU_ATTN on one (phase, format, batch, context) shape; medians of the
+    repeats as in :class:`vllm.benchmarks.reshape_and_cache_flash.Row` (the reference backend is
+    its baseline)."""
 
     phase: str  # "decode" or "prefill"
     format: str
@@ -145,25 +153,21 @@ def shapes(quick: bool = False) -> list[tuple[str, int, int, int]]:
     return [("decode", b, 1, c) for b, c in decode] + [("prefill", 1, q, c) for q, c in prefill]
 
 
-def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
-    def both() -> None:
-        first()
-        second()
-
-    return both
-
-
 def run(
     formats: Sequence[str] = FORMATS,
     quick: bool = False,
     progress: Progress | None = None,
     warm: bool = False,
     with_reference: bool = True,
+    repeats: int = REPEATS,
+    warn: Callable[[str], None] | None = None,
 ) -> list[AttentionRow]:
-    """Measure every shape of :func:`shapes` for every format on the CPU; one row each.
+    """Measure every shape of :func:`shapes` for every format on the CPU; one row each, from
+    ``repeats`` repeats of (roofline copy, op, reference). The load warning, if any, goes to
+    ``warn`` (default: one line on stderr).
 
-    Raises ``ValueError`` for an unknown format, ``ImportError`` when the extension is not
-    built."""
+    Raises ``ValueError`` for an unknown format or a non-positive repeat count, ``ImportError``
+    when the extension is not built."""
     if unknown := sorted(set(formats) - set(FORMATS)):
         raise ValueError(f"formats: unknown {unknown}, expected some of {', '.join(FORMATS)}")
     from vllm import _custom_ops  # noqa: F401  (ImportError when the extension is not built)
@@ -171,36 +175,36 @@ def run(
     device = torch.device("cpu")
     ordered = [f for f in FORMATS if f in formats]
     todo = [(shape, fmt) for shape in shapes(quick) for fmt in ordered]
-    total = 1 + len(todo)
-    report = progress or (lambda _done, _total, _msg: None)
-    min_time_s = 0.05 if quick else 0.2
-    mode = "warm" if warm else "cold"
-    flush = None if warm else CacheFlusher(device)
-    report(0, total, f"measuring the copy roofline ({mode} cache) ...")
-    roofline = measure_roofline_gbps(device, roofline_bytes(device, quick), min_time_s, flush)
-    report(1, total, f"copy roofline: {roofline:.1f} GB/s")
+    session = Session(
+        device,
+        len(todo),
+        quick=quick,
+        warm=warm,
+        repeats=repeats,
+        row_time_s=0.05 if quick else 0.2,
+        progress=progress,
+        warn=warn,
+    )
     rows: list[AttentionRow] = []
     bf16_us: dict[tuple[str, int, int, int], float] = {}
     for (phase, batch, q_tokens, context), fmt in todo:
         problem = _problem(fmt, batch, q_tokens, context)
         before = before_ref = None
-        if flush is not None:
+        if session.flush is not None:
             # Re-warm the code path on a small independent problem, not the timed buffers.
             other = _problem(fmt, 1, 1, BLOCK_SIZE)
-            before = _then(flush, other.op)
-            before_ref = _then(flush, other.reference_op)
-        op_s = time_call(problem.op, device, min_time_s, max_runs=500, before=before)
-        ref_us = None
+            before = then(session.flush, other.op)
+            before_ref = then(session.flush, other.reference_op)
+        reference = None
         if with_reference and batch * context <= REFERENCE_MAX_TOKENS:
-            ref_s = time_call(
-                problem.reference_op, device, min_time_s, max_runs=3, before=before_ref
-            )
-            ref_us = ref_s * 1e6
+            # Slow (pure torch): one call per repeat and no warm-up call, a slow first call
+            # being one repeat of several, which the median and the spread ignore.
+            reference = Timed(problem.reference_op, 1, before_ref, warmup=False)
         nbytes = bytes_moved(fmt, batch, q_tokens, context)
-        gbps = nbytes / op_s / 1e9
+        m = session.measure(Timed(problem.op, 500, before), nbytes, reference)
         key = (phase, batch, q_tokens, context)
         if not lookup(fmt).is_quantized:
-            bf16_us[key] = op_s * 1e6
+            bf16_us[key] = m.op_s * 1e6
         row = AttentionRow(
             phase=phase,
             format=fmt,
@@ -208,24 +212,24 @@ def run(
             query_tokens=q_tokens,
             context=context,
             device=str(device),
-            op_us=op_s * 1e6,
+            op_us=m.op_s * 1e6,
             bytes_moved=nbytes,
-            op_gbps=gbps,
-            roofline_gbps=roofline,
-            pct_roofline=100 * gbps / roofline,
-            reference_us=ref_us,
-            speedup_vs_reference=None if ref_us is None else ref_us / (op_s * 1e6),
-            time_vs_bf16=op_s * 1e6 / bf16_us[key] if key in bf16_us else None,
+            op_gbps=nbytes / m.op_s / 1e9,
+            roofline_gbps=m.roofline_gbps,
+            pct_roofline=m.pct_roofline,
+            reference_us=None if m.baseline_s is None else m.baseline_s * 1e6,
+            speedup_vs_reference=None if m.baseline_s is None else m.baseline_s / m.op_s,
+            time_vs_bf16=m.op_s * 1e6 / bf16_us[key] if key in bf16_us else None,
             threads=torch.get_num_threads(),
-            mode=mode,
+            mode=session.mode,
+            **noise.stats_of(m),
         )
         rows.append(row)
         ref = "" if row.speedup_vs_reference is None else f" {row.speedup_vs_reference:.0f}x ref"
-        report(
-            1 + len(rows),
-            total,
+        session.row_done(
             f"{phase} {fmt:5s} b={batch} q={q_tokens} ctx={context}: {row.op_us:.0f} us "
-            f"{gbps:.1f} GB/s {row.pct_roofline:.0f}%{ref}",
+            f"±{row.op_spread_pct:.0f}% {row.op_gbps:.1f} GB/s {row.pct_roofline:.0f}%{ref} "
+            f"{' '.join(row.flags)}".rstrip(),
         )
         del problem
     return rows
@@ -236,36 +240,40 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def to_markdown(rows: Sequence[AttentionRow]) -> str:
-    """The rows as a Markdown table; the header names the cache mode."""
+    """The rows as a Markdown table, then :func:`~vllm.benchmarks.noise.notes`; the header names
+    the cache mode."""
     mode = rows[0].mode if rows else "cold"
     lines = [
-        f"| phase | format | batch | query | context | µs ({mode}) | MB read + written | GB/s "
-        "| % of copy roofline | × reference | time / bf16 |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| phase | format | batch | query | context | µs ({mode}, median) | spread % "
+        "| MB read + written | GB/s | % of copy roofline | × reference | time / bf16 | flags |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r.phase} | {r.format} | {r.batch} | {r.query_tokens} | {r.context} "
-            f"| {r.op_us:.1f} | {r.bytes_moved / 1e6:.2f} | {r.op_gbps:.2f} "
-            f"| {r.pct_roofline:.1f} | {_fmt(r.speedup_vs_reference, '.0f')} "
-            f"| {_fmt(r.time_vs_bf16, '.2f')} |"
+            f"| {r.op_us:.1f} | {r.op_spread_pct:.1f} | {r.bytes_moved / 1e6:.2f} "
+            f"| {r.op_gbps:.2f} | {r.pct_roofline:.1f} | {_fmt(r.speedup_vs_reference, '.0f')} "
+            f"| {_fmt(r.time_vs_bf16, '.2f')} | {', '.join(r.flags)} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, "", *noise.notes(rows)]) + "\n"
 
 
 def format_table(rows: Sequence[AttentionRow]) -> str:
-    """Fixed-width table for the terminal, titled with the roofline and cache mode."""
+    """Fixed-width table for the terminal, titled with the threads, the cache mode and the
+    roofline copies' median and range, followed by :func:`~vllm.benchmarks.noise.notes`."""
     headers = [
         "phase",
         "format",
         "batch",
         "query",
         "context",
-        "us",
+        "median us",
+        "spread %",
         "GB/s",
         "% roofline",
         "x reference",
         "time/bf16",
+        "flags",
     ]
     body = [
         [
@@ -275,30 +283,26 @@ def format_table(rows: Sequence[AttentionRow]) -> str:
             str(r.query_tokens),
             str(r.context),
             f"{r.op_us:.1f}",
+            f"{r.op_spread_pct:.1f}",
             f"{r.op_gbps:.2f}",
             f"{r.pct_roofline:.1f}",
             _fmt(r.speedup_vs_reference, ".0f"),
             _fmt(r.time_vs_bf16, ".2f"),
+            ",".join(r.flags),
         ]
         for r in rows
     ]
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(headers)]
-
-    def line(cells: list[str]) -> str:
-        return "  ".join(
-            c.ljust(w) if i < 2 else c.rjust(w)
-            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-        ).rstrip()
-
     title = (
-        f"CPU_ATTN on cpu ({rows[0].threads} threads), {rows[0].mode} cache; roofline (copy, "
-        f"same run): {rows[0].roofline_gbps:.1f} GB/s"
+        f"CPU_ATTN on cpu ({rows[0].threads} threads), {rows[0].mode} cache; "
+        f"{noise.roofline_caption(rows)}"
     )
-    return "\n".join([title, "", line(headers), line(["-" * w for w in widths]), *map(line, body)])
+    table = noise.fixed_width(headers, body, left={0, 1, len(headers) - 1})
+    return "\n".join([title, "", table, "", *noise.notes(rows)])
 
 
 def to_json(rows: Sequence[AttentionRow]) -> dict[str, Any]:
-    """The rows with the run's settings (model shape, mode, threads, roofline)."""
+    """The rows with the run's settings (model shape, mode, threads, roofline) and
+    :func:`~vllm.benchmarks.noise.run_json`'s repeats, flags and load."""
     mode = rows[0].mode if rows else None
     return {
         "benchmark": "attention",
@@ -316,9 +320,9 @@ def to_json(rows: Sequence[AttentionRow]) -> dict[str, Any]:
         "bytes_counted": "cache read + query read + output written",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "roofline_gbps": rows[0].roofline_gbps if rows else None,
+        **noise.run_json(rows),
         "flush_bytes": flush_bytes(torch.device("cpu")) if mode == "cold" else None,
-        "rows": [dataclasses.asdict(r) for r in rows],
+        "rows": [noise.row_json(r) for r in rows],
     }
 
 
@@ -327,7 +331,8 @@ def write_json(rows: Sequence[AttentionRow], path: str | Path) -> None:
 
 
 def write_plot(rows: Sequence[AttentionRow], path: str | Path) -> None:
-    """Decode GB/s against context (log x), one line per (format, batch), the roofline dashed."""
+    """Decode GB/s against context (log x), one line per (format, batch), a bar over each point's
+    repeats, flagged points circled; the roofline copies' median dashed over their range."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -341,21 +346,10 @@ def write_plot(rows: Sequence[AttentionRow], path: str | Path) -> None:
     for (fmt, batch), group in groups.items():
         group.sort(key=lambda r: r.context)
         style = "-o" if len(group) > 1 else "s"
-        ax.plot(
-            [r.context for r in group],
-            [r.op_gbps for r in group],
-            style,
-            label=f"{fmt} batch {batch}",
-        )
-    if rows:
-        ax.axhline(
-            rows[0].roofline_gbps,
-            color="black",
-            linestyle="--",
-            label=f"copy roofline {rows[0].roofline_gbps:.0f} GB/s",
-        )
+        noise.plot_rows(ax, [r.context for r in group], group, style, f"{fmt} batch {batch}")
+    noise.plot_roofline(ax, rows)
     ax.set_xscale("log")
-    ax.set_xlabel("context (tokens per sequence)")
+    ax.set_xlabel(f"context (tokens per sequence); {noise.PLOT_NOTE}")
     ax.set_ylabel("GB/s (cache read)")
     ax.set_title(f"CPU_ATTN decode ({rows[0].mode if rows else 'cold'} cache)")
     ax.grid(True, which="both", alpha=0.3)
