@@ -1,27 +1,39 @@
 """``vllm-kv bench``: the ``reshape_and_cache_flash`` kernel benchmark from the command line.
 
 Runs :mod:`vllm.benchmarks.reshape_and_cache_flash` on ``--device`` (default CUDA when available,
-else CPU) with a progress bar on stderr, then prints one row per shape: time in µs, GB/s, % of the
-memory roofline measured in the same run (a large device copy) and the ratio to the baseline
-measured in the same run. ``--json PATH`` writes the rows as JSON, ``--plot PNG`` draws GB/s
-against tokens per kind (log x) with the roofline as a horizontal line (needs matplotlib:
-``pip install "vllm-kvcache[plot]"``). ``--quick`` runs a small configuration (seconds on a CPU).
+else CPU) with a progress bar on stderr, then prints one row per shape, each measured in 5 repeats:
+the median time in µs and the repeats' spread (interquartile range / median, %), GB/s, % of the
+memory roofline (a large device copy timed right before each repeat; the median of the repeats'
+ratios), the ratio to the baseline measured in the same run, and flags saying when a row cannot be
+trusted: ``noisy`` (the op's spread is over 25%), ``noisy-baseline`` and ``noisy-roofline`` (the
+same for the baseline and the roofline copies), ``over-roofline`` (a cold row above 100% of the
+roofline, which a cold row cannot reach) and ``contended`` (this process's threads waited for a CPU
+for over 10% of the row's time). A legend under the table explains the flags present; a load
+average above the CPU count at the start or end of the run is warned about in one line on stderr,
+under the table and in the JSON.
+``--json PATH`` writes the rows as JSON (medians under the old names, plus each repeat, spreads and
+flags; ``--json`` alone prints it on stdout instead of the table), ``--plot PNG`` draws GB/s
+against tokens per kind (log x; bars over the repeats, flagged points circled) with the roofline
+as a horizontal line (needs matplotlib: ``pip install "vllm-kvcache[plot]"``). ``--quick`` runs
+a small configuration (seconds on a CPU).
 
 Cold cache by default: the last-level cache (CPU L3, GPU L2) is flushed before every timed call,
 outside the timed region, so the op, its baseline and the roofline copy all stream from memory.
 ``--warm`` times repeated calls on cache-resident buffers instead (% of roofline can then exceed
-100, the roofline being a DRAM copy). The table's title and the JSON's ``mode`` say which.
+100, the roofline being a DRAM copy, and is not flagged). The table's title and the JSON's
+``mode`` say which.
 
 ``--op attention`` benchmarks the CPU attention backend instead (:mod:`vllm.benchmarks.attention`):
-decode (batch 1..64, context 1k..32k) and prefill per format (``--kinds``), with µs, GB/s of cache
-read, % of the copy roofline, × the reference backend and the time relative to bf16; ``--plot``
-draws decode GB/s against context.
+decode (batch 1..64, context 1k..32k) and prefill per format (``--kinds``), with the median µs and
+spread, GB/s of cache read, % of the copy roofline, × the reference backend, the time relative to
+bf16 and the same flags; ``--plot`` draws decode GB/s against context.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -30,14 +42,14 @@ from typing import IO, Any
 
 import torch
 
-from vllm.benchmarks import attention
+from vllm.benchmarks import attention, noise
 from vllm.benchmarks import reshape_and_cache_flash as core
+from vllm.cli import args as cli_args
+from vllm.cli.args import STDOUT, UsageError, add_json_argument, distinct_outputs
+from vllm.cli.output import deliver_json, emit, writing
 
 OPS = ("reshape_and_cache_flash", "attention")
 """Values of ``--op``."""
-
-EXIT_USAGE = 2
-"""Exit status for bad arguments, a missing extension or a missing optional package."""
 
 PLOT_HINT = 'pip install "vllm-kvcache[plot]"  (or: pip install matplotlib)'
 
@@ -54,9 +66,9 @@ class ProgressBar:
     def __call__(self, done: int, total: int, message: str) -> None:
         filled = round(self.width * done / total) if total else self.width
         line = f"\r[{'#' * filled}{'.' * (self.width - filled)}] {done}/{total} {message}"
+        self.drawn = True  # before writing: a Ctrl-C during the write still ends the line
         self.stream.write(line[:120].ljust(120))
         self.stream.flush()
-        self.drawn = True
 
     def close(self) -> None:
         if self.drawn:
@@ -65,41 +77,37 @@ class ProgressBar:
 
 
 def format_table(rows: Sequence[core.Row]) -> str:
-    """Fixed-width table: kind, H, tokens, µs, GB/s, % of roofline, × baseline, baseline; the
-    title names the device, the cache mode and the roofline."""
-    headers = ["kind", "H", "tokens", "us", "GB/s", "% roofline", "x baseline", "baseline"]
+    """Fixed-width table: kind, H, tokens, median µs, spread %, GB/s, % of roofline, × baseline,
+    baseline, flags; the title names the device, the cache mode and the roofline copies' median
+    and range; the notes under it give the statistic, the flags' legend and the load warning."""
+    headers = ["kind", "H", "tokens", "median us", "spread %", "GB/s", "% roofline"]
+    headers += ["x baseline", "baseline", "flags"]
     body = [
         [
             r.kind,
             str(r.num_heads),
             str(r.num_tokens),
             f"{r.op_us:.2f}",
+            f"{r.op_spread_pct:.1f}",
             f"{r.op_gbps:.2f}",
             f"{r.pct_roofline:.1f}",
             f"{r.speedup_vs_baseline:.2f}x",
             r.baseline,
+            ",".join(r.flags),
         ]
         for r in rows
     ]
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(headers)]
-
-    def line(cells: list[str]) -> str:
-        return "  ".join(
-            c.ljust(w) if i in (0, len(cells) - 1) else c.rjust(w)
-            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-        ).rstrip()
-
     title = (
         f"reshape_and_cache_flash on {rows[0].device}, {rows[0].mode} cache; "
-        f"roofline (device copy, same run): {rows[0].roofline_gbps:.1f} GB/s"
+        f"{noise.roofline_caption(rows)}"
     )
-    return "\n".join(
-        [title, "", line(headers), line(["-" * w for w in widths])] + list(map(line, body))
-    )
+    table = noise.fixed_width(headers, body, left={0, len(headers) - 2, len(headers) - 1})
+    return "\n".join([title, "", table, "", *noise.notes(rows)])
 
 
 def write_plot(rows: Sequence[core.Row], path: str | Path) -> None:
-    """GB/s against tokens (log x), one line per (kind, H), the roofline as a horizontal line."""
+    """GB/s against tokens (log x), one line per (kind, H), a bar over each point's repeats,
+    flagged points circled; the roofline copies' median dashed over their range."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -112,12 +120,10 @@ def write_plot(rows: Sequence[core.Row], path: str | Path) -> None:
     for (kind, heads), group in groups.items():
         group.sort(key=lambda r: r.num_tokens)
         style = "-o" if len(group) > 1 else "s"
-        xs, ys = [r.num_tokens for r in group], [r.op_gbps for r in group]
-        ax.plot(xs, ys, style, label=f"{kind} H={heads}")
-    roofline = rows[0].roofline_gbps
-    ax.axhline(roofline, color="black", linestyle="--", label=f"roofline {roofline:.0f} GB/s")
+        noise.plot_rows(ax, [r.num_tokens for r in group], group, style, f"{kind} H={heads}")
+    noise.plot_roofline(ax, rows)
     ax.set_xscale("log")
-    ax.set_xlabel("tokens per call")
+    ax.set_xlabel(f"tokens per call; {noise.PLOT_NOTE}")
     ax.set_ylabel("GB/s")
     ax.set_title(f"reshape_and_cache_flash on {rows[0].device} ({rows[0].mode} cache)")
     ax.grid(True, which="both", alpha=0.3)
@@ -125,6 +131,12 @@ def write_plot(rows: Sequence[core.Row], path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(str(path), format="png", dpi=110)
     plt.close(fig)
+
+
+BYTES_PER_ELEMENT = 32
+"""Host or device bytes a shape needs per K/V element (tokens x heads x head size), estimated:
+two copies of the problem in a cold run (bf16 K and V, caches up to bf16) plus the fp32
+temporaries of generating the data and of the reference codecs."""
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -141,101 +153,134 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         default=OPS[0],
         help="what to benchmark: the cache write (default) or the CPU attention backend",
     )
-    parser.add_argument("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda if any)")
+    parser.add_argument(
+        "--device",
+        default=None,
+        type=cli_args.device,
+        help="cpu, cuda or cuda:N (default: cuda if any)",
+    )
     parser.add_argument("--quick", action="store_true", help="a small configuration (seconds)")
     parser.add_argument(
         "--warm",
         action="store_true",
         help="repeated calls on cache-resident buffers (default: cold cache, flushed per call)",
     )
-    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
-    parser.add_argument("--plot", metavar="PNG", help="draw GB/s vs tokens per kind (matplotlib)")
+    add_json_argument(parser, "the rows")
+    parser.add_argument(
+        "--plot",
+        metavar="PNG",
+        type=cli_args.file_output,
+        help="draw GB/s vs tokens per kind (matplotlib)",
+    )
     parser.add_argument("--kinds", nargs="+", default=list(core.KINDS), choices=core.KINDS)
     parser.add_argument(
         "--tokens",
         nargs="+",
-        type=core.positive_int,
+        type=cli_args.bounded_int(),  # how many fit in memory is checked before the run
         help=f"tokens per call (default {core.TOKENS}; with --quick {core.QUICK_TOKENS})",
     )
-    parser.add_argument("--threads", type=core.positive_int, help="torch CPU threads")
+    parser.add_argument(
+        "--threads",
+        type=cli_args.bounded_int(4 * (os.cpu_count() or 1), "a thread count (4 per CPU)"),
+        help="torch CPU threads",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.set_defaults(func=run)
     return parser
 
 
-def output_path_error(flag: str, path: str) -> str | None:
-    """Why ``path`` cannot be written as ``flag``'s output file, or None when it can.
+def available_memory_bytes(device: str) -> int:
+    """Free memory of ``device``: the GPU's free memory, or the host's MemAvailable."""
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
-    Checked before the benchmark runs, so that a typo costs no benchmark time."""
-    target = Path(path)
-    folder = target.parent
-    if target.is_dir():
-        return f"{flag}: expected a file path, got the directory {path!r}"
-    if not folder.is_dir():
-        return (
-            f"{flag}: expected a path in an existing directory, got {path!r} "
-            f"({folder} does not exist)"
-        )
-    if target.exists() and not os.access(target, os.W_OK):
-        return f"{flag}: expected a writable file, got {path!r} (not writable)"
-    if not target.exists() and not os.access(folder, os.W_OK | os.X_OK):
-        return (
-            f"{flag}: expected a path in a writable directory, got {path!r} "
-            f"({folder} is not writable)"
-        )
-    return None
+
+def check_tokens_fit(kinds: Sequence[str], tokens: Sequence[int] | None, device: str) -> None:
+    """:class:`UsageError` naming ``--tokens`` when a shape's buffers would not fit in the free
+    memory of ``device`` (estimated with :data:`BYTES_PER_ELEMENT`)."""
+    if not tokens:
+        return
+    available = available_memory_bytes(device)
+    for _, heads, count in core.shapes(kinds, tokens):
+        per_token = heads * core.HEAD_SIZE * BYTES_PER_ELEMENT
+        if count * per_token > available:
+            raise UsageError(
+                "--tokens",
+                f"expected at most {available // per_token:,} tokens per call on {device} "
+                f"({per_token // 1024} KiB each at H={heads}, {available / 2**30:.1f} GiB "
+                f"free), got {count}",
+            )
+
+
+def _check_extension(op: str) -> None:
+    try:
+        from vllm import _custom_ops  # noqa: F401
+    except ImportError as exc:
+        raise UsageError(
+            "--op",
+            f"expected the compiled extension for {op} (pip install --no-build-isolation -e .), "
+            f"got {exc}",
+        ) from None
+
+
+def check_arguments(args: argparse.Namespace) -> str:
+    """Checks of ``args`` that need more than one value or the machine, before the run;
+    returns the device to run on."""
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("--plot", f"needs matplotlib: {PLOT_HINT}")
+    distinct_outputs((("--json", args.json), ("--plot", args.plot)))
+    if args.op == "attention":
+        for flag, value in (("--tokens", args.tokens), ("--device", args.device)):
+            if value is not None and not (flag == "--device" and value == "cpu"):
+                raise UsageError(
+                    flag, f"not used by --op attention (CPU, fixed shapes), got {value}"
+                )
+        device = "cpu"
+    else:
+        device = args.device or core.default_device()
+        check_tokens_fit(args.kinds, args.tokens, device)
+    _check_extension(args.op)
+    return device
 
 
 def run(args: argparse.Namespace) -> int:
-    """Handler of ``vllm-kv bench``; returns the exit status."""
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        print(f"vllm-kv bench: error: --plot needs matplotlib: {PLOT_HINT}", file=sys.stderr)
-        return EXIT_USAGE
-    for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        problem = output_path_error(flag, path) if path else None
-        if problem is not None:
-            print(f"vllm-kv bench: error: {problem}", file=sys.stderr)
-            return EXIT_USAGE
+    """Handler of ``vllm-kv bench``; returns the exit status; a bad argument raises
+    :class:`~vllm.cli.args.UsageError` before the run."""
+    device = check_arguments(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if getattr(args, "op", OPS[0]) == "attention":
-        for flag, value in (("--tokens", args.tokens), ("--device", args.device)):
-            if value is not None and not (flag == "--device" and value == "cpu"):
-                print(
-                    f"vllm-kv bench: error: {flag}: not used by --op attention (CPU, fixed "
-                    f"shapes), got {value}",
-                    file=sys.stderr,
-                )
-                return EXIT_USAGE
+    if args.op == "attention":
 
         def measure(bar: ProgressBar | None) -> Sequence[Any]:
             return attention.run(args.kinds, args.quick, bar, warm=args.warm)
 
-        table, write_json, plot = attention.format_table, attention.write_json, attention.write_plot
+        table, to_json, plot = attention.format_table, attention.to_json, attention.write_plot
     else:
-        device = args.device or core.default_device()
 
         def measure(bar: ProgressBar | None) -> Sequence[Any]:
             return core.run(device, args.kinds, args.tokens, args.quick, bar, warm=args.warm)
 
-        table, write_json, plot = format_table, core.write_json, write_plot
+        table, to_json, plot = format_table, core.to_json, write_plot
     bar = None if args.no_progress else ProgressBar()
     try:
         rows = measure(bar)
-    except (ValueError, ImportError) as e:
-        error: Exception | None = e
-    else:
-        error = None
-    if bar is not None:
-        bar.close()
-    if error is not None:
-        print(f"vllm-kv bench: error: {error}", file=sys.stderr)
-        return EXIT_USAGE
-    print(table(rows))
-    if args.json:
-        write_json(rows, args.json)
-        print(f"wrote {args.json}", file=sys.stderr)
+    finally:  # end the bar's line, also on Ctrl-C
+        if bar is not None:
+            bar.close()
+    if args.json != STDOUT:
+        emit(table(rows))
+    if args.json is not None:
+        deliver_json(json.dumps(to_json(rows), indent=2), args.json)
     if args.plot:
-        plot(rows, args.plot)
+        with writing("--plot", args.plot):
+            plot(rows, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
