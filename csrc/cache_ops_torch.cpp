@@ -28,11 +28,6 @@ CacheKind get_cache_kind(const std::string& kv_cache_dtype) {
   return cache_kind_of(get_fp8_kv_cache_data_type(kv_cache_dtype));
 }
 
-namespace {
-
-std::string shape_str(const at::Tensor& t) { return c10::str(t.sizes()); }
-
-// Python-style dtype names in messages ("uint8", not "Byte").
 std::string dtype_str(at::ScalarType t) {
   switch (t) {
     case at::kByte:
@@ -51,10 +46,18 @@ std::string dtype_str(at::ScalarType t) {
       return "int8";
     case at::kDouble:
       return "float64";
+    case at::kFloat8_e4m3fn:
+      return "float8_e4m3fn";
+    case at::kFloat8_e5m2:
+      return "float8_e5m2";
     default:
       return c10::toString(t);
   }
 }
+
+namespace {
+
+std::string shape_str(const at::Tensor& t) { return c10::str(t.sizes()); }
 
 SourceType source_type_of(const at::Tensor& t, const char* name) {
   switch (t.scalar_type()) {
@@ -355,7 +358,8 @@ PagedAttentionParams prepare_paged_attention(
   }
   if (sinks) check_same_device(*sinks, "sinks", key_cache);
 
-  TORCH_CHECK(query.dim() == 3, "query: expected a 3-D tensor [T, num_heads, head_size], got shape ",
+  TORCH_CHECK(query.dim() == 3,
+              "query: expected a 3-D tensor [T, num_heads, head_size], got shape ",
               shape_str(query));
   TORCH_CHECK(out.dim() == 3, "out: expected a 3-D tensor [T, num_heads, head_size_v], got shape ",
               shape_str(out));
@@ -376,25 +380,35 @@ PagedAttentionParams prepare_paged_attention(
               out.strides());
 
   const bool quantized = kind != CacheKind::kUnquantized;
-  TORCH_CHECK(key_cache.dim() == 4, "key_cache: expected a 4-D tensor [num_blocks, block_size, "
-              "num_kv_heads, head_dim], got shape ", shape_str(key_cache));
+  TORCH_CHECK(key_cache.dim() == 4,
+              "key_cache: expected a 4-D tensor [num_blocks, block_size, "
+              "num_kv_heads, head_dim], got shape ",
+              shape_str(key_cache));
   const int64_t kv_heads = key_cache.size(2);
-  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "key_cache: expected num_kv_heads dividing "
-              "num_heads = ", heads, " (GQA) at dim 2, got shape ", shape_str(key_cache));
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0,
+              "key_cache: expected num_kv_heads dividing "
+              "num_heads = ",
+              heads, " (GQA) at dim 2, got shape ", shape_str(key_cache));
   const auto cache_last_dim = [&](int64_t d) {
     return kind == CacheKind::kNvfp4 ? d / 2 + d / kNvfp4GroupSize : d;
   };
   if (kind == CacheKind::kNvfp4) {
-    TORCH_CHECK(head_size % kNvfp4GroupSize == 0, "query: nvfp4 needs a head size that is a "
-                "multiple of ", kNvfp4GroupSize, ", got ", head_size);
-    TORCH_CHECK(head_size_v % kNvfp4GroupSize == 0, "out: nvfp4 needs a head size that is a "
-                "multiple of ", kNvfp4GroupSize, ", got ", head_size_v);
+    TORCH_CHECK(head_size % kNvfp4GroupSize == 0,
+                "query: nvfp4 needs a head size that is a "
+                "multiple of ",
+                kNvfp4GroupSize, ", got ", head_size);
+    TORCH_CHECK(head_size_v % kNvfp4GroupSize == 0,
+                "out: nvfp4 needs a head size that is a "
+                "multiple of ",
+                kNvfp4GroupSize, ", got ", head_size_v);
   }
   for (const auto& [cache, name, dim] : {std::tuple{&key_cache, "key_cache", head_size},
                                          std::tuple{&value_cache, "value_cache", head_size_v}}) {
     if (quantized) {
-      TORCH_CHECK(cache->scalar_type() == at::kByte, name, ": expected dtype uint8 for "
-                  "kv_cache_dtype '", kv_cache_dtype, "', got ", dtype_str(cache->scalar_type()));
+      TORCH_CHECK(cache->scalar_type() == at::kByte, name,
+                  ": expected dtype uint8 for "
+                  "kv_cache_dtype '",
+                  kv_cache_dtype, "', got ", dtype_str(cache->scalar_type()));
     } else {
       source_type_of(*cache, name);
     }
@@ -415,8 +429,8 @@ PagedAttentionParams prepare_paged_attention(
   const bool k_per_head = check_scale(k_scale, "k_scale", kv_heads);
   const bool v_per_head = check_scale(v_scale, "v_scale", kv_heads);
 
-  for (const auto& [t, name] : {std::pair{&seq_lens, "seq_lens"},
-                                std::pair{&query_start_loc, "query_start_loc"}}) {
+  for (const auto& [t, name] :
+       {std::pair{&seq_lens, "seq_lens"}, std::pair{&query_start_loc, "query_start_loc"}}) {
     TORCH_CHECK(t->scalar_type() == at::kInt && t->dim() == 1 && t->is_contiguous(), name,
                 ": expected a contiguous 1-D int32 tensor, got ", dtype_str(t->scalar_type()),
                 " of shape ", shape_str(*t));

@@ -7,13 +7,18 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 
 #include "attention_kernels.h"
 #include "cache_kernels.h"
+#include "convert_fp8.h"
 
 namespace vllm_kv {
+
+// Python-style dtype names for messages ("uint8", "float8_e4m3fn"; not "Byte").
+std::string dtype_str(at::ScalarType t);
 
 // docs/design.md §3: the Fp8KVCacheDataType of a kv_cache_dtype string; unknown strings (nvfp4
 // included) fail with "kv_cache_dtype: unknown KV-cache dtype '<s>'; expected one of
@@ -52,5 +57,14 @@ PagedAttentionParams prepare_paged_attention(
 // the storage of src / dst starting at their data_ptr.
 void check_swap_blocks_args(const at::Tensor& src, const at::Tensor& dst,
                             int64_t block_size_in_bytes, const at::Tensor& block_mapping);
+
+// convert_fp8 (docs/design.md §6): validates every argument (kv_cache_dtype, devices, the dtype
+// pair that decides the direction, shapes, the scale, overlap), then calls `convert` once with
+// contiguous buffers: src_cache is made contiguous if it is not, and a non-contiguous dst_cache
+// is written through a contiguous buffer copied back afterwards. Nothing is written before every
+// check has passed. On CUDA the caller sets the device guard; copies use the current stream.
+void run_convert_fp8(at::Tensor& dst_cache, const at::Tensor& src_cache, double scale,
+                     const std::string& kv_cache_dtype,
+                     const std::function<void(const ConvertFp8Params&)>& convert);
 
 }  // namespace vllm_kv

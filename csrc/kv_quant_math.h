@@ -147,6 +147,44 @@ KV_HOST_DEVICE float e4m3_to_float(uint8_t byte) {
   return bits_as_float(sign | magnitude);
 }
 
+// FP8 e5m2 byte -> fp32 (exact): e5m2 is the upper byte of an fp16 with the same value.
+KV_HOST_DEVICE float e5m2_to_float(uint8_t byte) {
+  return fp16_bits_to_float(uint16_t(uint16_t(byte) << 8));
+}
+
+// fp32 -> bf16 bits: round to nearest even on the upper 16 bits (a carry may give ±Inf, as it
+// should); a NaN stays a quiet NaN. torch's fp32 -> bf16 cast gives the same bits for non-NaN x.
+KV_HOST_DEVICE uint16_t float_to_bf16_bits(float x) {
+  const uint32_t bits = float_as_bits(x);
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return uint16_t(is_nan(x) ? ((bits >> 16) | 0x40u) : rounded);
+}
+
+// fp32 -> IEEE fp16 bits: round to nearest even, subnormal results kept, |x| >= 65520 (±Inf
+// included) -> ±Inf, a NaN stays a quiet NaN. torch's fp32 -> fp16 cast gives the same bits for
+// non-NaN x. Branch-free, like float_to_fp8_satfinite (fp16 has no saturation: it overflows).
+KV_HOST_DEVICE uint16_t float_to_fp16_bits(float x) {
+  constexpr uint32_t kMinNormalBits = 0x38800000u;  // 2^-14
+  constexpr uint32_t kToInfBits = 0x477FF000u;      // 65520: the tie above 65504 rounds up
+  const uint32_t bits = float_as_bits(x);
+  const uint32_t sign = (bits >> 16) & 0x8000u;
+  const uint32_t abs_bits = bits & 0x7FFFFFFFu;
+  // Normal: ties to even on the 10 kept mantissa bits; a carry bumps the exponent (rebias 127 ->
+  // 15). Wrong for |x| below 2^-14 or from 65520 on, where it is not selected.
+  const uint32_t normal =
+      ((abs_bits + 0xFFFu + ((abs_bits >> 13) & 1u)) >> 13) - (uint32_t(127 - 15) << 10);
+  // Subnormal: |x| in units of 2^-24, ties to even (1024 units is the smallest normal, 0x0400).
+  const float min_normal = bits_as_float(kMinNormalBits);
+  const float magnitude = bits_as_float(abs_bits);
+  const float clamped = magnitude < min_normal ? magnitude : min_normal;
+  const uint32_t subnormal =
+      uint32_t(int32_t(round_half_even(kv_fmul(clamped, 16777216.0f /* 2^24 */))));
+  uint32_t code = abs_bits < kMinNormalBits ? subnormal : normal;
+  code = abs_bits >= kToInfBits ? 0x7C00u : code;
+  code = abs_bits > 0x7F800000u ? (0x7E00u | (abs_bits >> 13)) : code;
+  return uint16_t(sign | code);
+}
+
 // fp32 -> E2M1 code (bit 3 = sign, bits 0-2 = index into {0, .5, 1, 1.5, 2, 3, 4, 6}): round half
 // to even on the E2M1 grid, saturate to ±6. The sign of a value that rounds to zero is kept; NaN
 // gives code 0.

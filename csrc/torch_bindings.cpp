@@ -10,6 +10,8 @@ TORCH_LIBRARY(_C_cache_ops, m) {
   m.def(
       "swap_blocks(Tensor src, Tensor(a!) dst, int block_size_in_bytes, Tensor block_mapping) -> "
       "()");
+  // Upstream's test helper: FP8 bytes <-> float with the reference codec's arithmetic.
+  m.def("convert_fp8(Tensor! dst_cache, Tensor src_cache, float scale, str kv_cache_dtype) -> ()");
   // Paged attention over a cache written by reshape_and_cache_flash (every format); simd picks
   // the CPU kernels' instruction set ("auto": the widest compiled).
   m.def(

@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from vllm.kv_quant.fp8 import dequantize_fp8, fp8_format_from_cache_dtype, quantize_fp8
 from vllm.kv_quant.kv_scale import kv_scale_as_1d
 from vllm.kv_quant.scale_layout import ScaleLayout
 from vllm.v1.kv_cache_format import find_format, kernel_cache_kind, lookup
@@ -113,6 +112,15 @@ def _swap_blocks_fake(
     _reject_real_and_meta(
         dict(dst=dst, src=src, block_mapping=block_mapping), "dst", same_device=False
     )
+
+
+@torch.library.register_fake("_C_cache_ops::convert_fp8")
+def _convert_fp8_fake(
+    dst_cache: torch.Tensor, src_cache: torch.Tensor, scale: float, kv_cache_dtype: str
+) -> None:
+    # The dtype, shape and scale rules live in the C++ op only (csrc/convert_fp8_torch.cpp): a
+    # test helper does not need them twice, and a traced bad call fails when it runs.
+    _reject_real_and_meta(dict(dst_cache=dst_cache, src_cache=src_cache), "dst_cache")
 
 
 @torch.library.register_fake("_C_cache_ops::paged_attention")
@@ -231,23 +239,16 @@ def swap_blocks(
 def convert_fp8(
     output: torch.Tensor, input: torch.Tensor, scale: float = 1.0, kv_dtype: str = "fp8"
 ) -> None:
-    """Upstream's FP8 conversion helper, run with the reference codecs (:mod:`vllm.kv_quant`).
+    """Upstream's FP8 conversion helper: ``torch.ops._C_cache_ops.convert_fp8`` (docs/design.md
+    §6), whose bytes are the reference codec's (:mod:`vllm.kv_quant.fp8`).
 
-    If ``output`` is uint8 (FP8 bytes), ``input`` (fp32/fp16/bf16) is quantized into it as
-    ``input / scale``; otherwise ``input`` holds FP8 bytes and ``output`` receives
-    ``fp8(input) * scale`` in ``output``'s dtype. ``kv_dtype`` is ``fp8`` / ``fp8_e4m3`` (E4M3)
-    or ``fp8_e5m2``. Shapes must match.
+    The dtypes pick the direction: ``input`` fp32/fp16/bf16 and ``output`` FP8 bytes (uint8 or
+    the variant's float8 dtype) quantizes, ``input / scale`` saturated; FP8 ``input`` and float
+    ``output`` dequantizes, ``fp8(input) * scale`` in ``output``'s dtype. ``kv_dtype`` is ``fp8``
+    / ``fp8_e4m3`` (E4M3), ``fp8_e5m2``, or ``auto`` (a plain float -> float cast, scale
+    ignored). Shapes must match; either side may be non-contiguous.
     """
-    fmt = fp8_format_from_cache_dtype(kv_dtype)
-    if output.shape != input.shape:
-        raise ValueError(
-            f"output: expected input's shape {list(input.shape)}, got {list(output.shape)}"
-        )
-    scale_tensor = torch.tensor(float(scale), dtype=torch.float32)
-    if output.dtype == torch.uint8:
-        output.copy_(quantize_fp8(input, scale_tensor, fmt))
-    else:
-        output.copy_(dequantize_fp8(input, scale_tensor, fmt, out_dtype=output.dtype))
+    torch.ops._C_cache_ops.convert_fp8(output, input, float(scale), kv_dtype)
 
 
 def paged_attention(

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "cache_ops_torch.h"
+#include "convert_fp8.h"
 #include "cpu/cpu_op_utils.h"
 #include "cpu/reshape_and_cache_flash.h"
 #include "dispatch_utils.h"
@@ -57,10 +58,23 @@ void swap_blocks_cpu(const at::Tensor& src, at::Tensor& dst, int64_t block_size_
   });
 }
 
+void convert_fp8_cpu(at::Tensor& dst_cache, const at::Tensor& src_cache, double scale,
+                     const std::string& kv_cache_dtype) {
+  check_cpu(dst_cache, "dst_cache");
+  run_convert_fp8(dst_cache, src_cache, scale, kv_cache_dtype, [](const ConvertFp8Params& p) {
+    dispatch_convert_fp8(p.src_type, p.dst_type, [&](auto src, auto dst) {
+      at::parallel_for(0, p.numel, int64_t{1} << 16, [&](int64_t begin, int64_t end) {
+        convert_fp8_range<decltype(src)::value, decltype(dst)::value>(p, begin, end);
+      });
+    });
+  });
+}
+
 }  // namespace
 }  // namespace vllm_kv
 
 TORCH_LIBRARY_IMPL(_C_cache_ops, CPU, m) {
   m.impl("reshape_and_cache_flash", &vllm_kv::reshape_and_cache_flash_cpu);
   m.impl("swap_blocks", &vllm_kv::swap_blocks_cpu);
+  m.impl("convert_fp8", &vllm_kv::convert_fp8_cpu);
 }

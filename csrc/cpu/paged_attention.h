@@ -227,7 +227,7 @@ alignas(64) inline constexpr float kE2M1Values[16] = {0.0f,  0.5f,  1.0f,  1.5f,
                                                       4.0f,  6.0f,  -0.0f, -0.5f, -1.0f, -1.5f,
                                                       -2.0f, -3.0f, -4.0f, -6.0f};
 
-inline float e5m2_to_float(uint8_t byte) { return fp16_bits_to_float(uint16_t(byte) << 8); }
+using vllm_kv::e5m2_to_float;  // kv_quant_math.h
 
 // FP8 e4m3 byte -> fp32 at compile time (the value e4m3_to_float gives; exact).
 constexpr float e4m3_value(int byte) {
@@ -610,13 +610,6 @@ inline AttentionPlan plan_attention(const PagedAttentionParams& p, int num_threa
 
 // -------------------------------------------------------------------------------- the kernel
 
-inline float bf16_round(float x) {
-  // Round to nearest even on the upper 16 bits; NaN stays NaN (quiet).
-  const uint32_t bits = float_as_bits(x);
-  if (is_nan(x)) return bits_as_float((bits | 0x00400000u) & 0xFFFF0000u);
-  return bits_as_float((bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u);
-}
-
 // out[index + d] = src[d] * factor for d < n, in the output type (bf16: round to nearest even).
 // One type switch per row, not per element.
 inline void store_output_row(void* out, int64_t index, SourceType type, const float* src,
@@ -627,8 +620,7 @@ inline void store_output_row(void* out, int64_t index, SourceType type, const fl
       return;
     case SourceType::kBFloat16:
       for (int d = 0; d < n; ++d) {
-        static_cast<uint16_t*>(out)[index + d] =
-            uint16_t(float_as_bits(bf16_round(src[d] * factor)) >> 16);
+        static_cast<uint16_t*>(out)[index + d] = float_to_bf16_bits(src[d] * factor);
       }
       return;
     case SourceType::kFloat16:

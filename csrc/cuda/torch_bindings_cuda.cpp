@@ -15,6 +15,7 @@
 #include <string>
 
 #include "cache_ops_torch.h"
+#include "cuda/convert_fp8.h"
 #include "cuda/reshape_and_cache_flash.h"
 
 namespace vllm_kv {
@@ -78,10 +79,22 @@ void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, int64_t block_size
   }
 }
 
+void convert_fp8_cuda(at::Tensor& dst_cache, const at::Tensor& src_cache, double scale,
+                      const std::string& kv_cache_dtype) {
+  TORCH_CHECK(dst_cache.is_cuda(), "dst_cache: expected device ", src_cache.device(),
+              " (src_cache's device), got ", dst_cache.device());
+  const c10::cuda::CUDAGuard device_guard(dst_cache.device());
+  run_convert_fp8(dst_cache, src_cache, scale, kv_cache_dtype, [](const ConvertFp8Params& p) {
+    launch_convert_fp8(p, c10::cuda::getCurrentCUDAStream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
 }  // namespace
 }  // namespace vllm_kv
 
 TORCH_LIBRARY_IMPL(_C_cache_ops, CUDA, m) {
   m.impl("reshape_and_cache_flash", &vllm_kv::reshape_and_cache_flash_cuda);
   m.impl("swap_blocks", &vllm_kv::swap_blocks_cuda);
+  m.impl("convert_fp8", &vllm_kv::convert_fp8_cuda);
 }

@@ -1,4 +1,6 @@
 import random
+import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -6,15 +8,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import vllm.utils.torch_utils as torch_utils
 from vllm.kv_quant import dequantize_fp8
 from vllm.utils.torch_utils import (
     MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP,
     STR_DTYPE_TO_TORCH_DTYPE,
     _nvfp4_split_data_scale,
+    canonicalize_singleton_dim_strides,
+    common_broadcastable_dtype,
     create_kv_caches_with_random,
     create_kv_caches_with_random_flash,
+    current_stream,
     get_dtype_size,
     get_kv_cache_torch_dtype,
+    is_lossless_cast,
     is_quantized_kv_cache,
     kv_cache_dtype_str_to_dtype,
     nvfp4_kv_cache_full_dim,
@@ -236,3 +243,153 @@ def test_create_kv_caches_with_random() -> None:
         create_kv_caches_with_random(4, 16, 1, 2, 72, "fp8", "half", 0, "cpu")
     with pytest.raises(ValueError, match="cache_dtype: nvfp4 has no"):
         create_kv_caches_with_random(4, 16, 1, 2, 64, "nvfp4", "half", 0, "cpu")
+
+
+# ------------------------------------------------------------------ generic torch helpers
+
+
+@pytest.mark.parametrize(
+    ("src", "tgt", "lossless"),
+    [
+        (torch.float32, torch.float32, True),
+        (torch.bool, torch.uint8, True),
+        (torch.bool, torch.complex64, True),
+        (torch.uint8, torch.bool, False),
+        (torch.uint8, torch.int16, True),
+        (torch.uint8, torch.int8, False),
+        (torch.int32, torch.int64, True),
+        (torch.int64, torch.int32, False),
+        (torch.int64, torch.bfloat16, True),  # upstream's rule: a later family always is
+        (torch.float16, torch.int64, False),
+        (torch.float16, torch.float64, True),
+        (torch.bfloat16, torch.float16, False),  # range
+        (torch.float16, torch.bfloat16, False),  # resolution
+        (torch.float8_e4m3fn, torch.float16, True),
+        (torch.float64, torch.float32, False),
+        (torch.float64, torch.complex64, True),
+        (torch.complex64, torch.complex128, True),
+        (torch.complex128, torch.complex64, False),
+        (torch.complex64, torch.float64, False),
+    ],
+    ids=str,
+)
+def test_is_lossless_cast(src: torch.dtype, tgt: torch.dtype, lossless: bool) -> None:
+    assert is_lossless_cast(src, tgt) is lossless
+
+
+def test_is_lossless_cast_matches_integer_round_trips() -> None:
+    ints = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]
+    for src in ints:
+        info = torch.iinfo(src)
+        extremes = torch.tensor([info.min, info.max], dtype=src)
+        for tgt in ints:
+            survives = torch.equal(extremes.to(tgt).to(src), extremes) and bool(
+                (extremes.to(tgt).to(torch.int64) == extremes.to(torch.int64)).all()
+            )
+            assert is_lossless_cast(src, tgt) is survives, (src, tgt)
+
+
+@pytest.mark.parametrize(
+    ("dtypes", "common"),
+    [
+        ([torch.int8], torch.int8),
+        ([torch.uint8, torch.int8], torch.uint8),  # neither covers the other: the first
+        ([torch.int8, torch.uint8, torch.int16], torch.int16),
+        ([torch.float16, torch.bfloat16], torch.float16),
+        ([torch.bfloat16, torch.float16, torch.float32], torch.float32),
+        ([torch.bool, torch.float16, torch.int64], torch.float16),
+        ((torch.float32, torch.complex64), torch.complex64),
+    ],
+    ids=str,
+)
+def test_common_broadcastable_dtype(dtypes: Any, common: torch.dtype) -> None:
+    assert common_broadcastable_dtype(dtypes) == common
+
+
+def test_common_broadcastable_dtype_needs_a_dtype() -> None:
+    with pytest.raises(ValueError, match="dtypes: expected at least one dtype, got none"):
+        common_broadcastable_dtype([])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 4), min_size=1, max_size=5),
+    junk=st.lists(st.integers(0, 7), min_size=5, max_size=5),
+    offset=st.integers(0, 3),
+)
+def test_canonicalize_singleton_dim_strides(shape: list[int], junk: list[int], offset: int) -> None:
+    """Size-1 dims get the span of the dims inside them, whatever stride they had; other
+    strides, the storage, the offset and every element stay."""
+    base = torch.arange(offset + int(np.prod(shape)), dtype=torch.float32)[offset:].reshape(shape)
+    strides = [junk[d] if n == 1 else base.stride(d) for d, n in enumerate(shape)]
+    t = base.as_strided(shape, strides)
+    fixed = canonicalize_singleton_dim_strides(t)
+    span = 1
+    for d in reversed(range(len(shape))):
+        assert fixed.stride(d) == (span if shape[d] == 1 else t.stride(d))
+        span = fixed.stride(d) * shape[d]
+    assert fixed.data_ptr() == t.data_ptr() and fixed.storage_offset() == t.storage_offset()
+    assert torch.equal(fixed, t)
+    assert (fixed is t) == (fixed.stride() == t.stride())
+
+
+def test_canonicalize_keeps_outer_strides_and_returns_canonical_tensors() -> None:
+    """One KV head per rank after a permute: the head dim's stride 1 becomes N * D, and a
+    non-canonical page stride (a slice of a larger buffer) is kept."""
+    pages = torch.zeros(10, 2, 1, 16, 64, dtype=torch.bfloat16)[::2]
+    degenerate = pages.as_strided(pages.shape, (pages.stride(0), 1024, 1, 64, 1))
+    fixed = canonicalize_singleton_dim_strides(degenerate)
+    assert fixed.stride() == (2 * 2048, 1024, 1024, 64, 1)
+    canonical = torch.zeros(3, 1, 5)
+    assert canonicalize_singleton_dim_strides(canonical) is canonical
+    scalar = torch.tensor(1.0)
+    assert canonicalize_singleton_dim_strides(scalar) is scalar
+
+
+def _in_new_thread(fn: Any) -> Any:
+    result: list[Any] = []
+    thread = threading.Thread(target=lambda: result.append(fn()))
+    thread.start()
+    thread.join(timeout=10)
+    return result[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU platform's placeholder")
+def test_current_stream_on_cpu_is_a_per_thread_placeholder() -> None:
+    stream = current_stream()
+    assert current_stream() is stream
+    assert stream.synchronize() is None
+    assert _in_new_thread(current_stream) is not stream
+
+
+def test_set_stream_records_the_stream_per_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.cuda.set_stream (patched at import, as upstream does) records the stream that
+    current_stream returns, in the calling thread only; None stays a no-op."""
+    calls: list[object] = []
+    monkeypatch.setattr(torch_utils, "_torch_set_stream", calls.append)
+    stream = object()
+
+    def set_and_read() -> tuple[object, object]:
+        torch.cuda.set_stream(stream)  # type: ignore[arg-type]
+        first = current_stream()
+        torch.cuda.set_stream(None)  # type: ignore[arg-type]
+        return first, current_stream()
+
+    assert _in_new_thread(set_and_read) == (stream, stream)
+    assert calls == [stream, None]
+    assert current_stream() is not stream
+    assert torch.cuda.set_stream._torch_set_stream is not torch.cuda.set_stream  # type: ignore
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_current_stream_on_cuda_is_dedicated_and_follows_the_context() -> None:
+    def check() -> None:
+        stream = current_stream()
+        assert stream.cuda_stream != 0  # not the default stream: CUDA graphs can capture
+        assert current_stream() is stream and torch.cuda.current_stream() == stream
+        other = torch.cuda.Stream()
+        with torch.cuda.stream(other):
+            assert current_stream() == other
+        assert current_stream() == stream
+
+    _in_new_thread(check)

@@ -1,8 +1,11 @@
-"""Torch dtype maps, NVFP4 cache-layout utilities and upstream vLLM's test-cache helpers."""
+"""Torch dtype maps, NVFP4 cache-layout utilities, upstream vLLM's test-cache helpers and its
+generic torch helpers (lossless casts, singleton-dim strides, the current stream)."""
 
 from __future__ import annotations
 
 import random
+import threading
+from collections.abc import Callable, Collection
 
 import numpy as np
 import torch
@@ -27,6 +30,122 @@ MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP: dict[str, str] = {
 def get_dtype_size(dtype: torch.dtype) -> int:
     """Size of one element of ``dtype`` in bytes."""
     return torch.tensor([], dtype=dtype).element_size()
+
+
+def _dtype_family(dtype: torch.dtype) -> int:
+    """0 bool, 1 integer, 2 floating point, 3 complex, in the order in which upstream's rule
+    counts a cast as lossless."""
+    if dtype == torch.bool:
+        return 0
+    if dtype.is_complex:
+        return 3
+    return 2 if dtype.is_floating_point else 1
+
+
+def is_lossless_cast(src_dtype: torch.dtype, tgt_dtype: torch.dtype) -> bool:
+    """Whether casting a tensor from ``src_dtype`` to ``tgt_dtype`` keeps every value (upstream's
+    rule): a cast to a later family (bool < integer < floating point < complex) counts as
+    lossless and to an earlier one as lossy; within a family the target must span the source's
+    range, and for floats also its resolution."""
+    if src_dtype == tgt_dtype:
+        return True
+    src_family, tgt_family = _dtype_family(src_dtype), _dtype_family(tgt_dtype)
+    if src_family != tgt_family:
+        return src_family < tgt_family
+    if src_family == 1:
+        src_int, tgt_int = torch.iinfo(src_dtype), torch.iinfo(tgt_dtype)
+        return tgt_int.min <= src_int.min and src_int.max <= tgt_int.max
+    src_fp, tgt_fp = torch.finfo(src_dtype), torch.finfo(tgt_dtype)
+    return (
+        tgt_fp.min <= src_fp.min
+        and src_fp.max <= tgt_fp.max
+        and tgt_fp.resolution <= src_fp.resolution
+    )
+
+
+def common_broadcastable_dtype(dtypes: Collection[torch.dtype]) -> torch.dtype:
+    """The dtype among ``dtypes`` that the most of them cast to losslessly
+    (:func:`is_lossless_cast`); on a tie the first such one."""
+    candidates = list(dtypes)
+    if not candidates:
+        raise ValueError("dtypes: expected at least one dtype, got none")
+    best, best_count = candidates[0], -1
+    for target in candidates:
+        count = sum(is_lossless_cast(dtype, target) for dtype in candidates)
+        if count > best_count:
+            best, best_count = target, count
+    return best
+
+
+def canonicalize_singleton_dim_strides(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with every size-1 dim given its canonical stride, the span of the dims inside it
+    (a zero-copy ``as_strided`` view); ``t`` itself when nothing changes.
+
+    torch takes any stride on a size-1 dim (``is_contiguous()`` still holds), so an allocator may
+    leave e.g. stride 1 on a single-KV-head dim. CUDA TMA (FlashInfer XQA, FlashAttention 3/4 on
+    H100 and later) needs every stride but the outermost to be a multiple of 16 bytes and faults
+    on such a tensor. Strides of the other dims are kept, non-canonical ones included.
+    """
+    strides = list(t.stride())
+    span = 1  # elements spanned by one step of the dim just inside
+    for dim in reversed(range(t.dim())):
+        if t.shape[dim] == 1:
+            strides[dim] = span
+        span = strides[dim] * t.shape[dim]
+    if tuple(strides) == t.stride():
+        return t
+    return t.as_strided(t.shape, strides)
+
+
+class _HostStream:
+    """:func:`current_stream` on a platform without streams (CPU): work there is synchronous,
+    so waiting for it is a no-op."""
+
+    def synchronize(self) -> None:
+        return None
+
+
+_current_stream = threading.local()
+"""Per thread: the stream last set through ``torch.cuda.set_stream`` (``value``)."""
+
+# torch's own set_stream, also when this module is reloaded (set_stream is then our wrapper).
+_torch_set_stream: Callable[[torch.cuda.Stream], None] = getattr(
+    torch.cuda.set_stream, "_torch_set_stream", torch.cuda.set_stream
+)
+
+
+def _set_stream_and_remember(stream: torch.cuda.Stream) -> None:
+    # torch.cuda.set_stream (and the torch.cuda.stream context manager, which calls it) records
+    # the stream for current_stream, as upstream does; None stays a no-op, as in torch.
+    if stream is not None:
+        _current_stream.value = stream
+    _torch_set_stream(stream)
+
+
+_set_stream_and_remember._torch_set_stream = _torch_set_stream  # type: ignore[attr-defined]
+torch.cuda.set_stream = _set_stream_and_remember
+
+
+def current_stream() -> torch.cuda.Stream | _HostStream:
+    """The calling thread's current stream, without building a new ``torch.cuda.Stream`` on
+    every call as ``torch.cuda.current_stream()`` does (upstream's helper).
+
+    It is the stream last set in this thread through ``torch.cuda.set_stream`` or the
+    ``torch.cuda.stream`` context (streams set from C++ are not seen). On CUDA, a thread that
+    has set none gets a dedicated stream of its own, set as current, rather than the default
+    stream, on which CUDA graphs cannot be captured. On CPU it is a placeholder whose
+    ``synchronize()`` does nothing.
+    """
+    stream = getattr(_current_stream, "value", None)
+    if stream is None:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cuda():
+            torch.cuda.set_stream(torch.cuda.Stream())
+        else:
+            _current_stream.value = _HostStream()
+        stream = _current_stream.value
+    return stream
 
 
 def is_quantized_kv_cache(kv_cache_dtype: str) -> bool:
