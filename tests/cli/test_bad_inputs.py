@@ -11,11 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pty
+import select
 import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import pytest
 import torch
@@ -49,6 +52,8 @@ def _config_with(**changes: object) -> str:
 INPUT_FILES: dict[str, str | bytes] = {
     "layers": _config_with(num_hidden_layers=10**12),
     "huge_int": _config_with(head_dim=10**30),
+    "kv_heads": _config_with(num_key_value_heads=2**70),
+    "window": _config_with(sliding_window=2**60),
     "binary": bytes(range(256)) * 4,
     "empty": "",
     "list": "[1, 2]",
@@ -58,6 +63,9 @@ INPUT_FILES: dict[str, str | bytes] = {
 }
 
 
+FULL = "expected a writable file, got '/dev/full' (No space left on device)"
+
+
 def case(cmd: str, argv: list[str], expected: str) -> object:
     """A bad ``vllm-kv cmd argv``; stderr must start ``vllm-kv cmd: error: {expected}``."""
     return pytest.param(cmd, argv, expected, id=f"{cmd} {' '.join(argv)}"[:80])
@@ -65,8 +73,20 @@ def case(cmd: str, argv: list[str], expected: str) -> object:
 
 CASES = [
     # plan --model: files that are no config, and configs out of bounds
-    case("plan", ["--model", "{layers}"], "--model: {layers}: expected config key 'num_hidden_l"),
-    case("plan", ["--model", "{huge_int}"], "--model: {huge_int}: expected config key 'head_dim'"),
+    case(
+        "plan",
+        ["--model", "{layers}"],
+        "--model: {layers}: config: key 'num_hidden_layers' must be a positive int up to 10,000, "
+        "got 1000000000000",
+    ),
+    case(
+        "plan",
+        ["--model", "{huge_int}"],
+        "--model: {huge_int}: config: key 'head_dim' must be a positive int up to 2**53, got a "
+        "31-digit number",
+    ),
+    case("plan", ["--model", "{kv_heads}"], "--model: {kv_heads}: config: key 'num_key_value_"),
+    case("plan", ["--model", "{window}"], "--model: {window}: config: key 'sliding_window' must"),
     case("plan", ["--model", "{binary}"], "--model: expected a UTF-8 JSON config file, got"),
     case("plan", ["--model", "{tmp}"], "--model: expected a config.json file, got"),
     case("plan", ["--model", "{tmp}/missing.json"], "--model: expected a shipped preset or a"),
@@ -101,6 +121,7 @@ CASES = [
     case("plan", ["--json", "/proc/x.json"], "--json: expected a path in a writable directory"),
     case("plan", ["--json", "{tmp}"], "--json: expected a file path, got the directory"),
     case("plan", ["--json", "{tmp}/missing/x.json"], "--json: expected a path in an existing"),
+    case("plan", ["--json", "/dev/full"], f"--json: {FULL}"),
     # check
     case("check", ["--device", "meta"], "--device: expected cpu or cuda[:N], got 'meta'"),
     case("check", ["--device", "tpu"], "--device: expected cpu or cuda[:N], got 'tpu'"),
@@ -112,6 +133,7 @@ CASES = [
     case("check", ["--writer", "nope"], "--writer: expected one of 'auto', 'op', 'reference'"),
     case("check", ["--layout", "XYZ"], "--layout: expected one of 'NHD', 'HND', got 'XYZ'"),
     case("check", ["--json", "/proc/x.json"], "--json: expected a path in a writable directory"),
+    case("check", ["--json", "/dev/full"], f"--json: {FULL}"),
     # bench: rejected before anything runs
     case("bench", ["--device", "tpu"], "--device: expected cpu or cuda[:N], got 'tpu'"),
     case("bench", ["--device", "cuda:abc"], "--device: expected cpu or cuda[:N], got 'cuda:abc'"),
@@ -129,6 +151,8 @@ CASES = [
     case("bench", ["--plot", "-"], "--plot: expected a file path, got '-' (stdout)"),
     case("bench", ["--json", "/proc/x.json"], "--json: expected a path in a writable directory"),
     case("bench", ["--plot", "/proc/x.png"], "--plot: expected a path in a writable directory"),
+    case("bench", ["--json", "/dev/full"], f"--json: {FULL}"),
+    case("bench", ["--plot", "/dev/full"], f"--plot: {FULL}"),
     case("bench", ["--json", "--quick", "--kinds", "x"], "--kinds: expected one of"),
 ]
 
@@ -189,12 +213,16 @@ def test_bad_input_is_one_line(
 
 
 def _cli(
-    *argv: str, stdout: int | None = subprocess.PIPE, timeout: float = 120
+    *argv: str,
+    stdout: int | IO[str] | None = subprocess.PIPE,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """``python -m vllm.cli argv`` in a fresh process."""
     return subprocess.run(
         [sys.executable, "-m", "vllm.cli", *argv],
         cwd=REPO,
+        env=env,
         stdout=stdout,
         stderr=subprocess.PIPE,
         text=True,
@@ -206,7 +234,7 @@ def _cli(
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        (["plan", "--model", "{layers}"], "--model: {layers}: expected config key"),
+        (["plan", "--model", "{layers}"], "--model: {layers}: config: key 'num_hidden_layers'"),
         (["bench", "--device", "tpu"], "--device: expected cpu or cuda[:N], got 'tpu'"),
         (["check", "--seed", str(10**23)], "--seed: expected an integer from 0 to 2**63-1"),
     ],
@@ -231,6 +259,30 @@ def test_full_stdout_is_one_line(argv: list[str]) -> None:
     assert result.returncode == EXIT_OUTPUT_FAILED
     assert result.stderr == (
         f"vllm-kv {argv[0]}: error: stdout: cannot write: No space left on device\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "buffered"),
+    [
+        (["--version"], False),
+        (["--version"], True),
+        (["--help"], True),
+        (["check", "--help"], False),
+    ],
+)
+def test_version_and_help_to_a_full_stdout_fail(argv: list[str], buffered: bool) -> None:
+    """argparse drops the write error of what it prints itself; the CLI reports it (a buffered
+    stdout would otherwise fail only at exit, with exit status 120 and no line of ours)."""
+    env = dict(os.environ)
+    env.pop("PYTHONUNBUFFERED", None)
+    if not buffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    with open("/dev/full", "w") as full:
+        result = _cli(*argv, stdout=full, env=env)
+    assert (result.returncode, result.stderr) == (
+        EXIT_OUTPUT_FAILED,
+        "vllm-kv: error: stdout: cannot write: No space left on device\n",
     )
 
 
@@ -283,8 +335,12 @@ def fake_bench(monkeypatch: pytest.MonkeyPatch) -> None:
     [["plan", "--json", "/dev/full"], ["bench", "--no-progress", "--json", "/dev/full"]],
     ids=["plan", "bench"],
 )
-def test_output_file_error_after_the_work(argv: list[str], capsys: pytest.CaptureFixture) -> None:
-    """A file that passes the check but fails when written (a full disk): exit 1, one line."""
+def test_output_file_error_after_the_work(
+    argv: list[str], capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file that passes the check but fails when written (a disk filled during the run, here
+    /dev/full with its check skipped): exit 1, one line naming the flag."""
+    monkeypatch.setattr(cli_args, "_refused_write", lambda _fd: None)
     code, out, err = _main(argv, capsys)
     assert code == EXIT_OUTPUT_FAILED
     assert out != ""  # the table was printed
@@ -302,6 +358,35 @@ def test_outputs_probe_leaves_files_alone(tmp_path: Path, capsys: pytest.Capture
     new = tmp_path / "new.json"
     code, _, _ = _main(["plan", "--json", str(new), "--tp", "3"], capsys)
     assert code == EXIT_USAGE and not new.exists()
+
+
+def test_outputs_probe_a_full_filesystem(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No free block, even for root: a new or empty file is refused before the work; a file
+    holding blocks is not (truncating it frees them)."""
+    # bsize, frsize, blocks, bfree, bavail, files, ffree, favail, flag, namemax
+    full = os.statvfs_result((4096, 4096, 1000, 0, 0, 100, 50, 50, 0, 255))
+    monkeypatch.setattr(os, "fstatvfs", lambda _fd: full)
+    empty, holding = tmp_path / "empty.json", tmp_path / "old.json"
+    empty.touch()
+    holding.write_text("x" * 10_000)
+    for path in (tmp_path / "new.json", empty):
+        problem = cli_args.output_path_problem(str(path))
+        assert problem == f"expected a writable file, got '{path}' (No space left on device)"
+    assert cli_args.output_path_problem(str(holding)) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.json", "old.json"]
+    assert holding.read_text() == "x" * 10_000
+
+
+def test_outputs_probe_writes_nothing_to_a_terminal() -> None:
+    """A terminal passes the check (its empty write shows nothing); /dev/null passes too."""
+    leader, follower = pty.openpty()
+    try:
+        assert cli_args.json_output(os.ttyname(follower)) == os.ttyname(follower)
+        assert cli_args.json_output(os.devnull) == os.devnull
+        assert select.select([leader], [], [], 0.2)[0] == []
+    finally:
+        os.close(leader)
+        os.close(follower)
 
 
 @pytest.mark.parametrize(

@@ -91,7 +91,14 @@ def test_help(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as info:
         main(["check", "--help"])
     assert info.value.code == 0
-    assert "--real" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--real" in out
+    # Each format's scale rule, as the tables print it: NVFP4's global scale is amax/(448*6).
+    rules = " ".join(out.split())
+    assert "fp8_e4m3 amax(|x|)/448 per tensor or per head;" in rules
+    assert "fp8_e5m2 amax(|x|)/57344 per tensor or per head;" in rules
+    assert "nvfp4 global scale amax(|x|)/(448*6) per tensor or per head" in rules
+    assert "448 for FP8 e4m3 and NVFP4" not in rules
 
 
 def test_real_model_source_is_loaded_only_for_real() -> None:

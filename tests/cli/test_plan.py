@@ -175,6 +175,54 @@ def test_config_json_path(tmp_path, capsys):
     assert json.loads(out)["kv_bytes"]["bfloat16"]["kv_bytes_per_token"] == 262144
 
 
+def _write_config(folder: Path, name: str, preset: str, **changes: object) -> str:
+    config = dict(load_preset(preset)["config"])
+    config.update(changes)
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def test_integers_the_planner_never_reads_are_not_checked(tmp_path, capsys):
+    """Quantization and vision sub-configs, token-id sentinels: huge or negative, still planned."""
+    path = _write_config(
+        tmp_path,
+        "extras",
+        "llama-3.1-8b-instruct",
+        quantization_config={"x": 2**70, "sizes": [2**64, -1]},
+        vision_config={"max": 9223372036854775807, "num_hidden_layers": 10**12},
+        pad_token_id=-1,
+        deep={"a": [[[[{"b": 2**80}]]]]},
+    )
+    code, out, err = _run(capsys, "--model", path, "--memory", "80GiB", "--json")
+    assert (code, err) == (0, "")
+    assert json.loads(out)["num_hidden_layers"] == 32
+
+
+@pytest.mark.parametrize("value", [-1, 0, 2**70])
+def test_a_context_length_that_is_no_size_is_ignored(value, tmp_path, capsys):
+    """max_position_embeddings is only the default --max-model-len: noted, then asked for."""
+    path = _write_config(tmp_path, "ctx", "qwen3-32b", max_position_embeddings=value)
+    code, out, _ = _run(capsys, "--model", path, "--memory", "80GiB", "--max-model-len", "4096")
+    assert code == 0
+    assert "'max_position_embeddings' must be a positive int up to 2**53" in out
+    code, _, err = _run(capsys, "--model", path, "--memory", "80GiB")
+    assert code == 2
+    assert (
+        err == "vllm-kv plan: error: --max-model-len: the config has no max_position_embeddings\n"
+    )
+
+
+PRESET_FILES = sorted((REPO / "vllm" / "model_presets").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", PRESET_FILES, ids=lambda p: p.stem)
+def test_every_preset_file_plans(path, capsys):
+    code, out, err = _run(capsys, "--model", str(path), "--memory", "80GiB", "--tp", "8")
+    assert code == 0, err
+    assert "num_blocks" in out
+
+
 @pytest.mark.parametrize(
     ("text", "value"),
     [

@@ -10,7 +10,7 @@ reference, which is the same reader's output over a bf16 cache of the same sampl
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -255,12 +255,13 @@ def _cos(x: float) -> str:
     return "nan" if math.isnan(x) else f"{x:.6f}"
 
 
-def _scale_line(report: CheckReport) -> str:
-    """``scales from the data: fp8_e4m3 amax(|x|)/448, ...`` with the granularities used."""
+def scale_rules(formats: Iterable[CacheFormat]) -> str:
+    """``scales from the data: fp8_e4m3 amax(|x|)/448 per tensor; ...``: the rule of each
+    quantized dtype among ``formats``, with the granularities used."""
     per_dtype: dict[str, list[CacheFormat]] = {}
-    for rep in report.formats:
-        if rep.fmt.is_quantized:
-            per_dtype.setdefault(rep.fmt.kv_cache_dtype, []).append(rep.fmt)
+    for fmt in formats:
+        if fmt.is_quantized:
+            per_dtype.setdefault(fmt.kv_cache_dtype, []).append(fmt)
     if not per_dtype:
         return "scales: none (unquantized formats only)"
     parts = []
@@ -333,7 +334,7 @@ def format_table(report: CheckReport) -> str:
         f"{s0['head_size']}, {s0['queries']} queries per sample",
         f"cache: {report.layout}, {report.block_size} tokens/page, device {report.device}; "
         f"writer {'/'.join(writers)}, reader {report.reader}; seed {report.seed}",
-        _scale_line(report),
+        scale_rules(r.fmt for r in report.formats),
         "errors vs bf16: relRMS = ||x_hat-x||/||x||, out = attention output, "
         "KL(p_bf16 || p_hat) of attention probabilities in nats",
         "",

@@ -13,6 +13,7 @@ import argparse
 import errno
 import os
 import re
+import stat
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -103,14 +104,39 @@ def output_path_problem(path: str) -> str | None:
     # O_NONBLOCK: a FIFO nobody reads fails at once instead of blocking the command.
     flags = os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK | (0 if existed else os.O_CREAT)
     try:
-        os.close(os.open(target, flags, 0o666))
+        fd = os.open(target, flags, 0o666)
     except OSError as exc:
         if existed:
             return f"expected a writable file, got {path!r} ({exc.strerror})"
         why = "is not writable" if exc.errno in _READ_ONLY_ERRNOS else f"refuses it: {exc.strerror}"
         return f"expected a path in a writable directory, got {path!r} ({folder} {why})"
-    if not existed:
-        target.unlink()
+    try:
+        why = _refused_write(fd)
+    finally:
+        os.close(fd)
+        if not existed:
+            target.unlink()
+    return None if why is None else f"expected a writable file, got {path!r} ({why})"
+
+
+def _refused_write(fd: int) -> str | None:
+    """Why a write to the open ``fd`` is bound to fail, where that is knowable without writing a
+    byte: a character device that refuses an empty write (``/dev/full``; terminals and
+    ``/dev/null`` take it without output), or a new or empty file on a filesystem with no free
+    block even for root. Pipes, and files holding blocks (truncating frees them), are left to
+    the write."""
+    info = os.fstat(fd)
+    if stat.S_ISCHR(info.st_mode):
+        try:
+            os.write(fd, b"")
+        except BlockingIOError:  # a busy terminal: the real write waits
+            return None
+        except OSError as exc:
+            return exc.strerror
+    elif stat.S_ISREG(info.st_mode) and info.st_blocks == 0:
+        space = os.fstatvfs(fd)
+        if space.f_blocks and not space.f_bfree:
+            return os.strerror(errno.ENOSPC)
     return None
 
 

@@ -1,11 +1,11 @@
 """``vllm-kv check``: how much accuracy each KV-cache format costs.
 
-For each format (bf16, FP8 e4m3 / e5m2 and NVFP4 with linear block scales, with per-tensor and
-per-head scales), K/V are written through ``reshape_and_cache_flash`` into a paged cache, read
-back through the reference attention backend, and compared with bf16: K/V reconstruction error,
-attention-output error and the KL divergence of attention probabilities, plus bytes per token.
-Scales come from the data (``amax/448`` for FP8 e4m3 and NVFP4, ``amax/57344`` for e5m2). See
-docs/accuracy.md.
+For each format (bf16, FP8 e4m3 / e5m2 and NVFP4, with per-tensor and per-head scales), K/V are
+written through ``reshape_and_cache_flash`` into a paged cache, read back through the reference
+attention backend, and compared with bf16: K/V reconstruction error, attention-output error and
+the KL divergence of attention probabilities, plus bytes per token. Scales come from the data,
+``amax(|x|)/MAX`` over the tensor or each head; ``--help`` lists each format's MAX after this
+text. See docs/accuracy.md.
 
 Data: seeded LLM-like synthetic K/V (always), and with ``--real`` also the K/V of every layer
 of all-MiniLM-L6-v2 over shipped English text (needs the ``accuracy`` extra).
@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 from typing import Any
 
 import torch
 
 import vllm
 from vllm.accuracy.cache_io import READERS, WRITERS, make_reader, resolve_writer
-from vllm.accuracy.formats import DEFAULT_FORMATS, CacheFormat, parse_formats
-from vllm.accuracy.runner import CheckReport, run_check
+from vllm.accuracy.formats import DEFAULT_FORMATS, MEASURED_FORMATS, CacheFormat, parse_formats
+from vllm.accuracy.runner import CheckReport, run_check, scale_rules
 from vllm.accuracy.synthetic import synthetic_sample
 from vllm.cli import args as cli_args
 from vllm.cli.args import STDOUT, UsageError, add_json_argument
@@ -34,7 +35,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "check",
         help="accuracy of each KV-cache format vs bf16 (synthetic and real K/V)",
-        description=__doc__,
+        description=f"{__doc__}\n{_scale_rules()}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
@@ -79,6 +80,13 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.set_defaults(func=run)
     return parser
+
+
+def _scale_rules() -> str:
+    """The scale rule of each quantized format, worded as the check's tables print it."""
+    quantized = [f.name for f in MEASURED_FORMATS if f.is_quantized]
+    rules = scale_rules(CacheFormat(name, per) for name in quantized for per in (False, True))
+    return textwrap.fill(f"{rules[0].upper()}{rules[1:]}.", width=96)
 
 
 def _formats_arg(text: str) -> list[CacheFormat]:

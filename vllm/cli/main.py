@@ -46,12 +46,13 @@ class _OneLineErrorParser(argparse.ArgumentParser):
         message = _INVALID_CHOICE.sub(r"\1: expected one of \3, got \2", message)
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
-    def print_help(self, file: IO[str] | None = None) -> None:
-        # argparse drops errors writing the help; a full or closed stdout fails as any output.
-        if file is None:
-            emit(self.format_help())
+    def _print_message(self, message: str, file: IO[str] | None = None) -> None:
+        # argparse drops write errors (--help, --version): stdout fails as any output does, and
+        # print_help passes None when stdout is closed. stderr keeps argparse's way.
+        if message and file is sys.stdout:
+            emit(message)
         else:
-            super().print_help(file)
+            super()._print_message(message, file)
 
 
 def subcommand_modules() -> list[str]:

@@ -2,7 +2,8 @@
 and read its keys with the errors the parsers share (``config: missing key 'x'`` ...).
 
 Each reader takes an optional ``prefix`` (e.g. ``text_config.``) that error messages put in front
-of the key, so a nested config reports the full key path.
+of the key, so a nested config reports the full key path. The integer readers bound what they
+read (:data:`MAX_CONFIG_INT`, :data:`MAX_LAYERS`); keys the planner never reads are not checked.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from vllm.model_presets import available_presets, load_preset
 from vllm.v1.kv_cache_format import find_dtype_name, formats
 
 __all__ = [
+    "MAX_CONFIG_INT",
+    "MAX_LAYERS",
     "attention_heads_per_rank",
     "config_head_size",
     "config_layer_types",
@@ -30,6 +33,14 @@ __all__ = [
     "split_evenly",
     "unwrap_config",
 ]
+
+MAX_CONFIG_INT = 2**53
+"""Largest integer key a reader here accepts (sizes, token counts): beyond it a value is no size
+of anything, and float conversions of the plan's byte counts overflow."""
+MAX_LAYERS = 10_000
+"""Largest ``num_hidden_layers`` (the deepest real models have under 200): parsers build one entry
+per layer, so 10**12 would exhaust memory."""
+_KEY_LIMITS = {"num_hidden_layers": MAX_LAYERS}
 
 
 def unwrap_config(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -77,11 +88,26 @@ def required_key(cfg: Mapping[str, Any], key: str, prefix: str = "") -> Any:
 
 
 def positive_int_key(cfg: Mapping[str, Any], key: str, prefix: str = "") -> int:
-    """``cfg[key]``, which must be a positive int."""
+    """``cfg[key]``, which must be a positive int of at most :data:`MAX_CONFIG_INT`
+    (:data:`MAX_LAYERS` for ``num_hidden_layers``)."""
     value = required_key(cfg, key, prefix)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"config: key '{prefix}{key}' must be a positive int, got {value!r}")
+    limit = _KEY_LIMITS.get(key, MAX_CONFIG_INT)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= limit:
+        bound = f"2**{limit.bit_length() - 1}" if limit.bit_count() == 1 else f"{limit:,}"
+        raise ValueError(
+            f"config: key '{prefix}{key}' must be a positive int up to {bound}, got {_shown(value)}"
+        )
     return value
+
+
+def _shown(value: Any) -> str:
+    """``value`` for an error message; a huge integer by its size."""
+    if isinstance(value, bool) or not isinstance(value, int) or abs(value) < 10**20:
+        return repr(value)
+    try:
+        return f"a {len(str(abs(value)))}-digit number"
+    except ValueError:  # over the interpreter's int-to-str digit limit
+        return f"a {value.bit_length()}-bit number"
 
 
 def conv_kernel_key(cfg: Mapping[str, Any], key: str) -> int:

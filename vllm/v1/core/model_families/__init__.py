@@ -12,7 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from vllm.v1.core.model_config import config_model_dtype, required_key, unwrap_config
+from vllm.v1.core.model_config import (
+    config_model_dtype,
+    optional_positive_int_key,
+    required_key,
+    unwrap_config,
+)
 from vllm.v1.core.model_families.deepseek_v3 import parse_deepseek_v3
 from vllm.v1.core.model_families.deepseek_v4 import parse_deepseek_v4
 from vllm.v1.core.model_families.dense import parse_dense
@@ -73,7 +78,7 @@ def parse_model_layout(config: Mapping[str, Any], *, tensor_parallel_size: int =
     model_dtype, dtype_note = config_model_dtype(cfg, text_cfg)
     if dtype_note:
         notes.insert(0, dtype_note)
-    max_pos = cfg.get("max_position_embeddings", text_cfg.get("max_position_embeddings"))
+    max_pos = _context_length(cfg, text_cfg, notes)
     if max_pos is None and model_type in ("gemma3", "gemma3_text"):
         max_pos = 131072
         notes.append("gemma3: max_position_embeddings absent; using the transformers default")
@@ -82,9 +87,25 @@ def parse_model_layout(config: Mapping[str, Any], *, tensor_parallel_size: int =
         model_type=model_type,
         model_dtype=model_dtype,
         num_hidden_layers=int(num_hidden),
-        max_position_embeddings=int(max_pos) if isinstance(max_pos, int) else None,
+        max_position_embeddings=max_pos,
         tensor_parallel_size=tensor_parallel_size,
         default_block_size=default_block,
         layers=tuple(layers),
         notes=tuple(notes),
     )
+
+
+def _context_length(
+    cfg: Mapping[str, Any], text_cfg: Mapping[str, Any], notes: list[str]
+) -> int | None:
+    """``max_position_embeddings`` (top level, else in ``text_config``). Only the default
+    ``max_model_len``, so a value that is no token count (-1, 2**70) is ignored with a note."""
+    for source, prefix in ((cfg, ""), (text_cfg, "text_config.")):
+        if source.get("max_position_embeddings") is None:
+            continue
+        try:
+            return optional_positive_int_key(source, "max_position_embeddings", prefix)
+        except ValueError as exc:
+            notes.append(f"{exc}; ignored (pass max_model_len)")
+            return None
+    return None
