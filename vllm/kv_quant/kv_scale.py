@@ -27,7 +27,7 @@ def kv_scale_as_1d(scale: object, name: str, num_heads: int | None) -> torch.Ten
         got = scale.dtype if isinstance(scale, torch.Tensor) else type(scale).__name__
         raise ValueError(f"{name}: expected a torch.float32 tensor, got {got}")
     if is_per_tensor_scale(scale):
-        return scale.reshape(1)
+        return scale if scale.dim() == 1 else scale.reshape(1)
     if num_heads is not None and scale.dim() == 1 and scale.shape[0] == num_heads:
         return scale
     per_head = "" if num_heads is None else f" or [H] = [{num_heads}]"

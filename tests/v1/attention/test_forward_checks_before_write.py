@@ -4,12 +4,14 @@ with the cache bytes unchanged, in bf16 and NVFP4 alike."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm.v1.attention.backends import AttentionLayerScales, ReferenceAttentionMetadata
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionImpl
@@ -125,6 +127,34 @@ def test_cpu_attn_bad_simd_raises_before_the_write(kind: str) -> None:
     assert torch.equal(raw, before)
 
 
+class _ReportsCuda(torch.Tensor):
+    """A CPU tensor that says it is on cuda:0: a CUDA cache on a machine without a GPU."""
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("kind", list(FORMATS))
+@pytest.mark.parametrize("where", ["cuda", "meta"])
+def test_cpu_attn_cache_off_the_cpu_raises_before_the_write(kind: str, where: str) -> None:
+    """CPU_ATTN's kernel runs on the CPU only: a CUDA cache was written through the CUDA op and
+    only then rejected by paged_attention."""
+    impl = CPUAttentionImpl(NUM_HEADS, HEAD_SIZE, num_kv_heads=NUM_KV_HEADS, kv_cache_dtype=kind)
+    args, raw = _forward_args(kind)
+    args["output"] = torch.zeros(3, NUM_HEADS, HEAD_SIZE, dtype=torch.bfloat16)
+    before = raw.clone()
+    if where == "cuda":  # every tensor claims cuda:0: without the check, the write goes through
+        args = {k: v.as_subclass(_ReportsCuda) if isinstance(v, torch.Tensor) else v
+                for k, v in args.items()}  # fmt: skip
+    else:
+        args["kv_cache"] = args["kv_cache"].to("meta")
+    device = "cuda:0" if where == "cuda" else "meta"
+    with pytest.raises(ValueError, match=rf"kv_cache: expected a tensor on cpu, got {device}"):
+        impl.forward(**args)
+    assert torch.equal(raw, before)
+
+
 @pytest.mark.parametrize("impl_cls", IMPLS, ids=lambda c: c.__name__)
 def test_interleave4_geometry_raises_before_the_write(
     impl_cls: type[ReferenceAttentionImpl],
@@ -155,3 +185,34 @@ def test_check_sequences_reads_only_the_pages_a_sequence_attends() -> None:
         check_sequences([0, 1, 3, 3], [12, 9, 5], table, 4, 4, 4)
     with pytest.raises(ValueError, match=r"seq_lens: sequence 2 has 5 tokens but 6 query tokens"):
         check_sequences([0, 1, 3, 9], [12, 8, 5], table, 4, 4, 4)
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kind", list(FORMATS))
+def test_cpu_attn_decode_dispatches_few_ops(kind: str) -> None:
+    """Per-call cost of the checks (a small decode call is ~40 us): one view per cache side, one
+    aminmax of the page ids read and its two host reads; no query of the SIMD levels, no scale
+    layouts recomputed (issue 20 review: these once doubled the cost of forward)."""
+    impl = CPUAttentionImpl(NUM_HEADS, HEAD_SIZE, num_kv_heads=NUM_KV_HEADS, kv_cache_dtype=kind)
+    args, _ = _forward_args(kind)
+    args["output"] = torch.zeros(3, NUM_HEADS, HEAD_SIZE, dtype=torch.bfloat16)
+    impl.forward(**args)  # the first call per block size works out the scale layouts
+    with _CountOps() as counted:
+        impl.forward(**args)
+    assert counted.ops == Counter({
+        "aten.unbind.int": 1,  # key_cache, value_cache
+        "aten.aminmax.default": 1,  # page ids read
+        "aten._local_scalar_dense.default": 2,
+        "_C_cache_ops.reshape_and_cache_flash.default": 1,
+        "aten._to_copy.default": 1,  # the int64 block table as int32
+        "_C_cache_ops.paged_attention.default": 1,
+    })  # fmt: skip

@@ -13,6 +13,7 @@ sinks, logits soft cap, ``head_size_v``).
 
 from __future__ import annotations
 
+import functools
 from typing import ClassVar
 
 import torch
@@ -58,12 +59,21 @@ def _int32(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device=device, dtype=torch.int32).contiguous()
 
 
+@functools.cache
+def _simd_levels() -> tuple[str, ...]:
+    """:func:`vllm._custom_ops.paged_attention_simd_levels` (fixed by the build)."""
+    from vllm import _custom_ops as ops
+
+    return tuple(ops.paged_attention_simd_levels())
+
+
 class CPUAttentionImpl(ReferenceAttentionImpl):
     """The reference impl's constructor, checks and cache writer; :meth:`forward` runs the
     compiled kernel. ``simd`` (class attribute or per instance) picks the kernels' instruction
     set: ``"auto"`` or one of :func:`vllm._custom_ops.paged_attention_simd_levels`."""
 
     simd: str = "auto"
+    cache_device_type: ClassVar[str | None] = "cpu"
 
     def _check_forward(
         self,
@@ -75,12 +85,9 @@ class CPUAttentionImpl(ReferenceAttentionImpl):
         attn_metadata: ReferenceAttentionMetadata,
         output: torch.Tensor | None,
     ) -> CheckedForward:
-        """The reference impl's checks plus :attr:`simd`, so that the kernel's own checks cannot
-        fail once the new tokens are written."""
-        from vllm import _custom_ops as ops
-
-        levels = ops.paged_attention_simd_levels()
-        if self.simd != "auto" and self.simd not in levels:
+        """The reference impl's checks (a cache on the CPU included) plus :attr:`simd`, so that
+        the kernel's own checks cannot fail once the new tokens are written."""
+        if self.simd != "auto" and self.simd not in (levels := _simd_levels()):
             raise ValueError(
                 f"simd: expected 'auto' or one of {', '.join(levels)}, got {self.simd!r}"
             )

@@ -10,7 +10,6 @@ linear or interleave4 block scales, K and V layouts independent), then attends i
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, ClassVar
 
@@ -31,7 +30,6 @@ from vllm.v1.attention.backends.abstract import (
     AttentionLayer,
     KVCacheScaleLayouts,
     MultipleOf,
-    kv_cache_dim,
     paged_kv_cache_shape,
 )
 from vllm.v1.attention.backends.reference_metadata import (
@@ -94,14 +92,6 @@ def _gather_pages(side: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     return gathered.permute([perm.index(d) for d in range(4)])
 
 
-@functools.lru_cache(maxsize=64)
-def _check_interleave4(block_size: int, num_scales: int) -> None:
-    """``ValueError`` when interleave4 cannot hold ``num_scales`` scales per token in pages of
-    ``block_size`` tokens (the rule of :func:`~vllm.kv_quant.interleave4_index`; a geometry that
-    passed is remembered, an error is raised again each time)."""
-    interleave4_index(block_size, num_scales, "meta")
-
-
 def _copy_op() -> Any | None:
     """``vllm._custom_ops.reshape_and_cache_flash`` when the extension is built, else None."""
     try:
@@ -115,6 +105,10 @@ def _copy_op() -> Any | None:
         return fn
     except (ImportError, OSError, RuntimeError):
         return None
+
+
+_UNIT_SCALE = torch.ones(1, dtype=torch.float32)
+"""The scale that an unquantized cache's reads and writes ignore (never written to)."""
 
 
 class ReferenceAttentionImpl(AttentionImpl):
@@ -132,6 +126,9 @@ class ReferenceAttentionImpl(AttentionImpl):
     for the cache's geometry, i.e. the op's default; ``v_scale_layout=None`` means K's when
     ``k_scale_layout`` is given.
     """
+
+    cache_device_type: ClassVar[str | None] = None
+    """The device type that the cache must be on (``None``: any device)."""
 
     def __init__(
         self,
@@ -196,6 +193,7 @@ class ReferenceAttentionImpl(AttentionImpl):
         self.sliding_window = sliding_window
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_cache_format = fmt
+        self._cache_dims = {h: fmt.last_dim(h) for h in (head_size, head_size_v)}  # D -> D'
         self.logits_soft_cap = logits_soft_cap
         self.sinks = sinks
         # None: the backend's default for the cache's geometry, known at the first cache.
@@ -203,6 +201,9 @@ class ReferenceAttentionImpl(AttentionImpl):
         self.v_scale_layout = (
             ScaleLayout.parse(v_scale_layout) if v_scale_layout is not None else self.k_scale_layout
         )
+        # Block size -> scale_layouts() checked to fit its pages; the layouts and head sizes
+        # are fixed here, so an entry never goes stale.
+        self._fitting_layouts: dict[int, KVCacheScaleLayouts] = {}
 
     def scale_layouts(self, block_size: int) -> KVCacheScaleLayouts:
         """NVFP4 scale layouts (K, V) of this impl's caches with pages of ``block_size``
@@ -232,7 +233,7 @@ class ReferenceAttentionImpl(AttentionImpl):
         return Fp8Format(self.kv_cache_format.fp8_variant)
 
     def _check_side(self, side: torch.Tensor, name: str, head_size: int) -> None:
-        expected_dim = kv_cache_dim(head_size, self.kv_cache_dtype)
+        expected_dim = self._cache_dims[head_size]
         if side.dim() != 4 or side.shape[2] != self.num_kv_heads or side.shape[3] != expected_dim:
             raise ValueError(
                 f"{name}: expected a (B, N, {self.num_kv_heads}, {expected_dim}) cache side for "
@@ -255,7 +256,7 @@ class ReferenceAttentionImpl(AttentionImpl):
         scale = kv_scale_as_1d(scale, name, self.num_kv_heads)
         # One host copy of the (at most num_kv_heads) values: cheaper per call than tensor ops.
         values = scale.tolist()
-        if not all(math.isfinite(v) and v > 0 for v in values):
+        if not all(0 < v < math.inf for v in values):  # NaN fails too
             raise ValueError(f"{name}: a quantized KV cache needs finite scales > 0, got {values}")
         return scale
 
@@ -278,7 +279,19 @@ class ReferenceAttentionImpl(AttentionImpl):
         key_cache, value_cache = split_kv_cache(kv_cache)
         self._check_side(key_cache, "key_cache", self.head_size)
         self._check_side(value_cache, "value_cache", self.head_size_v)
-        k_layout, v_layout = self.scale_layouts(key_cache.shape[1])
+        self._write(layer, key, value, key_cache, value_cache, slot_mapping)
+
+    def _write(
+        self,
+        layer: AttentionLayer,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """:meth:`do_kv_cache_update` on cache sides that passed :meth:`_check_side`."""
+        k_layout, v_layout = self._fitting_scale_layouts(key_cache.shape[1])
         op = _copy_op()
         if op is not None:
             op(
@@ -365,12 +378,14 @@ class ReferenceAttentionImpl(AttentionImpl):
                 f"key_cache, got {list(value_cache.shape[:2])}"
             )
         num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
-        if self._is_nvfp4:
-            self._check_scale_layouts(block_size)
+        self._fitting_scale_layouts(block_size)
         device = key_cache.device
+        wanted = self.cache_device_type
+        if wanted is not None and device.type != wanted:
+            raise ValueError(f"kv_cache: expected a tensor on {wanted}, got {device}")
         if query.device != device:
             raise ValueError(f"query: expected device {device} (the cache's), got {query.device}")
-        k_scale = v_scale = torch.ones(1, dtype=torch.float32)
+        k_scale = v_scale = _UNIT_SCALE
         if self.kv_cache_format.is_quantized:
             k_scale = self._check_scale(layer._k_scale, "k_scale").to(device)
             v_scale = self._check_scale(layer._v_scale, "v_scale").to(device)
@@ -422,14 +437,18 @@ class ReferenceAttentionImpl(AttentionImpl):
                 f"got {output.dtype} on {output.device}"
             )
 
-    def _check_scale_layouts(self, block_size: int) -> None:
-        """The NVFP4 scale layouts fit pages of ``block_size`` tokens (interleave4's needs)."""
-        group = self.kv_cache_format.block_scale_group
-        assert group is not None
-        k_layout, v_layout = self.scale_layouts(block_size)
-        for layout, head_size in ((k_layout, self.head_size), (v_layout, self.head_size_v)):
-            if layout is ScaleLayout.INTERLEAVE4:
-                _check_interleave4(block_size, head_size // group)
+    def _fitting_scale_layouts(self, block_size: int) -> KVCacheScaleLayouts:
+        """:meth:`scale_layouts`, checked (NVFP4) to fit pages of ``block_size`` tokens
+        (interleave4's needs: ``ValueError``); computed once per block size."""
+        layouts = self._fitting_layouts.get(block_size)
+        if layouts is None:
+            layouts = self.scale_layouts(block_size)
+            group = self.kv_cache_format.block_scale_group
+            for layout, head_size in zip(layouts, (self.head_size, self.head_size_v), strict=True):
+                if group is not None and layout is ScaleLayout.INTERLEAVE4:
+                    interleave4_index(block_size, head_size // group, "meta")
+            self._fitting_layouts[block_size] = layouts
+        return layouts
 
     def _begin_forward(
         self,
@@ -445,7 +464,14 @@ class ReferenceAttentionImpl(AttentionImpl):
         ``key`` / ``value`` at ``attn_metadata.slot_mapping`` when given."""
         checked = self._check_forward(layer, query, key, value, kv_cache, attn_metadata, output)
         if key is not None and value is not None:
-            self.do_kv_cache_update(layer, key, value, kv_cache, attn_metadata.slot_mapping)
+            self._write(
+                layer,
+                key,
+                value,
+                checked.key_cache,
+                checked.value_cache,
+                attn_metadata.slot_mapping,
+            )
         return checked
 
     def forward(
@@ -476,7 +502,7 @@ class ReferenceAttentionImpl(AttentionImpl):
         block_table = attn_metadata.block_table
         device = key_cache.device
         block_size = key_cache.shape[1]
-        k_layout, v_layout = self.scale_layouts(block_size)
+        k_layout, v_layout = self._fitting_scale_layouts(block_size)
         block_table = block_table.to(device=device, dtype=torch.int64)
 
         for i, seq_len in enumerate(seq_lens):

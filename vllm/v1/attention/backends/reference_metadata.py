@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -91,10 +92,10 @@ class ReferenceAttentionMetadata:
         )
 
 
-@dataclass(frozen=True)
-class CheckedForward:
+class CheckedForward(NamedTuple):
     """The validated inputs of a forward call: ``query [T, Hq, D]``, the cache sides, the output
-    ``[T, Hq, Dv]``, fp32 scales (``[1]`` or ``[Hkv]``) and the metadata as int lists."""
+    ``[T, Hq, Dv]``, fp32 scales (``[1]`` or ``[Hkv]``) and the metadata as int lists (a
+    NamedTuple: built on every forward, ~3x cheaper than a frozen dataclass)."""
 
     query: torch.Tensor
     key_cache: torch.Tensor

@@ -200,7 +200,8 @@ def split_kv_cache(
             f"kv_cache: expected a (B, 2, N, H, D') tensor or a (key_cache, value_cache) pair, "
             f"got {shape}"
         )
-    return kv_cache[:, 0], kv_cache[:, 1]
+    key_cache, value_cache = kv_cache.unbind(1)  # one op: kv_cache[:, 0], kv_cache[:, 1]
+    return key_cache, value_cache
 
 
 def key_window(seq_len: int, query_len: int, sliding_window: int | None) -> tuple[int, int]:
@@ -242,9 +243,10 @@ def check_sequences(
     width = max(last_pages, default=-1) + 1
     if width == 0:
         return
-    pages = block_table[: len(seq_lens), :width]
+    rows = len(seq_lens)
+    pages = block_table if block_table.shape == (rows, width) else block_table[:rows, :width]
     low, high = torch.aminmax(pages)
-    if bool((low >= 0) & (high < num_blocks)):  # the common case: every id in range
+    if low.item() >= 0 and high.item() < num_blocks:  # the common case: every id in range
         return
     # Some id is out of range: is it one that a sequence reads?
     first_pages = [
