@@ -154,13 +154,29 @@ def test_storage_dtypes_come_from_the_registry() -> None:
         (((3, 4), (0, 2)), (torch.float32,) * 2, r"shapes\[1\]: .*got \(0, 2\)"),
         (((3, 4.0),), (torch.float32,), r"shapes\[0\]: .*got \(3, 4.0\)"),
         (((3, 4),), ("float32",), r"dtypes\[0\]: expected a torch.dtype, got 'float32' \(str\)"),
+        ((1,), (torch.float32,),
+         r"shapes\[0\]: expected a tuple of ints \(a state shape\), got 1 \(int\)"),
+        (torch.Size([3, 4]), (torch.float32,) * 2, r"shapes\[0\]: .*got 3 \(int\)"),
+        (((3, 4), None), (torch.float32,) * 2, r"shapes\[1\]: .*got None \(NoneType\)"),
+        (None, (torch.float32,), r"shapes: expected a tuple of state shapes, got None"),
+        (((3, 4),), torch.float32,
+         r"dtypes: expected a tuple of torch.dtypes, got torch.float32 \(dtype\)"),
     ],
-    ids=["negative", "zero", "float", "str_dtype"],
+    ids=["negative", "zero", "float", "str_dtype", "int_shape", "one_size", "none_shape",
+         "no_shapes", "bare_dtype"],
 )  # fmt: skip
 def test_mamba_spec_fields(shapes, dtypes, message: str) -> None:
-    """MambaSpec(shapes=((-1, 4),)) used to give page_size_bytes == -8."""
+    """MambaSpec(shapes=((-1, 4),)) used to give page_size_bytes == -8; shapes=(1,) (a shape,
+    not a tuple of them) a bare TypeError."""
     with pytest.raises(ValueError, match=message):
         MambaSpec(block_size=16, shapes=shapes, dtypes=dtypes)
+
+
+def test_mamba_spec_accepts_tuple_list_and_size_shapes() -> None:
+    shapes = ((3, 4), [3, 4], torch.Size([3, 4]))
+    spec = MambaSpec(block_size=16, shapes=shapes, dtypes=(torch.float32,) * 3)
+    assert spec.state_sizes_bytes == (48, 48, 48)
+    assert MambaSpec(block_size=16, shapes=[(2,)], dtypes=[torch.float16]).page_size_bytes == 4
 
 
 @pytest.mark.parametrize("num_blocks", [-8, -1, True, 2.0, "8"])

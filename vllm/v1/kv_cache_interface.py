@@ -314,12 +314,25 @@ class MambaSpec(KVCacheSpec):
 
     def __post_init__(self) -> None:
         _check_positive(self, "block_size")
+        for name, value, what in (
+            ("shapes", self.shapes, "state shapes"),
+            ("dtypes", self.dtypes, "torch.dtypes"),
+        ):
+            if not isinstance(value, (tuple, list)):
+                raise ValueError(
+                    f"{name}: expected a tuple of {what}, got {value!r} ({type(value).__name__})"
+                )
         if len(self.shapes) != len(self.dtypes) or not self.shapes:
             raise ValueError(
                 f"shapes/dtypes: expected one dtype per state shape, got {len(self.shapes)} "
                 f"shapes and {len(self.dtypes)} dtypes"
             )
         for i, (shape, dtype) in enumerate(zip(self.shapes, self.dtypes, strict=True)):
+            if not isinstance(shape, (tuple, list)):  # torch.Size is a tuple
+                raise ValueError(
+                    f"shapes[{i}]: expected a tuple of ints (a state shape), got {shape!r} "
+                    f"({type(shape).__name__})"
+                )
             if any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in shape):
                 raise ValueError(
                     f"shapes[{i}]: expected a state shape of positive ints, got {shape!r}"
