@@ -3,10 +3,20 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
-from vllm.v1.kv_cache_interface import KVQuantMode, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    KVCacheTensor,
+    KVQuantMode,
+    MLAAttentionSpec,
+)
 
 DEVICES = [
     "cpu",
@@ -30,4 +40,22 @@ def dsv4_spec(ratio: int) -> MLAAttentionSpec:
         cache_dtype_str="fp8_ds_mla",
         compress_ratio=ratio,
         alignment=576,
+    )
+
+
+def attn_spec(**overrides: Any) -> FullAttentionSpec:
+    """A bf16 ``FullAttentionSpec`` (16-token pages, 8 KV heads of 128) with ``overrides``."""
+    kwargs: dict[str, Any] = dict(
+        block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16
+    )
+    kwargs.update(overrides)
+    return FullAttentionSpec(**kwargs)
+
+
+def one_group(spec: KVCacheSpec, size: int, layers: tuple[str, ...] = ("l0",)) -> KVCacheConfig:
+    """One KV-cache group of ``layers`` with ``spec``, one ``size``-byte tensor per layer."""
+    return KVCacheConfig(
+        num_blocks=0,
+        kv_cache_tensors=[KVCacheTensor(size=size, shared_by=[name]) for name in layers],
+        kv_cache_groups=[KVCacheGroupSpec(list(layers), spec)],
     )
