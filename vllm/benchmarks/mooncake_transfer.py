@@ -127,14 +127,16 @@ class _Side:
             time.sleep(0.0005)
 
     def offload(self, hashes: list[bytes], blocks: list[int]) -> float:
-        from vllm.v1.kv_offload.mediums import GPULoadStoreSpec, MooncakeLoadStoreSpec
+        from vllm.v1.kv_offload.base import GPULoadStoreSpec
+        from vllm.v1.kv_offload.worker.mooncake_store import MooncakeLoadStoreSpec
 
-        return self.job(GPULoadStoreSpec(blocks), MooncakeLoadStoreSpec(hashes))
+        return self.job(GPULoadStoreSpec(blocks, [len(blocks)], [0]), MooncakeLoadStoreSpec(hashes))
 
     def load(self, hashes: list[bytes], blocks: list[int]) -> float:
-        from vllm.v1.kv_offload.mediums import GPULoadStoreSpec, MooncakeLoadStoreSpec
+        from vllm.v1.kv_offload.base import GPULoadStoreSpec
+        from vllm.v1.kv_offload.worker.mooncake_store import MooncakeLoadStoreSpec
 
-        return self.job(MooncakeLoadStoreSpec(hashes), GPULoadStoreSpec(blocks))
+        return self.job(MooncakeLoadStoreSpec(hashes), GPULoadStoreSpec(blocks, [len(blocks)], [0]))
 
     def wait_p2p(self, request_id: str, sending: bool) -> None:
         deadline = time.perf_counter() + _WAIT_S

@@ -83,7 +83,7 @@ def test_uniform_type_specs_with_worker_views(impl: str, kv_cache_dtype: str) ->
         dtype_str = kv_cache_dtype if layer_spec.kv_quant_mode.is_quantized else "bfloat16"
         write_kv(impl, view, layer_spec, dtype_str, [6, 1, 4], seed)
     page_sizes = [s.page_size_bytes for s in specs.values()]
-    assert [v.page_size_bytes for v in handlers.page_views] == page_sizes
+    assert [t.shape[1] for t in handlers.gpu_tensors] == page_sizes
     round_trip(connector, kv, page_sizes, 1, [6, 1, 4])
     connector.shutdown()
 
@@ -110,7 +110,7 @@ def test_mamba_attention_hybrid_with_worker_views(impl: str) -> None:
     connector.register_kv_caches(views, kv.config)
     handlers = connector.spec.handlers
     assert handlers is not None and handlers.num_gpu_blocks == 8
-    assert len(handlers.page_views) == len(kv.config.kv_cache_tensors)
-    page_sizes = [v.page_size_bytes for v in handlers.page_views]
+    assert len(handlers.gpu_tensors) == len(kv.config.kv_cache_tensors)
+    page_sizes = [t.shape[1] for t in handlers.gpu_tensors]
     round_trip(connector, kv, page_sizes, 1, [2, 7, 0])
     connector.shutdown()

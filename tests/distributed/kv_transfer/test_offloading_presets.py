@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
 )
 from vllm.model_presets import available_presets
 from vllm.v1.kv_cache_interface import KVCacheConfig
-from vllm.v1.kv_offload.cpu import CPUOffloadingSpec
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.kv_offload.worker.page_views import kv_cache_tensor_page_sizes
 
 kv_cache_utils = pytest.importorskip("vllm.v1.core.kv_cache_utils")
@@ -79,7 +79,7 @@ def test_every_preset_plan_builds_offload_spec_and_handlers(preset: str) -> None
     handlers = spec.handlers
     assert handlers is not None
     assert handlers.num_gpu_blocks == config.num_blocks
-    assert [v.pages.shape for v in handlers.page_views] == [
+    assert [t.shape for t in handlers.gpu_tensors] == [
         (config.num_blocks, p) for p in page_sizes
     ]
     assert [t.shape for t in handlers.cpu_tensors] == [(NUM_CPU_BLOCKS, p) for p in page_sizes]

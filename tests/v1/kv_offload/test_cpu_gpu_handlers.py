@@ -20,15 +20,16 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     KVCacheTensor,
 )
-from vllm.v1.kv_offload.mediums import CPULoadStoreSpec, GPULoadStoreSpec
-from vllm.v1.kv_offload.worker.cpu_gpu import (
+from vllm.v1.kv_offload.base import GPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.gpu_worker import (
     CpuGpuOffloadingHandlers,
     SingleDirectionOffloadingHandler,
     TransferEvent,
     TransferStream,
     expand_block_ids,
 )
-from vllm.v1.kv_offload.worker.page_views import build_kv_cache_page_views
+from vllm.v1.kv_offload.worker.page_views import canonicalize_kv_caches
 from vllm.v1.kv_offload.worker.worker import OffloadingWorker
 
 try:
@@ -84,22 +85,24 @@ def make_handlers(
     raw = [torch.zeros(t.size, dtype=torch.int8, device=device) for t in config.kv_cache_tensors]
     kv_caches = {t.shared_by[0]: r for t, r in zip(config.kv_cache_tensors, raw, strict=True)}
     handlers = CpuGpuOffloadingHandlers(
-        kv_caches,
-        config,
-        gpu_block_size=16,
-        cpu_block_size=cpu_block_size,
+        canonicalize_kv_caches(kv_caches, config),
+        block_size_factor=cpu_block_size // 16,
         num_cpu_blocks=num_cpu_blocks,
         swap_blocks=swap,
     )
     return handlers, raw
 
 
-def store_spec(gpu: list[int], cpu: list[int]) -> tuple[GPULoadStoreSpec, CPULoadStoreSpec]:
-    return GPULoadStoreSpec(gpu), CPULoadStoreSpec(cpu)
+def store_spec(
+    gpu: list[int], cpu: list[int], index: int = 0
+) -> tuple[GPULoadStoreSpec, CPULoadStoreSpec]:
+    return GPULoadStoreSpec(gpu, [len(gpu)], [index]), CPULoadStoreSpec(cpu)
 
 
-def load_spec(cpu: list[int], gpu: list[int]) -> tuple[CPULoadStoreSpec, GPULoadStoreSpec]:
-    return CPULoadStoreSpec(cpu), GPULoadStoreSpec(gpu)
+def load_spec(
+    cpu: list[int], gpu: list[int], index: int = 0
+) -> tuple[CPULoadStoreSpec, GPULoadStoreSpec]:
+    return CPULoadStoreSpec(cpu), GPULoadStoreSpec(gpu, [len(gpu)], [index])
 
 
 def test_expand_block_ids() -> None:
@@ -151,10 +154,10 @@ def test_get_finished_never_reports_a_later_job_first() -> None:
     config = make_config()
     raw = [torch.zeros(t.size, dtype=torch.int8) for t in config.kv_cache_tensors]
     handlers = CpuGpuOffloadingHandlers(
-        {t.shared_by[0]: r for t, r in zip(config.kv_cache_tensors, raw, strict=True)},
-        config,
-        gpu_block_size=16,
-        cpu_block_size=16,
+        canonicalize_kv_caches(
+            {t.shared_by[0]: r for t, r in zip(config.kv_cache_tensors, raw, strict=True)}, config
+        ),
+        block_size_factor=1,
         num_cpu_blocks=4,
         swap_blocks=reference_swap_blocks,
         transfer_stream_factory=factory,
@@ -215,7 +218,7 @@ def test_thread_path_orders_a_tiny_job_after_a_slow_one() -> None:
 def test_gpu_to_cpu_sees_data_written_just_before_submission() -> None:
     handlers, raw = make_handlers()
     store, load = handlers.gpu_to_cpu_handler, handlers.cpu_to_gpu_handler
-    pages = [v.pages for v in handlers.page_views]
+    pages = handlers.gpu_tensors
     for round_ in range(3):
         for p in pages:
             p[2].fill_(round_ + 1)
@@ -227,7 +230,7 @@ def test_gpu_to_cpu_sees_data_written_just_before_submission() -> None:
             assert bool((cpu[2] == round_ + 1).all()) and bool((cpu[3] == round_ + 101).all())
         assert [r.job_id for r in store.get_finished()] == [round_]
     # Load the second page of CPU block 1 (skip the first) into GPU block 6.
-    load.transfer_async(7, load_spec([1], [6]))
+    load.transfer_async(7, load_spec([1], [6], index=1))
     load.wait([7])
     for p in pages:
         assert bool((p[6] == 103).all())
@@ -242,12 +245,14 @@ def test_invalid_specs_raise_before_copying() -> None:
         store.transfer_async(0, store_spec([7, 8], [0]))
     with pytest.raises(ValueError, match=r"CPU \(destination\) block ids must be in \[0, 4\)"):
         store.transfer_async(0, store_spec([0, 1], [4]))
-    with pytest.raises(ValueError, match="cannot fill 2 destination blocks of 2 pages"):
-        store.transfer_async(0, store_spec([0, 1, 2], [0, 1]))
-    with pytest.raises(ValueError, match="2 source blocks of 2 pages cannot fill 2 destination"):
+    with pytest.raises(ValueError, match="1 CPU block ids are too few for group sizes"):
+        store.transfer_async(0, store_spec([0, 1, 2], [0]))
+    with pytest.raises(ValueError, match="2 source and 2 destination block ids, but the groups"):
         load.transfer_async(0, load_spec([0, 1], [0, 1]))
+    with pytest.raises(ValueError, match="group_sizes has 2 entries for 1 KV-cache groups"):
+        store.transfer_async(0, (GPULoadStoreSpec([0, 1], [1, 1], [0, 0]), CPULoadStoreSpec([0])))
     with pytest.raises(ValueError, match="expected a 1-D sequence of ints"):
-        GPULoadStoreSpec([[1, 2]])
+        CPULoadStoreSpec([[1, 2]])
     assert store.get_finished() == [] and load.get_finished() == []
     store.transfer_async(1, store_spec([0, 1], [0]))
     with pytest.raises(ValueError, match="job 1 is already in flight"):
@@ -322,10 +327,10 @@ def test_handler_rejects_mismatched_tensors() -> None:
 def test_page_views_share_memory_with_the_kv_cache() -> None:
     config = make_config()
     raw = [torch.zeros(t.size, dtype=torch.int8) for t in config.kv_cache_tensors]
-    views = build_kv_cache_page_views(
+    canonical = canonicalize_kv_caches(
         {t.shared_by[0]: r for t, r in zip(config.kv_cache_tensors, raw, strict=True)}, config
     )
-    views[1].pages[3, 5] = 7
+    canonical.tensors[1].tensor[3, 5] = 7
     assert int(raw[1][3 * 8192 + 5]) == 7
 
 
@@ -445,8 +450,8 @@ def test_load_after_a_slow_store_reads_the_stored_bytes() -> None:
     worker.shutdown()
 
 
-def test_completion_order_across_directions_is_submission_order() -> None:
-    """A store submitted after a slow load finishes first, but is reported after it."""
+def test_finished_jobs_are_not_held_behind_another_handlers() -> None:
+    """A store submitted after a slow load finishes first, and is reported first."""
     release = threading.Event()
 
     def slow_load_swap(src: torch.Tensor, dst: torch.Tensor, size: int, m: torch.Tensor) -> None:
@@ -462,15 +467,24 @@ def test_completion_order_across_directions_is_submission_order() -> None:
     worker.transfer_async(2, store_spec([3], [1]))  # fast, a later job
     handlers.gpu_to_cpu_handler.wait([2])
     seen = [r.job_id for r in worker.get_finished()]
-    assert seen == [0]  # job 2 has finished but job 1 has not: 2 is held back
+    assert seen == [0, 2]  # job 1 (another handler's) still runs: 2 is not held back
     release.set()
-    worker.wait([2])  # waits for job 1 as well
-    seen += [r.job_id for r in worker.get_finished()]
-    assert seen == [0, 1, 2]
+    worker.wait([1])
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True)]
     assert worker.get_finished() == []
-    with pytest.raises(ValueError, match="job 3 is already in flight"):
-        worker.transfer_async(3, store_spec([4], [2]))
-        worker.transfer_async(3, store_spec([5], [3]))
+    worker.shutdown()
+
+
+def test_worker_reports_a_handlers_exception_as_not_submitted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    worker, _ = _make_connector_worker(swap_blocks)
+    assert worker.transfer_async(3, store_spec([4], [2]))
+    with caplog.at_level("WARNING"):
+        assert not worker.transfer_async(3, store_spec([5], [3]))  # job 3 is in flight
+    assert "job 3 is already in flight" in caplog.text
+    worker.wait([3])
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(3, True)]
     worker.shutdown()
 
 
@@ -491,7 +505,10 @@ def test_load_fails_when_the_store_it_waits_for_fails() -> None:
     worker.transfer_async(1, load_spec([2], [6]))
     release.set()
     worker.wait([1])
-    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(0, False), (1, False)]
+    assert sorted((r.job_id, r.success) for r in worker.get_finished()) == [
+        (0, False),
+        (1, False),
+    ]
     worker.shutdown()
 
 

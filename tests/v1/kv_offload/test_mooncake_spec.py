@@ -11,8 +11,8 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     KVCacheTensor,
 )
-from vllm.v1.kv_offload.mediums import MooncakeLoadStoreSpec, block_hash_hex
 from vllm.v1.kv_offload.mooncake import MooncakeOffloadingSpec
+from vllm.v1.kv_offload.worker.mooncake_store import MooncakeLoadStoreSpec, block_hash_hex
 
 
 def kv_config() -> KVCacheConfig:

@@ -8,12 +8,12 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.config import MooncakeConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import MooncakeStoreClient
 from vllm.v1.kv_cache_interface import KVCacheConfig
-from vllm.v1.kv_offload.abstract import LoadStoreSpec
-from vllm.v1.kv_offload.mediums import GPULoadStoreSpec, MooncakeLoadStoreSpec
+from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec
 from vllm.v1.kv_offload.page_format import KVPageFormat
 from vllm.v1.kv_offload.spec import OffloadingSpec
 from vllm.v1.kv_offload.worker.mooncake_store import (
     DEFAULT_KEY_PREFIX,
+    MooncakeLoadStoreSpec,
     MooncakeStoreHandlers,
     MooncakeStorePages,
 )

@@ -28,8 +28,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.p2p import (
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
     OffloadingConnectorWorker,
 )
-from vllm.v1.kv_offload.mediums import GPULoadStoreSpec, MooncakeLoadStoreSpec
+from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.kv_offload.mooncake import MooncakeOffloadingSpec
+from vllm.v1.kv_offload.worker.mooncake_store import MooncakeLoadStoreSpec
 from vllm.v1.kv_offload.worker.page_views import build_kv_cache_page_views
 
 MAX_WAIT_S = 25.0
@@ -224,11 +225,21 @@ class InstanceState:
         self, cache: str, hashes: list[str], blocks: list[int], timeout_s: float = MAX_WAIT_S
     ):
         keys = [bytes.fromhex(h) for h in hashes]
-        return self._job(cache, GPULoadStoreSpec(blocks), MooncakeLoadStoreSpec(keys), timeout_s)
+        return self._job(
+            cache,
+            GPULoadStoreSpec(blocks, [len(blocks)], [0]),
+            MooncakeLoadStoreSpec(keys),
+            timeout_s,
+        )
 
     def load(self, cache: str, hashes: list[str], blocks: list[int], timeout_s: float = MAX_WAIT_S):
         keys = [bytes.fromhex(h) for h in hashes]
-        return self._job(cache, MooncakeLoadStoreSpec(keys), GPULoadStoreSpec(blocks), timeout_s)
+        return self._job(
+            cache,
+            MooncakeLoadStoreSpec(keys),
+            GPULoadStoreSpec(blocks, [len(blocks)], [0]),
+            timeout_s,
+        )
 
     def lookup(self, cache: str, hashes: list[str]) -> dict[str, Any]:
         worker = self.caches[cache].worker

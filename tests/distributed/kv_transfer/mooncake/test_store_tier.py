@@ -63,8 +63,8 @@ def test_offloaded_blocks_of_several_pages(shared_master, shared_instances) -> N
     assert reader.call("lookup", cache="f2", hashes=hashes)["count"] == 3
     assert reader.call("load", cache="f2", hashes=hashes, blocks=dst)["success"]
     assert reader.call("digest", cache="f2", blocks=dst) == expected
-    with pytest.raises(Exception, match="3 store blocks of 2 pages need 6 GPU block ids, got 3"):
-        reader.call("load", cache="f2", hashes=hashes, blocks=[0, 1, 2])
+    # A spec the handler rejects is reported failed (the worker logs the handler's error).
+    assert not reader.call("load", cache="f2", hashes=hashes, blocks=[0, 1, 2])["success"]
 
 
 def test_no_traffic_leaves_loopback(sandbox, shared_master, shared_instances) -> None:

@@ -33,15 +33,50 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import (
     MooncakeStoreError,
 )
 from vllm.utils import check_positive_int
-from vllm.v1.kv_offload.mediums import GPULoadStoreSpec, MooncakeLoadStoreSpec
-from vllm.v1.kv_offload.page_format import KVPageFormat
-from vllm.v1.kv_offload.worker.cpu_gpu import (
+from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec
+from vllm.v1.kv_offload.cpu.gpu_worker import (
     StreamOffloadingHandler,
     ThreadTransferStream,
     TransferStream,
 )
+from vllm.v1.kv_offload.page_format import KVPageFormat
 from vllm.v1.kv_offload.worker.page_views import KVCachePageView
 from vllm.v1.kv_offload.worker.worker import TransferSpec
+
+BlockHash = bytes | int
+"""A block's content hash (upstream's ``BlockHash`` is ``bytes``; ints are accepted too)."""
+
+
+def block_hash_hex(block_hash: BlockHash) -> str:
+    """The hash as hex text, for keys (``ValueError`` for other types)."""
+    if isinstance(block_hash, (bytes, bytearray)):
+        if not block_hash:
+            raise ValueError("block_hashes: expected non-empty bytes, got b''")
+        return bytes(block_hash).hex()
+    if isinstance(block_hash, int) and not isinstance(block_hash, bool):
+        return format(block_hash, "x")
+    raise ValueError(f"block_hashes: expected bytes or int hashes, got {type(block_hash).__name__}")
+
+
+class MooncakeLoadStoreSpec(LoadStoreSpec):
+    """Offloaded blocks in a Mooncake distributed store, addressed by block hash.
+
+    The key of a block is its hash plus the fingerprint of the page format
+    (:class:`~vllm.v1.kv_offload.page_format.KVPageFormat`), so blocks of another model,
+    format or geometry never match.
+    """
+
+    def __init__(self, block_hashes: Iterable[BlockHash]):
+        self.block_hashes: tuple[BlockHash, ...] = tuple(block_hashes)
+        self.hash_hex: tuple[str, ...] = tuple(block_hash_hex(h) for h in self.block_hashes)
+
+    @staticmethod
+    def medium() -> str:
+        return "MOONCAKE"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(block_hashes={list(self.hash_hex)})"
+
 
 DEFAULT_KEY_PREFIX = "vllm-kv"
 """First component of every store key."""

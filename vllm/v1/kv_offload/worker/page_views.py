@@ -25,6 +25,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheSpec,
     iter_layer_specs,
 )
+from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
 
 LayerKVCache = torch.Tensor | Sequence[torch.Tensor]
 """What the worker holds for one layer: an attention cache view, a raw byte buffer, or the
@@ -197,3 +198,24 @@ def build_kv_cache_page_views(
             )
         )
     return views
+
+
+def canonicalize_kv_caches(
+    kv_caches: Mapping[str, LayerKVCache], kv_cache_config: KVCacheConfig
+) -> CanonicalKVCaches:
+    """The worker's KV cache as :class:`CanonicalKVCaches`: one page tensor per
+    :class:`KVCacheTensor` (:func:`build_kv_cache_page_views`), and per KV-cache group a
+    reference to each tensor one of its layers lives in (with that tensor's page size)."""
+    views = build_kv_cache_page_views(kv_caches, kv_cache_config)
+    refs = []
+    for group in kv_cache_config.kv_cache_groups:
+        names = set(group.layer_names)
+        refs.append(
+            [
+                CanonicalKVCacheRef(tensor_idx=i, page_size_bytes=view.page_size_bytes)
+                for i, view in enumerate(views)
+                if names.intersection(kv_cache_config.kv_cache_tensors[i].shared_by)
+            ]
+        )
+    tensors = [CanonicalKVCacheTensor(view.pages, view.page_size_bytes) for view in views]
+    return CanonicalKVCaches(tensors=tensors, group_data_refs=refs)

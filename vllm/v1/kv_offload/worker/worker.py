@@ -1,19 +1,20 @@
-"""Transfer-handler abstractions of the offloading worker.
+"""Transfer handlers and the worker that routes jobs to them.
 
 A handler moves blocks from one medium to another asynchronously: :meth:`transfer_async`
 submits a job, :meth:`get_finished` reports finished jobs. :class:`OffloadingWorker` routes
-each job to the handler registered for its (source medium, destination medium) pair and
-reports finished jobs in submission order across all its handlers.
+each job to the handler registered for its (source medium, destination medium) pair.
 """
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from vllm.v1.kv_offload.abstract import LoadStoreSpec
+from vllm.v1.kv_offload.base import LoadStoreSpec
+
+logger = logging.getLogger(__name__)
 
 TransferSpec = tuple[LoadStoreSpec, LoadStoreSpec]
 """(source, destination) of one transfer job."""
@@ -22,13 +23,12 @@ TransferType = tuple[str, str]
 """(source medium, destination medium), e.g. ``("GPU", "CPU")``."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class TransferResult:
     """Outcome of one finished job.
 
-    ``transfer_size`` is in bytes (every page moved, all tensors); ``transfer_time`` is in
-    seconds, measured on the device that did the copy (CUDA events, or wall time of the copy
-    thread), when the handler measures it.
+    ``transfer_size`` is in bytes (every page moved, all tensors); ``transfer_time`` in
+    seconds, when the handler measures it.
     """
 
     job_id: int
@@ -43,47 +43,34 @@ class OffloadingHandler(ABC):
 
     @abstractmethod
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
-        """Submit job ``job_id`` and return without waiting for the copy.
-
-        Returns True when the job was submitted. Invalid specs raise ``ValueError`` before
-        anything is copied.
-        """
+        """Submit job ``job_id`` without waiting for the copy; True when submitted."""
 
     @abstractmethod
     def get_finished(self) -> list[TransferResult]:
-        """Results of jobs that finished since the last call (each reported once)."""
+        """Jobs that finished since the last call (each reported once)."""
 
     @abstractmethod
-    def wait(self, job_ids: Iterable[int]) -> None:
-        """Block until the given jobs (those still in flight) have finished.
+    def wait(self, job_ids: set[int]) -> None:
+        """Block until those of ``job_ids`` this handler runs have finished; their results
+        are still reported by the next :meth:`get_finished`."""
 
-        Their results are still reported by the next :meth:`get_finished`.
-        """
-
-    def shutdown(self) -> None:  # noqa: B027 - optional hook, no-op by default
-        """Release resources (threads, streams). Jobs in flight are waited for first."""
+    def shutdown(self) -> None:
+        """Release resources (threads, streams)."""
+        return
 
 
 class OffloadingWorker:
     """Routes transfer jobs to the handler registered for their media.
 
-    Ordered completion across handlers: :meth:`get_finished` reports jobs in the order they
-    were submitted through :meth:`transfer_async`, whatever their direction — a job that
-    finished before an earlier job (e.g. a store submitted after a load) is held back until
-    every earlier job has been reported. :meth:`wait` therefore waits for the given jobs and
-    every job submitted before them, so their results are reported by the next
-    :meth:`get_finished`. (Data dependencies between directions — a load waiting for earlier
-    stores — are the handlers' business; see :mod:`vllm.v1.kv_offload.worker.cpu_gpu`.)
+    A handler that raises while submitting is logged and the job reported not submitted
+    (``transfer_async`` returns False). :meth:`get_finished` passes every handler's results
+    through as they come: jobs of different handlers are independent (ordering between
+    directions is the handlers' business, see :mod:`vllm.v1.kv_offload.cpu.gpu_worker`).
     """
 
     def __init__(self) -> None:
         self.handlers: list[OffloadingHandler] = []
         self.transfer_type_to_handler: dict[TransferType, OffloadingHandler] = {}
-        # Submitted, not yet reported jobs in submission order, and their handlers.
-        self._order: deque[int] = deque()
-        self._job_handler: dict[int, OffloadingHandler] = {}
-        # Results collected from the handlers, held until every earlier job is reported.
-        self._held: dict[int, TransferResult] = {}
 
     def register_handler(
         self,
@@ -100,8 +87,7 @@ class OffloadingWorker:
             self.handlers.append(handler)
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
-        """Submit job ``job_id`` to the handler of its media; see
-        :meth:`OffloadingHandler.transfer_async`."""
+        """Submit job ``job_id`` to the handler of its media; False when it was not submitted."""
         src, dst = spec
         transfer_type = (src.medium(), dst.medium())
         handler = self.transfer_type_to_handler.get(transfer_type)
@@ -110,51 +96,24 @@ class OffloadingWorker:
                 f"spec: no handler registered for {transfer_type[0]} -> {transfer_type[1]}; "
                 f"registered: {sorted(self.transfer_type_to_handler)}"
             )
-        if job_id in self._job_handler:
-            raise ValueError(f"job_id: job {job_id} is already in flight")
-        submitted = handler.transfer_async(job_id, spec)
-        if submitted:
-            self._order.append(job_id)
-            self._job_handler[job_id] = handler
+        try:
+            submitted = handler.transfer_async(job_id, spec)
+        except Exception:
+            logger.warning("%r transfer %d failed to submit", transfer_type, job_id, exc_info=True)
+            return False
+        if not submitted:
+            logger.warning("%r transfer %d was not submitted", transfer_type, job_id)
         return submitted
 
     def get_finished(self) -> list[TransferResult]:
-        """Finished jobs of every handler, in submission order across handlers.
-
-        A finished job is reported only once every job submitted before it has been reported.
-        """
-        results: list[TransferResult] = []
-        for handler in self.handlers:
-            for result in handler.get_finished():
-                if result.job_id in self._job_handler:
-                    self._held[result.job_id] = result
-                else:  # submitted to the handler directly, not through this worker
-                    results.append(result)
-        while self._order and self._order[0] in self._held:
-            job_id = self._order.popleft()
-            del self._job_handler[job_id]
-            results.append(self._held.pop(job_id))
-        return results
+        """Jobs of every handler that finished since the last call."""
+        return [result for handler in self.handlers for result in handler.get_finished()]
 
     def wait(self, job_ids: Iterable[int]) -> None:
-        """Block until the given jobs and every job submitted before them have finished.
-
-        Unknown or already reported ids are ignored.
-        """
+        """Block until the given jobs have finished."""
         ids = set(job_ids)
-        last = max((i for i, job_id in enumerate(self._order) if job_id in ids), default=-1)
-        by_handler: dict[int, tuple[OffloadingHandler, list[int]]] = {}
-        for i, job_id in enumerate(self._order):
-            if i > last:
-                break
-            handler = self._job_handler[job_id]
-            by_handler.setdefault(id(handler), (handler, []))[1].append(job_id)
-        for handler, handler_ids in by_handler.values():
-            handler.wait(handler_ids)
-        untracked = ids - set(self._job_handler)
-        if untracked:
-            for handler in self.handlers:
-                handler.wait(untracked)
+        for handler in self.handlers:
+            handler.wait(ids)
 
     def shutdown(self) -> None:
         """Shut every handler down."""

@@ -41,8 +41,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.config import (
     import_mooncake,
 )
 from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.kv_offload.cpu.gpu_worker import ThreadTransferStream, TransferEvent
 from vllm.v1.kv_offload.page_format import KVPageFormat
-from vllm.v1.kv_offload.worker.cpu_gpu import ThreadTransferStream, TransferEvent
 from vllm.v1.kv_offload.worker.page_views import (
     KVCachePageView,
     LayerKVCache,

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from vllm.v1.kv_cache_interface import KVCacheConfig
-from vllm.v1.kv_offload.mediums import CPULoadStoreSpec, GPULoadStoreSpec
+from vllm.v1.kv_offload.base import GPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.spec import OffloadingSpec
 from vllm.v1.kv_offload.worker.page_views import LayerKVCache
 from vllm.v1.kv_offload.worker.worker import (
@@ -20,12 +21,10 @@ class OffloadingConnectorWorker:
     """Offloads a worker's KV cache through the handlers of an :class:`OffloadingSpec`.
 
     Job ids are assigned here, increasing in submission order. Ordering (see
-    :mod:`vllm.v1.kv_offload.worker.cpu_gpu`): :meth:`get_finished` reports jobs in submission
-    order across both directions (a later job is never reported before an earlier one); a load
-    (CPU -> GPU) starts only after every earlier store (GPU -> CPU) not yet reported has
-    completed, so it reads what those stores wrote; a store copies the pages the compute work
-    queued before its submission produced. :meth:`wait` waits for the given jobs and every
-    earlier one.
+    :mod:`vllm.v1.kv_offload.cpu.gpu_worker`): each direction reports its jobs in submission
+    order; a load (CPU -> GPU) starts only after every earlier store (GPU -> CPU) not yet
+    reported has completed, so it reads what those stores wrote; a store copies the pages the
+    compute work queued before its submission produced.
     """
 
     def __init__(self, spec: OffloadingSpec):
@@ -33,6 +32,7 @@ class OffloadingConnectorWorker:
         self.worker = OffloadingWorker()
         self.handlers: list[OffloadingHandler] = []
         self._next_job_id = 0
+        self._not_submitted: list[TransferResult] = []
 
     def register_kv_caches(
         self,
@@ -56,30 +56,49 @@ class OffloadingConnectorWorker:
             self.handlers.append(handler)
 
     def transfer_async(self, spec: TransferSpec) -> int:
-        """Submit a transfer; returns its job id."""
+        """Submit a transfer; returns its job id. A job that could not be submitted (its
+        handler refused or raised, which is logged) is reported failed by :meth:`get_finished`."""
         job_id = self._next_job_id
-        self.worker.transfer_async(job_id, spec)
         self._next_job_id += 1
+        if not self.worker.transfer_async(job_id, spec):
+            self._not_submitted.append(TransferResult(job_id, False))
         return job_id
 
-    def store(self, gpu_block_ids: Iterable[int], offload_block_ids: Iterable[int]) -> int:
-        """Copy GPU blocks to offloaded (CPU) blocks; returns the job id."""
-        return self.transfer_async(
-            (GPULoadStoreSpec(gpu_block_ids), CPULoadStoreSpec(offload_block_ids))
+    def _every_group(
+        self, gpu_block_ids: Iterable[int], offload_block_ids: Iterable[int], block_index: int
+    ) -> tuple[GPULoadStoreSpec, CPULoadStoreSpec]:
+        # The same ids in every group: each tensor's pages move, whichever group uses it.
+        gpu, offload = list(gpu_block_ids), list(offload_block_ids)
+        n = len(self.spec.kv_cache_config.kv_cache_groups) or 1
+        return (
+            GPULoadStoreSpec(gpu * n, [len(gpu)] * n, [block_index] * n),
+            CPULoadStoreSpec(offload * n),
         )
 
-    def load(self, offload_block_ids: Iterable[int], gpu_block_ids: Iterable[int]) -> int:
-        """Copy offloaded (CPU) blocks into GPU blocks; returns the job id."""
-        return self.transfer_async(
-            (CPULoadStoreSpec(offload_block_ids), GPULoadStoreSpec(gpu_block_ids))
-        )
+    def store(
+        self, gpu_block_ids: Iterable[int], offload_block_ids: Iterable[int], block_index: int = 0
+    ) -> int:
+        """Copy GPU blocks (request blocks from ``block_index`` on) of every KV-cache group
+        to offloaded (CPU) blocks; returns the job id."""
+        gpu, cpu = self._every_group(gpu_block_ids, offload_block_ids, block_index)
+        return self.transfer_async((gpu, cpu))
+
+    def load(
+        self, offload_block_ids: Iterable[int], gpu_block_ids: Iterable[int], block_index: int = 0
+    ) -> int:
+        """Copy offloaded (CPU) blocks into GPU blocks of every KV-cache group (request blocks
+        from ``block_index`` on, so the first offloaded block is read from page
+        ``block_index % block_size_factor``); returns the job id."""
+        gpu, cpu = self._every_group(gpu_block_ids, offload_block_ids, block_index)
+        return self.transfer_async((cpu, gpu))
 
     def get_finished(self) -> list[TransferResult]:
         """Jobs finished since the last call."""
-        return self.worker.get_finished()
+        failed, self._not_submitted = self._not_submitted, []
+        return failed + self.worker.get_finished()
 
     def wait(self, job_ids: Iterable[int]) -> None:
-        """Block until the given jobs (and every job submitted before them) have finished."""
+        """Block until the given jobs have finished."""
         self.worker.wait(job_ids)
 
     def shutdown(self) -> None:

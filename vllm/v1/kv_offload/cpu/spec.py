@@ -7,11 +7,15 @@ from typing import Any
 
 from vllm.utils import check_positive_int
 from vllm.v1.kv_cache_interface import KVCacheConfig
-from vllm.v1.kv_offload.abstract import LoadStoreSpec
-from vllm.v1.kv_offload.mediums import CPULoadStoreSpec, GPULoadStoreSpec
+from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.gpu_worker import CpuGpuOffloadingHandlers, SwapBlocksFn
 from vllm.v1.kv_offload.spec import OffloadingSpec
-from vllm.v1.kv_offload.worker.cpu_gpu import CpuGpuOffloadingHandlers, SwapBlocksFn
-from vllm.v1.kv_offload.worker.page_views import LayerKVCache, kv_cache_tensor_page_sizes
+from vllm.v1.kv_offload.worker.page_views import (
+    LayerKVCache,
+    canonicalize_kv_caches,
+    kv_cache_tensor_page_sizes,
+)
 from vllm.v1.kv_offload.worker.worker import OffloadingHandler
 
 
@@ -67,10 +71,8 @@ class CPUOffloadingSpec(OffloadingSpec):
     ) -> Iterator[tuple[type[LoadStoreSpec], type[LoadStoreSpec], OffloadingHandler]]:
         if self._handlers is None:
             self._handlers = CpuGpuOffloadingHandlers(
-                kv_caches=kv_caches,
-                kv_cache_config=kv_cache_config or self.kv_cache_config,
-                gpu_block_size=self.offloaded_block_size // self.block_size_factor,
-                cpu_block_size=self.offloaded_block_size,
+                canonicalize_kv_caches(kv_caches, kv_cache_config or self.kv_cache_config),
+                block_size_factor=self.block_size_factor,
                 num_cpu_blocks=self.num_blocks,
                 swap_blocks=self.swap_blocks,
             )

@@ -9,33 +9,23 @@ Ordering contract.
 - Per handler (per direction): jobs run in submission order and
   :meth:`SingleDirectionOffloadingHandler.get_finished` reports them in submission order — a job
   is never reported before an earlier job of the same handler.
-- Across directions (read-after-write on CPU blocks): the CPU -> GPU handler of
-  :class:`CpuGpuOffloadingHandlers` is built with ``depends_on=`` the GPU -> CPU handler, so a
-  load waits for every earlier store that has not been reported yet (whatever blocks it
-  touches: the simplest rule that is always correct, and stores are short). A load that reads a
-  CPU block therefore never starts before the store that fills it has completed. The wait does
-  not block the host: on CUDA the load stream waits on the stores' end events
-  (``cudaStreamWaitEvent``); on the thread path the load's worker thread waits on the stores'
-  completion events before copying. A load whose awaited store failed fails too (thread path;
-  on CUDA a failed copy is a sticky device error). Stores do not wait for loads: the engine
-  never stores a GPU block before the load into it is reported (its compute comes after), and
-  never reuses a CPU block while a load reads it.
-- Across all jobs of a worker, :class:`~vllm.v1.kv_offload.worker.worker.OffloadingWorker`
-  reports results in submission order (a later job is never reported before an earlier one,
-  whatever its direction), holding back a job that completed early until every earlier job has
-  been reported.
+- Across directions (read-after-write on CPU blocks): the CPU -> GPU handler waits for every
+  earlier unreported store of the GPU -> CPU handler (``depends_on``), whatever blocks it
+  touches, without blocking the host (CUDA: ``cudaStreamWaitEvent`` on the stores' end events;
+  thread path: the load's thread waits on their completion events). A load whose awaited store
+  failed fails too (thread path; on CUDA a failed copy is a sticky device error). Stores do not
+  wait for loads: the engine never stores a GPU block before the load into it is reported,
+  and never reuses a CPU block while a load reads it.
+- :class:`~vllm.v1.kv_offload.worker.worker.OffloadingWorker` passes each handler's results
+  through as they come; it holds nothing back across directions.
 
 Only the device-specific part differs, a :class:`TransferStream`:
 
-- :class:`CudaTransferStream` (GPU side on CUDA): one dedicated CUDA stream per handler, so the
-  copies of successive jobs serialize on it; one CUDA event recorded after each job's copies.
-  The handler polls the events of its jobs in submission order and stops at the first one that
-  has not completed. A GPU -> CPU job makes the transfer stream wait (``wait_event``) on an
-  event recorded on the submitting thread's current (compute) stream at submission, so it copies
-  the pages the work queued so far produced, without blocking the host.
-- :class:`ThreadTransferStream` (GPU side is a CPU tensor, CPU-only machines): one worker thread
-  per handler runs the jobs FIFO. Host writes made before submission happen-before the copy
-  (the job queue is the synchronization point), which is the CPU analogue of the stream wait.
+- :class:`CudaTransferStream`: one CUDA stream per handler (jobs serialize on it), one event
+  per job, polled in submission order. A GPU -> CPU job waits on an event recorded on the
+  submitting thread's compute stream, so it copies what the work queued so far produced.
+- :class:`ThreadTransferStream` (CPU-only machines): one worker thread per handler runs the
+  jobs FIFO; host writes made before submission happen-before the copy.
 
 Completion of a CPU -> GPU job means the pages are in GPU memory; the engine must not read them
 before it has seen the job finish (:meth:`get_finished` / :meth:`wait`).
@@ -48,19 +38,18 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from vllm.utils import check_positive_int
-from vllm.v1.kv_cache_interface import KVCacheConfig
-from vllm.v1.kv_offload.mediums import BlockIDsLoadStoreSpec
-from vllm.v1.kv_offload.worker.page_views import (
-    KVCachePageView,
-    LayerKVCache,
-    build_kv_cache_page_views,
+from vllm.v1.kv_offload.base import (
+    BlockIDsLoadStoreSpec,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    GPULoadStoreSpec,
 )
 from vllm.v1.kv_offload.worker.worker import (
     OffloadingHandler,
@@ -380,9 +369,9 @@ class SingleDirectionOffloadingHandler(StreamOffloadingHandler):
     ``src_tensors[i]`` and ``dst_tensors[i]`` are ``torch.uint8`` page tensors
     ``[num_pages, page_size_bytes]`` of the same page size. A block of the source spec covers
     ``src_block_size_factor`` pages, a block of the destination ``dst_block_size_factor``
-    pages. When the source covers more pages than the destination (loading the tail of an
-    offloaded block), the leading source pages are skipped; the difference must be smaller
-    than ``src_block_size_factor``.
+    pages; how a job's block ids split into groups and pages is
+    :meth:`build_block_mappings`. ``group_tensor_indices``: per KV-cache group, the tensors
+    its blocks live in (default: one group using every tensor).
 
     ``depends_on``: another handler whose earlier jobs this handler's jobs wait for — every job
     of it submitted before and not yet reported (see the module's ordering contract).
@@ -399,6 +388,7 @@ class SingleDirectionOffloadingHandler(StreamOffloadingHandler):
         wait_for_compute: bool,
         swap_blocks: SwapBlocksFn | None = None,
         depends_on: StreamOffloadingHandler | None = None,
+        group_tensor_indices: Sequence[Sequence[int]] | None = None,
     ):
         if len(src_tensors) != len(dst_tensors) or not src_tensors:
             raise ValueError(
@@ -433,7 +423,10 @@ class SingleDirectionOffloadingHandler(StreamOffloadingHandler):
         self.num_dst_blocks = min(t.shape[0] for t in dst_tensors) // dst_block_size_factor
         super().__init__(transfer_type, transfer_stream, wait_for_compute, depends_on)
         self._swap_blocks = swap_blocks
-        self._bytes_per_page_all_tensors = sum(self.page_sizes_bytes)
+        # Per KV-cache group, the tensors its blocks live in (default: one group, all).
+        self.group_tensor_indices: list[list[int]] = [
+            list(g) for g in (group_tensor_indices or [range(len(self.src_tensors))])
+        ]
 
     def _check_ids(self, name: str, ids: np.ndarray, num_blocks: int) -> None:
         if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
@@ -442,128 +435,169 @@ class SingleDirectionOffloadingHandler(StreamOffloadingHandler):
                 f"spec: {name} block ids must be in [0, {num_blocks}), got {bad.tolist()}"
             )
 
-    def build_block_mapping(self, spec: TransferSpec) -> torch.Tensor:
-        """The int64 CPU ``[n, 2]`` (source page, destination page) mapping of ``spec``."""
+    def build_block_mappings(self, spec: TransferSpec) -> list[tuple[Sequence[int], torch.Tensor]]:
+        """Per KV-cache group: its tensors' indices and the int64 CPU ``[n, 2]`` (source page,
+        destination page) mapping of ``spec``.
+
+        The GPU side is a :class:`GPULoadStoreSpec`; the other side lists the blocks of group
+        0, then group 1, ...: group ``g`` starting at request block ``i = block_indices[g]``
+        with ``n = group_sizes[g]`` GPU blocks spans ``ceil((i % f + n) / f)`` blocks of ``f``
+        pages, whose first ``i % f`` pages it skips.
+        """
         src_spec, dst_spec = spec
         for side, s in (("source", src_spec), ("destination", dst_spec)):
             if not isinstance(s, BlockIDsLoadStoreSpec):
                 raise ValueError(
                     f"spec: expected block-id specs, got {type(s).__name__} as the {side}"
                 )
+        assert isinstance(src_spec, BlockIDsLoadStoreSpec)
+        assert isinstance(dst_spec, BlockIDsLoadStoreSpec)
+        gpu_spec = src_spec if isinstance(src_spec, GPULoadStoreSpec) else dst_spec
+        if not isinstance(gpu_spec, GPULoadStoreSpec):
+            raise ValueError(f"spec: expected a GPULoadStoreSpec side, got {spec!r}")
+        if len(gpu_spec.group_sizes) != len(self.group_tensor_indices):
+            raise ValueError(
+                f"spec: group_sizes has {len(gpu_spec.group_sizes)} entries for "
+                f"{len(self.group_tensor_indices)} KV-cache groups"
+            )
         src_ids, dst_ids = src_spec.block_ids, dst_spec.block_ids
         self._check_ids(f"{self.transfer_type[0]} (source)", src_ids, self.num_src_blocks)
         self._check_ids(f"{self.transfer_type[1]} (destination)", dst_ids, self.num_dst_blocks)
-        src_pages = src_ids.size * self.src_block_size_factor
-        dst_pages = dst_ids.size * self.dst_block_size_factor
-        skip = src_pages - dst_pages
-        if not 0 <= skip < self.src_block_size_factor:
+        mappings: list[tuple[Sequence[int], torch.Tensor]] = []
+        offsets = [0, 0]
+        for size, index, tensors in zip(
+            gpu_spec.group_sizes, gpu_spec.block_indices, self.group_tensor_indices, strict=True
+        ):
+            if size < 0 or index < 0:
+                raise ValueError(f"spec: negative group size {size} or block index {index}")
+            if size == 0:
+                continue
+            mapping = np.empty((size, 2), dtype=np.int64)
+            for col, (ids, factor) in enumerate(
+                ((src_ids, self.src_block_size_factor), (dst_ids, self.dst_block_size_factor))
+            ):
+                skip = index % factor
+                count = -(-(skip + size) // factor)
+                blocks = ids[offsets[col] : offsets[col] + count]
+                if blocks.size != count:
+                    raise ValueError(
+                        f"spec: {ids.size} {self.transfer_type[col]} block ids are too few for "
+                        f"group sizes {list(gpu_spec.group_sizes)} and block indices "
+                        f"{list(gpu_spec.block_indices)} ({factor} pages per block)"
+                    )
+                pages = np.empty(count * factor - skip, dtype=np.int64)
+                expand_block_ids(blocks, factor, pages, skip)
+                mapping[:, col] = pages[:size]
+                offsets[col] += count
+            mappings.append((tensors, torch.from_numpy(mapping)))
+        if offsets != [src_ids.size, dst_ids.size]:
             raise ValueError(
-                f"spec: {src_ids.size} source blocks of {self.src_block_size_factor} pages "
-                f"cannot fill {dst_ids.size} destination blocks of "
-                f"{self.dst_block_size_factor} pages ({src_pages} vs {dst_pages} pages)"
+                f"spec: {src_ids.size} source and {dst_ids.size} destination block ids, but the "
+                f"groups use {offsets[0]} and {offsets[1]}"
             )
-        mapping = np.empty((dst_pages, 2), dtype=np.int64)
-        expand_block_ids(src_ids, self.src_block_size_factor, mapping[:, 0], skip)
-        expand_block_ids(dst_ids, self.dst_block_size_factor, mapping[:, 1])
-        return torch.from_numpy(mapping)
+        return mappings
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
         if job_id in self._in_flight:
             raise ValueError(f"job_id: job {job_id} is already in flight")
-        mapping = self.build_block_mapping(spec)
+        mappings = self.build_block_mappings(spec)
         swap_blocks = self._swap_blocks or default_swap_blocks()
         self._swap_blocks = swap_blocks
-        triples = list(zip(self.src_tensors, self.dst_tensors, self.page_sizes_bytes, strict=True))
+        copies = [
+            (self.src_tensors[t], self.dst_tensors[t], self.page_sizes_bytes[t], mapping)
+            for tensors, mapping in mappings
+            for t in tensors
+        ]
 
         def copy_pages() -> None:
-            if mapping.shape[0] == 0:
-                return
-            for src, dst, page_size in triples:
+            for src, dst, page_size, mapping in copies:
                 swap_blocks(src, dst, page_size, mapping)
 
-        return self.submit_job(
-            job_id, copy_pages, mapping.shape[0] * self._bytes_per_page_all_tensors
-        )
+        num_bytes = sum(page_size * m.shape[0] for _, _, page_size, m in copies)
+        return self.submit_job(job_id, copy_pages, num_bytes)
 
 
 class CpuGpuOffloadingHandlers:
     """The two handlers (GPU -> CPU and CPU -> GPU) of a worker's KV cache, and the CPU buffers.
 
-    Builds one page view per KV-cache buffer (:func:`build_kv_cache_page_views`,
-    ``kv_cache_config.num_blocks`` pages each) and allocates, per view, a CPU buffer
-    ``[num_cpu_blocks * block_size_factor, page_size_bytes]`` of ``torch.uint8`` (pinned when
-    ``pin_memory``, by default when the KV cache is on a CUDA device). CPU block ``c`` holds
-    pages ``c * f .. c * f + f - 1`` of every buffer, ``f = cpu_block_size / gpu_block_size``
-    (with groups of different GPU block sizes the spec passes equal sizes: ``f = 1``, the CPU
-    side mirrors the GPU layout per block id).
-    Both buffers are ``torch.empty``: offloaded bytes are only meaningful once stored.
+    Per canonical tensor (``[num_gpu_blocks, page_size_bytes]`` pages) one CPU buffer
+    ``[num_cpu_blocks, block_size_factor * page_size_bytes]`` of ``torch.uint8`` (pinned when
+    ``pin_memory``, by default when the KV cache is on a CUDA device): CPU block ``c`` holds
+    ``block_size_factor`` consecutive GPU pages of the tensor. Whole pages (padding
+    included) move as raw bytes; a group's jobs touch only the tensors of its
+    ``group_data_refs``. The CPU buffers are ``torch.empty``: their bytes mean something
+    only once stored.
     """
 
     def __init__(
         self,
-        kv_caches: Mapping[str, LayerKVCache],
-        kv_cache_config: KVCacheConfig,
-        gpu_block_size: int,
-        cpu_block_size: int,
+        kv_caches: CanonicalKVCaches,
+        block_size_factor: int,
         num_cpu_blocks: int,
+        *,
         pin_memory: bool | None = None,
         swap_blocks: SwapBlocksFn | None = None,
         transfer_stream_factory: Callable[[torch.device, str], TransferStream] | None = None,
         wait_for_compute_on_load: bool = False,
     ):
-        if gpu_block_size <= 0 or cpu_block_size <= 0 or cpu_block_size % gpu_block_size != 0:
-            raise ValueError(
-                f"cpu_block_size: expected a positive multiple of gpu_block_size="
-                f"{gpu_block_size} tokens, got {cpu_block_size}"
-            )
-        if isinstance(num_cpu_blocks, bool) or not isinstance(num_cpu_blocks, int):
-            raise ValueError(f"num_cpu_blocks: expected an int, got {num_cpu_blocks!r}")
-        if num_cpu_blocks <= 0:
-            raise ValueError(f"num_cpu_blocks: expected a positive int, got {num_cpu_blocks}")
-        self.block_size_factor = cpu_block_size // gpu_block_size
-        self.num_gpu_blocks = kv_cache_config.num_blocks
+        check_positive_int("block_size_factor", block_size_factor)
+        check_positive_int("num_cpu_blocks", num_cpu_blocks)
+        if not kv_caches.tensors:
+            raise ValueError("kv_caches: expected at least one KV-cache tensor")
+        self.block_size_factor = block_size_factor
         self.num_cpu_blocks = num_cpu_blocks
-        self.page_views: list[KVCachePageView] = build_kv_cache_page_views(
-            kv_caches, kv_cache_config
-        )
-        device = self.page_views[0].pages.device
+        self.gpu_tensors = [_as_pages(i, t) for i, t in enumerate(kv_caches.tensors)]
+        self.num_gpu_blocks = min(t.shape[0] for t in self.gpu_tensors)
+        device = self.gpu_tensors[0].device
         if pin_memory is None:
             pin_memory = device.type == "cuda" and torch.cuda.is_available()
-        self.gpu_tensors = [view.pages for view in self.page_views]
         self.cpu_tensors = [
             torch.empty(
-                (num_cpu_blocks * self.block_size_factor, view.page_size_bytes),
+                (num_cpu_blocks * block_size_factor, t.shape[1]),
                 dtype=torch.uint8,
                 device="cpu",
                 pin_memory=pin_memory,
             )
-            for view in self.page_views
+            for t in self.gpu_tensors
         ]
+        groups = [sorted({ref.tensor_idx for ref in refs}) for refs in kv_caches.group_data_refs]
         factory = transfer_stream_factory or make_transfer_stream
+        common = dict(group_tensor_indices=groups, swap_blocks=swap_blocks)
         self.gpu_to_cpu_handler = SingleDirectionOffloadingHandler(
             src_tensors=self.gpu_tensors,
             dst_tensors=self.cpu_tensors,
             src_block_size_factor=1,
-            dst_block_size_factor=self.block_size_factor,
+            dst_block_size_factor=block_size_factor,
             transfer_type=("GPU", "CPU"),
             transfer_stream=factory(device, "kv-offload-gpu-to-cpu"),
             wait_for_compute=True,
-            swap_blocks=swap_blocks,
+            **common,  # type: ignore[arg-type]
         )
         self.cpu_to_gpu_handler = SingleDirectionOffloadingHandler(
             src_tensors=self.cpu_tensors,
             dst_tensors=self.gpu_tensors,
-            src_block_size_factor=self.block_size_factor,
+            src_block_size_factor=block_size_factor,
             dst_block_size_factor=1,
             transfer_type=("CPU", "GPU"),
             transfer_stream=factory(device, "kv-offload-cpu-to-gpu"),
             wait_for_compute=wait_for_compute_on_load,
-            swap_blocks=swap_blocks,
             # Read-after-write on CPU blocks: a load waits for every earlier unreported store.
             depends_on=self.gpu_to_cpu_handler,
+            **common,  # type: ignore[arg-type]
         )
 
     def shutdown(self) -> None:
         """Wait for jobs in flight and release both handlers' streams."""
         self.gpu_to_cpu_handler.shutdown()
         self.cpu_to_gpu_handler.shutdown()
+
+
+def _as_pages(index: int, canonical: CanonicalKVCacheTensor) -> torch.Tensor:
+    """``canonical.tensor`` as ``torch.uint8`` ``[num_blocks, page_size_bytes]`` pages."""
+    t, page = canonical.tensor, canonical.page_size_bytes
+    if not t.is_contiguous() or t.numel() * t.element_size() % page != 0:
+        raise ValueError(
+            f"kv_caches.tensors[{index}]: expected a contiguous tensor of whole "
+            f"{page}-byte pages, got shape {tuple(t.shape)}, dtype {t.dtype}"
+        )
+    return t.view(torch.uint8).view(-1, page)
