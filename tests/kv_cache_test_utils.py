@@ -38,6 +38,7 @@ def dsv4_spec(ratio: int) -> MLAAttentionSpec:
         dtype=torch.uint8,
         kv_quant_mode=KVQuantMode.FP8_PER_TENSOR,
         cache_dtype_str="fp8_ds_mla",
+        model_version="deepseek_v4",
         compress_ratio=ratio,
         alignment=576,
     )

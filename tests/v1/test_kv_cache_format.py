@@ -77,9 +77,10 @@ def test_format_facts(name: str) -> None:
 def test_fp8_ds_mla_is_an_mla_only_record() -> None:
     fmt = lookup("fp8_ds_mla")
     assert fmt.mla_only and fmt.is_fp8 and fmt.storage_dtype == torch.uint8
-    assert fmt.last_dim(512) == 584 and fmt.cache_kind is None
+    assert fmt.last_dim(512) == 584 and fmt.cache_kind is None  # DeepSeek-V4
+    assert fmt.last_dim(576) == 656  # DeepSeek-V3.2
     with pytest.raises(ValueError, match="head_size: the fp8_ds_mla record is defined for head"):
-        fmt.last_dim(576)
+        fmt.last_dim(128)
     with pytest.raises(ValueError, match="kv_cache_dtype: unknown KV-cache dtype 'fp8_ds_mla'"):
         lookup("fp8_ds_mla", include_mla_only=False)
     with pytest.raises(ValueError, match="format 'fp8_ds_mla' has no kernel support"):
@@ -157,6 +158,7 @@ def test_spec_format_property() -> None:
         dtype=torch.uint8,
         kv_quant_mode=KVQuantMode.FP8_PER_TENSOR,
         cache_dtype_str="fp8_ds_mla",
+        model_version="deepseek_v4",
     )
     assert mla.kv_cache_format is lookup("fp8_ds_mla") and mla.page_size_bytes == 64 * 584
     with pytest.raises(ValueError, match="dtype: no KV-cache format stores NVFP4 caches as"):

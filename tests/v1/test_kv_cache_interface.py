@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kv_cache_test_utils import dsv4_spec
 
+from vllm.config import ModelConfig, SchedulerConfig, VllmConfig
 from vllm.utils.torch_utils import nvfp4_kv_cache_full_dim
 from vllm.v1.kv_cache_format import KVCacheFormat, registered_format, storage_dtypes
 from vllm.v1.kv_cache_interface import (
@@ -26,6 +27,16 @@ QUANT_DTYPES = {
     "fp8": (KVQuantMode.FP8_PER_TENSOR, torch.uint8),
     "nvfp4": (KVQuantMode.NVFP4, torch.uint8),
 }
+
+
+def _config(max_model_len: int, max_num_batched_tokens: int | None = None) -> VllmConfig:
+    """A config for requests of ``max_model_len`` tokens, ``max_num_batched_tokens`` per step
+    (default: a whole request)."""
+    batched = max_model_len if max_num_batched_tokens is None else max_num_batched_tokens
+    return VllmConfig(
+        model_config=ModelConfig(max_model_len=max_model_len),
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=batched),
+    )
 
 
 def _spec(cls, cache_dtype: str = "bfloat16", **kwargs):
@@ -198,13 +209,14 @@ def test_sliding_window_must_be_positive() -> None:
 
 def test_max_memory_usage() -> None:
     full = _spec(FullAttentionSpec)
-    assert full.max_memory_usage_bytes(1000) == 63 * 65_536
+    assert full.max_memory_usage_bytes(_config(1000)) == 63 * 65_536
     sliding = _spec(SlidingWindowSpec, sliding_window=128)
     # min(127 + 256, 1000) = 383 tokens -> 24 pages + 1.
-    assert sliding.max_memory_usage_bytes(1000, max_num_batched_tokens=256) == 25 * 65_536
-    assert sliding.max_memory_usage_bytes(100) == (7 + 1) * 65_536
+    assert sliding.max_memory_usage_bytes(_config(1000, 256)) == 25 * 65_536
+    assert sliding.max_admission_blocks_per_request(256, 1000) == 25
+    assert sliding.max_memory_usage_bytes(_config(100)) == (7 + 1) * 65_536
     chunked = _spec(ChunkedLocalAttentionSpec, attention_chunk_size=64)
-    assert chunked.max_memory_usage_bytes(1000, max_num_batched_tokens=32) == 6 * 65_536
+    assert chunked.max_memory_usage_bytes(_config(1000, 32)) == 6 * 65_536
 
 
 @pytest.mark.parametrize(
@@ -223,8 +235,18 @@ def test_mla_spec_errors() -> None:
         MLAAttentionSpec(**mla, kv_quant_mode=KVQuantMode.NVFP4)
     with pytest.raises(ValueError, match="block_size: must be a multiple of compress_ratio=3"):
         MLAAttentionSpec(**mla, compress_ratio=3)
-    with pytest.raises(ValueError, match="head_size: the fp8_ds_mla record .* 512, got 576"):
-        MLAAttentionSpec(**mla, cache_dtype_str="fp8_ds_mla")
+    # fp8_ds_mla: DeepSeek-V3.2's 656-byte layout for head size 576 (upstream's default),
+    # DeepSeek-V4's 584-byte record only with model_version="deepseek_v4"; dtype is not counted.
+    v32 = MLAAttentionSpec(**{**mla, "dtype": torch.float32}, cache_dtype_str="fp8_ds_mla")
+    assert v32.page_size_bytes == 256 * 656
+    v4 = {**mla, "head_size": 512, "cache_dtype_str": "fp8_ds_mla"}
+    assert MLAAttentionSpec(**v4, model_version="deepseek_v4").page_size_bytes == 256 * 584
+    with pytest.raises(ValueError, match="head_size: .*stores head size 576, got 512.*deepseek_v4"):
+        MLAAttentionSpec(**v4)
+    with pytest.raises(ValueError, match="head_size: .*DeepSeek-V4.*head size 512, got 576"):
+        MLAAttentionSpec(**mla, cache_dtype_str="fp8_ds_mla", model_version="deepseek_v4")
+    with pytest.raises(ValueError, match="model_version: expected one of"):
+        MLAAttentionSpec(**mla, model_version="deepseek_v5")
     plain = MLAAttentionSpec(**{**mla, "dtype": torch.bfloat16})
     assert plain.page_size_bytes == 256 * 576 * 2
     assert plain.storage_block_size == 256
@@ -239,7 +261,7 @@ def test_mamba_spec() -> None:
     )
     assert spec.state_sizes_bytes == (122_880, 8_388_608)
     assert spec.page_size_bytes == 122_880 + 8_388_608
-    assert spec.max_memory_usage_bytes(8192) == spec.page_size_bytes
+    assert spec.max_memory_usage_bytes(_config(8192)) == spec.page_size_bytes
     padded = MambaSpec(
         block_size=8192, shapes=((3, 4),), dtypes=(torch.float32,), page_size_padded=64
     )
@@ -276,7 +298,7 @@ def test_uniform_type_specs() -> None:
     group = UniformTypeKVCacheSpecs.from_specs(specs)
     assert group is not None
     assert group.page_size_bytes == 16 * 8 * 128 * 2 + 16 * 8 * 256
-    assert group.max_memory_usage_bytes(32) == 2 * group.page_size_bytes
+    assert group.max_memory_usage_bytes(_config(32)) == 2 * group.page_size_bytes
     assert group.copy_with_new_block_size(32).page_size_bytes == 2 * group.page_size_bytes
     mixed = {**specs, "layers.2": _spec(SlidingWindowSpec)}
     assert UniformTypeKVCacheSpecs.from_specs(mixed) is None

@@ -1,0 +1,19 @@
+"""Upstream's config classes, reduced to the fields the KV-cache functions read."""
+
+from vllm.config.cache import CacheConfig
+from vllm.config.kv_events import KVEventsConfig
+from vllm.config.model import ModelConfig
+from vllm.config.parallel import ParallelConfig
+from vllm.config.scheduler import SchedulerConfig
+from vllm.config.speculative import SpeculativeConfig
+from vllm.config.vllm import VllmConfig
+
+__all__ = [
+    "CacheConfig",
+    "KVEventsConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "SchedulerConfig",
+    "SpeculativeConfig",
+    "VllmConfig",
+]

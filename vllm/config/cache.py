@@ -24,6 +24,11 @@ The registry (:mod:`vllm.v1.kv_cache_format`) is the source of truth; a test pin
 
 CACHE_DTYPES: tuple[str, ...] = get_args(CacheDType)
 
+MambaCacheMode = Literal["all", "align", "none"]
+"""How many Mamba states a request keeps (upstream's typing name)."""
+
+MAMBA_CACHE_MODES: tuple[str, ...] = get_args(MambaCacheMode)
+
 
 def validate_cache_dtype(cache_dtype: str, arg_name: str = "cache_dtype") -> str:
     """Return ``cache_dtype`` unchanged, or raise the registry's ``ValueError`` listing the
@@ -44,6 +49,14 @@ class CacheConfig:
     block_size: int = 16
     cache_dtype: CacheDType = "auto"
     kv_cache_dtype_skip_layers: list[str] = field(default_factory=list)
+    num_gpu_blocks_override: int | None = None
+    """Pages per tensor to allocate instead of what the memory budget gives (None: the budget)."""
+    mamba_cache_mode: MambaCacheMode = "none"
+    """Mamba states kept per request: ``none`` one (plus speculative), ``align`` two, ``all`` one
+    per ``block_size`` tokens (prefix caching of states)."""
+    enable_prefix_caching: bool = True
+    hash_block_size: int | None = None
+    """Tokens per block hash when groups have different block sizes (None: their gcd)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int):
@@ -56,6 +69,17 @@ class CacheConfig:
                 f"block_size: expected a positive int (tokens per page), got {self.block_size}"
             )
         validate_cache_dtype(self.cache_dtype)
+        for name in ("num_gpu_blocks_override", "hash_block_size"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value <= 0
+            ):
+                raise ValueError(f"{name}: expected None or a positive int, got {value!r}")
+        if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
+            raise ValueError(
+                f"mamba_cache_mode: expected one of {', '.join(MAMBA_CACHE_MODES)}, "
+                f"got {self.mamba_cache_mode!r}"
+            )
         if isinstance(self.kv_cache_dtype_skip_layers, str) or not all(
             isinstance(name, str) for name in self.kv_cache_dtype_skip_layers
         ):

@@ -38,6 +38,9 @@ __all__ = [
     "accepted_names_of",
     "FP8_DS_MLA_HEAD_SIZE",
     "FP8_DS_MLA_RECORD_BYTES",
+    "FP8_DS_MLA_RECORDS",
+    "FP8_DS_MLA_V32_HEAD_SIZE",
+    "FP8_DS_MLA_V32_RECORD_BYTES",
     "KERNEL_OPS",
     "NVFP4_GROUP_SIZE",
     "KVCacheFormat",
@@ -86,7 +89,20 @@ FP8_DS_MLA_RECORD_BYTES = 584
 64 bf16 RoPE elements, 8 scale bytes)."""
 
 FP8_DS_MLA_HEAD_SIZE = 512
-"""The head size the ``fp8_ds_mla`` record is defined for."""
+"""The latent head size of DeepSeek-V4's 584-byte ``fp8_ds_mla`` record."""
+
+FP8_DS_MLA_V32_RECORD_BYTES = 656
+"""Bytes per token of DeepSeek-V3.2's ``fp8_ds_mla`` layout (head size 576: 512 fp8 latent
+bytes, 4 fp32 scales of 128 values each, 64 bf16 RoPE elements)."""
+
+FP8_DS_MLA_V32_HEAD_SIZE = 576
+"""The latent head size of DeepSeek-V3.2's 656-byte ``fp8_ds_mla`` layout."""
+
+FP8_DS_MLA_RECORDS: dict[int, int] = {
+    FP8_DS_MLA_V32_HEAD_SIZE: FP8_DS_MLA_V32_RECORD_BYTES,
+    FP8_DS_MLA_HEAD_SIZE: FP8_DS_MLA_RECORD_BYTES,
+}
+"""``fp8_ds_mla`` record bytes by latent head size (the two layouts upstream writes)."""
 
 KERNEL_OPS = "CPU/CUDA reshape_and_cache_flash"
 """The compiled kernels that write a cache format (named in the no-kernel-support error)."""
@@ -108,13 +124,16 @@ def nvfp4_packed_dim(head_size: int) -> int:
 
 
 def _ds_mla_record_dim(head_size: int) -> int:
-    """The 584-byte ``fp8_ds_mla`` record, defined for head size 512 only."""
-    if head_size != FP8_DS_MLA_HEAD_SIZE:
+    """Bytes of one ``fp8_ds_mla`` record, by the latent head size it stores: 656 for
+    DeepSeek-V3.2's 576 (512 + 64 RoPE), 584 for DeepSeek-V4's 512 (448 + 64 RoPE)."""
+    record = FP8_DS_MLA_RECORDS.get(head_size)
+    if record is None:
         raise ValueError(
-            f"head_size: the fp8_ds_mla record is defined for head size "
-            f"{FP8_DS_MLA_HEAD_SIZE}, got {head_size}"
+            f"head_size: the fp8_ds_mla record is defined for head sizes "
+            f"{FP8_DS_MLA_V32_HEAD_SIZE} (DeepSeek-V3.2) and {FP8_DS_MLA_HEAD_SIZE} "
+            f"(DeepSeek-V4), got {head_size}"
         )
-    return FP8_DS_MLA_RECORD_BYTES
+    return record
 
 
 @dataclass(frozen=True)

@@ -33,10 +33,13 @@ pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
 def worker_kv_cache(
     specs: dict[str, KVCacheSpec], blocks: int
 ) -> tuple[WorkerKVCache, dict[str, object]]:
-    groups = kv_cache_utils.get_kv_cache_groups(specs)
+    vllm_config = kv_cache_utils.planner_vllm_config(max_model_len=1)
+    groups = kv_cache_utils.get_kv_cache_groups(
+        vllm_config, dict(specs), policy=kv_cache_utils.PLANNER_LAYOUT
+    )
     per_block = kv_cache_utils.bytes_per_block(groups)
     config: KVCacheConfig = kv_cache_utils.get_kv_cache_config_from_groups(
-        groups, per_block * blocks
+        vllm_config, groups, per_block * blocks
     )
     assert config.num_blocks == blocks
     raw = attn_utils._allocate_kv_cache(config, DEVICE)

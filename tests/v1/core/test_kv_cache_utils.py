@@ -17,13 +17,17 @@ from vllm.v1.attention.backends import kv_cache_layout
 from vllm.v1.attention.backends.abstract import AttentionBackend
 from vllm.v1.attention.backends.registry import get_attn_backend
 from vllm.v1.core.kv_cache_utils import (
+    MAX_EXACT_PAGE_GROWTH,
+    MAX_PAGE_GROWTH,
+    PLANNER_LAYOUT,
+    UPSTREAM_LAYOUT,
     InsufficientKVCacheMemoryError,
     KVCachePlan,
-    _choose_group_size,
     blocks_per_request,
     get_kv_cache_config,
     get_kv_cache_groups,
     plan_kv_cache,
+    planner_vllm_config,
     unify_kv_cache_spec_page_size,
 )
 from vllm.v1.core.model_specs import kv_bytes_per_entry, spec_bytes_per_token
@@ -235,8 +239,9 @@ def test_gemma3_group_size_beats_upstream_padding():
     assert [len(g.layer_names) for g in groups] == [13, 13, 13, 13, 10]
     assert len(plan.kv_cache_config.kv_cache_tensors) == 13
     assert plan.group_padding_fraction == pytest.approx(3 / 65)
-    # Upstream would use g=10: 7 groups, 8 empty slots of 70.
-    assert _choose_group_size([52, 10], 0.05) == 13
+    # Upstream uses g=10: 7 groups, 8 empty slots of 70.
+    assert PLANNER_LAYOUT.group_size([52, 10]) == 13
+    assert UPSTREAM_LAYOUT.group_size([52, 10]) == 10
 
 
 @pytest.mark.parametrize(
@@ -327,6 +332,10 @@ def test_skip_layers_in_hybrid_model():
     assert nv.kv_bytes_per_token == sum(spec_bytes_per_token(s) for s in nv.base.specs.values())
 
 
+def _planner_unify(specs: dict[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
+    return unify_kv_cache_spec_page_size(specs, MAX_PAGE_GROWTH, MAX_EXACT_PAGE_GROWTH)
+
+
 def test_unequal_attention_pages_are_never_padded():
     bf16 = SlidingWindowSpec(
         block_size=16, num_kv_heads=8, head_size=64, dtype=torch.bfloat16, sliding_window=128
@@ -338,7 +347,7 @@ def test_unequal_attention_pages_are_never_padded():
         dtype=torch.uint8,
         kv_quant_mode=KVQuantMode.NVFP4,
     )
-    unified = unify_kv_cache_spec_page_size({"swa": bf16, "full": nvfp4})
+    unified = _planner_unify({"swa": bf16, "full": nvfp4})
     assert unified["swa"].block_size == 144 and unified["full"].block_size == 512
     assert {s.page_size_bytes for s in unified.values()} == {294912}
     assert all(s.page_size_padded is None for s in unified.values())
@@ -348,7 +357,7 @@ def test_unequal_attention_pages_are_never_padded():
         for p in (67, 71)
     ]
     with pytest.raises(ValueError, match="no common multiple"):
-        unify_kv_cache_spec_page_size({"a": odd[0], "b": odd[1]})
+        _planner_unify({"a": odd[0], "b": odd[1]})
 
 
 def test_tensor_parallel():
@@ -460,7 +469,7 @@ def test_unify_and_group_property(kinds):
             specs[f"kind{k}.layer{i}"] = spec
     if all(isinstance(s, MambaSpec) for s in specs.values()) and len(set(specs.values())) > 1:
         pass  # still valid: pages padded to the largest
-    unified = unify_kv_cache_spec_page_size(specs)
+    unified = _planner_unify(specs)
     if len({s.page_size_bytes for s in specs.values()}) > 1:
         assert len({s.page_size_bytes for s in unified.values()}) == 1
         if any(not isinstance(s, MambaSpec) for s in specs.values()):
@@ -474,7 +483,7 @@ def test_unify_and_group_property(kinds):
         assert spec.block_size % old.block_size == 0 or isinstance(spec, MambaSpec)
         if not isinstance(spec, MambaSpec):
             assert kv_bytes_per_entry(spec) == kv_bytes_per_entry(old)  # same bytes per token
-    groups = get_kv_cache_groups(specs)
+    groups = get_kv_cache_groups(planner_vllm_config(1024), dict(specs), policy=PLANNER_LAYOUT)
     grouped = [n for g in groups for n in g.layer_names]
     assert sorted(grouped) == sorted(specs)
     config = get_kv_cache_config(specs, 64 * GiB, 1024)
@@ -488,7 +497,7 @@ def test_unify_and_group_property(kinds):
 @settings(max_examples=200, deadline=None)
 @given(counts=st.lists(st.integers(1, 64), min_size=2, max_size=5))
 def test_group_size_choice_property(counts):
-    g = _choose_group_size(counts, 0.05)
+    g = PLANNER_LAYOUT.group_size(counts)
 
     def stats(size):
         n = sum(-(-c // size) for c in counts)

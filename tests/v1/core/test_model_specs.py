@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm.model_presets import available_presets, load_preset
+from vllm.v1.core.kv_cache_utils import planner_vllm_config
 from vllm.v1.core.model_specs import (
     LAYER_KINDS,
     build_kv_cache_specs,
@@ -531,6 +532,7 @@ def test_sliding_window_mla_spec():
         dtype=torch.uint8,
         kv_quant_mode=KVQuantMode.FP8_PER_TENSOR,
         cache_dtype_str="fp8_ds_mla",
+        model_version="deepseek_v4",
         **common,
     )
     assert fp8.page_size_bytes == 256 * 584
@@ -538,19 +540,25 @@ def test_sliding_window_mla_spec():
         dtype=torch.uint8,
         kv_quant_mode=KVQuantMode.FP8_PER_TENSOR,
         cache_dtype_str="fp8_ds_mla",
+        model_version="deepseek_v4",
         alignment=576,
         **common,
     )
     assert aligned.page_size_bytes == 149760 and aligned.real_page_size_bytes == 149504
     # Sliding-window memory bound, not full attention.
-    assert bf16.max_memory_usage_bytes(1_000_000, 8192) == (math.ceil(8319 / 256) + 1) * 262144
+    usage = bf16.max_memory_usage_bytes(planner_vllm_config(1_000_000, 8192))
+    assert usage == (math.ceil(8319 / 256) + 1) * 262144
     with pytest.raises(ValueError, match="NVFP4 is not a format for MLA"):
         SlidingWindowMLASpec(dtype=torch.uint8, kv_quant_mode=KVQuantMode.NVFP4, **common)
-    with pytest.raises(ValueError, match="fp8_ds_mla record is defined for head size 512"):
+    with pytest.raises(ValueError, match="fp8_ds_mla record .*DeepSeek-V4.*512, got 576"):
         SlidingWindowMLASpec(
             dtype=torch.uint8,
             cache_dtype_str="fp8_ds_mla",
+            model_version="deepseek_v4",
             **{**common, "head_size": 576},
         )
+    # Upstream: model_version="deepseek_v4" alone selects the record for sliding-window MLA.
+    by_version = SlidingWindowMLASpec(dtype=torch.uint8, model_version="deepseek_v4", **common)
+    assert by_version.page_size_bytes == 256 * 584
     with pytest.raises(ValueError, match="page_size_padded"):
         SlidingWindowMLASpec(dtype=torch.bfloat16, page_size_padded=1, **common)

@@ -425,7 +425,7 @@ class _OpaqueSpec(KVCacheSpec):
     def page_size_bytes(self) -> int:
         return 64
 
-    def max_memory_usage_bytes(self, max_model_len, max_num_batched_tokens=None) -> int:
+    def max_memory_usage_bytes(self, vllm_config) -> int:
         return 64
 
 

@@ -34,6 +34,9 @@ from vllm.v1.kv_cache_interface import (
 
 __all__ = ["DSV4_INDEXER_FP8_SCALE_GROUP", "FP8_DS_MLA_ALIGNMENT", "layer_spec"]
 
+DSV4_MODEL_VERSION = "deepseek_v4"
+"""The latent specs' ``model_version`` selecting DeepSeek-V4's 584-byte ``fp8_ds_mla`` record."""
+
 FP8_DS_MLA_ALIGNMENT = 576
 """Page alignment (bytes) of compressed ``fp8_ds_mla`` pages (docs/design.md §4)."""
 
@@ -131,6 +134,7 @@ def layer_spec(
             dtype=FP8_DS_MLA.storage_dtype,
             kv_quant_mode=FP8_DS_MLA.quant_mode,
             cache_dtype_str=FP8_DS_MLA.name,
+            model_version=DSV4_MODEL_VERSION,
         )
         if kind == "sliding_window_mla":
             assert layer.sliding_window is not None

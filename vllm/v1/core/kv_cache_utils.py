@@ -1,35 +1,21 @@
-"""The KV-cache planner: per-layer specs → groups → ``KVCacheConfig`` for a memory budget.
+"""Upstream v0.22's KV-cache planning functions under their import path, and the planner:
+per-layer specs → groups → ``KVCacheConfig`` for a memory budget.
 
 Units: ``block_size`` is in tokens per page; memory, page sizes and every ``*_bytes`` quantity
 are in bytes; ``available_memory`` is the KV-cache budget of **one** tensor-parallel rank.
 
-How layers become groups and tensors (:func:`get_kv_cache_groups`,
-:func:`get_kv_cache_config_from_groups`):
+The upstream names live in :mod:`vllm.v1.core.kv_cache_grouping` (layers → groups, page-size
+unification through :mod:`vllm.v1.core.page_size_unification`) and
+:mod:`vllm.v1.core.kv_cache_sizing` (memory, blocks, per-worker configs) and are re-exported
+here. The planner below is a user of them: it groups with :data:`PLANNER_LAYOUT` (fewest groups
+with ≤ 5 % empty group slots, pages that need not divide each other; upstream's rules are
+:data:`UPSTREAM_LAYOUT`, the default of the upstream functions) and sizes with the same
+functions the engine path uses, from a :class:`~vllm.config.VllmConfig` it builds from its
+arguments.
 
-1. All layers have one spec → one group; one ``KVCacheTensor`` per layer.
-2. All layers need the same slots (same spec class, block size, window, compress ratio) but
-   differ in page size (e.g. some layers kept unquantized by ``kv_cache_dtype_skip_layers``) →
-   one group whose spec is a ``UniformTypeKVCacheSpecs``; one tensor per layer, each of
-   ``num_blocks`` pages of that layer's own page size.
-3. Otherwise (hybrid: full + sliding, attention + Mamba, DeepSeek-V4's compressed layers) the
-   upstream vLLM hybrid allocator layout: all groups draw block ids from one pool, and layers
-   at the same position in each group share one tensor, so **every page must have one size P**
-   (:func:`unify_kv_cache_spec_page_size`; policy and waste bound in
-   :mod:`vllm.v1.core.page_size_unification`): attention-like specs grow their block size by an
-   integer factor, plain attention pages are never padded, Mamba and latent pages are padded up
-   to P.
-
-   Layers with equal specs form a kind; each kind of c layers is split into ``cdiv(c, g)``
-   groups of at most g layers (``layers[i::n]``, as upstream), and there are g tensors. Upstream
-   takes g = the smallest kind's count; here g is the choice with the **fewest groups** whose
-   empty group slots are ≤ ``max_group_padding`` (5 %) of all slots, ties broken by less
-   padding. That reproduces upstream for n:1 patterns (GPT-OSS 18+18 → g=18, Qwen3-Next 36+12
-   → g=12) and wastes less elsewhere (Gemma 3 52+10: upstream g=10 → 7 groups, 11 % empty;
-   here g=13 → 5 groups, 4.6 % empty).
-
-``num_blocks`` = ``available_memory // Σ(page size of every tensor)``; each tensor's size is
-``num_blocks × its page size``. A request of ``max_model_len`` needs, per group,
-``cdiv(spec.max_memory_usage_bytes(max_model_len, max_num_batched_tokens), page)`` blocks.
+``num_blocks`` = ``available_memory // (bytes one block id takes over all tensors)``; each
+tensor's size is ``num_blocks × its page size``. A request of ``max_model_len`` needs, per group,
+``cdiv(spec.max_memory_usage_bytes(vllm_config), page)`` blocks.
 """
 
 from __future__ import annotations
@@ -41,14 +27,49 @@ from fractions import Fraction
 from typing import Any
 
 from vllm.config.cache import CacheConfig
+from vllm.config.model import ModelConfig
+from vllm.config.scheduler import SchedulerConfig
+from vllm.config.vllm import VllmConfig
 from vllm.utils import check_positive_int
 from vllm.v1.core.kv_bytes import kv_bytes_for_tokens, spec_bytes_per_token, total_state_bytes
+from vllm.v1.core.kv_cache_grouping import (
+    PLANNER_LAYOUT,
+    UPSTREAM_LAYOUT,
+    KVCacheLayoutPolicy,
+    _project_kv_cache_groups_to_worker,
+    create_kv_cache_group_specs,
+    generate_scheduler_kv_cache_config,
+    get_kv_cache_groups,
+    get_uniform_page_size,
+    is_kv_cache_page_size_uniform,
+    is_kv_cache_spec_uniform,
+    is_kv_cache_type_attention_free,
+    unify_hybrid_kv_cache_specs,
+)
+from vllm.v1.core.kv_cache_sizing import (
+    InsufficientKVCacheMemoryError,
+    _auto_fit_max_model_len,
+    _check_enough_kv_cache_memory,
+    _estimate_max_model_len_from_groups,
+    _max_memory_usage_bytes_from_groups,
+    _pool_bytes_per_block,
+    check_enough_kv_cache_memory,
+    estimate_max_model_len,
+    get_kv_cache_config_from_groups,
+    get_kv_cache_configs,
+    get_max_concurrency_for_kv_cache_config,
+    get_num_blocks,
+    max_memory_usage_bytes,
+    may_override_num_blocks,
+    resolve_kv_cache_block_sizes,
+)
 from vllm.v1.core.model_config import load_model_config
 from vllm.v1.core.model_families import parse_model_layout
 from vllm.v1.core.model_specs import ModelKVSpecs, build_kv_cache_specs
 from vllm.v1.core.page_size_unification import (
     MAX_EXACT_PAGE_GROWTH,
     MAX_PAGE_GROWTH,
+    PageSizeUnificationError,
     unify_kv_cache_spec_page_size,
 )
 from vllm.v1.kv_cache_format import AUTO
@@ -56,8 +77,6 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
-    KVCacheTensor,
-    UniformTypeKVCacheSpecs,
     cdiv,
     iter_layer_specs,
 )
@@ -65,146 +84,70 @@ from vllm.v1.kv_cache_interface import (
 __all__ = [
     "DEFAULT_MAX_NUM_BATCHED_TOKENS",
     "InsufficientKVCacheMemoryError",
+    "KVCacheLayoutPolicy",
     "KVCachePlan",
     "MAX_EXACT_PAGE_GROWTH",
     "MAX_GROUP_PADDING",
     "MAX_PAGE_GROWTH",
+    "PLANNER_LAYOUT",
+    "PageSizeUnificationError",
+    "UPSTREAM_LAYOUT",
+    "_auto_fit_max_model_len",
+    "_check_enough_kv_cache_memory",
+    "_estimate_max_model_len_from_groups",
+    "_max_memory_usage_bytes_from_groups",
+    "_project_kv_cache_groups_to_worker",
     "blocks_per_request",
     "bytes_per_block",
     "check_enough_kv_cache_memory",
+    "create_kv_cache_group_specs",
     "estimate_max_model_len",
+    "generate_scheduler_kv_cache_config",
     "get_kv_cache_config",
     "get_kv_cache_config_from_groups",
+    "get_kv_cache_configs",
     "get_kv_cache_groups",
+    "get_max_concurrency_for_kv_cache_config",
+    "get_num_blocks",
+    "get_uniform_page_size",
+    "is_kv_cache_page_size_uniform",
+    "is_kv_cache_spec_uniform",
+    "is_kv_cache_type_attention_free",
     "iter_layer_specs",
+    "max_memory_usage_bytes",
+    "may_override_num_blocks",
     "plan_kv_cache",
     "plan_kv_cache_for_specs",
+    "planner_vllm_config",
+    "resolve_kv_cache_block_sizes",
+    "unify_hybrid_kv_cache_specs",
     "unify_kv_cache_spec_page_size",
 ]
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 """Tokens scheduled per step (chunked-prefill chunk); bounds a sliding window's pages."""
 
-MAX_GROUP_PADDING = 0.05
-"""Largest fraction of empty group slots the group-size choice accepts before adding groups."""
+MAX_GROUP_PADDING = PLANNER_LAYOUT.max_group_padding
+"""Largest fraction of empty group slots the planner's group-size choice accepts."""
 
 
-class InsufficientKVCacheMemoryError(ValueError):
-    """Not even one request of ``max_model_len`` tokens fits the KV-cache budget.
-
-    ``needed_bytes`` is what one such request needs under the planned layout,
-    ``available_bytes`` the budget, ``max_model_len_that_fits`` the longest request that fits
-    (0 when none does).
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        needed_bytes: int,
-        available_bytes: int,
-        max_model_len: int,
-        max_model_len_that_fits: int,
-    ) -> None:
-        super().__init__(message)
-        self.needed_bytes = needed_bytes
-        self.available_bytes = available_bytes
-        self.max_model_len = max_model_len
-        self.max_model_len_that_fits = max_model_len_that_fits
-
-
-# --------------------------------------------------------------------------------------------
-# Groups
-
-
-def _choose_group_size(counts: Sequence[int], max_group_padding: float) -> int:
-    """Group size g: the fewest groups with empty slots ≤ ``max_group_padding``, then the
-    fewest empty slots."""
-    best: tuple[int, int, int] | None = None
-    for g in range(1, max(counts) + 1):
-        num_groups = sum(cdiv(c, g) for c in counts)
-        padding = num_groups * g - sum(counts)
-        if padding > max_group_padding * num_groups * g:
-            continue
-        key = (num_groups, padding, g)
-        if best is None or key < best:
-            best = key
-    assert best is not None  # g = 1 never pads
-    return best[2]
-
-
-def _group_spec(layer_names: list[str], specs: Mapping[str, KVCacheSpec]) -> KVCacheGroupSpec:
-    return KVCacheGroupSpec(
-        layer_names=list(layer_names),
-        kv_cache_spec=KVCacheSpec.merge([specs[n] for n in layer_names]),
+def planner_vllm_config(
+    max_model_len: int, max_num_batched_tokens: int | None = None
+) -> VllmConfig:
+    """The ``VllmConfig`` the planner sizes with: ``max_model_len`` tokens per request and
+    ``max_num_batched_tokens`` per step (None: a whole request per step)."""
+    batched = max_model_len if max_num_batched_tokens is None else max_num_batched_tokens
+    return VllmConfig(
+        model_config=ModelConfig(max_model_len=max_model_len),
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens=batched, max_model_len=max_model_len
+        ),
     )
-
-
-def get_kv_cache_groups(
-    kv_cache_specs: Mapping[str, KVCacheSpec],
-    *,
-    max_group_padding: float = MAX_GROUP_PADDING,
-    max_page_growth: int = MAX_PAGE_GROWTH,
-) -> list[KVCacheGroupSpec]:
-    """Groups of layers sharing a block table (policy in the module docstring).
-
-    Hybrid models have their specs unified to one page size first; the returned groups carry
-    the unified specs (block sizes raised, ``page_size_padded`` set where needed).
-    """
-    if not kv_cache_specs:
-        return []
-    specs = dict(kv_cache_specs)
-    if len(set(specs.values())) == 1:
-        return [_group_spec(list(specs), specs)]
-    uniform = UniformTypeKVCacheSpecs.from_specs(specs)
-    if uniform is not None:
-        return [KVCacheGroupSpec(layer_names=list(specs), kv_cache_spec=uniform)]
-    specs = unify_kv_cache_spec_page_size(specs, max_page_growth)
-    same_spec: dict[KVCacheSpec, list[str]] = {}
-    for name, spec in specs.items():
-        same_spec.setdefault(spec, []).append(name)
-    group_size = _choose_group_size([len(v) for v in same_spec.values()], max_group_padding)
-    groups: list[KVCacheGroupSpec] = []
-    for layers in same_spec.values():
-        num_groups = cdiv(len(layers), group_size)
-        groups.extend(_group_spec(layers[i::num_groups], specs) for i in range(num_groups))
-    return groups
-
-
-def _layer_page_sizes(groups: Sequence[KVCacheGroupSpec]) -> dict[str, int]:
-    pages: dict[str, int] = {}
-    for group in groups:
-        spec = group.kv_cache_spec
-        for name in group.layer_names:
-            if isinstance(spec, UniformTypeKVCacheSpecs):
-                pages[name] = spec.kv_cache_specs[name].page_size_bytes
-            else:
-                pages[name] = spec.page_size_bytes
-    return pages
-
-
-def _tensor_layout(groups: Sequence[KVCacheGroupSpec]) -> list[tuple[int, list[str]]]:
-    """(page size, layers) of each tensor, before ``num_blocks`` is known."""
-    pages = _layer_page_sizes(groups)
-    if len(groups) == 1:
-        return [(pages[name], [name]) for name in groups[0].layer_names]
-    width = max(len(g.layer_names) for g in groups)
-    layout = []
-    for i in range(width):
-        shared = [g.layer_names[i] for g in groups if i < len(g.layer_names)]
-        sizes = {pages[name] for name in shared}
-        if len(sizes) != 1:
-            raise ValueError(
-                f"kv_cache_groups: layers sharing tensor {i} must have one page size, got "
-                f"{dict(zip(shared, (pages[n] for n in shared), strict=True))}"
-            )
-        layout.append((sizes.pop(), shared))
-    return layout
 
 
 def bytes_per_block(groups: Sequence[KVCacheGroupSpec]) -> int:
     """Bytes one block id takes across all tensors (the sum of the tensors' page sizes)."""
-    return sum(page for page, _ in _tensor_layout(groups))
+    return _pool_bytes_per_block(list(groups))
 
 
 def blocks_per_request(
@@ -212,94 +155,11 @@ def blocks_per_request(
     max_model_len: int,
     max_num_batched_tokens: int | None = None,
 ) -> int:
-    """Blocks one request of ``max_model_len`` tokens needs, summed over groups (each group
-    from its spec's ``max_memory_usage_bytes``; a Mamba group needs one block)."""
-    total = 0
-    for group in groups:
-        spec = group.kv_cache_spec
-        if isinstance(spec, UniformTypeKVCacheSpecs):
-            spec = next(iter(spec.kv_cache_specs.values()))
-        usage = spec.max_memory_usage_bytes(max_model_len, max_num_batched_tokens)
-        total += cdiv(usage, spec.page_size_bytes)
-    return total
-
-
-def get_kv_cache_config_from_groups(
-    groups: Sequence[KVCacheGroupSpec], available_memory: int
-) -> KVCacheConfig:
-    """The ``KVCacheConfig`` with the most blocks that fit in ``available_memory`` bytes.
-
-    Each layer appears in exactly one tensor; each tensor is ``num_blocks`` pages of the one
-    page size its layers share. ``num_blocks`` may be 0 when not even one block fits.
-    """
-    if available_memory < 0:
-        raise ValueError(f"available_memory: expected ≥ 0 bytes, got {available_memory}")
-    layout = _tensor_layout(groups)
-    per_block = sum(page for page, _ in layout)
-    num_blocks = available_memory // per_block if per_block else 0
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[
-            KVCacheTensor(size=page * num_blocks, shared_by=list(shared)) for page, shared in layout
-        ],
-        kv_cache_groups=list(groups),
-    )
-
-
-def _gib(num_bytes: int | float) -> str:
-    return f"{num_bytes / 2**30:.2f} GiB"
-
-
-def estimate_max_model_len(
-    groups: Sequence[KVCacheGroupSpec],
-    num_blocks: int,
-    max_model_len: int,
-    max_num_batched_tokens: int | None = None,
-) -> int:
-    """The largest length ≤ ``max_model_len`` (tokens) whose one request fits in
-    ``num_blocks``; 0 when not even one token fits."""
-    lo, hi = 0, max_model_len
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        batched = None if max_num_batched_tokens is None else min(max_num_batched_tokens, mid)
-        if blocks_per_request(groups, mid, batched) <= num_blocks:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def check_enough_kv_cache_memory(
-    groups: Sequence[KVCacheGroupSpec],
-    available_memory: int,
-    max_model_len: int,
-    max_num_batched_tokens: int | None = None,
-) -> None:
-    """Raise :class:`InsufficientKVCacheMemoryError` (a ``ValueError``) naming the bytes
-    needed when not even one request of ``max_model_len`` tokens fits in ``available_memory``."""
-    per_block = bytes_per_block(groups)
-    num_blocks = available_memory // per_block
-    needed_blocks = blocks_per_request(groups, max_model_len, max_num_batched_tokens)
-    if needed_blocks <= num_blocks:
-        return
-    needed = needed_blocks * per_block
-    fits = estimate_max_model_len(groups, num_blocks, max_model_len, max_num_batched_tokens)
-    hint = (
-        f"the largest max_model_len that fits is {fits}"
-        if fits
-        else "not even a 1-token request fits"
-    )
-    raise InsufficientKVCacheMemoryError(
-        f"available_memory: one request of max_model_len={max_model_len} tokens needs "
-        f"{needed} bytes ({_gib(needed)}) of KV cache ({needed_blocks} blocks of {per_block} "
-        f"bytes), more than the {available_memory} bytes ({_gib(available_memory)}) available; "
-        f"{hint}. Raise the memory budget, lower max_model_len, pick a smaller kv_cache_dtype "
-        f"or use more tensor parallelism.",
-        needed_bytes=needed,
-        available_bytes=available_memory,
-        max_model_len=max_model_len,
-        max_model_len_that_fits=fits,
-    )
+    """Block ids one request of ``max_model_len`` tokens needs, summed over groups (each group
+    from its spec's ``max_memory_usage_bytes``; a Mamba group needs its state pages)."""
+    config = planner_vllm_config(max_model_len, max_num_batched_tokens)
+    needed = _max_memory_usage_bytes_from_groups(config, list(groups))
+    return cdiv(needed, bytes_per_block(groups))
 
 
 def get_kv_cache_config(
@@ -308,14 +168,21 @@ def get_kv_cache_config(
     max_model_len: int,
     max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS,
 ) -> KVCacheConfig:
-    """Groups + tensors for ``kv_cache_specs`` in ``available_memory`` bytes; raises when not
-    even one request of ``max_model_len`` tokens fits."""
+    """Groups (the planner's layout) + tensors for ``kv_cache_specs`` in ``available_memory``
+    bytes; :class:`InsufficientKVCacheMemoryError` when not even one request of
+    ``max_model_len`` tokens fits."""
     check_positive_int("max_model_len", max_model_len)
-    groups = get_kv_cache_groups(kv_cache_specs)
+    config = planner_vllm_config(max_model_len, max_num_batched_tokens)
+    groups = get_kv_cache_groups(config, dict(kv_cache_specs), policy=PLANNER_LAYOUT)
     if not groups:
         raise ValueError("kv_cache_specs: the model has no layer that needs a KV cache")
-    check_enough_kv_cache_memory(groups, available_memory, max_model_len, max_num_batched_tokens)
-    return get_kv_cache_config_from_groups(groups, available_memory)
+    _check_enough_kv_cache_memory(
+        available_memory,
+        lambda: _max_memory_usage_bytes_from_groups(config, groups),
+        max_model_len,
+        lambda memory: _estimate_max_model_len_from_groups(config, groups, memory),
+    )
+    return get_kv_cache_config_from_groups(config, groups, available_memory)
 
 
 # --------------------------------------------------------------------------------------------
@@ -366,11 +233,10 @@ class KVCachePlan:
 
     def max_model_len_that_fits(self) -> int:
         """The longest request (tokens, ≤ ``max_model_len``) that fits; 0 when none does."""
-        return estimate_max_model_len(
-            self.kv_cache_config.kv_cache_groups,
-            self.kv_cache_config.num_blocks,
-            self.max_model_len,
-            self.max_num_batched_tokens,
+        config = planner_vllm_config(self.max_model_len, self.max_num_batched_tokens)
+        memory = self.kv_cache_config.num_blocks * self.bytes_per_block
+        return _estimate_max_model_len_from_groups(
+            config, self.kv_cache_config.kv_cache_groups, memory
         )
 
     @property
@@ -471,9 +337,9 @@ def plan_kv_cache_for_specs(
     else:
         if available_memory < 0:
             raise ValueError(f"available_memory: expected ≥ 0 bytes, got {available_memory}")
-        config_out = get_kv_cache_config_from_groups(
-            get_kv_cache_groups(base.specs), available_memory
-        )
+        config = planner_vllm_config(max_model_len, max_num_batched_tokens)
+        groups = get_kv_cache_groups(config, dict(base.specs), policy=PLANNER_LAYOUT)
+        config_out = get_kv_cache_config_from_groups(config, groups, available_memory)
     groups = config_out.kv_cache_groups
     allocated = dict(iter_layer_specs(config_out))
     specs = {layer: allocated[layer] for layer in base.specs}

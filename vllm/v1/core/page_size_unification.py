@@ -45,15 +45,26 @@ from fractions import Fraction
 
 from vllm.v1.kv_cache_interface import KVCacheSpec, LatentPageSpec, MambaSpec, cdiv
 
-__all__ = ["MAX_EXACT_PAGE_GROWTH", "MAX_PAGE_GROWTH", "unify_kv_cache_spec_page_size"]
+__all__ = [
+    "MAX_EXACT_PAGE_GROWTH",
+    "MAX_PAGE_GROWTH",
+    "PageSizeUnificationError",
+    "unify_kv_cache_spec_page_size",
+]
 
 MAX_PAGE_GROWTH = 2
-"""The unified page is searched up to this many times the largest base page (further only when
-the exact attention page needs it)."""
+"""The planner's bound: the unified page is searched up to this many times the largest base
+page (further only when the exact attention page needs it)."""
 
 MAX_EXACT_PAGE_GROWTH = 64
-"""The least common multiple of the plain attention pages may be at most this many times the
-largest base page; beyond it the planner refuses (``ValueError``) rather than pad."""
+"""The planner's bound: the least common multiple of the plain attention pages may be at most
+this many times the largest base page; beyond it the planner refuses rather than pad."""
+
+
+class PageSizeUnificationError(ValueError, NotImplementedError):
+    """The pages cannot be unified within the bounds. A ``ValueError`` like every planning error
+    here, and a ``NotImplementedError`` as upstream raises for pages that do not divide the
+    largest one."""
 
 
 def _is_state(spec: KVCacheSpec) -> bool:
@@ -71,17 +82,23 @@ def _is_plain_attention(spec: KVCacheSpec) -> bool:
 
 def unify_kv_cache_spec_page_size(
     kv_cache_specs: Mapping[str, KVCacheSpec],
-    max_page_growth: int = MAX_PAGE_GROWTH,
-    max_exact_page_growth: int = MAX_EXACT_PAGE_GROWTH,
+    max_page_growth: int = 1,
+    max_exact_page_growth: int = 1,
 ) -> dict[str, KVCacheSpec]:
     """The same layers with one page size P (policy in the module docstring).
+
+    The default bounds (1, 1) are upstream's semantics: P is the largest page and every plain
+    attention page must divide it (its block size grows by the ratio), else
+    :class:`PageSizeUnificationError` (a ``NotImplementedError``, as upstream); the planner
+    passes :data:`MAX_PAGE_GROWTH` and :data:`MAX_EXACT_PAGE_GROWTH`.
 
     Plain attention specs get block sizes that are integer multiples of their own with pages
     of exactly P (never padded: the worker splits their pages into kernel blocks and rejects
     padding it would have to split); latent (MLA) specs take the largest block multiple whose
     page fits in P and are padded up to P; Mamba specs are padded to P. Specs are returned
     unchanged when they already share one page size. ``ValueError`` when plain attention pages
-    have no common multiple within ``max_exact_page_growth`` × the largest base page.
+    have no common multiple within ``max_exact_page_growth`` × the largest base page
+    (:class:`PageSizeUnificationError`).
     """
     distinct = list(dict.fromkeys(kv_cache_specs.values()))
     if len({s.page_size_bytes for s in distinct}) <= 1:
@@ -97,7 +114,7 @@ def unify_kv_cache_spec_page_size(
     # Plain attention pages are exact: P is a multiple of the lcm of their base pages.
     step = math.lcm(*(s.page_size_bytes for s in plain)) if plain else 0
     if step > max_exact_page_growth * base_max:
-        raise ValueError(
+        raise PageSizeUnificationError(
             f"kv_cache_specs: the attention pages "
             f"{sorted({s.page_size_bytes for s in plain})} bytes have no common multiple "
             f"within {max_exact_page_growth}× the largest page ({base_max} bytes; the least "

@@ -1,0 +1,43 @@
+"""``VllmConfig``: the configs the KV-cache functions read, in upstream's shape."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.config.cache import CacheConfig
+from vllm.config.kv_events import KVEventsConfig
+from vllm.config.model import ModelConfig
+from vllm.config.parallel import ParallelConfig
+from vllm.config.scheduler import SchedulerConfig
+from vllm.config.speculative import SpeculativeConfig
+
+__all__ = ["VllmConfig"]
+
+
+@dataclass
+class VllmConfig:
+    """All settings of one engine. ``kv_transfer_config`` is opaque here: only whether it is
+    set matters (a KV connector then consumes block hashes)."""
+
+    model_config: ModelConfig | None = None
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    scheduler_config: SchedulerConfig | None = None
+    speculative_config: SpeculativeConfig | None = None
+    kv_transfer_config: Any = None
+    kv_events_config: KVEventsConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.scheduler_config is None:
+            model = self.model_config
+            if model is not None and model.max_model_len is not None:
+                self.scheduler_config = SchedulerConfig(
+                    max_model_len=model.max_model_len,
+                    is_encoder_decoder=model.is_encoder_decoder,
+                )
+            else:
+                self.scheduler_config = SchedulerConfig()
+        if self.scheduler_config.disable_hybrid_kv_cache_manager is None:
+            # Nothing this library models forces the single-group layout (KV events do not).
+            self.scheduler_config.disable_hybrid_kv_cache_manager = False

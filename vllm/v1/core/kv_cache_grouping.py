@@ -1,0 +1,310 @@
+"""Layers → KV-cache groups: upstream v0.22's grouping functions, the one implementation the
+planner (:mod:`vllm.v1.core.kv_cache_utils`) also uses.
+
+A group is a set of layers sharing one block table. The layout rules:
+
+1. every layer has one spec (a full-attention layer that records a window merges with plain
+   full attention) → one group;
+2. all layers need the same token slots but differ in page size → one group whose spec is a
+   ``UniformTypeKVCacheSpecs``;
+3. otherwise (hybrid) the pages are unified to one size P
+   (:func:`~vllm.v1.core.page_size_unification.unify_kv_cache_spec_page_size`), layers with
+   equal specs form a kind, and each kind of c layers is split into ``cdiv(c, g)`` groups of at
+   most g layers (``layers[i::n]``), so that a tensor can hold layer i of every group.
+
+The group size g is a policy (:class:`KVCacheLayoutPolicy`). Upstream's
+(:data:`UPSTREAM_LAYOUT`, the default of every upstream name): g = the smallest kind's count,
+or the largest one when it is under 1.5x the smallest (GPT-OSS + EAGLE: 13 full + 12 sliding →
+g = 13), and P = the largest page. The planner's (:data:`PLANNER_LAYOUT`): the fewest groups
+whose empty group slots are ≤ 5 % of all slots, and P searched more widely (see
+:mod:`vllm.v1.core.page_size_unification`). Units: page sizes in bytes, block sizes in tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from vllm.utils.torch_utils import get_dtype_size
+from vllm.v1.core.page_size_unification import (
+    MAX_EXACT_PAGE_GROWTH,
+    MAX_PAGE_GROWTH,
+    unify_kv_cache_spec_page_size,
+)
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    HiddenStateCacheSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+    cdiv,
+)
+
+if TYPE_CHECKING:
+    from vllm.config.vllm import VllmConfig
+
+__all__ = [
+    "PLANNER_LAYOUT",
+    "UPSTREAM_LAYOUT",
+    "KVCacheLayoutPolicy",
+    "create_kv_cache_group_specs",
+    "generate_scheduler_kv_cache_config",
+    "get_kv_cache_groups",
+    "get_uniform_page_size",
+    "is_kv_cache_page_size_uniform",
+    "is_kv_cache_spec_uniform",
+    "is_kv_cache_type_attention_free",
+    "unify_hybrid_kv_cache_specs",
+]
+
+
+@dataclass(frozen=True)
+class KVCacheLayoutPolicy:
+    """How hybrid layers are laid out.
+
+    ``max_group_padding``: None for upstream's group size rule, else the largest fraction of
+    empty group slots accepted before adding groups (fewest groups first, then least padding).
+    ``max_page_growth`` / ``max_exact_page_growth``: the page-size unification bounds (multiples
+    of the largest base page; 1 and 1 are upstream's exact-divisor rule).
+    """
+
+    max_group_padding: float | None = None
+    max_page_growth: int = 1
+    max_exact_page_growth: int = 1
+
+    def group_size(self, counts: Sequence[int]) -> int:
+        """Layers per group for kinds of ``counts`` layers."""
+        if self.max_group_padding is None:
+            smallest, largest = min(counts), max(counts)
+            # A kind barely larger than the smallest (a drafter's extra layer) pads the others
+            # instead of doubling the groups.
+            return largest if largest < smallest * 1.5 else smallest
+        best: tuple[int, int, int] | None = None
+        for g in range(1, max(counts) + 1):
+            num_groups = sum(cdiv(c, g) for c in counts)
+            padding = num_groups * g - sum(counts)
+            if padding > self.max_group_padding * num_groups * g:
+                continue
+            key = (num_groups, padding, g)
+            if best is None or key < best:
+                best = key
+        assert best is not None  # g = 1 never pads
+        return best[2]
+
+
+UPSTREAM_LAYOUT = KVCacheLayoutPolicy()
+"""Upstream vLLM's layout rules (the default of every upstream-named function)."""
+
+PLANNER_LAYOUT = KVCacheLayoutPolicy(
+    max_group_padding=0.05,
+    max_page_growth=MAX_PAGE_GROWTH,
+    max_exact_page_growth=MAX_EXACT_PAGE_GROWTH,
+)
+"""The planner's rules: fewer groups and less padding where upstream's heuristic wastes memory
+(Gemma 3 52 + 10 layers: 5 groups, 4.6 % empty, instead of 7 groups, 11 % empty), and pages that
+need not divide each other (design.md §4)."""
+
+
+def create_kv_cache_group_specs(
+    kv_cache_spec: dict[str, KVCacheSpec], grouped_layer_names: list[list[str]]
+) -> list[KVCacheGroupSpec]:
+    """One group per list of ``grouped_layer_names``, its spec the merge of its layers' specs."""
+    groups = []
+    for layer_names in grouped_layer_names:
+        specs = [kv_cache_spec[name] for name in layer_names]
+        groups.append(KVCacheGroupSpec(layer_names, specs[0].merge(specs)))
+    return groups
+
+
+def is_kv_cache_spec_uniform(kv_cache_spec: dict[str, KVCacheSpec]) -> bool:
+    """True when all layers merge into one spec (full attention with and without a recorded
+    window counts as one); an empty dict (no KV cache) is uniform. Specs that differ raise an
+    ``AssertionError`` in ``merge`` (caught here); two different windows raise ``ValueError``."""
+    if not kv_cache_spec:
+        return True
+    specs = list(kv_cache_spec.values())
+    try:
+        specs[0].merge(specs)
+    except AssertionError:
+        return False
+    return True
+
+
+def is_kv_cache_page_size_uniform(kv_cache_spec: dict[str, KVCacheSpec]) -> bool:
+    """True when every layer's page has one size."""
+    return len({spec.page_size_bytes for spec in kv_cache_spec.values()}) == 1
+
+
+def is_kv_cache_type_attention_free(kv_cache_spec: dict[str, KVCacheSpec]) -> bool:
+    """True for a model without cache-holding layers (an empty dict)."""
+    return not kv_cache_spec
+
+
+def get_uniform_page_size(kv_cache_specs: Iterable[KVCacheSpec]) -> int:
+    """The one page size (bytes) of ``kv_cache_specs``; ``AssertionError`` when there are
+    several."""
+    page_sizes = {spec.page_size_bytes for spec in kv_cache_specs}
+    assert len(page_sizes) == 1, f"kv_cache_specs: expected one page size, got {page_sizes}"
+    return page_sizes.pop()
+
+
+def _full_attention_like(spec: KVCacheSpec, block_size: int | None) -> KVCacheSpec:
+    """``spec`` cached as full attention, its window recorded (latent specs stay latent)."""
+    if isinstance(spec, SlidingWindowMLASpec):
+        return MLAAttentionSpec(
+            block_size=block_size if block_size is not None else spec.block_size,
+            num_kv_heads=spec.num_kv_heads,
+            head_size=spec.head_size,
+            dtype=spec.dtype,
+            kv_quant_mode=spec.kv_quant_mode,
+            page_size_padded=spec.page_size_padded,
+            cache_dtype_str=spec.cache_dtype_str,
+            alignment=spec.alignment,
+            compress_ratio=spec.compress_ratio,
+            model_version=spec.model_version,
+        )
+    if isinstance(spec, SlidingWindowSpec):
+        window: dict[str, int] = {"sliding_window": spec.sliding_window}
+    elif isinstance(spec, ChunkedLocalAttentionSpec):
+        window = {"attention_chunk_size": spec.attention_chunk_size}
+    else:
+        return spec
+    return FullAttentionSpec(
+        block_size=spec.block_size,
+        num_kv_heads=spec.num_kv_heads,
+        head_size=spec.head_size,
+        head_size_v=spec.head_size_v,
+        dtype=spec.dtype,
+        kv_quant_mode=spec.kv_quant_mode,
+        page_size_padded=spec.page_size_padded,
+        **window,
+    )
+
+
+def unify_hybrid_kv_cache_specs(kv_cache_spec: dict[str, KVCacheSpec]) -> None:
+    """With the hybrid allocator disabled: turn sliding-window and chunked-local layers into
+    full-attention specs that record their window, in place, when the model also has full
+    attention (so one group holds every layer and allocates every token). ``ValueError`` when
+    the specs still differ in type afterwards."""
+    if is_kv_cache_spec_uniform(kv_cache_spec) or UniformTypeKVCacheSpecs.is_uniform_type(
+        kv_cache_spec
+    ):
+        return
+    specs = kv_cache_spec.values()
+    has_full = any(isinstance(s, FullAttentionSpec) for s in specs)
+    has_windowed = any(isinstance(s, (SlidingWindowSpec, ChunkedLocalAttentionSpec)) for s in specs)
+    block_size: int | None = None
+    if any(isinstance(s, SlidingWindowMLASpec) for s in specs):
+        # DeepSeek-V4: the latent sliding layers take the full-attention block size.
+        full = next((s for s in specs if isinstance(s, FullAttentionSpec)), None)
+        if full is None:
+            raise ValueError(
+                "kv_cache_spec: sliding-window MLA layers need a full-attention layer to be "
+                "cached with when the hybrid KV cache manager is disabled"
+            )
+        block_size = full.block_size
+    if has_full and has_windowed:
+        for name, spec in list(kv_cache_spec.items()):
+            kv_cache_spec[name] = _full_attention_like(spec, block_size)
+    if not (
+        is_kv_cache_spec_uniform(kv_cache_spec)
+        or UniformTypeKVCacheSpecs.is_uniform_type(kv_cache_spec)
+    ):
+        raise ValueError(
+            "kv_cache_spec: the hybrid KV cache manager is disabled, but the layers' specs "
+            "cannot be turned into one type (that needs full attention next to the sliding-"
+            f"window or chunked layers); got {sorted({type(s).__name__ for s in specs})}"
+        )
+
+
+def _group_uniform_page_size(
+    kv_cache_spec: dict[str, KVCacheSpec], policy: KVCacheLayoutPolicy
+) -> list[KVCacheGroupSpec]:
+    """Groups of layers whose pages have one size: equal specs form a kind, each kind split into
+    groups of ``policy.group_size`` layers, layer i of a kind going to group ``i % n``. Taking
+    every n-th layer keeps pipeline stages balanced: stage layers stay spread over the groups."""
+    same_spec: dict[KVCacheSpec, list[str]] = {}
+    for name, spec in kv_cache_spec.items():
+        same_spec.setdefault(spec, []).append(name)
+    group_size = policy.group_size([len(layers) for layers in same_spec.values()])
+    grouped: list[list[str]] = []
+    for layers in same_spec.values():
+        num_groups = cdiv(len(layers), group_size)
+        grouped.extend(layers[i::num_groups] for i in range(num_groups))
+    return create_kv_cache_group_specs(kv_cache_spec, grouped)
+
+
+def get_kv_cache_groups(
+    vllm_config: VllmConfig,
+    kv_cache_spec: dict[str, KVCacheSpec],
+    *,
+    policy: KVCacheLayoutPolicy = UPSTREAM_LAYOUT,
+) -> list[KVCacheGroupSpec]:
+    """Groups of layers sharing a block table (rules in the module docstring). Hybrid specs are
+    unified to one page size first: the groups carry the unified specs. With
+    ``scheduler_config.disable_hybrid_kv_cache_manager`` the specs are first made one type, in
+    place (:func:`unify_hybrid_kv_cache_specs`). Hidden-state cache layers get groups of their
+    own, with pages of the common size."""
+    scheduler = vllm_config.scheduler_config
+    if scheduler is not None and scheduler.disable_hybrid_kv_cache_manager:
+        unify_hybrid_kv_cache_specs(kv_cache_spec)
+    if is_kv_cache_type_attention_free(kv_cache_spec):
+        return []
+    if is_kv_cache_spec_uniform(kv_cache_spec):
+        return create_kv_cache_group_specs(kv_cache_spec, [list(kv_cache_spec)])
+    uniform = UniformTypeKVCacheSpecs.from_specs(kv_cache_spec)
+    if uniform is not None:
+        return [KVCacheGroupSpec(list(uniform.kv_cache_specs), uniform)]
+    hidden = {n: s for n, s in kv_cache_spec.items() if isinstance(s, HiddenStateCacheSpec)}
+    rest = {n: s for n, s in kv_cache_spec.items() if n not in hidden}
+    rest = unify_kv_cache_spec_page_size(rest, policy.max_page_growth, policy.max_exact_page_growth)
+    groups = _group_uniform_page_size(rest, policy)
+    if hidden:
+        page = get_uniform_page_size(g.kv_cache_spec for g in groups)
+        for name, spec in hidden.items():
+            per_token = spec.num_kv_heads * spec.head_size * get_dtype_size(spec.dtype)
+            aligned = replace(spec, block_size=max(page // per_token, 1), page_size_padded=page)
+            groups.append(KVCacheGroupSpec([name], aligned))
+    return groups
+
+
+def generate_scheduler_kv_cache_config(kv_cache_configs: list[KVCacheConfig]) -> KVCacheConfig:
+    """The scheduler's view of the workers' configs (which differ only in layer names): a copy
+    of the first, each ``UniformTypeKVCacheSpecs`` group spec replaced by one of its layers'
+    specs (they need the same slots). ``AssertionError`` when ``num_blocks`` differ."""
+    num_blocks = {cfg.num_blocks for cfg in kv_cache_configs}
+    assert len(num_blocks) == 1, f"kv_cache_configs: expected one num_blocks, got {num_blocks}"
+    cfg = copy.deepcopy(kv_cache_configs[0])
+    for group in cfg.kv_cache_groups:
+        if isinstance(group.kv_cache_spec, UniformTypeKVCacheSpecs):
+            group.kv_cache_spec = next(iter(group.kv_cache_spec.kv_cache_specs.values()))
+    return cfg
+
+
+def _project_kv_cache_groups_to_worker(
+    global_kv_cache_groups: list[KVCacheGroupSpec],
+    worker_spec: dict[str, KVCacheSpec],
+) -> list[KVCacheGroupSpec]:
+    """The global groups restricted to the layers of one worker (a pipeline stage): same
+    groups in the same order, possibly empty; a ``UniformTypeKVCacheSpecs`` keeps only the
+    worker's layers."""
+    projected = []
+    for group in global_kv_cache_groups:
+        names = [name for name in group.layer_names if name in worker_spec]
+        spec = group.kv_cache_spec
+        if names and isinstance(spec, UniformTypeKVCacheSpecs):
+            spec = UniformTypeKVCacheSpecs(
+                block_size=spec.block_size,
+                kv_cache_specs={name: spec.kv_cache_specs[name] for name in names},
+            )
+        projected.append(
+            KVCacheGroupSpec(names, spec, is_eagle_group=group.is_eagle_group and bool(names))
+        )
+    return projected

@@ -1,0 +1,390 @@
+"""Memory for KV-cache groups: upstream v0.22's sizing functions (pages for a budget, the memory
+one request needs, the longest request that fits, per-worker configs), the one implementation
+the planner (:mod:`vllm.v1.core.kv_cache_utils`) also uses.
+
+Units: memory and page sizes in bytes, lengths in tokens, ``num_blocks`` in pages per tensor.
+Tensors: groups draw block ids from one pool; tensor i holds layer i of every group, so a
+block id costs ``group_size x page`` bytes (the largest group's size times the common page);
+a single ``UniformTypeKVCacheSpecs`` group has one tensor per layer of that layer's own page.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from functools import partial
+from typing import TYPE_CHECKING
+
+from vllm.v1.core.kv_cache_grouping import (
+    UPSTREAM_LAYOUT,
+    KVCacheLayoutPolicy,
+    _project_kv_cache_groups_to_worker,
+    get_kv_cache_groups,
+    get_uniform_page_size,
+)
+from vllm.v1.kv_cache_interface import (
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    KVCacheTensor,
+    MambaSpec,
+    UniformTypeKVCacheSpecs,
+    cdiv,
+)
+
+if TYPE_CHECKING:
+    from vllm.config.vllm import VllmConfig
+
+__all__ = [
+    "InsufficientKVCacheMemoryError",
+    "check_enough_kv_cache_memory",
+    "estimate_max_model_len",
+    "get_kv_cache_config_from_groups",
+    "get_kv_cache_configs",
+    "get_max_concurrency_for_kv_cache_config",
+    "get_num_blocks",
+    "max_memory_usage_bytes",
+    "may_override_num_blocks",
+    "resolve_kv_cache_block_sizes",
+]
+
+
+class InsufficientKVCacheMemoryError(ValueError):
+    """Not even one request of ``max_model_len`` tokens fits the KV-cache budget.
+
+    ``needed_bytes`` is what one such request needs under the planned layout,
+    ``available_bytes`` the budget, ``max_model_len_that_fits`` the longest request that fits
+    (0 when none does).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        needed_bytes: int,
+        available_bytes: int,
+        max_model_len: int,
+        max_model_len_that_fits: int,
+    ) -> None:
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+        self.available_bytes = available_bytes
+        self.max_model_len = max_model_len
+        self.max_model_len_that_fits = max_model_len_that_fits
+
+
+def _gib(num_bytes: int | float) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB"
+
+
+def _check_enough_kv_cache_memory(
+    available_memory: int,
+    get_needed_memory: Callable[[], int],
+    max_model_len: int,
+    estimate_max_model_len: Callable[[int], int],
+) -> None:
+    """:class:`InsufficientKVCacheMemoryError` (a ``ValueError``) when
+    ``get_needed_memory()`` bytes exceed ``available_memory`` (also when no memory is left)."""
+    needed = get_needed_memory()
+    if needed <= available_memory:
+        return
+    fits = estimate_max_model_len(available_memory)
+    hint = (
+        f"the largest max_model_len that fits is {fits}"
+        if fits
+        else "not even a 1-token request fits"
+    )
+    raise InsufficientKVCacheMemoryError(
+        f"available_memory: one request of the model's max seq len (max_model_len="
+        f"{max_model_len} tokens) needs {needed} bytes ({_gib(needed)}) of KV cache, more than "
+        f"the {available_memory} bytes ({_gib(available_memory)}) available; {hint}. Raise the "
+        "memory budget, lower max_model_len, pick a smaller kv_cache_dtype or use more tensor "
+        "parallelism.",
+        needed_bytes=needed,
+        available_bytes=available_memory,
+        max_model_len=max_model_len,
+        max_model_len_that_fits=fits,
+    )
+
+
+def _largest_fitting_len(vllm_config: VllmConfig, fits: Callable[[int], bool]) -> int:
+    """The largest length in [1, max_model_len] for which ``fits`` holds (0 when none does),
+    by binary search; ``model_config.max_model_len`` is restored afterwards."""
+    model_config = vllm_config.model_config
+    assert model_config is not None and model_config.max_model_len is not None
+    original = model_config.max_model_len
+
+    def fits_at(length: int) -> bool:
+        model_config.max_model_len = length
+        return fits(length)
+
+    try:
+        lo, hi = 0, original
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if fits_at(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+    finally:
+        model_config.max_model_len = original
+
+
+def max_memory_usage_bytes(vllm_config: VllmConfig, kv_cache_specs: Iterable[KVCacheSpec]) -> int:
+    """Sum of the specs' ``max_memory_usage_bytes`` (one request of ``max_model_len``)."""
+    return sum(spec.max_memory_usage_bytes(vllm_config) for spec in kv_cache_specs)
+
+
+def estimate_max_model_len(
+    vllm_config: VllmConfig, kv_cache_spec: dict[str, KVCacheSpec], available_memory: int
+) -> int:
+    """The largest ``max_model_len`` (≤ the configured one) whose one request fits in
+    ``available_memory`` bytes, counting each layer on its own (no group layout); 0 when not
+    even 1 token fits. ``vllm_config`` is left unchanged."""
+    specs = kv_cache_spec.values()
+    return _largest_fitting_len(
+        vllm_config, lambda _: max_memory_usage_bytes(vllm_config, specs) <= available_memory
+    )
+
+
+def check_enough_kv_cache_memory(
+    vllm_config: VllmConfig, kv_cache_spec: dict[str, KVCacheSpec], available_memory: int
+) -> None:
+    """``ValueError`` (an :class:`InsufficientKVCacheMemoryError` when the budget is positive)
+    unless one request of ``max_model_len`` tokens fits in ``available_memory`` bytes; nothing
+    to check for a model without KV cache."""
+    if not kv_cache_spec:
+        return
+    assert vllm_config.model_config is not None
+    _check_enough_kv_cache_memory(
+        available_memory,
+        lambda: max_memory_usage_bytes(vllm_config, kv_cache_spec.values()),
+        vllm_config.model_config.max_model_len or 0,
+        lambda memory: estimate_max_model_len(vllm_config, kv_cache_spec, memory),
+    )
+
+
+def get_max_concurrency_for_kv_cache_config(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> float:
+    """Requests of ``max_model_len`` tokens the config's ``num_blocks`` hold at once."""
+    groups = kv_cache_config.kv_cache_groups
+    layers_per_group = max(len(group.layer_names) for group in groups)
+    per_request = layers_per_group * max_memory_usage_bytes(
+        vllm_config, (group.kv_cache_spec for group in groups)
+    )
+    per_block = groups[0].kv_cache_spec.page_size_bytes * layers_per_group
+    return kv_cache_config.num_blocks / cdiv(per_request, per_block)
+
+
+def may_override_num_blocks(vllm_config: VllmConfig, num_blocks: int) -> int:
+    """``cache_config.num_gpu_blocks_override`` when set, else ``num_blocks``."""
+    override = vllm_config.cache_config.num_gpu_blocks_override
+    return num_blocks if override is None else override
+
+
+def get_num_blocks(
+    vllm_config: VllmConfig, num_layers: int, available_memory: int, page_size: int
+) -> int:
+    """Pages per tensor: ``available_memory // page_size // num_layers`` (≥ 0), or the
+    override."""
+    num_blocks = max(int(available_memory // page_size // num_layers), 0)
+    return may_override_num_blocks(vllm_config, num_blocks)
+
+
+def _pool_bytes_per_block(kv_cache_groups: list[KVCacheGroupSpec]) -> int:
+    """Bytes one block id takes over all tensors (the divisor turning memory into blocks)."""
+    if len(kv_cache_groups) == 1 and isinstance(
+        kv_cache_groups[0].kv_cache_spec, UniformTypeKVCacheSpecs
+    ):
+        return kv_cache_groups[0].kv_cache_spec.page_size_bytes
+    group_size = max(len(g.layer_names) for g in kv_cache_groups)
+    return get_uniform_page_size(g.kv_cache_spec for g in kv_cache_groups) * group_size
+
+
+def get_kv_cache_config_from_groups(
+    vllm_config: VllmConfig, kv_cache_groups: list[KVCacheGroupSpec], available_memory: int
+) -> KVCacheConfig:
+    """The config with the most blocks that fit in ``available_memory`` bytes (or the
+    override); without groups (no KV cache) ``num_blocks`` is 1, the block pool's null block."""
+    if not kv_cache_groups:
+        return KVCacheConfig(num_blocks=1, kv_cache_tensors=[], kv_cache_groups=kv_cache_groups)
+    first = kv_cache_groups[0].kv_cache_spec
+    if len(kv_cache_groups) == 1 and isinstance(first, UniformTypeKVCacheSpecs):
+        num_blocks = may_override_num_blocks(vllm_config, available_memory // first.page_size_bytes)
+        tensors = [
+            KVCacheTensor(
+                size=first.kv_cache_specs[name].page_size_bytes * num_blocks, shared_by=[name]
+            )
+            for name in kv_cache_groups[0].layer_names
+        ]
+    else:
+        group_size = max(len(group.layer_names) for group in kv_cache_groups)
+        assert group_size > 0, "kv_cache_groups: every group is empty"
+        page_size = get_uniform_page_size(group.kv_cache_spec for group in kv_cache_groups)
+        num_blocks = get_num_blocks(vllm_config, group_size, available_memory, page_size)
+        tensors = [
+            KVCacheTensor(
+                size=page_size * num_blocks,
+                shared_by=[g.layer_names[i] for g in kv_cache_groups if i < len(g.layer_names)],
+            )
+            for i in range(group_size)
+        ]
+    return KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=kv_cache_groups
+    )
+
+
+def _max_memory_usage_bytes_from_groups(
+    vllm_config: VllmConfig, kv_cache_groups: list[KVCacheGroupSpec]
+) -> int:
+    """Bytes one request of ``max_model_len`` takes under the group layout (short groups are
+    padded, as the tensors are)."""
+    if not kv_cache_groups:
+        return 0
+    first = kv_cache_groups[0].kv_cache_spec
+    if len(kv_cache_groups) == 1 and isinstance(first, UniformTypeKVCacheSpecs):
+        return max_memory_usage_bytes(vllm_config, first.kv_cache_specs.values())
+    group_size = max(len(group.layer_names) for group in kv_cache_groups)
+    page_size = get_uniform_page_size(group.kv_cache_spec for group in kv_cache_groups)
+    blocks = sum(
+        cdiv(group.kv_cache_spec.max_memory_usage_bytes(vllm_config), page_size)
+        for group in kv_cache_groups
+    )
+    return group_size * page_size * blocks
+
+
+def _estimate_max_model_len_from_groups(
+    vllm_config: VllmConfig, kv_cache_groups: list[KVCacheGroupSpec], available_memory: int
+) -> int:
+    """The largest length (≤ ``max_model_len``) whose one request fits under the group layout;
+    0 when not even 1 token fits."""
+    return _largest_fitting_len(
+        vllm_config,
+        lambda _: (
+            _max_memory_usage_bytes_from_groups(vllm_config, kv_cache_groups) <= available_memory
+        ),
+    )
+
+
+def _auto_fit_max_model_len(
+    vllm_config: VllmConfig,
+    projected_groups_per_worker: list[list[KVCacheGroupSpec]],
+    available_memory: list[int],
+) -> None:
+    """Lower ``model_config.max_model_len`` in place to the longest request every worker fits
+    (``original_max_model_len == -1``); ``ValueError`` when not even 1 token fits."""
+    assert vllm_config.model_config is not None
+    fitted = vllm_config.model_config.max_model_len or 0
+    for groups, memory in zip(projected_groups_per_worker, available_memory, strict=True):
+        if groups:
+            fitted = min(fitted, _estimate_max_model_len_from_groups(vllm_config, groups, memory))
+    if fitted <= 0:
+        raise ValueError(
+            "max_model_len: cannot fit it to the KV-cache memory, not even 1 token fits; raise "
+            "the memory budget (gpu_memory_utilization)"
+        )
+    vllm_config.model_config.max_model_len = fitted
+
+
+def get_kv_cache_configs(
+    vllm_config: VllmConfig,
+    kv_cache_specs: list[dict[str, KVCacheSpec]],
+    available_memory: list[int],
+    *,
+    policy: KVCacheLayoutPolicy = UPSTREAM_LAYOUT,
+) -> list[KVCacheConfig]:
+    """One config per worker, consistent across workers (one scheduler serves them all).
+
+    The workers' specs are merged (a layer on two workers must have one spec, else
+    ``AssertionError``) and grouped once for the whole model; each worker gets the groups
+    restricted to its layers (pipeline stages), is checked to hold one request of
+    ``max_model_len`` (fitting ``max_model_len`` first when ``original_max_model_len`` is -1;
+    ``num_gpu_blocks_override`` counts as the budget), and every worker takes the smallest
+    ``num_blocks``, its tensors shrunk to match.
+    """
+    merged: dict[str, KVCacheSpec] = {}
+    for worker_spec in kv_cache_specs:
+        for name, spec in worker_spec.items():
+            assert merged.setdefault(name, spec) == spec, (
+                f"kv_cache_specs: layer {name!r} has different specs on different workers"
+            )
+    groups = get_kv_cache_groups(vllm_config, merged, policy=policy)
+    projected = [_project_kv_cache_groups_to_worker(groups, spec) for spec in kv_cache_specs]
+    override = vllm_config.cache_config.num_gpu_blocks_override
+    if override is not None:
+        available_memory = [
+            override * _pool_bytes_per_block(g) if g else memory
+            for g, memory in zip(projected, available_memory, strict=True)
+        ]
+    assert vllm_config.model_config is not None
+    if vllm_config.model_config.original_max_model_len == -1:
+        _auto_fit_max_model_len(vllm_config, projected, available_memory)
+    for worker_groups, memory in zip(projected, available_memory, strict=True):
+        if worker_groups:
+            _check_enough_kv_cache_memory(
+                memory,
+                partial(_max_memory_usage_bytes_from_groups, vllm_config, worker_groups),
+                vllm_config.model_config.max_model_len or 0,
+                partial(_estimate_max_model_len_from_groups, vllm_config, worker_groups),
+            )
+    configs = []
+    for worker_groups, worker_spec, memory in zip(
+        projected, kv_cache_specs, available_memory, strict=True
+    ):
+        assert sum(len(g.layer_names) for g in worker_groups) == len(worker_spec), (
+            "kv_cache_specs: some layers are in no group"
+        )
+        configs.append(get_kv_cache_config_from_groups(vllm_config, worker_groups, memory))
+    min_blocks = min(cfg.num_blocks for cfg in configs)
+    for cfg in configs:
+        for tensor in cfg.kv_cache_tensors:
+            assert tensor.size % cfg.num_blocks == 0
+            tensor.size = tensor.size // cfg.num_blocks * min_blocks
+        cfg.num_blocks = min_blocks
+    return configs
+
+
+def resolve_kv_cache_block_sizes(
+    kv_cache_config: KVCacheConfig, vllm_config: VllmConfig
+) -> tuple[int, int]:
+    """``(scheduler_block_size, hash_block_size)`` in tokens.
+
+    One group: ``cache_config.block_size x dcp x pcp`` for both. Several groups (no context
+    parallelism, else ``ValueError``): the scheduler aligns to the lcm of the groups' block
+    sizes; requests are hashed every ``cache_config.hash_block_size`` tokens (default: the gcd),
+    which must divide every group's block size (``ValueError``), unless nothing reads the
+    hashes (no prefix caching, no KV connector) or a Mamba group's block size differs from
+    ``cache_config.block_size``: then hashing follows the scheduler block size.
+    """
+    cache_config = vllm_config.cache_config
+    parallel = vllm_config.parallel_config
+    dcp = parallel.decode_context_parallel_size
+    pcp = parallel.prefill_context_parallel_size
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) <= 1:
+        size = cache_config.block_size * dcp * pcp
+        return size, size
+    if dcp != 1 or pcp != 1:
+        raise ValueError(
+            f"decode_context_parallel_size / prefill_context_parallel_size: KV cache groups of "
+            f"several block sizes need 1 and 1, got {dcp} and {pcp}"
+        )
+    sizes = [g.kv_cache_spec.block_size for g in groups]
+    scheduler_size = math.lcm(*sizes)
+    if not (cache_config.enable_prefix_caching or vllm_config.kv_transfer_config is not None):
+        return scheduler_size, scheduler_size
+    if any(
+        isinstance(g.kv_cache_spec, MambaSpec)
+        and g.kv_cache_spec.block_size != cache_config.block_size
+        for g in groups
+    ):
+        return scheduler_size, scheduler_size
+    hash_size = cache_config.hash_block_size or math.gcd(*sizes)
+    if any(size % hash_size for size in sizes):
+        raise ValueError(
+            f"hash_block_size: must divide every KV cache group's block size {sizes}, got "
+            f"{hash_size}"
+        )
+    return scheduler_size, hash_size

@@ -1,0 +1,214 @@
+"""The base of the KV-cache specs (:mod:`vllm.v1.kv_cache_interface` re-exports every name):
+the abstract spec, the merge rule and its error, the field checks, and the Mamba state spec.
+
+Units: ``block_size`` is in tokens per page, every ``*_bytes`` quantity is in bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm.utils.torch_utils import get_dtype_size
+
+if TYPE_CHECKING:
+    from vllm.config.vllm import VllmConfig
+
+__all__ = [
+    "KVCacheSpec",
+    "KVCacheSpecMergeError",
+    "MambaSpec",
+    "cdiv",
+    "round_up",
+]
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative ints."""
+    return -(a // -b)
+
+
+def round_up(x: int, multiple: int) -> int:
+    """Smallest multiple of ``multiple`` that is ≥ ``x``."""
+    return cdiv(x, multiple) * multiple
+
+
+def _check_torch_dtype(name: str, value: object) -> None:
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"{name}: expected a torch.dtype, got {value!r} ({type(value).__name__})")
+
+
+def _check_positive(spec: object, *names: str) -> None:
+    for name in names:
+        value = getattr(spec, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(
+                f"{name}: expected a positive int for {type(spec).__name__}, got {value!r}"
+            )
+
+
+class KVCacheSpecMergeError(ValueError, AssertionError):
+    """Specs that cannot share one group. A ``ValueError`` like every spec error here, and an
+    ``AssertionError`` because upstream's merge asserts (engines catch that)."""
+
+
+def _max_model_len(vllm_config: VllmConfig) -> int:
+    """``vllm_config.model_config.max_model_len`` (tokens), which every bound here needs."""
+    model_config = vllm_config.model_config
+    if model_config is None or model_config.max_model_len is None:
+        raise ValueError("vllm_config.model_config.max_model_len: expected tokens, got None")
+    return model_config.max_model_len
+
+
+def _check_optional_positive(spec: object, *names: str) -> None:
+    for name in names:
+        if getattr(spec, name) is not None:
+            _check_positive(spec, name)
+
+
+def _merge_window(specs: list[Any], name: str) -> int | None:
+    """The one non-None ``name`` (tokens) among ``specs``, None when none sets it."""
+    values = {getattr(spec, name) for spec in specs} - {None}
+    if len(values) > 1:
+        raise ValueError(
+            f"{name}: layers of one KV cache group need one value, got {sorted(values)}"
+        )
+    return values.pop() if values else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVCacheSpec(ABC):
+    """A layer's KV-cache page: ``block_size`` tokens."""
+
+    block_size: int
+
+    @property
+    @abstractmethod
+    def page_size_bytes(self) -> int:
+        """Bytes of one page as allocated (padding included)."""
+
+    @abstractmethod
+    def max_memory_usage_bytes(self, vllm_config: VllmConfig) -> int:
+        """Most bytes one request of ``model_config.max_model_len`` tokens can hold in this
+        layer (whole pages)."""
+
+    @property
+    def storage_block_size(self) -> int:
+        """Slots stored per page (equals ``block_size`` unless the spec compresses tokens)."""
+        return self.block_size
+
+    @classmethod
+    def merge(cls, specs: list[Any]) -> Any:
+        """The one spec of a group: all specs must be equal, else :class:`KVCacheSpecMergeError`
+        naming the field that differs."""
+        if not specs:
+            raise KVCacheSpecMergeError("specs: expected at least one spec to merge, got none")
+        first = specs[0]
+        for other in specs[1:]:
+            _check_same_fields(first, other, ())
+        return first
+
+    def copy_with_new_block_size(self, block_size: int) -> Any:
+        """The same spec with pages of ``block_size`` tokens."""
+        return replace(self, block_size=block_size)
+
+
+def _check_same_fields(first: KVCacheSpec, other: KVCacheSpec, skip: tuple[str, ...]) -> None:
+    """:class:`KVCacheSpecMergeError` unless ``other`` has ``first``'s class and fields (those in
+    ``skip`` aside)."""
+    if type(other) is not type(first):
+        raise KVCacheSpecMergeError(
+            f"specs: cannot merge {type(first).__name__} with {type(other).__name__}"
+        )
+    for f in fields(first):
+        a, b = getattr(first, f.name), getattr(other, f.name)
+        if f.name not in skip and a != b:
+            raise KVCacheSpecMergeError(
+                f"specs: cannot merge {type(first).__name__}s that differ in "
+                f"{f.name}: {a!r} vs {b!r}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class MambaSpec(KVCacheSpec):
+    """Fixed-size recurrent state per request: one page holds every state tensor of a layer.
+
+    ``shapes[i]`` and ``dtypes[i]`` describe state tensor i (e.g. conv and SSM state).
+    ``num_speculative_blocks`` extra pages hold the states of draft tokens. A request keeps
+    its states as ``cache_config.mamba_cache_mode`` says (``mamba_cache_mode`` here records
+    the mode the layer was built for, as upstream).
+    """
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+    page_size_padded: int | None = None
+    mamba_type: str = "mamba2"
+    mamba_cache_mode: str = "none"
+    num_speculative_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "block_size")
+        n = self.num_speculative_blocks
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"num_speculative_blocks: expected an int >= 0 (pages), got {n!r}")
+        for name, value, what in (
+            ("shapes", self.shapes, "state shapes"),
+            ("dtypes", self.dtypes, "torch.dtypes"),
+        ):
+            if not isinstance(value, (tuple, list)):
+                raise ValueError(
+                    f"{name}: expected a tuple of {what}, got {value!r} ({type(value).__name__})"
+                )
+        if len(self.shapes) != len(self.dtypes) or not self.shapes:
+            raise ValueError(
+                f"shapes/dtypes: expected one dtype per state shape, got {len(self.shapes)} "
+                f"shapes and {len(self.dtypes)} dtypes"
+            )
+        for i, (shape, dtype) in enumerate(zip(self.shapes, self.dtypes, strict=True)):
+            if not isinstance(shape, (tuple, list)):  # torch.Size is a tuple
+                raise ValueError(
+                    f"shapes[{i}]: expected a tuple of ints (a state shape), got {shape!r} "
+                    f"({type(shape).__name__})"
+                )
+            if any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in shape):
+                raise ValueError(
+                    f"shapes[{i}]: expected a state shape of positive ints, got {shape!r}"
+                )
+            _check_torch_dtype(f"dtypes[{i}]", dtype)
+        if self.page_size_padded is not None and self.page_size_padded < self.real_page_size_bytes:
+            raise ValueError(
+                f"page_size_padded: a padded page must hold the real page of "
+                f"{self.real_page_size_bytes} bytes, got {self.page_size_padded}"
+            )
+
+    @property
+    def state_sizes_bytes(self) -> tuple[int, ...]:
+        """Bytes of each state tensor, in order."""
+        return tuple(
+            math.prod(shape) * get_dtype_size(dtype)
+            for shape, dtype in zip(self.shapes, self.dtypes, strict=True)
+        )
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        return sum(self.state_sizes_bytes)
+
+    @property
+    def page_size_bytes(self) -> int:
+        if self.page_size_padded is not None:
+            return self.page_size_padded
+        return self.real_page_size_bytes
+
+    def max_memory_usage_bytes(self, vllm_config: VllmConfig) -> int:
+        """Pages a request holds, by ``cache_config.mamba_cache_mode``: ``all`` one per
+        ``block_size`` tokens, ``align`` two, ``none`` one; plus the speculative pages."""
+        mode = vllm_config.cache_config.mamba_cache_mode
+        if mode == "all":
+            pages = cdiv(_max_model_len(vllm_config), self.block_size)
+        else:
+            pages = 2 if mode == "align" else 1
+        return (pages + self.num_speculative_blocks) * self.page_size_bytes
