@@ -13,8 +13,16 @@ enum class Fp8KVCacheDataType { kAuto = 0, kFp8E4M3 = 1, kFp8E5M2 = 2 };
 // Element type of key/value.
 enum class SourceType { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
-// What one cache element holds.
-enum class CacheKind { kUnquantized = 0, kFp8E4M3 = 1, kFp8E5M2 = 2, kNvfp4 = 3 };
+// What one cache element holds. The per-token-head kinds store rows of head_size one-byte values
+// followed by their own fp32 scale (docs/design.md §5.4); they ignore k_scale / v_scale.
+enum class CacheKind {
+  kUnquantized = 0,
+  kFp8E4M3 = 1,
+  kFp8E5M2 = 2,
+  kNvfp4 = 3,
+  kInt8PerTokenHead = 4,
+  kFp8PerTokenHead = 5
+};
 
 // Placement of NVFP4 block scales inside each head's [block_size, head_size / 16] plane.
 enum class ScaleLayout { kLinear = 0, kInterleave4 = 1 };
@@ -29,9 +37,10 @@ inline ScaleLayout default_scale_layout(int64_t block_size, int64_t head_size) {
 }
 
 // One side (K or V) of a paged cache, logical [num_blocks, block_size, num_heads, last_dim].
-// Strides are in elements of the cache dtype (bytes for FP8 and NVFP4); NHD and HND caches
+// Strides are in elements of the cache dtype (bytes for the quantized kinds); NHD and HND caches
 // differ only in token_stride / head_stride. For NVFP4, last_dim = head_size / 2 + head_size / 16
-// and each page holds [data | scales] as in docs/design.md §5.
+// and each page holds [data | scales] as in docs/design.md §5; for the per-token-head kinds,
+// last_dim = head_size + 4 (the row's values, then its fp32 scale).
 struct CacheSide {
   void* data;
   int64_t block_stride;

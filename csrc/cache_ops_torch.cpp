@@ -13,6 +13,7 @@
 
 #include "dispatch_utils.h"
 #include "kv_quant_math.h"
+#include "per_token_head.h"
 
 namespace vllm_kv {
 
@@ -24,7 +25,7 @@ Fp8KVCacheDataType get_fp8_kv_cache_data_type(const std::string& kv_cache_dtype)
 }
 
 CacheKind get_cache_kind(const std::string& kv_cache_dtype) {
-  if (kv_cache_dtype == kNvfp4DtypeString) return CacheKind::kNvfp4;  // before the fp8 dispatch
+  if (const auto kind = parse_non_fp8_cache_kind(kv_cache_dtype)) return *kind;
   return cache_kind_of(get_fp8_kv_cache_data_type(kv_cache_dtype));
 }
 
@@ -93,6 +94,36 @@ ScaleLayout parse_scale_layout(const std::string& s, const char* name) {
 
 void check_int_range(int64_t v, const char* what) {
   TORCH_CHECK(v <= INT_MAX, what, ": expected at most ", INT_MAX, ", got ", v);
+}
+
+// The cache's last dim for head size d (one home for both ops) and how to say it in errors.
+int64_t cache_last_dim(CacheKind kind, int64_t d) {
+  if (kind == CacheKind::kNvfp4) return d / 2 + d / kNvfp4GroupSize;
+  if (is_per_token_head(kind)) return d + kPerTokenHeadScaleBytes;
+  return d;
+}
+
+const char* cache_last_dim_formula(CacheKind kind) {
+  if (kind == CacheKind::kNvfp4) return "F(D) = D/2 + D/16";
+  if (is_per_token_head(kind)) return "D + 4";
+  return "D";
+}
+
+// Element dtype of a quantized cache (unquantized caches hold the source dtype).
+at::ScalarType quantized_cache_dtype(CacheKind kind) {
+  return kind == CacheKind::kInt8PerTokenHead ? at::kChar : at::kByte;
+}
+
+// Head-size rules of the packed kinds: NVFP4 groups of 16; per-token-head rows whose fp32 scale
+// stays 4-byte aligned (as upstream's fp32 view of the page needs). `name` is the argument whose
+// last dim is the head size.
+void check_head_size(CacheKind kind, const std::string& kv_cache_dtype, int64_t d,
+                     const char* name) {
+  const int64_t multiple = kind == CacheKind::kNvfp4 ? kNvfp4GroupSize
+                           : is_per_token_head(kind) ? kPerTokenHeadScaleBytes
+                                                     : 1;
+  TORCH_CHECK(d % multiple == 0, name, ": ", kv_cache_dtype,
+              " needs a head size that is a multiple of ", multiple, ", got ", d);
 }
 
 // key / value: [T_pad, H, D], each token's [H, D] contiguous, rows stride(0) >= H*D apart.
@@ -261,20 +292,13 @@ ReshapeAndCacheParams prepare_reshape_and_cache_flash(
     TORCH_CHECK(!named || *named == source, "key: expected dtype ",
                 dtype_str(scalar_type_of(*named)), " for kv_cache_dtype '", kv_cache_dtype,
                 "', got ", dtype_str(key.scalar_type()));
-  } else if (kind == CacheKind::kNvfp4) {
-    TORCH_CHECK(head_size % kNvfp4GroupSize == 0,
-                "key: nvfp4 needs a head size that is a multiple of ", kNvfp4GroupSize, ", got ",
-                head_size);
-    TORCH_CHECK(head_size_v % kNvfp4GroupSize == 0,
-                "value: nvfp4 needs a head size that is a multiple of ", kNvfp4GroupSize, ", got ",
-                head_size_v);
+  } else {
+    check_head_size(kind, kv_cache_dtype, head_size, "key");
+    check_head_size(kind, kv_cache_dtype, head_size_v, "value");
   }
   const at::ScalarType cache_dtype =
-      kind == CacheKind::kUnquantized ? key.scalar_type() : at::kByte;
-  const auto cache_last_dim = [&](int64_t d) {
-    return kind == CacheKind::kNvfp4 ? d / 2 + d / kNvfp4GroupSize : d;
-  };
-  const char* last_dim_formula = kind == CacheKind::kNvfp4 ? "F(D) = D/2 + D/16" : "D";
+      kind == CacheKind::kUnquantized ? key.scalar_type() : quantized_cache_dtype(kind);
+  const char* last_dim_formula = cache_last_dim_formula(kind);
 
   for (const auto& [cache, name, dim, source_name] :
        {std::tuple{&key_cache, "key_cache", head_size, "key"},
@@ -288,8 +312,8 @@ ReshapeAndCacheParams prepare_reshape_and_cache_flash(
                 shape_str(*cache));
     TORCH_CHECK(cache->size(2) == heads, name, ": expected num_heads = key.size(1) = ", heads,
                 " at dim 2, got shape ", shape_str(*cache));
-    TORCH_CHECK(cache->size(3) == cache_last_dim(dim), name, ": expected last dim ",
-                last_dim_formula, " = ", cache_last_dim(dim), " for ", source_name,
+    TORCH_CHECK(cache->size(3) == cache_last_dim(kind, dim), name, ": expected last dim ",
+                last_dim_formula, " = ", cache_last_dim(kind, dim), " for ", source_name,
                 " head size D = ", dim, " and kv_cache_dtype '", kv_cache_dtype, "', got ",
                 cache->size(3));
   }
@@ -327,10 +351,10 @@ ReshapeAndCacheParams prepare_reshape_and_cache_flash(
   p.num_heads = int(heads);
   p.source_type = source;
   p.cache_kind = kind;
-  p.key_cache = make_side(key_cache, "key_cache", head_size, cache_last_dim(head_size), k_scale,
-                          k_per_head, k_layout);
-  p.value_cache = make_side(value_cache, "value_cache", head_size_v, cache_last_dim(head_size_v),
-                            v_scale, v_per_head, v_layout);
+  p.key_cache = make_side(key_cache, "key_cache", head_size, cache_last_dim(kind, head_size),
+                          k_scale, k_per_head, k_layout);
+  p.value_cache = make_side(value_cache, "value_cache", head_size_v,
+                            cache_last_dim(kind, head_size_v), v_scale, v_per_head, v_layout);
   if (const auto pages = overlapping_pages(key_cache, value_cache)) {
     TORCH_CHECK(false,
                 "value_cache: expected a different tensor from key_cache, got the same bytes "
@@ -389,34 +413,22 @@ PagedAttentionParams prepare_paged_attention(
               "key_cache: expected num_kv_heads dividing "
               "num_heads = ",
               heads, " (GQA) at dim 2, got shape ", shape_str(key_cache));
-  const auto cache_last_dim = [&](int64_t d) {
-    return kind == CacheKind::kNvfp4 ? d / 2 + d / kNvfp4GroupSize : d;
-  };
-  if (kind == CacheKind::kNvfp4) {
-    TORCH_CHECK(head_size % kNvfp4GroupSize == 0,
-                "query: nvfp4 needs a head size that is a "
-                "multiple of ",
-                kNvfp4GroupSize, ", got ", head_size);
-    TORCH_CHECK(head_size_v % kNvfp4GroupSize == 0,
-                "out: nvfp4 needs a head size that is a "
-                "multiple of ",
-                kNvfp4GroupSize, ", got ", head_size_v);
-  }
+  check_head_size(kind, kv_cache_dtype, head_size, "query");
+  check_head_size(kind, kv_cache_dtype, head_size_v, "out");
   for (const auto& [cache, name, dim] : {std::tuple{&key_cache, "key_cache", head_size},
                                          std::tuple{&value_cache, "value_cache", head_size_v}}) {
     if (quantized) {
-      TORCH_CHECK(cache->scalar_type() == at::kByte, name,
-                  ": expected dtype uint8 for "
-                  "kv_cache_dtype '",
-                  kv_cache_dtype, "', got ", dtype_str(cache->scalar_type()));
+      TORCH_CHECK(cache->scalar_type() == quantized_cache_dtype(kind), name, ": expected dtype ",
+                  dtype_str(quantized_cache_dtype(kind)), " for kv_cache_dtype '", kv_cache_dtype,
+                  "', got ", dtype_str(cache->scalar_type()));
     } else {
       source_type_of(*cache, name);
     }
     TORCH_CHECK(cache->dim() == 4 && cache->size(0) == key_cache.size(0) &&
                     cache->size(1) == key_cache.size(1) && cache->size(2) == kv_heads &&
-                    cache->size(3) == cache_last_dim(dim),
+                    cache->size(3) == cache_last_dim(kind, dim),
                 name, ": expected shape [", key_cache.size(0), ", ", key_cache.size(1), ", ",
-                kv_heads, ", ", cache_last_dim(dim), "] for head size ", dim,
+                kv_heads, ", ", cache_last_dim(kind, dim), "] for head size ", dim,
                 " and kv_cache_dtype '", kv_cache_dtype, "', got ", shape_str(*cache));
   }
   TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), "value_cache: expected dtype ",
@@ -467,10 +479,10 @@ PagedAttentionParams prepare_paged_attention(
   p.io_type = io_type;
   p.cache_kind = kind;
   p.cache_type = quantized ? SourceType::kFloat32 : source_type_of(key_cache, "key_cache");
-  p.key_cache = make_side(key_cache, "key_cache", head_size, cache_last_dim(head_size), k_scale,
-                          k_per_head, k_layout);
-  p.value_cache = make_side(value_cache, "value_cache", head_size_v, cache_last_dim(head_size_v),
-                            v_scale, v_per_head, v_layout);
+  p.key_cache = make_side(key_cache, "key_cache", head_size, cache_last_dim(kind, head_size),
+                          k_scale, k_per_head, k_layout);
+  p.value_cache = make_side(value_cache, "value_cache", head_size_v,
+                            cache_last_dim(kind, head_size_v), v_scale, v_per_head, v_layout);
   p.block_table = block_table.data_ptr<int32_t>();
   p.block_table_stride = block_table.stride(0);
   p.seq_lens = seq_lens.data_ptr<int32_t>();

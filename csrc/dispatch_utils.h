@@ -20,10 +20,21 @@ inline constexpr std::string_view kNvfp4DtypeString = "nvfp4";
 // table is the format registry (vllm/v1/kv_cache_format.py, `cache_kind`), and
 // tests/v1/test_kv_cache_format.py keeps the two equal (docs/design.md §2.1).
 inline constexpr std::string_view kKvCacheDtypeNames =
-    "auto, float16, bfloat16, float32, float, fp8, fp8_e4m3, fp8_e5m2, nvfp4";
+    "auto, float16, bfloat16, float32, float, fp8, fp8_e4m3, fp8_e5m2, nvfp4, int8_per_token_head, "
+    "fp8_per_token_head";
+
+// The kinds that are not an FP8 variant of the element type: routed before
+// parse_fp8_kv_cache_data_type (whose kAuto / kFp8E4M3 / kFp8E5M2 is upstream's enum).
+inline std::optional<CacheKind> parse_non_fp8_cache_kind(std::string_view s) {
+  if (s == kNvfp4DtypeString) return CacheKind::kNvfp4;
+  if (s == "int8_per_token_head") return CacheKind::kInt8PerTokenHead;
+  if (s == "fp8_per_token_head") return CacheKind::kFp8PerTokenHead;
+  return std::nullopt;
+}
 
 // docs/design.md §3: auto, float16, bfloat16, float32 / float -> kAuto (unquantized); fp8,
-// fp8_e4m3 -> kFp8E4M3; fp8_e5m2 -> kFp8E5M2. Anything else (nvfp4 included) -> nullopt.
+// fp8_e4m3 -> kFp8E4M3; fp8_e5m2 -> kFp8E5M2. Anything else (nvfp4, the per-token-head strings
+// included) -> nullopt.
 inline std::optional<Fp8KVCacheDataType> parse_fp8_kv_cache_data_type(std::string_view s) {
   if (s == "auto" || s == "float16" || s == "bfloat16" || s == "float32" || s == "float") {
     return Fp8KVCacheDataType::kAuto;
@@ -55,6 +66,13 @@ inline constexpr CacheKind cache_kind_of(Fp8KVCacheDataType t) {
 
 inline constexpr bool is_quantized(CacheKind kind) { return kind != CacheKind::kUnquantized; }
 
+// Whether the kind's bytes depend on k_scale / v_scale (the per-token-head kinds compute their own
+// scales, so the values passed are not read and need not be valid).
+inline constexpr bool reads_kv_scale(CacheKind kind) {
+  return is_quantized(kind) && kind != CacheKind::kInt8PerTokenHead &&
+         kind != CacheKind::kFp8PerTokenHead;
+}
+
 // Storage type of a source dtype (16-bit formats as raw bits) and its exact widening to fp32.
 template <SourceType S>
 struct SourceTraits;
@@ -83,7 +101,7 @@ template <CacheKind K>
 using CacheKindTag = std::integral_constant<CacheKind, K>;
 
 // Calls fn(SourceTag<S>{}, CacheKindTag<K>{}) for the runtime pair (source, kind), instantiating
-// fn for all 12 combinations. fn reads the pair back as constants:
+// fn for all 18 combinations. fn reads the pair back as constants:
 //   dispatch_source_and_kind(p.source_type, p.cache_kind, [&](auto src, auto kind) {
 //     launch<decltype(src)::value, decltype(kind)::value>(p);
 //   });
@@ -99,6 +117,10 @@ void dispatch_source_and_kind(SourceType source, CacheKind kind, Fn&& fn) {
         return fn(source_tag, CacheKindTag<CacheKind::kFp8E5M2>{});
       case CacheKind::kNvfp4:
         return fn(source_tag, CacheKindTag<CacheKind::kNvfp4>{});
+      case CacheKind::kInt8PerTokenHead:
+        return fn(source_tag, CacheKindTag<CacheKind::kInt8PerTokenHead>{});
+      case CacheKind::kFp8PerTokenHead:
+        return fn(source_tag, CacheKindTag<CacheKind::kFp8PerTokenHead>{});
     }
   };
   switch (source) {

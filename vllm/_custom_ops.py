@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from vllm.kv_quant.kv_scale import kv_scale_as_1d
 from vllm.kv_quant.scale_layout import ScaleLayout
-from vllm.v1.kv_cache_format import find_format, kernel_cache_kind, lookup
+from vllm.v1.kv_cache_format import find_format, kernel_cache_kind
 
 DEBUG_CHECKS_ENV = "VLLM_KV_DEBUG_CHECKS"
 """Set to ``1`` to make :func:`reshape_and_cache_flash` check scale values on the host (a device
@@ -205,12 +205,14 @@ def reshape_and_cache_flash(
     fits, else linear); ``v_scale_layout=None`` with a named ``k_scale_layout`` means "same as K".
 
     ``debug_checks`` (default: env ``VLLM_KV_DEBUG_CHECKS=1``) checks on the host that the
-    scales of a quantized cache are finite and > 0 before the op runs; on CUDA this syncs.
+    scales of a quantized cache are finite and > 0 before the op runs; on CUDA this syncs
+    (per-token-head caches store their own scales and ignore these).
     """
     check_kernel_support(kv_cache_dtype)
     if debug_checks is None:
         debug_checks = os.environ.get(DEBUG_CHECKS_ENV, "0") == "1"
-    if debug_checks and lookup(kv_cache_dtype).is_quantized:
+    fmt = find_format(kv_cache_dtype)  # an unknown name goes on to the op's own error
+    if debug_checks and fmt is not None and fmt.is_quantized and not fmt.is_per_token_head:
         _check_scale_values("k_scale", k_scale, kv_cache_dtype)
         _check_scale_values("v_scale", v_scale, kv_cache_dtype)
     torch.ops._C_cache_ops.reshape_and_cache_flash(

@@ -32,7 +32,7 @@ void reshape_and_cache_flash_cpu(const at::Tensor& key, const at::Tensor& value,
                 "slot_mapping: expected slots < num_blocks * block_size = ", num_slots,
                 " (negative to skip a token), got slot_mapping[", i, "] = ", p.slot_mapping[i]);
   }
-  if (is_quantized(p.cache_kind)) {
+  if (reads_kv_scale(p.cache_kind)) {
     check_scale_values(k_scale, "k_scale", kv_cache_dtype);
     check_scale_values(v_scale, "v_scale", kv_cache_dtype);
   }

@@ -1871,6 +1871,9 @@ void paged_attention(const PagedAttentionParams& p, const AttentionPlan& plan, f
     case CacheKind::kNvfp4:
       with_level(std::integral_constant<CacheKind, CacheKind::kNvfp4>{}, F32{});
       break;
+    case CacheKind::kInt8PerTokenHead:
+    case CacheKind::kFp8PerTokenHead:
+      break;  // rejected by the torch glue before the kernel
     case CacheKind::kUnquantized: {
       using U = std::integral_constant<CacheKind, CacheKind::kUnquantized>;
       switch (p.cache_type) {

@@ -24,6 +24,7 @@
 #include "cache_layout.h"
 #include "dispatch_utils.h"
 #include "kv_quant_math.h"
+#include "per_token_head.h"
 
 #if defined(__AVX2__)
 // GCC 12 reports the deliberately undefined pass-through operands inside its AVX-512 intrinsics
@@ -691,6 +692,14 @@ void write_side(const typename SourceTraits<S>::Storage* src, int64_t src_token_
         quantize_nvfp4_token_scalar<S>(row, plan, pos.block, int(pos.token));
       } else {
         quantize_nvfp4_token<S>(row, plan, pos.block, int(pos.token));
+      }
+    } else if constexpr (is_per_token_head(K)) {  // each row computes and stores its own scale
+      uint8_t* cache = static_cast<uint8_t*>(side.data);
+      for (int h = 0; h < num_heads; ++h) {
+        const Storage* x = row + h * head_size;
+        quantize_per_token_head_row<K>([x](int j) { return SourceTraits<S>::to_float(x[j]); },
+                                       head_size,
+                                       cache + entry_offset(side, pos.block, pos.token, h));
       }
     } else {  // FP8: q = fp8(clamp(x / scale)), one IEEE division per element
       uint8_t* cache = static_cast<uint8_t*>(side.data);

@@ -13,6 +13,9 @@
 //                element (kv_fdiv = __fdiv_rn), FP8 encoding, one vector store of kVec bytes.
 //   NVFP4:       unit = one 16-element group (docs/design.md §5 steps 1-6), 8 data bytes stored at
 //                Nvfp4SideLayout::data_offset, 1 scale byte at Nvfp4SideLayout::scale_offset.
+//   per-token-head INT8 / FP8: unit = one whole row (a head of a token), since its scale depends
+//                on every element: quantize_per_token_head_row of per_token_head.h, the CPU
+//                writer's code, so the bytes are the same by construction (and host-replayable).
 //
 // The widest vector width that every pointer, stride and head size allows is chosen on the host
 // (plan_reshape_and_cache_flash), falling back to element-wide accesses. All quantization is done
@@ -38,6 +41,7 @@
 #include "../cache_layout.h"
 #include "../dispatch_utils.h"
 #include "../kv_quant_math.h"
+#include "../per_token_head.h"
 #include "kv_quant_fast.h"
 
 namespace vllm_kv::gpu {
@@ -53,7 +57,7 @@ struct FlashSideArgs {
   Nvfp4SideLayout nvfp4;     // byte addressing of an NVFP4 side (filled for NVFP4 only)
   const uint8_t* src;        // token 0, head 0 of key / value
   int64_t src_token_stride;  // source elements between tokens
-  int units_per_head;        // head_size / kVec
+  int units_per_head;        // head_size / kVec (1 for per-token-head: a unit is a row)
 };
 
 struct FlashArgs {
@@ -245,9 +249,34 @@ KV_HOST_DEVICE void split_slot(int64_t slot, int block_size, int64_t num_slots, 
   }
 }
 
-// Writes unit `unit` (in [0, units_total)) of token `token` (in [0, num_tokens)).
+// Writes row `head` of token `token` of side `s` of a per-token-head cache (one unit per row).
+template <typename Src, CacheKind kKind>
+KV_HOST_DEVICE void write_per_token_head_row(const FlashArgs& a, const FlashSideArgs& s,
+                                             int64_t token, int head) {
+  const int64_t slot = load_readonly(a.slot_mapping + token);
+  if (slot < 0 || slot >= a.num_slots) return;
+  int64_t block;
+  int row;
+  split_slot(slot, a.block_size, a.num_slots, block, row);
+  const uint8_t* x =
+      s.src + (token * s.src_token_stride + int64_t(head) * s.cache.head_size) * Src::kSize;
+  const auto load = [x](int i) {
+    uint32_t word[1];
+    if constexpr (Src::kSize == 4) {
+      word[0] = load_readonly(reinterpret_cast<const uint32_t*>(x) + i);
+    } else {
+      word[0] = load_readonly(reinterpret_cast<const uint16_t*>(x) + i);
+    }
+    return Src::element(word, 0);
+  };
+  quantize_per_token_head_row<kKind>(
+      load, s.cache.head_size,
+      static_cast<uint8_t*>(s.cache.data) + entry_offset(s.cache, block, row, head));
+}
+
+// write_unit for the unquantized, FP8 and NVFP4 kinds: units of kVec elements.
 template <typename Src, CacheKind kKind, int kVec, bool kWide>
-KV_HOST_DEVICE void write_unit(const FlashArgs& a, int64_t token, int unit) {
+KV_HOST_DEVICE void write_vector_unit(const FlashArgs& a, int64_t token, int unit) {
   const bool is_value = unit >= a.units_k;
   const FlashSideArgs& s = a.side[is_value ? 1 : 0];
   // Unsigned division: cheaper on the GPU, and every operand is non-negative.
@@ -317,6 +346,18 @@ KV_HOST_DEVICE void write_unit(const FlashArgs& a, int64_t token, int unit) {
     }
     const int64_t dst = entry_offset(s.cache, block, row, head) + int64_t(chunk) * kVec;
     store_bytes<kVec, kOutWord>(cache + dst, out);
+  }
+}
+
+// Writes unit `unit` (in [0, units_total)) of token `token` (in [0, num_tokens)).
+template <typename Src, CacheKind kKind, int kVec, bool kWide>
+KV_HOST_DEVICE void write_unit(const FlashArgs& a, int64_t token, int unit) {
+  if constexpr (is_per_token_head(kKind)) {
+    const bool is_value = unit >= a.units_k;
+    write_per_token_head_row<Src, kKind>(a, a.side[is_value ? 1 : 0], token,
+                                         is_value ? unit - a.units_k : unit);
+  } else {
+    write_vector_unit<Src, kKind, kVec, kWide>(a, token, unit);
   }
 }
 
@@ -408,7 +449,9 @@ inline FlashLaunchPlan plan_reshape_and_cache_flash(const ReshapeAndCacheParams&
   const void* srcs[2] = {p.key, p.value};
   const int64_t src_strides[2] = {p.key_token_stride, p.value_token_stride};
 
-  if (p.cache_kind == CacheKind::kNvfp4) {
+  if (is_per_token_head(p.cache_kind)) {
+    plan.vec = 1;  // unused: a unit is a whole row
+  } else if (p.cache_kind == CacheKind::kNvfp4) {
     plan.vec = kNvfp4GroupSize;
     plan.wide = true;
     for (int i = 0; i < 2; ++i) {
@@ -431,7 +474,7 @@ inline FlashLaunchPlan plan_reshape_and_cache_flash(const ReshapeAndCacheParams&
     }
     s.src = static_cast<const uint8_t*>(srcs[i]);
     s.src_token_stride = src_strides[i];
-    s.units_per_head = s.cache.head_size / plan.vec;
+    s.units_per_head = is_per_token_head(p.cache_kind) ? 1 : s.cache.head_size / plan.vec;
   }
   a.slot_mapping = p.slot_mapping;
   a.num_tokens = p.num_tokens;
@@ -483,6 +526,8 @@ void dispatch_flash_kernel(const ReshapeAndCacheParams& p, const FlashLaunchPlan
         default:  // element-wide accesses
           return run(KernelTag<Src, K, 1, true>{});
       }
+    } else if constexpr (is_per_token_head(K)) {
+      return run(KernelTag<SourceOps<S>, K, 1, true>{});
     } else if constexpr (K == CacheKind::kNvfp4) {
       using Src = SourceOps<S>;
       if (plan.wide) return run(KernelTag<Src, K, kNvfp4GroupSize, true>{});

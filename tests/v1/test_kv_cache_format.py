@@ -50,6 +50,10 @@ FACTS = {
                  False, "kFp8E5M2"),
     "nvfp4": ("nvfp4", torch.uint8, KVQuantMode.NVFP4, "nvfp4", 72, None,
               ("linear", "interleave4"), False, "kNvfp4"),
+    "int8_per_token_head": ("int8_per_token_head", torch.int8, KVQuantMode.INT8_PER_TOKEN_HEAD,
+                            "int8_pth", 132, None, (), False, "kInt8PerTokenHead"),
+    "fp8_per_token_head": ("fp8_per_token_head", torch.uint8, KVQuantMode.FP8_PER_TOKEN_HEAD,
+                           "fp8_pth", 132, None, (), False, "kFp8PerTokenHead"),
 }  # fmt: skip
 
 
@@ -96,7 +100,10 @@ def test_nvfp4_row_size() -> None:
 
 
 def test_accepted_names_and_the_one_error() -> None:
-    names = "auto, float16, bfloat16, float32, float, fp8, fp8_e4m3, fp8_e5m2, nvfp4"
+    names = (
+        "auto, float16, bfloat16, float32, float, fp8, fp8_e4m3, fp8_e5m2, nvfp4, "
+        "int8_per_token_head, fp8_per_token_head"
+    )
     assert ", ".join(cache_dtype_names()) == names
     assert cache_dtype_names(include_mla_only=True) == (*cache_dtype_names(), "fp8_ds_mla")
     for bad in ("half", "int8", "FP8", "", None):
@@ -120,6 +127,8 @@ def test_upstream_typing_and_tables_are_the_registry() -> None:
         "fp8_e4m3": torch.uint8,
         "fp8_e5m2": torch.uint8,
         "nvfp4": torch.uint8,
+        "int8_per_token_head": torch.int8,  # as upstream's table
+        "fp8_per_token_head": torch.uint8,
     } == STR_DTYPE_TO_TORCH_DTYPE
     assert MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP == {"fp8": "fp8_e4m3", "nvfp4": "nvfp4"}
     assert kv_cache_dtype_str_to_dtype("half", None) == torch.float16  # upstream accepts it
@@ -146,6 +155,8 @@ def test_spec_format_property() -> None:
         (torch.uint8, KVQuantMode.FP8_PER_TENSOR, "fp8_e4m3"),
         (torch.float8_e4m3fn, KVQuantMode.FP8_PER_TENSOR, "fp8_e4m3"),
         (torch.uint8, KVQuantMode.NVFP4, "nvfp4"),
+        (torch.int8, KVQuantMode.INT8_PER_TOKEN_HEAD, "int8_per_token_head"),
+        (torch.uint8, KVQuantMode.FP8_PER_TOKEN_HEAD, "fp8_per_token_head"),
     ]
     for dtype, mode, name in cases:
         spec = FullAttentionSpec(dtype=dtype, kv_quant_mode=mode, **common)  # type: ignore[arg-type]

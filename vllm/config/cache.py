@@ -17,6 +17,8 @@ CacheDType = Literal[
     "fp8_e4m3",
     "fp8_e5m2",
     "nvfp4",
+    "int8_per_token_head",
+    "fp8_per_token_head",
 ]
 """Accepted ``kv_cache_dtype`` strings (upstream's typing name). ``auto`` means the model dtype.
 The registry (:mod:`vllm.v1.kv_cache_format`) is the source of truth; a test pins this

@@ -1,4 +1,5 @@
-"""Pure-torch reference codecs for every KV-cache byte format (FP8, NVFP4, scale layouts).
+"""Pure-torch reference codecs for every KV-cache byte format (FP8, NVFP4, per-token-head INT8
+and FP8, scale layouts).
 
 These functions are the single source of truth for the cache formats of docs/design.md §5: compiled
 kernels (CPU and CUDA) are tested against them bit for bit. They run on the input's device.
@@ -33,6 +34,16 @@ from vllm.kv_quant.nvfp4 import (
     unpack_e2m1,
 )
 from vllm.kv_quant.nvfp4_cache import nvfp4_read_cache, nvfp4_read_cache_raw, nvfp4_write_cache
+from vllm.kv_quant.per_token_head import (
+    INT8_PER_TOKEN_HEAD_MAX,
+    PER_TOKEN_HEAD_SCALE_FLOOR,
+    dequantize_per_token_head,
+    pack_rows,
+    per_token_head_read_cache,
+    per_token_head_write_cache,
+    quantize_per_token_head,
+    unpack_rows,
+)
 from vllm.kv_quant.scale_layout import (
     ScaleLayout,
     from_layout,
@@ -47,13 +58,16 @@ __all__ = [
     "FP8_E4M3_MAX",
     "FP8_E5M2_MAX",
     "FP8_NAN_BYTE",
+    "INT8_PER_TOKEN_HEAD_MAX",
     "NVFP4_GROUP_SIZE",
     "NVFP4_SCALE_MAX",
+    "PER_TOKEN_HEAD_SCALE_FLOOR",
     "Fp8Format",
     "ScaleLayout",
     "as_fp8_format",
     "dequantize_fp8",
     "dequantize_nvfp4",
+    "dequantize_per_token_head",
     "e2m1_decode",
     "e2m1_decode_table",
     "e2m1_encode",
@@ -72,8 +86,13 @@ __all__ = [
     "nvfp4_read_cache_raw",
     "nvfp4_write_cache",
     "pack_e2m1",
+    "pack_rows",
+    "per_token_head_read_cache",
+    "per_token_head_write_cache",
     "quantize_fp8",
     "quantize_nvfp4",
+    "quantize_per_token_head",
     "to_layout",
     "unpack_e2m1",
+    "unpack_rows",
 ]

@@ -149,10 +149,18 @@ def current_stream() -> torch.cuda.Stream | _HostStream:
 
 
 def is_quantized_kv_cache(kv_cache_dtype: str) -> bool:
-    """True for the quantized (FP8 and NVFP4) cache dtype strings, False for the unquantized
-    ones and for a string that names no format (a predicate, as upstream's: it does not raise)."""
+    """True for the quantized (FP8, NVFP4, per-token-head) cache dtype strings, False for the
+    unquantized ones and for a string that names no format (a predicate, as upstream's: it does
+    not raise)."""
     fmt = find_format(kv_cache_dtype)
     return fmt is not None and fmt.is_quantized
+
+
+def kv_cache_uses_per_token_head_scales(kv_cache_dtype: str) -> bool:
+    """True for the dtypes whose writer stores one fp32 scale per token and head inline
+    (``int8_per_token_head``, ``fp8_per_token_head``); False otherwise, unknown names included."""
+    fmt = find_format(kv_cache_dtype)
+    return fmt is not None and fmt.is_per_token_head
 
 
 def kv_cache_dtype_str_to_dtype(

@@ -34,6 +34,8 @@ __all__ = [
     "FP8_DS_MLA",
     "FP8_E4M3",
     "FP8_E5M2",
+    "FP8_PER_TOKEN_HEAD",
+    "INT8_PER_TOKEN_HEAD",
     "NVFP4",
     "accepted_names_of",
     "FP8_DS_MLA_HEAD_SIZE",
@@ -43,6 +45,7 @@ __all__ = [
     "FP8_DS_MLA_V32_RECORD_BYTES",
     "KERNEL_OPS",
     "NVFP4_GROUP_SIZE",
+    "PER_TOKEN_HEAD_SCALE_BYTES",
     "KVCacheFormat",
     "KVQuantMode",
     "cache_dtype_names",
@@ -62,11 +65,18 @@ __all__ = [
 
 
 class KVQuantMode(IntEnum):
-    """How a KV cache is quantized. Values 2 and 3 are reserved (per-token-head int8/fp8)."""
+    """How a KV cache is quantized (upstream's values: a spec stores the mode, not the string)."""
 
     NONE = 0
     FP8_PER_TENSOR = 1
+    INT8_PER_TOKEN_HEAD = 2
+    FP8_PER_TOKEN_HEAD = 3
     NVFP4 = 4
+
+    @property
+    def is_per_token_head(self) -> bool:
+        """One fp32 scale per token and head, computed by the writer and stored inline."""
+        return self in (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD)
 
     @property
     def is_nvfp4(self) -> bool:
@@ -104,6 +114,9 @@ FP8_DS_MLA_RECORDS: dict[int, int] = {
 }
 """``fp8_ds_mla`` record bytes by latent head size (the two layouts upstream writes)."""
 
+PER_TOKEN_HEAD_SCALE_BYTES = 4
+"""Bytes of the fp32 scale that ends each row of a per-token-head cache (docs/design.md §5.4)."""
+
 KERNEL_OPS = "CPU/CUDA reshape_and_cache_flash"
 """The compiled kernels that write a cache format (named in the no-kernel-support error)."""
 
@@ -121,6 +134,17 @@ def nvfp4_packed_dim(head_size: int) -> int:
             f"got {head_size}"
         )
     return head_size // 2 + head_size // NVFP4_GROUP_SIZE
+
+
+def _per_token_head_row_dim(head_size: int) -> int:
+    """``head_size`` one-byte values, then the row's fp32 scale. A multiple of 4 keeps that scale
+    4-byte aligned in every row, which kernels and fp32 views of the page need."""
+    if head_size <= 0 or head_size % PER_TOKEN_HEAD_SCALE_BYTES != 0:
+        raise ValueError(
+            f"head_size: a per-token-head KV cache needs a positive multiple of "
+            f"{PER_TOKEN_HEAD_SCALE_BYTES}, got {head_size}"
+        )
+    return head_size + PER_TOKEN_HEAD_SCALE_BYTES
 
 
 def _ds_mla_record_dim(head_size: int) -> int:
@@ -153,7 +177,7 @@ class KVCacheFormat:
     storage_dtype: torch.dtype | None
     quant_mode: KVQuantMode
     label: str
-    """Short display label: ``bf16``, ``fp16``, ``fp32``, ``fp8``, ``nvfp4``, ``fp8_ds_mla``."""
+    """Short display label: ``bf16``, ``fp16``, ``fp32``, ``fp8``, ``nvfp4``, ``int8_pth``, ...."""
     row_dim: Callable[[int], int] = _element_dim
     fp8_variant: str | None = None
     """``e4m3`` or ``e5m2`` for FP8 storage (the element encoding), else ``None``."""
@@ -192,6 +216,11 @@ class KVCacheFormat:
     @property
     def is_nvfp4(self) -> bool:
         return self.quant_mode.is_nvfp4
+
+    @property
+    def is_per_token_head(self) -> bool:
+        """Rows of one-byte values ending in their own fp32 scale (``k_scale`` unused)."""
+        return self.quant_mode.is_per_token_head
 
     def last_dim(self, head_size: int) -> int:
         """Last dim of the cache for head size ``head_size`` (storage elements)."""
@@ -416,6 +445,28 @@ NVFP4 = register_format(
         block_scale_group=NVFP4_GROUP_SIZE,
         scale_layouts=("linear", "interleave4"),
         cache_kind="kNvfp4",
+    )
+)
+INT8_PER_TOKEN_HEAD = register_format(
+    KVCacheFormat(
+        name="int8_per_token_head",
+        accepted_names=("int8_per_token_head",),
+        storage_dtype=torch.int8,
+        quant_mode=KVQuantMode.INT8_PER_TOKEN_HEAD,
+        label="int8_pth",
+        row_dim=_per_token_head_row_dim,
+        cache_kind="kInt8PerTokenHead",
+    )
+)
+FP8_PER_TOKEN_HEAD = register_format(
+    KVCacheFormat(
+        name="fp8_per_token_head",
+        accepted_names=("fp8_per_token_head",),
+        storage_dtype=torch.uint8,
+        quant_mode=KVQuantMode.FP8_PER_TOKEN_HEAD,
+        label="fp8_pth",
+        row_dim=_per_token_head_row_dim,
+        cache_kind="kFp8PerTokenHead",
     )
 )
 FP8_DS_MLA = register_format(

@@ -17,8 +17,16 @@
 #include "cache_kernels.h"
 #include "dispatch_utils.h"
 #include "kv_quant_math.h"
+#include "per_token_head.h"
 
 namespace vllm_kv::test {
+
+// Element j of a widened row, callable from the __host__ __device__ row quantizer (under nvcc a
+// host lambda is not).
+struct FloatRow {
+  const float* values;
+  KV_HOST_DEVICE float operator()(int j) const { return values[j]; }
+};
 
 // A byte buffer whose data() is 64-byte aligned (device allocations are at least 256-byte
 // aligned, so offsets from data() give the same alignment on both sides).
@@ -213,6 +221,21 @@ struct FlashTestProblem {
                   p.hnd ? int64_t(h) * p.block_size + row : row * p.num_heads + h;
               page[int64_t(p.block_size) * p.num_heads * (d / 2) + scale_entry * groups + col] = sf;
             }
+          } else if (is_per_token_head(p.kind)) {
+            // Rows of d bytes plus the fp32 scale (entry * (d + 4)); the row arithmetic is the
+            // writers' shared quantize_per_token_head_row, checked against the torch codec by
+            // the CPU op's tests: this replay checks the CUDA decomposition and addressing.
+            std::vector<float> widened(d);
+            for (int j = 0; j < d; ++j) {
+              widened[j] = source(image, off, stride, i, int64_t(h) * d + j);
+            }
+            const FloatRow load{widened.data()};
+            uint8_t* row = page + entry * (d + kPerTokenHeadScaleBytes);
+            if (p.kind == CacheKind::kInt8PerTokenHead) {
+              quantize_per_token_head_row<CacheKind::kInt8PerTokenHead>(load, d, row);
+            } else {
+              quantize_per_token_head_row<CacheKind::kFp8PerTokenHead>(load, d, row);
+            }
           } else {
             for (int j = 0; j < d; ++j) {
               const float y = source(image, off, stride, i, int64_t(h) * d + j) / scale;
@@ -242,7 +265,9 @@ inline FlashTestProblem build_problem(const Shape& shape, std::mt19937_64& rng, 
   // Tensors are aligned to their element size: misalign by whole elements only.
   cache_base -= cache_base % elem;
   v_gap -= v_gap % elem;
-  const auto last_dim = [&](int d) { return nvfp4 ? d / 2 + d / 16 : d; };
+  const auto last_dim = [&](int d) {
+    return nvfp4 ? d / 2 + d / 16 : is_per_token_head(p.kind) ? d + kPerTokenHeadScaleBytes : d;
+  };
   const int64_t f_k = last_dim(p.head_k), f_v = last_dim(p.head_v);
   const int64_t side_k = int64_t(p.block_size) * p.num_heads * f_k;  // elements per page side
   const int64_t side_v = int64_t(p.block_size) * p.num_heads * f_v;
@@ -309,8 +334,9 @@ inline FlashTestProblem build_problem(const Shape& shape, std::mt19937_64& rng, 
 inline FlashTestProblem make_random_problem(std::mt19937_64& rng) {
   Shape p;
   p.source = SourceType(rng() % 3);
-  p.kind = CacheKind(rng() % 4);
+  p.kind = CacheKind(rng() % 6);
   const bool nvfp4 = p.kind == CacheKind::kNvfp4;
+  const bool per_token_head = is_per_token_head(p.kind);
   p.num_heads = 1 + int(rng() % 5);
   static const int kBlockSizes[] = {1, 2, 3, 4, 8, 16};
   p.block_size = kBlockSizes[rng() % 6];
@@ -324,6 +350,10 @@ inline FlashTestProblem make_random_problem(std::mt19937_64& rng) {
     p.head_v = rng() % 2 ? p.head_k : 1 + int(rng() % 160);
     if (rng() % 2) p.head_k = p.head_v = 16 * (1 + int(rng() % 16));  // the aligned common case
     if (rng() % 4 == 0) p.head_v = 8 * (1 + int(rng() % 32));
+    if (per_token_head) {  // multiples of 4 (the scale stays 4-byte aligned in the tensor)
+      p.head_k = 4 * ((p.head_k + 3) / 4);
+      p.head_v = 4 * ((p.head_v + 3) / 4);
+    }
   }
   p.hnd = rng() % 2;
   p.fused = p.head_k == p.head_v && rng() % 2;

@@ -9,8 +9,13 @@ import dataclasses
 import torch
 
 from vllm import _custom_ops as ops
-from vllm.kv_quant import fp8_format_from_cache_dtype, fp8_write_cache, nvfp4_write_cache
-from vllm.utils.torch_utils import nvfp4_kv_cache_full_dim
+from vllm.kv_quant import (
+    fp8_format_from_cache_dtype,
+    fp8_write_cache,
+    nvfp4_write_cache,
+    per_token_head_write_cache,
+)
+from vllm.v1.kv_cache_format import lookup
 
 HAS_CUDA = torch.cuda.is_available()
 SOURCE_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -70,7 +75,7 @@ class Case:
 
 
 def cache_last_dim(kind: str, head_size: int) -> int:
-    return nvfp4_kv_cache_full_dim(head_size) if kind == "nvfp4" else head_size
+    return lookup(kind).last_dim(head_size)
 
 
 def _poisoned(numel: int, dtype: torch.dtype, device: str, gen: torch.Generator) -> torch.Tensor:
@@ -101,7 +106,7 @@ def make_caches(
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """(key_cache, value_cache, raw buffers): slices of one (B, 2, N, H, F) cache when the head
     sizes agree (the usual allocation), two separate sides otherwise."""
-    cache_dtype = dtype if kind in ("auto", *EXPLICIT_UNQUANTIZED) else torch.uint8
+    cache_dtype = lookup(kind).resolve_storage_dtype(dtype)
     fk = cache_last_dim(kind, head_size)
     fv = cache_last_dim(kind, head_size_v)
     if fk == fv:
@@ -206,6 +211,8 @@ def reference_write(
 ) -> None:
     if kind == "nvfp4":
         nvfp4_write_cache(x, side, slots, scale, layout)
+    elif lookup(kind).is_per_token_head:
+        per_token_head_write_cache(x, side, slots, kind)
     elif kind.startswith("fp8"):
         fp8_write_cache(x, side, slots, scale, fp8_format_from_cache_dtype(kind))
     else:

@@ -22,6 +22,7 @@ from vllm.kv_quant import (
     interleave4_index,
     kv_scale_as_1d,
     nvfp4_read_cache,
+    per_token_head_read_cache,
 )
 from vllm.utils import check_positive_int
 from vllm.v1.attention.backends.abstract import (
@@ -241,9 +242,10 @@ class ReferenceAttentionImpl(AttentionImpl):
                 f"{list(side.shape)}"
             )
         quantized = self.kv_cache_format.is_quantized
-        if quantized and side.dtype != torch.uint8:
+        storage = self.kv_cache_format.storage_dtype
+        if quantized and side.dtype != storage:
             raise ValueError(
-                f"{name}: expected dtype torch.uint8 for a {self.kv_cache_dtype} cache, "
+                f"{name}: expected dtype {storage} for a {self.kv_cache_dtype} cache, "
                 f"got {side.dtype}"
             )
         if not quantized and not side.dtype.is_floating_point:
@@ -307,7 +309,7 @@ class ReferenceAttentionImpl(AttentionImpl):
                 v_scale_layout=v_layout.value,
             )
             return
-        from vllm.kv_quant import fp8_write_cache, nvfp4_write_cache
+        from vllm.kv_quant import fp8_write_cache, nvfp4_write_cache, per_token_head_write_cache
         from vllm.kv_quant.nvfp4_cache import check_slot_mapping
 
         for x, side, scale, layout in (
@@ -316,6 +318,8 @@ class ReferenceAttentionImpl(AttentionImpl):
         ):
             if self._is_nvfp4:
                 nvfp4_write_cache(x, side, slot_mapping, scale.to(side.device), layout)
+            elif self.kv_cache_format.is_per_token_head:  # scales computed per row, not read
+                per_token_head_write_cache(x, side, slot_mapping, self.kv_cache_format)
             elif self._is_fp8:
                 fp8_write_cache(x, side, slot_mapping, scale.to(side.device), self._fp8_format)
             else:
@@ -340,6 +344,8 @@ class ReferenceAttentionImpl(AttentionImpl):
             return nvfp4_read_cache(pages, scale, head_size, layout, torch.float32)
         if self._is_fp8:
             return fp8_read_cache(pages, scale, self._fp8_format, torch.float32)
+        if self.kv_cache_format.is_per_token_head:  # each row's own scale
+            return per_token_head_read_cache(pages, self.kv_cache_format, torch.float32)
         return pages.to(torch.float32)
 
     def _check_forward(
@@ -386,7 +392,8 @@ class ReferenceAttentionImpl(AttentionImpl):
         if query.device != device:
             raise ValueError(f"query: expected device {device} (the cache's), got {query.device}")
         k_scale = v_scale = _UNIT_SCALE
-        if self.kv_cache_format.is_quantized:
+        fmt = self.kv_cache_format
+        if fmt.is_quantized and not fmt.is_per_token_head:  # per-token-head: scales unread
             k_scale = self._check_scale(layer._k_scale, "k_scale").to(device)
             v_scale = self._check_scale(layer._v_scale, "v_scale").to(device)
 
