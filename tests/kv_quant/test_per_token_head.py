@@ -127,3 +127,10 @@ def test_registry_interface_and_page_size(kind: str) -> None:
 
 def test_int8_max_constant() -> None:
     assert INT8_PER_TOKEN_HEAD_MAX == 127.0
+
+
+def test_fp8_min_max_is_the_platform_fp8_range() -> None:
+    """Upstream's per-token-head tests take the FP8 bounds from ``get_fp8_min_max``."""
+    from vllm.model_executor.layers.quantization.utils.quant_utils import get_fp8_min_max
+
+    assert get_fp8_min_max() == (-448.0, 448.0) == (-QMAX["fp8_per_token_head"], 448.0)

@@ -1,4 +1,5 @@
-"""Dequantization helper that upstream vLLM's kernel tests import (``scaled_dequantize``).
+"""Quantization helpers that upstream vLLM's kernel tests import (``scaled_dequantize``,
+``get_fp8_min_max``).
 
 ``x = x_q * x_s`` in fp32, then cast: ``x_s`` is one value (per-tensor, any shape) or a grid of
 per-group scales, each covering a ``group_shape = (rows, cols)`` tile of the last two dims of
@@ -10,6 +11,15 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+
+
+def get_fp8_min_max() -> tuple[float, float]:
+    """``(min, max)`` of the platform's FP8 dtype (``current_platform.fp8_dtype()``: e4m3fn, so
+    ``(-448.0, 448.0)``), the saturation bounds of FP8 quantization."""
+    from vllm.platforms import current_platform
+
+    finfo = torch.finfo(current_platform.fp8_dtype())
+    return float(finfo.min), float(finfo.max)
 
 
 class GroupShape(NamedTuple):
