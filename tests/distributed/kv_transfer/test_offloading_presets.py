@@ -79,9 +79,7 @@ def test_every_preset_plan_builds_offload_spec_and_handlers(preset: str) -> None
     handlers = spec.handlers
     assert handlers is not None
     assert handlers.num_gpu_blocks == config.num_blocks
-    assert [t.shape for t in handlers.gpu_tensors] == [
-        (config.num_blocks, p) for p in page_sizes
-    ]
+    assert [t.shape for t in handlers.gpu_tensors] == [(config.num_blocks, p) for p in page_sizes]
     assert [t.shape for t in handlers.cpu_tensors] == [(NUM_CPU_BLOCKS, p) for p in page_sizes]
     connector.shutdown()
 

@@ -25,11 +25,10 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.gpu_worker import (
     CpuGpuOffloadingHandlers,
     SingleDirectionOffloadingHandler,
-    TransferEvent,
-    TransferStream,
     expand_block_ids,
 )
 from vllm.v1.kv_offload.worker.page_views import canonicalize_kv_caches
+from vllm.v1.kv_offload.worker.transfer_stream import TransferEvent, TransferStream
 from vllm.v1.kv_offload.worker.worker import OffloadingWorker
 
 try:

@@ -34,13 +34,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import (
 )
 from vllm.utils import check_positive_int
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec
-from vllm.v1.kv_offload.cpu.gpu_worker import (
+from vllm.v1.kv_offload.page_format import KVPageFormat
+from vllm.v1.kv_offload.worker.page_views import KVCachePageView
+from vllm.v1.kv_offload.worker.transfer_stream import (
     StreamOffloadingHandler,
     ThreadTransferStream,
     TransferStream,
 )
-from vllm.v1.kv_offload.page_format import KVPageFormat
-from vllm.v1.kv_offload.worker.page_views import KVCachePageView
 from vllm.v1.kv_offload.worker.worker import TransferSpec
 
 BlockHash = bytes | int

@@ -41,13 +41,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.config import (
     import_mooncake,
 )
 from vllm.v1.kv_cache_interface import KVCacheConfig
-from vllm.v1.kv_offload.cpu.gpu_worker import ThreadTransferStream, TransferEvent
 from vllm.v1.kv_offload.page_format import KVPageFormat
 from vllm.v1.kv_offload.worker.page_views import (
     KVCachePageView,
     LayerKVCache,
     build_kv_cache_page_views,
 )
+from vllm.v1.kv_offload.worker.transfer_stream import ThreadTransferStream, TransferEvent
 
 RECORD_MAGIC = b"VKVDONE1"
 _RECORD = struct.Struct("<8s32s32sQ")
