@@ -1,0 +1,1 @@
+"""Eviction policies of the CPU offloading manager: LRU (``lru``) and ARC (``arc``)."""
