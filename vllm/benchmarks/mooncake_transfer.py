@@ -86,6 +86,8 @@ class _Side:
     """One instance: its KV cache, a store worker and a P2P worker."""
 
     def __init__(self, master: str, num_layers: int, num_blocks: int, segment: int, name: str):
+        from vllm.config import VllmConfig
+        from vllm.config.kv_transfer import KVTransferConfig
         from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.config import MooncakeConfig
         from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.p2p import (
             MooncakeP2PConnectorWorker,
@@ -106,7 +108,9 @@ class _Side:
                 "local_hostname": LOOPBACK,
             },
         }
-        self.store = OffloadingConnectorWorker(MooncakeOffloadingSpec(self.config, 16, extra))
+        transfer = KVTransferConfig(kv_connector_extra_config=extra)
+        spec = MooncakeOffloadingSpec(VllmConfig(kv_transfer_config=transfer), self.config)
+        self.store = OffloadingConnectorWorker(spec)
         self.store.register_kv_caches(self.raw, self.config)
         self.p2p = MooncakeP2PConnectorWorker(
             MooncakeConfig(local_hostname=LOOPBACK, timeout_s=_WAIT_S), name, options

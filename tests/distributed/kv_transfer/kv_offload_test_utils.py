@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from vllm.config import VllmConfig
+from vllm.config.kv_transfer import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
     OffloadingConnectorWorker,
 )
@@ -215,13 +217,10 @@ def make_connector(
     num_cpu_blocks: int = 6,
     gpu_block_size: int = 16,
 ) -> OffloadingConnectorWorker:
+    extra = {"num_cpu_blocks": num_cpu_blocks, "block_size": gpu_block_size * block_size_factor}
     spec = CPUOffloadingSpec(
+        VllmConfig(kv_transfer_config=KVTransferConfig(kv_connector_extra_config=extra)),
         config,
-        block_size=16,
-        extra_config={
-            "num_cpu_blocks": num_cpu_blocks,
-            "block_size": gpu_block_size * block_size_factor,
-        },
         swap_blocks=swap_blocks_for(impl),
     )
     return OffloadingConnectorWorker(spec)

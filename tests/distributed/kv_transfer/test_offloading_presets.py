@@ -14,7 +14,8 @@ import pytest
 import torch
 from kv_offload_test_utils import HAVE_EXTENSION, reference_swap_blocks
 
-from vllm.config.cache import CacheConfig
+from vllm.config import CacheConfig, VllmConfig
+from vllm.config.kv_transfer import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
     OffloadingConnectorWorker,
 )
@@ -49,10 +50,10 @@ def register(config: KVCacheConfig) -> tuple[OffloadingConnectorWorker, list[tor
     kv_caches = {
         name: r for t, r in zip(config.kv_cache_tensors, raw, strict=True) for name in t.shared_by
     }
+    transfer = KVTransferConfig(kv_connector_extra_config={"num_cpu_blocks": NUM_CPU_BLOCKS})
     spec = CPUOffloadingSpec(
+        VllmConfig(cache_config=CacheConfig(), kv_transfer_config=transfer),
         config,
-        CacheConfig().block_size,
-        extra_config={"num_cpu_blocks": NUM_CPU_BLOCKS},
         swap_blocks=None if HAVE_EXTENSION else reference_swap_blocks,
     )
     connector = OffloadingConnectorWorker(spec)
@@ -75,7 +76,7 @@ def test_every_preset_plan_builds_offload_spec_and_handlers(preset: str) -> None
     assert spec.block_size_factor == 1
     assert spec.offloaded_block_size == max(block_sizes)
     page_sizes = kv_cache_tensor_page_sizes(config)
-    assert spec.bytes_per_offloaded_block == sum(page_sizes)
+    assert spec.cpu_page_size_per_worker == sum(page_sizes)
     handlers = spec.handlers
     assert handlers is not None
     assert handlers.num_gpu_blocks == config.num_blocks

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vllm.config import VllmConfig
+from vllm.config.kv_transfer import KVTransferConfig
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -24,13 +26,18 @@ def kv_config() -> KVCacheConfig:
     )
 
 
+def mooncake_spec(extra: dict) -> MooncakeOffloadingSpec:
+    transfer = KVTransferConfig(kv_connector_extra_config=extra)
+    return MooncakeOffloadingSpec(VllmConfig(kv_transfer_config=transfer), kv_config())
+
+
 def test_page_format_follows_the_options() -> None:
     extra = {"model": "m", "kv_cache_dtype": "auto", "block_size_factor": 2, "tp_rank": 1}
-    spec = MooncakeOffloadingSpec(kv_config(), 16, extra)
+    spec = mooncake_spec(extra)
     page_format = spec.page_format()
     assert page_format.block_size_factor == 2 and page_format.tp_rank == 1
     assert page_format.block_bytes == 2 * 16 * 2 * 128 * 2
-    other = MooncakeOffloadingSpec(kv_config(), 16, {**extra, "model": "n"}).page_format()
+    other = mooncake_spec({**extra, "model": "n"}).page_format()
     assert other.fingerprint != page_format.fingerprint
 
 
@@ -44,11 +51,11 @@ def test_page_format_follows_the_options() -> None:
 )
 def test_bad_options_are_clear_errors(extra, message) -> None:
     with pytest.raises(ValueError, match=message):
-        MooncakeOffloadingSpec(kv_config(), 16, extra)
+        mooncake_spec(extra)
 
 
 def test_lookup_needs_registered_caches() -> None:
-    spec = MooncakeOffloadingSpec(kv_config(), 16, {"model": "m"})
+    spec = mooncake_spec({"model": "m"})
     assert spec.handlers is None
     with pytest.raises(RuntimeError, match="register the KV cache first"):
         spec.lookup([b"\x01"])

@@ -8,7 +8,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from vllm.config.cache import CacheConfig
+from vllm.config import CacheConfig, ParallelConfig, VllmConfig
+from vllm.config.kv_events import KVEventsConfig
+from vllm.config.kv_transfer import KVTransferConfig
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -18,15 +20,37 @@ from vllm.v1.kv_cache_interface import (
     MambaSpec,
     UniformTypeKVCacheSpecs,
 )
+from vllm.v1.kv_offload.base import OffloadingSpec
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
-from vllm.v1.kv_offload.spec import OffloadingSpec
 
 pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
 
 
 class _Spec(OffloadingSpec):
-    def get_handlers(self, kv_caches, kv_cache_config=None) -> Iterator:  # type: ignore[override]
+    def get_manager(self):  # type: ignore[override]
+        raise NotImplementedError
+
+    def get_handlers(self, kv_caches) -> Iterator:  # type: ignore[override]
         yield from ()
+
+
+def vllm_config(
+    extra: dict | None = None, block_size: int = 16, dcp: int = 1, world: int = 1, **cache
+) -> VllmConfig:
+    """An engine config as upstream's builds it for an offloading connector."""
+    return VllmConfig(
+        cache_config=CacheConfig(block_size=block_size, **cache),
+        parallel_config=ParallelConfig(
+            decode_context_parallel_size=dcp, tensor_parallel_size=world
+        ),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config=dict(extra or {}),
+        ),
+    )
 
 
 def attn(block_size: int = 16, head_size: int = 64) -> FullAttentionSpec:
@@ -70,59 +94,57 @@ def alignment_message(gpu_block_size: int, hash_block_size: int) -> str:
 
 
 @pytest.mark.parametrize(
-    ("group_block_sizes", "block_size", "cp_size", "bad", "hash_block_size"),
+    ("groups", "dcp", "bad", "hash_block_size"),
     [
-        ((24,), 16, 1, 24, 16),
-        ((16,), 16, 2, 16, 32),
-        # Mamba without prefix caching: its block size is max_model_len.
-        ((16, 4099), 16, 1, 4099, 16),
+        ((attn(24),), 1, 24, 16),
+        # A Mamba group whose block size is not the engine's (no prefix caching: it is
+        # max_model_len): requests are hashed per lcm of the group block sizes.
+        ((attn(16), mamba(4099)), 1, 16, 16 * 4099),
     ],
 )
 def test_alignment_check_message(
-    group_block_sizes: tuple[int, ...],
-    block_size: int,
-    cp_size: int,
-    bad: int,
-    hash_block_size: int,
+    groups: tuple[KVCacheSpec, ...], dcp: int, bad: int, hash_block_size: int
 ) -> None:
-    groups = [attn(group_block_sizes[0])] + [mamba(b) for b in group_block_sizes[1:]]
     config = config_of(*groups, shared=False)
     with pytest.raises(ValueError, match=re.escape(alignment_message(bad, hash_block_size))):
-        _Spec(config, block_size, cp_size=cp_size)
+        _Spec(vllm_config(dcp=dcp), config)
 
 
-def test_hash_block_size_and_aligned_hybrid() -> None:
+def test_block_sizes_with_context_parallelism_and_hybrid_groups() -> None:
+    single = config_of(attn(16))
+    spec = _Spec(vllm_config(dcp=2), single)
+    assert spec.gpu_block_size == (32,) and spec.hash_block_size == 32
     config = config_of(attn(64), mamba(64, padded=attn(64).page_size_bytes))
-    spec = _Spec(config, block_size=16, cp_size=2)
-    assert spec.hash_block_size == 32
+    spec = _Spec(vllm_config(block_size=64), config)
+    assert spec.hash_block_size == 64
     assert spec.gpu_block_size == (64, 64)
-    assert spec.offloaded_block_size == 64
-    assert spec.block_size_factor == 1
-    spec = _Spec.from_cache_config(CacheConfig(block_size=32), config)
-    assert spec.hash_block_size == 32
+    assert spec.offloaded_block_size == 64 and spec.block_size_factor == 1
+    assert spec.extra_config == {}
+    with pytest.raises(ValueError, match="kv_transfer_config"):
+        _Spec(VllmConfig(), config)
 
 
 def test_offloaded_block_size_options() -> None:
     config = config_of(attn(16))
-    assert _Spec(config, 16, {"block_size": 64}).block_size_factor == 4
-    assert _Spec(config, 16, {"block_size_factor": 3}).offloaded_block_size == 48
-    assert _Spec(config, 16, {"block_size": 32, "block_size_factor": 2}).block_size_factor == 2
+    assert _Spec(vllm_config({"block_size": 64}), config).block_size_factor == 4
+    assert _Spec(vllm_config({"block_size_factor": 3}), config).offloaded_block_size == 48
+    both = {"block_size": 32, "block_size_factor": 2}
+    assert _Spec(vllm_config(both), config).block_size_factor == 2
     with pytest.raises(ValueError, match="disagrees with block_size_factor=4"):
-        _Spec(config, 16, {"block_size": 32, "block_size_factor": 4})
-    with pytest.raises(ValueError, match=r"\(40 tokens\) must be a multiple of every GPU block"):
-        _Spec(config, 16, {"block_size": 40})
+        _Spec(vllm_config({"block_size": 32, "block_size_factor": 4}), config)
+    with pytest.raises(ValueError, match="40 tokens is not a multiple of the GPU block size 16"):
+        _Spec(vllm_config({"block_size": 40}), config)
     with pytest.raises(ValueError, match="block_size_factor'\\]: expected a positive int"):
-        _Spec(config, 16, {"block_size_factor": 0})
-    # Mixed GPU block sizes: an offloaded block mirrors one GPU block id (factor 1).
+        _Spec(vllm_config({"block_size_factor": 0}), config)
+    # Mixed GPU block sizes: an offloaded block mirrors one GPU block id (factor 1), and an
+    # offloaded block size cannot be asked for.
     mixed = config_of(attn(16), attn(32, head_size=32), shared=False)
-    spec = _Spec(mixed, 16)
-    assert spec.gpu_block_size == (16, 32)
+    spec = _Spec(vllm_config(), mixed)
+    assert spec.gpu_block_size == (16, 32) and spec.hash_block_size == 16
     assert spec.offloaded_block_size == 32 and spec.block_size_factor == 1
-    assert _Spec(mixed, 16, {"block_size_factor": 1}).block_size_factor == 1
-    assert _Spec(mixed, 16, {"block_size": 32}).block_size_factor == 1
-    for extra in ({"block_size": 64}, {"block_size_factor": 2}):
-        with pytest.raises(ValueError, match=r"block_size_factor > 1, which is only supported"):
-            _Spec(mixed, 16, extra)
+    for extra in ({"block_size": 32}, {"block_size_factor": 2}):
+        with pytest.raises(ValueError, match="one GPU block size for all groups"):
+            _Spec(vllm_config(extra), mixed)
 
 
 def test_cpu_spec_num_blocks_from_byte_budget() -> None:
@@ -137,16 +159,38 @@ def test_cpu_spec_num_blocks_from_byte_budget() -> None:
         kv_cache_groups=[KVCacheGroupSpec(list(specs), group)],
     )
     per_block = 2 * (8192 + 16384)
-    spec = CPUOffloadingSpec(config, 16, {"block_size": 32, "cpu_bytes_to_use": 10 * per_block - 1})
-    assert spec.bytes_per_offloaded_block == per_block
+    budget = {"block_size": 32, "cpu_bytes_to_use": 10 * per_block - 1}
+    spec = CPUOffloadingSpec(vllm_config(budget), config)
+    assert spec.cpu_page_size_per_worker == per_block
     assert spec.num_blocks == 9
-    assert CPUOffloadingSpec(config, 16, {"num_cpu_blocks": 3}).num_blocks == 3
+    # The byte budget is the engine's: two workers get half the blocks each.
+    assert CPUOffloadingSpec(vllm_config(budget, world=2), config).num_blocks == 4
+    assert CPUOffloadingSpec(vllm_config({"num_cpu_blocks": 3}), config).num_blocks == 3
     # Shared buffers (Mamba + attention, padded pages) count once.
     hybrid = config_of(attn(16), mamba(16, padded=attn(16).page_size_bytes))
-    assert CPUOffloadingSpec(hybrid, 16, {"cpu_bytes_to_use": 8192 * 5}).num_blocks == 5
+    assert CPUOffloadingSpec(vllm_config({"cpu_bytes_to_use": 8192 * 5}), hybrid).num_blocks == 5
     with pytest.raises(ValueError, match="hold no offloaded block of 49152 bytes"):
-        CPUOffloadingSpec(config, 16, {"block_size": 32, "cpu_bytes_to_use": 1000})
+        CPUOffloadingSpec(vllm_config({"block_size": 32, "cpu_bytes_to_use": 1000}), config)
     with pytest.raises(ValueError, match="exactly one of 'cpu_bytes_to_use'"):
-        CPUOffloadingSpec(config, 16, {})
+        CPUOffloadingSpec(vllm_config(), config)
     with pytest.raises(ValueError, match=r"num_cpu_blocks'\]: expected a positive int"):
-        CPUOffloadingSpec(config, 16, {"num_cpu_blocks": 0})
+        CPUOffloadingSpec(vllm_config({"num_cpu_blocks": 0}), config)
+
+
+def test_cpu_spec_manager_from_options() -> None:
+    extra = {"num_cpu_blocks": 4, "eviction_policy": "arc", "store_threshold": 2}
+    config = VllmConfig(
+        cache_config=CacheConfig(block_size=16),
+        kv_transfer_config=KVTransferConfig(kv_connector_extra_config=extra),
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True),
+    )
+    spec = CPUOffloadingSpec(config, config_of(attn(16)))
+    manager = spec.get_manager()
+    assert manager is spec.get_manager()
+    assert isinstance(manager, CPUOffloadingManager)
+    assert isinstance(manager._policy, ARCCachePolicy)
+    assert manager.events == [] and manager.store_threshold == 2
+    default = CPUOffloadingSpec(vllm_config({"num_cpu_blocks": 4}), config_of(attn(16)))
+    manager = default.get_manager()
+    assert isinstance(manager, CPUOffloadingManager)
+    assert manager.events is None and manager.counts is None

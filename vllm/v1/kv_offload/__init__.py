@@ -1,9 +1,10 @@
 """KV-cache offloading: moving whole KV-cache pages between GPU memory and other media.
 
-- :mod:`vllm.v1.kv_offload.base`: keys, load/store specs, the manager interface and
-  :class:`~vllm.v1.kv_offload.base.CanonicalKVCaches` (upstream v0.22's names).
-- :mod:`vllm.v1.kv_offload.cpu`: offloading to CPU memory (spec, CPU <-> GPU handlers).
-- :mod:`vllm.v1.kv_offload.spec`: :class:`OffloadingSpec`, block-size alignment and handlers.
+- :mod:`vllm.v1.kv_offload.base`: keys, load/store specs, the manager and handler interfaces,
+  :class:`~vllm.v1.kv_offload.base.CanonicalKVCaches` and
+  :class:`~vllm.v1.kv_offload.base.OffloadingSpec` (upstream v0.22's names).
+- :mod:`vllm.v1.kv_offload.cpu`: offloading to CPU memory (spec, manager and eviction
+  policies, CPU <-> GPU handlers).
 - :mod:`vllm.v1.kv_offload.mooncake`: :class:`MooncakeOffloadingSpec`, a Mooncake distributed
   store shared by engine instances (optional ``mooncake`` extra).
 - :mod:`vllm.v1.kv_offload.page_format`: :class:`KVPageFormat`, what decides an offloaded

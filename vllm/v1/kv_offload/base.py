@@ -5,17 +5,27 @@
   :class:`GPULoadStoreSpec` of per-group block ids).
 - :class:`OffloadingManager`: the scheduler-side bookkeeping of offloaded blocks.
 - :class:`CanonicalKVCaches`: the worker's KV cache as byte pages, what handlers copy.
+- :class:`OffloadingHandler`: moves blocks between two media asynchronously (jobs).
+- :class:`OffloadingSpec`: one offloading medium: its manager and its handlers.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NewType
+from typing import TYPE_CHECKING, Any, NewType
 
 import numpy as np
 import torch
+
+from vllm.utils import check_positive_int
+from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
 
 OffloadKey = NewType("OffloadKey", bytes)
 """One offloaded block: its block hash followed by its KV-cache group index (4 bytes,
@@ -198,3 +208,136 @@ class CanonicalKVCaches:
 
     tensors: list[CanonicalKVCacheTensor]
     group_data_refs: list[list[CanonicalKVCacheRef]]
+
+
+TransferSpec = tuple[LoadStoreSpec, LoadStoreSpec]
+"""(source, destination) of one transfer job."""
+
+TransferType = tuple[str, str]
+"""(source medium, destination medium), e.g. ``("GPU", "CPU")``."""
+
+
+@dataclass
+class TransferResult:
+    """Outcome of one finished job.
+
+    ``transfer_size`` is in bytes (every page moved, all tensors); ``transfer_time`` in
+    seconds, when the handler measures it.
+    """
+
+    job_id: int
+    success: bool
+    transfer_size: int | None = None
+    transfer_time: float | None = None
+    transfer_type: TransferType | None = None
+
+
+class OffloadingHandler(ABC):
+    """Moves blocks between two media asynchronously."""
+
+    @abstractmethod
+    def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
+        """Submit job ``job_id`` without waiting for the copy; True when submitted."""
+
+    @abstractmethod
+    def get_finished(self) -> list[TransferResult]:
+        """Jobs that finished since the last call (each reported once)."""
+
+    @abstractmethod
+    def wait(self, job_ids: set[int]) -> None:
+        """Block until those of ``job_ids`` this handler runs have finished; their results
+        are still reported by the next :meth:`get_finished`."""
+
+    def shutdown(self) -> None:
+        """Release resources (threads, streams)."""
+        return
+
+
+class OffloadingSpec(ABC):
+    """How a worker's KV cache is offloaded: the scheduler-side manager and the worker-side
+    handlers of one offloading medium.
+
+    Reads ``vllm_config.kv_transfer_config.kv_connector_extra_config`` (any object with that
+    mapping, e.g. :class:`~vllm.config.kv_transfer.KVTransferConfig`), the context-parallel
+    sizes of ``vllm_config.parallel_config`` and ``vllm_config.cache_config``.
+
+    - ``gpu_block_size``: per KV-cache group, its block size × dcp × pcp (tokens).
+    - ``hash_block_size``: the tokens per request block hash, from
+      :func:`~vllm.v1.core.kv_cache_utils.resolve_kv_cache_block_sizes`; every GPU block size
+      must be a multiple (else ``ValueError``: ``gpu_block_size=<b> not divisible by
+      hash_block_size=<h>``; hybrid models need ``--enable-prefix-caching``).
+    - ``block_size_factor``: GPU blocks per offloaded block. ``extra_config["block_size"]``
+      (tokens; needs one GPU block size, of which it is a multiple) or, ours,
+      ``extra_config["block_size_factor"]``; default 1.
+    - ``offloaded_block_size`` (ours): tokens per offloaded block, the largest GPU block size
+      times the factor.
+
+    One GPU block id indexes one page of every KV-cache tensor, whatever the group's block
+    size, so with mixed GPU block sizes an offloaded block mirrors one GPU block id.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig):
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        transfer = vllm_config.kv_transfer_config
+        if transfer is None:
+            raise ValueError("vllm_config.kv_transfer_config: offloading needs one, got None")
+        self.extra_config: dict[str, Any] = dict(transfer.kv_connector_extra_config or {})
+        parallel = vllm_config.parallel_config
+        cp = parallel.decode_context_parallel_size * parallel.prefill_context_parallel_size
+        self.gpu_block_size: tuple[int, ...] = tuple(
+            group.kv_cache_spec.block_size * cp for group in kv_cache_config.kv_cache_groups
+        )
+        _, self.hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+        for size in self.gpu_block_size:
+            if size % self.hash_block_size:
+                raise ValueError(
+                    f"gpu_block_size={size} not divisible by "
+                    f"hash_block_size={self.hash_block_size}. Hybrid models (e.g. "
+                    "Mamba+Attention) need --enable-prefix-caching to align block sizes."
+                )
+        self.block_size_factor: int = self._block_size_factor()
+        self.offloaded_block_size: int = self.block_size_factor * max(
+            self.gpu_block_size, default=self.hash_block_size
+        )
+
+    def _block_size_factor(self) -> int:
+        size = self.extra_config.get("block_size")
+        factor = self.extra_config.get("block_size_factor")
+        if size is None and factor is None:
+            return 1
+        sizes = set(self.gpu_block_size)
+        if len(sizes) != 1:
+            raise ValueError(
+                "extra_config: 'block_size' / 'block_size_factor' need at least one KV-cache "
+                f"group and one GPU block size for all groups, got {list(self.gpu_block_size)}"
+            )
+        (gpu,) = sizes
+        if factor is not None:
+            factor = check_positive_int("extra_config['block_size_factor']", int(factor))
+        if size is not None:
+            size = check_positive_int("extra_config['block_size']", int(size))
+            if size % gpu:
+                raise ValueError(
+                    f"extra_config['block_size']: {size} tokens is not a multiple of the GPU "
+                    f"block size {gpu}"
+                )
+            if factor is not None and factor != size // gpu:
+                raise ValueError(
+                    f"extra_config: block_size={size} disagrees with "
+                    f"block_size_factor={factor} x GPU block size {gpu}"
+                )
+            factor = size // gpu
+        assert factor is not None
+        return factor
+
+    @abstractmethod
+    def get_manager(self) -> OffloadingManager:
+        """The scheduler-side manager of offloaded blocks (one per spec)."""
+
+    @abstractmethod
+    def get_handlers(
+        self, kv_caches: CanonicalKVCaches
+    ) -> Iterator[tuple[type[LoadStoreSpec], type[LoadStoreSpec], OffloadingHandler]]:
+        """(source spec class, destination spec class, handler) for each direction the
+        worker's ``kv_caches`` move in."""

@@ -2,23 +2,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, NoReturn
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.config import MooncakeConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import MooncakeStoreClient
 from vllm.v1.kv_cache_interface import KVCacheConfig
-from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingHandler,
+    OffloadingSpec,
+)
 from vllm.v1.kv_offload.page_format import KVPageFormat
-from vllm.v1.kv_offload.spec import OffloadingSpec
 from vllm.v1.kv_offload.worker.mooncake_store import (
     DEFAULT_KEY_PREFIX,
     MooncakeLoadStoreSpec,
     MooncakeStoreHandlers,
     MooncakeStorePages,
 )
-from vllm.v1.kv_offload.worker.page_views import LayerKVCache, build_kv_cache_page_views
-from vllm.v1.kv_offload.worker.worker import OffloadingHandler
+from vllm.v1.kv_offload.worker.page_views import KVCachePageView, canonical_page_tensor
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 _FORMAT_KEYS = ("model", "kv_cache_dtype", "tp_rank", "scale_layouts", "kv_scales")
 
@@ -38,14 +45,8 @@ class MooncakeOffloadingSpec(OffloadingSpec):
     block of ``block_size_factor`` GPU block ids.
     """
 
-    def __init__(
-        self,
-        kv_cache_config: KVCacheConfig,
-        block_size: int,
-        extra_config: Mapping[str, Any] | None = None,
-        cp_size: int = 1,
-    ):
-        super().__init__(kv_cache_config, block_size, extra_config, cp_size)
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig):
+        super().__init__(vllm_config, kv_cache_config)
         if "model" not in self.extra_config:
             raise ValueError(
                 "extra_config['model']: expected the model name (part of every store key), "
@@ -77,14 +78,26 @@ class MooncakeOffloadingSpec(OffloadingSpec):
             raise RuntimeError("lookup: register the KV cache first (get_handlers)")
         return self._handlers.lookup(block_hashes)
 
+    def get_manager(self) -> NoReturn:
+        raise NotImplementedError(
+            "MooncakeOffloadingSpec: the store has no scheduler-side manager yet; ask the "
+            "worker's handlers (lookup) which prefix blocks it holds"
+        )
+
     def get_handlers(
-        self,
-        kv_caches: Mapping[str, LayerKVCache],
-        kv_cache_config: KVCacheConfig | None = None,
+        self, kv_caches: CanonicalKVCaches
     ) -> Iterator[tuple[type[LoadStoreSpec], type[LoadStoreSpec], OffloadingHandler]]:
         if self._handlers is None:
-            config = kv_cache_config or self.kv_cache_config
-            views = build_kv_cache_page_views(kv_caches, config)
+            config = self.kv_cache_config
+            views = [
+                KVCachePageView(
+                    tensor_index=i,
+                    layer_names=tuple(config.kv_cache_tensors[i].shared_by),
+                    page_size_bytes=t.page_size_bytes,
+                    pages=canonical_page_tensor(t, f"kv_caches.tensors[{i}]"),
+                )
+                for i, t in enumerate(kv_caches.tensors)
+            ]
             page_format = self.page_format(config)
             client = MooncakeStoreClient(self.mooncake_config)
             try:

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from mooncake_harness import make_kv_cache_config
 
+from vllm.config import VllmConfig
+from vllm.config.kv_transfer import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.config import MooncakeConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.p2p import (
     MooncakeP2PConnectorWorker,
@@ -103,7 +105,8 @@ class InstanceState:
             },
         }
         config = entry.fmt.kv_cache_config
-        spec = MooncakeOffloadingSpec(config, 16, extra)
+        transfer = KVTransferConfig(kv_connector_extra_config=extra)
+        spec = MooncakeOffloadingSpec(VllmConfig(kv_transfer_config=transfer), config)
         worker = OffloadingConnectorWorker(spec)
         worker.register_kv_caches(entry.kv_caches, config)
         entry.worker = worker

@@ -43,15 +43,16 @@ from vllm.utils import check_positive_int
 from vllm.v1.kv_offload.base import (
     BlockIDsLoadStoreSpec,
     CanonicalKVCaches,
-    CanonicalKVCacheTensor,
     GPULoadStoreSpec,
+    TransferSpec,
+    TransferType,
 )
+from vllm.v1.kv_offload.worker.page_views import canonical_page_tensor
 from vllm.v1.kv_offload.worker.transfer_stream import (
     StreamOffloadingHandler,
     TransferStream,
     make_transfer_stream,
 )
-from vllm.v1.kv_offload.worker.worker import TransferSpec, TransferType
 
 SwapBlocksFn = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], None]
 """``swap_blocks(src, dst, block_size_in_bytes, block_mapping)``: copy page ``m[i, 0]`` of
@@ -266,7 +267,10 @@ class CpuGpuOffloadingHandlers:
             raise ValueError("kv_caches: expected at least one KV-cache tensor")
         self.block_size_factor = block_size_factor
         self.num_cpu_blocks = num_cpu_blocks
-        self.gpu_tensors = [_as_pages(i, t) for i, t in enumerate(kv_caches.tensors)]
+        self.gpu_tensors = [
+            canonical_page_tensor(t, f"kv_caches.tensors[{i}]")
+            for i, t in enumerate(kv_caches.tensors)
+        ]
         self.num_gpu_blocks = min(t.shape[0] for t in self.gpu_tensors)
         device = self.gpu_tensors[0].device
         if pin_memory is None:
@@ -310,14 +314,3 @@ class CpuGpuOffloadingHandlers:
         """Wait for jobs in flight and release both handlers' streams."""
         self.gpu_to_cpu_handler.shutdown()
         self.cpu_to_gpu_handler.shutdown()
-
-
-def _as_pages(index: int, canonical: CanonicalKVCacheTensor) -> torch.Tensor:
-    """``canonical.tensor`` as ``torch.uint8`` ``[num_blocks, page_size_bytes]`` pages."""
-    t, page = canonical.tensor, canonical.page_size_bytes
-    if not t.is_contiguous() or t.numel() * t.element_size() % page != 0:
-        raise ValueError(
-            f"kv_caches.tensors[{index}]: expected a contiguous tensor of whole "
-            f"{page}-byte pages, got shape {tuple(t.shape)}, dtype {t.dtype}"
-        )
-    return t.view(torch.uint8).view(-1, page)

@@ -33,7 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import (
     MooncakeStoreError,
 )
 from vllm.utils import check_positive_int
-from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec
+from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec, TransferSpec
 from vllm.v1.kv_offload.page_format import KVPageFormat
 from vllm.v1.kv_offload.worker.page_views import KVCachePageView
 from vllm.v1.kv_offload.worker.transfer_stream import (
@@ -41,7 +41,6 @@ from vllm.v1.kv_offload.worker.transfer_stream import (
     ThreadTransferStream,
     TransferStream,
 )
-from vllm.v1.kv_offload.worker.worker import TransferSpec
 
 BlockHash = bytes | int
 """A block's content hash (upstream's ``BlockHash`` is ``bytes``; ints are accepted too)."""

@@ -200,6 +200,17 @@ def build_kv_cache_page_views(
     return views
 
 
+def canonical_page_tensor(canonical: CanonicalKVCacheTensor, where: str = "tensor") -> torch.Tensor:
+    """``canonical.tensor`` as ``torch.uint8`` ``[num_blocks, page_size_bytes]`` pages (a view)."""
+    t, page = canonical.tensor, canonical.page_size_bytes
+    if not t.is_contiguous() or page <= 0 or t.numel() * t.element_size() % page != 0:
+        raise ValueError(
+            f"{where}: expected a contiguous tensor of whole {page}-byte pages, got shape "
+            f"{tuple(t.shape)}, dtype {t.dtype}"
+        )
+    return t.view(torch.uint8).view(-1, page)
+
+
 def canonicalize_kv_caches(
     kv_caches: Mapping[str, LayerKVCache], kv_cache_config: KVCacheConfig
 ) -> CanonicalKVCaches:

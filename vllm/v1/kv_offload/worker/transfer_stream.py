@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm.v1.kv_offload.worker.worker import OffloadingHandler, TransferResult, TransferType
+from vllm.v1.kv_offload.base import OffloadingHandler, TransferResult, TransferType
 
 
 class TransferEvent(ABC):

@@ -1,62 +1,32 @@
-"""Transfer handlers and the worker that routes jobs to them.
+"""The worker that routes transfer jobs to handlers.
 
-A handler moves blocks from one medium to another asynchronously: :meth:`transfer_async`
-submits a job, :meth:`get_finished` reports finished jobs. :class:`OffloadingWorker` routes
-each job to the handler registered for its (source medium, destination medium) pair.
+A handler (:class:`~vllm.v1.kv_offload.base.OffloadingHandler`, importable from here as in
+upstream) moves blocks from one medium to another asynchronously. :class:`OffloadingWorker`
+routes each job to the handler registered for its (source medium, destination medium) pair.
 """
 
 from __future__ import annotations
 
 import logging
-from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from dataclasses import dataclass
 
-from vllm.v1.kv_offload.base import LoadStoreSpec
+from vllm.v1.kv_offload.base import (
+    LoadStoreSpec,
+    OffloadingHandler,
+    TransferResult,
+    TransferSpec,
+    TransferType,
+)
+
+__all__ = [
+    "OffloadingHandler",
+    "OffloadingWorker",
+    "TransferResult",
+    "TransferSpec",
+    "TransferType",
+]
 
 logger = logging.getLogger(__name__)
-
-TransferSpec = tuple[LoadStoreSpec, LoadStoreSpec]
-"""(source, destination) of one transfer job."""
-
-TransferType = tuple[str, str]
-"""(source medium, destination medium), e.g. ``("GPU", "CPU")``."""
-
-
-@dataclass
-class TransferResult:
-    """Outcome of one finished job.
-
-    ``transfer_size`` is in bytes (every page moved, all tensors); ``transfer_time`` in
-    seconds, when the handler measures it.
-    """
-
-    job_id: int
-    success: bool
-    transfer_size: int | None = None
-    transfer_time: float | None = None
-    transfer_type: TransferType | None = None
-
-
-class OffloadingHandler(ABC):
-    """Moves blocks between two media asynchronously."""
-
-    @abstractmethod
-    def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
-        """Submit job ``job_id`` without waiting for the copy; True when submitted."""
-
-    @abstractmethod
-    def get_finished(self) -> list[TransferResult]:
-        """Jobs that finished since the last call (each reported once)."""
-
-    @abstractmethod
-    def wait(self, job_ids: set[int]) -> None:
-        """Block until those of ``job_ids`` this handler runs have finished; their results
-        are still reported by the next :meth:`get_finished`."""
-
-    def shutdown(self) -> None:
-        """Release resources (threads, streams)."""
-        return
 
 
 class OffloadingWorker:

@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from vllm.v1.kv_cache_interface import KVCacheConfig
-from vllm.v1.kv_offload.base import GPULoadStoreSpec
+from vllm.v1.kv_offload.base import GPULoadStoreSpec, OffloadingSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
-from vllm.v1.kv_offload.spec import OffloadingSpec
-from vllm.v1.kv_offload.worker.page_views import LayerKVCache
+from vllm.v1.kv_offload.worker.page_views import LayerKVCache, canonicalize_kv_caches
 from vllm.v1.kv_offload.worker.worker import (
     OffloadingHandler,
     OffloadingWorker,
@@ -51,7 +50,8 @@ class OffloadingConnectorWorker:
         if self.handlers:
             raise RuntimeError("register_kv_caches: the KV cache is already registered")
         config = kv_cache_config or self.spec.kv_cache_config
-        for src_cls, dst_cls, handler in self.spec.get_handlers(kv_caches, config):
+        canonical = canonicalize_kv_caches(kv_caches, config)
+        for src_cls, dst_cls, handler in self.spec.get_handlers(canonical):
             self.worker.register_handler(src_cls, dst_cls, handler)
             self.handlers.append(handler)
 
