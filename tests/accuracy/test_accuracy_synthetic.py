@@ -34,7 +34,8 @@ def test_bf16_is_exact(synth_report: CheckReport) -> None:
 
 
 def test_bytes_per_token(synth_report: CheckReport) -> None:
-    # 8 KV heads, D = 128, K + V: bf16 2*8*128*2, fp8 half of it, nvfp4 2*8*F(128) = 2*8*72.
+    # 8 KV heads, D = 128, K + V: bf16 2*8*128*2, fp8 half of it, nvfp4 2*8*F(128) = 2*8*72,
+    # per-token-head rows 2*8*(128 + 4).
     got = {r.fmt.name: r.bytes_per_token for r in synth_report.formats}
     assert got == {
         "bf16": 4096,
@@ -44,6 +45,8 @@ def test_bytes_per_token(synth_report: CheckReport) -> None:
         "fp8_e5m2/head": 2048,
         "nvfp4": 1152,
         "nvfp4/head": 1152,
+        "int8_per_token_head": 2112,
+        "fp8_per_token_head": 2112,
     }
 
 
@@ -150,7 +153,17 @@ def test_layouts_and_readers_agree(synth: KVSample, synth_report: CheckReport) -
 
 
 @pytest.mark.skipif(not extension_status()[0], reason="compiled extension not built")
-@pytest.mark.parametrize("name", ["bf16", "fp8_e5m2/head", "nvfp4", "nvfp4@interleave4"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "bf16",
+        "fp8_e5m2/head",
+        "nvfp4",
+        "nvfp4@interleave4",
+        "int8_per_token_head",
+        "fp8_per_token_head",
+    ],
+)
 def test_op_and_reference_writers_agree(synth: KVSample, name: str) -> None:
     """The compiled op writes the same cache bytes as the reference codecs."""
     fmt = parse_format(name)

@@ -27,6 +27,8 @@ from vllm.accuracy.samples import KVSample
         ("nvfp4/tensor", "nvfp4", False, None, "nvfp4"),
         ("nvfp4/head@interleave4", "nvfp4", True, "interleave4", "nvfp4/head@interleave4"),
         (" nvfp4@linear ", "nvfp4", False, "linear", "nvfp4@linear"),
+        ("int8_per_token_head", "int8_per_token_head", False, None, "int8_per_token_head"),
+        ("fp8_per_token_head/tensor", "fp8_per_token_head", False, None, "fp8_per_token_head"),
     ],
 )
 def test_parse_format(text: str, dtype: str, per_head: bool, layout: str | None, name: str) -> None:
@@ -52,6 +54,9 @@ def test_format_scale_layout_defaults_per_geometry() -> None:
         ("bf16/head", "no scale"),
         ("fp8_e4m3@interleave4", "only NVFP4"),
         ("nvfp4@zigzag", "expected one of"),
+        ("int8_per_token_head/head", "per_head: expected False for int8_per_token_head"),
+        ("fp8_per_token_head@linear", "only NVFP4"),
+        ("fp8_ds_mla", "unknown format"),
     ],
 )
 def test_parse_format_errors(text: str, message: str) -> None:

@@ -57,11 +57,24 @@ def test_json(capsys: pytest.CaptureFixture) -> None:
     assert 0.95 < nv["metrics"]["out_cos_mean"] < 1.0
 
 
+def test_per_token_head_json(capsys: pytest.CaptureFixture) -> None:
+    argv = ["check", "--json", "--formats", "int8_per_token_head,fp8_per_token_head"]
+    assert main(argv) == 0
+    (rep,) = json.loads(capsys.readouterr().out)["reports"]
+    assert [f["format"] for f in rep["formats"]] == ["int8_per_token_head", "fp8_per_token_head"]
+    for f, qmax in zip(rep["formats"], ("127", "448"), strict=True):
+        assert f["scale_granularity"] == "token+head" and f["bytes_per_token"] == 2112
+        assert f["scale_method"] == f"amax(|x|)/{qmax} per token and head, inline"
+        assert f["scales"] == {"synthetic": {}}
+        assert 0.998 < f["metrics"]["out_cos_mean"] < 1.0
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--formats", "int4"], "unknown format 'int4'"),
         (["--formats", "fp8@interleave4"], "only NVFP4 has block scales"),
+        (["--formats", "int8_per_token_head/head"], "per_head: expected False"),
         (["--device", "nonsense"], "--device: expected cpu or cuda[:N], got 'nonsense'"),
     ],
 )
@@ -97,7 +110,9 @@ def test_help(capsys: pytest.CaptureFixture) -> None:
     rules = " ".join(out.split())
     assert "fp8_e4m3 amax(|x|)/448 per tensor or per head;" in rules
     assert "fp8_e5m2 amax(|x|)/57344 per tensor or per head;" in rules
-    assert "nvfp4 global scale amax(|x|)/(448*6) per tensor or per head" in rules
+    assert "nvfp4 global scale amax(|x|)/(448*6) per tensor or per head;" in rules
+    assert "int8_per_token_head amax(|x|)/127 per token and head, inline;" in rules
+    assert "fp8_per_token_head amax(|x|)/448 per token and head, inline." in rules
     assert "448 for FP8 e4m3 and NVFP4" not in rules
 
 

@@ -30,6 +30,7 @@ from vllm.accuracy.samples import KVSample
 from vllm.kv_quant.fp8 import fp8_format_from_cache_dtype
 from vllm.kv_quant.fp8_cache import fp8_write_cache
 from vllm.kv_quant.nvfp4_cache import nvfp4_write_cache
+from vllm.kv_quant.per_token_head import per_token_head_write_cache
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
@@ -204,6 +205,9 @@ def _write_with_codecs(
         fp8 = fp8_format_from_cache_dtype(fmt.kv_cache_dtype)
         fp8_write_cache(key, key_cache, slot_mapping, k_scale, fp8)
         fp8_write_cache(value, value_cache, slot_mapping, v_scale, fp8)
+    elif fmt.is_per_token_head:  # scales computed per row; k_scale / v_scale unused
+        per_token_head_write_cache(key, key_cache, slot_mapping, fmt.format)
+        per_token_head_write_cache(value, value_cache, slot_mapping, fmt.format)
     else:
         n = key_cache.shape[1]
         key_cache[slot_mapping // n, slot_mapping % n] = key
@@ -223,7 +227,8 @@ def write_cache(
     """Write ``sample.key`` / ``sample.value`` (bf16) into a fresh paged cache of ``fmt``.
 
     ``writer`` is ``auto``, ``op`` or ``reference`` (module docstring); ``layout`` is the
-    physical order, ``NHD`` or ``HND``. The scales are fp32 ``[1]`` or ``[H]``.
+    physical order, ``NHD`` or ``HND``. The scales are fp32 ``[1]`` or ``[H]`` (unread for the
+    per-token-head formats, whose writers compute one scale per row).
     """
     if sample.head_size != sample.head_size_v:
         raise ValueError(

@@ -2,7 +2,9 @@
 
 A format is a ``kv_cache_dtype`` string (docs/design.md §3) plus how its dequantization scale is
 chosen: one fp32 scale per tensor (``[1]``) or one per KV head (``[H]``), and for NVFP4 where
-the block scales live in a page (:class:`~vllm.kv_quant.scale_layout.ScaleLayout`).
+the block scales live in a page (:class:`~vllm.kv_quant.scale_layout.ScaleLayout`). The
+per-token-head formats (docs/design.md §5.4) choose no scale here: their writer computes one per
+token and head and stores it inline, so the check hands it unit ``k_scale`` / ``v_scale``.
 
 Format ids, as the CLI's ``--formats`` takes them::
 
@@ -12,11 +14,15 @@ Format ids, as the CLI's ``--formats`` takes them::
     nvfp4[/head]@interleave4          NVFP4 with 4-token-interleaved block scales
     nvfp4[/head]@linear               NVFP4 with linear block scales (plain nvfp4 uses the
                                       op's default: interleave4 where the geometry fits)
+    int8_per_token_head               int8 / FP8 e4m3 rows with their own inline fp32 scale
+    fp8_per_token_head                (per token and head; no /head, no /tensor)
 
 Scales come from the data: ``scale = amax(|x|) / MAX`` with ``MAX = 448`` for FP8 e4m3,
 ``57344`` for FP8 e5m2 and ``448 * 6 = 2688`` for the NVFP4 global scale
 (:data:`~vllm.kv_quant.nvfp4.NVFP4_SCALE_MAX`, docs/design.md §5.3); ``amax`` over the whole
-tensor, or over each head for a per-head scale.
+tensor, or over each head for a per-head scale. Per-token-head rows: ``amax(|row|) / 127``
+(int8) or ``/ 448`` (e4m3) per token and head, computed by the writer
+(:mod:`vllm.kv_quant.per_token_head`).
 """
 
 from __future__ import annotations
@@ -27,12 +33,20 @@ import torch
 
 from vllm.kv_quant.fp8 import FP8_E4M3_MAX, Fp8Format
 from vllm.kv_quant.nvfp4 import E2M1_MAX, NVFP4_SCALE_MAX
+from vllm.kv_quant.per_token_head import per_token_head_qmax
 from vllm.kv_quant.scale_layout import ScaleLayout
-from vllm.v1.kv_cache_format import BFLOAT16, FP8_E4M3, FP8_E5M2, NVFP4, KVCacheFormat, lookup
+from vllm.v1.kv_cache_format import BFLOAT16, KVCacheFormat, formats, lookup
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-MEASURED_FORMATS: tuple[KVCacheFormat, ...] = (BFLOAT16, FP8_E4M3, FP8_E5M2, NVFP4)
-"""The registry formats ``vllm-kv check`` can measure: the reference and the quantized ones."""
+MEASURED_FORMATS: tuple[KVCacheFormat, ...] = (
+    BFLOAT16,
+    *(f for f in formats() if f.is_quantized and not f.mla_only),
+)
+"""The registry formats ``vllm-kv check`` can measure: the reference (bf16) and every quantized
+format a user can select (the registry's, in its order; MLA-only record layouts excluded)."""
+
+TOKEN_HEAD = "token+head"
+"""The scale granularity of the per-token-head formats (one inline scale per row)."""
 
 _SHORT_NAMES: dict[str, str] = {
     f.name: f.name if f.is_quantized else f.label for f in MEASURED_FORMATS
@@ -54,6 +68,8 @@ DEFAULT_FORMATS: tuple[str, ...] = (
     "fp8_e5m2/head",
     "nvfp4",
     "nvfp4/head",
+    "int8_per_token_head",
+    "fp8_per_token_head",
 )
 """The formats ``vllm-kv check`` measures when ``--formats`` is not given."""
 
@@ -63,10 +79,10 @@ class CacheFormat:
     """One KV-cache format under test.
 
     Attributes:
-        kv_cache_dtype: canonical dtype string: ``bfloat16``, ``fp8_e4m3``, ``fp8_e5m2`` or
-            ``nvfp4``.
+        kv_cache_dtype: canonical dtype string of a :data:`MEASURED_FORMATS` entry
+            (``bfloat16``, ``fp8_e4m3``, ``nvfp4``, ``int8_per_token_head``, ...).
         per_head: one scale per KV head (``[H]``) instead of one per tensor (``[1]``).
-            Ignored (always False) for ``bfloat16``.
+            Always False for ``bfloat16`` and the per-token-head formats.
         scale_layout: NVFP4 block-scale layout in the page (K and V alike); ``None`` (the
             only value for other dtypes) is the op's default for the cache geometry
             (:meth:`scale_layout_for`).
@@ -85,6 +101,11 @@ class CacheFormat:
         if not self.is_quantized and self.per_head:
             raise ValueError(
                 f"per_head: {_SHORT_NAMES[self.kv_cache_dtype]} has no scale, so no per-head scale"
+            )
+        if self.is_per_token_head and self.per_head:
+            raise ValueError(
+                f"per_head: expected False for {self.kv_cache_dtype} (one inline scale per "
+                "token and head), got True"
             )
         if (
             self.scale_layout is not None
@@ -128,8 +149,13 @@ class CacheFormat:
         return self.format.is_fp8
 
     @property
+    def is_per_token_head(self) -> bool:
+        """Rows with their own inline scale: ``k_scale`` / ``v_scale`` are not read."""
+        return self.format.is_per_token_head
+
+    @property
     def storage_dtype(self) -> torch.dtype:
-        """Element dtype of the cache tensor (uint8 for every quantized format)."""
+        """Element dtype of the cache tensor (uint8, or int8 for ``int8_per_token_head``)."""
         assert self.format.storage_dtype is not None
         return self.format.storage_dtype
 
@@ -137,9 +163,11 @@ class CacheFormat:
     def scale_max(self) -> float:
         """``MAX`` in ``scale = amax / MAX``: the FP8 variant's largest value (448 for e4m3,
         57344 for e5m2), 448 × 6 for NVFP4 (the largest block scale times the largest E2M1
-        value)."""
+        value), 127 or 448 for the per-token-head rows (int8, e4m3)."""
         if self.is_nvfp4:
             return NVFP4_SCALE_MAX
+        if self.is_per_token_head:
+            return per_token_head_qmax(self.format)
         variant = self.format.fp8_variant
         if variant is None:
             raise ValueError(f"format: expected a quantized format, got {self.name!r}")
@@ -154,16 +182,21 @@ class CacheFormat:
 
     @property
     def granularity(self) -> str:
-        """``-`` (no scale), ``tensor`` or ``head``."""
+        """``-`` (no scale), ``tensor``, ``head`` or ``token+head`` (inline per-row scales)."""
         if not self.is_quantized:
             return "-"
+        if self.is_per_token_head:
+            return TOKEN_HEAD
         return "head" if self.per_head else "tensor"
 
     @property
     def scale_method(self) -> str:
-        """Human-readable rule that chose the scales, e.g. ``amax(|x|)/448 per head``."""
+        """Human-readable rule that chose the scales, e.g. ``amax(|x|)/448 per head`` or
+        ``amax(|x|)/127 per token and head, inline``."""
         if not self.is_quantized:
             return "none (unquantized)"
+        if self.is_per_token_head:
+            return f"amax(|x|)/{self.scale_max_text} per token and head, inline"
         per = "per head" if self.per_head else "per tensor"
         return f"amax(|x|)/{self.scale_max_text} {per}"
 
@@ -192,9 +225,10 @@ def parse_format(text: str) -> CacheFormat:
     raw = text.strip()
     body, _, layout = raw.partition("@")
     dtype, _, granularity = body.partition("/")
+    per_token_head = ", ".join(f.name for f in MEASURED_FORMATS if f.is_per_token_head)
     accepted = (
         "bf16, fp8 (= fp8_e4m3), fp8_e4m3, fp8_e5m2, nvfp4, optionally followed by /tensor or "
-        "/head, and for nvfp4 by @linear or @interleave4"
+        f"/head, and for nvfp4 by @linear or @interleave4; or {per_token_head}"
     )
     if dtype not in _DTYPE_ALIASES or granularity not in ("", "tensor", "head"):
         raise ValueError(f"formats: unknown format {raw!r}; expected {accepted}")
@@ -237,9 +271,9 @@ def amax_scale(x: torch.Tensor, per_head: bool, scale_max: float) -> torch.Tenso
 def compute_scales(
     key: torch.Tensor, value: torch.Tensor, fmt: CacheFormat
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(k_scale, v_scale)`` for ``fmt`` from the data (see :func:`amax_scale`); for bf16 both
-    are ``[1.0]`` (unread by the op)."""
-    if not fmt.is_quantized:
+    """``(k_scale, v_scale)`` for ``fmt`` from the data (see :func:`amax_scale`); for bf16 and
+    the per-token-head formats both are ``[1.0]`` (unread: those writers compute their own)."""
+    if not fmt.is_quantized or fmt.is_per_token_head:
         one = torch.ones(1, dtype=torch.float32, device=key.device)
         return one, one.clone()
     return (

@@ -210,7 +210,7 @@ def run_check(
                 )
                 scales[fmt][sample.name] = (
                     {"k": cache.k_scale.tolist(), "v": cache.v_scale.tolist()}
-                    if fmt.is_quantized
+                    if fmt.is_quantized and not fmt.is_per_token_head
                     else {}
                 )
                 if progress is not None:
@@ -266,6 +266,9 @@ def scale_rules(formats: Iterable[CacheFormat]) -> str:
         return "scales: none (unquantized formats only)"
     parts = []
     for dtype, fmts in per_dtype.items():
+        if fmts[0].is_per_token_head:
+            parts.append(f"{dtype} {fmts[0].scale_method}")
+            continue
         grans = sorted({f.granularity for f in fmts}, key=("tensor", "head").index)
         what = "global scale " if fmts[0].is_nvfp4 else ""
         per = " or per ".join(grans)

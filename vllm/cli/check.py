@@ -1,11 +1,12 @@
 """``vllm-kv check``: how much accuracy each KV-cache format costs.
 
-For each format (bf16, FP8 e4m3 / e5m2 and NVFP4, with per-tensor and per-head scales), K/V are
-written through ``reshape_and_cache_flash`` into a paged cache, read back through the reference
-attention backend, and compared with bf16: K/V reconstruction error, attention-output error and
-the KL divergence of attention probabilities, plus bytes per token. Scales come from the data,
-``amax(|x|)/MAX`` over the tensor or each head; ``--help`` lists each format's MAX after this
-text. See docs/accuracy.md.
+For each format (bf16, FP8 e4m3 / e5m2 and NVFP4, with per-tensor and per-head scales, and the
+per-token-head INT8 / FP8 rows), K/V are written through ``reshape_and_cache_flash`` into a paged
+cache, read back through the reference attention backend, and compared with bf16: K/V
+reconstruction error, attention-output error and the KL divergence of attention probabilities,
+plus bytes per token. Scales come from the data, ``amax(|x|)/MAX`` over the tensor or each head,
+or over each row for the per-token-head formats (computed by the writer, stored inline);
+``--help`` lists each format's MAX after this text. See docs/accuracy.md.
 
 Data: seeded LLM-like synthetic K/V (always), and with ``--real`` also the K/V of every layer
 of all-MiniLM-L6-v2 over shipped English text (needs the ``accuracy`` extra).
@@ -84,8 +85,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 def _scale_rules() -> str:
     """The scale rule of each quantized format, worded as the check's tables print it."""
-    quantized = [f.name for f in MEASURED_FORMATS if f.is_quantized]
-    rules = scale_rules(CacheFormat(name, per) for name in quantized for per in (False, True))
+    rules = scale_rules(
+        CacheFormat(f.name, per)
+        for f in MEASURED_FORMATS
+        if f.is_quantized
+        for per in ((False,) if f.is_per_token_head else (False, True))
+    )
     return textwrap.fill(f"{rules[0].upper()}{rules[1:]}.", width=96)
 
 

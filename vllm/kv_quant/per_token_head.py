@@ -52,7 +52,9 @@ def per_token_head_format(kv_cache_dtype: str | KVCacheFormat) -> KVCacheFormat:
     return fmt
 
 
-def _qmax(fmt: KVCacheFormat) -> float:
+def per_token_head_qmax(kv_cache_dtype: str | KVCacheFormat) -> float:
+    """``QMAX`` of a per-token-head format: 127 (int8) or 448 (e4m3)."""
+    fmt = per_token_head_format(kv_cache_dtype)
     if fmt.quant_mode == KVQuantMode.INT8_PER_TOKEN_HEAD:
         return INT8_PER_TOKEN_HEAD_MAX
     return Fp8Format.E4M3.max
@@ -76,7 +78,7 @@ def quantize_per_token_head(
     finite_abs = torch.where(torch.isfinite(xf), xf.abs(), torch.zeros_like(xf))
     amax = finite_abs.amax(dim=-1) if xf.shape[-1] > 0 else xf.new_zeros(xf.shape[:-1])
     scale = torch.maximum(
-        amax / torch.full_like(amax, _qmax(fmt)),
+        amax / torch.full_like(amax, per_token_head_qmax(fmt)),
         torch.full_like(amax, PER_TOKEN_HEAD_SCALE_FLOOR),
     )
     inv = torch.ones_like(scale) / scale
