@@ -16,6 +16,8 @@ from vllm.model_presets import DEFAULT_PRESET, available_presets, load_preset
 
 REPO = Path(__file__).resolve().parents[2]
 PRESETS = available_presets()
+COLUMNS = ("bfloat16", "fp8", "nvfp4", "int8_per_token_head", "fp8_per_token_head")
+"""The default columns: bf16 and one per quantization mode of the registry."""
 GiB = 2**30
 
 
@@ -56,8 +58,8 @@ def test_every_preset_plans_text_and_json(name, capsys):
     assert code == 0, err
     report = json.loads(out)
     assert report["model"] == name
-    assert report["kv_cache_dtypes"] == ["bfloat16", "fp8", "nvfp4"]
-    assert set(report["plan"]["per_dtype"]) == {"bfloat16", "fp8", "nvfp4"}
+    assert report["kv_cache_dtypes"] == list(COLUMNS)
+    assert set(report["plan"]["per_dtype"]) == set(COLUMNS)
     for plan in report["plan"]["per_dtype"].values():
         assert plan["fits"]
         assert sum(t["size_bytes"] for t in plan["kv_cache_tensors"]) <= 80 * GiB
@@ -69,6 +71,23 @@ def test_every_preset_plans_text_and_json(name, capsys):
             assert bf16["kv_bytes_per_token"] == derived[key]
     if "growing_kv_bytes_per_token_bf16" in derived:
         assert bf16["growing_kv_bytes_per_token"] == derived["growing_kv_bytes_per_token_bf16"]
+
+
+def test_per_token_head_columns_llama_8b(capsys):
+    """The per-token-head formats get their own columns (from the registry): pages of
+    16 tokens x 8 heads x 2 sides x (128 + 4) bytes, 1.94x the bf16 concurrency."""
+    code, out, _ = _run(capsys, "--memory", "80GiB", "--max-model-len", "32768", "--json")
+    assert code == 0
+    report = json.loads(out)
+    for dtype in ("int8_per_token_head", "fp8_per_token_head"):
+        (row,) = report["layer_types"]
+        assert row["page_size_bytes"][dtype] == 16 * 8 * 2 * 132 == 33792
+        plan = report["plan"]["per_dtype"][dtype]
+        assert plan["num_blocks"] == 80 * GiB // (32 * 33792)
+        assert report["kv_bytes"][dtype]["kv_bytes_per_token"] == 32 * 8 * 2 * 132
+    _, text, _ = _run(capsys, "--memory", "80GiB", "--max-model-len", "32768")
+    assert "int8_per_token_head page  fp8_per_token_head page" in text
+    assert "1.94x" in text
 
 
 def test_gpt_oss_at_80gib(capsys):

@@ -1,7 +1,8 @@
 """``vllm-kv plan``: layer specs, page sizes, bytes per token and a KV-cache memory plan.
 
 Without ``--memory`` it prints each distinct layer type of the model with its page size for
-bfloat16, fp8 and nvfp4 (or the one ``--kv-cache-dtype``), and the KV bytes per token of the
+bfloat16, fp8, nvfp4 and the per-token-head int8 / fp8 rows (or the one ``--kv-cache-dtype``),
+and the KV bytes per token of the
 whole model with the ratio to bfloat16. With ``--memory`` it also plans the cache for that
 per-rank budget: groups, page sizes, ``num_blocks``, token capacity and the maximum concurrency
 at ``--max-model-len``, side by side. ``--json`` prints the same as JSON instead of the tables;
@@ -27,10 +28,29 @@ from vllm.v1.core.kv_bytes import kv_footprint
 from vllm.v1.core.kv_cache_utils import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from vllm.v1.core.model_families import parse_model_layout
 from vllm.v1.core.model_specs import build_kv_cache_specs
-from vllm.v1.kv_cache_format import cache_dtype_names
+from vllm.v1.kv_cache_format import (
+    BFLOAT16,
+    KVCacheFormat,
+    KVQuantMode,
+    cache_dtype_names,
+    formats,
+)
 
-DEFAULT_COLUMNS = ("bfloat16", "fp8", "nvfp4")
-"""Cache dtypes compared side by side when ``--kv-cache-dtype`` is not given."""
+
+def _default_columns() -> tuple[str, ...]:
+    """bfloat16, then the first registered format of each quantization mode, by its first
+    accepted name (``fp8``, ``nvfp4``, ``int8_per_token_head``, ``fp8_per_token_head``): one
+    column per distinct page layout (FP8 e5m2 pages are e4m3's size); MLA-only layouts excluded."""
+    by_mode: dict[KVQuantMode, KVCacheFormat] = {}
+    for fmt in formats():
+        if fmt.is_quantized and not fmt.mla_only:
+            by_mode.setdefault(fmt.quant_mode, fmt)
+    return (BFLOAT16.name, *(fmt.accepted_names[0] for fmt in by_mode.values()))
+
+
+DEFAULT_COLUMNS: tuple[str, ...] = _default_columns()
+"""Cache dtypes compared side by side when ``--kv-cache-dtype`` is not given (from the
+registry)."""
 
 _UNITS = {
     "b": 1,
