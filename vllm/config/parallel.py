@@ -16,9 +16,13 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     decode_context_parallel_size: int = 1
     prefill_context_parallel_size: int = 1
+    rank: int = 0
+    """This worker's global rank (0-based)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{f.name}: expected a positive int (ranks), got {value!r}")
+            low = 0 if f.name == "rank" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                kind = "a non-negative int (rank)" if low == 0 else "a positive int (ranks)"
+                raise ValueError(f"{f.name}: expected {kind}, got {value!r}")

@@ -1,0 +1,117 @@
+"""FileMapper: one folder per set of byte-deciding settings, one file per (block hash, group)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from vllm.config import CacheConfig, ModelConfig, ParallelConfig, VllmConfig
+from vllm.config.kv_transfer import KVTransferConfig
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+)
+from vllm.v1.kv_offload.base import OffloadingSpec, make_offload_key
+from vllm.v1.kv_offload.file_mapper import FileMapper
+
+
+class _Spec(OffloadingSpec):
+    def get_manager(self):  # type: ignore[override]
+        raise NotImplementedError
+
+    def get_handlers(self, kv_caches) -> Iterator:  # type: ignore[override]
+        yield from ()
+
+
+def mapper(root: str = "/r", **kw: object) -> FileMapper:
+    args: dict = dict(
+        model_name="org/model",
+        hash_block_size=16,
+        gpu_blocks_per_file=1,
+        tp_size=1,
+        pp_size=1,
+        pcp_size=1,
+        dcp_size=1,
+        rank=0,
+        dtype="bfloat16",
+    )
+    args.update(kw)
+    return FileMapper(root, **args)
+
+
+def test_path_layout_and_folder_digest() -> None:
+    m = mapper(rank=5)
+    fields = m.get_run_config()
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    assert m.base_path == f"/r/org_model_{digest}"
+    assert m.get_config_file_path() == f"{m.base_path}/config.json"
+    key = make_offload_key(bytes.fromhex("abcdef0123456789"), 7)
+    assert m.get_file_name(key) == f"{m.base_path}_r5/abc/de_g7/abcdef0123456789.bin"
+    # the run config is a copy
+    fields["tp_size"] = 99
+    assert m.get_run_config()["tp_size"] == 1
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"dtype": "fp8"},
+        {"tp_size": 2},
+        {"hash_block_size": 32},
+        {"gpu_blocks_per_file": 4},
+        {"kv_cache_groups": [{"block_size": 16, "layer_names": ["a"]}]},
+        {"inference_engine": "other"},
+        {"model_name": "org/other"},
+    ],
+)
+def test_every_byte_deciding_setting_changes_the_folder(change: dict) -> None:
+    assert mapper(**change).base_path != mapper().base_path
+
+
+def test_rank_is_outside_the_folder_digest_and_parallel_agnostic_collapses() -> None:
+    assert mapper(rank=0).base_path == mapper(rank=3).base_path
+    a = mapper(tp_size=4, pp_size=2, dcp_size=2, rank=6, parallel_agnostic=True)
+    assert a.base_path == mapper().base_path and a.rank == 0
+
+
+def test_from_offloading_spec_reads_the_engine_config() -> None:
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    kv_cache_config = KVCacheConfig(
+        num_blocks=4,
+        kv_cache_tensors=[KVCacheTensor(size=4 * spec.page_size_bytes, shared_by=["l0", "l1"])],
+        kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], spec)],
+    )
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(model="org/m"),
+        cache_config=CacheConfig(block_size=16, cache_dtype="fp8_e4m3"),
+        parallel_config=ParallelConfig(tensor_parallel_size=2, rank=1),
+        kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both"),
+    )
+    m = FileMapper.from_offloading_spec("/x", _Spec(vllm_config, kv_cache_config), 2)
+    assert m.rank == 1
+    assert m.get_run_config() == {
+        "model_name": "org/m",
+        "hash_block_size": 16,
+        "gpu_blocks_per_file": 2,
+        "tp_size": 2,
+        "pp_size": 1,
+        "pcp_size": 1,
+        "dcp_size": 1,
+        "dtype": "fp8_e4m3",
+        "kv_cache_groups": [{"block_size": 16, "layer_names": ["l0", "l1"]}],
+        "inference_engine": "vllm",
+    }
+    assert m.base_path.startswith("/x/org_m_")
+
+
+def test_parallel_config_rank_is_non_negative() -> None:
+    assert ParallelConfig().rank == 0
+    with pytest.raises(ValueError, match="rank: expected a non-negative int"):
+        ParallelConfig(rank=-1)
