@@ -115,3 +115,14 @@ def test_cli_rejects_cache_options(capsys: pytest.CaptureFixture) -> None:
     assert _exit_status(["bench", "--op", "attention", "--tokens", "4"]) == USAGE
     assert "--tokens: not used by --op attention" in capsys.readouterr().err
     assert _exit_status(["bench", "--op", "attention", "--device", "cuda"]) == USAGE
+
+
+def test_cli_rejects_per_token_head_kinds(capsys: pytest.CaptureFixture) -> None:
+    """The cache-write bench takes the per-token-head kinds; the CPU attention backend does not
+    read those caches yet, so --op attention names the kinds it can run."""
+    argv = ["bench", "--op", "attention", "--kinds", "auto", "int8_per_token_head"]
+    assert _exit_status(argv) == USAGE
+    assert (
+        "--kinds: expected some of auto, fp8, nvfp4 for --op attention (the CPU attention "
+        "backend reads those), got int8_per_token_head" in capsys.readouterr().err
+    )

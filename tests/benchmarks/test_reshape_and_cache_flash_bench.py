@@ -28,11 +28,15 @@ def _needs_extension() -> None:
         pytest.skip(f"the benchmark needs the compiled extension: {why}")
 
 
+def test_kinds_come_from_the_registry() -> None:
+    assert core.KINDS == ("auto", "fp8", "nvfp4", "int8_per_token_head", "fp8_per_token_head")
+
+
 def test_run_tiny() -> None:
     calls: list[tuple[int, int, str]] = []
     rows = core.run("cpu", core.KINDS, [1, 16], quick=True, progress=lambda *a: calls.append(a))
     assert [(r.kind, r.num_heads, r.num_tokens) for r in rows] == core.shapes(core.KINDS, [1, 16])
-    assert len(rows) == 6
+    assert len(rows) == 10
     for r in rows:
         assert r.device == "cpu" and r.mode == "cold"
         assert r.op_us > 0 and r.baseline_us > 0 and r.bytes_moved > 0
@@ -55,9 +59,10 @@ def test_run_tiny() -> None:
         "index_copy_",
         "reference fp8_write_cache",
         "reference nvfp4_write_cache",
+        "reference per_token_head_write_cache",
     }
     # One progress call before the roofline copy, one after it, one per row; total fixed.
-    assert [(d, t) for d, t, _ in calls] == [(i, 7) for i in range(8)]
+    assert [(d, t) for d, t, _ in calls] == [(i, 11) for i in range(12)]
 
 
 def test_run_warns_on_load(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -142,12 +147,31 @@ def test_flusher_exceeds_the_last_level_cache() -> None:
 
 @pytest.mark.parametrize("kind", core.KINDS)
 def test_bytes_are_read_plus_written(kind: str) -> None:
-    """The row counts bytes as the roofline copy does: everything read plus everything written."""
+    """The row counts bytes as the roofline copy does: everything read plus everything written
+    (the per-token-head writers read no scale; their rows hold D + 4 bytes)."""
     s = core._setup(kind, 16, 2, core.torch.device("cpu"))
     read = sum(t.numel() * t.element_size() for t in (s.key, s.value, s.slots))
-    read += 2 * s.scale.element_size()
+    if not core.lookup(kind).is_per_token_head:
+        read += 2 * s.scale.element_size()
     row_bytes = s.key_cache[0, 0].numel() * s.key_cache.element_size()
     assert s.bytes_moved == read + 2 * 16 * row_bytes
+
+
+@pytest.mark.parametrize("kind", ["int8_per_token_head", "fp8_per_token_head"])
+def test_per_token_head_op_and_baseline_write_the_same_rows(kind: str) -> None:
+    """The op and its baseline (the codec's pure-torch writer) write the same cache bytes."""
+    cpu = core.torch.device("cpu")
+    s, ref = core._setup(kind, 40, 2, cpu), core._setup(kind, 40, 2, cpu)
+    from vllm import _custom_ops as ops
+
+    core._op(ops, kind, s)()
+    name, baseline = core._baseline(kind, ref)
+    baseline()
+    assert name == "reference per_token_head_write_cache"
+    assert s.key_cache.shape[-1] == core.HEAD_SIZE + 4
+    assert core.torch.equal(s.key_cache, ref.key_cache)
+    assert core.torch.equal(s.value_cache, ref.value_cache)
+    assert s.key_cache.any()
 
 
 def test_run_rejects_bad_arguments() -> None:

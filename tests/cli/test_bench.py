@@ -129,6 +129,17 @@ def test_table_notes_warn_on_load(monkeypatch: pytest.MonkeyPatch) -> None:
     assert loaded.splitlines()[-1].startswith("warning: load average 2.50 at start, 0.50 at end")
 
 
+def test_default_kinds_are_every_registry_kind(fake: list[dict]) -> None:
+    assert main(["bench", "--quick", "--no-progress", "--device", "cpu", "--json"]) == 0
+    assert fake[0]["kinds"] == [
+        "auto",
+        "fp8",
+        "nvfp4",
+        "int8_per_token_head",
+        "fp8_per_token_head",
+    ]
+
+
 def test_warm_flag(fake: list[dict], capsys: pytest.CaptureFixture) -> None:
     assert main(["bench", "--quick", "--no-progress", "--warm", "--kinds", "auto"]) == 0
     assert fake[0]["warm"] is True

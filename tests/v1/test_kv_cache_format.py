@@ -178,6 +178,14 @@ def test_spec_format_property() -> None:
         format_for_storage(KVQuantMode.NONE, torch.int32)  # no format stores int32
 
 
+def test_quant_mode_formats_one_per_mode() -> None:
+    """What plan's columns and bench's kinds show: the first selectable format of each quantized
+    mode (fp8_e5m2 shares e4m3's pages; fp8_ds_mla is MLA-only)."""
+    names = [f.name for f in registry.quant_mode_formats()]
+    assert names == ["fp8_e4m3", "nvfp4", "int8_per_token_head", "fp8_per_token_head"]
+    assert len({f.quant_mode for f in registry.quant_mode_formats()}) == len(names)
+
+
 def test_registration_rules() -> None:
     with pytest.raises(ValueError, match="accepted_names: must include the canonical name 'x'"):
         KVCacheFormat(

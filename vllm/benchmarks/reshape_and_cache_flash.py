@@ -1,7 +1,7 @@
 """Benchmark of reshape_and_cache_flash: time, bytes moved, GB/s, % of a memory roofline (a large
 ``dst.copy_(src)``) timed next to every row, and the speed-up over a baseline measured in the same
 run (``index_copy_`` into the cache for unquantized caches, the pure-torch reference writer of
-vllm.kv_quant for FP8 and NVFP4).
+vllm.kv_quant for FP8, NVFP4 and the per-token-head INT8 / FP8 rows).
 
 Every row is measured in :data:`~vllm.benchmarks.timing.REPEATS` repeats, each a roofline copy,
 then the op, then the baseline (:func:`~vllm.benchmarks.timing.time_repeats`), each of them the
@@ -51,10 +51,18 @@ from vllm.benchmarks.timing import (
     mode_caption,
     then,
 )
-from vllm.kv_quant import fp8_format_from_cache_dtype, fp8_write_cache, nvfp4_write_cache
-from vllm.v1.kv_cache_format import lookup
+from vllm.kv_quant import (
+    fp8_format_from_cache_dtype,
+    fp8_write_cache,
+    nvfp4_write_cache,
+    per_token_head_write_cache,
+)
+from vllm.v1.kv_cache_format import AUTO, lookup, quant_mode_formats
 
-KINDS = ("auto", "fp8", "nvfp4")
+KINDS: tuple[str, ...] = (AUTO.name, *(f.accepted_names[0] for f in quant_mode_formats()))
+"""The benchmarked ``kv_cache_dtype`` strings: ``auto`` (the model dtype, bf16), then one format
+of each quantization mode of the registry (``fp8``, ``nvfp4``, ``int8_per_token_head``,
+``fp8_per_token_head``)."""
 TOKENS = (1, 16, 256, 4096, 16384)
 QUICK_TOKENS = (1, 16, 256)
 """Token counts of a ``quick`` run when none are given."""
@@ -117,10 +125,12 @@ def _setup(kind: str, num_tokens: int, num_heads: int, device: torch.device) -> 
     value_cache = torch.zeros(cache_shape, dtype=cache_dtype, device=device)
     scale = torch.full((1,), 0.01, device=device)
     # Read + written, as the roofline copy counts its bytes: K/V, the slot mapping and the two
-    # scales read; the cache rows (data and, for NVFP4, block scales) written.
+    # scales read (not by the per-token-head writers); the cache rows (data and, for NVFP4 and
+    # the per-token-head rows, their scales) written.
     written = 2 * num_tokens * num_heads * last_dim * key_cache.element_size()
     read = sum(t.numel() * t.element_size() for t in (key, value, slots))
-    read += 2 * scale.numel() * scale.element_size()
+    if not fmt.is_per_token_head:
+        read += 2 * scale.numel() * scale.element_size()
     return _Setup(key, value, key_cache, value_cache, slots, scale, read + written)
 
 
@@ -151,6 +161,13 @@ def _baseline(kind: str, s: _Setup) -> tuple[str, Callable[[], None]]:
             nvfp4_write_cache(s.value, s.value_cache, s.slots, s.scale)
 
         return "reference nvfp4_write_cache", nvfp4_reference
+    if fmt.is_per_token_head:
+
+        def per_token_head_reference() -> None:
+            per_token_head_write_cache(s.key, s.key_cache, s.slots, fmt)
+            per_token_head_write_cache(s.value, s.value_cache, s.slots, fmt)
+
+        return "reference per_token_head_write_cache", per_token_head_reference
     fp8 = fp8_format_from_cache_dtype(kind)
 
     def fp8_reference() -> None:

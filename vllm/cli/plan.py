@@ -28,29 +28,15 @@ from vllm.v1.core.kv_bytes import kv_footprint
 from vllm.v1.core.kv_cache_utils import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from vllm.v1.core.model_families import parse_model_layout
 from vllm.v1.core.model_specs import build_kv_cache_specs
-from vllm.v1.kv_cache_format import (
-    BFLOAT16,
-    KVCacheFormat,
-    KVQuantMode,
-    cache_dtype_names,
-    formats,
+from vllm.v1.kv_cache_format import BFLOAT16, cache_dtype_names, quant_mode_formats
+
+DEFAULT_COLUMNS: tuple[str, ...] = (
+    BFLOAT16.name,
+    *(fmt.accepted_names[0] for fmt in quant_mode_formats()),
 )
-
-
-def _default_columns() -> tuple[str, ...]:
-    """bfloat16, then the first registered format of each quantization mode, by its first
-    accepted name (``fp8``, ``nvfp4``, ``int8_per_token_head``, ``fp8_per_token_head``): one
-    column per distinct page layout (FP8 e5m2 pages are e4m3's size); MLA-only layouts excluded."""
-    by_mode: dict[KVQuantMode, KVCacheFormat] = {}
-    for fmt in formats():
-        if fmt.is_quantized and not fmt.mla_only:
-            by_mode.setdefault(fmt.quant_mode, fmt)
-    return (BFLOAT16.name, *(fmt.accepted_names[0] for fmt in by_mode.values()))
-
-
-DEFAULT_COLUMNS: tuple[str, ...] = _default_columns()
-"""Cache dtypes compared side by side when ``--kv-cache-dtype`` is not given (from the
-registry)."""
+"""Cache dtypes compared side by side when ``--kv-cache-dtype`` is not given: bfloat16, then one
+format of each quantization mode of the registry, by its first name (``fp8``, ``nvfp4``,
+``int8_per_token_head``, ``fp8_per_token_head``)."""
 
 _UNITS = {
     "b": 1,

@@ -56,6 +56,7 @@ __all__ = [
     "kernel_cache_kind",
     "lookup",
     "nvfp4_packed_dim",
+    "quant_mode_formats",
     "register_format",
     "registered_format",
     "storage_dtypes",
@@ -271,6 +272,18 @@ def registered_format(fmt: KVCacheFormat) -> Iterator[KVCacheFormat]:
 def formats() -> tuple[KVCacheFormat, ...]:
     """Every registered format, in registration order."""
     return tuple(_FORMATS.values())
+
+
+def quant_mode_formats() -> tuple[KVCacheFormat, ...]:
+    """The first registered user-selectable format of each quantization mode (``fp8_e4m3``,
+    ``nvfp4``, ``int8_per_token_head``, ``fp8_per_token_head``), in registration order: one
+    format per distinct quantized page layout (FP8 e5m2 pages are e4m3's size), for tools that
+    compare one of each (``vllm-kv plan`` columns, ``vllm-kv bench`` kinds)."""
+    by_mode: dict[KVQuantMode, KVCacheFormat] = {}
+    for fmt in _FORMATS.values():
+        if fmt.is_quantized and not fmt.mla_only:
+            by_mode.setdefault(fmt.quant_mode, fmt)
+    return tuple(by_mode.values())
 
 
 def cache_dtype_names(*, include_mla_only: bool = False) -> tuple[str, ...]:
