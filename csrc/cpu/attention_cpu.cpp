@@ -21,7 +21,6 @@
 #include "cpu/cpu_op_utils.h"
 #include "cpu/paged_attention.h"
 #include "dispatch_utils.h"
-#include "per_token_head.h"
 
 namespace vllm_kv {
 namespace {
@@ -110,10 +109,6 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
       out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, kv_cache_dtype,
       k_scale, v_scale, scale, sliding_window, logits_soft_cap, sinks, causal, k_scale_layout,
       v_scale_layout);
-  TORCH_CHECK(!is_per_token_head(p.cache_kind),
-              "kv_cache_dtype: expected a format the CPU "
-              "paged_attention reads, got '",
-              kv_cache_dtype, "' (per-token-head: not yet)");
   check_sequences(p, query.size(0), out.size(0), key_cache.size(0), block_table.size(1));
   if (reads_kv_scale(p.cache_kind)) {
     check_scale_values(k_scale, "k_scale", kv_cache_dtype);

@@ -9,8 +9,10 @@
 // and attended with an online softmax in fp32 (on AVX-512 BF16 builds, decode rows of formats
 // exact in bf16 go through vdpbf16ps, the softmax weights rounded to bf16 for the values' sums,
 // as in flash attention). Per-tensor or per-head scales are constant within
-// an item: the K scale is folded into the query, the V scale into the output. Long key ranges of
-// few items are split (split-K); the splits' (max, sum, accumulator) partials are merged after.
+// an item: the K scale is folded into the query, the V scale into the output. Per-token-head rows
+// (int8 / e4m3 values + their own inline fp32 scale) are decoded times that scale into the tiles.
+// Long key ranges of few items are split (split-K); the splits' (max, sum, accumulator) partials
+// are merged after.
 #pragma once
 
 #include <algorithm>
@@ -31,6 +33,7 @@
 #include "cache_kernels.h"
 #include "cache_layout.h"
 #include "kv_quant_math.h"
+#include "per_token_head.h"
 
 namespace vllm_kv::cpu::attention {
 
@@ -313,11 +316,18 @@ inline __m512i fp8_to_bf16_x32(const uint8_t* src) {
 
 // Decodes one cache entry (a token's head) of `dim` elements to fp32 at dst. The formats:
 // unquantized fp32 / fp16 / bf16 (C), FP8 e4m3 / e5m2 (K), NVFP4 (data bytes + per-group scale
-// bytes at scales + group_offsets[g]). Dequantization scales are applied by the caller.
+// bytes at scales + group_offsets[g]), per-token-head int8 / e4m3 rows (values times the row's
+// inline scale, one fp32 multiply each, as the reference codec reads them). Per-tensor and
+// per-head dequantization scales are applied by the caller.
 template <CacheKind K, SourceType C, SimdLevel L>
 struct EntryDecoder {
   static void decode(const uint8_t* src, const uint8_t* scales, const int64_t* group_offsets,
                      int dim, float* dst) {
+    if constexpr (is_per_token_head(K)) {
+      const float row_scale = per_token_head_row_scale(src, dim);
+      for (int i = 0; i < dim; ++i) dst[i] = per_token_head_decode<K>(src[i]) * row_scale;
+      return;
+    }
     int i = 0;
 #if defined(VLLM_KV_HAVE_AVX512)
     if constexpr (L == SimdLevel::kAvx512) i = decode_avx512(src, scales, group_offsets, dim, dst);
@@ -651,8 +661,10 @@ inline void load_query_row(const void* query, int64_t index, SourceType type, fl
   }
 }
 
+// The per-tensor / per-head scale of a side; 1 without one (unquantized caches, and per-token-head
+// rows, whose scales the decoder applies).
 inline float side_scale(const CacheSide& side, int head, CacheKind kind) {
-  if (kind == CacheKind::kUnquantized) return 1.0f;
+  if (kind == CacheKind::kUnquantized || is_per_token_head(kind)) return 1.0f;
   return side.scale[side.scale_per_head ? head : 0];
 }
 
@@ -730,7 +742,8 @@ class PagedAttention {
         dim_k_(round_up(geo_.head_size)),
         dim_v_(round_up(geo_.head_size_v)),
         tokens_(round_up(p.block_size)),
-        fused_(L != SimdLevel::kGeneric && geo_.head_size % kLanes == 0 &&
+        // Per-token-head rows are decoded (times their inline scales) into the tiles only.
+        fused_(L != SimdLevel::kGeneric && !is_per_token_head(K) && geo_.head_size % kLanes == 0 &&
                geo_.head_size_v % kLanes == 0),
         bf16_dot_(kBf16Dot && fused_ && p.io_type == SourceType::kBFloat16 &&
                   geo_.head_size % 32 == 0),
@@ -944,8 +957,8 @@ class PagedAttention {
   // BF16 builds): keys dotted with a bf16 query (rounding differs from the fp32 path only in the
   // order of the fp32 sums), values weighted by the softmax weights rounded to bf16.
 #if defined(VLLM_KV_HAVE_AVX512_BF16)
-  static constexpr bool kBf16Dot =
-      L == SimdLevel::kAvx512 && (K != CacheKind::kUnquantized || C == SourceType::kBFloat16);
+  static constexpr bool kBf16Dot = L == SimdLevel::kAvx512 && !is_per_token_head(K) &&
+                                   (K != CacheKind::kUnquantized || C == SourceType::kBFloat16);
 #else
   static constexpr bool kBf16Dot = false;
 #endif
@@ -988,8 +1001,9 @@ class PagedAttention {
 
   // Bytes of one page of a side (all heads; pages are dense in NHD and HND alike).
   int64_t page_bytes(int head_size) const {
-    const int64_t last_dim =
-        K == CacheKind::kNvfp4 ? head_size / 2 + head_size / kNvfp4GroupSize : int64_t(head_size);
+    const int64_t last_dim = K == CacheKind::kNvfp4 ? head_size / 2 + head_size / kNvfp4GroupSize
+                             : is_per_token_head(K) ? int64_t(head_size) + kPerTokenHeadScaleBytes
+                                                    : int64_t(head_size);
     return int64_t(p_.block_size) * p_.num_kv_heads * last_dim * kElementBytes;
   }
 
@@ -1872,8 +1886,11 @@ void paged_attention(const PagedAttentionParams& p, const AttentionPlan& plan, f
       with_level(std::integral_constant<CacheKind, CacheKind::kNvfp4>{}, F32{});
       break;
     case CacheKind::kInt8PerTokenHead:
+      with_level(std::integral_constant<CacheKind, CacheKind::kInt8PerTokenHead>{}, F32{});
+      break;
     case CacheKind::kFp8PerTokenHead:
-      break;  // rejected by the torch glue before the kernel
+      with_level(std::integral_constant<CacheKind, CacheKind::kFp8PerTokenHead>{}, F32{});
+      break;
     case CacheKind::kUnquantized: {
       using U = std::integral_constant<CacheKind, CacheKind::kUnquantized>;
       switch (p.cache_type) {

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from vllm import _custom_ops as ops
-from vllm.utils.torch_utils import nvfp4_kv_cache_full_dim
 from vllm.v1.attention.backends import (
     AttentionBackendEnum,
     AttentionLayerScales,
@@ -23,6 +22,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionImpl,
     CPUAttentionMetadata,
 )
+from vllm.v1.kv_cache_format import lookup
 
 pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
 
@@ -38,6 +38,8 @@ FORMATS = [
     ("nvfp4", "linear"),
     ("nvfp4", "interleave4"),
 ]
+# Rows with their own inline scales (k_scale / v_scale ignored); no block-scale layout.
+PER_TOKEN_HEAD = [("int8_per_token_head", "linear"), ("fp8_per_token_head", "linear")]
 
 
 @dataclass
@@ -63,18 +65,14 @@ class Case:
 
     @property
     def quantized(self) -> bool:
-        return self.cache_dtype.startswith("fp8") or self.cache_dtype == "nvfp4"
+        return lookup(self.cache_dtype).is_quantized
 
     @property
     def cache_torch_dtype(self) -> torch.dtype:
-        if self.quantized:
-            return torch.uint8
-        return self.model_dtype if self.cache_dtype == "auto" else getattr(torch, self.cache_dtype)
+        return lookup(self.cache_dtype).resolve_storage_dtype(self.model_dtype)
 
     def last_dim(self, head_size: int) -> int:
-        if self.cache_dtype == "nvfp4":
-            return nvfp4_kv_cache_full_dim(head_size)
-        return head_size
+        return lookup(self.cache_dtype).last_dim(head_size)
 
 
 def make_side(case: Case, num_blocks: int, head_size: int) -> torch.Tensor:
@@ -148,7 +146,7 @@ def check(case: Case, simd: str = "auto", seed: int = 0) -> torch.Tensor:
 
 @pytest.mark.parametrize("simd", SIMD_LEVELS)
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize(("cache_dtype", "scale_layout"), FORMATS)
+@pytest.mark.parametrize(("cache_dtype", "scale_layout"), FORMATS + PER_TOKEN_HEAD)
 def test_matches_reference_every_format_layout_and_simd_level(
     cache_dtype: str, scale_layout: str, layout: str, simd: str
 ) -> None:
@@ -168,7 +166,9 @@ def test_matches_reference_every_format_layout_and_simd_level(
 
 
 @pytest.mark.parametrize("simd", SIMD_LEVELS)
-@pytest.mark.parametrize("cache_dtype", ["auto", "fp8_e4m3", "nvfp4"])
+@pytest.mark.parametrize(
+    "cache_dtype", ["auto", "fp8_e4m3", "nvfp4", "int8_per_token_head", "fp8_per_token_head"]
+)
 def test_window_sinks_soft_cap_and_odd_shapes(cache_dtype: str, simd: str) -> None:
     nvfp4 = cache_dtype == "nvfp4"
     check(
@@ -192,7 +192,7 @@ def test_window_sinks_soft_cap_and_odd_shapes(cache_dtype: str, simd: str) -> No
 
 
 @pytest.mark.parametrize("simd", SIMD_LEVELS)
-@pytest.mark.parametrize(("cache_dtype", "scale_layout"), FORMATS)
+@pytest.mark.parametrize(("cache_dtype", "scale_layout"), FORMATS + PER_TOKEN_HEAD)
 def test_decode_at_model_shape_with_odd_key_counts(
     cache_dtype: str, scale_layout: str, simd: str
 ) -> None:
@@ -333,7 +333,9 @@ def test_window_edges_and_non_causal(window: int | None) -> None:
     )
 
 
-@pytest.mark.parametrize(("cache_dtype", "scale_layout"), [("auto", "linear"), *FORMATS[3:]])
+@pytest.mark.parametrize(
+    ("cache_dtype", "scale_layout"), [("auto", "linear"), *FORMATS[3:], *PER_TOKEN_HEAD]
+)
 def test_long_context_split_k_and_partial_last_page(cache_dtype: str, scale_layout: str) -> None:
     """Decode over 3001 tokens (a partial last page) and a chunked prefill over 1500: the key
     range is split (split-K) and the partials merged."""

@@ -1,5 +1,6 @@
-"""Per-token-head INT8 / FP8 caches read by the attention backends: the reference backend (and,
-where it reads them, CPU_ATTN) attend over exactly the codec's dequantized keys and values."""
+"""Per-token-head INT8 / FP8 caches read by the attention backends: the reference backend and
+CPU_ATTN (at every SIMD level it was built with) attend over exactly the codec's dequantized keys
+and values."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 from kv_cache_test_utils import DEVICES
 
+from vllm.accuracy.cache_io import extension_status
 from vllm.kv_quant import dequantize_per_token_head, quantize_per_token_head
 from vllm.v1.attention.backends import (
     AttentionLayerScales,
@@ -30,6 +32,21 @@ from vllm.v1.worker.gpu.attn_utils import init_kv_cache
 pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
 
 KINDS = ["int8_per_token_head", "fp8_per_token_head"]
+
+
+def readers(device: str, **impl_args: object) -> list[tuple[str, ReferenceAttentionImpl]]:
+    """(name, impl) of every backend reading a cache on ``device``: the reference backend, and on
+    the CPU with the extension built CPU_ATTN at each of its SIMD levels."""
+    out = [("reference", ReferenceAttentionImpl(**impl_args))]  # type: ignore[arg-type]
+    if device == "cpu" and extension_status()[0]:
+        from vllm import _custom_ops as ops
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionImpl
+
+        for simd in ops.paged_attention_simd_levels():
+            cpu = CPUAttentionImpl(**impl_args)  # type: ignore[arg-type]
+            cpu.simd = simd
+            out.append((f"CPU_ATTN {simd}", cpu))
+    return out
 
 
 def make_cache(
@@ -73,7 +90,7 @@ def oracle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_reference_backend_reads_the_codec_values(device: str, kind: str, layout: str) -> None:
+def test_backends_read_the_codec_values(device: str, kind: str, layout: str) -> None:
     g = torch.Generator().manual_seed(3)
     num_heads, num_kv_heads, head_size, head_size_v, block_size = 4, 2, 64, 32, 8
     key_cache, value_cache = make_cache(device, kind, num_kv_heads, head_size, head_size_v, layout)
@@ -109,7 +126,6 @@ def test_reference_backend_reads_the_codec_values(device: str, kind: str, layout
 
     q = torch.randn(sum(query_lens), num_heads, head_size, generator=g)
     metadata = ReferenceAttentionMetadata.build(seq_lens, query_lens, table.to(device), block_size)
-    out = impl.forward(layer, q.to(device), None, None, (key_cache, value_cache), metadata).cpu()
     refs, k_off, q_off = [], 0, 0
     for s, ql in zip(seq_lens, query_lens, strict=True):
         refs.append(
@@ -121,4 +137,22 @@ def test_reference_backend_reads_the_codec_values(device: str, kind: str, layout
             )
         )
         k_off, q_off = k_off + s, q_off + ql
-    torch.testing.assert_close(out.double(), torch.cat(refs), atol=2e-5, rtol=2e-5)
+    names = []
+    for name, reader in readers(
+        device,
+        num_heads=num_heads,
+        head_size=head_size,
+        num_kv_heads=num_kv_heads,
+        kv_cache_dtype=kind,
+        head_size_v=head_size_v,
+    ):
+        out = reader.forward(layer, q.to(device), None, None, (key_cache, value_cache), metadata)
+        torch.testing.assert_close(
+            out.cpu().double(),
+            torch.cat(refs),
+            atol=2e-5,
+            rtol=2e-5,
+            msg=lambda m, name=name: f"{name}: {m}",
+        )
+        names.append(name)
+    assert len(names) > 1 or device != "cpu" or not extension_status()[0], names

@@ -6,9 +6,10 @@ Same cache shape and layouts as the reference backend
 either backend reads what the other wrote; same metadata and impl constructor. The impl runs
 ``torch.ops._C_cache_ops.paged_attention`` (``csrc/cpu/paged_attention.h``): per (sequence, KV
 head, query block, key split) it decodes one page at a time (unquantized, FP8 e4m3 / e5m2 with
-per-tensor or per-head scales, NVFP4 with linear or interleave4 block scales) with SIMD decoders
-and attends with an online softmax in fp32 (GQA, causal and chunked prefill, sliding window,
-sinks, logits soft cap, ``head_size_v``).
+per-tensor or per-head scales, NVFP4 with linear or interleave4 block scales, per-token-head
+INT8 / FP8 rows times their inline scales, into the fp32 tile) with SIMD decoders and attends
+with an online softmax in fp32 (GQA, causal and chunked prefill, sliding window, sinks, logits
+soft cap, ``head_size_v``).
 """
 
 from __future__ import annotations
