@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 
 import pytest
 import torch
+from tiering_test_utils import StubSpec
 
 from vllm.config import VllmConfig
 from vllm.config.kv_transfer import KVTransferConfig
@@ -20,16 +20,6 @@ from vllm.v1.kv_offload.base import OffloadingSpec
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.mooncake import MooncakeOffloadingSpec
-
-
-class PluginSpec(OffloadingSpec):
-    """A spec found through ``spec_module_path`` (this module)."""
-
-    def get_manager(self):  # type: ignore[override]
-        raise NotImplementedError
-
-    def get_handlers(self, kv_caches) -> Iterator:  # type: ignore[override]
-        yield from ()
 
 
 class NotASpec:
@@ -66,8 +56,8 @@ def test_registered_mooncake_spec() -> None:
 
 
 def test_spec_from_a_module_path() -> None:
-    spec = create({"spec_name": "PluginSpec", "spec_module_path": __name__})
-    assert type(spec) is PluginSpec
+    spec = create({"spec_name": "StubSpec", "spec_module_path": "tiering_test_utils"})
+    assert type(spec) is StubSpec
     with pytest.raises(TypeError, match="expected an OffloadingSpec subclass"):
         create({"spec_name": "NotASpec", "spec_module_path": __name__})
 
@@ -82,9 +72,9 @@ def test_unknown_name_and_missing_transfer_config() -> None:
 def test_registration_is_lazy_and_once(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(OffloadingSpecFactory, "_registry", dict(OffloadingSpecFactory._registry))
     module = "tests_factory_not_imported_yet"
-    OffloadingSpecFactory.register_spec("Lazy", module, "PluginSpec")
+    OffloadingSpecFactory.register_spec("Lazy", module, "StubSpec")
     assert module not in sys.modules
     with pytest.raises(ValueError, match="'Lazy' is already registered"):
-        OffloadingSpecFactory.register_spec("Lazy", module, "PluginSpec")
+        OffloadingSpecFactory.register_spec("Lazy", module, "StubSpec")
     with pytest.raises(ValueError, match="'CPUOffloadingSpec' is already registered"):
         OffloadingSpecFactory.register_spec("CPUOffloadingSpec", module, "X")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
 
 import pytest
 import torch
+from tiering_test_utils import StubSpec
 
 from vllm.config import CacheConfig, ModelConfig, ParallelConfig, VllmConfig
 from vllm.config.kv_transfer import KVTransferConfig
@@ -17,16 +17,8 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     KVCacheTensor,
 )
-from vllm.v1.kv_offload.base import OffloadingSpec, make_offload_key
+from vllm.v1.kv_offload.base import make_offload_key
 from vllm.v1.kv_offload.file_mapper import FileMapper
-
-
-class _Spec(OffloadingSpec):
-    def get_manager(self):  # type: ignore[override]
-        raise NotImplementedError
-
-    def get_handlers(self, kv_caches) -> Iterator:  # type: ignore[override]
-        yield from ()
 
 
 def mapper(root: str = "/r", **kw: object) -> FileMapper:
@@ -94,7 +86,7 @@ def test_from_offloading_spec_reads_the_engine_config() -> None:
         parallel_config=ParallelConfig(tensor_parallel_size=2, rank=1),
         kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both"),
     )
-    m = FileMapper.from_offloading_spec("/x", _Spec(vllm_config, kv_cache_config), 2)
+    m = FileMapper.from_offloading_spec("/x", StubSpec(vllm_config, kv_cache_config), 2)
     assert m.rank == 1
     assert m.get_run_config() == {
         "model_name": "org/m",

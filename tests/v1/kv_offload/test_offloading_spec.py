@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 
 import pytest
 import torch
+from tiering_test_utils import StubSpec as _Spec
 
 from vllm.config import CacheConfig, ParallelConfig, VllmConfig
 from vllm.config.kv_events import KVEventsConfig
@@ -20,20 +20,11 @@ from vllm.v1.kv_cache_interface import (
     MambaSpec,
     UniformTypeKVCacheSpecs,
 )
-from vllm.v1.kv_offload.base import OffloadingSpec
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
-
-
-class _Spec(OffloadingSpec):
-    def get_manager(self):  # type: ignore[override]
-        raise NotImplementedError
-
-    def get_handlers(self, kv_caches) -> Iterator:  # type: ignore[override]
-        yield from ()
 
 
 def vllm_config(

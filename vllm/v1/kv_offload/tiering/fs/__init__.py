@@ -1,0 +1,1 @@
+"""The file-system secondary tier: one file per offloaded block."""
