@@ -5,6 +5,10 @@
   :class:`~vllm.v1.kv_offload.base.OffloadingSpec` (upstream v0.22's names).
 - :mod:`vllm.v1.kv_offload.cpu`: offloading to CPU memory (spec, manager and eviction
   policies, CPU <-> GPU handlers).
+- :mod:`vllm.v1.kv_offload.factory`: specs by name (``extra_config["spec_name"]``).
+- :mod:`vllm.v1.kv_offload.file_mapper`: :class:`FileMapper`, file names of offloaded blocks.
+- :mod:`vllm.v1.kv_offload.tiering`: a CPU primary tier plus secondary tiers (the file system,
+  an in-memory example), the tiering manager and the tier factory.
 - :mod:`vllm.v1.kv_offload.mooncake`: :class:`MooncakeOffloadingSpec`, a Mooncake distributed
   store shared by engine instances (optional ``mooncake`` extra).
 - :mod:`vllm.v1.kv_offload.page_format`: :class:`KVPageFormat`, what decides an offloaded
