@@ -9,6 +9,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+import torch
 
 from vllm.benchmarks import attention, noise, timing
 from vllm.cli.main import main
@@ -117,12 +118,24 @@ def test_cli_rejects_cache_options(capsys: pytest.CaptureFixture) -> None:
     assert _exit_status(["bench", "--op", "attention", "--device", "cuda"]) == USAGE
 
 
-def test_cli_rejects_per_token_head_kinds(capsys: pytest.CaptureFixture) -> None:
-    """The cache-write bench takes the per-token-head kinds; the CPU attention backend does not
-    read those caches yet, so --op attention names the kinds it can run."""
-    argv = ["bench", "--op", "attention", "--kinds", "auto", "int8_per_token_head"]
-    assert _exit_status(argv) == USAGE
-    assert (
-        "--kinds: expected some of auto, fp8, nvfp4 for --op attention (the CPU attention "
-        "backend reads those), got int8_per_token_head" in capsys.readouterr().err
-    )
+def test_run_reads_per_token_head_caches(tiny: None) -> None:
+    """The per-token-head kinds run too (rows with random values and finite inline scales), their
+    bytes counting the 4-byte scale of every row."""
+    kinds = ["int8_per_token_head", "fp8_per_token_head"]
+    assert attention.FORMATS[-2:] == tuple(kinds)
+    rows = attention.run(kinds, quick=True, repeats=2)
+    assert [(r.phase, r.format) for r in rows] == [
+        (phase, kind) for phase in ("decode", "prefill") for kind in kinds
+    ]
+    assert all(r.op_us > 0 and r.speedup_vs_reference > 0 for r in rows)
+    assert attention.cache_bytes_per_token(kinds[0]) == 2 * 8 * (128 + 4)
+    for kind in kinds:
+        problem = attention._problem(kind, 2, 3, 40)
+        got = problem.impl.forward(
+            problem.layer, problem.query, None, None, problem.kv_cache, problem.metadata
+        )
+        want = problem.reference.forward(
+            problem.layer, problem.query, None, None, problem.kv_cache, problem.metadata
+        )
+        assert bool(got.isfinite().all())
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)

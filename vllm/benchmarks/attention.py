@@ -4,14 +4,17 @@ next to every row, the speed-up over the reference backend measured in the same 
 quantized format's time relative to bf16 at equal shape.
 
 Model shape: 32 query heads, 8 KV heads of 128 (GQA 4), pages of 16 tokens, bf16 queries.
-Formats: ``auto`` (bf16 cache), ``fp8`` (e4m3, per-tensor scale), ``nvfp4`` (the writer's default
-block-scale layout, interleave4 at this shape).
+Formats: the cache-write benchmark's kinds (one per quantization mode of the registry): ``auto``
+(bf16 cache), ``fp8`` (e4m3, per-tensor scale), ``nvfp4`` (the writer's default block-scale
+layout, interleave4 at this shape), ``int8_per_token_head`` / ``fp8_per_token_head`` (rows with
+their own inline scales).
 Bytes counted per call: the cache bytes of every key position read (K and V, NVFP4 block
-scales included) plus the query read and the output written; the roofline copy counts read +
-written bytes the same way. Cold cache by default (the last-level cache is flushed before every
-timed call, see :mod:`vllm.benchmarks.reshape_and_cache_flash`); ``warm=True`` repeats calls on
-cache-resident buffers. The reference backend is slow (pure torch): it is timed only on the
-shapes whose batch x context is at most :data:`REFERENCE_MAX_TOKENS`, one call per repeat.
+scales and per-token-head row scales included) plus the query read and the output written; the
+roofline copy counts read + written bytes the same way. Cold cache by default (the last-level
+cache is flushed before every timed call, see :mod:`vllm.benchmarks.reshape_and_cache_flash`);
+``warm=True`` repeats calls on cache-resident buffers. The reference backend is slow (pure
+torch): it is timed only on the shapes whose batch x context is at most
+:data:`REFERENCE_MAX_TOKENS`, one call per repeat.
 
 Repeats, medians, spreads, flags and the load warning as for ``reshape_and_cache_flash``
 (:mod:`vllm.benchmarks.noise`): each row is :data:`~vllm.benchmarks.timing.REPEATS` repeats of
@@ -30,6 +33,7 @@ from typing import Any
 import torch
 
 from vllm.benchmarks import noise
+from vllm.benchmarks.reshape_and_cache_flash import KINDS
 from vllm.benchmarks.timing import (
     REPEATS,
     Progress,
@@ -41,8 +45,8 @@ from vllm.benchmarks.timing import (
 )
 from vllm.v1.kv_cache_format import lookup
 
-FORMATS = ("auto", "fp8", "nvfp4")
-"""The benchmarked ``kv_cache_dtype`` strings (``fp8`` is e4m3)."""
+FORMATS: tuple[str, ...] = KINDS
+"""The benchmarked ``kv_cache_dtype`` strings (``fp8`` is e4m3): the cache-write kinds."""
 NUM_HEADS = 32
 NUM_KV_HEADS = 8
 HEAD_SIZE = 128
@@ -134,6 +138,10 @@ def _problem(fmt: str, batch: int, query_tokens: int, context: int) -> _Problem:
             pages_view[:, :, data:] = torch.randint(0x30, 0x40, pages_view[:, :, data:].shape)
         else:
             kv_cache[(kv_cache & 0x7F) == 0x7F] = 0x38
+        if cache_format.is_per_token_head:  # each row's scale: a finite positive fp32
+            row_scales = torch.rand(shape[:-1]) * 0.02 + 0.005
+            kv_cache[..., HEAD_SIZE:] = row_scales.unsqueeze(-1).view(torch.uint8)
+        kv_cache = kv_cache.view(cache_format.storage_dtype)  # int8 for int8_per_token_head
     table = torch.randperm(num_blocks).reshape(batch, pages).to(torch.int32)
     kwargs = dict(num_kv_heads=NUM_KV_HEADS, kv_cache_dtype=fmt)
     impl = CPUAttentionImpl(NUM_HEADS, HEAD_SIZE, **kwargs)
