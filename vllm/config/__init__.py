@@ -2,6 +2,7 @@
 
 from vllm.config.cache import CacheConfig
 from vllm.config.kv_events import KVEventsConfig
+from vllm.config.kv_transfer import KVTransferConfig
 from vllm.config.model import ModelConfig
 from vllm.config.parallel import ParallelConfig
 from vllm.config.scheduler import SchedulerConfig
@@ -11,6 +12,7 @@ from vllm.config.vllm import VllmConfig
 __all__ = [
     "CacheConfig",
     "KVEventsConfig",
+    "KVTransferConfig",
     "ModelConfig",
     "ParallelConfig",
     "SchedulerConfig",

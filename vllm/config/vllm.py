@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from vllm.config.cache import CacheConfig
 from vllm.config.kv_events import KVEventsConfig
+from vllm.config.kv_transfer import KVTransferConfig
 from vllm.config.model import ModelConfig
 from vllm.config.parallel import ParallelConfig
 from vllm.config.scheduler import SchedulerConfig
@@ -17,15 +17,16 @@ __all__ = ["VllmConfig"]
 
 @dataclass
 class VllmConfig:
-    """All settings of one engine. ``kv_transfer_config`` is opaque here: only whether it is
-    set matters (a KV connector then consumes block hashes)."""
+    """All settings of one engine. The KV-cache planner reads only whether
+    ``kv_transfer_config`` is set (a KV connector then consumes block hashes); offloading
+    specs read its connector options."""
 
     model_config: ModelConfig | None = None
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler_config: SchedulerConfig | None = None
     speculative_config: SpeculativeConfig | None = None
-    kv_transfer_config: Any = None
+    kv_transfer_config: KVTransferConfig | None = None
     kv_events_config: KVEventsConfig | None = None
 
     def __post_init__(self) -> None:

@@ -71,6 +71,24 @@ def test_configs_take_upstream_shapes() -> None:
         ParallelConfig(decode_context_parallel_size=0)
 
 
+def test_world_size_and_kv_transfer_config() -> None:
+    from vllm.config import KVTransferConfig
+
+    parallel = ParallelConfig(
+        tensor_parallel_size=4,
+        pipeline_parallel_size=2,
+        prefill_context_parallel_size=2,
+        decode_context_parallel_size=2,  # reuses the tensor-parallel ranks: not counted
+    )
+    assert parallel.world_size == 16
+    assert ParallelConfig().world_size == 1
+    with pytest.raises(TypeError):
+        ParallelConfig(world_size=2)  # type: ignore[call-arg]  # derived, as upstream
+    transfer = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both")
+    assert VllmConfig(kv_transfer_config=transfer).kv_transfer_config is transfer
+    assert VllmConfig().kv_transfer_config is None
+
+
 def test_spec_memory_bounds_read_the_config() -> None:
     cfg = config(4096, max_num_batched_tokens=512)
     assert full().max_memory_usage_bytes(cfg) == 128 * PAGE

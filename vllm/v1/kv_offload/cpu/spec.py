@@ -21,17 +21,7 @@ from vllm.v1.kv_offload.worker.page_views import kv_cache_tensor_page_sizes
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.config.parallel import ParallelConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
-
-
-def world_size(parallel_config: ParallelConfig) -> int:
-    """Workers of one engine: pp x tp x pcp (upstream's ``ParallelConfig.world_size``)."""
-    return (
-        parallel_config.pipeline_parallel_size
-        * parallel_config.tensor_parallel_size
-        * parallel_config.prefill_context_parallel_size
-    )
 
 
 class CPUOffloadingSpec(OffloadingSpec):
@@ -57,7 +47,7 @@ class CPUOffloadingSpec(OffloadingSpec):
         self.cpu_page_size_per_worker: int = self.block_size_factor * sum(
             kv_cache_tensor_page_sizes(kv_cache_config)
         )
-        workers = world_size(vllm_config.parallel_config)
+        workers = vllm_config.parallel_config.world_size
         num_blocks = self.extra_config.get("num_cpu_blocks")
         cpu_bytes = self.extra_config.get("cpu_bytes_to_use")
         if (num_blocks is None) == (cpu_bytes is None):
