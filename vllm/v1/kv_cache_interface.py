@@ -154,13 +154,20 @@ class FullAttentionSpec(AttentionSpec):
     @classmethod
     def merge(cls, specs: list[Any]) -> Any:
         """One spec for the group: equal specs apart from the windows; the group takes the one
-        window its layers set (``ValueError`` for two), and not both kinds of window."""
+        window its layers set (``ValueError`` for two), and not both kinds of window. Full and
+        sink-full layers merge when their attention fields match (as upstream): the group is of
+        the first layer's class (and ``sink_len``). Latent (MLA) specs merge only with their
+        own class and all fields equal."""
         if not specs:
             raise KVCacheSpecMergeError("specs: expected at least one spec to merge, got none")
         first = specs[0]
         windows = ("sliding_window", "attention_chunk_size")
         for other in specs[1:]:
-            _check_same_fields(first, other, windows)
+            plain = all(
+                isinstance(s, FullAttentionSpec) and not isinstance(s, LatentPageSpec)
+                for s in (first, other)
+            )
+            _check_same_fields(first, other, windows, AttentionSpec if plain else None)
         merged = replace(first, **{name: _merge_window(specs, name) for name in windows})
         if merged.sliding_window is not None and merged.attention_chunk_size is not None:
             raise KVCacheSpecMergeError(

@@ -117,14 +117,20 @@ class KVCacheSpec(ABC):
         return replace(self, block_size=block_size)
 
 
-def _check_same_fields(first: KVCacheSpec, other: KVCacheSpec, skip: tuple[str, ...]) -> None:
+def _check_same_fields(
+    first: KVCacheSpec,
+    other: KVCacheSpec,
+    skip: tuple[str, ...],
+    fields_of: type[KVCacheSpec] | None = None,
+) -> None:
     """:class:`KVCacheSpecMergeError` unless ``other`` has ``first``'s class and fields (those in
-    ``skip`` aside)."""
-    if type(other) is not type(first):
+    ``skip`` aside); with ``fields_of``, the classes may differ and only the fields of that
+    class (which both must be) are compared."""
+    if fields_of is None and type(other) is not type(first):
         raise KVCacheSpecMergeError(
             f"specs: cannot merge {type(first).__name__} with {type(other).__name__}"
         )
-    for f in fields(first):
+    for f in fields(first if fields_of is None else fields_of):
         a, b = getattr(first, f.name), getattr(other, f.name)
         if f.name not in skip and a != b:
             raise KVCacheSpecMergeError(

@@ -133,6 +133,23 @@ def test_merge_windows_and_errors() -> None:
     assert not kcu.is_kv_cache_spec_uniform({"a": full(), "b": swa()})
 
 
+def test_full_and_sink_full_layers_merge() -> None:
+    sink = SinkFullAttentionSpec(**_attn(), sink_len=4)
+    # As upstream: one group, of the first layer's class (and sink_len).
+    as_full = full().merge([full(), sink])
+    assert type(as_full) is FullAttentionSpec and as_full == full()
+    as_sink = sink.merge([sink, full(sliding_window=64)])
+    assert type(as_sink) is SinkFullAttentionSpec
+    assert (as_sink.sink_len, as_sink.sliding_window) == (4, 64)
+    assert kcu.is_kv_cache_spec_uniform({"a": full(), "b": sink})
+    with pytest.raises(AssertionError, match="differ in num_kv_heads"):
+        sink.merge([sink, full(num_kv_heads=8)])
+    mla = MLAAttentionSpec(block_size=32, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    for specs in ([full(), mla], [mla, full()], [sink, mla]):
+        with pytest.raises(AssertionError, match="cannot merge"):
+            specs[0].merge(specs)
+
+
 def test_spec_kinds_and_windows() -> None:
     mla = MLAAttentionSpec(block_size=32, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
     sink = SinkFullAttentionSpec(**_attn(), sink_len=4)
