@@ -429,15 +429,28 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
 
     @classmethod
     def is_uniform_type(cls, kv_cache_specs: dict[str, KVCacheSpec]) -> bool:
-        """True when all specs need the same token slots: one block size (and slots stored per
-        page), and one kind: any full attention (MLA and recorded windows included), cross
-        attention, sliding window or sliding-window MLA of one window, chunked-local attention of
-        one chunk size, or Mamba with one number of speculative pages."""
+        """True when all specs need the same token slots (as upstream): one block size, and
+        every spec of the first spec's kind: any full attention (MLA of any compress ratio,
+        sink-full and recorded windows included), cross attention, sliding window or
+        sliding-window MLA of the first spec's window, chunked-local attention of its chunk
+        size, or Mamba with its number of speculative pages. False for no specs;
+        ``NotImplementedError`` when the first spec is of another kind."""
         specs = list(kv_cache_specs.values())
         if not specs:
             return False
-        keys = {_slot_key(spec) for spec in specs}
-        return len(keys) == 1 and None not in keys
+        if len({spec.block_size for spec in specs}) > 1:
+            return False
+        first = specs[0]
+        rule = next((r for r in _UNIFORM_TYPE_RULES if isinstance(first, r[0])), None)
+        if rule is None:
+            raise NotImplementedError(
+                f"kv_cache_specs: no uniform-type rule for {type(first).__name__}"
+            )
+        kind, attr = rule
+        return all(
+            isinstance(spec, kind) and (attr is None or getattr(spec, attr) == getattr(first, attr))
+            for spec in specs
+        )
 
     @classmethod
     def from_specs(cls, kv_cache_specs: dict[str, KVCacheSpec]) -> UniformTypeKVCacheSpecs | None:
@@ -457,24 +470,15 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
         )
 
 
-def _slot_key(spec: KVCacheSpec) -> tuple[Any, ...] | None:
-    """What decides the token slots a spec needs; None for kinds never grouped by type."""
-    kind: tuple[Any, ...]
-    if isinstance(spec, SlidingWindowMLASpec):  # subclasses before their bases
-        kind = ("sliding_window_mla", spec.sliding_window)
-    elif isinstance(spec, FullAttentionSpec):
-        kind = ("full",)
-    elif isinstance(spec, CrossAttentionSpec):
-        kind = ("cross",)
-    elif isinstance(spec, SlidingWindowSpec):
-        kind = ("sliding_window", spec.sliding_window)
-    elif isinstance(spec, ChunkedLocalAttentionSpec):
-        kind = ("chunked_local", spec.attention_chunk_size)
-    elif isinstance(spec, MambaSpec):
-        kind = ("mamba", spec.num_speculative_blocks)
-    else:
-        return None
-    return (*kind, spec.block_size, spec.storage_block_size)
+_UNIFORM_TYPE_RULES: tuple[tuple[type[KVCacheSpec], str | None], ...] = (
+    # (class every spec must be, field they must share), the most specific class first.
+    (SlidingWindowMLASpec, "sliding_window"),
+    (FullAttentionSpec, None),
+    (CrossAttentionSpec, None),
+    (SlidingWindowSpec, "sliding_window"),
+    (ChunkedLocalAttentionSpec, "attention_chunk_size"),
+    (MambaSpec, "num_speculative_blocks"),
+)
 
 
 class KVCacheSpecKind(str, Enum):

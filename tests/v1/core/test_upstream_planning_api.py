@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -171,6 +173,30 @@ def test_spec_kinds_and_windows() -> None:
     mixed = UniformTypeKVCacheSpecs(block_size=32, kv_cache_specs={"a": full(), "b": swa()})
     assert get_kv_cache_spec_kind(mixed) == KVCacheSpecKind.UNKNOWN
     assert group.get_page_sizes() == [PAGE] and group.get_num_layer_tuples() == 2
+
+
+def test_uniform_type_rule_is_upstreams() -> None:
+    common = dict(block_size=64, num_kv_heads=1, head_size=512, dtype=torch.uint8)
+    v4 = dict(common, cache_dtype_str="fp8_ds_mla", model_version="deepseek_v4")
+    compressed = {
+        "c4": MLAAttentionSpec(**v4, compress_ratio=4),
+        "c64": MLAAttentionSpec(**v4, compress_ratio=64),
+        "plain": MLAAttentionSpec(**v4),
+    }
+    # Layers of different compress ratios need the same token slots: one uniform group.
+    assert UniformTypeKVCacheSpecs.is_uniform_type(compressed)
+    group = UniformTypeKVCacheSpecs.from_specs(compressed)
+    assert group is not None and sorted(group.get_page_sizes()) == [584, 16 * 584, 64 * 584]
+    # The first spec's kind decides, as upstream (a sliding-window MLA layer is a SWA layer).
+    swa_mla = SlidingWindowMLASpec(**common, sliding_window=256)
+    sliding = {"a": swa(256), "b": dataclasses.replace(swa_mla, block_size=32)}
+    assert UniformTypeKVCacheSpecs.is_uniform_type(sliding)
+    assert not UniformTypeKVCacheSpecs.is_uniform_type(dict(reversed(sliding.items())))
+    with pytest.raises(NotImplementedError, match="EncoderOnlyAttentionSpec"):
+        UniformTypeKVCacheSpecs.is_uniform_type({"e": EncoderOnlyAttentionSpec(**_attn())})
+    assert not UniformTypeKVCacheSpecs.is_uniform_type(
+        {"f": full(), "e": EncoderOnlyAttentionSpec(**_attn())}
+    )
 
 
 def test_fp8_ds_mla_layouts() -> None:
