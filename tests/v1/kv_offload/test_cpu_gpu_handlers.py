@@ -310,7 +310,7 @@ def test_handler_rejects_mismatched_tensors() -> None:
             handlers.gpu_to_cpu_handler.transfer_stream,
             True,
         )
-    with pytest.raises(ValueError, match="expected a dense torch.uint8"):
+    with pytest.raises(ValueError, match="expected a torch.uint8 \\[num_rows, row_bytes\\]"):
         SingleDirectionOffloadingHandler(
             [gpu[0].view(torch.int8)],
             [gpu[0]],

@@ -12,12 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tiering_test_utils import region, stub_spec, wait_until
+from tiering_test_utils import FORMATS, region, stub_spec, wait_until, worker_pages
 
-from vllm.kv_quant import per_token_head_write_cache
-from vllm.utils.torch_utils import create_kv_caches_with_random_flash
-from vllm.v1.kv_cache_format import lookup
-from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_offload.base import ReqContext, make_offload_key
 from vllm.v1.kv_offload.tiering import factory
 from vllm.v1.kv_offload.tiering.base import JobMetadata
@@ -30,7 +26,6 @@ from vllm.v1.kv_offload.tiering.manager import (
 )
 
 CTX = ReqContext(req_id="r")
-FORMATS = ["bfloat16", "fp8", "nvfp4", "int8_per_token_head", "fp8_per_token_head"]
 
 
 def key(i: int, group: int = 0):
@@ -143,48 +138,6 @@ def test_factory_creates_the_tier(tmp_path) -> None:
     assert isinstance(fs, FileSystemTierManager) and fs.tier_type == "fs_python"
     assert len(fs._pool._threads) == 17 and config["type"] == "fs_python"
     fs.shutdown()
-
-
-def layer_caches(cache_dtype: str, seed: int) -> list[torch.Tensor]:
-    """Two layers' ``(B, 2, N, H, F)`` caches in ``cache_dtype`` (per-token-head ones written
-    by the format's codec, the others by the random-cache helper)."""
-    fmt = lookup(cache_dtype)
-    if not cache_dtype.endswith("per_token_head"):
-        keys, _ = create_kv_caches_with_random_flash(
-            6, 16, 2, 2, 64, cache_dtype, "bfloat16", seed=seed, device="cpu"
-        )
-        return [k._base if k._base is not None else k for k in keys]
-    g = torch.Generator().manual_seed(seed)
-    caches = []
-    for _ in range(2):
-        assert fmt.storage_dtype is not None
-        cache = torch.zeros((6, 2, 16, 2, fmt.last_dim(64)), dtype=fmt.storage_dtype)
-        slots = torch.arange(6 * 16)
-        for side in range(2):
-            x = torch.randn((6 * 16, 2, 64), generator=g).to(torch.bfloat16)
-            per_token_head_write_cache(x, cache[:, side], slots, cache_dtype)
-        caches.append(cache)
-    return caches
-
-
-def worker_pages(cache_dtype: str, seed: int) -> tuple[list[torch.Tensor], list[int]]:
-    """Two layers' caches in ``cache_dtype`` as ``[num_blocks, page bytes]`` uint8 tensors."""
-    fmt = lookup(cache_dtype)
-    assert fmt.storage_dtype is not None
-    spec = FullAttentionSpec(
-        block_size=16,
-        num_kv_heads=2,
-        head_size=64,
-        dtype=fmt.storage_dtype,
-        kv_quant_mode=fmt.quant_mode,
-    )
-    pages = []
-    for cache in layer_caches(cache_dtype, seed):
-        raw = cache.contiguous().view(torch.uint8).reshape(-1)
-        assert raw.numel() == 6 * spec.page_size_bytes
-        assert raw.count_nonzero() > raw.numel() // 2
-        pages.append(raw.view(6, spec.page_size_bytes))
-    return pages, [spec.page_size_bytes] * len(pages)
 
 
 Cells = list[tuple[torch.Tensor, torch.Tensor]]

@@ -1,8 +1,11 @@
 """CPU <-> GPU transfer handlers for KV-cache pages.
 
-Every job copies whole pages of every registered KV-cache buffer with
-``vllm._custom_ops.swap_blocks(src, dst, page_size_bytes, block_mapping)``; pages are moved as
-raw bytes, so quantized pages (FP8 / NVFP4 data and their scales) survive bit for bit.
+Every job copies pages of every registered KV-cache buffer (the bytes each KV-cache group's
+data references name) with ``vllm._custom_ops.swap_blocks(src, dst, unit, unit_mapping)``,
+addressing both sides in units of bytes that divide the page size and the row strides, so the
+CPU side may be dense pages or a :class:`SharedOffloadRegion`'s strided per-worker cells. Pages
+are moved as raw bytes, so quantized pages (FP8 / NVFP4 / per-token-head data and their
+scales) survive bit for bit.
 
 Ordering contract.
 
@@ -34,6 +37,8 @@ before it has seen the job finish (:meth:`get_finished` / :meth:`wait`).
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -42,17 +47,21 @@ import torch
 from vllm.utils import check_positive_int
 from vllm.v1.kv_offload.base import (
     BlockIDsLoadStoreSpec,
+    CanonicalKVCacheRef,
     CanonicalKVCaches,
     GPULoadStoreSpec,
     TransferSpec,
     TransferType,
 )
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.worker.page_views import canonical_page_tensor
 from vllm.v1.kv_offload.worker.transfer_stream import (
     StreamOffloadingHandler,
     TransferStream,
     make_transfer_stream,
 )
+
+logger = logging.getLogger(__name__)
 
 SwapBlocksFn = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], None]
 """``swap_blocks(src, dst, block_size_in_bytes, block_mapping)``: copy page ``m[i, 0]`` of
@@ -87,12 +96,16 @@ def expand_block_ids(
 class SingleDirectionOffloadingHandler(StreamOffloadingHandler):
     """Copies pages from ``src_tensors`` to ``dst_tensors`` (one direction), in order.
 
-    ``src_tensors[i]`` and ``dst_tensors[i]`` are ``torch.uint8`` page tensors
-    ``[num_pages, page_size_bytes]`` of the same page size. A block of the source spec covers
-    ``src_block_size_factor`` pages, a block of the destination ``dst_block_size_factor``
-    pages; how a job's block ids split into groups and pages is
-    :meth:`build_block_mappings`. ``group_tensor_indices``: per KV-cache group, the tensors
-    its blocks live in (default: one group using every tensor).
+    ``src_tensors[i]`` and ``dst_tensors[i]`` are ``torch.uint8`` ``[num_rows, row_bytes]``
+    tensors (unit column stride, rows possibly strided apart) of the same page size, fixed by
+    the side whose blocks are one page; each row holds one page or one block of pages. A block
+    of the source spec covers ``src_block_size_factor`` pages, a block of the destination
+    ``dst_block_size_factor`` pages; how a job's block ids split into groups and pages is
+    :meth:`build_block_mappings`. ``group_data_refs`` (upstream's
+    ``kv_cache_groups_data_refs``): per KV-cache group, the tensors its blocks live in and the
+    leading bytes of each page it moves; without it ``group_tensor_indices`` names the tensors
+    and whole pages move (default: one group using every tensor). ``mmap_region``: the shared
+    offload region this handler cleans up on :meth:`shutdown`.
 
     ``depends_on``: another handler whose earlier jobs this handler's jobs wait for — every job
     of it submitted before and not yet reported (see the module's ordering contract).
@@ -110,6 +123,8 @@ class SingleDirectionOffloadingHandler(StreamOffloadingHandler):
         swap_blocks: SwapBlocksFn | None = None,
         depends_on: StreamOffloadingHandler | None = None,
         group_tensor_indices: Sequence[Sequence[int]] | None = None,
+        group_data_refs: Sequence[Sequence[CanonicalKVCacheRef]] | None = None,
+        mmap_region: SharedOffloadRegion | None = None,
     ):
         if len(src_tensors) != len(dst_tensors) or not src_tensors:
             raise ValueError(
@@ -124,30 +139,70 @@ class SingleDirectionOffloadingHandler(StreamOffloadingHandler):
         self.page_sizes_bytes: list[int] = []
         for i, (src, dst) in enumerate(zip(src_tensors, dst_tensors, strict=True)):
             for side, t in (("src", src), ("dst", dst)):
-                if t.dtype != torch.uint8 or t.dim() != 2 or t.stride() != (t.shape[1], 1):
+                if (
+                    t.dtype != torch.uint8
+                    or t.dim() != 2
+                    or t.stride(1) != 1
+                    or (t.shape[0] > 1 and t.stride(0) < t.shape[1])
+                ):
                     raise ValueError(
-                        f"{side}_tensors[{i}]: expected a dense torch.uint8 "
-                        f"[num_pages, page_size_bytes] tensor, got {t.dtype} of shape "
+                        f"{side}_tensors[{i}]: expected a torch.uint8 [num_rows, row_bytes] "
+                        f"tensor of non-overlapping rows, got {t.dtype} of shape "
                         f"{tuple(t.shape)} and strides {t.stride()}"
                     )
-            if src.shape[1] != dst.shape[1]:
-                raise ValueError(
-                    f"dst_tensors[{i}]: page size {dst.shape[1]} bytes differs from the "
-                    f"source's {src.shape[1]} bytes"
-                )
-            self.page_sizes_bytes.append(src.shape[1])
-        self.src_tensors = list(src_tensors)
-        self.dst_tensors = list(dst_tensors)
+            # The side whose blocks are single pages fixes the page size; the other side's
+            # rows hold one page or one block of pages.
+            page = src.shape[1] if src_block_size_factor == 1 else dst.shape[1]
+            for side, t, factor in (
+                ("src", src, src_block_size_factor),
+                ("dst", dst, dst_block_size_factor),
+            ):
+                if t.shape[1] not in (page, factor * page):
+                    raise ValueError(
+                        f"{side}_tensors[{i}]: page size {t.shape[1]} bytes differs from the "
+                        f"{'destination' if side == 'src' else 'source'}'s {page} bytes "
+                        f"(rows of {factor} pages allowed)"
+                    )
+            self.page_sizes_bytes.append(page)
+        self.src_tensors = src_tensors if isinstance(src_tensors, list) else list(src_tensors)
+        self.dst_tensors = dst_tensors if isinstance(dst_tensors, list) else list(dst_tensors)
         self.src_block_size_factor = src_block_size_factor
         self.dst_block_size_factor = dst_block_size_factor
-        self.num_src_blocks = min(t.shape[0] for t in src_tensors) // src_block_size_factor
-        self.num_dst_blocks = min(t.shape[0] for t in dst_tensors) // dst_block_size_factor
+        self.num_src_blocks = self._num_pages(self.src_tensors) // src_block_size_factor
+        self.num_dst_blocks = self._num_pages(self.dst_tensors) // dst_block_size_factor
         super().__init__(transfer_type, transfer_stream, wait_for_compute, depends_on)
         self._swap_blocks = swap_blocks
-        # Per KV-cache group, the tensors its blocks live in (default: one group, all).
-        self.group_tensor_indices: list[list[int]] = [
-            list(g) for g in (group_tensor_indices or [range(len(self.src_tensors))])
+        # Per KV-cache group, the tensors its blocks live in and the bytes of each page moved
+        # (default: one group using every tensor's whole pages).
+        if group_data_refs is None:
+            group_data_refs = [
+                [CanonicalKVCacheRef(t, self.page_sizes_bytes[t]) for t in g]
+                for g in (group_tensor_indices or [range(len(self.src_tensors))])
+            ]
+        for refs in group_data_refs:
+            for ref in refs:
+                if not 0 <= ref.tensor_idx < len(self.src_tensors) or not (
+                    0 < ref.page_size_bytes <= self.page_sizes_bytes[ref.tensor_idx]
+                ):
+                    raise ValueError(
+                        f"group_data_refs: {ref} is not a tensor index with at most that "
+                        f"tensor's page size ({len(self.src_tensors)} tensors, page sizes "
+                        f"{self.page_sizes_bytes})"
+                    )
+        self.kv_cache_groups_data_refs: list[list[CanonicalKVCacheRef]] = [
+            list(refs) for refs in group_data_refs
         ]
+        self.group_tensor_indices: list[list[int]] = [
+            [ref.tensor_idx for ref in refs] for refs in self.kv_cache_groups_data_refs
+        ]
+        # The shared offload region this handler cleans up on shutdown (the store side owns it).
+        self._mmap_region = mmap_region
+
+    def _num_pages(self, tensors: list[torch.Tensor]) -> int:
+        return min(
+            t.shape[0] * (t.shape[1] // page)
+            for t, page in zip(tensors, self.page_sizes_bytes, strict=True)
+        )
 
     def _check_ids(self, name: str, ids: np.ndarray, num_blocks: int) -> None:
         if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
@@ -156,8 +211,10 @@ class SingleDirectionOffloadingHandler(StreamOffloadingHandler):
                 f"spec: {name} block ids must be in [0, {num_blocks}), got {bad.tolist()}"
             )
 
-    def build_block_mappings(self, spec: TransferSpec) -> list[tuple[Sequence[int], torch.Tensor]]:
-        """Per KV-cache group: its tensors' indices and the int64 CPU ``[n, 2]`` (source page,
+    def build_block_mappings(
+        self, spec: TransferSpec
+    ) -> list[tuple[Sequence[CanonicalKVCacheRef], np.ndarray]]:
+        """Per KV-cache group: its data references and the int64 ``[n, 2]`` (source page,
         destination page) mapping of ``spec``.
 
         The GPU side is a :class:`GPULoadStoreSpec`; the other side lists the blocks of group
@@ -176,18 +233,21 @@ class SingleDirectionOffloadingHandler(StreamOffloadingHandler):
         gpu_spec = src_spec if isinstance(src_spec, GPULoadStoreSpec) else dst_spec
         if not isinstance(gpu_spec, GPULoadStoreSpec):
             raise ValueError(f"spec: expected a GPULoadStoreSpec side, got {spec!r}")
-        if len(gpu_spec.group_sizes) != len(self.group_tensor_indices):
+        if len(gpu_spec.group_sizes) != len(self.kv_cache_groups_data_refs):
             raise ValueError(
                 f"spec: group_sizes has {len(gpu_spec.group_sizes)} entries for "
-                f"{len(self.group_tensor_indices)} KV-cache groups"
+                f"{len(self.kv_cache_groups_data_refs)} KV-cache groups"
             )
         src_ids, dst_ids = src_spec.block_ids, dst_spec.block_ids
         self._check_ids(f"{self.transfer_type[0]} (source)", src_ids, self.num_src_blocks)
         self._check_ids(f"{self.transfer_type[1]} (destination)", dst_ids, self.num_dst_blocks)
-        mappings: list[tuple[Sequence[int], torch.Tensor]] = []
+        mappings: list[tuple[Sequence[CanonicalKVCacheRef], np.ndarray]] = []
         offsets = [0, 0]
-        for size, index, tensors in zip(
-            gpu_spec.group_sizes, gpu_spec.block_indices, self.group_tensor_indices, strict=True
+        for size, index, refs in zip(
+            gpu_spec.group_sizes,
+            gpu_spec.block_indices,
+            self.kv_cache_groups_data_refs,
+            strict=True,
         ):
             if size < 0 or index < 0:
                 raise ValueError(f"spec: negative group size {size} or block index {index}")
@@ -210,7 +270,7 @@ class SingleDirectionOffloadingHandler(StreamOffloadingHandler):
                 expand_block_ids(blocks, factor, pages, skip)
                 mapping[:, col] = pages[:size]
                 offsets[col] += count
-            mappings.append((tensors, torch.from_numpy(mapping)))
+            mappings.append((refs, mapping))
         if offsets != [src_ids.size, dst_ids.size]:
             raise ValueError(
                 f"spec: {src_ids.size} source and {dst_ids.size} destination block ids, but the "
@@ -224,30 +284,87 @@ class SingleDirectionOffloadingHandler(StreamOffloadingHandler):
         mappings = self.build_block_mappings(spec)
         swap_blocks = self._swap_blocks or default_swap_blocks()
         self._swap_blocks = swap_blocks
-        copies = [
-            (self.src_tensors[t], self.dst_tensors[t], self.page_sizes_bytes[t], mapping)
-            for tensors, mapping in mappings
-            for t in tensors
-        ]
+        copies: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]] = []
+        num_bytes = 0
+        for refs, mapping in mappings:
+            for ref in refs:
+                t = ref.tensor_idx
+                copies.append(self._byte_mapping(t, ref.page_size_bytes, mapping))
+                num_bytes += ref.page_size_bytes * mapping.shape[0]
 
         def copy_pages() -> None:
-            for src, dst, page_size, mapping in copies:
-                swap_blocks(src, dst, page_size, mapping)
+            for src, dst, unit, byte_mapping in copies:
+                swap_blocks(src, dst, unit, byte_mapping)
 
-        num_bytes = sum(page_size * m.shape[0] for _, _, page_size, m in copies)
         return self.submit_job(job_id, copy_pages, num_bytes)
+
+    def _byte_mapping(
+        self, t: int, num_bytes: int, mapping: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+        """``swap_blocks`` arguments that copy the first ``num_bytes`` of page ``mapping[i, 0]``
+        of source tensor ``t`` to page ``mapping[i, 1]`` of destination tensor ``t``.
+
+        Page ``p`` of a tensor whose rows hold ``k`` pages lies ``(p // k) * row stride +
+        (p % k) * page size`` bytes after its data pointer, so strided rows (a
+        :class:`SharedOffloadRegion` view, whose rows interleave every worker's pages) work as
+        well as dense pages: the copy runs in units of the greatest common divisor of the row
+        strides, the page size and ``num_bytes``, each page spanning ``num_bytes / unit``
+        consecutive units on both sides.
+        """
+        src, dst, page = self.src_tensors[t], self.dst_tensors[t], self.page_sizes_bytes[t]
+        unit = math.gcd(src.stride(0), dst.stride(0), page, num_bytes)
+        columns = []
+        for col, tensor in enumerate((src, dst)):
+            per_row = tensor.shape[1] // page
+            pages = mapping[:, col]
+            offsets = (pages // per_row) * tensor.stride(0) + (pages % per_row) * page
+            units = offsets[:, None] // unit + np.arange(num_bytes // unit, dtype=np.int64)
+            columns.append(units.reshape(-1))
+        byte_mapping = torch.from_numpy(np.stack(columns, axis=1))
+        return src, dst, unit, byte_mapping
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self._mmap_region is not None:
+            # The region's buffer cannot be unmapped while views of it exist: drop this
+            # handler's (shared with its peer and CpuGpuOffloadingHandlers) first.
+            self.src_tensors.clear()
+            self.dst_tensors.clear()
+            self._mmap_region.cleanup()
+            self._mmap_region = None
+
+
+def pin_mmap_region(region: SharedOffloadRegion) -> None:
+    """Register the whole shared offload file as CUDA pinned host memory
+    (``cudaHostRegister``); on failure copies still work, unpinned and slower."""
+    base = region.create_kv_memoryview()
+    address = np.frombuffer(base, dtype=np.uint8).ctypes.data
+    result = torch.cuda.cudart().cudaHostRegister(address, region.total_size_bytes, 0)
+    if int(getattr(result, "value", result)) == 0:
+        region.is_pinned = True
+    else:
+        logger.warning(
+            "cudaHostRegister of the shared offload region (rank %s) failed: %s; copies to and "
+            "from it are unpinned",
+            region.rank,
+            result,
+        )
 
 
 class CpuGpuOffloadingHandlers:
     """The two handlers (GPU -> CPU and CPU -> GPU) of a worker's KV cache, and the CPU buffers.
 
-    Per canonical tensor (``[num_gpu_blocks, page_size_bytes]`` pages) one CPU buffer
-    ``[num_cpu_blocks, block_size_factor * page_size_bytes]`` of ``torch.uint8`` (pinned when
-    ``pin_memory``, by default when the KV cache is on a CUDA device): CPU block ``c`` holds
-    ``block_size_factor`` consecutive GPU pages of the tensor. Whole pages (padding
-    included) move as raw bytes; a group's jobs touch only the tensors of its
-    ``group_data_refs``. The CPU buffers are ``torch.empty``: their bytes mean something
-    only once stored.
+    Per canonical tensor (``[num_gpu_blocks, page_size_bytes]`` pages) one CPU buffer of
+    ``torch.uint8``: without ``mmap_region`` a ``[num_cpu_blocks * block_size_factor,
+    page_size_bytes]`` tensor (pinned when ``pin_memory``, by default when the KV cache is on
+    a CUDA device), CPU block ``c`` holding pages ``c * f .. c * f + f - 1``; with
+    ``mmap_region`` (a :class:`SharedOffloadRegion` opened with this worker's rank) the
+    region's next view ``[num_cpu_blocks, block_size_factor * page_size_bytes]``, whose rows
+    are this worker's cells of the region's interleaved rows (pinned with ``cudaHostRegister``
+    when ``pin_memory``). The GPU -> CPU handler owns the region: its :meth:`shutdown` drops
+    the views and cleans the region up. A group moves the first ``page_size_bytes`` of each
+    page of the tensors its :attr:`kv_cache_groups_data_refs` name, as raw bytes. The CPU
+    buffers are not initialised: their bytes mean something only once stored.
     """
 
     def __init__(
@@ -255,6 +372,7 @@ class CpuGpuOffloadingHandlers:
         kv_caches: CanonicalKVCaches,
         block_size_factor: int,
         num_cpu_blocks: int,
+        mmap_region: SharedOffloadRegion | None = None,
         *,
         pin_memory: bool | None = None,
         swap_blocks: SwapBlocksFn | None = None,
@@ -265,8 +383,14 @@ class CpuGpuOffloadingHandlers:
         check_positive_int("num_cpu_blocks", num_cpu_blocks)
         if not kv_caches.tensors:
             raise ValueError("kv_caches: expected at least one KV-cache tensor")
+        if mmap_region is not None and mmap_region.num_blocks != num_cpu_blocks:
+            raise ValueError(
+                f"mmap_region: holds {mmap_region.num_blocks} blocks, expected "
+                f"num_cpu_blocks={num_cpu_blocks}"
+            )
         self.block_size_factor = block_size_factor
         self.num_cpu_blocks = num_cpu_blocks
+        self.kv_cache_groups_data_refs = kv_caches.group_data_refs
         self.gpu_tensors = [
             canonical_page_tensor(t, f"kv_caches.tensors[{i}]")
             for i, t in enumerate(kv_caches.tensors)
@@ -275,18 +399,25 @@ class CpuGpuOffloadingHandlers:
         device = self.gpu_tensors[0].device
         if pin_memory is None:
             pin_memory = device.type == "cuda" and torch.cuda.is_available()
-        self.cpu_tensors = [
-            torch.empty(
-                (num_cpu_blocks * block_size_factor, t.shape[1]),
-                dtype=torch.uint8,
-                device="cpu",
-                pin_memory=pin_memory,
-            )
-            for t in self.gpu_tensors
-        ]
-        groups = [sorted({ref.tensor_idx for ref in refs}) for refs in kv_caches.group_data_refs]
+        if mmap_region is not None:
+            if pin_memory and not mmap_region.is_pinned:
+                pin_mmap_region(mmap_region)
+            self.cpu_tensors = [
+                mmap_region.create_next_view(block_size_factor * t.shape[1]).view(torch.uint8)
+                for t in self.gpu_tensors
+            ]
+        else:
+            self.cpu_tensors = [
+                torch.empty(
+                    (num_cpu_blocks * block_size_factor, t.shape[1]),
+                    dtype=torch.uint8,
+                    device="cpu",
+                    pin_memory=pin_memory,
+                )
+                for t in self.gpu_tensors
+            ]
         factory = transfer_stream_factory or make_transfer_stream
-        common = dict(group_tensor_indices=groups, swap_blocks=swap_blocks)
+        common = dict(group_data_refs=kv_caches.group_data_refs, swap_blocks=swap_blocks)
         self.gpu_to_cpu_handler = SingleDirectionOffloadingHandler(
             src_tensors=self.gpu_tensors,
             dst_tensors=self.cpu_tensors,
@@ -295,6 +426,7 @@ class CpuGpuOffloadingHandlers:
             transfer_type=("GPU", "CPU"),
             transfer_stream=factory(device, "kv-offload-gpu-to-cpu"),
             wait_for_compute=True,
+            mmap_region=mmap_region,
             **common,  # type: ignore[arg-type]
         )
         self.cpu_to_gpu_handler = SingleDirectionOffloadingHandler(
@@ -311,6 +443,6 @@ class CpuGpuOffloadingHandlers:
         )
 
     def shutdown(self) -> None:
-        """Wait for jobs in flight and release both handlers' streams."""
-        self.gpu_to_cpu_handler.shutdown()
+        """Wait for jobs in flight and release both handlers' streams (and the region)."""
         self.cpu_to_gpu_handler.shutdown()
+        self.gpu_to_cpu_handler.shutdown()
