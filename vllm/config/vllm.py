@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 
 from vllm.config.cache import CacheConfig
@@ -28,8 +29,12 @@ class VllmConfig:
     speculative_config: SpeculativeConfig | None = None
     kv_transfer_config: KVTransferConfig | None = None
     kv_events_config: KVEventsConfig | None = None
+    instance_id: str = ""
+    """This engine's id (names its shared offload region); empty: five random hex digits."""
 
     def __post_init__(self) -> None:
+        if not self.instance_id:
+            self.instance_id = uuid.uuid4().hex[:5]
         if self.scheduler_config is None:
             model = self.model_config
             if model is not None and model.max_model_len is not None:

@@ -69,3 +69,6 @@ OffloadingSpecFactory.register_spec(
 OffloadingSpecFactory.register_spec(
     "MooncakeOffloadingSpec", "vllm.v1.kv_offload.mooncake", "MooncakeOffloadingSpec"
 )
+OffloadingSpecFactory.register_spec(
+    "TieringOffloadingSpec", "vllm.v1.kv_offload.tiering.spec", "TieringOffloadingSpec"
+)
