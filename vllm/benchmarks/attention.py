@@ -25,7 +25,6 @@ repeat's op against the copy timed just before it.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -332,10 +331,6 @@ def to_json(rows: Sequence[AttentionRow]) -> dict[str, Any]:
         "flush_bytes": flush_bytes(torch.device("cpu")) if mode == "cold" else None,
         "rows": [noise.row_json(r) for r in rows],
     }
-
-
-def write_json(rows: Sequence[AttentionRow], path: str | Path) -> None:
-    Path(path).write_text(json.dumps(to_json(rows), indent=2) + "\n")
 
 
 def write_plot(rows: Sequence[AttentionRow], path: str | Path) -> None:

@@ -46,8 +46,8 @@ import torch
 from vllm.benchmarks import attention, noise
 from vllm.benchmarks import reshape_and_cache_flash as core
 from vllm.cli import args as cli_args
-from vllm.cli.args import STDOUT, UsageError, add_json_argument, distinct_outputs
-from vllm.cli.output import deliver_json, emit, writing
+from vllm.cli.args import UsageError, add_json_argument, distinct_outputs
+from vllm.cli.output import deliver, writing
 
 OPS = ("reshape_and_cache_flash", "attention")
 """Values of ``--op``."""
@@ -282,10 +282,7 @@ def run(args: argparse.Namespace) -> int:
     finally:  # end the bar's line, also on Ctrl-C
         if bar is not None:
             bar.close()
-    if args.json != STDOUT:
-        emit(table(rows))
-    if args.json is not None:
-        deliver_json(json.dumps(to_json(rows), indent=2), args.json)
+    deliver(lambda: table(rows), lambda: json.dumps(to_json(rows), indent=2), args.json)
     if args.plot:
         with writing("--plot", args.plot):
             plot(rows, args.plot)

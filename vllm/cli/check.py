@@ -27,8 +27,8 @@ from vllm.accuracy.formats import DEFAULT_FORMATS, MEASURED_FORMATS, CacheFormat
 from vllm.accuracy.runner import CheckReport, run_check, scale_rules
 from vllm.accuracy.synthetic import synthetic_sample
 from vllm.cli import args as cli_args
-from vllm.cli.args import STDOUT, UsageError, add_json_argument
-from vllm.cli.output import deliver_json, emit
+from vllm.cli.args import UsageError, add_json_argument
+from vllm.cli.output import deliver
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -164,14 +164,15 @@ def run(args: argparse.Namespace) -> int:
     :class:`~vllm.cli.args.UsageError` before any work."""
     _check_backends(args)
     reports = collect_reports(args)
-    if args.json != STDOUT:
-        emit("\n\n".join(r.to_table() for r in reports))
-    if args.json is not None:
+
+    def json_text() -> str:
         doc = {
             "tool": "vllm-kv check",
             "version": vllm.__version__,
             "torch": torch.__version__,
             "reports": [r.to_dict() for r in reports],
         }
-        deliver_json(json.dumps(doc, indent=2, allow_nan=False), args.json)
+        return json.dumps(doc, indent=2, allow_nan=False)
+
+    deliver(lambda: "\n\n".join(r.to_table() for r in reports), json_text, args.json)
     return 0

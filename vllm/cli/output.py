@@ -11,7 +11,7 @@ import contextlib
 import errno
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TextIO
 
 from vllm.cli.args import STDOUT
@@ -86,6 +86,15 @@ def write_file(flag: str, path: str, text: str) -> None:
     with writing(flag, path), open(path, "w", encoding="utf-8") as out:
         out.write(text)
     print(f"wrote {path}", file=sys.stderr)
+
+
+def deliver(table: Callable[[], str], json_text: Callable[[], str], target: str | None) -> None:
+    """What ``--json`` asks for: the table unless the JSON goes to stdout instead, and the JSON
+    to ``target`` when given (each rendered only when it is written)."""
+    if target != STDOUT:
+        emit(table())
+    if target is not None:
+        deliver_json(json_text(), target)
 
 
 def deliver_json(text: str, target: str) -> None:

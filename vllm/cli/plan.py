@@ -17,8 +17,8 @@ import re
 from fractions import Fraction
 from typing import Any
 
-from vllm.cli.args import STDOUT, add_json_argument, bounded_int
-from vllm.cli.output import deliver_json, emit
+from vllm.cli.args import add_json_argument, bounded_int
+from vllm.cli.output import deliver
 from vllm.cli.plan_model import check_tp_fits_heads, load_model_argument, planner_usage_error
 from vllm.cli.plan_report import REFERENCE_DTYPE, plan_report
 from vllm.cli.plan_text import render_text
@@ -183,10 +183,7 @@ def run(args: argparse.Namespace) -> int:
     if title is None and args.model in available_presets():
         title = load_preset(args.model).get("name")
     report = plan_report(name, title, layout, columns, reference)
-    if args.json != STDOUT:
-        emit(render_text(report, columns))
-    if args.json is not None:
-        deliver_json(json.dumps(report, indent=2), args.json)
+    deliver(lambda: render_text(report, columns), lambda: json.dumps(report, indent=2), args.json)
     if args.memory is not None and not any(c.plan is not None and c.plan.fits for c in columns):
         return 1
     return 0
