@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import InitVar, dataclass, field
 from typing import ClassVar
 
+from vllm.utils import check_positive_int
+
 __all__ = ["SchedulerConfig"]
 
 
@@ -29,7 +31,5 @@ class SchedulerConfig:
 
     def __post_init__(self, max_model_len: int, is_encoder_decoder: bool) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+            check_positive_int(name, getattr(self, name))
         self.max_num_encoder_input_tokens = self.max_num_batched_tokens

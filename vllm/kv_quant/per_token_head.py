@@ -24,7 +24,12 @@ from __future__ import annotations
 
 import torch
 
-from vllm.kv_quant.fp8 import Fp8Format, fp8_bytes_to_fp32, fp32_to_fp8_bytes
+from vllm.kv_quant.fp8 import (
+    _FLOAT_INPUT_DTYPES,
+    Fp8Format,
+    fp8_bytes_to_fp32,
+    fp32_to_fp8_bytes,
+)
 from vllm.kv_quant.nvfp4_cache import check_slot_mapping
 from vllm.v1.kv_cache_format import PER_TOKEN_HEAD_SCALE_BYTES, KVCacheFormat, KVQuantMode, lookup
 
@@ -36,8 +41,6 @@ PER_TOKEN_HEAD_SCALE_FLOOR = 1e-6
 
 NAN_SCALE_BITS = 0x7FC00000
 """The scale's bits in a row that held a NaN."""
-
-_FLOAT_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def per_token_head_format(kv_cache_dtype: str | KVCacheFormat) -> KVCacheFormat:
