@@ -7,7 +7,10 @@ A group is a set of layers sharing one block table. The layout rules:
    full attention) → one group;
 2. all layers need the same token slots but differ in page size → one group whose spec is a
    ``UniformTypeKVCacheSpecs``;
-3. otherwise (hybrid) the pages are unified to one size P
+3. DeepSeek-V4 (full-MLA and sliding-window MLA layers) → several ``UniformTypeKVCacheSpecs``
+   groups sharing layer-tuple tensors (:mod:`vllm.v1.core.kv_cache_deepseek_v4`); specs that do
+   not fit that layout (upstream fails an assertion on them) take rule 4;
+4. otherwise (hybrid) the pages are unified to one size P
    (:func:`~vllm.v1.core.page_size_unification.unify_kv_cache_spec_page_size`), layers with
    equal specs form a kind, and each kind of c layers is split into ``cdiv(c, g)`` groups of at
    most g layers (``layers[i::n]``), so that a tensor can hold layer i of every group.
@@ -28,6 +31,12 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from vllm.utils.torch_utils import get_dtype_size
+from vllm.v1.core.kv_cache_deepseek_v4 import (
+    _annotate_eagle_groups_deepseek_v4,
+    _fits_layer_tuples,
+    _get_kv_cache_groups_uniform_groups,
+    group_and_unify_kv_cache_specs,
+)
 from vllm.v1.core.page_size_unification import (
     MAX_EXACT_PAGE_GROWTH,
     MAX_PAGE_GROWTH,
@@ -251,7 +260,8 @@ def get_kv_cache_groups(
     unified to one page size first: the groups carry the unified specs. With
     ``scheduler_config.disable_hybrid_kv_cache_manager`` the specs are first made one type, in
     place (:func:`unify_hybrid_kv_cache_specs`). Hidden-state cache layers get groups of their
-    own, with pages of the common size."""
+    own, with pages of the common size. DeepSeek-V4's layers form layer-tuple groups, the one
+    holding the last layer flagged ``is_eagle_group`` with an EAGLE-style drafter."""
     scheduler = vllm_config.scheduler_config
     if scheduler is not None and scheduler.disable_hybrid_kv_cache_manager:
         unify_hybrid_kv_cache_specs(kv_cache_spec)
@@ -262,6 +272,11 @@ def get_kv_cache_groups(
     uniform = UniformTypeKVCacheSpecs.from_specs(kv_cache_spec)
     if uniform is not None:
         return [KVCacheGroupSpec(list(uniform.kv_cache_specs), uniform)]
+    grouped = group_and_unify_kv_cache_specs(kv_cache_spec)
+    if grouped is not None and _fits_layer_tuples(grouped):
+        groups = _get_kv_cache_groups_uniform_groups(grouped)
+        _annotate_eagle_groups_deepseek_v4(vllm_config, kv_cache_spec, groups)
+        return groups
     hidden = {n: s for n, s in kv_cache_spec.items() if isinstance(s, HiddenStateCacheSpec)}
     rest = {n: s for n, s in kv_cache_spec.items() if n not in hidden}
     rest = unify_kv_cache_spec_page_size(rest, policy.max_page_growth, policy.max_exact_page_growth)

@@ -5,16 +5,20 @@ the planner (:mod:`vllm.v1.core.kv_cache_utils`) also uses.
 Units: memory and page sizes in bytes, lengths in tokens, ``num_blocks`` in pages per tensor.
 Tensors: groups draw block ids from one pool; tensor i holds layer i of every group, so a
 block id costs ``group_size x page`` bytes (the largest group's size times the common page);
-a single ``UniformTypeKVCacheSpecs`` group has one tensor per layer of that layer's own page.
+a single ``UniformTypeKVCacheSpecs`` group has one tensor per layer of that layer's own page;
+DeepSeek-V4's several ``UniformTypeKVCacheSpecs`` groups share layer-tuple tensors, a block id
+costing :attr:`~vllm.v1.core.kv_cache_deepseek_v4.LayerTupleLayout.bytes_per_block`.
 """
 
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Callable, Iterable
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
+from vllm.v1.core.kv_cache_deepseek_v4 import layer_tuple_layout
 from vllm.v1.core.kv_cache_grouping import (
     UPSTREAM_LAYOUT,
     KVCacheLayoutPolicy,
@@ -199,8 +203,53 @@ def _pool_bytes_per_block(kv_cache_groups: list[KVCacheGroupSpec]) -> int:
         kv_cache_groups[0].kv_cache_spec, UniformTypeKVCacheSpecs
     ):
         return kv_cache_groups[0].kv_cache_spec.page_size_bytes
+    layout = layer_tuple_layout(kv_cache_groups)
+    if layout is not None:
+        return layout.bytes_per_block
     group_size = max(len(g.layer_names) for g in kv_cache_groups)
     return get_uniform_page_size(g.kv_cache_spec for g in kv_cache_groups) * group_size
+
+
+def _get_kv_cache_config_deepseek_v4(
+    vllm_config: VllmConfig, kv_cache_groups: list[KVCacheGroupSpec], available_memory: int
+) -> tuple[int, list[KVCacheTensor]]:
+    """``(num_blocks, tensors)`` of DeepSeek-V4's layer-tuple groups (full-MLA group first, the
+    other groups' pages padded to full-MLA page sizes): ``available_memory`` bytes divided by
+    the bytes a block id takes (≥ 0, or the override); one tensor per (tuple t, page size p),
+    ascending p within t, of ``p x num_blocks`` bytes, shared by the t-th layer of size p of
+    every group that has one. ``ValueError`` for other groups or a page of another size."""
+    layout = layer_tuple_layout(kv_cache_groups)
+    if layout is None:
+        raise ValueError(
+            "kv_cache_groups: expected several UniformTypeKVCacheSpecs groups, got "
+            f"{[type(g.kv_cache_spec).__name__ for g in kv_cache_groups]}"
+        )
+    num_blocks = may_override_num_blocks(
+        vllm_config, max(available_memory // layout.bytes_per_block, 0)
+    )
+    buckets: list[dict[int, list[str]]] = []
+    for group in kv_cache_groups:
+        spec = group.kv_cache_spec
+        assert isinstance(spec, UniformTypeKVCacheSpecs)  # checked by layer_tuple_layout
+        by_page: dict[int, list[str]] = defaultdict(list)
+        for name in group.layer_names:
+            page = spec.kv_cache_specs[name].page_size_bytes
+            if page not in layout.page_sizes:
+                raise ValueError(
+                    f"kv_cache_groups: layer {name!r} expected a page of one of the full-MLA "
+                    f"sizes {list(layout.page_sizes)} bytes, got {page}"
+                )
+            by_page[page].append(name)
+        buckets.append(by_page)
+    tensors = [
+        KVCacheTensor(
+            size=page * num_blocks,
+            shared_by=[b[page][t] for b in buckets if t < len(b.get(page, ()))],
+        )
+        for t in range(layout.num_layer_tuples)
+        for page in layout.page_sizes
+    ]
+    return num_blocks, tensors
 
 
 def get_kv_cache_config_from_groups(
@@ -219,6 +268,10 @@ def get_kv_cache_config_from_groups(
             )
             for name in kv_cache_groups[0].layer_names
         ]
+    elif layer_tuple_layout(kv_cache_groups) is not None:
+        num_blocks, tensors = _get_kv_cache_config_deepseek_v4(
+            vllm_config, kv_cache_groups, available_memory
+        )
     else:
         group_size = max(len(group.layer_names) for group in kv_cache_groups)
         assert group_size > 0, "kv_cache_groups: every group is empty"
@@ -240,12 +293,20 @@ def _max_memory_usage_bytes_from_groups(
     vllm_config: VllmConfig, kv_cache_groups: list[KVCacheGroupSpec]
 ) -> int:
     """Bytes one request of ``max_model_len`` takes under the group layout (short groups are
-    padded, as the tensors are)."""
+    padded, as the tensors are; a layer-tuple group's block id costs the whole tuple block)."""
     if not kv_cache_groups:
         return 0
     first = kv_cache_groups[0].kv_cache_spec
     if len(kv_cache_groups) == 1 and isinstance(first, UniformTypeKVCacheSpecs):
         return max_memory_usage_bytes(vllm_config, first.kv_cache_specs.values())
+    layout = layer_tuple_layout(kv_cache_groups)
+    if layout is not None:
+        # Every group's block ids come from the one pool: each costs a whole layer-tuple block.
+        pages = sum(
+            cast(UniformTypeKVCacheSpecs, group.kv_cache_spec).max_memory_usage_pages(vllm_config)
+            for group in kv_cache_groups
+        )
+        return layout.bytes_per_block * pages
     group_size = max(len(group.layer_names) for group in kv_cache_groups)
     page_size = get_uniform_page_size(group.kv_cache_spec for group in kv_cache_groups)
     blocks = sum(

@@ -5,7 +5,8 @@ Units: ``block_size`` is in tokens per page; memory, page sizes and every ``*_by
 are in bytes; ``available_memory`` is the KV-cache budget of **one** tensor-parallel rank.
 
 The upstream names live in :mod:`vllm.v1.core.kv_cache_grouping` (layers → groups, page-size
-unification through :mod:`vllm.v1.core.page_size_unification`) and
+unification through :mod:`vllm.v1.core.page_size_unification`),
+:mod:`vllm.v1.core.kv_cache_deepseek_v4` (DeepSeek-V4's layer-tuple groups) and
 :mod:`vllm.v1.core.kv_cache_sizing` (memory, blocks, per-worker configs) and are re-exported
 here. The planner below is a user of them: it groups with :data:`PLANNER_LAYOUT` (fewest groups
 with ≤ 5 % empty group slots, pages that need not divide each other; upstream's rules are
@@ -32,6 +33,12 @@ from vllm.config.scheduler import SchedulerConfig
 from vllm.config.vllm import VllmConfig
 from vllm.utils import check_positive_int
 from vllm.v1.core.kv_bytes import kv_bytes_for_tokens, spec_bytes_per_token, total_state_bytes
+from vllm.v1.core.kv_cache_deepseek_v4 import (
+    _annotate_eagle_groups_deepseek_v4,
+    _approximate_gcd,
+    _get_kv_cache_groups_uniform_groups,
+    group_and_unify_kv_cache_specs,
+)
 from vllm.v1.core.kv_cache_grouping import (
     PLANNER_LAYOUT,
     UPSTREAM_LAYOUT,
@@ -51,6 +58,7 @@ from vllm.v1.core.kv_cache_sizing import (
     _auto_fit_max_model_len,
     _check_enough_kv_cache_memory,
     _estimate_max_model_len_from_groups,
+    _get_kv_cache_config_deepseek_v4,
     _max_memory_usage_bytes_from_groups,
     _pool_bytes_per_block,
     check_enough_kv_cache_memory,
@@ -92,10 +100,15 @@ __all__ = [
     "PLANNER_LAYOUT",
     "PageSizeUnificationError",
     "UPSTREAM_LAYOUT",
+    "_annotate_eagle_groups_deepseek_v4",
+    "_approximate_gcd",
     "_auto_fit_max_model_len",
     "_check_enough_kv_cache_memory",
     "_estimate_max_model_len_from_groups",
+    "_get_kv_cache_config_deepseek_v4",
+    "_get_kv_cache_groups_uniform_groups",
     "_max_memory_usage_bytes_from_groups",
+    "_pool_bytes_per_block",
     "_project_kv_cache_groups_to_worker",
     "blocks_per_request",
     "bytes_per_block",
@@ -110,6 +123,7 @@ __all__ = [
     "get_max_concurrency_for_kv_cache_config",
     "get_num_blocks",
     "get_uniform_page_size",
+    "group_and_unify_kv_cache_specs",
     "is_kv_cache_page_size_uniform",
     "is_kv_cache_spec_uniform",
     "is_kv_cache_type_attention_free",
