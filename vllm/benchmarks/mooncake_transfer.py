@@ -5,8 +5,10 @@ Two processes, as two engine instances: this one (the writer / prefill side) and
 ``--master host:port``). Measured, per batch of ``--blocks`` offloaded blocks (every layer's
 page of each block id):
 
-- store put: ``GPU -> MOONCAKE`` offload jobs of the writer (fresh keys every repetition);
-- store get: ``MOONCAKE -> GPU`` load jobs of the reader (header and size checks included);
+- store put: cascade jobs of the writer's Mooncake tier, primary (CPU) rows into the store
+  (fresh keys every repetition);
+- store get: promotion jobs of the reader's Mooncake tier, store objects into its primary rows
+  (header and size checks included);
 - P2P: ``send_blocks`` from the writer into the reader's pages until the send is reported;
 - memcpy: ``dst.copy_(src)`` of the same number of bytes in one contiguous buffer, in the same
   run (the machine's plain copy speed, the baseline).
@@ -83,7 +85,8 @@ def _kv_cache(num_layers: int, num_blocks: int) -> tuple[KVCacheConfig, dict[str
 
 
 class _Side:
-    """One instance: its KV cache, a store worker and a P2P worker."""
+    """One instance: its KV cache (the P2P side), primary rows and a Mooncake tier over them
+    (the store side)."""
 
     def __init__(self, master: str, num_layers: int, num_blocks: int, segment: int, name: str):
         from vllm.config import VllmConfig
@@ -92,55 +95,75 @@ class _Side:
         from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.p2p import (
             MooncakeP2PConnectorWorker,
         )
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
-            OffloadingConnectorWorker,
-        )
-        from vllm.v1.kv_offload.mooncake import MooncakeOffloadingSpec
+        from vllm.v1.kv_offload.tiering.mooncake.manager import MooncakeTierManager
+        from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
         self.config, self.raw = _kv_cache(num_layers, num_blocks)
         options = {"model": "bench", "kv_cache_dtype": "auto"}
-        extra = {
-            **options,
-            "max_blocks_per_batch": 256,
-            "mooncake": {
+        transfer = KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"num_cpu_blocks": num_blocks},
+        )
+        spec = TieringOffloadingSpec(VllmConfig(kv_transfer_config=transfer), self.config)
+        self.rows = torch.randint(
+            0, 256, (num_blocks, spec.cpu_page_size_per_worker), dtype=torch.uint8
+        )
+        self.tier = MooncakeTierManager(
+            spec,
+            memoryview(self.rows.numpy()),
+            "mooncake",
+            mooncake={
                 "master_server_address": master,
                 "global_segment_size": segment,
                 "local_hostname": LOOPBACK,
             },
-        }
-        transfer = KVTransferConfig(kv_connector_extra_config=extra)
-        spec = MooncakeOffloadingSpec(VllmConfig(kv_transfer_config=transfer), self.config)
-        self.store = OffloadingConnectorWorker(spec)
-        self.store.register_kv_caches(self.raw, self.config)
+            max_blocks_per_batch=256,
+            **options,
+        )
         self.p2p = MooncakeP2PConnectorWorker(
             MooncakeConfig(local_hostname=LOOPBACK, timeout_s=_WAIT_S), name, options
         )
         self.p2p.register_kv_caches(self.raw, self.config)
+        self._next_job = 0
 
-    def job(self, src: Any, dst: Any) -> float:
+    def job(self, keys: list[bytes], rows: list[int], promotion: bool) -> float:
+        """Seconds of one tier job (cascade, or promotion with ``promotion``)."""
+        import numpy as np
+
+        from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+        from vllm.v1.kv_offload.tiering.base import JobMetadata
+
+        job = JobMetadata(
+            self._next_job,
+            [make_offload_key(k, 0) for k in keys],
+            np.array(rows, dtype=np.int64),
+            promotion,
+            ReqContext(req_id="bench"),
+        )
+        self._next_job += 1
         start = time.perf_counter()
-        job_id = self.store.transfer_async((src, dst))
+        (self.tier.submit_load if promotion else self.tier.submit_store)(job)
         while True:
-            for result in self.store.get_finished():
-                if result.job_id == job_id:
+            for result in self.tier.get_finished():
+                if result.job_id == job.job_id:
                     if not result.success:
-                        raise RuntimeError(f"store job {job_id} failed")
+                        error = self.tier.failure(job.keys[0])
+                        raise RuntimeError(f"tier job {job.job_id} failed: {error}")
                     return time.perf_counter() - start
             if time.perf_counter() - start > _WAIT_S:
-                raise TimeoutError(f"store job {job_id} did not finish in {_WAIT_S} s")
+                raise TimeoutError(f"tier job {job.job_id} did not finish in {_WAIT_S} s")
             time.sleep(0.0005)
 
-    def offload(self, hashes: list[bytes], blocks: list[int]) -> float:
-        from vllm.v1.kv_offload.base import GPULoadStoreSpec
-        from vllm.v1.kv_offload.worker.mooncake_store import MooncakeLoadStoreSpec
+    def offload(self, hashes: list[bytes], rows: list[int]) -> float:
+        return self.job(hashes, rows, promotion=False)
 
-        return self.job(GPULoadStoreSpec(blocks, [len(blocks)], [0]), MooncakeLoadStoreSpec(hashes))
+    def load(self, hashes: list[bytes], rows: list[int]) -> float:
+        return self.job(hashes, rows, promotion=True)
 
-    def load(self, hashes: list[bytes], blocks: list[int]) -> float:
-        from vllm.v1.kv_offload.base import GPULoadStoreSpec
-        from vllm.v1.kv_offload.worker.mooncake_store import MooncakeLoadStoreSpec
-
-        return self.job(MooncakeLoadStoreSpec(hashes), GPULoadStoreSpec(blocks, [len(blocks)], [0]))
+    def shutdown(self) -> None:
+        self.tier.shutdown()
+        self.p2p.shutdown()
 
     def wait_p2p(self, request_id: str, sending: bool) -> None:
         deadline = time.perf_counter() + _WAIT_S
@@ -294,8 +317,7 @@ def run(layers: int, blocks: int, reps: int, master: str | None, progress: bool 
             ]
             parent.send(("exit", None))
             parent.poll(10) and parent.recv()
-            writer.store.shutdown()
-            writer.p2p.shutdown()
+            writer.shutdown()
         finally:
             reader.join(timeout=10)
             if reader.is_alive():

@@ -19,7 +19,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.kv_offload.base import OffloadingSpec
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
-from vllm.v1.kv_offload.mooncake import MooncakeOffloadingSpec
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 
 class NotASpec:
@@ -50,9 +50,14 @@ def test_default_is_the_cpu_spec() -> None:
     assert spec.extra_config["num_cpu_blocks"] == 8
 
 
-def test_registered_mooncake_spec() -> None:
-    spec = create({"spec_name": "MooncakeOffloadingSpec", "model": "m"})
-    assert type(spec) is MooncakeOffloadingSpec
+def test_registered_tiering_spec() -> None:
+    spec = create({"spec_name": "TieringOffloadingSpec", "num_cpu_blocks": 2})
+    assert type(spec) is TieringOffloadingSpec
+
+
+def test_the_mooncake_store_is_a_tier_not_a_spec() -> None:
+    with pytest.raises(ValueError, match="Unsupported spec type: MooncakeOffloadingSpec"):
+        create({"spec_name": "MooncakeOffloadingSpec"})
 
 
 def test_spec_from_a_module_path() -> None:

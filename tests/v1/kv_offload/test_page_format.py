@@ -48,6 +48,7 @@ def test_geometry() -> None:
     assert f.page_sizes_bytes == (16 * 2 * 128 * 2, 3 * 32 * 4)
     assert f.block_bytes == sum(f.page_sizes_bytes)
     assert fmt(block_size_factor=3).block_bytes == 3 * f.block_bytes
+    assert fmt(block_size_factor=3, num_workers=2).block_bytes == 6 * f.block_bytes
     assert fmt(kv_cache_config=config(num_blocks=9)).fingerprint == f.fingerprint
 
 
@@ -58,6 +59,7 @@ def test_geometry() -> None:
         {"kv_cache_dtype": "fp8_e5m2"},
         {"tp_rank": 1},
         {"block_size_factor": 2},
+        {"num_workers": 2},
         {"kv_cache_config": config(head_size=128)},
         {"kv_cache_config": config(mode=KVQuantMode.FP8_PER_TENSOR)},
         {"kv_cache_config": config(mode=KVQuantMode.NVFP4)},
@@ -103,7 +105,11 @@ def test_header_round_trip_and_errors() -> None:
 
 
 def test_json_round_trip() -> None:
-    f = fmt(scale_layouts={"attn": ("interleave4", "linear")}, kv_scales={"attn": (0.5, 1.0)})
+    f = fmt(
+        scale_layouts={"attn": ("interleave4", "linear")},
+        kv_scales={"attn": (0.5, 1.0)},
+        num_workers=4,
+    )
     assert KVPageFormat.from_json(f.to_json()) == f
     assert KVPageFormat.from_json(f.to_json()).fingerprint == f.fingerprint
     with pytest.raises(ValueError, match="malformed"):
@@ -116,6 +122,7 @@ def test_json_round_trip() -> None:
         ({"model": ""}, "model: expected a non-empty model name"),
         ({"tp_rank": -1}, "tp_rank: expected an int ≥ 0, got -1"),
         ({"block_size_factor": 0}, "block_size_factor"),
+        ({"num_workers": 0}, "num_workers"),
         ({"kv_scales": {"nope": (1.0, 1.0)}}, "kv_scales: expected"),
         ({"scale_layouts": {"attn": ("linear",)}}, "scale_layouts: expected"),
     ],

@@ -8,9 +8,8 @@
 - :mod:`vllm.v1.kv_offload.factory`: specs by name (``extra_config["spec_name"]``).
 - :mod:`vllm.v1.kv_offload.file_mapper`: :class:`FileMapper`, file names of offloaded blocks.
 - :mod:`vllm.v1.kv_offload.tiering`: a CPU primary tier plus secondary tiers (the file system,
-  an in-memory example), the tiering manager, the tier factory and ``TieringOffloadingSpec``.
-- :mod:`vllm.v1.kv_offload.mooncake`: :class:`MooncakeOffloadingSpec`, a Mooncake distributed
-  store shared by engine instances (optional ``mooncake`` extra).
+  a Mooncake distributed store shared by engine instances, an in-memory example), the tiering
+  manager, the tier factory and ``TieringOffloadingSpec``.
 - :mod:`vllm.v1.kv_offload.page_format`: :class:`KVPageFormat`, what decides an offloaded
   block's bytes, its fingerprint and the header stored beside it.
 - :mod:`vllm.v1.kv_offload.worker`: the handler interface and worker, and the page views.

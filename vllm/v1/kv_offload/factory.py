@@ -67,8 +67,5 @@ OffloadingSpecFactory.register_spec(
     "CPUOffloadingSpec", "vllm.v1.kv_offload.cpu.spec", "CPUOffloadingSpec"
 )
 OffloadingSpecFactory.register_spec(
-    "MooncakeOffloadingSpec", "vllm.v1.kv_offload.mooncake", "MooncakeOffloadingSpec"
-)
-OffloadingSpecFactory.register_spec(
     "TieringOffloadingSpec", "vllm.v1.kv_offload.tiering.spec", "TieringOffloadingSpec"
 )

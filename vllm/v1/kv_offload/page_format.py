@@ -75,7 +75,9 @@ class KVPageFormat:
     """Everything that decides the bytes of one offloaded block of a worker's KV cache.
 
     An offloaded block is ``block_size_factor`` pages of every buffer, buffer by buffer in
-    ``kv_cache_tensors`` order. Build it with :meth:`from_kv_cache_config`.
+    ``kv_cache_tensors`` order; a primary-tier row of an engine with ``num_workers`` workers
+    (a shared offload region's row) is ``num_workers`` such cells, worker by worker. Build it
+    with :meth:`from_kv_cache_config`.
     """
 
     model: str
@@ -83,6 +85,8 @@ class KVPageFormat:
     tp_rank: int
     block_size_factor: int
     buffers: tuple[BufferPageFormat, ...]
+    num_workers: int = 1
+    """Workers whose cells make up one block (1: one worker's pages)."""
     scale_layouts: tuple[tuple[str, str, str], ...] = field(default=())
     """(layer, K layout, V layout) of each NVFP4 layer, sorted by layer."""
     kv_scales: tuple[tuple[str, float, float], ...] = field(default=())
@@ -99,8 +103,10 @@ class KVPageFormat:
         block_size_factor: int = 1,
         scale_layouts: Mapping[str, Sequence[Any]] | None = None,
         kv_scales: Mapping[str, Sequence[float]] | None = None,
+        num_workers: int = 1,
     ) -> KVPageFormat:
-        """The format of ``kv_cache_config``'s buffers as the worker holds them.
+        """The format of ``kv_cache_config``'s buffers as the worker holds them (with
+        ``num_workers`` > 1: the rows of every worker's cells, ``tp_rank`` then 0).
 
         ``scale_layouts`` maps NVFP4 layers to their (K, V) block-scale layouts (e.g. what
         :func:`~vllm.v1.worker.gpu.attn_utils.get_kv_cache_scale_layouts` returns);
@@ -111,6 +117,7 @@ class KVPageFormat:
         if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or tp_rank < 0:
             raise ValueError(f"tp_rank: expected an int ≥ 0, got {tp_rank!r}")
         check_positive_int("block_size_factor", block_size_factor)
+        check_positive_int("num_workers", num_workers)
         specs = get_layer_kv_cache_specs(kv_cache_config)
         page_sizes = kv_cache_tensor_page_sizes(kv_cache_config)
         buffers = tuple(
@@ -145,6 +152,7 @@ class KVPageFormat:
             tp_rank=tp_rank,
             block_size_factor=block_size_factor,
             buffers=buffers,
+            num_workers=num_workers,
             scale_layouts=layouts,  # type: ignore[arg-type]
             kv_scales=scales,  # type: ignore[arg-type]
         )
@@ -156,8 +164,9 @@ class KVPageFormat:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one offloaded block: ``block_size_factor`` pages of every buffer."""
-        return self.block_size_factor * sum(self.page_sizes_bytes)
+        """Bytes of one offloaded block: ``block_size_factor`` pages of every buffer, on each
+        of ``num_workers`` workers."""
+        return self.num_workers * self.block_size_factor * sum(self.page_sizes_bytes)
 
     @property
     def digest(self) -> bytes:
@@ -225,6 +234,7 @@ class KVPageFormat:
             "kv_cache_dtype",
             "tp_rank",
             "block_size_factor",
+            "num_workers",
             "page_sizes_bytes",
             "buffers",
             "scale_layouts",
@@ -262,6 +272,7 @@ class KVPageFormat:
                     )
                     for b in data["buffers"]
                 ),
+                num_workers=int(data.get("num_workers", 1)),
                 scale_layouts=tuple(tuple(x) for x in data["scale_layouts"]),  # type: ignore[misc]
                 kv_scales=tuple(tuple(x) for x in data["kv_scales"]),  # type: ignore[misc]
             )

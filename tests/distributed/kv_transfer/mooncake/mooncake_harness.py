@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.config import master_binary
+from vllm.v1.kv_cache_format import lookup
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -51,7 +52,7 @@ START_TIMEOUT_S = 20.0
 COMMAND_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
 
-FORMATS = ("bf16", "fp8", "nvfp4", "hybrid")
+FORMATS = ("bf16", "fp8", "nvfp4", "int8_per_token_head", "fp8_per_token_head", "hybrid")
 """KV-cache formats the instances build (see :func:`make_kv_cache_config`)."""
 
 
@@ -73,8 +74,10 @@ def _attention(name: str, num_blocks: int, spec: Any) -> tuple[KVCacheTensor, KV
 
 
 def _small_attention(mode: KVQuantMode) -> FullAttentionSpec:
-    """2 heads × 64, 16-token pages; bf16 elements unquantized, else 1-byte storage."""
+    """2 heads × 64, 16-token pages; bf16 elements unquantized, else the format's storage."""
     dtype = torch.bfloat16 if mode == KVQuantMode.NONE else torch.uint8
+    if mode == KVQuantMode.INT8_PER_TOKEN_HEAD:
+        dtype = lookup("int8_per_token_head").storage_dtype
     return FullAttentionSpec(
         block_size=16, num_kv_heads=2, head_size=64, dtype=dtype, kv_quant_mode=mode
     )
@@ -84,7 +87,8 @@ def make_kv_cache_config(fmt: str, num_blocks: int) -> CacheFormat:
     """A small two/three-buffer KV cache of format ``fmt``.
 
     ``bf16``, ``fp8`` (e4m3, per-tensor scales), ``nvfp4`` (E2M1 data + e4m3 block scales in
-    one page, interleave4 scale layout): two full-attention layers of 2 heads × 64.
+    one page, interleave4 scale layout), ``int8_per_token_head`` and ``fp8_per_token_head``
+    (one fp32 scale inline per row): two full-attention layers of 2 heads × 64.
     ``hybrid``: an NVFP4 full-attention layer, a bf16 sliding-window layer of head size 128
     and a Mamba state layer: three buffers with three different page sizes. ``large``: three
     bf16 layers with 2 MiB pages (6 MiB blocks); ``huge``: nine of them (18 MiB blocks, larger
@@ -104,6 +108,10 @@ def make_kv_cache_config(fmt: str, num_blocks: int) -> CacheFormat:
         parts = [_attention(f"layers.{i}.attn", num_blocks, spec) for i in range(2)]
         dtype, scales = "nvfp4", {}
         layouts = {f"layers.{i}.attn": ("interleave4", "interleave4") for i in range(2)}
+    elif fmt in ("int8_per_token_head", "fp8_per_token_head"):
+        spec = _small_attention(lookup(fmt).quant_mode)
+        parts = [_attention(f"layers.{i}.attn", num_blocks, spec) for i in range(2)]
+        dtype, layouts, scales = fmt, {}, {}
     elif fmt == "hybrid":
         full = _small_attention(KVQuantMode.NVFP4)
         swa = SlidingWindowSpec(
@@ -286,6 +294,8 @@ class Instance:
         env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(HERE)])
         env["MC_TCP_BIND_ADDRESS"] = LOOPBACK
         env["OMP_NUM_THREADS"] = "1"
+        self.region_prefix = f"mooncake_test_{name}_{os.getpid()}_{time.monotonic_ns()}"
+        env["VLLM_KV_TEST_REGION_PREFIX"] = self.region_prefix
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
                 sandbox.command([sys.executable, str(HERE / "mooncake_instance.py")]),
@@ -339,6 +349,12 @@ class Instance:
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=STOP_TIMEOUT_S)
 
+    def remove_regions(self) -> None:
+        """Remove the shared offload regions the instance left (killed, or not closed)."""
+        for path in Path("/dev/shm").glob(f"vllm_offload_{self.region_prefix}_*.mmap"):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
     def close(self) -> None:
         if self.proc.poll() is None:
             with contextlib.suppress(TimeoutError, RuntimeError, OSError, ValueError):
@@ -347,6 +363,7 @@ class Instance:
                 self.proc.wait(timeout=STOP_TIMEOUT_S)
         stop_process(self.proc)
         self._selector.close()
+        self.remove_regions()
 
 
 class CacheHandle:

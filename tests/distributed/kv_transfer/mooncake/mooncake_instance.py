@@ -1,10 +1,13 @@
 """One engine instance of the Mooncake tests, run as its own process.
 
 Reads one JSON command per line on stdin and answers one JSON line on stdout
-(``{"result": ...}`` or ``{"error": "..."}``). The instance owns a KV cache of one of the
-harness's formats (raw byte buffers, as the worker allocates them) and offloads / loads / sends
-its pages through the code under test. Mooncake's own logging goes to stderr (the test's log
-file); the protocol has a private copy of the original stdout.
+(``{"result": ...}`` or ``{"error": "..."}``). The instance owns KV caches of the harness's
+formats (raw byte buffers, as the worker allocates them) and moves their pages through the
+code under test, as an engine does: the store tier is a ``TieringOffloadingSpec`` whose CPU
+primary tier (a shared offload region of the instance) cascades into a ``"mooncake"``
+secondary tier; the scheduler side (the tiering manager) and the worker side (the offloading
+connector worker) both run here. Mooncake's own logging goes to stderr (the test's log file);
+the protocol has a private copy of the original stdout.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ import os
 import sys
 import time
 import traceback
+import uuid
 from typing import Any
 
 import torch
 from mooncake_harness import make_kv_cache_config
 
+from vllm import _custom_ops as ops
 from vllm.config import VllmConfig
 from vllm.config.kv_transfer import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.config import MooncakeConfig
@@ -30,12 +35,76 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.p2p import (
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
     OffloadingConnectorWorker,
 )
-from vllm.v1.kv_offload.base import GPULoadStoreSpec
-from vllm.v1.kv_offload.mooncake import MooncakeOffloadingSpec
-from vllm.v1.kv_offload.worker.mooncake_store import MooncakeLoadStoreSpec
+from vllm.v1.kv_offload.base import OffloadKey, ReqContext, make_offload_key
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+from vllm.v1.kv_offload.tiering.mooncake.blocks import offload_key_name
+from vllm.v1.kv_offload.tiering.mooncake.manager import MooncakeTierManager
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 from vllm.v1.kv_offload.worker.page_views import build_kv_cache_page_views
 
 MAX_WAIT_S = 25.0
+REGION_PREFIX = os.environ.get("VLLM_KV_TEST_REGION_PREFIX", f"mooncake_test_{os.getpid()}")
+"""Start of the instance ids of this process's shared offload regions
+(``/dev/shm/vllm_offload_<id>.mmap``): the harness removes what a killed instance leaves."""
+
+
+def keys_of(hashes: list[str]) -> list[OffloadKey]:
+    return [make_offload_key(bytes.fromhex(h), 0) for h in hashes]
+
+
+class Store:
+    """A cache's offloading as an engine runs it: the tiering manager (scheduler side) over
+    the CPU primary tier and the Mooncake tier, and the worker's CPU <-> GPU handlers."""
+
+    def __init__(self, spec: TieringOffloadingSpec, kv_caches: dict[str, torch.Tensor]):
+        self.spec = spec
+        manager = spec.get_manager()
+        assert isinstance(manager, TieringOffloadingManager)
+        self.manager = manager
+        (tier,) = manager.secondary_tiers
+        assert isinstance(tier, MooncakeTierManager)
+        self.tier = tier
+        self.worker = OffloadingConnectorWorker(spec)
+        try:
+            self.worker.register_kv_caches(kv_caches, spec.kv_cache_config)
+        except BaseException:
+            manager.shutdown()
+            raise
+        self.context = ReqContext(req_id="instance")
+
+    def worker_job(self, job_id: int, deadline: float) -> bool:
+        while time.monotonic() < deadline:
+            for result in self.worker.get_finished():
+                if result.job_id == job_id:
+                    return result.success
+            time.sleep(0.002)
+        raise TimeoutError(f"worker job {job_id} did not finish in time")
+
+    def settle(self, deadline: float) -> None:
+        """Run engine steps until the tier has no job in flight."""
+        while True:
+            list(self.manager.take_events())
+            if self.tier.jobs_in_flight == 0:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError("the Mooncake tier's jobs did not finish in time")
+            time.sleep(0.002)
+
+    def error_of(self, keys: list[OffloadKey]) -> str | None:
+        for key in keys:
+            error = self.tier.failure(key)
+            if error is not None:
+                return f"{type(error).__name__}: {error}"
+        return None
+
+    def close(self, close_clients: bool) -> None:
+        self.worker.shutdown()
+        if close_clients:
+            self.manager.shutdown()
+        else:  # leave the store client to the OS; the region file goes now
+            region = f"/dev/shm/vllm_offload_{self.spec.vllm_config.instance_id}.mmap"
+            if os.path.exists(region):
+                os.unlink(region)
 
 
 class Cache:
@@ -51,25 +120,21 @@ class Cache:
             for name in t.shared_by
         }
         self.views = build_kv_cache_page_views(self.kv_caches, config)
-        self.worker: OffloadingConnectorWorker | None = None
+        self.store: Store | None = None
         self.p2p: Any = None
 
-    def format_options(self, model: str, tp_rank: int) -> dict[str, Any]:
-        return {
+    def format_options(self, model: str, tp_rank: int | None = None) -> dict[str, Any]:
+        options = {
             "model": model,
-            "tp_rank": tp_rank,
             "kv_cache_dtype": self.fmt.kv_cache_dtype,
             "scale_layouts": self.fmt.scale_layouts,
             "kv_scales": self.fmt.kv_scales,
         }
+        return options if tp_rank is None else {**options, "tp_rank": tp_rank}
 
     def close(self, close_clients: bool) -> None:
-        if self.worker is not None:
-            if close_clients:
-                self.worker.shutdown()
-            else:
-                for handler in self.worker.handlers:
-                    handler.wait_all()  # type: ignore[attr-defined]
+        if self.store is not None:
+            self.store.close(close_clients)
         if self.p2p is not None and close_clients:
             self.p2p.shutdown()
 
@@ -88,15 +153,19 @@ class InstanceState:
         master: str,
         segment_size: int,
         model: str = "test-model",
-        tp_rank: int = 0,
         max_blocks_per_batch: int = 64,
         block_size_factor: int = 1,
     ) -> dict[str, Any]:
+        """Offloading for ``cache``: a CPU primary tier of ``num_blocks`` offloaded blocks and
+        a Mooncake tier at ``master`` lending ``segment_size`` bytes."""
         entry = self.caches.setdefault(cache, Cache(fmt, num_blocks))
-        extra = {
-            **entry.format_options(model, tp_rank),
-            "block_size_factor": block_size_factor,
+        if entry.store is not None:
+            raise RuntimeError(f"init_store: cache {cache!r} has a store already")
+        tier = {
+            "type": "mooncake",
+            **entry.format_options(model),
             "max_blocks_per_batch": max_blocks_per_batch,
+            "retry_after_s": 2.0,
             "mooncake": {
                 "master_server_address": master,
                 "global_segment_size": segment_size,
@@ -104,13 +173,23 @@ class InstanceState:
                 "local_hostname": "127.0.0.1",
             },
         }
-        config = entry.fmt.kv_cache_config
-        transfer = KVTransferConfig(kv_connector_extra_config=extra)
-        spec = MooncakeOffloadingSpec(VllmConfig(kv_transfer_config=transfer), config)
-        worker = OffloadingConnectorWorker(spec)
-        worker.register_kv_caches(entry.kv_caches, config)
-        entry.worker = worker
-        return {"fingerprint": spec.page_format().fingerprint, "pid": os.getpid()}
+        extra = {
+            "spec_name": "TieringOffloadingSpec",
+            "num_cpu_blocks": num_blocks,
+            "block_size_factor": block_size_factor,
+            "secondary_tiers": [tier],
+        }
+        engine = VllmConfig(
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="OffloadingConnector",
+                kv_role="kv_both",
+                kv_connector_extra_config=extra,
+            ),
+            instance_id=f"{REGION_PREFIX}_{uuid.uuid4().hex[:8]}",
+        )
+        spec = TieringOffloadingSpec(engine, entry.fmt.kv_cache_config, swap_blocks=ops.swap_blocks)
+        entry.store = Store(spec, entry.kv_caches)
+        return {"fingerprint": entry.store.tier.page_format.fingerprint, "pid": os.getpid()}
 
     def init_p2p(
         self,
@@ -204,74 +283,99 @@ class InstanceState:
             h.update(raw.numpy().tobytes())
         return h.hexdigest()
 
-    def _job(self, cache: str, src: Any, dst: Any, timeout_s: float) -> dict[str, Any]:
-        worker = self.caches[cache].worker
-        assert worker is not None, f"cache {cache}: no store registered"
-        start = time.monotonic()
-        job_id = worker.transfer_async((src, dst))
-        deadline = start + timeout_s
-        while time.monotonic() < deadline:
-            for result in worker.get_finished():
-                if result.job_id == job_id:
-                    errors = [h.job_error(job_id) for h in worker.handlers]  # type: ignore[attr-defined]
-                    error = next((e for e in errors if e is not None), None)
-                    return {
-                        "success": result.success,
-                        "error": None if error is None else f"{type(error).__name__}: {error}",
-                        "bytes": result.transfer_size,
-                        "seconds": time.monotonic() - start,
-                    }
-            time.sleep(0.002)
-        raise TimeoutError(f"job {job_id} did not finish within {timeout_s} s")
-
     def offload(
         self, cache: str, hashes: list[str], blocks: list[int], timeout_s: float = MAX_WAIT_S
-    ):
-        keys = [bytes.fromhex(h) for h in hashes]
-        return self._job(
-            cache,
-            GPULoadStoreSpec(blocks, [len(blocks)], [0]),
-            MooncakeLoadStoreSpec(keys),
-            timeout_s,
-        )
+    ) -> dict[str, Any]:
+        """Offload GPU ``blocks`` as blocks ``hashes``: prepare the store, copy GPU -> CPU,
+        complete it (the cascade into the Mooncake tier starts), and run engine steps until
+        the tier is done. Success: every key is in the primary tier and its cascade put it."""
+        store = self.caches[cache].store
+        assert store is not None, f"cache {cache}: no store registered"
+        keys = keys_of(hashes)
+        start = time.monotonic()
+        deadline = start + timeout_s
+        out = store.manager.prepare_store(keys, store.context)
+        if out is None:
+            return {"success": False, "error": "the primary tier has no room"}
+        rows = [int(b) for b in out.store_spec.block_ids]
+        if len(out.keys_to_store) != len(keys):
+            raise RuntimeError(f"offload: {len(keys) - len(out.keys_to_store)} keys held already")
+        ok = store.worker_job(store.worker.store(blocks, rows), deadline)
+        store.manager.complete_store(keys, store.context, ok)
+        store.settle(deadline)
+        error = None if ok else "the GPU -> CPU copy failed"
+        error = error or store.error_of(keys)
+        return {"success": error is None, "error": error, "seconds": time.monotonic() - start}
 
-    def load(self, cache: str, hashes: list[str], blocks: list[int], timeout_s: float = MAX_WAIT_S):
-        keys = [bytes.fromhex(h) for h in hashes]
-        return self._job(
-            cache,
-            MooncakeLoadStoreSpec(keys),
-            GPULoadStoreSpec(blocks, [len(blocks)], [0]),
-            timeout_s,
-        )
+    def load(
+        self, cache: str, hashes: list[str], blocks: list[int], timeout_s: float = MAX_WAIT_S
+    ) -> dict[str, Any]:
+        """Load blocks ``hashes`` into GPU ``blocks`` as an engine does: look every key up
+        (promoting it from the Mooncake tier into the primary tier), step until each is ready
+        or missing; only when all are ready, copy CPU -> GPU. A missing key fails the load
+        before any GPU page is written."""
+        store = self.caches[cache].store
+        assert store is not None, f"cache {cache}: no store registered"
+        keys = keys_of(hashes)
+        start = time.monotonic()
+        deadline = start + timeout_s
+        while True:
+            found = [store.manager.lookup(key, store.context) for key in keys]
+            list(store.manager.take_events())  # end of step: promotions are submitted
+            missing = [k for k, f in zip(keys, found, strict=True) if f is False]
+            if missing:
+                error = store.error_of(missing)
+                name = offload_key_name(missing[0])
+                error = error or f"miss: {len(missing)} blocks in no tier, first {name}"
+                return {"success": False, "error": error, "seconds": time.monotonic() - start}
+            if all(found):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError("load: the keys' promotions did not finish in time")
+            time.sleep(0.002)
+        spec = store.manager.prepare_load(keys, store.context)
+        try:
+            rows = [int(b) for b in spec.block_ids]
+            ok = store.worker_job(store.worker.load(rows, blocks), deadline)
+        finally:
+            store.manager.complete_load(keys, store.context)
+        error = None if ok else "the CPU -> GPU copy failed (see the instance log)"
+        return {"success": ok, "error": error, "seconds": time.monotonic() - start}
 
     def lookup(self, cache: str, hashes: list[str]) -> dict[str, Any]:
-        worker = self.caches[cache].worker
-        assert worker is not None
+        """How many leading blocks of ``hashes`` the Mooncake tier holds."""
+        store = self.caches[cache].store
+        assert store is not None
         start = time.monotonic()
-        count = worker.spec.lookup([bytes.fromhex(h) for h in hashes])  # type: ignore[attr-defined]
+        count = 0
+        for key in keys_of(hashes):
+            if not store.tier.lookup(key, store.context):
+                break
+            count += 1
         return {"count": count, "seconds": time.monotonic() - start}
 
     def replace_object(self, cache: str, hash_hex: str, part: str, data_hex: str) -> int:
         """Replace a block's header (``part="header"``) or data with other bytes, as a foreign
         or corrupt writer would; returns the put's status code."""
-        worker = self.caches[cache].worker
-        assert worker is not None
-        pages = worker.spec.handlers.pages  # type: ignore[attr-defined]
-        key = pages.header_key(hash_hex) if part == "header" else pages.data_key(hash_hex)
-        pages.client.remove([key])
+        store = self.caches[cache].store
+        assert store is not None
+        rows = store.tier.rows
+        name = offload_key_name(keys_of([hash_hex])[0])
+        key = rows.header_key(name) if part == "header" else rows.data_key(name)
+        rows.client.remove([key])
         payload = torch.frombuffer(bytearray(bytes.fromhex(data_hex)), dtype=torch.uint8)
-        pages.client.register(payload)
-        return pages.client.put_same([key], payload)[0]
+        rows.client.register(payload)
+        return rows.client.put_same([key], payload)[0]
 
     def header_of(self, cache: str) -> str:
-        worker = self.caches[cache].worker
-        assert worker is not None
-        return worker.spec.page_format().header().hex()  # type: ignore[attr-defined]
+        store = self.caches[cache].store
+        assert store is not None
+        return store.tier.page_format.header().hex()
 
     def exit(self, close_clients: bool = False) -> None:
-        """Stop every cache's handlers; with ``close_clients`` also disconnect from the store
-        and the peers (about 2 s per store client: tests that do not check it skip it, the
-        process exits either way)."""
+        """Stop every cache's handlers and remove its offload region; with ``close_clients``
+        also disconnect from the store and the peers (about 2 s per store client: tests that
+        do not check it skip it, the process exits either way)."""
         for entry in self.caches.values():
             entry.close(close_clients)
 

@@ -66,3 +66,6 @@ SecondaryTierFactory.register_tier(
 SecondaryTierFactory.register_tier(
     "fs_python", "vllm.v1.kv_offload.tiering.fs.manager", "FileSystemTierManager"
 )
+SecondaryTierFactory.register_tier(
+    "mooncake", "vllm.v1.kv_offload.tiering.mooncake.manager", "MooncakeTierManager"
+)

@@ -1,4 +1,5 @@
-"""The I/O threads of the file-system tier: a load queue, a store queue and two thread groups.
+"""The I/O threads of a secondary tier (the file-system and Mooncake tiers): a load queue, a
+store queue and two thread groups.
 
 Load-first threads take from the load queue while it has work and otherwise from the store
 queue; store-first threads the other way round, so neither direction starves the other. A job
@@ -60,6 +61,7 @@ class DualQueueThreadPool:
         self._stop = False
         self._finished_q: deque[tuple[JobId, bool]] = deque()
         self._threads: list[threading.Thread] = []
+        self._name = thread_name_prefix
         groups = ((True, "l", n_read_threads), (False, "s", n_write_threads))
         for load_first, tag, count in groups:
             for i in range(count):
@@ -124,7 +126,7 @@ class DualQueueThreadPool:
                 task()
                 ok = True
             except Exception as exc:
-                logger.error("file-system tier: job %s: block I/O failed: %s", state.job_id, exc)
+                logger.error("%s: job %s: block I/O failed: %s", self._name, state.job_id, exc)
                 ok = False
             finished, success = state.task_done(ok)
             if finished:

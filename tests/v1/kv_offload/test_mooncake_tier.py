@@ -1,0 +1,272 @@
+"""The Mooncake tier's logic without a master: an in-process stand-in for the store client
+(the real store is exercised in tests/distributed/kv_transfer/mooncake). Options, the row
+format, key names, byte-exact cascades and promotions, the checks before a promotion writes,
+failure records, the sticky miss of a corrupt block and the unreachable-store back-off."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from tiering_test_utils import stub_spec, wait_until
+
+from vllm.config import ParallelConfig
+from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+from vllm.v1.kv_offload.tiering.base import JobMetadata
+from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+from vllm.v1.kv_offload.tiering.mooncake import manager as tier_module
+from vllm.v1.kv_offload.tiering.mooncake.blocks import OBJECT_NOT_FOUND, offload_key_name
+from vllm.v1.kv_offload.tiering.mooncake.manager import (
+    MooncakeTierManager,
+    primary_rows,
+    row_page_format,
+)
+
+CTX = ReqContext(req_id="r")
+
+
+class FakeStore:
+    """Objects of every client of one test (a shared store)."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+        self.down = False
+
+
+class FakeClient:
+    """The calls of ``MooncakeStoreClient`` the tier makes, on a :class:`FakeStore`."""
+
+    store = FakeStore()
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.closed = False
+
+    def register(self, tensor: torch.Tensor) -> None:
+        assert tensor.is_contiguous()
+
+    def exists(self, keys: Sequence[str]) -> list[int]:
+        if self.store.down:
+            return [-1] * len(keys)
+        return [int(k in self.store.objects) for k in keys]
+
+    def sizes(self, keys: Sequence[str]) -> list[int]:
+        return [len(self.store.objects.get(k, b"")) or OBJECT_NOT_FOUND for k in keys]
+
+    def put_from(self, keys, buffers, sizes) -> list[int]:
+        for key, ptrs, lens in zip(keys, buffers, sizes, strict=True):
+            self.store.objects[key] = b"".join(
+                ctypes.string_at(p, n) for p, n in zip(ptrs, lens, strict=True)
+            )
+        return [0] * len(keys)
+
+    def put_same(self, keys, buffer: torch.Tensor) -> list[int]:
+        data = buffer.numpy().tobytes()
+        for key in keys:
+            self.store.objects[key] = data
+        return [0] * len(keys)
+
+    def get_into(self, keys, buffers, sizes) -> list[int]:
+        codes = []
+        for key, ptrs, lens in zip(keys, buffers, sizes, strict=True):
+            data = self.store.objects.get(key)
+            if data is None:
+                codes.append(OBJECT_NOT_FOUND)
+                continue
+            assert len(ptrs) == 1 and len(data) <= lens[0]
+            ctypes.memmove(ptrs[0], data, len(data))
+            codes.append(len(data))
+        return codes
+
+    def remove(self, keys) -> list[int]:
+        for key in keys:
+            self.store.objects.pop(key, None)
+        return [0] * len(keys)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.fixture(autouse=True)
+def fake_client(monkeypatch: pytest.MonkeyPatch) -> FakeStore:
+    FakeClient.store = FakeStore()
+    monkeypatch.setattr(tier_module, "MooncakeStoreClient", FakeClient)
+    return FakeClient.store
+
+
+def make_tier(
+    rows: np.ndarray | None = None, workers: int = 1, **options: Any
+) -> tuple[MooncakeTierManager, np.ndarray]:
+    spec = stub_spec()
+    if workers > 1:
+        spec.vllm_config = dataclasses.replace(
+            spec.vllm_config, parallel_config=ParallelConfig(tensor_parallel_size=workers)
+        )
+    row_bytes = row_page_format(spec).block_bytes
+    if rows is None:
+        rows = np.zeros((6, row_bytes), dtype=np.uint8)
+    tier = SecondaryTierFactory.create_secondary_tier(
+        {"type": "mooncake", "mooncake": {"master_server_address": "127.0.0.1:1"}, **options},
+        memoryview(rows),
+        spec,
+    )
+    assert isinstance(tier, MooncakeTierManager)
+    return tier, rows
+
+
+def keys(*names: str):
+    return [make_offload_key(n.encode().ljust(8, b"."), 0) for n in names]
+
+
+def run(tier: MooncakeTierManager, job_id: int, ks, block_ids, promotion: bool) -> bool:
+    job = JobMetadata(job_id, ks, np.array(block_ids, dtype=np.int64), promotion, CTX)
+    (tier.submit_load if promotion else tier.submit_store)(job)
+    results = []
+    wait_until(lambda: results.extend(tier.get_finished()) or bool(results))
+    assert [r.job_id for r in results] == [job_id] and tier.jobs_in_flight == 0
+    return results[0].success
+
+
+def test_row_format_follows_the_engine_and_options() -> None:
+    spec = stub_spec()
+    page = spec.kv_cache_config.kv_cache_tensors[0].size // 4
+    fmt = row_page_format(spec)
+    assert (fmt.model, fmt.kv_cache_dtype, fmt.num_workers) == ("org/model", "auto", 1)
+    assert fmt.block_bytes == page
+    other = row_page_format(spec, model="other/model")
+    assert other.fingerprint != fmt.fingerprint
+    tier, rows = make_tier(workers=2)
+    assert tier.page_format.num_workers == 2 and rows.shape[1] == 2 * page
+    tier.shutdown()
+
+
+def test_cascade_and_promotion_are_byte_exact_across_instances() -> None:
+    writer, w_rows = make_tier()
+    reader, r_rows = make_tier()
+    w_rows[:] = np.random.default_rng(0).integers(0, 256, w_rows.shape, dtype=np.uint8)
+    ks = keys("a", "b", "c")
+    assert [reader.lookup(k, CTX) for k in ks] == [False] * 3
+    assert run(writer, 0, ks, [4, 0, 2], promotion=False)
+    assert [reader.lookup(k, CTX) for k in ks] == [True] * 3
+    assert run(reader, 1, ks[::-1], [5, 1, 3], promotion=True)
+    assert np.array_equal(r_rows[[5, 1, 3]], w_rows[[2, 0, 4]])
+    assert not r_rows[[0, 2, 4]].any()
+    writer.shutdown()
+    reader.shutdown()
+
+
+def test_a_corrupt_block_fails_its_promotion_writes_no_row_and_stays_a_miss(fake_client) -> None:
+    writer, w_rows = make_tier()
+    reader, r_rows = make_tier()
+    w_rows[:] = 7
+    ks = keys("x", "y")
+    assert run(writer, 0, ks, [0, 1], promotion=False)
+    data_key = writer.rows.data_key(offload_key_name(ks[1]))
+    fake_client.objects[data_key] = b"\1" * 10
+    assert not run(reader, 1, ks, [2, 3], promotion=True)
+    assert not r_rows.any()  # checked before any row was written
+    error = reader.failure(ks[1])
+    assert isinstance(error, ValueError) and f"got {10}" in str(error)
+    assert reader.lookup(ks[1], CTX) is False  # not retried: recomputed
+    assert reader.lookup(ks[0], CTX) is True
+    # Recomputed and offloaded again by the reader: the bad object is replaced, then loads.
+    r_rows[4] = 5
+    assert run(reader, 5, ks[1:], [4], promotion=False)
+    assert reader.lookup(ks[1], CTX) is True
+    assert fake_client.objects[data_key] == bytes(r_rows[4])
+    r_rows[4] = 0
+    # A foreign header (another model's format) is refused the same way.
+    foreign, _ = make_tier(model="other/model")
+    header_key = writer.rows.header_key(offload_key_name(ks[0]))
+    fake_client.objects[header_key] = foreign.page_format.header()
+    assert not run(reader, 2, ks[:1], [2], promotion=True)
+    assert "header of block" in str(reader.failure(ks[0])) and not r_rows.any()
+    for tier in (writer, reader, foreign):
+        tier.shutdown()
+
+
+def test_a_missing_block_fails_the_promotion() -> None:
+    tier, rows = make_tier()
+    assert not run(tier, 0, keys("gone"), [0], promotion=True)
+    assert type(tier.failure(keys("gone")[0])).__name__ == "StoreMiss"
+    assert not rows.any()
+    tier.shutdown()
+
+
+def test_an_unreachable_store_is_a_fast_miss_then_retried(fake_client) -> None:
+    tier, _ = make_tier(retry_after_s=0.2)
+    ks = keys("k")
+    assert run(tier, 0, ks, [0], promotion=False)
+    fake_client.down = True
+    assert tier.lookup(ks[0], CTX) is False
+    fake_client.down = False
+    assert tier.lookup(ks[0], CTX) is False  # within the back-off: no query
+    assert not run(tier, 1, keys("later"), [1], promotion=False)
+    assert "unreachable" in str(tier.failure(keys("later")[0]))
+    time.sleep(0.25)
+    assert tier.lookup(ks[0], CTX) is True
+    tier.shutdown()
+
+
+def test_a_successful_store_clears_the_failure_record() -> None:
+    tier, _ = make_tier()
+    k = keys("z")
+    assert not run(tier, 0, k, [0], promotion=True)
+    assert tier.failure(k[0]) is not None
+    assert run(tier, 1, k, [0], promotion=False)
+    assert tier.failure(k[0]) is None
+    tier.shutdown()
+
+
+def test_shutdown_closes_the_client() -> None:
+    tier, _ = make_tier()
+    tier.shutdown()
+    assert tier.rows.client.closed
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"key_prefix": "a/b"}, "key_prefix: expected a non-empty name without '/'"),
+        ({"max_blocks_per_batch": 0}, "max_blocks_per_batch"),
+        ({"retry_after_s": -1}, "retry_after_s: expected seconds ≥ 0, got -1"),
+        ({"mooncake": {"protocol": "udp"}}, "protocol: expected one of"),
+        ({"mooncake": {"master": "x"}}, "mooncake config: unknown keys"),
+        ({"model": ""}, "model: expected a non-empty model name"),
+    ],
+)
+def test_bad_options_are_clear_errors_before_connecting(monkeypatch, options, message) -> None:
+    def no_connection(config: Any) -> None:
+        raise AssertionError("connected before checking the options")
+
+    monkeypatch.setattr(tier_module, "MooncakeStoreClient", no_connection)
+    with pytest.raises(ValueError, match=message):
+        make_tier(**options)
+
+
+def test_rows_must_match_the_format_and_be_writable() -> None:
+    spec = stub_spec()
+    row_bytes = row_page_format(spec).block_bytes
+    with pytest.raises(ValueError, match=f"expected rows of {row_bytes} bytes"):
+        make_tier(rows=np.zeros((2, row_bytes + 1), dtype=np.uint8))
+    read_only = memoryview(bytes(2 * row_bytes)).cast("B", (2, row_bytes))
+    with pytest.raises(ValueError, match="expected writable rows"):
+        primary_rows(read_only)
+    with pytest.raises(ValueError, match="expected a \\[num_blocks, row bytes\\] byte view"):
+        primary_rows(memoryview(bytearray(8)))
+    rows = np.zeros((2, 4), dtype=np.uint8)
+    primary_rows(memoryview(rows))[1, 2] = 9  # a view, not a copy
+    assert rows[1, 2] == 9
+
+
+def test_key_names() -> None:
+    key = make_offload_key(b"\x00\xff", 3)
+    assert offload_key_name(key) == "00ff_g3"
+    with pytest.raises(ValueError, match="expected a block hash before the group index"):
+        offload_key_name(make_offload_key(b"", 0))

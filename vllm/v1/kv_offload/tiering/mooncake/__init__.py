@@ -1,0 +1,1 @@
+"""The Mooncake secondary tier (tier type ``"mooncake"``; optional ``mooncake`` extra)."""
