@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm.utils.math_utils import cdiv, round_up
 from vllm.utils.torch_utils import get_dtype_size
 
 if TYPE_CHECKING:
@@ -25,16 +26,6 @@ __all__ = [
     "cdiv",
     "round_up",
 ]
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division of non-negative ints."""
-    return -(a // -b)
-
-
-def round_up(x: int, multiple: int) -> int:
-    """Smallest multiple of ``multiple`` that is ≥ ``x``."""
-    return cdiv(x, multiple) * multiple
 
 
 def _check_torch_dtype(name: str, value: object) -> None:
