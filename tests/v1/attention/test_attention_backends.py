@@ -10,6 +10,9 @@ import torch
 
 from vllm.v1.attention.backends import (
     AttentionBackendEnum,
+    CPUAttentionBackend,
+    CPUAttentionImpl,
+    CPUAttentionMetadata,
     DeviceCapability,
     FlashInferBackend,
     KVCacheScaleLayouts,
@@ -257,7 +260,9 @@ def test_reference_backend_validation() -> None:
 def test_selector() -> None:
     with kv_cache_layout("HND"):
         assert get_attn_backend(128, torch.bfloat16, "nvfp4", 16, B200) is FlashInferBackend
-        assert get_attn_backend(128, torch.bfloat16, "nvfp4", 16, None) is ReferenceAttentionBackend
+        assert get_attn_backend(128, torch.bfloat16, "nvfp4", 16, None) is CPUAttentionBackend
+        named = get_attn_backend(128, torch.bfloat16, "nvfp4", 16, None, backend="REFERENCE")
+        assert named is ReferenceAttentionBackend
         assert get_attn_backend(128, torch.bfloat16, "nvfp4", 16, H100) is ReferenceAttentionBackend
         assert (
             get_attn_backend(512, torch.bfloat16, "fp8_ds_mla", 2, H100, use_mla=True)
@@ -274,6 +279,41 @@ def test_selector() -> None:
     assert AttentionBackendEnum.REFERENCE.get_class() is ReferenceAttentionBackend
     with pytest.raises(ValueError, match="device_capability"):
         get_attn_backend(128, torch.bfloat16, "auto", 16, "sm_90")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "fp8_e5m2", "nvfp4"])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_selector_prefers_cpu_attn_on_cpu(kv_cache_dtype: str, layout: str) -> None:
+    """On the CPU the compiled backend is chosen wherever it serves the request (any model
+    dtype, cache format, layout and head_size_v), and is exported with the others."""
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        chosen = get_attn_backend(
+            64,
+            dtype,
+            kv_cache_dtype,
+            16,
+            None,
+            head_size_v=48 if dtype != torch.float32 else None,
+            kv_cache_layout=layout,
+        )
+        assert chosen is CPUAttentionBackend
+    assert CPUAttentionBackend.get_impl_cls() is CPUAttentionImpl
+    assert CPUAttentionBackend.get_metadata_cls() is CPUAttentionMetadata
+    # Not on a GPU, and not for MLA: those orders are unchanged.
+    assert get_attn_backend(128, torch.bfloat16, "auto", 16, H100) is FlashInferBackend
+    assert get_attn_backend(72, torch.bfloat16, "auto", 16, H100) is ReferenceAttentionBackend
+
+
+def test_selector_falls_back_to_reference_without_the_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without a loadable ``paged_attention`` CPU_ATTN says so and REFERENCE serves the CPU."""
+    from vllm.v1.attention.backends import cpu_attn
+
+    monkeypatch.setattr(cpu_attn, "_kernel_missing", lambda: "the compiled extension (test)")
+    reasons = CPUAttentionBackend.validate_configuration(64, torch.bfloat16, "auto", 16, None)
+    assert reasons == ["CPU_ATTN needs the compiled extension (test)"]
+    assert get_attn_backend(64, torch.bfloat16, "auto", 16, None) is ReferenceAttentionBackend
 
 
 # ---------------------------------------------------------------------- slot mappings

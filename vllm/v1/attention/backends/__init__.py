@@ -1,5 +1,6 @@
 """Attention backends: the ``AttentionBackend`` base, FlashInfer (shapes, stride orders,
-validation), a pure-torch reference backend that reads every cache format, and a selector."""
+validation), a pure-torch reference backend that reads every cache format, the compiled CPU
+backend (``CPU_ATTN``, the selector's first choice on the CPU) and a selector."""
 
 from vllm.v1.attention.backends.abstract import (
     AttentionBackend,
@@ -10,6 +11,11 @@ from vllm.v1.attention.backends.abstract import (
     KVCacheScaleLayouts,
     MultipleOf,
     get_device_capability,
+)
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionImpl,
+    CPUAttentionMetadata,
 )
 from vllm.v1.attention.backends.flashinfer import FlashInferBackend
 from vllm.v1.attention.backends.mla.common import MLACommonBackend
@@ -37,6 +43,9 @@ __all__ = [
     "AttentionImpl",
     "AttentionLayer",
     "AttentionLayerScales",
+    "CPUAttentionBackend",
+    "CPUAttentionImpl",
+    "CPUAttentionMetadata",
     "DeviceCapability",
     "FlashInferBackend",
     "KVCacheScaleLayouts",

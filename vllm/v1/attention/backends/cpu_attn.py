@@ -42,6 +42,34 @@ class CPUAttentionBackend(ReferenceAttentionBackend):
         """CPU only (``capability is None``)."""
         return capability is None
 
+    @classmethod
+    def validate_configuration(
+        cls,
+        head_size: int,
+        dtype: torch.dtype,
+        kv_cache_dtype: str,
+        block_size: int,
+        device_capability: DeviceCapability | tuple[int, int] | None,
+        *,
+        head_size_v: int | None = None,
+        use_mla: bool = False,
+        kv_cache_layout: str | None = None,
+    ) -> list[str]:
+        """The reference backend's reasons, plus one when the compiled kernel is not loadable
+        (so that the selector falls back to REFERENCE instead of failing at the first call)."""
+        reasons = super().validate_configuration(
+            head_size,
+            dtype,
+            kv_cache_dtype,
+            block_size,
+            device_capability,
+            head_size_v=head_size_v,
+            use_mla=use_mla,
+            kv_cache_layout=kv_cache_layout,
+        )
+        missing = _kernel_missing()
+        return reasons if missing is None else [*reasons, f"CPU_ATTN needs {missing}"]
+
     @staticmethod
     def get_impl_cls() -> type[CPUAttentionImpl]:
         return CPUAttentionImpl
@@ -58,6 +86,18 @@ class CPUAttentionMetadata(ReferenceAttentionMetadata):
 
 def _int32(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device=device, dtype=torch.int32).contiguous()
+
+
+@functools.cache
+def _kernel_missing() -> str | None:
+    """Why ``vllm._custom_ops.paged_attention`` cannot run here, or ``None`` when it can."""
+    try:
+        from vllm import _custom_ops as ops
+
+        ops.paged_attention_simd_levels()
+    except (ImportError, OSError, RuntimeError, AttributeError) as e:
+        return f"the compiled extension's paged_attention ({type(e).__name__}: {e})"
+    return None
 
 
 @functools.cache

@@ -2,7 +2,8 @@
 
 ``get_attn_backend`` validates a configuration against a named backend (or picks the first
 backend that serves it) before anything is allocated, and raises ``ValueError`` naming every
-missing piece otherwise.
+missing piece otherwise. The order: on a GPU FLASHINFER then REFERENCE, on the CPU the compiled
+CPU_ATTN then REFERENCE (the reference backend is pure torch: it serves everything, slowly).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class AttentionBackendEnum(Enum):
 
 
 _PRIORITY = (AttentionBackendEnum.FLASHINFER, AttentionBackendEnum.REFERENCE)
+_CPU_PRIORITY = (AttentionBackendEnum.CPU_ATTN, AttentionBackendEnum.REFERENCE)
 _MLA_PRIORITY = (AttentionBackendEnum.MLA_COMMON,)
 
 
@@ -71,14 +73,17 @@ def get_attn_backend(
 
     ``device_capability`` is ``None`` for CPU (see
     :func:`~vllm.v1.attention.backends.abstract.get_device_capability`). With ``backend``
-    given, that backend must serve it; otherwise the first of FLASHINFER, REFERENCE (MLA:
-    MLA_COMMON) that does is returned. ``ValueError`` lists each candidate's reasons.
+    given, that backend must serve it; otherwise the first that does of FLASHINFER, REFERENCE
+    on a GPU, CPU_ATTN, REFERENCE on the CPU (MLA: MLA_COMMON) is returned. ``ValueError`` lists
+    each candidate's reasons.
     """
     capability = as_device_capability(device_capability)
     if backend is not None:
         candidates: tuple[AttentionBackendEnum, ...] = (AttentionBackendEnum.parse(backend),)
+    elif use_mla:
+        candidates = _MLA_PRIORITY
     else:
-        candidates = _MLA_PRIORITY if use_mla else _PRIORITY
+        candidates = _CPU_PRIORITY if capability is None else _PRIORITY
     failures: list[str] = []
     for member in candidates:
         cls = member.get_class()
