@@ -1,10 +1,11 @@
 """Pure-torch reference codecs for every KV-cache byte format (FP8, NVFP4, per-token-head INT8
-and FP8, scale layouts).
+and FP8, scale layouts), and the engines' KV-scale calibration (:class:`KVScaleObserver`).
 
 These functions are the single source of truth for the cache formats of docs/design.md §5: compiled
 kernels (CPU and CUDA) are tested against them bit for bit. They run on the input's device.
 """
 
+from vllm.kv_quant.calibration import KVScaleObserver, kv_scale_max, kv_scales_from_amax
 from vllm.kv_quant.fp8 import (
     FP8_E4M3_MAX,
     FP8_E5M2_MAX,
@@ -64,6 +65,7 @@ __all__ = [
     "NVFP4_SCALE_MAX",
     "PER_TOKEN_HEAD_SCALE_FLOOR",
     "Fp8Format",
+    "KVScaleObserver",
     "ScaleLayout",
     "as_fp8_format",
     "dequantize_fp8",
@@ -82,6 +84,8 @@ __all__ = [
     "interleave4_index",
     "is_per_tensor_scale",
     "kv_scale_as_1d",
+    "kv_scale_max",
+    "kv_scales_from_amax",
     "layout_index",
     "nvfp4_read_cache",
     "nvfp4_read_cache_raw",

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 
 import torch
 
+from vllm.kv_quant.kv_scale import kv_scale_as_1d
 from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backends.utils import get_kv_cache_layout, validate_kv_cache_layout
 from vllm.v1.kv_cache_format import (
@@ -84,13 +85,40 @@ class AttentionLayer(Protocol):
 class AttentionLayerScales:
     """A minimal :class:`AttentionLayer`: holds ``k_scale`` / ``v_scale``, the dequantization
     scales of a quantized cache (fp32, one value in any shape, e.g. 0-d as upstream layers hold
-    them, or ``[H]``; default ``[1.0]``)."""
+    them, or ``[H]``; default ``[1.0]``).
+
+    The impls read upstream's private ``_k_scale`` / ``_v_scale``; an engine reads
+    :attr:`k_scale` / :attr:`v_scale` and sets both with :meth:`set_kv_scales` (e.g. from
+    :meth:`vllm.kv_quant.KVScaleObserver.scales`). The constructor stores what it is given
+    unchecked (the impls check at each call)."""
 
     def __init__(
         self, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None
     ) -> None:
         self._k_scale = torch.ones(1, dtype=torch.float32) if k_scale is None else k_scale
         self._v_scale = torch.ones(1, dtype=torch.float32) if v_scale is None else v_scale
+
+    @property
+    def k_scale(self) -> torch.Tensor:
+        """The K dequantization scale the impls read (``_k_scale``)."""
+        return self._k_scale
+
+    @property
+    def v_scale(self) -> torch.Tensor:
+        """The V dequantization scale the impls read (``_v_scale``)."""
+        return self._v_scale
+
+    def set_kv_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+        """Replace both scales after checking both (nothing changes on an error): fp32, one
+        value in any shape or ``[H]``, finite and > 0 (a host sync for a device tensor)."""
+        for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+            per_head = isinstance(scale, torch.Tensor) and scale.dim() == 1
+            kv_scale_as_1d(scale, name, scale.shape[0] if per_head else None)
+            if not bool((torch.isfinite(scale) & (scale > 0)).all()):
+                raise ValueError(
+                    f"{name}: expected finite scales > 0, got {scale.flatten().tolist()}"
+                )
+        self._k_scale, self._v_scale = k_scale, v_scale
 
 
 class AttentionBackend(ABC):
