@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from functools import partial
 from typing import TYPE_CHECKING, cast
 
+from vllm.utils import check_positive_int
 from vllm.v1.core.kv_cache_deepseek_v4 import layer_tuple_layout
 from vllm.v1.core.kv_cache_grouping import (
     UPSTREAM_LAYOUT,
@@ -47,6 +48,7 @@ __all__ = [
     "get_kv_cache_configs",
     "get_max_concurrency_for_kv_cache_config",
     "get_num_blocks",
+    "kv_cache_memory_for_blocks",
     "max_memory_usage_bytes",
     "may_override_num_blocks",
     "resolve_kv_cache_block_sizes",
@@ -208,6 +210,24 @@ def _pool_bytes_per_block(kv_cache_groups: list[KVCacheGroupSpec]) -> int:
         return layout.bytes_per_block
     group_size = max(len(g.layer_names) for g in kv_cache_groups)
     return get_uniform_page_size(g.kv_cache_spec for g in kv_cache_groups) * group_size
+
+
+def kv_cache_memory_for_blocks(
+    vllm_config: VllmConfig,
+    kv_cache_specs: dict[str, KVCacheSpec],
+    num_blocks: int,
+    *,
+    policy: KVCacheLayoutPolicy = UPSTREAM_LAYOUT,
+) -> int:
+    """Bytes of KV-cache memory that hold exactly ``num_blocks`` blocks of ``kv_cache_specs``
+    (not upstream's): ``num_blocks`` times what one block id takes over all tensors under the
+    layout ``get_kv_cache_groups`` gives these specs, so that
+    ``get_kv_cache_configs(vllm_config, [kv_cache_specs], [that], policy=policy)`` has
+    ``num_blocks`` (upstream's other way: ``cache_config.num_gpu_blocks_override``). 0 for an
+    attention-free model; the caller's dict is not modified."""
+    check_positive_int("num_blocks", num_blocks)
+    groups = get_kv_cache_groups(vllm_config, dict(kv_cache_specs), policy=policy)
+    return num_blocks * _pool_bytes_per_block(groups) if groups else 0
 
 
 def _get_kv_cache_config_deepseek_v4(
