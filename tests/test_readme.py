@@ -1,4 +1,4 @@
-"""The README's Python example runs as written."""
+"""The README's Python examples run as written."""
 
 import re
 from pathlib import Path
@@ -15,4 +15,15 @@ def test_readme_python_example_runs() -> None:
     exec(compile(blocks[0], str(README), "exec"), namespace)
     out = namespace["out"]
     assert isinstance(out, torch.Tensor) and out.shape == (20, 16, 64)
+    assert torch.isfinite(out).all()
+
+
+def test_readme_engine_loop_runs() -> None:
+    """The engine loop (``AttentionKVCache`` + ``KVScaleObserver``) runs as written."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
+    (engine,) = [b for b in blocks if "AttentionKVCache" in b]
+    namespace: dict[str, object] = {}
+    exec(compile(engine, str(README), "exec"), namespace)
+    out = namespace["out"]
+    assert isinstance(out, torch.Tensor) and out.shape == (1, 9, 64)
     assert torch.isfinite(out).all()

@@ -1,0 +1,184 @@
+"""``AttentionKVCache``: one object allocates a layer's cache, writes it and reads it with the
+same scales and scale layouts, for every format; errors name the argument."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm import _custom_ops as ops
+from vllm.kv_quant import KVScaleObserver, ScaleLayout, nvfp4_read_cache
+from vllm.v1.attention.backends import (
+    CPUAttentionBackend,
+    CPUAttentionImpl,
+    ReferenceAttentionBackend,
+    ReferenceAttentionImpl,
+)
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode, MLAAttentionSpec
+from vllm.v1.worker.attention_kv_cache import AttentionKVCache
+
+FORMATS = ["auto", "bfloat16", "fp8", "fp8_e5m2", "nvfp4", "int8_per_token_head"]
+H, HQ, D = 3, 9, 64
+TABLE = torch.tensor([[2, 5, 7]])
+
+
+def _kvq(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(40, h, D, generator=gen).to(torch.bfloat16) for h in (H, H, HQ))
+
+
+def _calibrated(kv_cache_dtype: str, **options: object) -> AttentionKVCache:
+    cache = AttentionKVCache.create(kv_cache_dtype, 8, 16, H, D, num_heads=HQ, **options)
+    k, v, _ = _kvq(0)
+    observer = KVScaleObserver()
+    observer.observe(k, v)
+    cache.set_kv_scales(*observer.scales(kv_cache_dtype))
+    return cache
+
+
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+def test_prefill_then_decode_reads_what_it_wrote(kv_cache_dtype: str) -> None:
+    cache = _calibrated(kv_cache_dtype)
+    assert cache.backend is CPUAttentionBackend and isinstance(cache.impl, CPUAttentionImpl)
+    assert (cache.num_blocks, cache.block_size) == (8, 16)
+    k, v, q = _kvq(0)
+    prefill = cache.metadata([32], [32], TABLE)
+    cache.write(k[:32], v[:32], prefill.slot_mapping)
+    outs = [cache.attend(q[:32], prefill)]
+    for t in range(32, 40):
+        outs.append(
+            cache.forward(
+                q[t : t + 1], k[t : t + 1], v[t : t + 1], cache.metadata([t + 1], [1], TABLE)
+            )
+        )
+    got = torch.cat(outs)
+    # The reference impl, given the same layouts, reads the same bytes to the same attention.
+    reference = ReferenceAttentionImpl(
+        HQ,
+        D,
+        num_kv_heads=H,
+        kv_cache_dtype=cache.kv_cache_dtype,
+        k_scale_layout=cache.scale_layouts.k_scale_layout,
+        v_scale_layout=cache.scale_layouts.v_scale_layout,
+    )
+    full = cache.metadata([40], [40], TABLE)
+    want = reference.forward(cache.layer, q, None, None, cache.kv_cache, full)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    exact = ReferenceAttentionImpl(HQ, D, num_kv_heads=H)
+    bf16 = AttentionKVCache.create("auto", 8, 16, H, D, num_heads=HQ, backend="REFERENCE")
+    bf16.write(k, v, full.slot_mapping)
+    ideal = exact.forward(bf16.layer, q, None, None, bf16.kv_cache, full)
+    cos = torch.nn.functional.cosine_similarity(got.float().flatten(1), ideal.float().flatten(1))
+    assert cos.min() > 0.95
+
+
+def test_write_is_the_op_with_the_cache_sides_scales_and_layouts() -> None:
+    cache = _calibrated("nvfp4", layout="HND", scale_layouts=("interleave4", "linear"))
+    assert cache.impl.k_scale_layout is ScaleLayout.INTERLEAVE4
+    assert cache.impl.v_scale_layout is ScaleLayout.LINEAR
+    assert cache.key_cache.stride(2) > cache.key_cache.stride(1)  # HND: tokens inner to heads
+    k, v, _ = _kvq(1)
+    slots = cache.metadata([40], [40], TABLE).slot_mapping
+    cache.write(k, v, slots)
+    by_hand = torch.zeros_like(cache.kv_cache)
+    ops.reshape_and_cache_flash(
+        k,
+        v,
+        by_hand[:, 0],
+        by_hand[:, 1],
+        slots,
+        "nvfp4",
+        cache.k_scale,
+        cache.v_scale,
+        k_scale_layout="interleave4",
+        v_scale_layout="linear",
+    )
+    assert torch.equal(cache.kv_cache, by_hand)
+    keys = nvfp4_read_cache(cache.key_cache, cache.k_scale, D, cache.scale_layouts.k_scale_layout)
+    err = (keys[2].float() - k[:16].float()).abs().max()
+    assert err < 0.5 * k.float().abs().max()
+
+
+def test_head_size_v_and_named_backend() -> None:
+    cache = AttentionKVCache.create(
+        "fp8", 4, 16, H, D, head_size_v=32, num_heads=HQ, backend=ReferenceAttentionBackend
+    )
+    assert isinstance(cache.kv_cache, tuple) and cache.value_cache.shape == (4, 16, H, 32)
+    assert type(cache.impl) is ReferenceAttentionImpl
+    k, v, q = _kvq(2)
+    meta = cache.metadata([20], [20], torch.tensor([[1, 3]]))
+    out = cache.forward(q[:20], k[:20], v[:20, :, :32].contiguous(), meta)
+    assert out.shape == (20, HQ, 32) and torch.isfinite(out).all()
+
+
+def test_scales_are_public_and_checked() -> None:
+    cache = AttentionKVCache.create("fp8", 4, 16, H, D)
+    assert cache.k_scale.shape == torch.Size([]) and cache.k_scale == 1.0
+    cache.set_kv_scales(torch.full((H,), 0.5), torch.tensor(2.0))
+    assert cache.k_scale.tolist() == [0.5] * H and cache.v_scale == 2.0
+    with pytest.raises(
+        ValueError, match=r"k_scale: expected one value .*\[H\] = \[3\], got shape \[2\]"
+    ):
+        cache.set_kv_scales(torch.ones(2), torch.ones(()))
+    with pytest.raises(ValueError, match="v_scale: expected finite scales > 0"):
+        cache.set_kv_scales(torch.ones(()), torch.zeros(()))
+    assert cache.v_scale == 2.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"kv_cache_dtype": "fp4"}, "kv_cache_dtype: unknown KV-cache dtype 'fp4'"),
+        ({"num_blocks": 0}, "num_blocks: expected a positive int, got 0"),
+        ({"num_heads": 4}, "num_heads: expected a multiple of num_kv_heads=3"),
+        ({"backend": "FLASHINFER"}, "FLASHINFER: FlashInfer needs an NVIDIA GPU"),
+        ({"layout": "NDH"}, "layout: unknown KV-cache layout 'NDH'"),
+        ({"scale_layouts": ("swizzle", "linear")}, "scale_layout: expected one of"),
+        ({"block_size": 6, "scale_layouts": ("interleave4", "linear")}, "multiple of 4, got 6"),
+        ({"sliding_window": 0}, "sliding_window: expected None or a positive int"),
+    ],
+)
+def test_bad_arguments_name_themselves(kwargs: dict[str, object], message: str) -> None:
+    args = {"kv_cache_dtype": "nvfp4", "num_blocks": 4, "block_size": 16} | kwargs
+    with pytest.raises(ValueError, match=message):
+        AttentionKVCache.create(
+            args.pop("kv_cache_dtype"),
+            args.pop("num_blocks"),
+            args.pop("block_size"),
+            H,
+            D,
+            **args,
+        )
+
+
+def test_spec_errors() -> None:
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    with pytest.raises(
+        ValueError, match="spec: expected a non-MLA attention spec, got MLAAttentionSpec"
+    ):
+        AttentionKVCache.from_spec(mla, 4)
+    fp8 = AttentionKVCache.create("fp8_e5m2", 4, 16, H, D)
+    assert fp8.kv_cache_dtype == "fp8_e5m2"
+    assert fp8.impl.kv_cache_format.fp8_variant == "e5m2"  # the variant reaches the impl
+    nvfp4 = FullAttentionSpec(
+        block_size=16,
+        num_kv_heads=H,
+        head_size=D,
+        dtype=torch.uint8,
+        kv_quant_mode=KVQuantMode.NVFP4,
+    )
+    with pytest.raises(
+        ValueError, match="kv_cache_dtype: expected a name of the spec's format 'nvfp4', got 'fp8'"
+    ):
+        AttentionKVCache.from_spec(nvfp4, 4, kv_cache_dtype="fp8")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "nvfp4"])
+def test_on_a_gpu(kv_cache_dtype: str) -> None:
+    cache = _calibrated(kv_cache_dtype, device="cuda", layout="HND")
+    assert cache.device.type == "cuda" and type(cache.impl) is ReferenceAttentionImpl
+    k, v, q = (t.cuda() for t in _kvq(3))
+    meta = cache.metadata([40], [40], TABLE)
+    out = cache.forward(q, k, v, meta)
+    assert out.shape == (40, HQ, D) and torch.isfinite(out).all()

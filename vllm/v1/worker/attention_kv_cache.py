@@ -1,0 +1,326 @@
+"""One attention layer's paged K/V cache for an engine: allocate, write, read, one object.
+
+:class:`AttentionKVCache` is a thin layer over the worker and backend code: it allocates through
+:func:`~vllm.v1.worker.gpu.attn_utils.init_kv_cache` (the backend's shape and stride order),
+takes the NVFP4 scale layouts from
+:func:`~vllm.v1.worker.gpu.attn_utils.get_kv_cache_scale_layouts` (``ScaleLayout.default_for``
+unless the backend or the caller says otherwise), and builds the backend's attention impl with
+those layouts; the impl's writer (``reshape_and_cache_flash`` on ``kv_cache[:, 0]`` /
+``kv_cache[:, 1]``) and its reader then share the layouts and the scales, so they cannot
+disagree. On the CPU the backend is ``CPU_ATTN``; a backend without an impl in this library
+(FlashInfer: shapes and layouts only) shapes the cache and the reference impl reads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from vllm.kv_quant.kv_scale import kv_scale_as_1d
+from vllm.kv_quant.scale_layout import ScaleLayout
+from vllm.utils import check_positive_int
+from vllm.v1.attention.backends.abstract import (
+    AttentionBackend,
+    AttentionLayerScales,
+    KVCacheScaleLayouts,
+    get_device_capability,
+)
+from vllm.v1.attention.backends.reference import (
+    ReferenceAttentionBackend,
+    ReferenceAttentionImpl,
+    ReferenceAttentionMetadata,
+)
+from vllm.v1.attention.backends.registry import AttentionBackendEnum, get_attn_backend
+from vllm.v1.attention.backends.utils import kv_cache_layout, split_kv_cache
+from vllm.v1.kv_cache_format import lookup
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    LatentPageSpec,
+)
+from vllm.v1.worker.gpu.attn_utils import (
+    get_kv_cache_scale_layouts,
+    init_kv_cache,
+    spec_cache_dtype_str,
+)
+
+__all__ = ["AttentionKVCache"]
+
+_LAYER = "layer"
+"""The name of the one layer of the config the cache is allocated from."""
+
+
+def _reader_backend(backend: type[AttentionBackend]) -> type[ReferenceAttentionBackend]:
+    """The backend whose impl reads the cache: ``backend`` when it has one, else REFERENCE."""
+    if isinstance(backend, type) and issubclass(backend, ReferenceAttentionBackend):
+        return backend
+    return ReferenceAttentionBackend
+
+
+def _select_backend(
+    spec: AttentionSpec,
+    cache_dtype: str,
+    model_dtype: torch.dtype,
+    device: torch.device,
+    backend: str | AttentionBackendEnum | type[AttentionBackend] | None,
+) -> type[AttentionBackend]:
+    """``backend`` when it is a class (checked later by ``init_kv_cache``), else the selector's
+    choice for the spec on ``device`` (``get_attn_backend``: CPU_ATTN first on the CPU)."""
+    if isinstance(backend, type):
+        return backend
+    return get_attn_backend(
+        spec.head_size,
+        model_dtype,
+        cache_dtype,
+        spec.block_size,
+        get_device_capability(device),
+        backend=backend,
+        head_size_v=spec.head_size_v,
+    )
+
+
+def _check_cache_dtype(spec: AttentionSpec, kv_cache_dtype: str | None) -> None:
+    """``ValueError`` when ``kv_cache_dtype`` names a format of another quantization than the
+    spec's (it may only pick the FP8 variant)."""
+    if kv_cache_dtype is None:
+        return
+    named = lookup(kv_cache_dtype, include_mla_only=False)
+    fmt = spec.kv_cache_format
+    if named.quant_mode != fmt.quant_mode:
+        raise ValueError(
+            f"kv_cache_dtype: expected a name of the spec's format {fmt.name!r}, "
+            f"got {kv_cache_dtype!r}"
+        )
+
+
+class AttentionKVCache:
+    """A layer's paged cache ``kv_cache`` (``(B, 2, N, H, D')``, or the ``(key_cache,
+    value_cache)`` pair when ``head_size_v != head_size``), its scales (:attr:`k_scale`,
+    :attr:`v_scale`, set with :meth:`set_kv_scales`), its NVFP4 :attr:`scale_layouts`, the
+    :attr:`backend` that shaped it and the :attr:`impl` that writes and reads it.
+
+    Build it with :meth:`create` or :meth:`from_spec`. Block tables and slots count pages of
+    :attr:`block_size` tokens (the spec's, unless the backend splits pages into kernel blocks).
+    """
+
+    def __init__(
+        self,
+        backend: type[AttentionBackend],
+        kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        impl: ReferenceAttentionImpl,
+        scale_layouts: KVCacheScaleLayouts,
+    ) -> None:
+        key_cache, _ = split_kv_cache(kv_cache)
+        self.backend = backend
+        self.kv_cache = kv_cache
+        self.impl = impl
+        self.scale_layouts = scale_layouts
+        self.layer = AttentionLayerScales(
+            torch.ones((), dtype=torch.float32, device=key_cache.device),
+            torch.ones((), dtype=torch.float32, device=key_cache.device),
+        )
+        """What the impl reads the scales from (upstream's ``_k_scale`` / ``_v_scale``)."""
+
+    @classmethod
+    def create(
+        cls,
+        kv_cache_dtype: str,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        *,
+        head_size_v: int | None = None,
+        model_dtype: torch.dtype = torch.bfloat16,
+        **options: Any,
+    ) -> AttentionKVCache:
+        """A full-attention cache of ``num_blocks`` pages of ``block_size`` tokens for
+        ``num_kv_heads`` heads of ``head_size`` (``head_size_v``) in ``kv_cache_dtype`` (any
+        name or alias of the format registry); ``options`` as for :meth:`from_spec`."""
+        fmt = lookup(kv_cache_dtype, include_mla_only=False)
+        spec = FullAttentionSpec(
+            block_size=block_size,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
+            head_size_v=head_size if head_size_v is None else head_size_v,
+            dtype=fmt.resolve_storage_dtype(model_dtype),
+            kv_quant_mode=fmt.quant_mode,
+        )
+        return cls.from_spec(
+            spec, num_blocks, kv_cache_dtype=kv_cache_dtype, model_dtype=model_dtype, **options
+        )
+
+    @classmethod
+    def from_spec(
+        cls,
+        spec: AttentionSpec,
+        num_blocks: int,
+        *,
+        kv_cache_dtype: str | None = None,
+        num_heads: int | None = None,
+        model_dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+        backend: str | AttentionBackendEnum | type[AttentionBackend] | None = None,
+        layout: str | None = None,
+        scale_layouts: tuple[ScaleLayout | str, ScaleLayout | str] | None = None,
+        **impl_options: Any,
+    ) -> AttentionKVCache:
+        """Validate, allocate and wire the cache of a (non-MLA) attention ``spec``.
+
+        ``kv_cache_dtype`` names the FP8 variant (``fp8_e5m2``; default: the spec's format);
+        ``num_heads`` query heads (default ``num_kv_heads``); ``backend`` a class, a registry
+        name or ``None`` (:func:`get_attn_backend` for ``device``); ``layout`` ``NHD`` / ``HND``
+        (default: the current setting); ``scale_layouts`` ``(K, V)`` NVFP4 layouts (default:
+        the backend's); ``impl_options`` go to the impl (``scale``, ``sliding_window``,
+        ``logits_soft_cap``, ``sinks``). The backend, the impl's arguments and the cache views
+        are checked before memory is allocated, the scale layouts against the pages (an empty
+        write) before the cache is returned.
+        """
+        if not isinstance(spec, AttentionSpec) or isinstance(spec, LatentPageSpec):
+            raise ValueError(f"spec: expected a non-MLA attention spec, got {type(spec).__name__}")
+        check_positive_int("num_blocks", num_blocks)
+        _check_cache_dtype(spec, kv_cache_dtype)
+        cache_dtype = spec_cache_dtype_str(spec, kv_cache_dtype)
+        device = torch.device(device)
+        config = KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[KVCacheTensor(num_blocks * spec.page_size_bytes, [_LAYER])],
+            kv_cache_groups=[KVCacheGroupSpec([_LAYER], spec)],
+        )
+        context = contextlib.nullcontext() if layout is None else kv_cache_layout(layout)
+        with context:
+            chosen = _select_backend(spec, cache_dtype, model_dtype, device, backend)
+            layouts = get_kv_cache_scale_layouts(config, [chosen])[_LAYER]
+            if scale_layouts is not None:
+                layouts = KVCacheScaleLayouts(*(ScaleLayout.parse(s) for s in scale_layouts))
+            impl = _reader_backend(chosen).get_impl_cls()(
+                spec.num_kv_heads if num_heads is None else num_heads,
+                spec.head_size,
+                num_kv_heads=spec.num_kv_heads,
+                kv_cache_dtype=cache_dtype,
+                head_size_v=spec.head_size_v,
+                k_scale_layout=layouts.k_scale_layout,
+                v_scale_layout=layouts.v_scale_layout,
+                **impl_options,
+            )
+            kv_cache = init_kv_cache(
+                config, [chosen], device, model_dtype=model_dtype, cache_dtype=cache_dtype
+            )[_LAYER]
+        cache = cls(chosen, kv_cache, impl, layouts)
+        cache.write(*cache._empty_batch(model_dtype))  # the impl's checks (layouts fit), no-op
+        return cache
+
+    def _empty_batch(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """No tokens: K, V in ``dtype`` and their slots."""
+        heads, device = self.impl.num_kv_heads, self.device
+        return (
+            torch.empty(0, heads, self.impl.head_size, dtype=dtype, device=device),
+            torch.empty(0, heads, self.impl.head_size_v, dtype=dtype, device=device),
+            torch.empty(0, dtype=torch.int64, device=device),
+        )
+
+    # ------------------------------------------------------------------------- properties
+
+    @property
+    def key_cache(self) -> torch.Tensor:
+        """K side ``(B, N, H, D')``."""
+        return split_kv_cache(self.kv_cache)[0]
+
+    @property
+    def value_cache(self) -> torch.Tensor:
+        """V side ``(B, N, H, Dv')``."""
+        return split_kv_cache(self.kv_cache)[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.key_cache.device
+
+    @property
+    def num_blocks(self) -> int:
+        """Pages of the cache."""
+        return self.key_cache.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per page (what block tables and slot mappings count in)."""
+        return self.key_cache.shape[1]
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        return self.impl.kv_cache_dtype
+
+    @property
+    def k_scale(self) -> torch.Tensor:
+        """fp32 K dequantization scale (0-d or ``[H]``) that the writer and reader use."""
+        return self.layer.k_scale
+
+    @property
+    def v_scale(self) -> torch.Tensor:
+        """fp32 V dequantization scale, like :attr:`k_scale`."""
+        return self.layer.v_scale
+
+    def set_kv_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+        """Use these fp32 scales (one value or ``[num_kv_heads]``, finite, > 0; e.g.
+        :meth:`vllm.kv_quant.KVScaleObserver.scales`) from now on, copied to the cache's
+        device. Both are checked before either changes. Write and read with the same scales:
+        pages written before the change are read with the new ones."""
+        for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+            kv_scale_as_1d(scale, name, self.impl.num_kv_heads)
+        self.layer.set_kv_scales(k_scale.to(self.device), v_scale.to(self.device))
+
+    # ------------------------------------------------------------------------ write, read
+
+    def metadata(
+        self,
+        seq_lens: Sequence[int] | torch.Tensor,
+        query_lens: Sequence[int] | torch.Tensor,
+        block_table: torch.Tensor,
+        causal: bool = True,
+    ) -> ReferenceAttentionMetadata:
+        """The impl's metadata for sequences of ``seq_lens`` tokens whose last ``query_lens``
+        are new, ``block_table [num_seqs, max_pages]`` in this cache's pages; its
+        ``slot_mapping`` is where the new tokens go."""
+        return (
+            _reader_backend(self.backend)
+            .get_metadata_cls()
+            .build(
+                seq_lens, query_lens, block_table.to(self.device), self.block_size, causal=causal
+            )
+        )
+
+    def write(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write ``key [T, H, D]`` / ``value [T, H, Dv]`` at ``slot_mapping [T]`` (int64;
+        negative slots skipped) with the cache's scales and scale layouts."""
+        self.impl.do_kv_cache_update(self.layer, key, value, self.kv_cache, slot_mapping)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        attn_metadata: ReferenceAttentionMetadata,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Paged attention of ``query [T, num_heads, D]`` over the cache:
+        ``[T, num_heads, Dv]`` in the query's dtype."""
+        return self.impl.forward(
+            self.layer, query, None, None, self.kv_cache, attn_metadata, output
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_metadata: ReferenceAttentionMetadata,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Write the new ``key`` / ``value`` at ``attn_metadata.slot_mapping``, then attend
+        (every argument is checked before anything is written)."""
+        return self.impl.forward(
+            self.layer, query, key, value, self.kv_cache, attn_metadata, output
+        )
