@@ -19,6 +19,7 @@ from vllm.kv_quant.fp8 import (
     quantize_fp8,
 )
 from vllm.kv_quant.fp8_cache import fp8_read_cache, fp8_write_cache
+from vllm.kv_quant.hadamard import HADAMARD, check_hadamard_head_size, hadamard_rotate
 from vllm.kv_quant.kv_scale import is_per_tensor_scale, kv_scale_as_1d
 from vllm.kv_quant.nvfp4 import (
     E2M1_MAX,
@@ -55,6 +56,9 @@ from vllm.kv_quant.scale_layout import (
 )
 
 __all__ = [
+    "HADAMARD",
+    "check_hadamard_head_size",
+    "hadamard_rotate",
     "E2M1_MAX",
     "E2M1_VALUES",
     "FP8_E4M3_MAX",

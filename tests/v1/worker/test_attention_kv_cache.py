@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vllm import _custom_ops as ops
-from vllm.kv_quant import KVScaleObserver, ScaleLayout, nvfp4_read_cache
+from vllm.kv_quant import KVScaleObserver, ScaleLayout, hadamard_rotate, nvfp4_read_cache
 from vllm.v1.attention.backends import (
     CPUAttentionBackend,
     CPUAttentionImpl,
@@ -182,3 +182,56 @@ def test_on_a_gpu(kv_cache_dtype: str) -> None:
     meta = cache.metadata([40], [40], TABLE)
     out = cache.forward(q, k, v, meta)
     assert out.shape == (40, HQ, D) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "nvfp4", "fp8_per_token_head"])
+def test_hadamard_key_rotation_keeps_the_attention(kv_cache_dtype: str) -> None:
+    k, v, q = _kvq(1)
+    k[:, :, 5] *= 30  # an outlier key channel
+    rotated = AttentionKVCache.create(
+        kv_cache_dtype, 8, 16, H, D, num_heads=HQ, key_rotation="hadamard"
+    )
+    plain = AttentionKVCache.create(kv_cache_dtype, 8, 16, H, D, num_heads=HQ)
+    for cache in (rotated, plain):
+        observer = KVScaleObserver()
+        observer.observe(cache.stored_key(k), v)
+        cache.set_kv_scales(*observer.scales(kv_cache_dtype))
+    meta = rotated.metadata([40], [40], TABLE)
+    # The cache holds the quantized rotated keys: the op on hadamard_rotate(k) gives its bytes.
+    rotated.write(k, v, meta.slot_mapping)
+    by_hand = AttentionKVCache.create(kv_cache_dtype, 8, 16, H, D, num_heads=HQ)
+    by_hand.set_kv_scales(rotated.k_scale, rotated.v_scale)
+    by_hand.write(hadamard_rotate(k).to(k.dtype), v, meta.slot_mapping)
+    assert torch.equal(rotated.key_cache, by_hand.key_cache)
+    got = rotated.attend(q, meta)
+    exact = AttentionKVCache.create("auto", 8, 16, H, D, num_heads=HQ)
+    exact.write(k, v, meta.slot_mapping)
+    ideal = exact.attend(q, meta).float()
+    plain.write(k, v, meta.slot_mapping)
+    err_rotated = (got.float() - ideal).norm() / ideal.norm()
+    err_plain = (plain.attend(q, meta).float() - ideal).norm() / ideal.norm()
+    # The scores are kept: the error is the format's own, of the order of the unrotated one
+    # (which channel layout favours which depends on the data; docs/accuracy.md measures it).
+    assert err_rotated < (0.3 if kv_cache_dtype == "nvfp4" else 0.1)
+    assert err_rotated < 3 * err_plain
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"key_rotation": "random"}, "key_rotation: expected None or 'hadamard', got 'random'"),
+        ({"kv_cache_dtype": "auto", "key_rotation": "hadamard"}, "expected a quantized cache"),
+        ({"head_size": 80, "key_rotation": "hadamard"}, "head_size: the Hadamard rotation"),
+    ],
+)
+def test_bad_key_rotation(kwargs: dict[str, object], message: str) -> None:
+    args: dict[str, object] = {"kv_cache_dtype": "fp8", "head_size": D, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        AttentionKVCache.create(
+            args.pop("kv_cache_dtype"),
+            8,
+            16,
+            H,
+            args.pop("head_size"),
+            **args,  # type: ignore[arg-type]
+        )

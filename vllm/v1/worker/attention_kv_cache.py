@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from vllm.kv_quant.hadamard import HADAMARD, check_hadamard_head_size, hadamard_rotate
 from vllm.kv_quant.kv_scale import kv_scale_as_1d
 from vllm.kv_quant.scale_layout import ScaleLayout
 from vllm.utils import check_positive_int
@@ -99,6 +100,21 @@ def _check_cache_dtype(spec: AttentionSpec, kv_cache_dtype: str | None) -> None:
         )
 
 
+def _check_key_rotation(spec: AttentionSpec, key_rotation: str | None) -> None:
+    """``ValueError`` unless ``key_rotation`` is None or ``"hadamard"`` on a quantized format
+    with a power-of-two head size."""
+    if key_rotation is None:
+        return
+    if key_rotation != HADAMARD:
+        raise ValueError(f"key_rotation: expected None or {HADAMARD!r}, got {key_rotation!r}")
+    if not spec.kv_quant_mode.is_quantized:
+        raise ValueError(
+            f"key_rotation: expected a quantized cache format (rotation only spreads "
+            f"quantization error), got {spec.kv_cache_format.name!r}"
+        )
+    check_hadamard_head_size(spec.head_size)
+
+
 class AttentionKVCache:
     """A layer's paged cache ``kv_cache`` (``(B, 2, N, H, D')``, or the ``(key_cache,
     value_cache)`` pair when ``head_size_v != head_size``), its scales (:attr:`k_scale`,
@@ -115,8 +131,12 @@ class AttentionKVCache:
         kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
         impl: ReferenceAttentionImpl,
         scale_layouts: KVCacheScaleLayouts,
+        key_rotation: str | None = None,
     ) -> None:
         key_cache, _ = split_kv_cache(kv_cache)
+        self.key_rotation = key_rotation
+        """``"hadamard"``: keys are stored rotated and queries rotated alike (see
+        :mod:`vllm.kv_quant.hadamard`); ``None``: as given."""
         self.backend = backend
         self.kv_cache = kv_cache
         self.impl = impl
@@ -169,6 +189,7 @@ class AttentionKVCache:
         backend: str | AttentionBackendEnum | type[AttentionBackend] | None = None,
         layout: str | None = None,
         scale_layouts: tuple[ScaleLayout | str, ScaleLayout | str] | None = None,
+        key_rotation: str | None = None,
         **impl_options: Any,
     ) -> AttentionKVCache:
         """Validate, allocate and wire the cache of a (non-MLA) attention ``spec``.
@@ -177,15 +198,19 @@ class AttentionKVCache:
         ``num_heads`` query heads (default ``num_kv_heads``); ``backend`` a class, a registry
         name or ``None`` (:func:`get_attn_backend` for ``device``); ``layout`` ``NHD`` / ``HND``
         (default: the current setting); ``scale_layouts`` ``(K, V)`` NVFP4 layouts (default:
-        the backend's); ``impl_options`` go to the impl (``scale``, ``sliding_window``,
-        ``logits_soft_cap``, ``sinks``). The backend, the impl's arguments and the cache views
-        are checked before memory is allocated, the scale layouts against the pages (an empty
-        write) before the cache is returned.
+        the backend's); ``key_rotation`` ``"hadamard"`` stores keys rotated by the fixed
+        Hadamard rotation (quantized formats, power-of-two head sizes; the scores are
+        unchanged, the quantization error of keys spread over all channels; calibrate
+        :attr:`k_scale` on :meth:`stored_key`); ``impl_options`` go to the impl
+        (``scale``, ``sliding_window``, ``logits_soft_cap``, ``sinks``). The backend, the
+        impl's arguments and the cache views are checked before memory is allocated, the
+        scale layouts against the pages (an empty write) before the cache is returned.
         """
         if not isinstance(spec, AttentionSpec) or isinstance(spec, LatentPageSpec):
             raise ValueError(f"spec: expected a non-MLA attention spec, got {type(spec).__name__}")
         check_positive_int("num_blocks", num_blocks)
         _check_cache_dtype(spec, kv_cache_dtype)
+        _check_key_rotation(spec, key_rotation)
         cache_dtype = spec_cache_dtype_str(spec, kv_cache_dtype)
         device = torch.device(device)
         config = KVCacheConfig(
@@ -212,7 +237,7 @@ class AttentionKVCache:
             kv_cache = init_kv_cache(
                 config, [chosen], device, model_dtype=model_dtype, cache_dtype=cache_dtype
             )[_LAYER]
-        cache = cls(chosen, kv_cache, impl, layouts)
+        cache = cls(chosen, kv_cache, impl, layouts, key_rotation)
         cache.write(*cache._empty_batch(model_dtype))  # the impl's checks (layouts fit), no-op
         return cache
 
@@ -294,10 +319,22 @@ class AttentionKVCache:
             )
         )
 
+    def stored_key(self, key: torch.Tensor) -> torch.Tensor:
+        """The keys as the writer receives them: with ``key_rotation`` rotated in fp32 and
+        rounded back to ``key``'s dtype (the writer takes K and V of one dtype), else ``key``
+        itself. Observe these to calibrate :attr:`k_scale`."""
+        return key if self.key_rotation is None else hadamard_rotate(key).to(key.dtype)
+
+    def _reader_query(self, query: torch.Tensor) -> torch.Tensor:
+        """The query the impl reads with: rotated like the keys, in the query's dtype."""
+        return query if self.key_rotation is None else hadamard_rotate(query).to(query.dtype)
+
     def write(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write ``key [T, H, D]`` / ``value [T, H, Dv]`` at ``slot_mapping [T]`` (int64;
         negative slots skipped) with the cache's scales and scale layouts."""
-        self.impl.do_kv_cache_update(self.layer, key, value, self.kv_cache, slot_mapping)
+        self.impl.do_kv_cache_update(
+            self.layer, self.stored_key(key), value, self.kv_cache, slot_mapping
+        )
 
     def attend(
         self,
@@ -308,7 +345,7 @@ class AttentionKVCache:
         """Paged attention of ``query [T, num_heads, D]`` over the cache:
         ``[T, num_heads, Dv]`` in the query's dtype."""
         return self.impl.forward(
-            self.layer, query, None, None, self.kv_cache, attn_metadata, output
+            self.layer, self._reader_query(query), None, None, self.kv_cache, attn_metadata, output
         )
 
     def forward(
@@ -322,5 +359,11 @@ class AttentionKVCache:
         """Write the new ``key`` / ``value`` at ``attn_metadata.slot_mapping``, then attend
         (every argument is checked before anything is written)."""
         return self.impl.forward(
-            self.layer, query, key, value, self.kv_cache, attn_metadata, output
+            self.layer,
+            self._reader_query(query),
+            self.stored_key(key),
+            value,
+            self.kv_cache,
+            attn_metadata,
+            output,
         )
