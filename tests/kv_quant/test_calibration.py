@@ -135,3 +135,21 @@ def test_calibrated_scales_use_each_format_fully_without_clipping() -> None:
     k_scale, _ = obs.scales("nvfp4")
     _, block_scales = quantize_nvfp4(k, k_scale)
     assert int(block_scales.max()) == 0x7E  # e4m3 448, the top of the block-scale range
+
+
+def test_key_mean_per_head_and_channel_ignores_non_finite() -> None:
+    observer = KVScaleObserver()
+    key = torch.arange(2 * 2 * 4, dtype=torch.float32).reshape(2, 2, 4)
+    observer.observe(key, torch.zeros(2, 2, 4))
+    odd = key.clone() + 10
+    odd[0, 1, 2] = float("nan")
+    observer.observe(odd, torch.zeros(2, 2, 4))
+    mean = observer.key_mean()
+    assert mean.dtype == torch.float32 and mean.shape == (2, 4)
+    want = (key.sum(0) + odd.nan_to_num(0).sum(0)) / 4
+    want[1, 2] = (key[:, 1, 2].sum() + odd[1, 1, 2]) / 3
+    torch.testing.assert_close(mean, want)
+    with pytest.raises(ValueError, match=r"key: expected \[T, 2, 4\] like the batches before"):
+        observer.observe(torch.zeros(1, 2, 5), torch.zeros(1, 2, 5))
+    with pytest.raises(RuntimeError, match="key_mean: no K/V observed yet"):
+        KVScaleObserver().key_mean()

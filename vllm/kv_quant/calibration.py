@@ -77,6 +77,8 @@ class KVScaleObserver:
         self.v_amax: torch.Tensor | None = None
         """fp32 running amax of V, like :attr:`k_amax`."""
         self._nonfinite: torch.Tensor | None = None
+        self._k_sum: torch.Tensor | None = None  # fp64 [H, D] sum of finite keys
+        self._k_count: torch.Tensor | None = None  # fp64 [H, D] how many were finite
 
     @property
     def nonfinite(self) -> int:
@@ -111,6 +113,11 @@ class KVScaleObserver:
             raise ValueError(
                 f"value: expected {key.shape[0]} tokens like key, got {value.shape[0]}"
             )
+        if self._k_sum is not None and tuple(key.shape[1:]) != tuple(self._k_sum.shape):
+            raise ValueError(
+                f"key: expected [T, {self._k_sum.shape[0]}, {self._k_sum.shape[1]}] like the "
+                f"batches before, got {list(key.shape)}"
+            )
         device = key.device if self.k_amax is None else self.k_amax.device
         for name, x in (("key", key), ("value", value)):
             if x.device != device:
@@ -118,10 +125,26 @@ class KVScaleObserver:
         if key.shape[0] == 0:
             return
         (k_amax, k_bad), (v_amax, v_bad) = self._amax(key), self._amax(value)
+        finite = torch.isfinite(key)
+        k_sum = torch.where(finite, key, torch.zeros_like(key)).to(torch.float64).sum(0)
+        k_count = finite.to(torch.float64).sum(0)
+        if self._k_sum is not None and self._k_count is not None:
+            k_sum, k_count = k_sum + self._k_sum, k_count + self._k_count
+        self._k_sum, self._k_count = k_sum, k_count
         if self.k_amax is not None and self.v_amax is not None and self._nonfinite is not None:
             k_amax, v_amax = torch.maximum(self.k_amax, k_amax), torch.maximum(self.v_amax, v_amax)
             k_bad = k_bad + self._nonfinite
         self.k_amax, self.v_amax, self._nonfinite = k_amax, v_amax, k_bad + v_bad
+
+    def key_mean(self) -> torch.Tensor:
+        """fp32 ``[H, D]``: the mean of the observed keys per KV head and channel (finite values
+        only; 0 where none was): the key offset a cache subtracts before writing
+        (``AttentionKVCache.set_key_offset``).
+        ``RuntimeError`` before any non-empty batch was observed."""
+        if self._k_sum is None or self._k_count is None:
+            raise RuntimeError("key_mean: no K/V observed yet; call observe(key, value) first")
+        mean = self._k_sum / self._k_count.clamp_min(1)
+        return mean.to(torch.float32)
 
     def scales(self, kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k_scale, v_scale)``: fp32 ``amax / MAX`` for ``kv_cache_dtype``

@@ -235,3 +235,46 @@ def test_bad_key_rotation(kwargs: dict[str, object], message: str) -> None:
             args.pop("head_size"),
             **args,  # type: ignore[arg-type]
         )
+
+
+@pytest.mark.parametrize("rotation", [None, "hadamard"])
+def test_key_offset_keeps_the_attention_and_frees_the_range(rotation: str | None) -> None:
+    k, v, q = _kvq(2)
+    k[:, :, 3] += 40.0  # a large part common to every key: softmax ignores it
+    meta = AttentionKVCache.create("auto", 8, 16, H, D, num_heads=HQ).metadata([40], [40], TABLE)
+    exact = AttentionKVCache.create("auto", 8, 16, H, D, num_heads=HQ)
+    exact.write(k, v, meta.slot_mapping)
+    ideal = exact.attend(q, meta).float()
+    errors = []
+    for offset in (False, True):
+        cache = AttentionKVCache.create("fp8", 8, 16, H, D, num_heads=HQ, key_rotation=rotation)
+        raw = KVScaleObserver()
+        raw.observe(k, v)
+        if offset:
+            cache.set_key_offset(raw.key_mean())
+        stored = KVScaleObserver()
+        stored.observe(cache.stored_key(k), v)
+        cache.set_kv_scales(*stored.scales("fp8"))
+        cache.write(k, v, meta.slot_mapping)
+        got = cache.attend(q, meta).float()
+        errors.append(float((got - ideal).norm() / ideal.norm()))
+        if offset:  # what the writer got: fp32 key - offset, rotated, rounded to bf16
+            want = k.float() - raw.key_mean()
+            want = want if rotation is None else hadamard_rotate(want)
+            assert torch.equal(cache.stored_key(k), want.to(k.dtype))
+    assert errors[1] < 0.5 * errors[0], errors
+
+
+def test_key_offset_checks() -> None:
+    cache = AttentionKVCache.create("fp8", 8, 16, H, D, num_heads=HQ)
+    with pytest.raises(ValueError, match=r"offset: expected a tensor of shape \[3, 64\]"):
+        cache.set_key_offset(torch.zeros(H, D + 1))
+    with pytest.raises(ValueError, match="offset: expected finite float values"):
+        cache.set_key_offset(torch.full((H, D), float("nan")))
+    capped = AttentionKVCache.create("fp8", 8, 16, H, D, num_heads=HQ, logits_soft_cap=30.0)
+    with pytest.raises(ValueError, match="offset: expected an impl without sinks"):
+        capped.set_key_offset(torch.zeros(H, D))
+    cache.set_key_offset(torch.ones(H, D))
+    cache.set_key_offset(None)
+    k = torch.randn(2, H, D)
+    assert cache.stored_key(k) is k

@@ -134,6 +134,9 @@ class AttentionKVCache:
         key_rotation: str | None = None,
     ) -> None:
         key_cache, _ = split_kv_cache(kv_cache)
+        self.key_offset: torch.Tensor | None = None
+        """fp32 ``[H, D]`` subtracted from every key before it is written
+        (:meth:`set_key_offset`), or ``None``."""
         self.key_rotation = key_rotation
         """``"hadamard"``: keys are stored rotated and queries rotated alike (see
         :mod:`vllm.kv_quant.hadamard`); ``None``: as given."""
@@ -319,11 +322,41 @@ class AttentionKVCache:
             )
         )
 
+    def set_key_offset(self, offset: torch.Tensor | None) -> None:
+        """Subtract ``offset`` (``[num_kv_heads, head_size]``, finite; e.g.
+        :meth:`vllm.kv_quant.KVScaleObserver.key_mean`) from every key before it is written, or
+        stop (``None``). Every score of a query then moves by the same ``q . offset``, which
+        softmax ignores: the attention is unchanged while the keys' common part no longer
+        takes the format's range. Refused for an impl with ``sinks`` or ``logits_soft_cap``
+        (their scores are not shift-free). Set it before the first write and calibrate
+        :attr:`k_scale` on :meth:`stored_key` afterwards."""
+        if offset is not None:
+            shape = [self.impl.num_kv_heads, self.impl.head_size]
+            if not isinstance(offset, torch.Tensor) or list(offset.shape) != shape:
+                got = list(offset.shape) if isinstance(offset, torch.Tensor) else offset
+                raise ValueError(f"offset: expected a tensor of shape {shape}, got {got}")
+            if not offset.dtype.is_floating_point or not torch.isfinite(offset).all():
+                raise ValueError(f"offset: expected finite float values, got {offset.dtype}")
+            if self.impl.sinks is not None or self.impl.logits_soft_cap is not None:
+                raise ValueError(
+                    "offset: expected an impl without sinks or logits_soft_cap (a key offset "
+                    "shifts scores, which only plain softmax ignores), got one with them"
+                )
+            offset = offset.to(device=self.device, dtype=torch.float32)
+        self.key_offset = offset
+
     def stored_key(self, key: torch.Tensor) -> torch.Tensor:
-        """The keys as the writer receives them: with ``key_rotation`` rotated in fp32 and
-        rounded back to ``key``'s dtype (the writer takes K and V of one dtype), else ``key``
-        itself. Observe these to calibrate :attr:`k_scale`."""
-        return key if self.key_rotation is None else hadamard_rotate(key).to(key.dtype)
+        """The keys as the writer receives them: ``key`` itself, or with a key offset and/or
+        ``key_rotation`` the fp32 ``key - offset``, rotated, rounded back to ``key``'s dtype
+        (the writer takes K and V of one dtype). Observe these to calibrate :attr:`k_scale`."""
+        if self.key_offset is None and self.key_rotation is None:
+            return key
+        stored = key.to(torch.float32)
+        if self.key_offset is not None:
+            stored = stored - self.key_offset
+        if self.key_rotation is not None:
+            stored = hadamard_rotate(stored)
+        return stored.to(key.dtype)
 
     def _reader_query(self, query: torch.Tensor) -> torch.Tensor:
         """The query the impl reads with: rotated like the keys, in the query's dtype."""
