@@ -62,7 +62,11 @@ struct ReshapeAndCacheParams {
   int64_t num_blocks;
   int block_size;
   int num_heads;
-  SourceType source_type;
+  SourceType source_type;  // key and value
+  // Element type of both sides of an unquantized cache: any float type, whatever source_type is
+  // (the kernels cast each element, rounding to nearest even as torch's .to() does; docs/design.md
+  // §6). Quantized kinds ignore it.
+  SourceType cache_type;
   CacheKind cache_kind;
   CacheSide key_cache;
   CacheSide value_cache;

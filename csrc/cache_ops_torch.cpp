@@ -287,25 +287,39 @@ ReshapeAndCacheParams prepare_reshape_and_cache_flash(
   TORCH_CHECK(value.size(1) == heads, "value: expected H = key.size(1) = ", heads, " heads, got ",
               value.size(1));
 
+  // The dtype rule (docs/design.md §6; Python twin: check_kv_dtypes in vllm/_custom_ops.py): key
+  // and value share one float dtype; an unquantized cache holds the float dtype its string names
+  // ("auto": any, key_cache's) whatever the key's, the kernels casting each element.
+  at::ScalarType cache_dtype = quantized_cache_dtype(kind);
+  SourceType cache_type = source;
+  std::string cache_dtype_reason = "for kv_cache_dtype '" + kv_cache_dtype + "'";
   if (kind == CacheKind::kUnquantized) {
-    const std::optional<SourceType> named = explicit_unquantized_type(kv_cache_dtype);
-    TORCH_CHECK(!named || *named == source, "key: expected dtype ",
-                dtype_str(scalar_type_of(*named)), " for kv_cache_dtype '", kv_cache_dtype,
-                "', got ", dtype_str(key.scalar_type()));
+    if (const std::optional<SourceType> named = explicit_unquantized_type(kv_cache_dtype)) {
+      cache_type = *named;
+      cache_dtype = scalar_type_of(*named);
+      TORCH_CHECK(key_cache.scalar_type() == cache_dtype, "key_cache: expected dtype ",
+                  dtype_str(cache_dtype), " for kv_cache_dtype '", kv_cache_dtype, "', got ",
+                  dtype_str(key_cache.scalar_type()));
+    } else {
+      const at::ScalarType t = key_cache.scalar_type();
+      TORCH_CHECK(t == at::kFloat || t == at::kHalf || t == at::kBFloat16,
+                  "key_cache: expected dtype float32, float16 or bfloat16 for kv_cache_dtype '",
+                  kv_cache_dtype, "', got ", dtype_str(t));
+      cache_type = source_type_of(key_cache, "key_cache");
+      cache_dtype = t;
+      cache_dtype_reason = "(key_cache's dtype)";
+    }
   } else {
     check_head_size(kind, kv_cache_dtype, head_size, "key");
     check_head_size(kind, kv_cache_dtype, head_size_v, "value");
   }
-  const at::ScalarType cache_dtype =
-      kind == CacheKind::kUnquantized ? key.scalar_type() : quantized_cache_dtype(kind);
   const char* last_dim_formula = cache_last_dim_formula(kind);
 
   for (const auto& [cache, name, dim, source_name] :
        {std::tuple{&key_cache, "key_cache", head_size, "key"},
         std::tuple{&value_cache, "value_cache", head_size_v, "value"}}) {
     TORCH_CHECK(cache->scalar_type() == cache_dtype, name, ": expected dtype ",
-                dtype_str(cache_dtype), " for kv_cache_dtype '", kv_cache_dtype, "' and ",
-                source_name, " dtype ", dtype_str(key.scalar_type()), ", got ",
+                dtype_str(cache_dtype), " ", cache_dtype_reason, ", got ",
                 dtype_str(cache->scalar_type()));
     TORCH_CHECK(cache->dim() == 4, name,
                 ": expected a 4-D tensor [num_blocks, block_size, num_heads, head_dim], got shape ",
@@ -350,6 +364,7 @@ ReshapeAndCacheParams prepare_reshape_and_cache_flash(
   p.block_size = int(block_size);
   p.num_heads = int(heads);
   p.source_type = source;
+  p.cache_type = cache_type;
   p.cache_kind = kind;
   p.key_cache = make_side(key_cache, "key_cache", head_size, cache_last_dim(kind, head_size),
                           k_scale, k_per_head, k_layout);

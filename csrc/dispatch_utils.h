@@ -73,7 +73,8 @@ inline constexpr bool reads_kv_scale(CacheKind kind) {
          kind != CacheKind::kFp8PerTokenHead;
 }
 
-// Storage type of a source dtype (16-bit formats as raw bits) and its exact widening to fp32.
+// Storage type of a float dtype (16-bit formats as raw bits), its exact widening to fp32 and the
+// rounding of an fp32 back to it (nearest even, as torch's .to(); kv_quant_math.h).
 template <SourceType S>
 struct SourceTraits;
 
@@ -81,24 +82,47 @@ template <>
 struct SourceTraits<SourceType::kFloat32> {
   using Storage = float;
   static KV_HOST_DEVICE float to_float(float x) { return x; }
+  static KV_HOST_DEVICE float from_float(float x) { return x; }
 };
 
 template <>
 struct SourceTraits<SourceType::kFloat16> {
   using Storage = uint16_t;
   static KV_HOST_DEVICE float to_float(uint16_t x) { return fp16_bits_to_float(x); }
+  static KV_HOST_DEVICE uint16_t from_float(float x) { return float_to_fp16_bits(x); }
 };
 
 template <>
 struct SourceTraits<SourceType::kBFloat16> {
   using Storage = uint16_t;
   static KV_HOST_DEVICE float to_float(uint16_t x) { return bf16_bits_to_float(x); }
+  static KV_HOST_DEVICE uint16_t from_float(float x) { return float_to_bf16_bits(x); }
 };
+
+// One element of float type S as float type C: the exact widening, then one rounding to nearest
+// even (fp16 <-> bf16 too: the fp32 in between is exact). Overflow gives ±Inf, a NaN stays a NaN.
+template <SourceType S, SourceType C>
+KV_HOST_DEVICE typename SourceTraits<C>::Storage cast_element(typename SourceTraits<S>::Storage x) {
+  return SourceTraits<C>::from_float(SourceTraits<S>::to_float(x));
+}
 
 template <SourceType S>
 using SourceTag = std::integral_constant<SourceType, S>;
 template <CacheKind K>
 using CacheKindTag = std::integral_constant<CacheKind, K>;
+
+// Calls fn(SourceTag<S>{}) for the runtime float type t (the element type of an unquantized cache).
+template <typename Fn>
+void dispatch_source_type(SourceType t, Fn&& fn) {
+  switch (t) {
+    case SourceType::kFloat32:
+      return fn(SourceTag<SourceType::kFloat32>{});
+    case SourceType::kFloat16:
+      return fn(SourceTag<SourceType::kFloat16>{});
+    case SourceType::kBFloat16:
+      return fn(SourceTag<SourceType::kBFloat16>{});
+  }
+}
 
 // Calls fn(SourceTag<S>{}, CacheKindTag<K>{}) for the runtime pair (source, kind), instantiating
 // fn for all 18 combinations. fn reads the pair back as constants:

@@ -161,8 +161,9 @@ KV_HOST_DEVICE uint16_t float_to_bf16_bits(float x) {
 }
 
 // fp32 -> IEEE fp16 bits: round to nearest even, subnormal results kept, |x| >= 65520 (±Inf
-// included) -> ±Inf, a NaN stays a quiet NaN. torch's fp32 -> fp16 cast gives the same bits for
-// non-NaN x. Branch-free, like float_to_fp8_satfinite (fp16 has no saturation: it overflows).
+// included) -> ±Inf, a NaN -> the quiet NaN 0x7E00 with its sign. torch's fp32 -> fp16 cast on the
+// CPU gives the same bits for every x. Branch-free, like float_to_fp8_satfinite (fp16 has no
+// saturation: it overflows).
 KV_HOST_DEVICE uint16_t float_to_fp16_bits(float x) {
   constexpr uint32_t kMinNormalBits = 0x38800000u;  // 2^-14
   constexpr uint32_t kToInfBits = 0x477FF000u;      // 65520: the tie above 65504 rounds up
@@ -181,7 +182,7 @@ KV_HOST_DEVICE uint16_t float_to_fp16_bits(float x) {
       uint32_t(int32_t(round_half_even(kv_fmul(clamped, 16777216.0f /* 2^24 */))));
   uint32_t code = abs_bits < kMinNormalBits ? subnormal : normal;
   code = abs_bits >= kToInfBits ? 0x7C00u : code;
-  code = abs_bits > 0x7F800000u ? (0x7E00u | (abs_bits >> 13)) : code;
+  code = abs_bits > 0x7F800000u ? 0x7E00u : code;
   return uint16_t(sign | code);
 }
 

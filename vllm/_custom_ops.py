@@ -100,6 +100,7 @@ def _reshape_and_cache_flash_fake(
     )
     # Same dtype and scale rules as the compiled op, so that tracing rejects what it would.
     check_kernel_support(kv_cache_dtype)
+    check_kv_dtypes(key, value, key_cache, value_cache, kv_cache_dtype)
     kv_scale_as_1d(k_scale, "k_scale", key.shape[1])
     kv_scale_as_1d(v_scale, "v_scale", key.shape[1])
     return None
@@ -167,6 +168,56 @@ def check_kernel_support(kv_cache_dtype: str) -> None:
     to the op, whose own parser rejects it with the same list of accepted names."""
     if find_format(kv_cache_dtype) is not None:
         kernel_cache_kind(kv_cache_dtype)
+
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def check_kv_dtypes(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    kv_cache_dtype: str,
+) -> None:
+    """The dtype rule of ``reshape_and_cache_flash`` (docs/design.md §6), the twin of the
+    compiled op's check in ``csrc/cache_ops_torch.cpp`` with the same messages
+    (``RuntimeError``): ``key`` float32, float16 or bfloat16 and ``value`` of the key's dtype,
+    for every format; an unquantized cache holds the float dtype its string names (``auto``:
+    any of the three, ``value_cache`` as ``key_cache``) whatever the key's, the op rounding each
+    element to it as ``.to()`` does; a quantized cache holds its format's storage dtype. A string
+    that names no format is left to the op's own error."""
+    if key.dtype not in _FLOAT_DTYPES:
+        raise RuntimeError(
+            f"key: expected dtype float32, float16 or bfloat16, got {_dtype_name(key.dtype)}"
+        )
+    if value.dtype != key.dtype:
+        raise RuntimeError(
+            f"value: expected dtype {_dtype_name(key.dtype)} (key's dtype), "
+            f"got {_dtype_name(value.dtype)}"
+        )
+    fmt = find_format(kv_cache_dtype)
+    if fmt is None:
+        return
+    reason = f"for kv_cache_dtype '{kv_cache_dtype}'"
+    expected = fmt.storage_dtype
+    if expected is None:  # auto: the cache's own float dtype
+        if key_cache.dtype not in _FLOAT_DTYPES:
+            raise RuntimeError(
+                f"key_cache: expected dtype float32, float16 or bfloat16 {reason}, "
+                f"got {_dtype_name(key_cache.dtype)}"
+            )
+        expected, reason = key_cache.dtype, "(key_cache's dtype)"
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if cache.dtype != expected:
+            raise RuntimeError(
+                f"{name}: expected dtype {_dtype_name(expected)} {reason}, "
+                f"got {_dtype_name(cache.dtype)}"
+            )
 
 
 def _layout_name(layout: ScaleLayout | str | None) -> str | None:

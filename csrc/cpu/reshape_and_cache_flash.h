@@ -651,9 +651,19 @@ auto side_plan(const CacheSide& side, const ReshapeAndCacheParams& p) {
   }
 }
 
+// n elements of float type S as float type C (cast_element: the exact widening, one rounding to
+// nearest even), in a loop the compiler vectorises.
+template <SourceType S, SourceType C>
+inline void cast_run(const typename SourceTraits<S>::Storage* x,
+                     typename SourceTraits<C>::Storage* dst, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = cast_element<S, C>(x[j]);
+}
+
 // Writes tokens [begin, end) of one side (K or V). `src` points at token 0 of the source, rows
-// `src_token_stride` elements apart, each row one token's [num_heads, head_size] values.
-template <SourceType S, CacheKind K, typename Plan>
+// `src_token_stride` elements apart, each row one token's [num_heads, head_size] values. C is the
+// element type of an unquantized cache (S for the other kinds): C == S copies the bytes, any
+// other C casts each element on the way (cast_run).
+template <SourceType S, CacheKind K, SourceType C, typename Plan>
 void write_side(const typename SourceTraits<S>::Storage* src, int64_t src_token_stride,
                 const CacheSide& side, const Plan& plan, const ReshapeAndCacheParams& p,
                 int64_t begin, int64_t end) {
@@ -678,13 +688,24 @@ void write_side(const typename SourceTraits<S>::Storage* src, int64_t src_token_
     const Storage* row = src + i * src_token_stride;
 
     if constexpr (K == CacheKind::kUnquantized) {
+      using CacheStorage = typename SourceTraits<C>::Storage;
       static_assert(sizeof(Storage) == 2 || sizeof(Storage) == 4);
-      Storage* dst = static_cast<Storage*>(side.data) + entry_offset(side, pos.block, pos.token, 0);
-      if (side.head_stride == head_size) {  // NHD: the token's heads are one run
-        std::memcpy(dst, row, sizeof(Storage) * head_size * num_heads);
+      CacheStorage* dst =
+          static_cast<CacheStorage*>(side.data) + entry_offset(side, pos.block, pos.token, 0);
+      if constexpr (C == S) {                 // the same dtype: a byte copy
+        if (side.head_stride == head_size) {  // NHD: the token's heads are one run
+          std::memcpy(dst, row, sizeof(Storage) * head_size * num_heads);
+        } else {
+          for (int h = 0; h < num_heads; ++h) {
+            std::memcpy(dst + h * side.head_stride, row + h * head_size,
+                        sizeof(Storage) * head_size);
+          }
+        }
+      } else if (side.head_stride == head_size) {
+        cast_run<S, C>(row, dst, int64_t(head_size) * num_heads);
       } else {
         for (int h = 0; h < num_heads; ++h) {
-          std::memcpy(dst + h * side.head_stride, row + h * head_size, sizeof(Storage) * head_size);
+          cast_run<S, C>(row + h * head_size, dst + h * side.head_stride, head_size);
         }
       }
     } else if constexpr (K == CacheKind::kNvfp4) {
@@ -735,10 +756,18 @@ void reshape_and_cache_flash(const ReshapeAndCacheParams& p, ParallelFor&& paral
     const auto* value = static_cast<const Storage*>(p.value);
     const auto key_plan = side_plan<K>(p.key_cache, p);
     const auto value_plan = side_plan<K>(p.value_cache, p);
-    parallel_for(int64_t{0}, p.num_tokens, grain_size(p), [&](int64_t begin, int64_t end) {
-      write_side<S, K>(key, p.key_token_stride, p.key_cache, key_plan, p, begin, end);
-      write_side<S, K>(value, p.value_token_stride, p.value_cache, value_plan, p, begin, end);
-    });
+    const auto write = [&](auto cache_tag) {
+      constexpr SourceType C = decltype(cache_tag)::value;
+      parallel_for(int64_t{0}, p.num_tokens, grain_size(p), [&](int64_t begin, int64_t end) {
+        write_side<S, K, C>(key, p.key_token_stride, p.key_cache, key_plan, p, begin, end);
+        write_side<S, K, C>(value, p.value_token_stride, p.value_cache, value_plan, p, begin, end);
+      });
+    };
+    if constexpr (K == CacheKind::kUnquantized) {
+      dispatch_source_type(p.cache_type, write);  // any float cache: copy or cast
+    } else {
+      write(SourceTag<S>{});
+    }
   });
 }
 

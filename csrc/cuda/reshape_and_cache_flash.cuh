@@ -8,7 +8,9 @@
 // counts still fill 256-thread blocks; grid.y covers the units when a token has more than 256,
 // grid.x the tokens (with a grid-stride loop over tokens as a safety net).
 //
-//   unquantized: unit = one aligned vector of up to 16 bytes, copied as raw bytes.
+//   unquantized: unit = one aligned vector of up to 16 bytes, copied as raw bytes; when the cache's
+//                float type differs from the source's (CastOps), kVec (up to 8) elements, each
+//                widened exactly and rounded to nearest even (cast_element of dispatch_utils.h).
 //   FP8:         unit = kVec (up to 16) elements: vector loads, one IEEE division by the scale per
 //                element (kv_fdiv = __fdiv_rn), FP8 encoding, one vector store of kVec bytes.
 //   NVFP4:       unit = one 16-element group (docs/design.md §5 steps 1-6), 8 data bytes stored at
@@ -222,6 +224,21 @@ struct SourceOps<SourceType::kFloat16> {
   }
 };
 
+// An unquantized cache of float type C written from source type S != C: the source side is
+// SourceOps<S> (load sizes), each element goes through cast_element<S, C>, the software widening
+// and rounding of the CPU kernels, so the bytes are theirs on every input, NaN included.
+template <SourceType S, SourceType C>
+struct CastOps : SourceOps<S> {
+  static constexpr SourceType kSource = S;
+  static constexpr SourceType kCache = C;
+  static constexpr int kCacheSize = C == SourceType::kFloat32 ? 4 : 2;
+};
+
+template <typename Src>
+inline constexpr bool kIsCast = false;
+template <SourceType S, SourceType C>
+inline constexpr bool kIsCast<CastOps<S, C>> = true;
+
 template <CacheKind K>
 KV_HOST_DEVICE uint8_t fp8_encode(float x) {
   if constexpr (K == CacheKind::kFp8E4M3) {
@@ -311,7 +328,31 @@ KV_HOST_DEVICE void write_vector_unit(const FlashArgs& a, int64_t token, int uni
   split_slot(slot, a.block_size, a.num_slots, block, row);
   uint8_t* cache = static_cast<uint8_t*>(s.cache.data);
 
-  if constexpr (kKind == CacheKind::kUnquantized) {
+  if constexpr (kKind == CacheKind::kUnquantized && kIsCast<Src>) {
+    constexpr int kOutBytes = kVec * Src::kCacheSize;
+    constexpr int kOutWord = kOutBytes < kMaxVectorBytes ? kOutBytes : kMaxVectorBytes;
+    using SrcStorage = typename SourceTraits<Src::kSource>::Storage;
+    uint32_t out[words_for_bytes(kOutBytes)];
+    KV_DEVICE_UNROLL
+    for (int j = 0; j < words_for_bytes(kOutBytes); ++j) out[j] = 0;
+    KV_DEVICE_UNROLL
+    for (int i = 0; i < kVec; ++i) {
+      SrcStorage x;
+      if constexpr (Src::kSize == 4) {
+        x = bits_as_float(in[i]);
+      } else {
+        x = static_cast<uint16_t>(in[i / 2] >> (16 * (i % 2)));
+      }
+      const auto y = cast_element<Src::kSource, Src::kCache>(x);
+      if constexpr (Src::kCacheSize == 4) {
+        out[i] = float_as_bits(y);
+      } else {
+        out[i / 2] |= uint32_t(y) << (16 * (i % 2));
+      }
+    }
+    const int64_t dst_elem = entry_offset(s.cache, block, row, head) + int64_t(chunk) * kVec;
+    store_bytes<kOutBytes, kOutWord>(cache + dst_elem * Src::kCacheSize, out);
+  } else if constexpr (kKind == CacheKind::kUnquantized) {
     constexpr int kWord = kInBytes < kMaxVectorBytes ? kInBytes : kMaxVectorBytes;
     const int64_t dst_elem = entry_offset(s.cache, block, row, head) + int64_t(chunk) * kVec;
     store_bytes<kInBytes, kWord>(cache + dst_elem * Src::kSize, in);
@@ -408,8 +449,22 @@ inline bool cache_entries_aligned(const CacheSide& c, int elem_size, int64_t ali
 }
 
 // Widest unit (elements) for which every access of the side is aligned; 1 always works.
+// cache_size: bytes per cache element (1 for the quantized kinds).
 inline int pick_vec(CacheKind kind, const CacheSide& c, const void* src, int64_t src_token_stride,
-                    int src_size) {
+                    int src_size, int cache_size) {
+  if (kind == CacheKind::kUnquantized && cache_size != src_size) {
+    // A cast: kVec elements are loaded as min(16, kVec * src_size)-byte words and stored as
+    // min(16, kVec * cache_size)-byte words (at most 32 bytes either way).
+    for (int vec = kMaxVectorBytes / 2; vec > 1; vec /= 2) {
+      const int in_word = std::min(kMaxVectorBytes, vec * src_size);
+      const int out_word = std::min(kMaxVectorBytes, vec * cache_size);
+      if (c.head_size % vec == 0 && source_rows_aligned(src, src_token_stride, src_size, in_word) &&
+          cache_entries_aligned(c, cache_size, out_word)) {
+        return vec;
+      }
+    }
+    return 1;
+  }
   if (kind == CacheKind::kUnquantized) {
     for (int bytes = kMaxVectorBytes; bytes > src_size; bytes /= 2) {
       if (is_multiple(int64_t(c.head_size) * src_size, bytes) &&
@@ -445,6 +500,7 @@ inline bool nvfp4_wide_ok(const CacheSide& c, const void* src, int64_t src_token
 inline FlashLaunchPlan plan_reshape_and_cache_flash(const ReshapeAndCacheParams& p) {
   FlashLaunchPlan plan;
   const int src_size = source_size(p.source_type);
+  const int cache_size = p.cache_kind == CacheKind::kUnquantized ? source_size(p.cache_type) : 1;
   const CacheSide* caches[2] = {&p.key_cache, &p.value_cache};
   const void* srcs[2] = {p.key, p.value};
   const int64_t src_strides[2] = {p.key_token_stride, p.value_token_stride};
@@ -460,8 +516,8 @@ inline FlashLaunchPlan plan_reshape_and_cache_flash(const ReshapeAndCacheParams&
   } else {
     plan.vec = kMaxVectorBytes;
     for (int i = 0; i < 2; ++i) {
-      plan.vec =
-          std::min(plan.vec, pick_vec(p.cache_kind, *caches[i], srcs[i], src_strides[i], src_size));
+      plan.vec = std::min(plan.vec, pick_vec(p.cache_kind, *caches[i], srcs[i], src_strides[i],
+                                             src_size, cache_size));
     }
   }
 
@@ -506,7 +562,8 @@ struct KernelTag {
 };
 
 // Calls run(KernelTag<...>{}) for the instantiation that `plan` selects for `p`. The unquantized
-// copy moves raw bytes, so float16 and bfloat16 share its instantiations.
+// copy moves raw bytes, so float16 and bfloat16 share its instantiations; an unquantized cache of
+// another float type than the source's takes CastOps<S, C>.
 template <typename Runner>
 void dispatch_flash_kernel(const ReshapeAndCacheParams& p, const FlashLaunchPlan& plan,
                            Runner&& run) {
@@ -514,6 +571,24 @@ void dispatch_flash_kernel(const ReshapeAndCacheParams& p, const FlashLaunchPlan
     constexpr SourceType S = decltype(source_tag)::value;
     constexpr CacheKind K = decltype(kind_tag)::value;
     if constexpr (K == CacheKind::kUnquantized) {
+      if (p.cache_type != S) {
+        return dispatch_source_type(p.cache_type, [&](auto cache_tag) {
+          constexpr SourceType C = decltype(cache_tag)::value;
+          if constexpr (C != S) {
+            using Src = CastOps<S, C>;
+            switch (plan.vec) {
+              case 8:
+                return run(KernelTag<Src, K, 8, true>{});
+              case 4:
+                return run(KernelTag<Src, K, 4, true>{});
+              case 2:
+                return run(KernelTag<Src, K, 2, true>{});
+              default:
+                return run(KernelTag<Src, K, 1, true>{});
+            }
+          }
+        });
+      }
       using Src =
           SourceOps<S == SourceType::kFloat32 ? SourceType::kFloat32 : SourceType::kFloat16>;
       switch (plan.vec * Src::kSize) {

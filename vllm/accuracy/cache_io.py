@@ -208,10 +208,10 @@ def _write_with_codecs(
     elif fmt.is_per_token_head:  # scales computed per row; k_scale / v_scale unused
         per_token_head_write_cache(key, key_cache, slot_mapping, fmt.format)
         per_token_head_write_cache(value, value_cache, slot_mapping, fmt.format)
-    else:
+    else:  # the op's bytes: x.to(cache dtype), round to nearest even (docs/design.md §6)
         n = key_cache.shape[1]
-        key_cache[slot_mapping // n, slot_mapping % n] = key
-        value_cache[slot_mapping // n, slot_mapping % n] = value
+        key_cache[slot_mapping // n, slot_mapping % n] = key.to(key_cache.dtype)
+        value_cache[slot_mapping // n, slot_mapping % n] = value.to(value_cache.dtype)
 
 
 def write_cache(

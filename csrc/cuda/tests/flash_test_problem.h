@@ -48,6 +48,7 @@ class Bytes {
 
 struct Shape {
   SourceType source = SourceType::kBFloat16;
+  SourceType cache = SourceType::kBFloat16;  // element type of an unquantized cache
   CacheKind kind = CacheKind::kUnquantized;
   int num_heads = 1, head_k = 16, head_v = 16, block_size = 16, num_blocks = 1;
   int tokens = 0, tokens_padded = 0;
@@ -113,14 +114,15 @@ struct FlashTestProblem {
   std::string describe() const {
     const Shape& p = shape;
     char s[320];
-    std::snprintf(s, sizeof(s),
-                  "src=%d kind=%d H=%d D=%d Dv=%d N=%d B=%d T=%d Tpad=%d %s %s %s il4=%d/%d "
-                  "key_off=%lld key_stride=%lld page=%lld cache_off=%lld",
-                  int(p.source), int(p.kind), p.num_heads, p.head_k, p.head_v, p.block_size,
-                  p.num_blocks, p.tokens, p.tokens_padded, p.hnd ? "HND" : "NHD",
-                  p.fused ? "fused" : "split", p.per_head ? "per-head" : "per-tensor",
-                  int(p.interleave4_k), int(p.interleave4_v), (long long)key_offset,
-                  (long long)key_stride, (long long)pk.block_stride, (long long)pk.offset);
+    std::snprintf(
+        s, sizeof(s),
+        "src=%d cache=%d kind=%d H=%d D=%d Dv=%d N=%d B=%d T=%d Tpad=%d %s %s %s il4=%d/%d "
+        "key_off=%lld key_stride=%lld page=%lld cache_off=%lld",
+        int(p.source), int(p.cache), int(p.kind), p.num_heads, p.head_k, p.head_v, p.block_size,
+        p.num_blocks, p.tokens, p.tokens_padded, p.hnd ? "HND" : "NHD", p.fused ? "fused" : "split",
+        p.per_head ? "per-head" : "per-tensor", int(p.interleave4_k), int(p.interleave4_v),
+        (long long)key_offset, (long long)key_stride, (long long)pk.block_stride,
+        (long long)pk.offset);
     return s;
   }
 
@@ -152,6 +154,7 @@ struct FlashTestProblem {
     p.block_size = shape.block_size;
     p.num_heads = shape.num_heads;
     p.source_type = shape.source;
+    p.cache_type = shape.cache;
     p.cache_kind = shape.kind;
     p.key_cache = side(pk, shape.head_k, k_scale_ptr, shape.interleave4_k);
     p.value_cache = side(pv, shape.head_v, v_scale_ptr, shape.interleave4_v);
@@ -196,10 +199,23 @@ struct FlashTestProblem {
         for (int h = 0; h < p.num_heads; ++h) {
           const int64_t entry = p.hnd ? int64_t(h) * p.block_size + r : r * p.num_heads + h;
           const float scale = scales[p.per_head ? h : 0];
-          if (p.kind == CacheKind::kUnquantized) {
+          if (p.kind == CacheKind::kUnquantized && p.cache == p.source) {
             std::memcpy(page + entry * d * cache_elem,
                         image.data() + off + (i * stride + int64_t(h) * d) * src_size,
                         size_t(d) * src_size);
+          } else if (p.kind == CacheKind::kUnquantized) {  // widened, rounded to nearest even
+            for (int j = 0; j < d; ++j) {
+              const float x = source(image, off, stride, i, int64_t(h) * d + j);
+              uint8_t* at = page + (entry * d + j) * cache_elem;
+              if (p.cache == SourceType::kFloat32) {
+                std::memcpy(at, &x, 4);
+              } else {
+                const uint16_t bits = p.cache == SourceType::kBFloat16
+                                          ? vllm_kv::float_to_bf16_bits(x)
+                                          : vllm_kv::float_to_fp16_bits(x);
+                std::memcpy(at, &bits, 2);
+              }
+            }
           } else if (p.kind == CacheKind::kNvfp4) {
             const int groups = d / kNvfp4GroupSize;
             const float inv = 1.0f / scale;
@@ -260,7 +276,7 @@ inline FlashTestProblem build_problem(const Shape& shape, std::mt19937_64& rng, 
   const Shape& p = shape;
   const bool nvfp4 = p.kind == CacheKind::kNvfp4;
   t.src_size = p.source == SourceType::kFloat32 ? 4 : 2;
-  t.cache_elem = p.kind == CacheKind::kUnquantized ? t.src_size : 1;
+  t.cache_elem = p.kind != CacheKind::kUnquantized ? 1 : p.cache == SourceType::kFloat32 ? 4 : 2;
   const int elem = t.cache_elem;
   // Tensors are aligned to their element size: misalign by whole elements only.
   cache_base -= cache_base % elem;
@@ -335,6 +351,8 @@ inline FlashTestProblem make_random_problem(std::mt19937_64& rng) {
   Shape p;
   p.source = SourceType(rng() % 3);
   p.kind = CacheKind(rng() % 6);
+  // Unquantized: half the problems cast to another float type.
+  p.cache = p.kind == CacheKind::kUnquantized && rng() % 2 ? SourceType(rng() % 3) : p.source;
   const bool nvfp4 = p.kind == CacheKind::kNvfp4;
   const bool per_token_head = is_per_token_head(p.kind);
   p.num_heads = 1 + int(rng() % 5);
@@ -398,6 +416,7 @@ inline FlashTestProblem make_dense_problem(SourceType source, CacheKind kind, in
                                            std::mt19937_64& rng) {
   Shape p;
   p.source = source;
+  p.cache = source;
   p.kind = kind;
   p.num_heads = num_heads;
   p.head_k = p.head_v = head_size;

@@ -25,7 +25,8 @@ EXPLICIT_UNQUANTIZED = {
     "float32": torch.float32,
 }
 QUANTIZED = ["fp8", "fp8_e4m3", "fp8_e5m2", "nvfp4"]
-# Every valid (kv_cache_dtype, source dtype) pair: explicit unquantized strings need their dtype.
+# (kv_cache_dtype, source dtype) pairs of the same-dtype tests: an explicit unquantized string
+# with its own dtype (other source dtypes are cast: test_cache_cast.py).
 KIND_AND_DTYPE = (
     [("auto", d) for d in SOURCE_DTYPES]
     + list(EXPLICIT_UNQUANTIZED.items())
@@ -177,15 +178,18 @@ def make_case(
     k_scale_layout: str = "linear",
     v_scale_layout: str | None = None,
     seed: int = 0,
+    cache_dtype: torch.dtype | None = None,
 ) -> Case:
     gen = torch.Generator().manual_seed(seed)
     head_size_v = head_size if head_size_v is None else head_size_v
     t_pad = num_tokens + padding
     key = make_source(t_pad, num_heads, head_size, dtype, row_padding, device, gen)
     value = make_source(t_pad, num_heads, head_size_v, dtype, row_padding, device, gen)
+    # The caches' element dtype: an auto cache's from cache_dtype when given (the op casts).
     key_cache, value_cache, buffers = make_caches(
-        kind, dtype, num_blocks, block_size, num_heads, head_size, head_size_v, hnd, device, gen
-    )
+        kind, cache_dtype or dtype, num_blocks, block_size, num_heads, head_size, head_size_v, hnd,
+        device, gen,
+    )  # fmt: skip
     return Case(
         key=key,
         value=value,
@@ -215,11 +219,11 @@ def reference_write(
         per_token_head_write_cache(x, side, slots, kind)
     elif kind.startswith("fp8"):
         fp8_write_cache(x, side, slots, scale, fp8_format_from_cache_dtype(kind))
-    else:
+    else:  # unquantized: torch's cast to the cache dtype (round to nearest even)
         keep = slots >= 0
         kept = slots[keep]
         block_size = side.shape[1]
-        side[kept // block_size, kept % block_size] = x[: slots.shape[0]][keep]
+        side[kept // block_size, kept % block_size] = x[: slots.shape[0]][keep].to(side.dtype)
 
 
 def _rebased(view: torch.Tensor, old: list[torch.Tensor], new: list[torch.Tensor]) -> torch.Tensor:
