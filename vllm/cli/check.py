@@ -10,6 +10,10 @@ or over each row for the per-token-head formats (computed by the writer, stored 
 
 Data: seeded LLM-like synthetic K/V (always), and with ``--real`` also the K/V of every layer
 of all-MiniLM-L6-v2 over shipped English text (needs the ``accuracy`` extra).
+
+With ``--model smollm2-135m`` instead: the end-to-end report, a real language model run with its
+attention on the paged cache of each format (perplexity on shipped texts, greedy agreement, KV
+bytes per token, decode tokens/s; needs the ``model`` extra).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from vllm.accuracy.formats import DEFAULT_FORMATS, MEASURED_FORMATS, CacheFormat
 from vllm.accuracy.runner import CheckReport, run_check, scale_rules
 from vllm.accuracy.synthetic import synthetic_sample
 from vllm.cli import args as cli_args
+from vllm.cli import check_model
 from vllm.cli.args import UsageError, add_json_argument
 from vllm.cli.output import deliver
 
@@ -79,6 +84,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--layout", choices=("NHD", "HND"), default="NHD", help="physical cache layout"
     )
+    check_model.add_arguments(parser)
     parser.set_defaults(func=run)
     return parser
 
@@ -162,6 +168,9 @@ def collect_reports(args: argparse.Namespace) -> list[CheckReport]:
 def run(args: argparse.Namespace) -> int:
     """Handler of ``vllm-kv check``; returns the exit status; a bad argument raises
     :class:`~vllm.cli.args.UsageError` before any work."""
+    check_model.check_arguments(args)
+    if args.model is not None:
+        return check_model.run(args)
     _check_backends(args)
     reports = collect_reports(args)
 

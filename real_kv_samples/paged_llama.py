@@ -1,0 +1,285 @@
+"""Run a ``transformers`` Llama model with its attention on the library's paged KV cache.
+
+Every attention layer's post-RoPE K/V are written into that layer's own paged cache (pages of
+16 tokens, FlashInfer-shaped ``(B, 2, N, H, D')``, in the format under test) by the ``CPU_ATTN``
+backend's writer (the compiled ``reshape_and_cache_flash``), and the layer's attention is read
+from the cache by the same backend (``CPUAttentionImpl.forward``, causal: a chunk's queries see
+every earlier token of their sequence and themselves). Several sequences run as one flat batch,
+as in an engine: the model sees ``[1, sum of new tokens]`` with each token's own position, and
+the attention metadata keeps the sequences apart.
+
+The hook is a ``transformers`` attention function registered under :data:`ATTENTION_NAME`; the
+model runs it only inside :func:`paged_attention` and gets the :class:`PagedKVRun` through the
+forward call's keyword arguments, so ``transformers``' own attention is untouched otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import math
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from real_kv_samples.smollm2 import LoadedModel
+from vllm.accuracy.cache_io import allocate_cache
+from vllm.accuracy.formats import CacheFormat, compute_scales
+from vllm.v1.attention.backends.abstract import AttentionLayerScales
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionImpl, CPUAttentionMetadata
+from vllm.v1.attention.backends.reference import ReferenceAttentionImpl
+
+ATTENTION_NAME = "vllm_kv_paged"
+"""The ``attn_implementation`` name of the paged-cache attention."""
+
+BLOCK_SIZE = 16
+"""Tokens per page."""
+
+BACKENDS: tuple[str, ...] = ("CPU_ATTN", "REFERENCE")
+"""Attention backends a run can read the cache with: the compiled one, or the reference
+backend (fp32 throughout: ``CPU_ATTN`` weights values by softmax weights rounded to bf16)."""
+
+LayerScales = tuple[torch.Tensor, torch.Tensor]
+"""``(k_scale, v_scale)`` of one layer: fp32 ``[1]`` or ``[H]``."""
+
+
+class KVRecorder:
+    """Collects each layer's post-RoPE K/V (fp32 ``[T, H, D]``) as a run writes them, to
+    calibrate the scales of the quantized formats."""
+
+    def __init__(self, num_layers: int) -> None:
+        self._keys: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self._values: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+
+    def observe(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        self._keys[layer].append(key.detach().to(torch.float32).clone())
+        self._values[layer].append(value.detach().to(torch.float32).clone())
+
+    def scales(self, fmt: CacheFormat) -> list[LayerScales]:
+        """Each layer's scales for ``fmt`` from everything observed (the check's rule,
+        :func:`~vllm.accuracy.formats.compute_scales`: ``amax / MAX`` per tensor or per head)."""
+        out = []
+        for keys, values in zip(self._keys, self._values, strict=True):
+            if not keys:
+                raise ValueError("recorder: expected K/V observed for every layer, got none")
+            out.append(compute_scales(torch.cat(keys), torch.cat(values), fmt))
+        return out
+
+
+class PagedKVRun:
+    """One run of the model on paged caches of one format: a cache per layer, one block table
+    shared by the layers, and the sequences' lengths so far.
+
+    ``capacities`` is the most tokens each sequence will hold; ``scales`` one
+    :data:`LayerScales` per layer (None: unit scales, for bf16 and the per-token-head formats);
+    ``recorder`` sees every K/V written; ``backend`` is one of :data:`BACKENDS`. Unwritten
+    cache bytes are seeded garbage, so a read of a wrong slot shows up."""
+
+    def __init__(
+        self,
+        lm: LoadedModel,
+        fmt: CacheFormat,
+        capacities: Sequence[int],
+        scales: Sequence[LayerScales] | None = None,
+        recorder: KVRecorder | None = None,
+        backend: str = "CPU_ATTN",
+        layout: str = "NHD",
+        seed: int = 0,
+    ) -> None:
+        if scales is not None and len(scales) != lm.num_layers:
+            raise ValueError(
+                f"scales: expected {lm.num_layers} entries (one per layer), got {len(scales)}"
+            )
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
+        self.lm = lm
+        self.fmt = fmt
+        self.recorder = recorder
+        self.seq_lens = [0] * len(capacities)
+        self.capacities = list(capacities)
+        pages = [math.ceil(c / BLOCK_SIZE) for c in capacities]
+        self.block_table = _block_table(pages, seed)
+        num_blocks = sum(pages)
+        self.caches = [
+            allocate_cache(
+                fmt, num_blocks, BLOCK_SIZE, lm.num_kv_heads, lm.head_size, layout, seed=seed + i
+            )
+            for i in range(lm.num_layers)
+        ]
+        unit = torch.ones(1, dtype=torch.float32)
+        self.layers = [
+            AttentionLayerScales(*(scales[i] if scales is not None else (unit, unit)))
+            for i in range(lm.num_layers)
+        ]
+        layout_of = fmt.scale_layout_for(BLOCK_SIZE, lm.head_size)
+        impl_cls = CPUAttentionImpl if backend == "CPU_ATTN" else ReferenceAttentionImpl
+        self.impl = impl_cls(
+            num_heads=lm.num_heads,
+            head_size=lm.head_size,
+            scale=lm.head_size**-0.5,  # the Llama attention's scaling
+            num_kv_heads=lm.num_kv_heads,
+            kv_cache_dtype=fmt.kv_cache_dtype,
+            k_scale_layout=layout_of,
+            v_scale_layout=layout_of,
+        )
+        self._metadata: CPUAttentionMetadata | None = None
+
+    def step(self, new_tokens: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Feed ``new_tokens[i]`` (int64 ``[q_i]``, possibly empty) to sequence ``i``; returns the
+        logits ``[sum q_i, vocab]`` of the new tokens, sequence by sequence."""
+        if len(new_tokens) != len(self.seq_lens):
+            raise ValueError(
+                f"new_tokens: expected {len(self.seq_lens)} entries, got {len(new_tokens)}"
+            )
+        query_lens = [int(t.numel()) for t in new_tokens]
+        after = [s + q for s, q in zip(self.seq_lens, query_lens, strict=True)]
+        for i, (n, cap) in enumerate(zip(after, self.capacities, strict=True)):
+            if n > cap:
+                raise ValueError(f"new_tokens: sequence {i} would hold {n} tokens, capacity {cap}")
+        spans = zip(self.seq_lens, after, strict=True)
+        positions = torch.cat([torch.arange(s, n, dtype=torch.int64) for s, n in spans])
+        self._metadata = CPUAttentionMetadata.build(after, query_lens, self.block_table, BLOCK_SIZE)
+        ids = torch.cat([t.to(torch.int64) for t in new_tokens])
+        try:
+            with paged_attention(self.lm.model):
+                out = self.lm.model(
+                    input_ids=ids[None], position_ids=positions[None], use_cache=False, kv_run=self
+                )
+        finally:
+            self._metadata = None
+        self.seq_lens = after
+        return out.logits[0]
+
+    def attend(
+        self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> torch.Tensor:
+        """One layer's attention: ``query [1, Hq, T, D]``, ``key`` / ``value [1, Hkv, T, D]``
+        (post-RoPE) in, ``[1, T, Hq, D]`` out, K/V written into the layer's cache first."""
+        assert self._metadata is not None, "attend runs inside step()"
+        q = query[0].transpose(0, 1).contiguous()
+        k = key[0].transpose(0, 1).contiguous()
+        v = value[0].transpose(0, 1).contiguous()
+        if self.recorder is not None:
+            self.recorder.observe(layer, k, v)
+        if not self.fmt.is_quantized:  # the unquantized cache takes K/V in its own dtype
+            cache_dtype = self.caches[layer].dtype
+            k, v = k.to(cache_dtype), v.to(cache_dtype)
+        out = self.impl.forward(self.layers[layer], q, k, v, self.caches[layer], self._metadata)
+        return out[None]
+
+
+def _block_table(pages: Sequence[int], seed: int) -> torch.Tensor:
+    """int64 ``[S, max(pages)]``: sequence ``i`` gets ``pages[i]`` distinct pages, drawn in a
+    seeded random order so that logical and physical page order differ (unused entries 0)."""
+    gen = torch.Generator().manual_seed(seed + 3)
+    order = torch.randperm(sum(pages), generator=gen)
+    table = torch.zeros(len(pages), max(pages, default=0), dtype=torch.int64)
+    start = 0
+    for i, n in enumerate(pages):
+        table[i, :n] = order[start : start + n]
+        start += n
+    return table
+
+
+def _attention_function(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The ``transformers`` attention interface, routed to the run passed as ``kv_run``."""
+    run: PagedKVRun = kwargs["kv_run"]
+    if scaling != run.impl.scale:
+        raise ValueError(f"scaling: expected {run.impl.scale} (head_size**-0.5), got {scaling}")
+    return run.attend(module.layer_idx, query, key, value), None
+
+
+@functools.cache
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, _attention_function)
+
+
+@contextlib.contextmanager
+def paged_attention(model: Any) -> Iterator[None]:
+    """Within the block, ``model``'s attention layers run :func:`_attention_function`."""
+    _register()
+    before = model.config._attn_implementation
+    model.config._attn_implementation = ATTENTION_NAME
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = before
+
+
+def score_text(run: PagedKVRun, ids: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced pass of ``ids [N]`` through sequence 0 of ``run`` in prefill chunks of
+    ``chunk`` tokens: each position's negative log-likelihood of the next token and its top-1
+    token, fp32 / int64 ``[N - 1]``."""
+    nll, top1 = [], []
+    for start in range(0, ids.numel(), chunk):
+        piece = ids[start : start + chunk]
+        logits = run.step([piece])
+        nll_piece, top_piece = _next_token_stats(logits, ids[start + 1 : start + 1 + chunk])
+        nll.append(nll_piece)
+        top1.append(top_piece)
+    return torch.cat(nll), torch.cat(top1)
+
+
+def _next_token_stats(
+    logits: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NLL of ``targets`` under the first ``len(targets)`` rows of ``logits``, and their argmax."""
+    rows = logits[: targets.numel()].to(torch.float32)
+    logp = torch.log_softmax(rows, dim=-1)
+    return -logp.gather(1, targets[:, None])[:, 0], rows.argmax(dim=-1)
+
+
+def greedy_paged(
+    run: PagedKVRun, prompts: Sequence[torch.Tensor], new_tokens: int
+) -> tuple[list[torch.Tensor], float]:
+    """Greedy decoding of every prompt as one batch: the prompts prefilled together, then
+    ``new_tokens - 1`` decode steps of one token per sequence. Returns each sequence's
+    ``new_tokens`` generated ids and the seconds the decode steps took."""
+    logits = run.step(list(prompts))
+    ends = torch.tensor([p.numel() for p in prompts]).cumsum(0) - 1
+    last = logits[ends].argmax(dim=-1)
+    generated = [last]
+    start = time.perf_counter()
+    for _ in range(new_tokens - 1):
+        last = run.step(list(last[:, None])).argmax(dim=-1)
+        generated.append(last)
+    seconds = time.perf_counter() - start
+    return list(torch.stack(generated, dim=1)), seconds
+
+
+def reference_scores(lm: LoadedModel, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`score_text`'s numbers from ``transformers``' own forward over the whole of ``ids``
+    (its eager attention on fp32 K/V, no paged cache)."""
+    logits = lm.model(input_ids=ids[None], use_cache=False).logits[0]
+    return _next_token_stats(logits, ids[1:])
+
+
+def reference_greedy(lm: LoadedModel, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """``new_tokens`` greedy ids after ``prompt`` from ``transformers``' own forward and its
+    own (dynamic, fp32) KV cache."""
+    # transformers 5.x renames the forward's past_key_values to cache (and the output's field).
+    name = "cache" if "cache" in inspect.signature(lm.model.forward).parameters else None
+    name = name or "past_key_values"
+    out = lm.model(input_ids=prompt[None], use_cache=True)
+    last = out.logits[0, -1].argmax()
+    generated = [last]
+    for _ in range(new_tokens - 1):
+        past = {name: getattr(out, name)}
+        out = lm.model(input_ids=last.reshape(1, 1), use_cache=True, **past)
+        last = out.logits[0, -1].argmax()
+        generated.append(last)
+    return torch.stack(generated)

