@@ -51,6 +51,8 @@ def test_missing_extra_is_one_line(monkeypatch, capsys) -> None:
         (["--model", "smollm2-135m", "--max-tokens", "8"], "--max-tokens"),
         (["--model", "smollm2-135m", "--new-tokens", "1"], "--new-tokens"),
         (["--model", "llama-70b"], "--model"),
+        (["--model", "smollm2-135m", "--reader", "codec"], "--reader"),
+        (["--model", "smollm2-135m", "--device", "cuda"], "--device"),
     ],
 )
 def test_bad_arguments(argv: list[str], flag: str, tmp_path: Path, monkeypatch, capsys) -> None:

@@ -95,6 +95,12 @@ def check_arguments(args: argparse.Namespace) -> None:
         return
     if args.real:
         raise UsageError("--real", "expected either --real or --model, got both")
+    for flag, value in (("--writer", args.writer), ("--reader", args.reader)):
+        if value != "auto":
+            raise UsageError(
+                flag,
+                f"not used by --model (CPU_ATTN writes and reads; see --attention), got {value}",
+            )
     if args.device != "cpu":
         raise UsageError(
             "--device", f"expected cpu with --model (CPU attention), got {args.device}"
