@@ -201,13 +201,21 @@ def _make_run(
 ) -> PagedKVRun:
     """A run of ``fmt`` on data set ``key``: recording it (the bf16 run) or scaled from what the
     bf16 run recorded on it."""
-    recorder, scales = None, None
+    recorder, scales, transforms = None, None, None
     if base.calibrating:
         recorder = base.recorders[key] = KVRecorder(lm.num_layers)
     else:
-        scales = base.recorders[key].scales(fmt)
+        transforms, scales = base.recorders[key].calibrate(fmt)
     return PagedKVRun(
-        lm, fmt, capacities, scales, recorder, settings.backend, settings.layout, settings.seed
+        lm,
+        fmt,
+        capacities,
+        scales,
+        recorder,
+        settings.backend,
+        settings.layout,
+        settings.seed,
+        key_transforms=transforms,
     )
 
 

@@ -28,6 +28,7 @@ import torch
 from real_kv_samples.smollm2 import LoadedModel
 from vllm.accuracy.cache_io import allocate_cache
 from vllm.accuracy.formats import CacheFormat, compute_scales
+from vllm.kv_quant import KeyTransform, KVScaleObserver
 from vllm.v1.attention.backends.abstract import AttentionLayerScales
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionImpl, CPUAttentionMetadata
 from vllm.v1.attention.backends.reference import ReferenceAttentionImpl
@@ -58,15 +59,26 @@ class KVRecorder:
         self._keys[layer].append(key.detach().to(torch.float32).clone())
         self._values[layer].append(value.detach().to(torch.float32).clone())
 
-    def scales(self, fmt: CacheFormat) -> list[LayerScales]:
-        """Each layer's scales for ``fmt`` from everything observed (the check's rule,
-        :func:`~vllm.accuracy.formats.compute_scales`: ``amax / MAX`` per tensor or per head)."""
-        out = []
+    def calibrate(self, fmt: CacheFormat) -> tuple[list[KeyTransform], list[LayerScales]]:
+        """Each layer's key transform and scales for ``fmt`` from everything observed: the key
+        offset (with ``+offset``) is the mean key per head and channel
+        (:meth:`~vllm.kv_quant.KVScaleObserver.key_mean`), and the scales follow the check's
+        rule (:func:`~vllm.accuracy.formats.compute_scales`: ``amax / MAX`` per tensor or per
+        head) on the keys as the writer receives them (offset and rotated)."""
+        transforms, scales = [], []
         for keys, values in zip(self._keys, self._values, strict=True):
             if not keys:
                 raise ValueError("recorder: expected K/V observed for every layer, got none")
-            out.append(compute_scales(torch.cat(keys), torch.cat(values), fmt))
-        return out
+            key, value = torch.cat(keys), torch.cat(values)
+            offset = None
+            if fmt.key_offset:
+                observer = KVScaleObserver()
+                observer.observe(key, value)
+                offset = observer.key_mean()
+            transform = KeyTransform(fmt.key_rotation, offset)
+            transforms.append(transform)
+            scales.append(compute_scales(transform.stored_key(key), value, fmt))
+        return transforms, scales
 
 
 class PagedKVRun:
@@ -75,6 +87,8 @@ class PagedKVRun:
 
     ``capacities`` is the most tokens each sequence will hold; ``scales`` one
     :data:`LayerScales` per layer (None: unit scales, for bf16 and the per-token-head formats);
+    ``key_transforms`` one :class:`~vllm.kv_quant.KeyTransform` per layer (None: keys as they
+    are);
     ``recorder`` sees every K/V written; ``backend`` is one of :data:`BACKENDS`. Unwritten
     cache bytes are seeded garbage, so a read of a wrong slot shows up."""
 
@@ -88,6 +102,7 @@ class PagedKVRun:
         backend: str = "CPU_ATTN",
         layout: str = "NHD",
         seed: int = 0,
+        key_transforms: Sequence[KeyTransform] | None = None,
     ) -> None:
         if scales is not None and len(scales) != lm.num_layers:
             raise ValueError(
@@ -95,8 +110,14 @@ class PagedKVRun:
             )
         if backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
+        if key_transforms is not None and len(key_transforms) != lm.num_layers:
+            raise ValueError(
+                f"key_transforms: expected {lm.num_layers} entries (one per layer), got "
+                f"{len(key_transforms)}"
+            )
         self.lm = lm
         self.fmt = fmt
+        self.key_transforms = list(key_transforms or [KeyTransform()] * lm.num_layers)
         self.recorder = recorder
         self.seq_lens = [0] * len(capacities)
         self.capacities = list(capacities)
@@ -167,6 +188,8 @@ class PagedKVRun:
         if not self.fmt.is_quantized:  # the unquantized cache takes K/V in its own dtype
             cache_dtype = self.caches[layer].dtype
             k, v = k.to(cache_dtype), v.to(cache_dtype)
+        transform = self.key_transforms[layer]
+        q, k = transform.reader_query(q), transform.stored_key(k)
         out = self.impl.forward(self.layers[layer], q, k, v, self.caches[layer], self._metadata)
         return out[None]
 

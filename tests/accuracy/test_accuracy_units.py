@@ -113,3 +113,20 @@ def test_metrics_known_values() -> None:
     assert m.v_rel_rms == 0.0
     assert m.out_cos_mean == pytest.approx(-1.0) and m.out_rel_err == pytest.approx(2.0)
     assert m.kl_mean == 0.0  # zero queries: uniform attention either way
+
+
+def test_format_ids_with_key_options() -> None:
+    from vllm.accuracy.formats import parse_format
+
+    fmt = parse_format("nvfp4/head+offset+hadamard")
+    assert (fmt.key_rotation, fmt.key_offset, fmt.per_head) == ("hadamard", True, True)
+    assert fmt.name == "nvfp4/head+hadamard+offset" and fmt.has_key_options
+    assert parse_format(fmt.name) == fmt
+    assert not parse_format("fp8").has_key_options
+    for bad, message in (
+        ("bf16+hadamard", "key options: expected a quantized format"),
+        ("fp8+rotate", "unknown format"),
+        ("fp8+offset+offset", "unknown format"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            parse_format(bad)

@@ -53,6 +53,7 @@ def test_missing_extra_is_one_line(monkeypatch, capsys) -> None:
         (["--model", "llama-70b"], "--model"),
         (["--model", "smollm2-135m", "--reader", "codec"], "--reader"),
         (["--model", "smollm2-135m", "--device", "cuda"], "--device"),
+        (["--formats", "fp8+hadamard"], "--formats"),
     ],
 )
 def test_bad_arguments(argv: list[str], flag: str, tmp_path: Path, monkeypatch, capsys) -> None:
@@ -112,3 +113,28 @@ def test_common_prefix() -> None:
     assert lm_report._common_prefix(a, a.clone()) == 4
     assert lm_report._common_prefix(a, torch.tensor([1, 2, 0, 4])) == 2
     assert lm_report._common_prefix(a, torch.tensor([0, 2, 3, 4])) == 0
+
+
+def test_recorder_calibrates_key_options() -> None:
+    from real_kv_samples.paged_llama import KVRecorder
+    from vllm.accuracy.formats import compute_scales, parse_format
+    from vllm.kv_quant import hadamard_rotate
+
+    gen = torch.Generator().manual_seed(0)
+    recorder = KVRecorder(num_layers=2)
+    keys = [torch.randn(10, 3, 16, generator=gen) + 5 * i for i in range(2)]
+    values = [torch.randn(10, 3, 16, generator=gen) for _ in range(2)]
+    for layer in range(2):
+        recorder.observe(layer, keys[layer][:6], values[layer][:6])
+        recorder.observe(layer, keys[layer][6:], values[layer][6:])
+    fmt = parse_format("fp8/head+hadamard+offset")
+    transforms, scales = recorder.calibrate(fmt)
+    for layer, (transform, (k_scale, v_scale)) in enumerate(zip(transforms, scales, strict=True)):
+        assert transform.rotation == "hadamard" and transform.offset is not None
+        torch.testing.assert_close(transform.offset, keys[layer].mean(0))
+        stored = hadamard_rotate(keys[layer] - transform.offset)
+        want_k, want_v = compute_scales(stored, values[layer], fmt)
+        torch.testing.assert_close(k_scale, want_k)
+        assert torch.equal(v_scale, want_v)
+    plain, _ = recorder.calibrate(parse_format("fp8"))
+    assert all(t.is_identity for t in plain)

@@ -12,6 +12,8 @@ Format ids, as the CLI's ``--formats`` takes them::
     fp8_e4m3 | fp8_e5m2 | nvfp4       per-tensor scale ("fp8" is an alias of fp8_e4m3)
     <quantized>/head                  per-head scale, e.g. fp8_e4m3/head
     nvfp4[/head]@interleave4          NVFP4 with 4-token-interleaved block scales
+    <quantized>...+hadamard+offset    keys rotated and/or offset before writing (docs/design.md
+                                      §5.5; ``vllm-kv check --model`` only)
     nvfp4[/head]@linear               NVFP4 with linear block scales (plain nvfp4 uses the
                                       op's default: interleave4 where the geometry fits)
     int8_per_token_head               int8 / FP8 e4m3 rows with their own inline fp32 scale
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm.kv_quant.fp8 import FP8_E4M3_MAX, Fp8Format
+from vllm.kv_quant.hadamard import HADAMARD
 from vllm.kv_quant.nvfp4 import E2M1_MAX, NVFP4_SCALE_MAX
 from vllm.kv_quant.per_token_head import per_token_head_qmax
 from vllm.kv_quant.scale_layout import ScaleLayout
@@ -91,6 +94,10 @@ class CacheFormat:
     kv_cache_dtype: str
     per_head: bool = False
     scale_layout: ScaleLayout | None = None
+    key_rotation: str | None = None
+    """``"hadamard"``: keys stored rotated, queries rotated alike (docs/design.md §5.5)."""
+    key_offset: bool = False
+    """Keys stored minus their calibrated mean per head and channel (docs/design.md §5.5)."""
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in _SHORT_NAMES:
@@ -106,6 +113,15 @@ class CacheFormat:
             raise ValueError(
                 f"per_head: expected False for {self.kv_cache_dtype} (one inline scale per "
                 "token and head), got True"
+            )
+        if (self.key_rotation is not None or self.key_offset) and not self.is_quantized:
+            raise ValueError(
+                f"key options: expected a quantized format (they only spread quantization "
+                f"error), got {self.kv_cache_dtype}"
+            )
+        if self.key_rotation not in (None, HADAMARD):
+            raise ValueError(
+                f"key_rotation: expected None or {HADAMARD!r}, got {self.key_rotation!r}"
             )
         if (
             self.scale_layout is not None
@@ -124,7 +140,16 @@ class CacheFormat:
             out += "/head"
         if self.scale_layout is not None:
             out += f"@{self.scale_layout.value}"
+        if self.key_rotation is not None:
+            out += f"+{self.key_rotation}"
+        if self.key_offset:
+            out += "+offset"
         return out
+
+    @property
+    def has_key_options(self) -> bool:
+        """A key rotation or offset is set (measured by the model report only)."""
+        return self.key_rotation is not None or self.key_offset
 
     def scale_layout_for(self, block_size: int, head_size: int) -> ScaleLayout:
         """The NVFP4 block-scale layout of a cache of this format with pages of ``block_size``
@@ -223,19 +248,33 @@ def parse_format(text: str) -> CacheFormat:
     """The :class:`CacheFormat` named by a format id such as ``fp8_e5m2/head`` or
     ``nvfp4@interleave4``; ``ValueError`` naming the accepted ids otherwise."""
     raw = text.strip()
-    body, _, layout = raw.partition("@")
+    body, *options = raw.split("+")
+    body, _, layout = body.partition("@")
     dtype, _, granularity = body.partition("/")
     per_token_head = ", ".join(f.name for f in MEASURED_FORMATS if f.is_per_token_head)
     accepted = (
         "bf16, fp8 (= fp8_e4m3), fp8_e4m3, fp8_e5m2, nvfp4, optionally followed by /tensor or "
-        f"/head, and for nvfp4 by @linear or @interleave4; or {per_token_head}"
+        f"/head, and for nvfp4 by @linear or @interleave4; or {per_token_head}; then "
+        f"optionally +{HADAMARD} and/or +offset"
     )
-    if dtype not in _DTYPE_ALIASES or granularity not in ("", "tensor", "head"):
+    known_options = {HADAMARD, "offset"}
+    if (
+        dtype not in _DTYPE_ALIASES
+        or granularity not in ("", "tensor", "head")
+        or not set(options) <= known_options
+        or len(set(options)) != len(options)
+    ):
         raise ValueError(f"formats: unknown format {raw!r}; expected {accepted}")
     kv_cache_dtype = _DTYPE_ALIASES[dtype]
     try:
         scale_layout = ScaleLayout.parse(layout) if layout else None
-        return CacheFormat(kv_cache_dtype, granularity == "head", scale_layout)
+        return CacheFormat(
+            kv_cache_dtype,
+            granularity == "head",
+            scale_layout,
+            key_rotation=HADAMARD if HADAMARD in options else None,
+            key_offset="offset" in options,
+        )
     except ValueError as e:
         raise ValueError(f"formats: invalid format {raw!r}: {e}") from None
 

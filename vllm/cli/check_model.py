@@ -92,6 +92,11 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.model is None:
         if args.plot is not None:
             raise UsageError("--plot", "expected --model with it (it plots the model report)")
+        keyed = [f.name for f in args.formats or () if f.has_key_options]
+        if keyed:
+            raise UsageError(
+                "--formats", f"+hadamard / +offset are measured with --model only, got {keyed[0]}"
+            )
         return
     if args.real:
         raise UsageError("--real", "expected either --real or --model, got both")

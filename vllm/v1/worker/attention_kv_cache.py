@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from vllm.kv_quant.hadamard import HADAMARD, check_hadamard_head_size, hadamard_rotate
+from vllm.kv_quant.hadamard import check_hadamard_head_size
+from vllm.kv_quant.key_transform import KeyTransform
 from vllm.kv_quant.kv_scale import kv_scale_as_1d
 from vllm.kv_quant.scale_layout import ScaleLayout
 from vllm.utils import check_positive_int
@@ -103,10 +104,8 @@ def _check_cache_dtype(spec: AttentionSpec, kv_cache_dtype: str | None) -> None:
 def _check_key_rotation(spec: AttentionSpec, key_rotation: str | None) -> None:
     """``ValueError`` unless ``key_rotation`` is None or ``"hadamard"`` on a quantized format
     with a power-of-two head size."""
-    if key_rotation is None:
+    if KeyTransform(key_rotation).rotation is None:  # (KeyTransform checks the name)
         return
-    if key_rotation != HADAMARD:
-        raise ValueError(f"key_rotation: expected None or {HADAMARD!r}, got {key_rotation!r}")
     if not spec.kv_quant_mode.is_quantized:
         raise ValueError(
             f"key_rotation: expected a quantized cache format (rotation only spreads "
@@ -134,12 +133,9 @@ class AttentionKVCache:
         key_rotation: str | None = None,
     ) -> None:
         key_cache, _ = split_kv_cache(kv_cache)
-        self.key_offset: torch.Tensor | None = None
-        """fp32 ``[H, D]`` subtracted from every key before it is written
-        (:meth:`set_key_offset`), or ``None``."""
-        self.key_rotation = key_rotation
-        """``"hadamard"``: keys are stored rotated and queries rotated alike (see
-        :mod:`vllm.kv_quant.hadamard`); ``None``: as given."""
+        self.key_transform = KeyTransform(key_rotation)
+        """The key offset (:meth:`set_key_offset`) and rotation applied before writing keys
+        (and the rotation before reading with a query): :class:`~vllm.kv_quant.KeyTransform`."""
         self.backend = backend
         self.kv_cache = kv_cache
         self.impl = impl
@@ -322,6 +318,16 @@ class AttentionKVCache:
             )
         )
 
+    @property
+    def key_rotation(self) -> str | None:
+        """``"hadamard"`` when keys are stored rotated (queries rotated alike), else None."""
+        return self.key_transform.rotation
+
+    @property
+    def key_offset(self) -> torch.Tensor | None:
+        """fp32 ``[H, D]`` subtracted from every key before it is written, or None."""
+        return self.key_transform.offset
+
     def set_key_offset(self, offset: torch.Tensor | None) -> None:
         """Subtract ``offset`` (``[num_kv_heads, head_size]``, finite; e.g.
         :meth:`vllm.kv_quant.KVScaleObserver.key_mean`) from every key before it is written, or
@@ -335,32 +341,23 @@ class AttentionKVCache:
             if not isinstance(offset, torch.Tensor) or list(offset.shape) != shape:
                 got = list(offset.shape) if isinstance(offset, torch.Tensor) else offset
                 raise ValueError(f"offset: expected a tensor of shape {shape}, got {got}")
-            if not offset.dtype.is_floating_point or not torch.isfinite(offset).all():
-                raise ValueError(f"offset: expected finite float values, got {offset.dtype}")
             if self.impl.sinks is not None or self.impl.logits_soft_cap is not None:
                 raise ValueError(
                     "offset: expected an impl without sinks or logits_soft_cap (a key offset "
                     "shifts scores, which only plain softmax ignores), got one with them"
                 )
-            offset = offset.to(device=self.device, dtype=torch.float32)
-        self.key_offset = offset
+            offset = offset.to(device=self.device)
+        self.key_transform = KeyTransform(self.key_rotation, offset)
 
     def stored_key(self, key: torch.Tensor) -> torch.Tensor:
-        """The keys as the writer receives them: ``key`` itself, or with a key offset and/or
-        ``key_rotation`` the fp32 ``key - offset``, rotated, rounded back to ``key``'s dtype
-        (the writer takes K and V of one dtype). Observe these to calibrate :attr:`k_scale`."""
-        if self.key_offset is None and self.key_rotation is None:
-            return key
-        stored = key.to(torch.float32)
-        if self.key_offset is not None:
-            stored = stored - self.key_offset
-        if self.key_rotation is not None:
-            stored = hadamard_rotate(stored)
-        return stored.to(key.dtype)
+        """The keys as the writer receives them (:meth:`KeyTransform.stored_key
+        <vllm.kv_quant.KeyTransform.stored_key>`). Observe these to calibrate
+        :attr:`k_scale`."""
+        return self.key_transform.stored_key(key)
 
     def _reader_query(self, query: torch.Tensor) -> torch.Tensor:
         """The query the impl reads with: rotated like the keys, in the query's dtype."""
-        return query if self.key_rotation is None else hadamard_rotate(query).to(query.dtype)
+        return self.key_transform.reader_query(query)
 
     def write(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write ``key [T, H, D]`` / ``value [T, H, Dv]`` at ``slot_mapping [T]`` (int64;
