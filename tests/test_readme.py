@@ -19,11 +19,16 @@ def test_readme_python_example_runs() -> None:
 
 
 def test_readme_engine_loop_runs() -> None:
-    """The engine loop (``AttentionKVCache`` + ``KVScaleObserver``) runs as written."""
+    """The engine loop (``AttentionKVCache`` + ``KVScaleObserver``) runs as written, then the
+    key-options block that follows it in the same namespace."""
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
-    (engine,) = [b for b in blocks if "AttentionKVCache" in b]
+    engine, options = [b for b in blocks if "AttentionKVCache" in b]
     namespace: dict[str, object] = {}
     exec(compile(engine, str(README), "exec"), namespace)
     out = namespace["out"]
     assert isinstance(out, torch.Tensor) and out.shape == (1, 9, 64)
     assert torch.isfinite(out).all()
+    exec(compile(options, str(README), "exec"), namespace)
+    out = namespace["out"]
+    assert isinstance(out, torch.Tensor) and out.shape == (32, 9, 64)
+    assert torch.isfinite(out).all() and namespace["cache"].key_offset is not None
