@@ -124,9 +124,23 @@ def test_format_ids_with_key_options() -> None:
     assert parse_format(fmt.name) == fmt
     assert not parse_format("fp8").has_key_options
     for bad, message in (
-        ("bf16+hadamard", "key options: expected a quantized format"),
+        ("bf16+hadamard", "kv_cache_dtype: expected a quantized format"),
         ("fp8+rotate", "unknown format"),
         ("fp8+offset+offset", "unknown format"),
     ):
         with pytest.raises(ValueError, match=message):
             parse_format(bad)
+
+
+def test_the_kv_check_refuses_key_options() -> None:
+    from vllm.accuracy.formats import parse_format
+    from vllm.accuracy.runner import run_check
+    from vllm.accuracy.synthetic import synthetic_sample
+
+    with pytest.raises(ValueError, match="formats: expected formats without"):
+        run_check(
+            [synthetic_sample(seed=0, seq_lens=(16,), num_kv_heads=1, head_size=16)],
+            [parse_format("fp8+hadamard")],
+            source="synthetic",
+            description="test",
+        )

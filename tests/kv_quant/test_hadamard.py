@@ -56,7 +56,7 @@ def test_input_dtypes_and_edge_values() -> None:
 
 @pytest.mark.parametrize("shape", [(3, 80), (3, 1), (3, 0), ()])
 def test_head_size_must_be_a_power_of_two(shape: tuple[int, ...]) -> None:
-    with pytest.raises(ValueError, match="head_size: the Hadamard rotation needs a power of two"):
+    with pytest.raises(ValueError, match="head_size: expected a power of two"):
         hadamard_rotate(torch.zeros(shape))
 
 

@@ -46,10 +46,22 @@ def test_scores_move_by_one_constant_per_query() -> None:
     [
         ({"rotation": "random"}, "key_rotation: expected None or 'hadamard', got 'random'"),
         ({"offset": torch.zeros(4)}, r"offset: expected a tensor \[H, D\], got \[4\]"),
-        ({"offset": torch.full((1, 4), float("inf"))}, "offset: expected finite float values"),
-        ({"rotation": "hadamard", "offset": torch.zeros(1, 12)}, "head_size: the Hadamard"),
+        ({"offset": torch.full((1, 4), float("inf"))}, "offset: expected finite values"),
+        (
+            {"rotation": "hadamard", "offset": torch.zeros(1, 12)},
+            "head_size: expected a power of two",
+        ),
     ],
 )
 def test_bad_arguments(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         KeyTransform(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_key_of_another_shape_than_the_offset_is_refused() -> None:
+    t = KeyTransform(offset=torch.zeros(3, 8))
+    for shape in ((2, 3, 1), (2, 1, 8), (2, 3, 16)):
+        with pytest.raises(ValueError, match=r"key: expected \[\.\.\., 3, 8\] like the key offset"):
+            t.stored_key(torch.zeros(shape))
+    with pytest.raises(ValueError, match="offset: expected a float tensor, got torch.int64"):
+        KeyTransform(offset=torch.zeros(3, 8, dtype=torch.int64))

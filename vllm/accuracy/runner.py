@@ -154,6 +154,12 @@ def run_check(
     """
     if not samples:
         raise ValueError("samples: need at least one sample")
+    keyed = [f.name for f in formats if f.has_key_options]
+    if keyed:
+        raise ValueError(
+            f"formats: expected formats without +hadamard / +offset (measured by the model "
+            f"report only), got {keyed[0]}"
+        )
     rdr = make_reader(reader)
     device = str(samples[0].key.device)
     report = CheckReport(

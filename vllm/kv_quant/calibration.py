@@ -139,7 +139,9 @@ class KVScaleObserver:
     def key_mean(self) -> torch.Tensor:
         """fp32 ``[H, D]``: the mean of the observed keys per KV head and channel (finite values
         only; 0 where none was): the key offset a cache subtracts before writing
-        (``AttentionKVCache.set_key_offset``).
+        (``AttentionKVCache.set_key_offset``). Summed in fp64 by torch, whose reduction order
+        depends on the device: offsets calibrated on different devices may differ in the last
+        fp32 bit (the attention does not depend on the offset in exact arithmetic).
         ``RuntimeError`` before any non-empty batch was observed."""
         if self._k_sum is None or self._k_count is None:
             raise RuntimeError("key_mean: no K/V observed yet; call observe(key, value) first")

@@ -8,10 +8,11 @@ rotating the query by the same matrix leaves every score unchanged in exact arit
 from +2.1% / +2.0% perplexity over the bf16 cache to +0.7% / +0.4% on the two texts of
 docs/accuracy.md (keys only; rotating values as well measured worse).
 
-The bytes are fixed by one sequence of fp32 operations, the same on every device (IEEE adds,
-subtracts and one multiply per element, no reassociation): the input is widened to fp32, then
-for ``h = 1, 2, 4, ..., D/2`` every pair ``(i, i + h)`` with ``i % 2h < h`` becomes
-``(x_i + x_{i+h}, x_i - x_{i+h})``, then every element is multiplied by ``c``.
+The bytes are fixed by one sequence of fp32 operations, the same on every device that keeps
+subnormals (IEEE adds, subtracts and one multiply per element, no reassociation): the input is
+widened to fp32, then for ``h = 1, 2, 4, ..., D/2`` every pair ``(i, i + h)`` with
+``i % 2h < h`` becomes ``(x_i + x_{i+h}, x_i - x_{i+h})``, then every element is multiplied by
+``c``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def check_hadamard_head_size(head_size: int) -> None:
     """``ValueError`` unless ``head_size`` is a power of two ≥ 2 (what the rotation needs)."""
     if head_size < 2 or head_size & (head_size - 1):
         raise ValueError(
-            f"head_size: the Hadamard rotation needs a power of two ≥ 2, got {head_size}"
+            f"head_size: expected a power of two ≥ 2 for the Hadamard rotation, got {head_size}"
         )
 
 

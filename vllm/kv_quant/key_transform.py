@@ -33,8 +33,10 @@ class KeyTransform:
             if not isinstance(offset, torch.Tensor) or offset.dim() != 2:
                 got = list(offset.shape) if isinstance(offset, torch.Tensor) else offset
                 raise ValueError(f"offset: expected a tensor [H, D], got {got}")
-            if not offset.dtype.is_floating_point or not torch.isfinite(offset).all():
-                raise ValueError(f"offset: expected finite float values, got {offset.dtype}")
+            if not offset.dtype.is_floating_point:
+                raise ValueError(f"offset: expected a float tensor, got {offset.dtype}")
+            if not torch.isfinite(offset).all():
+                raise ValueError("offset: expected finite values, got NaN or Inf")
             object.__setattr__(self, "offset", offset.to(torch.float32))
             if self.rotation is not None:
                 check_hadamard_head_size(offset.shape[1])
@@ -51,6 +53,11 @@ class KeyTransform:
             return key
         stored = key.to(torch.float32)
         if self.offset is not None:
+            if tuple(key.shape[-2:]) != tuple(self.offset.shape):
+                raise ValueError(
+                    f"key: expected [..., {self.offset.shape[0]}, {self.offset.shape[1]}] like "
+                    f"the key offset, got {list(key.shape)}"
+                )
             stored = stored - self.offset.to(stored.device)
         if self.rotation is not None:
             stored = hadamard_rotate(stored)

@@ -17,6 +17,7 @@ import torch
 from tiering_test_utils import stub_spec, wait_until
 
 from vllm.config import ParallelConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import OBJECT_TOO_LARGE
 from vllm.v1.kv_offload.base import ReqContext, make_offload_key
 from vllm.v1.kv_offload.tiering.base import JobMetadata
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
@@ -79,7 +80,10 @@ class FakeClient:
             if data is None:
                 codes.append(OBJECT_NOT_FOUND)
                 continue
-            assert len(ptrs) == 1 and len(data) <= lens[0]
+            assert len(ptrs) == 1
+            if len(data) > lens[0]:
+                codes.append(OBJECT_TOO_LARGE)
+                continue
             ctypes.memmove(ptrs[0], data, len(data))
             codes.append(len(data))
         return codes
@@ -270,3 +274,49 @@ def test_key_names() -> None:
     assert offload_key_name(key) == "00ff_g3"
     with pytest.raises(ValueError, match="expected a block hash before the group index"):
         offload_key_name(make_offload_key(b"", 0))
+
+
+def test_an_oversized_header_is_a_bad_object(fake_client) -> None:
+    writer, _ = make_tier()
+    reader, r_rows = make_tier()
+    k = keys("big")
+    assert run(writer, 0, k, [0], promotion=False)
+    header_key = writer.rows.header_key(offload_key_name(k[0]))
+    fake_client.objects[header_key] += b"\0" * 64
+    assert not run(reader, 1, k, [1], promotion=True)
+    assert type(reader.failure(k[0])).__name__ == "BadStoreObject"
+    assert reader.lookup(k[0], CTX) is False and not r_rows.any()
+    for tier in (writer, reader):
+        tier.shutdown()
+
+
+def test_bad_rows_remove_nothing_and_bad_flags_survive_other_failures(fake_client) -> None:
+    tier, _ = make_tier(retry_after_s=60.0)
+    k = keys("b")
+    assert run(tier, 0, k, [0], promotion=False)
+    data_key = tier.rows.data_key(offload_key_name(k[0]))
+    fake_client.objects[data_key] = b"x"
+    assert not run(tier, 1, k, [1], promotion=True)  # now flagged bad
+    before = dict(fake_client.objects)
+    assert not run(tier, 2, k, [99], promotion=False)  # a row out of range: nothing removed
+    assert fake_client.objects == before and tier.lookup(k[0], CTX) is False
+    fake_client.down = True
+    assert tier.lookup(keys("other")[0], CTX) is False  # starts the back-off
+    fake_client.down = False
+    assert not run(tier, 3, k, [1], promotion=False)  # fails at once: still bad
+    assert tier.lookup(k[0], CTX) is False
+    tier.shutdown()
+
+
+def test_shutdown_reports_dropped_jobs_and_misses(fake_client) -> None:
+    tier, _ = make_tier()
+    tier._pool.shutdown(wait=True)  # a stopped pool: the next job stays queued
+    job = JobMetadata(7, keys("q"), np.array([0]), False, CTX)
+    tier.submit_store(job)
+    assert tier.jobs_in_flight == 1
+    tier.shutdown()
+    assert [(r.job_id, r.success) for r in tier.get_finished()] == [(7, False)]
+    assert tier.jobs_in_flight == 0 and list(tier.get_finished()) == []
+    assert tier.lookup(keys("q")[0], CTX) is False
+    with pytest.raises(RuntimeError, match="shut down"):
+        tier.submit_load(job)

@@ -21,13 +21,15 @@ failed promotion.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Collection, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import (
     OBJECT_NOT_FOUND,
+    OBJECT_TOO_LARGE,
     MooncakeStoreClient,
     MooncakeStoreError,
 )
@@ -120,6 +122,8 @@ class MooncakeRowStore:
         ).view(max_blocks_per_batch, len(header))
         client.register(self._header)
         client.register(self._header_staging)
+        # One staging buffer: promotions running on two threads take turns checking headers.
+        self._staging_lock = threading.Lock()
 
     def data_key(self, name: str) -> str:
         """Store key of a block's data (``name``: :func:`offload_key_name`)."""
@@ -172,13 +176,16 @@ class MooncakeRowStore:
         if failed:
             raise MooncakeStoreError(f"mooncake store: remove failed with codes {sorted(failed)}")
 
-    def store(self, names: Sequence[str], rows: np.ndarray) -> int:
-        """Put the blocks not yet in the store from their rows; returns the bytes put.
+    def store(self, names: Sequence[str], rows: np.ndarray, replace: Collection[str] = ()) -> int:
+        """Put the blocks not yet in the store from their rows (the blocks named in ``replace``
+        are removed first, so that they are put again); returns the bytes put.
 
         ``MooncakeStoreError`` when a put fails (the store full of pinned objects, an object
-        larger than every segment, the master unreachable).
+        larger than every segment, the master unreachable). Nothing is removed or put unless
+        ``rows`` holds one valid row per block.
         """
         self._check_rows(names, rows)
+        self.remove([n for n in names if n in replace])
         moved = 0
         for part in _chunks(len(names), self.max_blocks_per_batch):
             chunk = list(names[part])
@@ -203,6 +210,10 @@ class MooncakeRowStore:
 
     def _check_headers(self, names: Sequence[str]) -> None:
         """Every block's header matches and its data object has exactly the row's size."""
+        with self._staging_lock:
+            self._check_headers_locked(names)
+
+    def _check_headers_locked(self, names: Sequence[str]) -> None:
         for part in _chunks(len(names), self.max_blocks_per_batch):
             chunk = names[part]
             staging = self._header_staging[: len(chunk)]
@@ -219,6 +230,11 @@ class MooncakeRowStore:
                     f"mooncake store: {len(missing)} blocks not in the store, first {missing[0]}"
                 )
             for n, code, row in zip(chunk, codes, staging, strict=True):
+                if code == OBJECT_TOO_LARGE or code > width:
+                    raise BadStoreObject(
+                        f"header of block {n}: expected at most {width} bytes, got a larger object",
+                        n,
+                    )
                 if code < 0:
                     raise MooncakeStoreError(
                         f"mooncake store: reading the header of block {n} failed with code {code}"

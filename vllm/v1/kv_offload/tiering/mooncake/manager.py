@@ -5,8 +5,10 @@ A cascade puts a primary row (every worker's pages of one offloaded block) as on
 plus a header; a promotion checks every header and size of the job, then reads the objects
 straight into the reserved primary rows (see :mod:`.blocks`). Copies run on one load-first and
 one store-first thread, so the scheduler never waits on the store; ``lookup`` is one existence
-query. A store that cannot be reached is a miss: after a failed query, lookups answer False at
-once for ``retry_after_s`` seconds instead of stalling the scheduler on each key. A block whose
+query. A store that cannot be reached is a miss: after a failed existence query (a lookup's, or
+the one a cascade starts with), lookups answer False at once and jobs fail at once for
+``retry_after_s`` seconds instead of stalling the scheduler on each key; a promotion that cannot
+reach the store just fails (a miss). A block whose
 promotion found a foreign or corrupt object is a miss from then on, so the engine recomputes it
 instead of retrying the same bad object; when it is offloaded again, this tier replaces the bad
 objects.
@@ -136,10 +138,13 @@ class MooncakeTierManager(SecondaryTierManager):
             raise
         self.retry_after_s = float(retry_after_s)
         self._unreachable_until = 0.0
-        # key -> (whether lookups answer False for it, its last error)
-        self._failures: OrderedDict[OffloadKey, tuple[bool, BaseException]] = OrderedDict()
-        self._failures_lock = threading.Lock()
+        self._failures: OrderedDict[OffloadKey, BaseException] = OrderedDict()
+        # Blocks whose store objects are foreign or corrupt: misses until this tier replaced
+        # them; kept apart from the failure log so that other failures never evict them.
+        self._bad: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._lock = threading.Lock()
         self._in_flight: set[JobId] = set()
+        self._closed = False
         self._pool = DualQueueThreadPool(1, 1, thread_name_prefix="vllm_kv_mooncake")
 
     @property
@@ -150,21 +155,34 @@ class MooncakeTierManager(SecondaryTierManager):
     def failure(self, key: OffloadKey) -> BaseException | None:
         """The error of ``key``'s last failed copy (None when its last copy succeeded or none
         failed), for diagnosis; the error is also logged."""
-        with self._failures_lock:
-            entry = self._failures.get(key)
-        return None if entry is None else entry[1]
+        with self._lock:
+            return self._failures.get(key)
 
-    def _record(self, keys: Iterable[OffloadKey], error: BaseException | None) -> None:
+    def _record(
+        self,
+        keys: Iterable[OffloadKey],
+        error: BaseException | None,
+        replaced: Iterable[OffloadKey] = (),
+    ) -> None:
         """The outcome of a job of ``keys``: a bad object found by a promotion makes its own
-        block a miss from now on; the job's other blocks only record the error."""
+        block a miss from now on, until a store job of this tier replaced it (``replaced``)."""
         bad = error.name if isinstance(error, BadStoreObject) else None
-        with self._failures_lock:
+        with self._lock:
             for key in keys:
                 self._failures.pop(key, None)
                 if error is not None:
-                    self._failures[key] = (offload_key_name(key) == bad, error)
-            while len(self._failures) > MAX_RECORDED_FAILURES:
-                self._failures.popitem(last=False)
+                    self._failures[key] = error
+                if bad is not None and offload_key_name(key) == bad:
+                    self._bad[key] = None
+            for key in replaced:
+                self._bad.pop(key, None)
+            for log in (self._failures, self._bad):
+                while len(log) > MAX_RECORDED_FAILURES:
+                    log.popitem(last=False)
+
+    def _is_bad(self, key: OffloadKey) -> bool:
+        with self._lock:
+            return key in self._bad
 
     def _store_unreachable(self) -> bool:
         return time.monotonic() < self._unreachable_until
@@ -177,13 +195,8 @@ class MooncakeTierManager(SecondaryTierManager):
             self.retry_after_s,
         )
 
-    def _is_bad(self, key: OffloadKey) -> bool:
-        with self._failures_lock:
-            entry = self._failures.get(key)
-        return entry is not None and entry[0]
-
     def lookup(self, key: OffloadKey, req_context: ReqContext | None = None) -> bool | None:
-        if self._is_bad(key):
+        if self._closed or self._is_bad(key):
             return False  # a foreign or corrupt object: recompute rather than retry it
         if self._store_unreachable():
             return False
@@ -193,13 +206,12 @@ class MooncakeTierManager(SecondaryTierManager):
             self._mark_unreachable(e)
             return False
 
-    def _task(
-        self, job: JobMetadata, copy: Callable[[Sequence[str], np.ndarray], int]
-    ) -> Callable[[], None]:
+    def _task(self, job: JobMetadata) -> Callable[[], None]:
         keys = list(job.keys)
-        rows = np.asarray(job.block_ids, dtype=np.int64).reshape(-1)
+        rows = np.asarray(job.block_ids, dtype=np.int64)
 
         def run() -> None:
+            replaced: list[OffloadKey] = []
             try:
                 if self._store_unreachable():
                     raise RuntimeError(
@@ -208,42 +220,53 @@ class MooncakeTierManager(SecondaryTierManager):
                     )
                 names = [offload_key_name(k) for k in keys]
                 try:
-                    if not job.is_promotion:
+                    if job.is_promotion:
+                        self.rows.load(names, rows)
+                    else:
                         # Bad objects this tier found would be kept by the put (it skips
-                        # blocks present): replace them.
-                        bad = [n for k, n in zip(keys, names, strict=True) if self._is_bad(k)]
-                        self.rows.remove(bad)
-                    copy(names, rows)
+                        # blocks present): the store replaces them.
+                        bad = {n for k, n in zip(keys, names, strict=True) if self._is_bad(k)}
+                        self.rows.store(names, rows, replace=bad)
+                        replaced = [k for k, n in zip(keys, names, strict=True) if n in bad]
                 except StoreUnreachable as e:
                     self._mark_unreachable(e)
                     raise
             except Exception as e:
                 self._record(keys, e)
                 raise
-            self._record(keys, None)
+            self._record(keys, None, replaced)
 
         return run
 
     def submit_store(self, job_metadata: JobMetadata) -> None:
-        self._in_flight.add(job_metadata.job_id)
-        self._pool.enqueue_store(
-            job_metadata.job_id, 1, [self._task(job_metadata, self.rows.store)]
-        )
+        self._submit(job_metadata, self._pool.enqueue_store)
 
     def submit_load(self, job_metadata: JobMetadata) -> None:
-        self._in_flight.add(job_metadata.job_id)
-        self._pool.enqueue_load(job_metadata.job_id, 1, [self._task(job_metadata, self.rows.load)])
+        self._submit(job_metadata, self._pool.enqueue_load)
+
+    def _submit(
+        self, job: JobMetadata, enqueue: Callable[[JobId, int, list[Callable[[], None]]], None]
+    ) -> None:
+        if self._closed:
+            raise RuntimeError(f"job {job.job_id}: the Mooncake tier is shut down")
+        self._in_flight.add(job.job_id)
+        enqueue(job.job_id, 1, [self._task(job)])
 
     def get_finished(self) -> Iterable[JobResult]:
         finished = [JobResult(job_id, success) for job_id, success in self._pool.get_finished()]
         for result in finished:
             self._in_flight.discard(result.job_id)
+        if self._closed:  # jobs dropped by shutdown: reported failed, once
+            finished += [JobResult(job_id, False) for job_id in sorted(self._in_flight)]
+            self._in_flight.clear()
         return finished
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         return  # the store evicts by its own policy
 
     def shutdown(self) -> None:
-        """Drop queued copies, stop the threads (running copies finish), disconnect."""
+        """Drop queued copies (reported failed by the next :meth:`get_finished`), stop the
+        threads (running copies finish), disconnect; lookups are misses from then on."""
+        self._closed = True
         self._pool.shutdown(wait=True)
         self.rows.client.close()

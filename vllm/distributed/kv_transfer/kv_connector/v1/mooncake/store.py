@@ -21,6 +21,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.config import (
 OBJECT_NOT_FOUND = -704
 """Mooncake's status code for a key the master does not know (never put, evicted, or lost)."""
 
+OBJECT_TOO_LARGE = -600
+"""Mooncake's status code for a read whose buffers are smaller than the object (nothing
+written)."""
+
 
 class MooncakeStoreError(RuntimeError):
     """The store could not be reached or refused an operation."""
@@ -126,7 +130,7 @@ class MooncakeStoreClient:
         self, keys: Sequence[str], buffers: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
     ) -> list[int]:
         """Scatter object ``keys[i]`` into the given buffers; per key the bytes read or a
-        negative code (``-600``: the buffers are smaller than the object, nothing written)."""
+        negative code (:data:`OBJECT_TOO_LARGE`: the buffers are smaller than the object)."""
         if not keys:
             return []
         return list(
