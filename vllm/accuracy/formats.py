@@ -35,6 +35,7 @@ import torch
 
 from vllm.kv_quant.fp8 import FP8_E4M3_MAX, Fp8Format
 from vllm.kv_quant.hadamard import HADAMARD
+from vllm.kv_quant.key_transform import KeyTransform
 from vllm.kv_quant.nvfp4 import E2M1_MAX, NVFP4_SCALE_MAX
 from vllm.kv_quant.per_token_head import per_token_head_qmax
 from vllm.kv_quant.scale_layout import ScaleLayout
@@ -114,14 +115,11 @@ class CacheFormat:
                 f"per_head: expected False for {self.kv_cache_dtype} (one inline scale per "
                 "token and head), got True"
             )
-        if (self.key_rotation is not None or self.key_offset) and not self.is_quantized:
+        KeyTransform(self.key_rotation)  # checks the rotation's name
+        if self.has_key_options and not self.is_quantized:
             raise ValueError(
-                f"key options: expected a quantized format (they only spread quantization "
-                f"error), got {self.kv_cache_dtype}"
-            )
-        if self.key_rotation not in (None, HADAMARD):
-            raise ValueError(
-                f"key_rotation: expected None or {HADAMARD!r}, got {self.key_rotation!r}"
+                f"kv_cache_dtype: expected a quantized format with +{HADAMARD} / +offset (they "
+                f"only spread quantization error), got {self.kv_cache_dtype}"
             )
         if (
             self.scale_layout is not None
