@@ -68,6 +68,9 @@ struct ReshapeAndCacheParams {
   // §6). Quantized kinds ignore it.
   SourceType cache_type;
   CacheKind cache_kind;
+  // kNvfp4 only: choose each group's block scale among sf - 1, sf, sf + 1 by the lowest squared
+  // group error (kv_cache_dtype "nvfp4_mse", docs/design.md §5.3); readers need not know.
+  bool nvfp4_scale_search;
   CacheSide key_cache;
   CacheSide value_cache;
 };

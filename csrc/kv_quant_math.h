@@ -68,6 +68,23 @@ KV_HOST_DEVICE float kv_fdiv(float a, float b) {
 #endif
 }
 
+// One IEEE fp32 addition / subtraction, never contracted into an FMA.
+KV_HOST_DEVICE float kv_fadd(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+KV_HOST_DEVICE float kv_fsub(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+
 // Rounds 0 <= x < 2^22 to an integer, ties to even (the default rounding mode).
 KV_HOST_DEVICE float round_half_even(float x) {
 #if defined(__CUDA_ARCH__)
@@ -240,6 +257,73 @@ KV_HOST_DEVICE uint8_t nvfp4_quantize_group(const float (&x)[kNvfp4GroupSize],
     packed[j] = uint8_t((hi << 4) | lo);
   }
   return scale_byte;
+}
+
+// fp32 magnitude of E2M1 code bits 0-2, with the sign of bit 3 (code 8 is -0.0).
+KV_HOST_DEVICE float e2m1_to_float(uint8_t code) {
+  const uint8_t m = code & 0x7u;
+  const float magnitude =
+      m < 4 ? 0.5f * float(m) : (m == 4 ? 2.0f : (m == 5 ? 3.0f : (m == 6 ? 4.0f : 6.0f)));
+  return (code & 0x8u) ? -magnitude : magnitude;
+}
+
+// The squared error of one group under candidate scale byte c (docs/design.md §5.3, nvfp4_mse step
+// 3): codes by step 5 with mult = inv / float(c) (0 for c == 0), then
+// err = sum_{i = 0..15} (E2M1[code_i] * c_f - x_i * inv)^2, every op one rounded fp32 op, summed
+// strictly in order i = 0, 1, ..., 15.
+KV_HOST_DEVICE float nvfp4_candidate_error(const float (&x)[kNvfp4GroupSize], uint8_t c,
+                                           float inv_global_scale) {
+  const float c_f = e4m3_to_float(c);
+  const float mult = nvfp4_multiplier(c, inv_global_scale);
+  float err = 0.0f;
+  KV_UNROLL
+  for (int i = 0; i < kNvfp4GroupSize; ++i) {
+    const float q = e2m1_to_float(float_to_e2m1(kv_fmul(x[i], mult)));
+    const float d = kv_fsub(kv_fmul(q, c_f), kv_fmul(x[i], inv_global_scale));
+    err = kv_fadd(err, kv_fmul(d, d));
+  }
+  return err;
+}
+
+// nvfp4_mse (docs/design.md §5.3): the plain block-scale byte sf, then the e4m3 bytes sf, sf - 1,
+// sf + 1 (in that order, within [0x00, 0x7E]) are tried and the one with the smallest squared group
+// error wins (ties: the earlier); its codes are those of step 5 under it. NaN, all-zero and Inf
+// groups keep the plain rule. Same outputs as nvfp4_quantize_group.
+KV_HOST_DEVICE uint8_t nvfp4_mse_quantize_group(const float (&x)[kNvfp4GroupSize],
+                                                float inv_global_scale,
+                                                uint8_t (&packed)[kNvfp4GroupSize / 2]) {
+  float amax = 0.0f;
+  bool has_nan = false;
+  KV_UNROLL
+  for (int i = 0; i < kNvfp4GroupSize; ++i) {
+    has_nan |= is_nan(x[i]);
+    amax = fmaxf(amax, fabsf(x[i]));
+  }
+  const bool has_inf = float_as_bits(amax) == 0x7F800000u;
+  if (has_nan || has_inf || amax == 0.0f) {
+    return nvfp4_quantize_group(x, inv_global_scale, packed);
+  }
+  const uint8_t sf = nvfp4_scale_byte(amax, false, inv_global_scale);
+  uint8_t best = sf;
+  float best_err = nvfp4_candidate_error(x, sf, inv_global_scale);
+  KV_UNROLL
+  for (int k = 0; k < 2; ++k) {
+    const int c = k == 0 ? int(sf) - 1 : int(sf) + 1;
+    if (c < 0 || c > 0x7E) continue;
+    const float err = nvfp4_candidate_error(x, uint8_t(c), inv_global_scale);
+    if (err < best_err) {  // strictly smaller: a tie keeps the earlier candidate
+      best_err = err;
+      best = uint8_t(c);
+    }
+  }
+  const float multiplier = nvfp4_multiplier(best, inv_global_scale);
+  KV_UNROLL
+  for (int j = 0; j < kNvfp4GroupSize / 2; ++j) {
+    const uint8_t lo = float_to_e2m1(kv_fmul(x[2 * j], multiplier));
+    const uint8_t hi = float_to_e2m1(kv_fmul(x[2 * j + 1], multiplier));
+    packed[j] = uint8_t((hi << 4) | lo);
+  }
+  return best;
 }
 
 // Where the block scale of (token t, group s) lives inside a head's [N, S] scale plane.

@@ -607,8 +607,9 @@ inline void quantize_nvfp4_token(const typename SourceTraits<S>::Storage* row,
   }
 }
 
-// quantize_nvfp4_token with the scalar nvfp4_quantize_group, for any global scales.
-template <SourceType S>
+// quantize_nvfp4_token with the scalar nvfp4_quantize_group, for any global scales (kSearch: with
+// nvfp4_mse_quantize_group, the block-scale search of kv_cache_dtype nvfp4_mse).
+template <SourceType S, bool kSearch = false>
 inline void quantize_nvfp4_token_scalar(const typename SourceTraits<S>::Storage* row,
                                         const Nvfp4SidePlan& plan, int64_t block, int token) {
   constexpr int kPacked = kNvfp4GroupSize / 2;
@@ -623,7 +624,8 @@ inline void quantize_nvfp4_token_scalar(const typename SourceTraits<S>::Storage*
       for (int i = 0; i < kNvfp4GroupSize; ++i) {
         x[i] = SourceTraits<S>::to_float(row[q * kNvfp4GroupSize + i]);
       }
-      scale_bytes[k] = nvfp4_quantize_group(x, plan.inv_scales[q], packed[k]);
+      scale_bytes[k] = kSearch ? nvfp4_mse_quantize_group(x, plan.inv_scales[q], packed[k])
+                               : nvfp4_quantize_group(x, plan.inv_scales[q], packed[k]);
     }
     store_nvfp4_chunk(plan, block, token, first, n, scale_bytes, packed[0]);
   }
@@ -709,7 +711,9 @@ void write_side(const typename SourceTraits<S>::Storage* src, int64_t src_token_
         }
       }
     } else if constexpr (K == CacheKind::kNvfp4) {
-      if (plan.any_infinite) {
+      if (p.nvfp4_scale_search) {
+        quantize_nvfp4_token_scalar<S, true>(row, plan, pos.block, int(pos.token));
+      } else if (plan.any_infinite) {
         quantize_nvfp4_token_scalar<S>(row, plan, pos.block, int(pos.token));
       } else {
         quantize_nvfp4_token<S>(row, plan, pos.block, int(pos.token));

@@ -31,14 +31,7 @@ namespace vllm_kv {
 KV_HOST_DEVICE uint32_t kv_umin(uint32_t a, uint32_t b) { return a < b ? a : b; }
 KV_HOST_DEVICE uint32_t kv_umax(uint32_t a, uint32_t b) { return a > b ? a : b; }
 
-// One IEEE fp32 addition, never contracted into an FMA.
-KV_HOST_DEVICE float kv_fadd(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
+// kv_fadd (one IEEE fp32 addition, never contracted into an FMA) lives in kv_quant_math.h.
 
 // Round-half-even of |x| to a multiple of 2^kStepExp, as a count of steps, for |x| < 2^(kStepExp
 // + 22): adding M = 1.5 * 2^(kStepExp + 23), whose ulp is the step, rounds once (ties to even) and

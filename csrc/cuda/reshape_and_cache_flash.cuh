@@ -68,8 +68,9 @@ struct FlashArgs {
   int64_t num_tokens;  // slot_mapping length (may be less than the source's padded token count)
   int64_t num_slots;   // num_blocks * block_size; slots at or above it are skipped
   int block_size;
-  int units_k;      // units of the K side per token
-  int units_total;  // units of K and V per token
+  bool nvfp4_scale_search;  // kNvfp4: nvfp4_mse_quantize_group instead of the nearest scale
+  int units_k;              // units of the K side per token
+  int units_total;          // units of K and V per token
   // Always 0. The slot test also checks ((OR of the loaded source words and scale) & zero) != 0,
   // which makes it depend on those loads: otherwise ptxas sinks them below the test, and the
   // kernel waits for the slot load and the source loads one after the other instead of together.
@@ -365,7 +366,9 @@ KV_HOST_DEVICE void write_vector_unit(const FlashArgs& a, int64_t token, int uni
     for (int i = 0; i < kNvfp4GroupSize; ++i) x[i] = Src::element(in, i);
     const float inv_global_scale = kv_fdiv(1.0f, scale);  // __fdiv_rn on the device
     uint8_t packed[kOutBytes];
-    const uint8_t scale_byte = nvfp4_quantize_group_fast(x, inv_global_scale, packed);
+    const uint8_t scale_byte = a.nvfp4_scale_search
+                                   ? nvfp4_mse_quantize_group(x, inv_global_scale, packed)
+                                   : nvfp4_quantize_group_fast(x, inv_global_scale, packed);
     uint32_t out[words_for_bytes(kOutBytes)];
     KV_DEVICE_UNROLL
     for (int j = 0; j < words_for_bytes(kOutBytes); ++j) {
@@ -536,6 +539,7 @@ inline FlashLaunchPlan plan_reshape_and_cache_flash(const ReshapeAndCacheParams&
   a.num_tokens = p.num_tokens;
   a.num_slots = p.num_blocks * p.block_size;
   a.block_size = p.block_size;
+  a.nvfp4_scale_search = p.nvfp4_scale_search;
   const int64_t units_k = int64_t(p.num_heads) * a.side[0].units_per_head;
   const int64_t units_total = units_k + int64_t(p.num_heads) * a.side[1].units_per_head;
   a.units_k = static_cast<int>(units_k);

@@ -50,6 +50,8 @@ FACTS = {
                  False, "kFp8E5M2"),
     "nvfp4": ("nvfp4", torch.uint8, KVQuantMode.NVFP4, "nvfp4", 72, None,
               ("linear", "interleave4"), False, "kNvfp4"),
+    "nvfp4_mse": ("nvfp4_mse", torch.uint8, KVQuantMode.NVFP4, "nvfp4_mse", 72, None,
+                  ("linear", "interleave4"), False, "kNvfp4"),
     "int8_per_token_head": ("int8_per_token_head", torch.int8, KVQuantMode.INT8_PER_TOKEN_HEAD,
                             "int8_pth", 132, None, (), False, "kInt8PerTokenHead"),
     "fp8_per_token_head": ("fp8_per_token_head", torch.uint8, KVQuantMode.FP8_PER_TOKEN_HEAD,
@@ -101,7 +103,7 @@ def test_nvfp4_row_size() -> None:
 
 def test_accepted_names_and_the_one_error() -> None:
     names = (
-        "auto, float16, bfloat16, float32, float, fp8, fp8_e4m3, fp8_e5m2, nvfp4, "
+        "auto, float16, bfloat16, float32, float, fp8, fp8_e4m3, fp8_e5m2, nvfp4, nvfp4_mse, "
         "int8_per_token_head, fp8_per_token_head"
     )
     assert ", ".join(cache_dtype_names()) == names
@@ -127,6 +129,7 @@ def test_upstream_typing_and_tables_are_the_registry() -> None:
         "fp8_e4m3": torch.uint8,
         "fp8_e5m2": torch.uint8,
         "nvfp4": torch.uint8,
+        "nvfp4_mse": torch.uint8,
         "int8_per_token_head": torch.int8,  # as upstream's table
         "fp8_per_token_head": torch.uint8,
     } == STR_DTYPE_TO_TORCH_DTYPE

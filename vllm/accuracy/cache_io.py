@@ -199,8 +199,11 @@ def _write_with_codecs(
     key, value = sample.key, sample.value
     if fmt.is_nvfp4:
         scale_layout = fmt.scale_layout_for(key_cache.shape[1], sample.head_size)
-        nvfp4_write_cache(key, key_cache, slot_mapping, k_scale, scale_layout)
-        nvfp4_write_cache(value, value_cache, slot_mapping, v_scale, scale_layout)
+        search = fmt.format.scale_search
+        nvfp4_write_cache(key, key_cache, slot_mapping, k_scale, scale_layout, scale_search=search)
+        nvfp4_write_cache(
+            value, value_cache, slot_mapping, v_scale, scale_layout, scale_search=search
+        )
     elif fmt.is_fp8:
         fp8 = fp8_format_from_cache_dtype(fmt.kv_cache_dtype)
         fp8_write_cache(key, key_cache, slot_mapping, k_scale, fp8)

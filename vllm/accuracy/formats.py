@@ -10,6 +10,8 @@ Format ids, as the CLI's ``--formats`` takes them::
 
     bf16                              unquantized bfloat16 (the reference)
     fp8_e4m3 | fp8_e5m2 | nvfp4       per-tensor scale ("fp8" is an alias of fp8_e4m3)
+    nvfp4_mse                         nvfp4 whose writer searches each block scale (§5.3);
+                                      takes every nvfp4 option below
     <quantized>/head                  per-head scale, e.g. fp8_e4m3/head
     nvfp4[/head]@interleave4          NVFP4 with 4-token-interleaved block scales
     <quantized>...+hadamard+offset    keys rotated and/or offset before writing (docs/design.md
@@ -251,8 +253,9 @@ def parse_format(text: str) -> CacheFormat:
     dtype, _, granularity = body.partition("/")
     per_token_head = ", ".join(f.name for f in MEASURED_FORMATS if f.is_per_token_head)
     accepted = (
-        "bf16, fp8 (= fp8_e4m3), fp8_e4m3, fp8_e5m2, nvfp4, optionally followed by /tensor or "
-        f"/head, and for nvfp4 by @linear or @interleave4; or {per_token_head}; then "
+        "bf16, fp8 (= fp8_e4m3), fp8_e4m3, fp8_e5m2, nvfp4, nvfp4_mse, optionally followed by "
+        "/tensor or /head, and for nvfp4 / nvfp4_mse by @linear or @interleave4; or "
+        f"{per_token_head}; then "
         f"optionally +{HADAMARD} and/or +offset"
     )
     known_options = {HADAMARD, "offset"}

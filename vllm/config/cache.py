@@ -17,6 +17,7 @@ CacheDType = Literal[
     "fp8_e4m3",
     "fp8_e5m2",
     "nvfp4",
+    "nvfp4_mse",
     "int8_per_token_head",
     "fp8_per_token_head",
 ]

@@ -143,7 +143,7 @@ def _scale_for_groups(global_scale: torch.Tensor, device: torch.device) -> torch
 
 
 def quantize_nvfp4(
-    x: torch.Tensor, global_scale: torch.Tensor
+    x: torch.Tensor, global_scale: torch.Tensor, *, scale_search: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x [..., D]`` (fp32/fp16/bf16, ``D % 16 == 0``) to NVFP4.
 
@@ -159,6 +159,10 @@ def quantize_nvfp4(
     4. if ``sf`` is the NaN byte 0x7F: data bytes all 0x00 for the group
     5. else ``mult = 0 if float(sf) == 0 else inv_gs / float(sf)``,
        ``q_i = e2m1_encode(x_i * mult)``
+
+    ``scale_search=True`` is the ``nvfp4_mse`` writer: each finite, non-zero group then takes
+    the e4m3 byte among ``sf``, ``sf - 1``, ``sf + 1`` with the smallest squared group error
+    (:func:`_search_block_scales`, docs/design.md §5.3); the bytes read back as any NVFP4.
 
     Returns ``(packed uint8 [..., D/2], block_scales uint8 [..., D/16])`` (scales are e4m3 bytes,
     in group order).
@@ -188,8 +192,57 @@ def quantize_nvfp4(
     mult = torch.where(sf_f == 0, torch.zeros_like(sf_f), inv_gs / sf_f)  # 5
     codes = e2m1_encode(xf * mult.unsqueeze(-1))
     codes = torch.where(is_nan_group.unsqueeze(-1), torch.zeros_like(codes), codes)  # 4
+    if scale_search:
+        sf, codes = _search_block_scales(xf, inv_gs, amax, sf, codes)
     packed = _pack(codes.reshape(*lead, dim))
     return packed, sf
+
+
+def _candidate_error(
+    xf: torch.Tensor, inv_gs: torch.Tensor, c: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and squared group error of groups ``xf [..., G, 16]`` under scale bytes
+    ``c [..., G]``: ``err = sum_i (E2M1[code_i] * c_f - x_i * inv)^2`` in fp32, one rounded op
+    each, summed strictly in order i = 0..15."""
+    c_f = fp8_bytes_to_fp32(c, Fp8Format.E4M3)
+    mult = torch.where(c_f == 0, torch.zeros_like(c_f), inv_gs / c_f)
+    codes = e2m1_encode(xf * mult.unsqueeze(-1))
+    approx = e2m1_decode(codes) * c_f.unsqueeze(-1)
+    target = xf * (inv_gs.unsqueeze(-1) if inv_gs.dim() > 0 else inv_gs)
+    diff = approx - target
+    sq = diff * diff
+    err = torch.zeros_like(c_f)
+    for i in range(NVFP4_GROUP_SIZE):  # sequential: no tree reduction
+        err = err + sq[..., i]
+    return codes, err
+
+
+def _search_block_scales(
+    xf: torch.Tensor,
+    inv_gs: torch.Tensor,
+    amax: torch.Tensor,
+    sf: torch.Tensor,
+    codes: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``nvfp4_mse`` block-scale search (docs/design.md §5.3): candidates ``sf``,
+    ``sf - 1``, ``sf + 1`` (in that order, within ``[0x00, 0x7E]``); the smallest error wins, a tie
+    keeps the earlier. Groups holding a NaN or an Inf, and all-zero groups, keep ``(sf, codes)``."""
+    searched = torch.isfinite(amax) & (amax != 0)
+    best_codes, best_err = _candidate_error(xf, inv_gs, sf)
+    best = sf
+    wide = sf.to(torch.int16)
+    for step in (-1, 1):
+        cand = wide + step
+        valid = (cand >= 0) & (cand <= 0x7E)
+        c = cand.clamp(0, 0x7E).to(torch.uint8)
+        cand_codes, err = _candidate_error(xf, inv_gs, c)
+        better = valid & (err < best_err)  # strictly: a tie keeps the earlier candidate
+        best = torch.where(better, c, best)
+        best_err = torch.where(better, err, best_err)
+        best_codes = torch.where(better.unsqueeze(-1), cand_codes, best_codes)
+    sf = torch.where(searched, best, sf)
+    codes = torch.where(searched.unsqueeze(-1), best_codes, codes)
+    return sf, codes
 
 
 def dequantize_nvfp4(

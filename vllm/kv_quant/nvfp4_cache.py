@@ -81,6 +81,8 @@ def nvfp4_write_cache(
     slot_mapping: torch.Tensor,
     global_scale: torch.Tensor,
     scale_layout: ScaleLayout | str | None = None,
+    *,
+    scale_search: bool = False,
 ) -> None:
     """Quantize the first ``T`` tokens of ``x [T_pad, H, D]`` and write them into a packed
     NVFP4 cache side ``(B, N, H, F)`` in place.
@@ -91,6 +93,8 @@ def nvfp4_write_cache(
     (layout-placed) scale bytes of the written ``(page, token, head)`` entries change. If a slot
     appears twice, which token ends up in it is unspecified. ``scale_layout=None`` is the op's
     default, :meth:`ScaleLayout.default_for` ``(N, D)`` (upstream's interleave4 where it fits).
+    ``scale_search=True`` writes ``nvfp4_mse`` (:func:`quantize_nvfp4`'s block-scale search); the
+    page is read like any NVFP4 page.
     """
     _check_input(x, cache_side)
     num_blocks, block_size, num_heads, _ = cache_side.shape
@@ -110,7 +114,9 @@ def nvfp4_write_cache(
     tokens = x[: slot_mapping.shape[0]]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    packed, block_scales = quantize_nvfp4(tokens[keep], global_scale)  # [T', H, D/2], [T', H, S]
+    packed, block_scales = quantize_nvfp4(
+        tokens[keep], global_scale, scale_search=scale_search
+    )  # [T', H, D/2], [T', H, S]
     page = slots // block_size
     row = slots % block_size
 

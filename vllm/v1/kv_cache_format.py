@@ -186,6 +186,10 @@ class KVCacheFormat:
     """Values per block scale (16 for NVFP4); head sizes must be multiples of it."""
     scale_layouts: tuple[str, ...] = ()
     """Where block scales may sit in a page (``ScaleLayout`` values); empty without them."""
+    scale_search: bool = False
+    """NVFP4 writer option (``nvfp4_mse``): each group's block scale is the best of its e4m3
+    neighbours by squared group error (docs/design.md §5.3). Only the writer differs: pages,
+    layouts and readers are those of the format's quant mode."""
     mla_only: bool = False
     """A record layout for MLA latents only (not a user-selectable ``kv_cache_dtype``)."""
     cache_kind: str | None = None
@@ -457,6 +461,20 @@ NVFP4 = register_format(
         row_dim=nvfp4_packed_dim,
         block_scale_group=NVFP4_GROUP_SIZE,
         scale_layouts=("linear", "interleave4"),
+        cache_kind="kNvfp4",
+    )
+)
+NVFP4_MSE = register_format(
+    KVCacheFormat(
+        name="nvfp4_mse",
+        accepted_names=("nvfp4_mse",),
+        storage_dtype=torch.uint8,
+        quant_mode=KVQuantMode.NVFP4,
+        label="nvfp4_mse",
+        row_dim=nvfp4_packed_dim,
+        block_scale_group=NVFP4_GROUP_SIZE,
+        scale_layouts=("linear", "interleave4"),
+        scale_search=True,
         cache_kind="kNvfp4",
     )
 )

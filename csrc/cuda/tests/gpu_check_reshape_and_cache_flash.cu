@@ -121,17 +121,20 @@ std::vector<BenchResult> bench(double roofline) {
   const struct {
     CacheKind kind;
     const char* name;
-  } kinds[] = {{CacheKind::kUnquantized, "bf16"},
-               {CacheKind::kFp8E4M3, "fp8_e4m3"},
-               {CacheKind::kNvfp4, "nvfp4"}};
+    bool scale_search;
+  } kinds[] = {{CacheKind::kUnquantized, "bf16", false},
+               {CacheKind::kFp8E4M3, "fp8_e4m3", false},
+               {CacheKind::kNvfp4, "nvfp4", false},
+               {CacheKind::kNvfp4, "nvfp4_mse", true}};
   cudaEvent_t start, stop;
   CHECK_CUDA(cudaEventCreate(&start));
   CHECK_CUDA(cudaEventCreate(&stop));
   for (const auto& k : kinds) {
     for (bool hnd : {false, true}) {
       for (int tokens : {1, 16, 256, 4096, 16384, 65536}) {
-        const test::FlashTestProblem t = test::make_dense_problem(
-            SourceType::kBFloat16, k.kind, tokens, heads, head_size, block_size, hnd, rng);
+        const test::FlashTestProblem t =
+            test::make_dense_problem(SourceType::kBFloat16, k.kind, tokens, heads, head_size,
+                                     block_size, hnd, rng, k.scale_search);
         DeviceProblem d(t);
         const ReshapeAndCacheParams p = d.params(t);
         launch_reshape_and_cache_flash(p, nullptr);

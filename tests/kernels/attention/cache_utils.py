@@ -24,7 +24,7 @@ EXPLICIT_UNQUANTIZED = {
     "bfloat16": torch.bfloat16,
     "float32": torch.float32,
 }
-QUANTIZED = ["fp8", "fp8_e4m3", "fp8_e5m2", "nvfp4"]
+QUANTIZED = ["fp8", "fp8_e4m3", "fp8_e5m2", "nvfp4", "nvfp4_mse"]
 # (kv_cache_dtype, source dtype) pairs of the same-dtype tests: an explicit unquantized string
 # with its own dtype (other source dtypes are cast: test_cache_cast.py).
 KIND_AND_DTYPE = (
@@ -141,7 +141,7 @@ def make_source(
 
 def make_scale(kind: str, num_heads: int, per_head: bool, gen: torch.Generator, device: str):
     n = num_heads if per_head else 1
-    if kind == "nvfp4":  # amax / (448 * 6) is typical; larger values saturate block scales
+    if lookup(kind).is_nvfp4:  # amax / (448 * 6) is typical; larger values saturate block scales
         low, high = 2e-4, 2e-2
     elif kind.startswith("fp8"):
         low, high = 5e-3, 5e-2
@@ -213,8 +213,8 @@ def reference_write(
     scale: torch.Tensor,
     layout: str,
 ) -> None:
-    if kind == "nvfp4":
-        nvfp4_write_cache(x, side, slots, scale, layout)
+    if lookup(kind).is_nvfp4:
+        nvfp4_write_cache(x, side, slots, scale, layout, scale_search=lookup(kind).scale_search)
     elif lookup(kind).is_per_token_head:
         per_token_head_write_cache(x, side, slots, kind)
     elif kind.startswith("fp8"):

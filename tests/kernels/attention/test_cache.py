@@ -17,6 +17,7 @@ from kv_cache_test_utils import DEVICES
 from vllm import _custom_ops as ops
 from vllm.kv_quant import ScaleLayout
 from vllm.utils.torch_utils import nvfp4_kv_cache_split_views
+from vllm.v1.kv_cache_format import lookup
 
 from ..quantization.nvfp4_utils import dequant_nvfp4_kv_cache_nhd
 from .cache_utils import (
@@ -179,7 +180,7 @@ def _special_values(dtype: torch.dtype) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_e5m2", "nvfp4"])
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_e5m2", "nvfp4", "nvfp4_mse"])
 @pytest.mark.parametrize("dtype", SOURCE_DTYPES, ids=_id)
 @pytest.mark.parametrize("scale", [1.0, 0.5, 3.0])
 def test_special_values(device: str, kind: str, dtype: torch.dtype, scale: float) -> None:
@@ -187,7 +188,7 @@ def test_special_values(device: str, kind: str, dtype: torch.dtype, scale: float
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind", ["fp8_e4m3", "nvfp4"])
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "nvfp4", "nvfp4_mse"])
 @pytest.mark.parametrize("dtype", SOURCE_DTYPES, ids=_id)
 def test_subnormal_scale(device: str, kind: str, dtype: torch.dtype) -> None:
     """A subnormal scale is finite and > 0, hence valid, but its inverse overflows to Inf (for
@@ -262,7 +263,7 @@ def test_e2m1_rounding_sweep(device: str) -> None:
 @st.composite
 def random_cases(draw: st.DrawFn) -> dict:
     kind, dtype = draw(st.sampled_from(KIND_AND_DTYPE))
-    nvfp4 = kind == "nvfp4"
+    nvfp4 = lookup(kind).is_nvfp4
     heads = st.sampled_from([16, 32, 48, 64, 128]) if nvfp4 else st.integers(1, 96)
     head_size, head_size_v = draw(heads), draw(heads)
     k_layout = draw(st.sampled_from(["linear", "interleave4"])) if nvfp4 else "linear"

@@ -37,6 +37,8 @@ FORMATS = [
     ("fp8_e5m2", "linear"),
     ("nvfp4", "linear"),
     ("nvfp4", "interleave4"),
+    ("nvfp4_mse", "linear"),
+    ("nvfp4_mse", "interleave4"),
 ]
 # Rows with their own inline scales (k_scale / v_scale ignored); no block-scale layout.
 PER_TOKEN_HEAD = [("int8_per_token_head", "linear"), ("fp8_per_token_head", "linear")]
@@ -514,3 +516,50 @@ def test_registered_and_selectable_on_cpu_only() -> None:
     assert CPUAttentionBackend.validate_configuration(64, torch.bfloat16, "nvfp4", 16, None) == []
     reasons = CPUAttentionBackend.validate_configuration(64, torch.bfloat16, "auto", 16, (9, 0))
     assert reasons == ["CPU_ATTN does not run on sm_90"]
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("scale_layout", ["linear", "interleave4"])
+def test_nvfp4_mse_cache_is_the_codecs_and_reads_as_nvfp4(layout: str, scale_layout: str) -> None:
+    """The writer of nvfp4_mse (the compiled op behind do_kv_cache_update) gives the codec's
+    bytes (quantize_nvfp4(scale_search=True)), which differ from nvfp4's; both readers read the
+    cache through the plain NVFP4 dequantization."""
+    from vllm.kv_quant import (
+        dequantize_nvfp4,
+        nvfp4_read_cache,
+        nvfp4_write_cache,
+        quantize_nvfp4,
+    )
+
+    case = Case("nvfp4_mse", scale_layout, layout, head_size_v=64)
+    reference, cpu, layer, kv_cache, metadata, query = setup(case)
+    plain_case = Case("nvfp4", scale_layout, layout, head_size_v=64)
+    _, _, _, plain_cache, _, _ = setup(plain_case)
+    gen = torch.Generator().manual_seed(0)  # setup's draws, replayed for the source tensors
+    num_blocks = kv_cache[0].shape[0]
+    pages = max((n + case.block_size - 1) // case.block_size for n in case.seq_lens)
+    table = torch.randperm(num_blocks, generator=gen)[: pages * len(case.seq_lens)]
+    table = table.reshape(len(case.seq_lens), pages).to(torch.int32)
+    total = sum(case.seq_lens)
+    key = torch.randn(total, case.num_kv_heads, case.head_size, generator=gen) * 2
+    value = torch.randn(total, case.num_kv_heads, case.head_size_v, generator=gen)
+    slots = ReferenceAttentionMetadata.build(
+        case.seq_lens, case.seq_lens, table, case.block_size
+    ).slot_mapping
+    for x, side, scale, plain in (
+        (key, kv_cache[0], layer._k_scale, plain_cache[0]),
+        (value, kv_cache[1], layer._v_scale, plain_cache[1]),
+    ):
+        expected = torch.zeros_like(side)
+        nvfp4_write_cache(x, expected, slots, scale, scale_layout, scale_search=True)
+        assert torch.equal(side, expected)
+        assert not torch.equal(side, plain)
+        d = x.shape[-1]
+        rows = nvfp4_read_cache(side, scale, d, scale_layout).flatten(0, 1)[slots]
+        plain_rows = nvfp4_read_cache(plain, scale, d, scale_layout).flatten(0, 1)[slots]
+        packed, block_scales = quantize_nvfp4(x, scale, scale_search=True)
+        assert torch.equal(rows, dequantize_nvfp4(packed, block_scales, scale))
+        assert float((rows - x).pow(2).sum()) < float((plain_rows - x).pow(2).sum())
+    expected_out = reference.forward(layer, query, None, None, kv_cache, metadata)
+    got_out = cpu.forward(layer, query, None, None, kv_cache, metadata)
+    torch.testing.assert_close(got_out.float(), expected_out.float(), atol=2e-2, rtol=2e-2)

@@ -317,7 +317,14 @@ class ReferenceAttentionImpl(AttentionImpl):
             (value, value_cache, layer._v_scale, v_layout),
         ):
             if self._is_nvfp4:
-                nvfp4_write_cache(x, side, slot_mapping, scale.to(side.device), layout)
+                nvfp4_write_cache(
+                    x,
+                    side,
+                    slot_mapping,
+                    scale.to(side.device),
+                    layout,
+                    scale_search=self.kv_cache_format.scale_search,
+                )
             elif self.kv_cache_format.is_per_token_head:  # scales computed per row, not read
                 per_token_head_write_cache(x, side, slot_mapping, self.kv_cache_format)
             elif self._is_fp8:
