@@ -98,3 +98,14 @@ def test_divisibility_errors() -> None:
         to_layout(torch.zeros(8, 6), "interleave4")
     with pytest.raises(ValueError, match="scales"):
         to_layout(torch.zeros(8), "interleave4")
+
+
+def test_fits_is_the_rule_default_for_asks() -> None:
+    from vllm.kv_quant.scale_layout import ScaleLayout
+
+    for block_size, head_size in ((16, 64), (16, 128), (4, 64), (6, 64), (16, 80), (16, 32)):
+        assert ScaleLayout.LINEAR.fits(block_size, head_size)
+        fits = block_size % 4 == 0 and head_size % 64 == 0
+        assert ScaleLayout.INTERLEAVE4.fits(block_size, head_size) is fits
+        want = ScaleLayout.INTERLEAVE4 if fits else ScaleLayout.LINEAR
+        assert ScaleLayout.default_for(block_size, head_size) is want

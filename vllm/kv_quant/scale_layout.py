@@ -41,9 +41,15 @@ class ScaleLayout(str, Enum):
         heads of ``head_size`` elements: upstream's ``INTERLEAVE4`` whenever it fits
         (``block_size % 4 == 0`` and ``S = head_size / 16`` a multiple of 4, i.e.
         ``head_size % 64 == 0``), ``LINEAR`` for geometries upstream cannot write."""
-        if block_size > 0 and block_size % 4 == 0 and head_size > 0 and head_size % 64 == 0:
-            return cls.INTERLEAVE4
-        return cls.LINEAR
+        return cls.INTERLEAVE4 if cls.INTERLEAVE4.fits(block_size, head_size) else cls.LINEAR
+
+    def fits(self, block_size: int, head_size: int) -> bool:
+        """Whether pages of ``block_size`` tokens and heads of ``head_size`` elements can hold
+        their block scales in this layout (``LINEAR``: any; ``INTERLEAVE4``: ``block_size``
+        and ``head_size / 16`` multiples of 4)."""
+        if self is ScaleLayout.LINEAR:
+            return True
+        return block_size > 0 and block_size % 4 == 0 and head_size > 0 and head_size % 64 == 0
 
     @classmethod
     def resolve(

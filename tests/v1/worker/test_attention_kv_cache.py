@@ -134,7 +134,15 @@ def test_scales_are_public_and_checked() -> None:
         ({"backend": "FLASHINFER"}, "FLASHINFER: FlashInfer needs an NVIDIA GPU"),
         ({"layout": "NDH"}, "layout: unknown KV-cache layout 'NDH'"),
         ({"scale_layouts": ("swizzle", "linear")}, "scale_layout: expected one of"),
-        ({"block_size": 6, "scale_layouts": ("interleave4", "linear")}, "multiple of 4, got 6"),
+        (
+            {"block_size": 6, "scale_layouts": ("interleave4", "linear")},
+            r"scale_layouts: expected layouts that fit pages of 6 tokens and heads of 64 "
+            r"\(interleave4 needs multiples of 4 tokens and of 64 elements\), got interleave4",
+        ),
+        (
+            {"block_size": 8, "scale_layouts": ("linear", "interleave4"), "head_size_v": 32},
+            "scale_layouts: expected layouts that fit pages of 8 tokens and heads of 32",
+        ),
         ({"sliding_window": 0}, "sliding_window: expected None or a positive int"),
     ],
 )

@@ -101,6 +101,23 @@ def _check_cache_dtype(spec: AttentionSpec, kv_cache_dtype: str | None) -> None:
         )
 
 
+def _check_scale_layouts(spec: AttentionSpec, layouts: KVCacheScaleLayouts) -> None:
+    """``ValueError`` naming ``scale_layouts`` when a layout cannot hold the spec's block
+    scales (only NVFP4 has any)."""
+    if not spec.kv_quant_mode.is_nvfp4:
+        return
+    for layout, head_size in (
+        (layouts.k_scale_layout, spec.head_size),
+        (layouts.v_scale_layout, spec.head_size_v),
+    ):
+        if not layout.fits(spec.block_size, head_size):
+            raise ValueError(
+                f"scale_layouts: expected layouts that fit pages of {spec.block_size} tokens "
+                f"and heads of {head_size} ({layout.value} needs multiples of 4 tokens and of "
+                f"64 elements), got {layout.value}"
+            )
+
+
 def _check_key_rotation(spec: AttentionSpec, key_rotation: str | None) -> None:
     """``ValueError`` unless ``key_rotation`` is None or ``"hadamard"`` on a quantized format
     with a power-of-two head size."""
@@ -223,6 +240,7 @@ class AttentionKVCache:
             layouts = get_kv_cache_scale_layouts(config, [chosen])[_LAYER]
             if scale_layouts is not None:
                 layouts = KVCacheScaleLayouts(*(ScaleLayout.parse(s) for s in scale_layouts))
+                _check_scale_layouts(spec, layouts)
             impl = _reader_backend(chosen).get_impl_cls()(
                 spec.num_kv_heads if num_heads is None else num_heads,
                 spec.head_size,
