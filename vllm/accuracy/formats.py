@@ -35,10 +35,11 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm.kv_quant.fp8 import FP8_E4M3_MAX, Fp8Format
+from vllm.kv_quant.calibration import kv_scale_max, scale_from_amax
+from vllm.kv_quant.fp8 import FP8_E4M3_MAX
 from vllm.kv_quant.hadamard import HADAMARD
 from vllm.kv_quant.key_transform import KeyTransform
-from vllm.kv_quant.nvfp4 import E2M1_MAX, NVFP4_SCALE_MAX
+from vllm.kv_quant.nvfp4 import E2M1_MAX
 from vllm.kv_quant.per_token_head import per_token_head_qmax
 from vllm.kv_quant.scale_layout import ScaleLayout
 from vllm.v1.kv_cache_format import BFLOAT16, KVCacheFormat, formats, lookup
@@ -189,14 +190,12 @@ class CacheFormat:
         """``MAX`` in ``scale = amax / MAX``: the FP8 variant's largest value (448 for e4m3,
         57344 for e5m2), 448 × 6 for NVFP4 (the largest block scale times the largest E2M1
         value), 127 or 448 for the per-token-head rows (int8, e4m3)."""
-        if self.is_nvfp4:
-            return NVFP4_SCALE_MAX
         if self.is_per_token_head:
             return per_token_head_qmax(self.format)
-        variant = self.format.fp8_variant
-        if variant is None:
+        scale_max = kv_scale_max(self.kv_cache_dtype)
+        if scale_max is None:
             raise ValueError(f"format: expected a quantized format, got {self.name!r}")
-        return Fp8Format(variant).max
+        return scale_max
 
     @property
     def scale_max_text(self) -> str:
@@ -304,8 +303,7 @@ def amax_scale(x: torch.Tensor, per_head: bool, scale_max: float) -> torch.Tenso
         raise ValueError(f"x: expected shape [T, H, D], got {list(x.shape)}")
     xf = x.detach().to(torch.float32).abs()
     amax = xf.amax(dim=(0, 2)) if per_head else xf.amax().reshape(1)
-    scale = amax / torch.tensor(scale_max, dtype=torch.float32, device=amax.device)
-    return torch.where(amax > 0, scale, torch.ones_like(scale))
+    return scale_from_amax(amax, scale_max)
 
 
 def compute_scales(

@@ -27,7 +27,7 @@ from vllm.kv_quant.fp8 import Fp8Format
 from vllm.kv_quant.nvfp4 import NVFP4_SCALE_MAX
 from vllm.v1.kv_cache_format import lookup
 
-__all__ = ["KVScaleObserver", "kv_scale_max", "kv_scales_from_amax"]
+__all__ = ["KVScaleObserver", "kv_scale_max", "kv_scales_from_amax", "scale_from_amax"]
 
 
 def kv_scale_max(kv_cache_dtype: str) -> float | None:
@@ -47,9 +47,15 @@ def kv_scales_from_amax(amax: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor
     ``amax``; 1.0 where that is not positive (an all-zero observation) and everywhere for a
     format that reads no scale."""
     scale_max = kv_scale_max(kv_cache_dtype)
-    amax = amax.to(torch.float32)
     if scale_max is None:
-        return torch.ones_like(amax)
+        return torch.ones_like(amax, dtype=torch.float32)
+    return scale_from_amax(amax, scale_max)
+
+
+def scale_from_amax(amax: torch.Tensor, scale_max: float) -> torch.Tensor:
+    """fp32 ``amax / scale_max``, same shape as ``amax``; 1.0 where that is not positive (an
+    all-zero observation: any positive scale stores zeros exactly, and the ops reject 0)."""
+    amax = amax.to(torch.float32)
     scale = amax / torch.tensor(scale_max, dtype=torch.float32, device=amax.device)
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 
