@@ -185,9 +185,6 @@ class PagedKVRun:
         v = value[0].transpose(0, 1).contiguous()
         if self.recorder is not None:
             self.recorder.observe(layer, k, v)
-        if not self.fmt.is_quantized:  # the unquantized cache takes K/V in its own dtype
-            cache_dtype = self.caches[layer].dtype
-            k, v = k.to(cache_dtype), v.to(cache_dtype)
         transform = self.key_transforms[layer]
         q, k = transform.reader_query(q), transform.stored_key(k)
         out = self.impl.forward(self.layers[layer], q, k, v, self.caches[layer], self._metadata)
