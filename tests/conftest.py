@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
-import pytest
 import torch
+
+# Without a GPU, Triton kernels run under Triton's interpreter on CPU tensors. The flag is read
+# when a kernel is decorated, so it must be set before any kernel module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
 
 from vllm.utils.torch_utils import create_kv_caches_with_random, create_kv_caches_with_random_flash
 
