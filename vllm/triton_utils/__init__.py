@@ -1,0 +1,30 @@
+"""Triton under upstream vLLM's import path (``vllm.triton_utils``): ``triton`` and ``tl`` are the
+real modules when Triton is installed, placeholders otherwise (:data:`HAS_TRITON` says which).
+
+Kernel modules import them from here so that the library imports without Triton. Every module
+holding Triton kernels also defines ``triton_compile_cases()`` (see :mod:`vllm.triton_utils.aot`):
+``tools/compile_triton_kernels.py`` compiles those cases for sm_80/90/100 on a machine without a
+GPU.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vllm.triton_utils.importing import (
+    HAS_TRITON,
+    TritonLanguagePlaceholder,
+    TritonPlaceholder,
+)
+
+if TYPE_CHECKING or HAS_TRITON:
+    import triton
+    import triton.language as tl
+else:
+    triton = TritonPlaceholder()
+    tl = TritonLanguagePlaceholder()
+
+LOG2E = 1.4426950408889634
+LOGE2 = 0.6931471805599453
+
+__all__ = ["HAS_TRITON", "LOG2E", "LOGE2", "tl", "triton"]

@@ -1,0 +1,151 @@
+"""Ahead-of-time compilation of Triton kernels for GPU targets, on a machine without a GPU.
+
+Convention: every module holding Triton kernels defines
+
+    def triton_compile_cases() -> list[TritonCompileCase]
+
+covering each kernel and each constexpr specialisation that matters (every format, layout).
+``tools/compile_triton_kernels.py`` finds those modules under ``vllm/``, compiles every case for
+sm_80, sm_90 and sm_100 (PTX and cubin, through Triton's own compiler; no driver is needed) and
+fails naming the kernel and target that do not compile. Triton's interpreter, which runs the
+kernels in the CPU tests, accepts code the GPU compiler rejects (``tl.dot`` tiles under 16, a
+loop-carried variable changing dtype), so this check is what proves the kernels build for a GPU.
+
+It must run in a process without ``TRITON_INTERPRET``: under the interpreter ``@triton.jit``
+returns an interpreted function that Triton's compiler cannot take.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import pkgutil
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+__all__ = [
+    "DEFAULT_ARCHS",
+    "CompileResult",
+    "TritonCompileCase",
+    "compile_case",
+    "find_case_modules",
+]
+
+# Compute capabilities the kernels must build for: Ampere, Hopper, Blackwell.
+DEFAULT_ARCHS: tuple[int, ...] = (80, 90, 100)
+# The hook name every kernel module defines.
+CASES_HOOK = "triton_compile_cases"
+
+
+@dataclass(frozen=True)
+class TritonCompileCase:
+    """One kernel specialisation to compile.
+
+    ``signature`` maps every argument name to a Triton type string (``"*fp32"``, ``"*u8"``,
+    ``"i32"``, ``"i64"``, ``"fp32"``) or ``"constexpr"``; ``constexprs`` gives each constexpr
+    argument's value. ``name`` is unique within its module and says what is specialised (e.g.
+    ``"writer/nvfp4/interleave4"``).
+    """
+
+    name: str
+    kernel: Any  # a @triton.jit function (triton.runtime.JITFunction)
+    signature: dict[str, str]
+    constexprs: dict[str, object] = field(default_factory=dict)
+    num_warps: int = 4
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    """What compiling one case for one target gave: ``error`` is ``None`` when it compiled."""
+
+    module: str
+    case: str
+    arch: int
+    error: str | None
+    seconds: float
+    cubin_bytes: int = 0
+    registers: int = 0
+    shared_bytes: int = 0
+
+
+def _check_not_interpreted() -> None:
+    value = os.environ.get("TRITON_INTERPRET", "0")
+    if value not in ("", "0"):
+        raise RuntimeError(
+            "TRITON_INTERPRET: expected unset or 0 for ahead-of-time compilation (under the "
+            f"interpreter @triton.jit gives interpreted functions), got {value!r}"
+        )
+
+
+def compile_case(module: str, case: TritonCompileCase, arch: int) -> CompileResult:
+    """Compile ``case`` for ``GPUTarget("cuda", arch, 32)``; any compiler error is captured in
+    the result, not raised. ``seconds`` is wall time."""
+    import time
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    _check_not_interpreted()
+    start = time.perf_counter()
+    try:
+        # Every constexpr must be in the signature as "constexpr" for ASTSource.
+        signature = dict(case.signature)
+        for name in case.constexprs:
+            signature.setdefault(name, "constexpr")
+        source = ASTSource(case.kernel, signature, dict(case.constexprs))
+        compiled = triton.compile(
+            source,
+            target=GPUTarget("cuda", arch, 32),
+            options={"num_warps": case.num_warps},
+        )
+    except Exception as exc:  # the compiler raises many types; report, do not stop the run
+        first_line = f"{type(exc).__name__}: {exc}".strip()
+        return CompileResult(module, case.name, arch, first_line, time.perf_counter() - start)
+    metadata = compiled.metadata
+    return CompileResult(
+        module,
+        case.name,
+        arch,
+        None,
+        time.perf_counter() - start,
+        cubin_bytes=len(compiled.asm.get("cubin", b"")),
+        registers=int(getattr(compiled, "n_regs", 0) or 0),
+        shared_bytes=int(getattr(metadata, "shared", 0) or 0),
+    )
+
+
+def _walk(package: ModuleType) -> Iterator[str]:
+    yield package.__name__
+    for info in pkgutil.walk_packages(package.__path__, prefix=package.__name__ + "."):
+        yield info.name
+
+
+def find_case_modules(
+    package: str = "vllm", *, only: Sequence[str] = ()
+) -> list[tuple[str, Callable[[], list[TritonCompileCase]]]]:
+    """``(module name, triton_compile_cases)`` for every module under ``package`` that defines the
+    hook. Only modules whose source defines it are imported (so an optional dependency of an
+    unrelated module is never needed); an import error of one that does is raised.
+    ``only``, when given, keeps the modules whose name contains one of its strings."""
+    _check_not_interpreted()
+    root = importlib.import_module(package)
+    found = []
+    for name in _walk(root):
+        if only and not any(part in name for part in only):
+            continue
+        spec = importlib.util.find_spec(name)
+        origin = spec.origin if spec is not None else None
+        if origin is None or not origin.endswith(".py"):
+            continue
+        with open(origin, encoding="utf-8") as source:
+            if f"def {CASES_HOOK}(" not in source.read():
+                continue
+        module = importlib.import_module(name)
+        hook = getattr(module, CASES_HOOK, None)
+        if callable(hook):
+            found.append((name, hook))
+    return found
