@@ -22,6 +22,8 @@ tensor's size is ``num_blocks × its page size``. A request of ``max_model_len``
 from __future__ import annotations
 
 import os
+import sys
+import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -32,7 +34,25 @@ from vllm.config.model import ModelConfig
 from vllm.config.scheduler import SchedulerConfig
 from vllm.config.vllm import VllmConfig
 from vllm.utils import check_positive_int
+from vllm.v1.core import block_hashing
+from vllm.v1.core.block_hashing import (
+    BlockHash,
+    BlockHashList,
+    BlockHashListWithBlockSize,
+    BlockHashWithGroupId,
+    ExternalBlockHash,
+    generate_block_hash_extra_keys,
+    get_block_hash,
+    get_group_id,
+    get_request_block_hasher,
+    hash_block_tokens,
+    init_none_hash,
+    make_block_hash_with_group_id,
+    maybe_convert_block_hash,
+    need_extra_keys,
+)
 from vllm.v1.core.kv_bytes import kv_bytes_for_tokens, spec_bytes_per_token, total_state_bytes
+from vllm.v1.core.kv_cache_block import FreeKVCacheBlockQueue, KVCacheBlock
 from vllm.v1.core.kv_cache_deepseek_v4 import (
     _annotate_eagle_groups_deepseek_v4,
     _approximate_gcd,
@@ -91,7 +111,23 @@ from vllm.v1.kv_cache_interface import (
 )
 
 __all__ = [
+    "BlockHash",
+    "BlockHashList",
+    "BlockHashListWithBlockSize",
+    "BlockHashWithGroupId",
     "DEFAULT_MAX_NUM_BATCHED_TOKENS",
+    "ExternalBlockHash",
+    "FreeKVCacheBlockQueue",
+    "KVCacheBlock",
+    "generate_block_hash_extra_keys",
+    "get_block_hash",
+    "get_group_id",
+    "get_request_block_hasher",
+    "hash_block_tokens",
+    "init_none_hash",
+    "make_block_hash_with_group_id",
+    "maybe_convert_block_hash",
+    "need_extra_keys",
     "InsufficientKVCacheMemoryError",
     "KVCacheLayoutPolicy",
     "KVCachePlan",
@@ -385,3 +421,34 @@ def plan_kv_cache_for_specs(
 
 def _real_page(spec: KVCacheSpec) -> int:
     return getattr(spec, "real_page_size_bytes", spec.page_size_bytes)
+
+
+class _HashingNames(types.ModuleType):
+    """This module, with ``NONE_HASH`` and ``tensor_data`` read from and written to
+    :mod:`vllm.v1.core.block_hashing`.
+
+    Why: upstream callers read ``kv_cache_utils.NONE_HASH`` after ``init_none_hash`` (a global
+    the hashing module rebinds) and tests patch ``kv_cache_utils.tensor_data`` to count the
+    prompt-embeds hashing; both must reach the module whose functions use them.
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _FORWARDED:
+            return getattr(block_hashing, name)
+        raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _FORWARDED:
+            setattr(block_hashing, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name in _FORWARDED:
+            delattr(block_hashing, name)
+        else:
+            super().__delattr__(name)
+
+
+_FORWARDED = frozenset({"NONE_HASH", "tensor_data"})
+sys.modules[__name__].__class__ = _HashingNames

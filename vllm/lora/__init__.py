@@ -1,0 +1,1 @@
+"""LoRA request shape read by the block manager (upstream's ``vllm.lora``)."""

@@ -1,0 +1,1 @@
+"""Multimodal input shapes read by the block manager (upstream's ``vllm.multimodal``)."""

@@ -1,0 +1,267 @@
+"""Prefix-cache block hashing (upstream's hashing names, importable from
+:mod:`vllm.v1.core.kv_cache_utils`).
+
+A block's hash chains its parent's: ``hash_fn((parent_hash, token_ids, extra_keys))``, the first
+block's parent being :data:`NONE_HASH` (a per-process seed, fixed by ``PYTHONHASHSEED``). Equal
+prefixes therefore give equal hashes, and a block hash identifies the whole prefix up to it. The
+extra keys separate equal token ids whose KV differs: the LoRA adapter name, the multimodal item
+identifiers (with their offset inside the block), the cache salt (first block only) and a SHA-256
+digest of the block's prompt embeddings.
+
+Hashes are raw ``bytes`` (``BlockHash``); a block hash plus a 4-byte big-endian KV-cache group id
+is the key of one cached page (``BlockHashWithGroupId``). Block sizes are in tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, NewType, TypeAlias, overload
+
+import torch
+
+from vllm.utils.hashing import sha256_cbor, xxhash_cbor
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+__all__ = [
+    "BlockHash",
+    "BlockHashList",
+    "BlockHashListWithBlockSize",
+    "BlockHashWithGroupId",
+    "ExternalBlockHash",
+    "generate_block_hash_extra_keys",
+    "get_block_hash",
+    "get_group_id",
+    "get_request_block_hasher",
+    "hash_block_tokens",
+    "init_none_hash",
+    "make_block_hash_with_group_id",
+    "maybe_convert_block_hash",
+    "need_extra_keys",
+    "tensor_data",
+]
+
+BlockHash = NewType("BlockHash", bytes)
+BlockHashWithGroupId = NewType("BlockHashWithGroupId", bytes)
+# What KV events carry: the hash bytes, or (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1) their low
+# 64 bits as an int, for consumers that predate byte hashes.
+ExternalBlockHash: TypeAlias = "bytes | int"
+
+logger = logging.getLogger(__name__)
+
+_GROUP_ID_BYTES = 4
+_INT_HASH_ENV = "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"
+_CBOR_HASH_FUNCTIONS = frozenset({sha256_cbor, xxhash_cbor})
+
+# Seed of every chain; set by init_none_hash (which the engine calls once at start-up).
+NONE_HASH: BlockHash
+
+
+def make_block_hash_with_group_id(block_hash: BlockHash, group_id: int) -> BlockHashWithGroupId:
+    """``block_hash`` followed by ``group_id`` as 4 big-endian bytes (no tuple per key)."""
+    return BlockHashWithGroupId(block_hash + group_id.to_bytes(_GROUP_ID_BYTES, "big"))
+
+
+def get_block_hash(key: BlockHashWithGroupId) -> BlockHash:
+    """The block-hash part of ``key``."""
+    return BlockHash(key[:-_GROUP_ID_BYTES])
+
+
+def get_group_id(key: BlockHashWithGroupId) -> int:
+    """The group-id part of ``key``."""
+    return int.from_bytes(key[-_GROUP_ID_BYTES:], "big")
+
+
+def maybe_convert_block_hash(hash_bytes: BlockHash) -> ExternalBlockHash:
+    """``hash_bytes`` as events publish it: bytes, or its low 64 bits when the env asks."""
+    if os.environ.get(_INT_HASH_ENV, "0").strip().lower() not in ("1", "true"):
+        return hash_bytes
+    return int.from_bytes(hash_bytes, "big") & 0xFFFF_FFFF_FFFF_FFFF
+
+
+def init_none_hash(hash_fn: Callable[[Any], bytes]) -> None:
+    """Set :data:`NONE_HASH`: ``hash_fn(PYTHONHASHSEED)`` when that is set (so processes agree),
+    else 32 random bytes."""
+    global NONE_HASH
+    seed = os.getenv("PYTHONHASHSEED")
+    if seed is None:
+        if hash_fn in _CBOR_HASH_FUNCTIONS:
+            # CBOR hashes are meant to be reproducible across processes; a random seed
+            # silently defeats that, so say so.
+            logger.warning(
+                "PYTHONHASHSEED is not set: block hashes from %s will differ between "
+                "processes; set it for reproducible hashes.",
+                getattr(hash_fn, "__name__", hash_fn),
+            )
+        NONE_HASH = BlockHash(os.urandom(32))
+    else:
+        NONE_HASH = BlockHash(hash_fn(seed))
+
+
+def tensor_data(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of ``tensor`` (C order, any dtype), for hashing."""
+    flat = tensor.detach().cpu().contiguous().flatten()
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def need_extra_keys(request: Request) -> bool:
+    """Whether ``request``'s blocks hash more than token ids (MM, LoRA or cache salt)."""
+    return (
+        bool(request.mm_features)
+        or request.lora_request is not None
+        or (request.cache_salt is not None)
+    )
+
+
+def _mm_extra_keys(
+    request: Request, start_token_idx: int, end_token_idx: int, start_mm_idx: int
+) -> tuple[list[Any], int]:
+    """``(identifier, offset of the item relative to the block start)`` of every multimodal
+    item overlapping tokens [start, end), and the index of the item the next block starts at.
+    Items are sorted by offset; ``start_mm_idx`` < 0 counts from the last item."""
+    features = request.mm_features
+    keys: list[Any] = []
+    if not features:
+        return keys, start_mm_idx
+    last = features[-1].mm_position
+    if last.offset + last.length <= start_token_idx:
+        # Past every item (late prefill, decode): nothing to scan.
+        return keys, start_mm_idx
+    idx = start_mm_idx
+    if idx < 0:
+        if -idx > len(features):
+            raise AssertionError(f"start_mm_idx: expected >= {-len(features)}, got {start_mm_idx}")
+        idx += len(features)
+    while idx < len(features):
+        feature = features[idx]
+        offset, length = feature.mm_position.offset, feature.mm_position.length
+        if end_token_idx <= offset:
+            break  # the block ends before this item
+        if start_token_idx >= offset + length:
+            idx += 1  # the block starts after this item
+            continue
+        keys.append((feature.identifier, offset - start_token_idx))
+        if end_token_idx < offset + length:
+            break  # the item continues into the next block
+        idx += 1
+    return keys, idx
+
+
+def _prompt_embeds_extra_keys(
+    request: Request, start_token_idx: int, end_token_idx: int
+) -> list[bytes]:
+    """SHA-256 of the block's prompt embeddings, computed once per block range per request."""
+    if request.prompt_embeds is None:
+        return []
+    span = (start_token_idx, end_token_idx)
+    digest = request._prompt_embeds_per_block_hashes.get(span)
+    if digest is None:
+        digest = hashlib.sha256(
+            tensor_data(request.prompt_embeds[start_token_idx:end_token_idx])
+        ).digest()
+        request._prompt_embeds_per_block_hashes[span] = digest
+    return [digest]
+
+
+def generate_block_hash_extra_keys(
+    request: Request, start_token_idx: int, end_token_idx: int, start_mm_idx: int
+) -> tuple[tuple[Any, ...] | None, int]:
+    """The extra keys of the block holding tokens [start, end) (None when there are none), in
+    the order LoRA name, multimodal keys, cache salt, prompt-embeds digest; and the multimodal
+    index the next block's scan starts at."""
+    mm_keys, next_mm_idx = _mm_extra_keys(request, start_token_idx, end_token_idx, start_mm_idx)
+    keys: list[Any] = []
+    if request.lora_request is not None:
+        keys.append(request.lora_request.lora_name)
+    keys.extend(mm_keys)
+    if start_token_idx == 0 and request.cache_salt:
+        keys.append(request.cache_salt)
+    keys.extend(_prompt_embeds_extra_keys(request, start_token_idx, end_token_idx))
+    return (tuple(keys) if keys else None), next_mm_idx
+
+
+def hash_block_tokens(
+    hash_function: Callable[[Any], bytes],
+    parent_block_hash: BlockHash | None,
+    curr_block_token_ids: Sequence[int],
+    extra_keys: tuple[Any, ...] | None = None,
+) -> BlockHash:
+    """Hash of one full block chained to ``parent_block_hash`` (None/empty: first block)."""
+    parent = parent_block_hash or NONE_HASH
+    return BlockHash(hash_function((parent, tuple(curr_block_token_ids), extra_keys)))
+
+
+def get_request_block_hasher(
+    block_size: int, caching_hash_fn: Callable[[Any], bytes]
+) -> Callable[[Request], list[BlockHash]]:
+    """A function giving the hashes of a request's full blocks not hashed yet (the request keeps
+    them in ``request.block_hashes``); ``block_size`` in tokens."""
+
+    def request_block_hasher(request: Request) -> list[BlockHash]:
+        start = len(request.block_hashes) * block_size
+        num_tokens = request.num_tokens
+        if start + block_size > num_tokens:
+            return []
+        # Blocks completed later by generated tokens can only overlap the last MM item.
+        mm_idx = 0 if start == 0 else -1
+        parent = request.block_hashes[-1] if request.block_hashes else None
+        token_ids = request.all_token_ids
+        new_hashes: list[BlockHash] = []
+        while start + block_size <= num_tokens:
+            end = start + block_size
+            extra_keys, mm_idx = generate_block_hash_extra_keys(request, start, end, mm_idx)
+            parent = hash_block_tokens(caching_hash_fn, parent, token_ids[start:end], extra_keys)
+            new_hashes.append(parent)
+            start = end
+        return new_hashes
+
+    return request_block_hasher
+
+
+class BlockHashListWithBlockSize:
+    """Read-only view of block hashes computed every ``hash_block_size`` tokens as hashes of
+    ``target_block_size``-token blocks (a multiple): hash ``i`` is the concatenation of the
+    ``scale_factor`` fine hashes it covers, computed on access."""
+
+    def __init__(
+        self, block_hashes: list[BlockHash], hash_block_size: int, target_block_size: int
+    ) -> None:
+        if target_block_size % hash_block_size != 0:
+            raise AssertionError(
+                f"target_block_size: expected a multiple of {hash_block_size}, "
+                f"got {target_block_size}"
+            )
+        self.block_hashes = block_hashes
+        self.scale_factor = target_block_size // hash_block_size
+
+    def __len__(self) -> int:
+        return len(self.block_hashes) // self.scale_factor
+
+    @overload
+    def __getitem__(self, idx: int) -> BlockHash: ...
+
+    @overload
+    def __getitem__(self, idx: slice) -> list[BlockHash]: ...
+
+    def __getitem__(self, idx: int | slice) -> BlockHash | list[BlockHash]:
+        if isinstance(idx, int):
+            if idx < 0:
+                idx += len(self)
+            return self._get_value_at(idx)
+        if isinstance(idx, slice):
+            return [self._get_value_at(i) for i in range(*idx.indices(len(self)))]
+        raise TypeError(f"idx: expected int or slice, got {type(idx).__name__}")
+
+    def __iter__(self) -> Iterator[BlockHash]:
+        return (self._get_value_at(i) for i in range(len(self)))
+
+    def _get_value_at(self, idx: int) -> BlockHash:
+        start = idx * self.scale_factor
+        return BlockHash(b"".join(self.block_hashes[start : start + self.scale_factor]))
+
+
+BlockHashList: TypeAlias = "list[BlockHash] | BlockHashListWithBlockSize"

@@ -1,0 +1,352 @@
+"""The device page pool (upstream's ``BlockPool`` and ``BlockHashToBlockMap``).
+
+The pool owns ``num_gpu_blocks`` :class:`KVCacheBlock` s. Block 0 is the *null block*, a
+placeholder that block tables use for skipped positions (sliding window, Mamba); it is never
+allocated, cached or freed. Every other block is either in use (``ref_cnt`` > 0) or in the free
+queue, in eviction order. With prefix caching a free block may still carry its hash and sit in
+the hash map: a later request with the same prefix can take it back (``touch``) until it is
+handed out for new data (``get_new_blocks`` evicts it then, emitting ``BlockRemoved``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from vllm.distributed.kv_events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
+from vllm.v1.core.block_hashing import (
+    BlockHash,
+    BlockHashList,
+    BlockHashListWithBlockSize,
+    BlockHashWithGroupId,
+    ExternalBlockHash,
+    generate_block_hash_extra_keys,
+    get_block_hash,
+    get_group_id,
+    make_block_hash_with_group_id,
+    maybe_convert_block_hash,
+)
+from vllm.v1.core.kv_cache_block import FreeKVCacheBlockQueue, KVCacheBlock
+from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
+from vllm.v1.request import Request
+
+__all__ = ["BlockHashToBlockMap", "BlockPool"]
+
+logger = logging.getLogger(__name__)
+
+
+class BlockHashToBlockMap:
+    """Cached full blocks by ``BlockHashWithGroupId``.
+
+    Identical blocks are not de-duplicated (a block id, once in a block table, never changes), so
+    one key may map to several blocks. The value is the block itself in the common single-block
+    case and a ``{block_id: block}`` dict only for duplicates, which keeps the map to one object
+    per key for the garbage collector.
+    """
+
+    def __init__(self) -> None:
+        self._cache: dict[BlockHashWithGroupId, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+
+    def get_one_block(self, key: BlockHashWithGroupId) -> KVCacheBlock | None:
+        """A block cached under ``key`` (the first inserted when there are several)."""
+        blocks = self._cache.get(key)
+        if blocks is None or isinstance(blocks, KVCacheBlock):
+            return blocks
+        return next(iter(blocks.values()))
+
+    def insert(self, key: BlockHashWithGroupId, block: KVCacheBlock) -> None:
+        """Cache ``block`` under ``key``."""
+        blocks = self._cache.get(key)
+        if blocks is None:
+            self._cache[key] = block
+        elif isinstance(blocks, KVCacheBlock):
+            self._cache[key] = {blocks.block_id: blocks, block.block_id: block}
+        else:
+            blocks[block.block_id] = block
+
+    def pop(self, key: BlockHashWithGroupId, block_id: int) -> KVCacheBlock | None:
+        """Remove and return block ``block_id`` from under ``key`` (None if it is not there)."""
+        blocks = self._cache.get(key)
+        if blocks is None:
+            return None
+        if isinstance(blocks, KVCacheBlock):
+            if blocks.block_id != block_id:
+                return None
+            del self._cache[key]
+            return blocks
+        block = blocks.pop(block_id, None)
+        if not blocks:
+            del self._cache[key]
+        elif len(blocks) == 1:
+            # Back to the single-block form.
+            self._cache[key] = next(iter(blocks.values()))
+        return block
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+
+class BlockPool:
+    """Allocates, frees and caches the device KV-cache blocks.
+
+    Args:
+        num_gpu_blocks: pages in the pool, the null block included.
+        enable_caching: keep full blocks findable by hash after they are freed.
+        hash_block_size: tokens per entry of ``request.block_hashes``; a group's block size is
+            a multiple of it (groups with larger pages hash concatenations of entries).
+        enable_kv_cache_events: queue ``BlockStored`` / ``BlockRemoved`` /
+            ``AllBlocksCleared`` for :meth:`take_events`.
+        metrics_collector: optional residency sampler, told of allocations, hits and evictions.
+    """
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        enable_caching: bool,
+        hash_block_size: int,
+        enable_kv_cache_events: bool = False,
+        metrics_collector: KVCacheMetricsCollector | None = None,
+    ) -> None:
+        if isinstance(num_gpu_blocks, bool) or not isinstance(num_gpu_blocks, int):
+            raise ValueError(f"num_gpu_blocks: expected a positive int, got {num_gpu_blocks!r}")
+        if num_gpu_blocks <= 0:
+            raise ValueError(f"num_gpu_blocks: expected a positive int, got {num_gpu_blocks}")
+        self.num_gpu_blocks = num_gpu_blocks
+        self.enable_caching = enable_caching
+        self.hash_block_size = hash_block_size
+        self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        # Block 0 is taken out for good; its ref_cnt is not maintained.
+        self.null_block = self.free_block_queue.popleft()
+        self.null_block.is_null = True
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.kv_event_queue: list[KVCacheEvent] = []
+        self.metrics_collector = metrics_collector
+
+    def get_cached_block(
+        self, block_hash: BlockHash, kv_cache_group_ids: list[int]
+    ) -> list[KVCacheBlock] | None:
+        """The cached block of ``block_hash`` in each group, or None if any group misses."""
+        lookup = self.cached_block_hash_to_block.get_one_block
+        found: list[KVCacheBlock] = []
+        for group_id in kv_cache_group_ids:
+            block = lookup(make_block_hash_with_group_id(block_hash, group_id))
+            if block is None:
+                return None
+            found.append(block)
+        return found
+
+    def cache_full_blocks(
+        self,
+        request: Request,
+        blocks: list[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+        block_mask: list[bool] | None = None,
+    ) -> None:
+        """Cache ``blocks[num_cached_blocks:num_full_blocks]`` (just filled) under the request's
+        block hashes in group ``kv_cache_group_id``.
+
+        Null blocks, and blocks whose ``block_mask`` entry (aligned with that slice) is False,
+        are skipped: they can never serve a hit. ``block_size`` is the group's block size in
+        tokens, a multiple of ``hash_block_size``.
+        """
+        if num_cached_blocks >= num_full_blocks:
+            return
+        new_blocks = blocks[num_cached_blocks:num_full_blocks]
+        if block_mask is not None and len(block_mask) != len(new_blocks):
+            raise ValueError(
+                f"block_mask: expected {len(new_blocks)} entries, got {len(block_mask)}"
+            )
+        block_hashes: BlockHashList = request.block_hashes  # type: ignore[assignment]
+        if block_size != self.hash_block_size:
+            block_hashes = BlockHashListWithBlockSize(
+                request.block_hashes,  # type: ignore[arg-type]
+                self.hash_block_size,
+                block_size,
+            )
+        if len(block_hashes) < num_full_blocks:
+            raise AssertionError(
+                f"request {request.request_id}: expected >= {num_full_blocks} block hashes, "
+                f"got {len(block_hashes)}"
+            )
+        new_hashes = block_hashes[num_cached_blocks:num_full_blocks]
+        stored: list[int] = []  # indices into new_blocks that were cached
+        insert = self.cached_block_hash_to_block.insert
+        for i, block in enumerate(new_blocks):
+            if block.is_null or (block_mask is not None and not block_mask[i]):
+                continue
+            key = make_block_hash_with_group_id(new_hashes[i], kv_cache_group_id)
+            block.block_hash = key
+            insert(key, block)
+            stored.append(i)
+        if self.enable_kv_cache_events:
+            self._queue_stored_event(
+                request, block_hashes, new_hashes, stored, num_cached_blocks, num_full_blocks,
+                block_size, kv_cache_group_id,
+            )  # fmt: skip
+
+    def _queue_stored_event(
+        self,
+        request: Request,
+        block_hashes: BlockHashList,
+        new_hashes: list[BlockHash],
+        stored: list[int],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        group_id: int,
+    ) -> None:
+        """Queue the ``BlockStored`` of one ``cache_full_blocks`` call (its stored blocks, with
+        each block's extra keys; token ids cover the whole range, skipped blocks included)."""
+        parent: ExternalBlockHash | None = None
+        if num_cached_blocks > 0:
+            parent = maybe_convert_block_hash(block_hashes[num_cached_blocks - 1])
+        extra_keys: list[tuple[Any, ...] | None] = []
+        mm_idx = 0
+        for i in stored:
+            start = (num_cached_blocks + i) * block_size
+            keys, mm_idx = generate_block_hash_extra_keys(
+                request, start, start + block_size, mm_idx
+            )
+            extra_keys.append(keys)
+        lora = request.lora_request
+        self.kv_event_queue.append(
+            BlockStored(
+                block_hashes=[maybe_convert_block_hash(new_hashes[i]) for i in stored],
+                parent_block_hash=parent,
+                token_ids=request.all_token_ids[
+                    num_cached_blocks * block_size : num_full_blocks * block_size
+                ],
+                block_size=block_size,
+                lora_id=None if lora is None else lora.adapter_id,
+                medium=MEDIUM_GPU,
+                lora_name=None if lora is None else lora.name,
+                extra_keys=extra_keys or None,
+                group_idx=group_id,
+            )
+        )
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take ``num_blocks`` blocks from the front of the free queue (ref_cnt 1 each),
+        evicting any cached hash they still carry. ValueError when too few are free."""
+        if num_blocks > self.free_block_queue.num_free_blocks:
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+        taken = self.free_block_queue.popleft_n(num_blocks)
+        collector = self.metrics_collector
+        for block in taken:
+            if self.enable_caching:
+                if block.block_hash is not None:
+                    self._maybe_evict_cached_block(block)
+                elif collector is not None:
+                    collector.on_block_evicted(block)
+            if block.ref_cnt != 0:
+                raise AssertionError(
+                    f"block {block.block_id}: expected ref_cnt 0 in the free queue, "
+                    f"got {block.ref_cnt}"
+                )
+            block.ref_cnt = 1
+            if collector is not None:
+                collector.on_block_allocated(block)
+        return taken
+
+    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
+        """Drop ``block`` from the prefix cache if it is there; True if it was."""
+        if self.metrics_collector is not None:
+            self.metrics_collector.on_block_evicted(block)
+        key = block.block_hash
+        if key is None:
+            return False
+        if self.cached_block_hash_to_block.pop(key, block.block_id) is None:
+            return False
+        block.reset_hash()
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(
+                BlockRemoved(
+                    block_hashes=[maybe_convert_block_hash(get_block_hash(key))],
+                    medium=MEDIUM_GPU,
+                    group_idx=get_group_id(key),
+                )
+            )
+        return True
+
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Take a reference on each of ``blocks`` (a prefix hit), pulling free ones out of the
+        free queue so they cannot be evicted while used."""
+        remove = self.free_block_queue.remove
+        collector = self.metrics_collector
+        for block in blocks:
+            if block.ref_cnt == 0 and not block.is_null:
+                remove(block)
+            block.ref_cnt += 1
+            if collector is not None:
+                collector.on_block_accessed(block)
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop a reference on each block; those no longer used go to the tail of the free
+        queue in the given order (the first is evicted first)."""
+        released: list[KVCacheBlock] = []
+        for block in ordered_blocks:
+            block.ref_cnt -= 1
+            # A block listed twice is released once, when its count reaches 0.
+            if block.ref_cnt == 0 and not block.is_null:
+                released.append(block)
+        self.free_block_queue.append_n(released)
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        """Drop the given blocks from the prefix cache (used or not; used ones stay used)."""
+        for block_id in block_ids:
+            if not 0 <= block_id < self.num_gpu_blocks:
+                raise AssertionError(
+                    f"block_ids: expected ids in [0, {self.num_gpu_blocks}), got {block_id} "
+                    "(a KV connector reported a block the scheduler never allocated)"
+                )
+            self._maybe_evict_cached_block(self.blocks[block_id])
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash, if no block is in use (False, with a warning, if some
+        are)."""
+        num_used = self.num_gpu_blocks - self.get_num_free_blocks() - 1  # minus the null block
+        if num_used != 0:
+            logger.warning(
+                "Failed to reset prefix cache because some blocks (%d) are not freed yet",
+                num_used,
+            )
+            return False
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        for block in self.blocks:
+            block.reset_hash()
+        if self.metrics_collector is not None:
+            self.metrics_collector.reset()
+        logger.info("Successfully reset prefix cache")
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(AllBlocksCleared())
+        return True
+
+    def get_num_free_blocks(self) -> int:
+        """Blocks in the free queue (cached-but-free ones included)."""
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """Fraction of the non-null blocks in use, in [0, 1]."""
+        usable = self.num_gpu_blocks - 1
+        if usable == 0:
+            return 0.0
+        return 1.0 - self.get_num_free_blocks() / usable
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The queued events, oldest first; the queue is emptied."""
+        if not self.enable_kv_cache_events:
+            return []
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events

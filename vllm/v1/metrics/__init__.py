@@ -1,0 +1,1 @@
+"""Cache statistics (upstream's ``vllm.v1.metrics``)."""
