@@ -1,0 +1,444 @@
+"""Coordinators: one block pool and one single-type manager per KV cache group, driven together.
+
+Every group of a model sees the same token sequence, so allocation, freeing and publishing are
+fanned out to all managers. Prefix lookup differs:
+
+* :class:`KVCacheCoordinatorNoPrefixCache`: no lookup (prefix caching off), any number of groups;
+* :class:`UnitaryKVCacheCoordinator`: one group, its manager's lookup;
+* :class:`HybridKVCacheCoordinator`: several groups of different kinds (full + sliding window,
+  attention + Mamba, ...), possibly with different page sizes. A hit must be usable by every
+  group at the same length, a multiple of the LCM of the groups' block sizes; the lookup shrinks
+  a candidate length until every kind accepts it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from math import lcm
+from typing import TYPE_CHECKING
+
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import (
+    BlockHash,
+    BlockHashList,
+    BlockHashListWithBlockSize,
+    KVCacheBlock,
+)
+from vllm.v1.core.single_type_kv_cache_manager import (
+    CrossAttentionManager,
+    SingleTypeKVCacheManager,
+    get_manager_for_kv_cache_spec,
+)
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
+from vllm.v1.request import Request
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
+
+
+class KVCacheCoordinator(ABC):
+    """The block pool of ``kv_cache_config.num_blocks`` pages and the managers of its groups.
+
+    ``max_model_len`` / ``max_num_batched_tokens`` in tokens; ``hash_block_size``: the tokens per
+    block hash of requests (every group's block size is a multiple of it)."""
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        use_eagle: bool,
+        enable_caching: bool,
+        enable_kv_cache_events: bool,
+        dcp_world_size: int,
+        pcp_world_size: int,
+        hash_block_size: int,
+        metrics_collector: KVCacheMetricsCollector | None = None,
+    ) -> None:
+        self.kv_cache_config = kv_cache_config
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.hash_block_size = hash_block_size
+        self.dcp_world_size = dcp_world_size
+        self.pcp_world_size = pcp_world_size
+        self._check_config()
+        self.block_pool = BlockPool(
+            num_gpu_blocks=kv_cache_config.num_blocks,
+            enable_caching=enable_caching,
+            hash_block_size=hash_block_size,
+            enable_kv_cache_events=enable_kv_cache_events,
+            metrics_collector=metrics_collector,
+        )
+        groups = kv_cache_config.kv_cache_groups
+        # Groups whose hits drop the last page for the EAGLE drafter; when the config marks
+        # none but EAGLE is on, every group does (the safe choice).
+        self.eagle_group_ids = {i for i, g in enumerate(groups) if g.is_eagle_group}
+        if use_eagle and not self.eagle_group_ids:
+            self.eagle_group_ids = set(range(len(groups)))
+        self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
+            get_manager_for_kv_cache_spec(
+                kv_cache_spec=group.kv_cache_spec,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                block_pool=self.block_pool,
+                enable_caching=enable_caching,
+                kv_cache_group_id=i,
+                dcp_world_size=dcp_world_size,
+                pcp_world_size=pcp_world_size,
+            )
+            for i, group in enumerate(groups)
+        )
+        self._init_lookup()
+
+    def _check_config(self) -> None:
+        """Refuse a config this coordinator cannot serve (before anything is built)."""
+        return None
+
+    def _init_lookup(self) -> None:
+        """Prepare the prefix lookup once the managers exist."""
+        return None
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
+        num_encoder_tokens: int,
+        total_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+    ) -> int:
+        """Free pages all groups together would consume (see the managers' method);
+        cross-attention groups size by ``num_encoder_tokens`` and take no hits."""
+        total = 0
+        for i, manager in enumerate(self.single_type_managers):
+            if isinstance(manager, CrossAttentionManager):
+                total += manager.get_num_blocks_to_allocate(
+                    request_id,
+                    num_encoder_tokens,
+                    [],
+                    0,
+                    num_encoder_tokens,
+                    apply_admission_cap=apply_admission_cap,
+                )
+            else:
+                total += manager.get_num_blocks_to_allocate(
+                    request_id,
+                    num_tokens,
+                    new_computed_blocks[i],
+                    total_computed_tokens,
+                    num_tokens_main_model,
+                    apply_admission_cap=apply_admission_cap,
+                )
+        return total
+
+    def allocate_new_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None:
+        """Hand each group its prefix-hit pages (and pages for connector tokens)."""
+        for manager, blocks in zip(self.single_type_managers, new_computed_blocks, strict=True):
+            manager.allocate_new_computed_blocks(
+                request_id, blocks, num_local_computed_tokens, num_external_computed_tokens
+            )
+
+    def allocate_new_blocks(
+        self,
+        request_id: str,
+        num_tokens: int,
+        num_tokens_main_model: int,
+        num_encoder_tokens: int = 0,
+    ) -> tuple[list[KVCacheBlock], ...]:
+        """Fresh pages per group so the request has ``num_tokens`` slots (cross-attention:
+        ``num_encoder_tokens``)."""
+        return tuple(
+            manager.allocate_new_blocks(
+                request_id,
+                num_encoder_tokens if isinstance(manager, CrossAttentionManager) else num_tokens,
+                num_tokens_main_model,
+            )
+            for manager in self.single_type_managers
+        )
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Publish the full pages among the first ``num_computed_tokens`` tokens."""
+        for manager in self.single_type_managers:
+            manager.cache_blocks(request, num_computed_tokens)
+
+    def free(self, request_id: str) -> None:
+        """Release the request's pages in every group."""
+        for manager in self.single_type_managers:
+            manager.free(request_id)
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """Per group, the leading pages every request holding pages shares."""
+        return [
+            m.get_num_common_prefix_blocks(running_request_id) for m in self.single_type_managers
+        ]
+
+    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
+        """Free, in every group, the pages no later token reads."""
+        for manager in self.single_type_managers:
+            manager.remove_skipped_blocks(request_id, total_computed_tokens)
+
+    def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
+        """The request's pages, per group (empty lists for an unknown request)."""
+        return tuple(m.req_to_blocks.get(request_id) or [] for m in self.single_type_managers)
+
+    @abstractmethod
+    def find_longest_cache_hit(
+        self, block_hashes: list[BlockHash], max_cache_hit_length: int
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """Hit pages per group and the hit length in tokens (at most
+        ``max_cache_hit_length``)."""
+
+    def new_step_starts(self) -> None:
+        """Tell every manager a scheduler step begins."""
+        for manager in self.single_type_managers:
+            manager.new_step_starts()
+
+
+class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
+    """Prefix caching off (or unsupported): any number of groups, zero included, never a hit."""
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        use_eagle: bool,
+        enable_kv_cache_events: bool,
+        dcp_world_size: int,
+        pcp_world_size: int,
+        hash_block_size: int,
+        metrics_collector: KVCacheMetricsCollector | None = None,
+    ) -> None:
+        super().__init__(
+            kv_cache_config,
+            max_model_len,
+            max_num_batched_tokens,
+            use_eagle,
+            False,
+            enable_kv_cache_events,
+            dcp_world_size=dcp_world_size,
+            pcp_world_size=pcp_world_size,
+            hash_block_size=hash_block_size,
+            metrics_collector=metrics_collector,
+        )
+        self.num_single_type_manager = len(self.single_type_managers)
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        return [0] * self.num_single_type_manager
+
+    def find_longest_cache_hit(
+        self, block_hashes: list[BlockHash], max_cache_hit_length: int
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        return tuple([] for _ in range(self.num_single_type_manager)), 0
+
+
+class UnitaryKVCacheCoordinator(KVCacheCoordinator):
+    """One KV cache group (all layers of one kind): its manager answers the lookup."""
+
+    def _check_config(self) -> None:
+        num_groups = len(self.kv_cache_config.kv_cache_groups)
+        if num_groups != 1:
+            raise ValueError(
+                f"kv_cache_config: UnitaryKVCacheCoordinator expected 1 group, got {num_groups}"
+            )
+        self.kv_cache_spec = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        self.block_size = self.kv_cache_spec.block_size * self.dcp_world_size * self.pcp_world_size
+        # Mamba-only models without prefix caching use one page per request
+        # (block_size = max_model_len): the hash granularity is then irrelevant.
+        if self.enable_caching and self.hash_block_size != self.block_size:
+            raise ValueError(
+                f"hash_block_size: expected the group's block_size {self.block_size} (tokens), "
+                f"got {self.hash_block_size}"
+            )
+
+    def find_longest_cache_hit(
+        self, block_hashes: list[BlockHash], max_cache_hit_length: int
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        hit = self.single_type_managers[0].find_longest_cache_hit(
+            block_hashes=block_hashes,
+            max_length=max_cache_hit_length,
+            kv_cache_group_ids=[0],
+            block_pool=self.block_pool,
+            kv_cache_spec=self.kv_cache_spec,
+            use_eagle=0 in self.eagle_group_ids,
+            alignment_tokens=self.block_size,
+            dcp_world_size=self.dcp_world_size,
+            pcp_world_size=self.pcp_world_size,
+        )
+        return hit, len(hit[0]) * self.block_size
+
+
+# One lookup unit of the hybrid coordinator: a spec, the groups sharing it, their manager class.
+AttentionGroup = tuple[KVCacheSpec, list[int], type[SingleTypeKVCacheManager]]
+
+
+class HybridKVCacheCoordinator(KVCacheCoordinator):
+    """Several KV cache groups of different kinds; see the module docstring for the lookup."""
+
+    def _check_config(self) -> None:
+        if self.dcp_world_size != 1 or self.pcp_world_size != 1:
+            raise ValueError(
+                "dcp_world_size, pcp_world_size: hybrid models expected 1 and 1, got "
+                f"{self.dcp_world_size} and {self.pcp_world_size}"
+            )
+        for i, group in enumerate(self.kv_cache_config.kv_cache_groups):
+            if group.kv_cache_spec.block_size % self.hash_block_size:
+                raise ValueError(
+                    f"hash_block_size: expected a divisor of every group's block_size, got "
+                    f"{self.hash_block_size} (group {i}: {group.kv_cache_spec.block_size})"
+                )
+
+    def _init_lookup(self) -> None:
+        self.verify_and_split_kv_cache_groups()
+
+    def verify_and_split_kv_cache_groups(self) -> None:
+        """Bundle groups with equal specs (one lookup serves them all), full attention first:
+        its cheap left-to-right scan bounds the others. Sets ``attention_groups``,
+        ``lcm_block_size`` (tokens) and ``eagle_attn_group_indices``."""
+        bundles: list[AttentionGroup] = []
+        for i, group in enumerate(self.kv_cache_config.kv_cache_groups):
+            manager_cls = type(self.single_type_managers[i])
+            for spec, group_ids, cls in bundles:
+                if spec == group.kv_cache_spec:
+                    assert cls is manager_cls, "equal specs must share a manager class"
+                    group_ids.append(i)
+                    break
+            else:
+                bundles.append((group.kv_cache_spec, [i], manager_cls))
+        if len(bundles) < 2:
+            raise ValueError(
+                "kv_cache_config: HybridKVCacheCoordinator expected at least two distinct "
+                f"group specs, got {len(bundles)}"
+            )
+        self.attention_groups = sorted(
+            bundles, key=lambda bundle: not isinstance(bundle[0], FullAttentionSpec)
+        )
+        # No partial-page hits: a hit length must be whole pages in every group.
+        self.lcm_block_size = lcm(*(spec.block_size for spec, _, _ in bundles))
+        self.eagle_attn_group_indices = {
+            idx
+            for idx, (_, group_ids, _) in enumerate(self.attention_groups)
+            if self.eagle_group_ids.intersection(group_ids)
+        }
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        # Hits are whole LCM segments, so publishing stops at the last segment boundary.
+        num_tokens = num_computed_tokens // self.lcm_block_size * self.lcm_block_size
+        for manager in self.single_type_managers:
+            manager.cache_blocks(request, num_tokens, alignment_tokens=self.lcm_block_size)
+
+    def _hashes_for(self, block_hashes: list[BlockHash], spec: KVCacheSpec) -> BlockHashList:
+        if spec.block_size == self.hash_block_size:
+            return block_hashes
+        return BlockHashListWithBlockSize(block_hashes, self.hash_block_size, spec.block_size)
+
+    def find_longest_cache_hit(
+        self, block_hashes: list[BlockHash], max_cache_hit_length: int
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """Fixed point: each bundle accepts the candidate length or lowers it; any lowering
+        restarts the round. Lengths only decrease, so this ends. Full attention's hit is
+        downward closed: looked up once, then only cut to the candidate."""
+        hits: list[list[KVCacheBlock] | None] = [None] * len(self.kv_cache_config.kv_cache_groups)
+        # With one full-attention bundle and one other, the other's answer is final.
+        one_round = len(self.attention_groups) == 2 and isinstance(
+            self.attention_groups[0][0], FullAttentionSpec
+        )
+        # Bundles whose EAGLE drop was applied at the current candidate: at most once each.
+        eagle_done: set[int] = set()
+        hit_length = max_cache_hit_length
+        while True:
+            candidate = hit_length
+            for idx, (spec, group_ids, manager_cls) in enumerate(self.attention_groups):
+                if isinstance(spec, FullAttentionSpec) and hits[group_ids[0]] is not None:
+                    candidate = candidate // spec.block_size * spec.block_size
+                    continue
+                use_eagle = idx in self.eagle_attn_group_indices and idx not in eagle_done
+                # EAGLE matches one page more, then drops it.
+                max_length = (
+                    min(candidate + spec.block_size, max_cache_hit_length)
+                    if use_eagle
+                    else candidate
+                )
+                found = manager_cls.find_longest_cache_hit(
+                    block_hashes=self._hashes_for(block_hashes, spec),
+                    max_length=max_length,
+                    kv_cache_group_ids=group_ids,
+                    block_pool=self.block_pool,
+                    kv_cache_spec=spec,
+                    use_eagle=use_eagle,
+                    alignment_tokens=self.lcm_block_size,
+                )
+                found_length = len(found[0]) * spec.block_size
+                if use_eagle:
+                    eagle_done.add(idx)
+                elif found_length < candidate:
+                    eagle_done.clear()  # the drop must be re-checked at the shorter length
+                candidate = found_length
+                for group_id, blocks in zip(group_ids, found, strict=True):
+                    hits[group_id] = blocks
+            if candidate >= hit_length:
+                break
+            hit_length = candidate
+            if one_round:
+                break
+        spec, group_ids, _ = self.attention_groups[0]
+        if isinstance(spec, FullAttentionSpec):
+            keep = hit_length // spec.block_size
+            for group_id in group_ids:
+                blocks = hits[group_id]
+                if blocks is not None:
+                    del blocks[keep:]
+        return tuple(blocks if blocks is not None else [] for blocks in hits), hit_length
+
+
+def get_kv_cache_coordinator(
+    kv_cache_config: KVCacheConfig,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    use_eagle: bool,
+    enable_caching: bool,
+    enable_kv_cache_events: bool,
+    dcp_world_size: int,
+    pcp_world_size: int,
+    hash_block_size: int,
+    metrics_collector: KVCacheMetricsCollector | None = None,
+) -> KVCacheCoordinator:
+    """The coordinator for ``kv_cache_config``: no-prefix-cache when caching is off, unitary
+    for one group, hybrid otherwise."""
+    common = dict(
+        dcp_world_size=dcp_world_size,
+        pcp_world_size=pcp_world_size,
+        hash_block_size=hash_block_size,
+        metrics_collector=metrics_collector,
+    )
+    if not enable_caching:
+        return KVCacheCoordinatorNoPrefixCache(
+            kv_cache_config,
+            max_model_len,
+            max_num_batched_tokens,
+            use_eagle,
+            enable_kv_cache_events,
+            **common,  # type: ignore[arg-type]
+        )
+    coordinator_cls: type[UnitaryKVCacheCoordinator | HybridKVCacheCoordinator] = (
+        UnitaryKVCacheCoordinator
+        if len(kv_cache_config.kv_cache_groups) == 1
+        else HybridKVCacheCoordinator
+    )
+    return coordinator_cls(
+        kv_cache_config,
+        max_model_len,
+        max_num_batched_tokens,
+        use_eagle,
+        enable_caching,
+        enable_kv_cache_events,
+        **common,  # type: ignore[arg-type]
+    )

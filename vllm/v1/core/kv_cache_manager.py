@@ -1,0 +1,318 @@
+"""KVCacheManager: the scheduler's view of the paged KV cache.
+
+A scheduler asks three things per request: which leading pages are already cached
+(:meth:`KVCacheManager.get_computed_blocks`), whether pages for the next tokens can be had
+(:meth:`KVCacheManager.allocate_slots`, None when the pool is short) and to give everything back
+(:meth:`KVCacheManager.free`). Pages travel as :class:`KVCacheBlocks`, one list per KV cache
+group, whose block ids index the caches ``init_kv_cache`` allocates.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import chain
+from typing import TYPE_CHECKING, Literal, overload
+
+from vllm.distributed.kv_events import BlockStored, KVCacheEvent
+from vllm.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.kv_cache_interface import (
+    KVCacheConfig,
+    get_kv_cache_spec_kind,
+    get_kv_cache_spec_sliding_window,
+)
+from vllm.v1.metrics.stats import PrefixCacheStats
+from vllm.v1.request import Request
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["KVCacheBlocks", "KVCacheManager", "Request"]
+
+
+@dataclass
+class KVCacheBlocks:
+    """Pages handed between the manager and the scheduler: ``blocks[g][j]`` is page ``j`` of
+    KV cache group ``g`` (groups may hold different page counts). A group without pages may be
+    an empty tuple."""
+
+    blocks: tuple[Sequence[KVCacheBlock], ...]
+
+    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
+        """Group-wise concatenation."""
+        return KVCacheBlocks(
+            tuple(list(chain(a, b)) for a, b in zip(self.blocks, other.blocks, strict=True))
+        )
+
+    @overload
+    def get_block_ids(self, allow_none: Literal[False] = False) -> tuple[list[int], ...]: ...
+
+    @overload
+    def get_block_ids(self, allow_none: Literal[True] = True) -> tuple[list[int], ...] | None: ...
+
+    def get_block_ids(self, allow_none: bool = False) -> tuple[list[int], ...] | None:
+        """Block ids per group; None instead of all-empty lists when ``allow_none``."""
+        if allow_none and not any(self.blocks):
+            return None
+        return tuple([b.block_id for b in group] for group in self.blocks)
+
+    def get_unhashed_block_ids(self) -> list[int]:
+        """Ids of the not-yet-published pages of the only group."""
+        if len(self.blocks) != 1:
+            raise ValueError(f"blocks: expected 1 KV cache group, got {len(self.blocks)}")
+        return [b.block_id for b in self.blocks[0] if b.block_hash is None]
+
+    def get_unhashed_block_ids_all_groups(self) -> list[list[int]]:
+        """Ids of the not-yet-published pages per group (null pages left out)."""
+        return [
+            [b.block_id for b in group if b.block_hash is None and not b.is_null]
+            for group in self.blocks
+        ]
+
+    def new_empty(self) -> KVCacheBlocks:
+        """The same number of groups, no pages."""
+        return KVCacheBlocks(tuple(() for _ in self.blocks))
+
+
+class KVCacheManager:
+    """Allocation, prefix caching and freeing of KV cache pages for a scheduler.
+
+    ``max_model_len`` / ``max_num_batched_tokens`` / ``hash_block_size`` are in tokens;
+    ``max_num_batched_tokens`` defaults to ``max_model_len`` (then the sliding-window admission
+    cap never binds). ``log_stats`` keeps :class:`PrefixCacheStats`; ``enable_kv_cache_events``
+    records BlockStored / BlockRemoved / AllBlocksCleared for :meth:`take_events`.
+    """
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        hash_block_size: int,
+        max_num_batched_tokens: int | None = None,
+        enable_caching: bool = True,
+        use_eagle: bool = False,
+        log_stats: bool = False,
+        enable_kv_cache_events: bool = False,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        metrics_collector: KVCacheMetricsCollector | None = None,
+    ) -> None:
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.use_eagle = use_eagle
+        self.log_stats = log_stats
+        self.metrics_collector = metrics_collector
+        self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
+        self.coordinator = get_kv_cache_coordinator(
+            kv_cache_config=kv_cache_config,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=(
+                max_model_len if max_num_batched_tokens is None else max_num_batched_tokens
+            ),
+            use_eagle=use_eagle,
+            enable_caching=enable_caching,
+            enable_kv_cache_events=enable_kv_cache_events,
+            dcp_world_size=dcp_world_size,
+            pcp_world_size=pcp_world_size,
+            hash_block_size=hash_block_size,
+            metrics_collector=metrics_collector,
+        )
+        self.kv_cache_config = kv_cache_config
+        self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
+        self.block_pool = self.coordinator.block_pool
+        # Per group: (spec kind, sliding window) stamped on BlockStored events, so the pool
+        # emits structural events without knowing specs.
+        self.kv_cache_event_metadata = tuple(
+            (
+                get_kv_cache_spec_kind(g.kv_cache_spec).value,
+                get_kv_cache_spec_sliding_window(g.kv_cache_spec),
+            )
+            for g in kv_cache_config.kv_cache_groups
+        )
+        # One shared, immutable "no pages" answer instead of a new object per call.
+        self.empty_kv_cache_blocks = KVCacheBlocks(
+            tuple(() for _ in range(self.num_kv_cache_groups))
+        )
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool's pages in use (0.0 to 1.0)."""
+        return self.block_pool.get_usage()
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The stats gathered since the last call (and start new ones); None without
+        ``log_stats``."""
+        if not self.log_stats:
+            return None
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        return stats
+
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """The cached full pages of the request's longest usable prefix, and its length in
+        tokens. Never the whole prompt: the last token is recomputed for its logits. No lookup
+        with caching off or when the request skips the prefix cache (prompt logprobs,
+        all-token pooling)."""
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return self.empty_kv_cache_blocks, 0
+        blocks, num_hit_tokens = self.coordinator.find_longest_cache_hit(
+            request.block_hashes, request.num_tokens - 1
+        )
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.record(
+                num_tokens=request.num_tokens,
+                num_hits=num_hit_tokens,
+                preempted=request.num_preemptions > 0,
+            )
+        return self.create_kv_cache_blocks(blocks), num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+    ) -> KVCacheBlocks | None:
+        """Slots for ``num_new_tokens`` tokens to compute (drafts included) after the request's
+        computed tokens, its ``num_new_computed_tokens`` prefix-hit tokens
+        (``new_computed_blocks``, from :meth:`get_computed_blocks`) and the connector's
+        ``num_external_computed_tokens``; plus ``num_lookahead_tokens`` speculative slots and,
+        for cross-attention, ``num_encoder_tokens``. Returns the newly allocated pages, or None
+        (nothing taken) when the pool cannot supply them. ``full_sequence_must_fit``: also
+        refuse unless the whole request would fit (an admission gate for chunked prefill);
+        ``delay_cache_blocks``: do not publish yet (KV arriving later from a remote instance).
+
+        Pages leaving an attention window are freed first, even when the answer is None."""
+        if num_new_tokens == 0 and num_external_computed_tokens == 0:
+            raise ValueError(
+                "num_new_tokens: expected > 0 when there are no external computed tokens, got 0"
+            )
+        hit_blocks = (
+            new_computed_blocks.blocks
+            if new_computed_blocks is not None
+            else self.empty_kv_cache_blocks.blocks
+        )
+        num_local_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_computed = num_local_computed + num_external_computed_tokens
+        total_computed = min(num_computed, self.max_model_len)
+        free = self.block_pool.get_num_free_blocks
+        if full_sequence_must_fit:
+            num_full = min(request.num_tokens, self.max_model_len)
+            need = self.coordinator.get_num_blocks_to_allocate(
+                request_id=request.request_id,
+                num_tokens=num_full,
+                new_computed_blocks=hit_blocks,
+                num_encoder_tokens=num_encoder_tokens,
+                total_computed_tokens=total_computed,
+                num_tokens_main_model=num_full,
+                apply_admission_cap=True,
+            )
+            if need > free():
+                return None
+        num_tokens_main_model = total_computed + num_new_tokens
+        num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens, self.max_model_len)
+        # Freeing out-of-window pages first lowers what must be evicted below.
+        self.coordinator.remove_skipped_blocks(request.request_id, total_computed)
+        need = self.coordinator.get_num_blocks_to_allocate(
+            request_id=request.request_id,
+            num_tokens=num_tokens_need_slot,
+            new_computed_blocks=hit_blocks,
+            num_encoder_tokens=num_encoder_tokens,
+            total_computed_tokens=num_computed,
+            num_tokens_main_model=num_tokens_main_model,
+        )
+        if need > free():
+            return None
+        if hit_blocks is not self.empty_kv_cache_blocks.blocks or num_external_computed_tokens > 0:
+            # Take the hits before the new pages so a hit cannot be evicted to make room.
+            self.coordinator.allocate_new_computed_blocks(
+                request_id=request.request_id,
+                new_computed_blocks=hit_blocks,
+                num_local_computed_tokens=num_local_computed,
+                num_external_computed_tokens=num_external_computed_tokens,
+            )
+        new_blocks = self.coordinator.allocate_new_blocks(
+            request.request_id, num_tokens_need_slot, num_tokens_main_model, num_encoder_tokens
+        )
+        if self.enable_caching and not delay_cache_blocks:
+            # Unverified draft tokens beyond request.num_tokens are not published.
+            self.coordinator.cache_blocks(
+                request, min(total_computed + num_new_tokens, request.num_tokens)
+            )
+        return self.create_kv_cache_blocks(new_blocks)
+
+    def free(self, request: Request) -> None:
+        """Give back the request's pages, tail first (evicted before shared heads)."""
+        self.coordinator.free(request.request_id)
+
+    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
+        """Free the pages no later token reads after ``total_computed_tokens`` tokens."""
+        self.coordinator.remove_skipped_blocks(request_id, total_computed_tokens)
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        """Drop these pages from the prefix cache (e.g. their contents are known bad)."""
+        self.block_pool.evict_blocks(block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (after a weight update, or between benchmarks). False
+        (nothing changed) while requests still hold pages."""
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """Per group, the leading pages shared by every request that holds pages (for cascade
+        attention). Requests that hold pages but are not scheduled this step count too, so this
+        may be 0 although all scheduled requests share a prefix."""
+        return self.coordinator.get_num_common_prefix_blocks(running_request_id)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The pool's KV events since the last call; BlockStored events get their group's spec
+        kind and sliding window."""
+        events = self.block_pool.take_events()
+        for event in events:
+            if not isinstance(event, BlockStored) or event.group_idx is None:
+                continue
+            if not 0 <= event.group_idx < len(self.kv_cache_event_metadata):
+                logger.warning("Group index `%s` not in KV cache metadata", event.group_idx)
+                continue
+            kind, window = self.kv_cache_event_metadata[event.group_idx]
+            event.kv_cache_spec_kind = kind
+            event.kv_cache_spec_sliding_window = window
+        return events
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        """The request's pages, per group."""
+        return self.create_kv_cache_blocks(self.coordinator.get_blocks(request_id))
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block ids, per group."""
+        return self.get_blocks(request_id).get_block_ids()
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Publish the full pages among the first ``num_computed_tokens`` tokens (no-op with
+        caching off)."""
+        if self.enable_caching:
+            self.coordinator.cache_blocks(request, num_computed_tokens)
+
+    def create_kv_cache_blocks(self, blocks: tuple[list[KVCacheBlock], ...]) -> KVCacheBlocks:
+        """Wrap per-group pages; the shared empty answer when there are none."""
+        return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
+
+    def take_new_block_ids(self) -> list[int]:
+        """Ids of attention pages handed out since the last call (to zero before use)."""
+        return [i for m in self.coordinator.single_type_managers for i in m.take_new_block_ids()]
+
+    def new_step_starts(self) -> None:
+        """Call at the start of every scheduler step."""
+        self.coordinator.new_step_starts()

@@ -1,0 +1,196 @@
+"""Single-type manager for Mamba (and other linear-attention) layers.
+
+A Mamba layer's page holds the recurrent state after the last token of its block, not per-token
+K/V: the next token needs only the newest state, so a prefix hit is a single cached page (the
+state at the end of the hit) with null pages before it. ``mamba_cache_mode`` (from
+``cache_config``) says which states a request keeps:
+
+* ``"none"`` / ``"all"``: one page per ``block_size`` tokens like attention, plus
+  ``num_speculative_blocks`` pages for the states of draft tokens;
+* ``"align"``: only the running state (plus the speculative pages); the state of each finished
+  block is written into a fresh page so it can be published, and the page from two steps ago is
+  returned to the pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import BlockHashList, BlockHashWithGroupId, KVCacheBlock
+from vllm.v1.core.single_type_manager_base import (
+    SingleTypeKVCacheManager,
+    expect_no_context_parallel,
+    expect_spec,
+)
+from vllm.v1.kv_cache_interface import KVCacheSpec, MambaSpec
+from vllm.v1.request import Request
+
+
+class MambaManager(SingleTypeKVCacheManager):
+    """Mamba state pages of one KV cache group (see the module docstring for the modes)."""
+
+    def __init__(self, kv_cache_spec: MambaSpec, block_pool: BlockPool, **kwargs: object) -> None:
+        super().__init__(kv_cache_spec, block_pool, **kwargs)  # type: ignore[arg-type]
+        self.mamba_cache_mode = kv_cache_spec.mamba_cache_mode
+        self.num_speculative_blocks = kv_cache_spec.num_speculative_blocks
+        # Hashes published during the current step: another request may not start from them
+        # before the step ends, because their states are written by this step's forward pass.
+        self.cached_blocks_this_step: set[BlockHashWithGroupId] = set()
+        # align mode: request id -> index of the page holding the state saved two steps ago.
+        self.last_state_block_idx: dict[str, int] = {}
+        # align mode: requests that got their running-state pages already.
+        self._allocated_block_reqs: set[str] = set()
+
+    @property
+    def _align(self) -> bool:
+        return self.mamba_cache_mode == "align"
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: BlockHashList,
+        max_length: int,
+        kv_cache_group_ids: list[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        use_eagle: bool,
+        alignment_tokens: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+    ) -> tuple[list[KVCacheBlock], ...]:
+        """The rightmost cached page ending on an ``alignment_tokens`` boundary, preceded by
+        null pages; empty lists when none is cached."""
+        expect_spec(kv_cache_spec, (MambaSpec,), cls.__name__)
+        expect_no_context_parallel(dcp_world_size, pcp_world_size, "Mamba")
+        block_size = kv_cache_spec.block_size
+        computed: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
+        for i in range(max_length // block_size - 1, -1, -1):
+            cached = block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids)
+            if cached is None:
+                continue
+            if block_size != alignment_tokens and (i + 1) * block_size % alignment_tokens:
+                continue
+            for blocks, block in zip(computed, cached, strict=True):
+                blocks.extend([block_pool.null_block] * i)
+                blocks.append(block)
+            break
+        return computed
+
+    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
+        # With async scheduling the count may include drafts that get rejected: assume they
+        # all are, so no state that may still be needed is freed.
+        num_computed = max(0, total_computed_tokens - self.num_speculative_blocks)
+        super().remove_skipped_blocks(request_id, num_computed)
+        if not self._align:
+            return
+        idx = self.last_state_block_idx.get(request_id)
+        # The page from two steps ago is no longer a copy source once a newer state exists.
+        if idx is None or idx >= cdiv(num_computed, self.block_size) - 1:
+            return
+        blocks = self.req_to_blocks[request_id]
+        if not blocks[idx].is_null:
+            self.block_pool.free_blocks([blocks[idx]])
+            blocks[idx] = self._null_block
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+    ) -> int:
+        if (
+            new_computed_blocks
+            and new_computed_blocks[-1].block_hash in self.cached_blocks_this_step
+        ):
+            # The hit's state is written in this very step: report more pages than the pool
+            # has, so the request waits for the next step.
+            return self.block_pool.num_gpu_blocks + 1
+        if not self._align:
+            return super().get_num_blocks_to_allocate(
+                request_id,
+                num_tokens + self.block_size * self.num_speculative_blocks,
+                new_computed_blocks,
+                total_computed_tokens,
+                num_tokens_main_model,
+                apply_admission_cap=apply_admission_cap,
+            )
+        # Lookahead tokens would break the page alignment (draft models have no Mamba layers).
+        num_required = cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks
+        num_held = len(self.req_to_blocks.get(request_id, ()))
+        num_new = 0
+        if num_required > len(new_computed_blocks) + num_held:
+            # A running request reuses its speculative pages and needs one new state page; a
+            # new one needs the state page and the speculative pages.
+            num_new = 1
+            if request_id not in self._allocated_block_reqs:
+                num_new += self.num_speculative_blocks
+        return num_new + self._get_num_evictable_blocks(new_computed_blocks)
+
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_tokens_main_model: int
+    ) -> list[KVCacheBlock]:
+        if not self._align:
+            return super().allocate_new_blocks(
+                request_id,
+                num_tokens + self.block_size * self.num_speculative_blocks,
+                num_tokens_main_model,
+            )
+        num_spec = self.num_speculative_blocks
+        req_blocks = self.req_to_blocks.setdefault(request_id, [])
+        num_required = cdiv(num_tokens_main_model, self.block_size) + num_spec
+        num_before = len(req_blocks)
+        if num_required == num_before:
+            return []
+        assert num_required > num_before, (
+            f"request {request_id!r} needs {num_required} pages but holds {num_before}"
+        )
+        running = request_id in self._allocated_block_reqs
+        if running:
+            # The running state sits just before the speculative pages.
+            self.last_state_block_idx[request_id] = num_before - 1 - num_spec
+        elif num_before > 0:
+            # A new request's last page holds its prefix hit's state.
+            self.last_state_block_idx[request_id] = num_before - 1
+        # Pages before the new running state need no state of their own.
+        num_null = num_required - num_spec - 1
+        req_blocks.extend([self._null_block] * max(0, num_null - num_before))
+        if running:
+            # Move the previous step's speculative pages to the tail so they are reused.
+            for idx in range(num_before - num_spec, min(num_before, num_null)):
+                req_blocks.append(req_blocks[idx])
+                req_blocks[idx] = self._null_block
+        num_new = num_required - len(req_blocks)
+        assert num_new <= (1 if running else 1 + num_spec), "align mode over-allocates"
+        req_blocks.extend(self.block_pool.get_new_blocks(num_new))
+        self._allocated_block_reqs.add(request_id)
+        return req_blocks[num_before:]
+
+    def free(self, request_id: str) -> None:
+        self._allocated_block_reqs.discard(request_id)
+        self.last_state_block_idx.pop(request_id, None)
+        super().free(request_id)
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """All tokens but the last computed one: only the newest state is read."""
+        return num_computed_tokens - 1
+
+    def cache_blocks(
+        self, request: Request, num_tokens: int, alignment_tokens: int | None = None
+    ) -> None:
+        num_before = self.num_cached_block.get(request.request_id, 0)
+        super().cache_blocks(request, num_tokens, alignment_tokens=alignment_tokens)
+        num_after = self.num_cached_block.get(request.request_id, 0)
+        if num_after <= num_before:
+            return
+        for block in self.req_to_blocks[request.request_id][num_before:num_after]:
+            if not block.is_null:
+                assert block.block_hash is not None
+                self.cached_blocks_this_step.add(block.block_hash)
+
+    def new_step_starts(self) -> None:
+        self.cached_blocks_this_step.clear()

@@ -1,0 +1,293 @@
+"""The page bookkeeping shared by every single-type KV cache manager.
+
+A single-type manager owns the block tables of one KV cache group: which pages (blocks of
+``block_size`` tokens) each request holds, how many of them are already published in the prefix
+cache, and which pages a request no longer needs. Attention kinds differ only in three answers:
+how a prefix hit is searched (:meth:`SingleTypeKVCacheManager.find_longest_cache_hit`), how many
+leading tokens no later token attends to (:meth:`~SingleTypeKVCacheManager.get_num_skipped_tokens`)
+and how many leading pages all running requests share (cascade attention). Pages a request no
+longer needs are replaced by the pool's null block, so block index ``i`` always covers tokens
+``[i * block_size, (i + 1) * block_size)``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from math import gcd
+
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import BlockHashList, KVCacheBlock
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
+from vllm.v1.request import Request
+
+
+def aligned_block_count(num_blocks: int, block_size: int, alignment_tokens: int) -> int:
+    """The largest ``k <= num_blocks`` whose ``k * block_size`` tokens are a multiple of
+    ``alignment_tokens`` (block_size and alignment_tokens in tokens)."""
+    step = alignment_tokens // gcd(alignment_tokens, block_size)
+    return num_blocks - num_blocks % step
+
+
+def trim_to_alignment(
+    computed_blocks: tuple[list[KVCacheBlock], ...], block_size: int, alignment_tokens: int
+) -> None:
+    """Drop trailing hit blocks (in place, every group alike) until the hit length in tokens is
+    a multiple of ``alignment_tokens``."""
+    keep = aligned_block_count(len(computed_blocks[0]), block_size, alignment_tokens)
+    for blocks in computed_blocks:
+        del blocks[keep:]
+
+
+def expect_spec(kv_cache_spec: KVCacheSpec, expected: tuple[type, ...], manager: str) -> None:
+    """``TypeError`` unless ``kv_cache_spec`` is one of the ``expected`` spec classes."""
+    if not isinstance(kv_cache_spec, expected):
+        names = " or ".join(t.__name__ for t in expected)
+        raise TypeError(
+            f"kv_cache_spec: {manager} expected {names}, got {type(kv_cache_spec).__name__}"
+        )
+
+
+def expect_no_context_parallel(dcp_world_size: int, pcp_world_size: int, kind: str) -> None:
+    """``ValueError`` for decode / prefill context parallelism, which ``kind`` lacks."""
+    if dcp_world_size != 1 or pcp_world_size != 1:
+        raise ValueError(
+            f"dcp_world_size, pcp_world_size: {kind} expected 1 and 1, got "
+            f"{dcp_world_size} and {pcp_world_size}"
+        )
+
+
+class SingleTypeKVCacheManager(ABC):
+    """Block tables of one KV cache group, for one kind of attention layer.
+
+    ``block_size`` is in tokens; with decode / prefill context parallelism one logical block
+    covers ``block_size * dcp_world_size * pcp_world_size`` tokens.
+    ``max_admission_blocks_per_request`` (pages) caps what the admission check reserves for one
+    request; only managers that recycle pages while a request runs (sliding window, chunked
+    local) get one.
+    """
+
+    def __init__(
+        self,
+        kv_cache_spec: KVCacheSpec,
+        block_pool: BlockPool,
+        enable_caching: bool,
+        kv_cache_group_id: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        max_admission_blocks_per_request: int | None = None,
+    ) -> None:
+        self.kv_cache_spec = kv_cache_spec
+        self.block_pool = block_pool
+        self.enable_caching = enable_caching
+        self.kv_cache_group_id = kv_cache_group_id
+        self.dcp_world_size = dcp_world_size
+        self.pcp_world_size = pcp_world_size
+        self.block_size = kv_cache_spec.block_size * dcp_world_size * pcp_world_size
+        self._max_admission_blocks_per_request = max_admission_blocks_per_request
+        self._null_block = block_pool.null_block
+        # request id -> its pages, index i covering tokens [i * block_size, (i+1) * block_size).
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # request id -> how many leading pages are published in the prefix cache. Present only
+        # while the request holds pages: it also marks a request as already running.
+        self.num_cached_block: dict[str, int] = {}
+        # Pages handed out since the last take_new_block_ids() (full attention only), so an
+        # engine can zero them before use.
+        self.new_block_ids: list[int] = []
+
+    @staticmethod
+    def _get_num_evictable_blocks(blocks: Sequence[KVCacheBlock]) -> int:
+        """Pages that sit in the free queue (cached, unreferenced): touching them takes them
+        out of the free count just like a fresh allocation."""
+        return sum(1 for b in blocks if b.ref_cnt == 0 and not b.is_null)
+
+    def _records_new_blocks(self) -> bool:
+        return type(self.kv_cache_spec) is FullAttentionSpec
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+    ) -> int:
+        """Free pages that allocating ``num_tokens`` token slots (already held ones included)
+        would consume, counting prefix-hit pages that must leave the free queue.
+
+        ``total_computed_tokens`` counts local and connector (external) hits;
+        ``num_tokens_main_model`` excludes speculative lookahead tokens (unused here).
+        ``apply_admission_cap`` clamps the need at ``max_admission_blocks_per_request``."""
+        num_required = cdiv(num_tokens, self.block_size)
+        cap = self._max_admission_blocks_per_request
+        if apply_admission_cap and cap is not None:
+            num_required = min(num_required, cap)
+        num_held = len(self.req_to_blocks.get(request_id, ()))
+        if request_id in self.num_cached_block:
+            # A running request never gets new prefix hits; with spec decode it may hold more
+            # pages than it now needs (rejected drafts).
+            assert not new_computed_blocks, "a running request cannot take new prefix hits"
+            return max(num_required - num_held, 0)
+
+        num_skipped = max(self.get_num_skipped_tokens(total_computed_tokens), 0)
+        num_skipped_blocks = num_skipped // self.block_size
+        # Pages before the window are null, never allocated: the new pages start after both
+        # the skipped region and the pages the request already has (held + hits).
+        num_covered = max(num_skipped_blocks, num_held + len(new_computed_blocks))
+        num_new = max(num_required - num_covered, 0)
+        # Hits falling in the skipped region are not touched (see allocate_new_computed_blocks).
+        first_kept_hit = max(0, num_skipped_blocks - num_held)
+        return num_new + self._get_num_evictable_blocks(new_computed_blocks[first_kept_hit:])
+
+    def allocate_new_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None:
+        """Give a new request its prefix-hit pages (referenced so they are not evicted), with
+        null pages for hits outside the attention window, and fresh pages for the connector's
+        ``num_external_computed_tokens`` tokens that the window still needs."""
+        if request_id in self.num_cached_block:
+            assert not new_computed_blocks, "a running request cannot take new prefix hits"
+            return
+        req_blocks = self.req_to_blocks.setdefault(request_id, [])
+        assert not req_blocks, f"request {request_id!r} holds pages but is not running"
+        num_total = num_local_computed_tokens + num_external_computed_tokens
+        num_skipped = max(self.get_num_skipped_tokens(num_total), 0)
+        num_skipped_blocks = num_skipped // self.block_size
+        if num_skipped_blocks > 0:
+            new_computed_blocks = new_computed_blocks[num_skipped_blocks:]
+            # The window may also start inside the connector's tokens.
+            num_external_computed_tokens = min(
+                num_total - num_skipped, num_external_computed_tokens
+            )
+        if self.enable_caching:
+            self.block_pool.touch(new_computed_blocks)
+        elif any(not b.is_null for b in new_computed_blocks):
+            raise ValueError(
+                "new_computed_blocks: expected no prefix hits with prefix caching disabled, got "
+                f"{len(new_computed_blocks)} pages"
+            )
+        req_blocks.extend([self._null_block] * num_skipped_blocks)
+        req_blocks.extend(new_computed_blocks)
+        # Hits (and the nulls before them) are published already: never re-publish them.
+        self.num_cached_block[request_id] = len(req_blocks)
+        if num_external_computed_tokens > 0:
+            fresh = self.block_pool.get_new_blocks(
+                cdiv(num_total, self.block_size) - len(req_blocks)
+            )
+            req_blocks.extend(fresh)
+            if self._records_new_blocks():
+                self.new_block_ids.extend(b.block_id for b in fresh)
+
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_tokens_main_model: int
+    ) -> list[KVCacheBlock]:
+        """Append fresh pages until the request has slots for ``num_tokens`` tokens; returns the
+        new pages (empty when it already has enough)."""
+        req_blocks = self.req_to_blocks.setdefault(request_id, [])
+        num_new = cdiv(num_tokens, self.block_size) - len(req_blocks)
+        if num_new <= 0:
+            return []
+        fresh = self.block_pool.get_new_blocks(num_new)
+        req_blocks.extend(fresh)
+        if self._records_new_blocks():
+            self.new_block_ids.extend(b.block_id for b in fresh)
+        return fresh
+
+    def take_new_block_ids(self) -> list[int]:
+        """The ids of the pages handed out since the last call (and forget them)."""
+        ids, self.new_block_ids = self.new_block_ids, []
+        return ids
+
+    def cache_blocks(
+        self, request: Request, num_tokens: int, alignment_tokens: int | None = None
+    ) -> None:
+        """Publish the request's full pages among its first ``num_tokens`` tokens in the prefix
+        cache. ``alignment_tokens``: the hit granularity of the coordinator (tokens); managers
+        whose hits use only some pages of each aligned segment publish only those."""
+        request_id = request.request_id
+        num_cached = self.num_cached_block.get(request_id, 0)
+        num_full = num_tokens // self.block_size
+        if num_full <= num_cached:
+            return
+        block_mask = None
+        if alignment_tokens is not None and alignment_tokens > self.block_size:
+            block_mask = self._cache_block_mask(num_cached, num_full, alignment_tokens)
+        self.block_pool.cache_full_blocks(
+            request=request,
+            blocks=self.req_to_blocks[request_id],
+            num_cached_blocks=num_cached,
+            num_full_blocks=num_full,
+            block_size=self.block_size,
+            kv_cache_group_id=self.kv_cache_group_id,
+            block_mask=block_mask,
+        )
+        self.num_cached_block[request_id] = num_full
+
+    def _cache_block_mask(
+        self, num_cached_blocks: int, num_full_blocks: int, alignment_tokens: int
+    ) -> list[bool] | None:
+        """Which of pages ``[num_cached_blocks, num_full_blocks)`` to publish; None: all."""
+        return None
+
+    def free(self, request_id: str) -> None:
+        """Release every page of the request (an unknown id is a no-op: aborted before any
+        allocation). Tail pages go back first so they are evicted before the shared head."""
+        req_blocks = self.req_to_blocks.pop(request_id, [])
+        self.block_pool.free_blocks(reversed(req_blocks))
+        self.num_cached_block.pop(request_id, None)
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
+        """Leading pages shared by every request holding pages (for cascade attention); 0 for
+        kinds whose leading pages may be null."""
+        return 0
+
+    @classmethod
+    @abstractmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: BlockHashList,
+        max_length: int,
+        kv_cache_group_ids: list[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        use_eagle: bool,
+        alignment_tokens: int,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+    ) -> tuple[list[KVCacheBlock], ...]:
+        """The cached pages of the longest usable prefix of at most ``max_length`` tokens whose
+        length is a multiple of ``alignment_tokens``, one list per group of
+        ``kv_cache_group_ids`` (all groups hit together), with null pages where the kind needs
+        no page. With ``use_eagle`` the last hit page is dropped so the drafter recomputes it."""
+
+    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
+        """Return the pages no later token attends to (after ``total_computed_tokens`` local
+        and external tokens) to the pool, replacing them by null pages."""
+        num_skipped = self.get_num_skipped_tokens(total_computed_tokens)
+        blocks = self.req_to_blocks.get(request_id)
+        if num_skipped <= 0 or not blocks:
+            return
+        # The window may reach past the pages allocated so far (connector tokens).
+        num_skipped_blocks = min(num_skipped // self.block_size, len(blocks))
+        removed: list[KVCacheBlock] = []
+        for i in range(num_skipped_blocks - 1, -1, -1):
+            if blocks[i].is_null:
+                break  # earlier calls already nulled everything before this page
+            removed.append(blocks[i])
+            blocks[i] = self._null_block
+        self.block_pool.free_blocks(removed)
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Leading tokens that the next token does not attend to, given ``num_computed_tokens``
+        computed tokens: none for full attention."""
+        return 0
+
+    def new_step_starts(self) -> None:
+        """Hook called at the start of every scheduler step."""
+        return None
