@@ -47,7 +47,8 @@ class KVCacheMetricsCollector:
 
     def __init__(self, sample_rate: float = 0.01) -> None:
         if not 0 < sample_rate <= 1.0:
-            raise ValueError(f"sample_rate: expected a value in (0, 1], got {sample_rate}")
+            # AssertionError, as upstream raises (its callers and tests expect that type).
+            raise AssertionError(f"sample_rate: expected a value in (0, 1], got {sample_rate}")
         self.sample_rate = sample_rate
         self.block_metrics: dict[int, BlockMetricsState] = {}
         self._eviction_events: list[KVCacheEvictionEvent] = []
