@@ -38,3 +38,9 @@ def test_aggregator_keeps_events_every_worker_saw() -> None:
         KVEventAggregator(0)
     with pytest.raises(TypeError, match="events: expected a list"):
         agg.add_events((AllBlocksCleared(),))  # type: ignore[arg-type]
+
+
+def test_stored_event_takes_spec_fields_after_creation() -> None:
+    event = _stored(b"a")
+    event.kv_cache_spec_kind = "full_attention"
+    assert event != _stored(b"a") and hash(event) != hash(_stored(b"a"))

@@ -29,13 +29,14 @@ __all__ = [
 MEDIUM_GPU = "GPU"
 
 
-@dataclass(frozen=True)
+@dataclass
 class KVCacheEvent:
     """Base of the KV-cache events (equal events compare and hash equal, so events from several
-    workers can be counted)."""
+    workers can be counted). Mutable: the manager stamps the group's spec kind on each
+    ``BlockStored`` after the pool emits it."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class BlockStored(KVCacheEvent):
     """Full blocks entered the prefix cache: ``block_hashes`` (one per block, in chain order,
     ``parent_block_hash`` before the first) holding ``token_ids`` (``block_size`` tokens each).
@@ -71,7 +72,7 @@ class BlockStored(KVCacheEvent):
         )
 
 
-@dataclass(frozen=True)
+@dataclass
 class BlockRemoved(KVCacheEvent):
     """Blocks left the prefix cache of ``medium`` (evicted or dropped)."""
 
@@ -83,7 +84,7 @@ class BlockRemoved(KVCacheEvent):
         return hash((tuple(self.block_hashes), self.medium, self.group_idx))
 
 
-@dataclass(frozen=True)
+@dataclass(unsafe_hash=True)
 class AllBlocksCleared(KVCacheEvent):
     """The whole prefix cache was reset."""
 

@@ -149,6 +149,7 @@ def test_duplicate_blocks_under_one_key() -> None:
     assert cache.get_one_block(key) is b1 and len(cache) == 1
     assert cache.pop(key, 3) is None
     assert cache.pop(key, 1) is b1 and cache.get_one_block(key) is b2
+    assert cache._cache[key] == {2: b2}  # the duplicate form stays until the key empties
     assert cache.pop(key, 2) is b2 and cache.get_one_block(key) is None and len(cache) == 0
 
 

@@ -47,8 +47,8 @@ class BlockHashToBlockMap:
 
     Identical blocks are not de-duplicated (a block id, once in a block table, never changes), so
     one key may map to several blocks. The value is the block itself in the common single-block
-    case and a ``{block_id: block}`` dict only for duplicates, which keeps the map to one object
-    per key for the garbage collector.
+    case and a ``{block_id: block}`` dict once a key had duplicates (kept until the key empties),
+    which keeps the map to one object per key for the garbage collector.
     """
 
     def __init__(self) -> None:
@@ -84,9 +84,6 @@ class BlockHashToBlockMap:
         block = blocks.pop(block_id, None)
         if not blocks:
             del self._cache[key]
-        elif len(blocks) == 1:
-            # Back to the single-block form.
-            self._cache[key] = next(iter(blocks.values()))
         return block
 
     def __len__(self) -> int:
