@@ -1,0 +1,173 @@
+"""Triton attention backend (``TRITON_ATTN``): paged attention on CUDA GPUs (sm_80+) that reads
+every cache format of this library in place.
+
+Same cache shape and layouts as the reference backend
+(:class:`~vllm.v1.attention.backends.reference.ReferenceAttentionBackend`: ``(B, 2, N, H, D')``,
+NHD or HND, separate K / V regions when ``head_size_v != head_size``), same metadata and impl
+constructor, so one cache is read by any of REFERENCE, CPU_ATTN and TRITON_ATTN. The impl runs
+:func:`~vllm.v1.attention.ops.triton_unified_attention.paged_attention`: decode, prefill and
+chunked prefill in one launch, GQA, sliding window, sinks, logits soft cap, ``head_size_v``,
+split-K for long sequences, queries in fp16 / bf16 / fp32. Without a GPU it runs under Triton's
+interpreter (``TRITON_INTERPRET=1``) on CPU tensors, which is how the tests run it there.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from vllm.triton_utils import HAS_TRITON
+from vllm.v1.attention.backends.abstract import AttentionLayer, DeviceCapability
+from vllm.v1.attention.backends.reference import (
+    ReferenceAttentionBackend,
+    ReferenceAttentionImpl,
+    ReferenceAttentionMetadata,
+)
+from vllm.v1.attention.backends.reference_metadata import CheckedForward
+
+MIN_CAPABILITY = (8, 0)
+"""Oldest GPU the kernels are built and tested for (Ampere)."""
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton kernels run under the interpreter (``TRITON_INTERPRET`` set, not 0)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class TritonAttentionBackend(ReferenceAttentionBackend):
+    """Triton paged attention over every cache format, on CUDA sm_80+ (and on the CPU under
+    Triton's interpreter)."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "TRITON_ATTN"
+
+    @classmethod
+    def supports_compute_capability(cls, capability: DeviceCapability | None) -> bool:
+        """CUDA compute capability 8.0 or newer; the CPU (``None``) only under Triton's
+        interpreter."""
+        if capability is None:
+            return triton_interpreted()
+        return (capability.major, capability.minor) >= MIN_CAPABILITY
+
+    @classmethod
+    def validate_configuration(
+        cls,
+        head_size: int,
+        dtype: torch.dtype,
+        kv_cache_dtype: str,
+        block_size: int,
+        device_capability: DeviceCapability | tuple[int, int] | None,
+        *,
+        head_size_v: int | None = None,
+        use_mla: bool = False,
+        kv_cache_layout: str | None = None,
+    ) -> list[str]:
+        """The reference backend's reasons, plus one when Triton is not installed."""
+        reasons = super().validate_configuration(
+            head_size,
+            dtype,
+            kv_cache_dtype,
+            block_size,
+            device_capability,
+            head_size_v=head_size_v,
+            use_mla=use_mla,
+            kv_cache_layout=kv_cache_layout,
+        )
+        return reasons if HAS_TRITON else [*reasons, "TRITON_ATTN needs Triton (not installed)"]
+
+    @staticmethod
+    def get_impl_cls() -> type[TritonAttentionImpl]:
+        return TritonAttentionImpl
+
+    @staticmethod
+    def get_metadata_cls() -> type[TritonAttentionMetadata]:
+        return TritonAttentionMetadata
+
+
+class TritonAttentionMetadata(ReferenceAttentionMetadata):
+    """The reference backend's metadata (``build(seq_lens, query_lens, block_table,
+    block_size)``)."""
+
+
+class TritonAttentionImpl(ReferenceAttentionImpl):
+    """The reference impl's constructor, checks and cache writer; :meth:`forward` runs the
+    Triton kernels. ``num_splits`` (class attribute or per instance) forces the split-K count;
+    ``None`` lets :func:`~vllm.v1.attention.ops.triton_unified_attention.choose_num_splits`
+    pick."""
+
+    num_splits: int | None = None
+
+    def _check_forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: ReferenceAttentionMetadata,
+        output: torch.Tensor | None,
+    ) -> CheckedForward:
+        """The reference impl's checks, plus a CUDA cache (any device under the interpreter)
+        and a valid :attr:`num_splits`."""
+        splits = self.num_splits
+        if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int)):
+            raise ValueError(f"num_splits: expected None or an int in 1..16, got {splits!r}")
+        if splits is not None and not 1 <= splits <= 16:
+            raise ValueError(f"num_splits: expected None or an int in 1..16, got {splits!r}")
+        checked = super()._check_forward(layer, query, key, value, kv_cache, attn_metadata, output)
+        device = checked.key_cache.device
+        if device.type != "cuda" and not triton_interpreted():
+            raise ValueError(
+                f"kv_cache: expected a CUDA tensor (or TRITON_INTERPRET=1), got {device}"
+            )
+        return checked
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: ReferenceAttentionMetadata,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of ``query [T, num_heads, D]`` (or ``[T, num_heads*D]``) over the cache,
+        as :meth:`ReferenceAttentionImpl.forward` (same arguments, result and errors)."""
+        from vllm.v1.attention.ops.triton_unified_attention import paged_attention
+
+        checked = self._begin_forward(layer, query, key, value, kv_cache, attn_metadata, output)
+        query = checked.query if checked.query.stride(-1) == 1 else checked.query.contiguous()
+        output = checked.output
+        target = output
+        if output.stride(-1) != 1:
+            target = torch.empty(output.shape, dtype=output.dtype, device=output.device)
+        rows = attn_metadata.num_actual_tokens
+        k_layout, v_layout = self._fitting_scale_layouts(checked.key_cache.shape[1])
+        paged_attention(
+            target[:rows],
+            query[:rows],
+            checked.key_cache,
+            checked.value_cache,
+            attn_metadata.block_table,
+            attn_metadata.seq_lens,
+            attn_metadata.query_start_loc,
+            self.kv_cache_dtype,
+            checked.k_scale,
+            checked.v_scale,
+            self.scale,
+            attn_metadata.max_query_len,
+            attn_metadata.max_seq_len,
+            sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap,
+            sinks=self.sinks,
+            causal=attn_metadata.causal,
+            k_scale_layout=k_layout,
+            v_scale_layout=v_layout,
+            num_splits=self.num_splits,
+        )
+        if target is not output:
+            output[:rows] = target[:rows]
+        return output

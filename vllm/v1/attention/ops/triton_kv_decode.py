@@ -1,0 +1,143 @@
+"""Triton decoders of the paged KV-cache formats (``@triton.jit`` helpers, no kernels).
+
+:func:`load_kv_tile` reads a tile of one cache side straight from its pages and returns fp32
+values equal, bit for bit, to the reference codecs of :mod:`vllm.kv_quant`:
+
+* unquantized fp16 / fp32: loaded and widened; bf16: read as int16 bits, shifted into the high
+  half of an fp32 (exact, and right under Triton's interpreter, whose bf16 is wrong);
+* FP8 e4m3 / e5m2: the byte's bits are moved into an fp16 (e5m2 is the top byte of an fp16;
+  e4m3 lands 8 binades low and is multiplied by 2^8), then widened, so no fp8 type is needed
+  (sm_80 has none); e4m3's NaN bytes 0x7F / 0xFF give NaN. Times the per-tensor or per-head
+  scale (one fp32 multiply);
+* per-token-head INT8 / FP8: the row's bytes times its fp32 scale, read from 4 inline
+  little-endian bytes after the row (this library's layout) or from a separate fp32 scale cache
+  (upstream's ``k_scale_cache``);
+* NVFP4: the 4-bit E2M1 code (low nibble first) moved into an fp16 the same way, times its
+  e4m3 block scale (linear or interleave4 placement), times the global scale:
+  ``(E2M1[q] * float(sf)) * gs``.
+"""
+
+from __future__ import annotations
+
+from vllm.triton_utils import tl, triton
+
+# Cache formats as the kernels see them (constexpr values).
+FMT_FLOAT = 0  # fp16 / fp32 pages, read in their own dtype
+FMT_BF16 = 1  # bf16 pages, read as int16 bits
+FMT_FP8_E4M3 = 2
+FMT_FP8_E5M2 = 3
+FMT_INT8_PER_TOKEN_HEAD = 4
+FMT_FP8_PER_TOKEN_HEAD = 5
+FMT_NVFP4 = 6
+
+
+@triton.jit
+def fp16_bits_to_fp32(bits):
+    """fp32 value of the fp16 whose bits are the low 16 bits of int32 ``bits``."""
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def e4m3_to_fp32(byte):
+    """fp32 value of FP8 e4m3 bytes (uint8 or int32 0..255); 0x7F / 0xFF give NaN."""
+    b = byte.to(tl.int32)
+    magnitude = b & 0x7F
+    value = fp16_bits_to_fp32(((b & 0x80) << 8) | (magnitude << 7)) * 256.0
+    return tl.where(magnitude == 0x7F, float("nan"), value)
+
+
+@triton.jit
+def e5m2_to_fp32(byte):
+    """fp32 value of FP8 e5m2 bytes (the high byte of an fp16)."""
+    return fp16_bits_to_fp32(byte.to(tl.int32) << 8)
+
+
+@triton.jit
+def e2m1_to_fp32(code):
+    """fp32 value of E2M1 codes (int32 0..15: bit 3 sign, bits 0..2 the magnitude index)."""
+    bits = ((code & 8) << 12) | ((code & 7) << 9)
+    return fp16_bits_to_fp32(bits) * 16384.0
+
+
+@triton.jit
+def bf16_bits_to_fp32(bits):
+    """fp32 value of bf16 values read as int16 bits."""
+    return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def load_row_scale(scale_ptr, offset, mask, SCALE_INLINE: tl.constexpr):
+    """Per-token-head scales: fp32 from 4 little-endian bytes at ``scale_ptr + offset``
+    (``SCALE_INLINE``) or an fp32 load from a scale cache."""
+    if SCALE_INLINE:
+        p = scale_ptr + offset
+        bits = tl.load(p, mask=mask, other=0).to(tl.uint32)
+        bits |= tl.load(p + 1, mask=mask, other=0).to(tl.uint32) << 8
+        bits |= tl.load(p + 2, mask=mask, other=0).to(tl.uint32) << 16
+        bits |= tl.load(p + 3, mask=mask, other=0).to(tl.uint32) << 24
+        return bits.to(tl.float32, bitcast=True)
+    return tl.load(scale_ptr + offset, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def load_kv_tile(
+    cache_ptr,
+    aux_ptr,
+    page,
+    tok,
+    head,
+    dim,
+    key_mask,
+    dim_mask,
+    stride_page,
+    stride_tok,
+    stride_head,
+    aux_stride_page,
+    aux_stride_tok,
+    aux_stride_head,
+    tensor_scale,
+    FORMAT: tl.constexpr,
+    INTERLEAVE4: tl.constexpr,
+    SCALE_INLINE: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+):
+    """fp32 values of one cache side at (``page``, ``tok``) x ``dim`` of KV head ``head``.
+
+    ``page`` (int64) / ``tok`` and ``dim`` broadcast against each other (e.g. ``[1, N]`` and
+    ``[D, 1]`` for a transposed key tile); ``key_mask`` / ``dim_mask`` have their shapes.
+    Strides are in elements of ``cache_ptr`` (bytes for the quantized formats; NVFP4: the data
+    view's). ``aux_ptr`` / ``aux_stride_*``: the NVFP4 scale view, or the per-token-head scales
+    (inline bytes or a scale cache). ``tensor_scale``: fp32 per-tensor / per-head scale (FP8) or
+    global scale (NVFP4). Masked elements are 0.
+    """
+    mask = key_mask & dim_mask
+    row = page * stride_page + tok * stride_tok + head * stride_head
+    if FORMAT == 6:  # NVFP4
+        byte = tl.load(cache_ptr + row + dim // 2, mask=mask, other=0).to(tl.int32)
+        code = (byte >> ((dim & 1) * 4)) & 0xF
+        group = dim // 16
+        if INTERLEAVE4:
+            quarter: tl.constexpr = HEAD_SIZE // 64
+            srow = (tok // 4) * 4 + group // quarter
+            scol = (group % quarter) * 4 + tok % 4
+        else:
+            srow = tok
+            scol = group
+        aux = page * aux_stride_page + srow * aux_stride_tok + head * aux_stride_head + scol
+        sf = e4m3_to_fp32(tl.load(aux_ptr + aux, mask=mask, other=0))
+        value = (e2m1_to_fp32(code) * sf) * tensor_scale
+    elif FORMAT == 4 or FORMAT == 5:  # per-token-head rows
+        byte = tl.load(cache_ptr + row + dim, mask=mask, other=0).to(tl.int32)
+        # FORMAT 4: the uint8 bits of an int8 value; 5: e4m3.
+        q = ((byte ^ 128) - 128).to(tl.float32) if FORMAT == 4 else e4m3_to_fp32(byte)
+        aux = page * aux_stride_page + tok * aux_stride_tok + head * aux_stride_head
+        value = q * load_row_scale(aux_ptr, aux, key_mask, SCALE_INLINE)
+    elif FORMAT == 2:
+        value = e4m3_to_fp32(tl.load(cache_ptr + row + dim, mask=mask, other=0)) * tensor_scale
+    elif FORMAT == 3:
+        value = e5m2_to_fp32(tl.load(cache_ptr + row + dim, mask=mask, other=0)) * tensor_scale
+    elif FORMAT == 1:
+        value = bf16_bits_to_fp32(tl.load(cache_ptr + row + dim, mask=mask, other=0))
+    else:
+        value = tl.load(cache_ptr + row + dim, mask=mask, other=0.0).to(tl.float32)
+    return tl.where(mask, value, 0.0)

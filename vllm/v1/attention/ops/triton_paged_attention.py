@@ -1,0 +1,400 @@
+"""Triton paged attention over every cache format (kernels; host entry points in
+:mod:`vllm.v1.attention.ops.triton_unified_attention`).
+
+One program attends ``BLOCK_Q`` query tokens x the query heads of one KV head (``BLOCK_M``
+rows, the heads of a GQA group side by side) over the keys of one split of the key range, in
+tiles of ``TILE_N`` keys. Each key's page comes from the block table, so a tile may straddle
+pages; every tile is decoded to fp32 by :func:`~.triton_kv_decode.load_kv_tile`, cast to the
+query dtype for ``tl.dot`` (fp32 queries: IEEE fp32 dots) with fp32 accumulation, and folded
+into an fp32 online softmax (base 2). With ``NUM_SPLITS == 1`` the program writes the output;
+otherwise it writes its unnormalised partial sums and running max / sum, which
+:func:`merge_splits_kernel` combines (split-K for long sequences).
+"""
+
+from __future__ import annotations
+
+from vllm.triton_utils import LOG2E, tl, triton
+from vllm.v1.attention.ops.triton_kv_decode import load_kv_tile
+
+_LOG2E = tl.constexpr(LOG2E)
+
+
+@triton.jit
+def _tanh(x):
+    """tanh from exp (libdevice does not run under the interpreter); saturates to ±1."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def paged_attention_kernel(
+    out_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    k_aux_ptr,
+    v_aux_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    query_start_ptr,
+    tile_seq_ptr,
+    tile_first_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    sinks_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    softmax_scale,
+    soft_cap,
+    window,
+    num_seqs,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_k_page,
+    stride_k_tok,
+    stride_k_head,
+    stride_ka_page,
+    stride_ka_tok,
+    stride_ka_head,
+    stride_v_page,
+    stride_v_tok,
+    stride_v_head,
+    stride_va_page,
+    stride_va_tok,
+    stride_va_head,
+    stride_bt,
+    k_scale_stride,
+    v_scale_stride,
+    num_heads,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_SIZE_V: tl.constexpr,
+    D_PAD: tl.constexpr,
+    DV_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    FORMAT: tl.constexpr,
+    K_INTERLEAVE4: tl.constexpr,
+    V_INTERLEAVE4: tl.constexpr,
+    SCALE_INLINE: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
+    USE_SINKS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    """Grid ``(query tiles, num_kv_heads, NUM_SPLITS)``. ``tile_seq[i]`` is the sequence of
+    query tile ``i`` (``num_seqs`` past the last tile: the program does nothing) and
+    ``tile_first[s]`` the first tile of sequence ``s``. ``window`` W: a query at ``p`` sees
+    keys in ``(p - W, p]`` (and ``[p, p + W)`` when not causal). Partial results:
+    ``part_acc [T, Hq, NUM_SPLITS, DV_PAD]`` fp32, ``part_ml [T, Hq, NUM_SPLITS, 2]``
+    (running max in log2 units, running sum)."""
+    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_raw = tl.load(tile_seq_ptr + pid)
+    live = seq_raw < num_seqs
+    seq = tl.minimum(seq_raw, num_seqs - 1)
+    q_tile = pid - tl.load(tile_first_ptr + seq)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.where(live, tl.load(query_start_ptr + seq + 1) - q_start, 0)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_tile * BLOCK_Q + rows // GROUP_PAD
+    head_in_group = rows % GROUP_PAD
+    row_ok = (q_idx < q_len) & (head_in_group < GROUP)
+    head = kv_head * GROUP + head_in_group
+    q_pos = context + q_idx
+    token = (q_start + q_idx).to(tl.int64)
+
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_SIZE
+    dv = tl.arange(0, DV_PAD)
+    dv_ok = dv < HEAD_SIZE_V
+    q = tl.load(
+        q_ptr + token[:, None] * stride_q_tok + head[:, None] * stride_q_head + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+
+    # Keys this tile's queries can see; an empty range for a dead program or tile.
+    first_q = context + q_tile * BLOCK_Q
+    last_q = tl.minimum(first_q + BLOCK_Q - 1, seq_len - 1)
+    key_lo = 0
+    if USE_WINDOW:
+        key_lo = tl.maximum(first_q - window + 1, 0)
+    if CAUSAL:
+        key_hi = last_q + 1
+    elif USE_WINDOW:
+        key_hi = tl.minimum(last_q + window, seq_len)
+    else:
+        key_hi = seq_len
+    key_hi = tl.where(live & (q_tile * BLOCK_Q < q_len), key_hi, key_lo)
+    num_tiles = tl.cdiv(key_hi - key_lo, TILE_N)
+    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_begin = split * per_split
+    tile_end = tl.minimum(tile_begin + per_split, num_tiles)
+
+    k_scale = tl.load(k_scale_ptr + kv_head * k_scale_stride)
+    v_scale = tl.load(v_scale_ptr + kv_head * v_scale_stride)
+    if USE_SINKS and split == 0:
+        m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * _LOG2E
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
+    kv_head64 = kv_head.to(tl.int64)
+
+    for t in range(tile_begin, tile_end):
+        keys = key_lo + t * TILE_N + tl.arange(0, TILE_N)
+        key_ok = keys < key_hi
+        page = tl.load(
+            block_table_ptr + seq * stride_bt + keys // BLOCK_SIZE, mask=key_ok, other=0
+        ).to(tl.int64)
+        tok = keys % BLOCK_SIZE
+        k = load_kv_tile(
+            k_ptr,
+            k_aux_ptr,
+            page[None, :],
+            tok[None, :],
+            kv_head64,
+            d[:, None],
+            key_ok[None, :],
+            d_ok[:, None],
+            stride_k_page,
+            stride_k_tok,
+            stride_k_head,
+            stride_ka_page,
+            stride_ka_tok,
+            stride_ka_head,
+            k_scale,
+            FORMAT,
+            K_INTERLEAVE4,
+            SCALE_INLINE,
+            HEAD_SIZE,
+        )
+        s = tl.dot(q, k, input_precision="ieee") if FP32_DOT else tl.dot(q, k.to(q.dtype))
+        s = s * softmax_scale
+        if USE_SOFT_CAP:
+            s = soft_cap * _tanh(s / soft_cap)
+        allowed = row_ok[:, None] & key_ok[None, :]
+        if CAUSAL:
+            allowed &= keys[None, :] <= q_pos[:, None]
+        if USE_WINDOW:
+            allowed &= q_pos[:, None] - keys[None, :] < window
+            if not CAUSAL:
+                allowed &= keys[None, :] - q_pos[:, None] < window
+        s = tl.where(allowed, s * _LOG2E, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: keep exp2 finite
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = load_kv_tile(
+            v_ptr,
+            v_aux_ptr,
+            page[:, None],
+            tok[:, None],
+            kv_head64,
+            dv[None, :],
+            key_ok[:, None],
+            dv_ok[None, :],
+            stride_v_page,
+            stride_v_tok,
+            stride_v_head,
+            stride_va_page,
+            stride_va_tok,
+            stride_va_head,
+            v_scale,
+            FORMAT,
+            V_INTERLEAVE4,
+            SCALE_INLINE,
+            HEAD_SIZE_V,
+        )
+        if FP32_DOT:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # padding rows: no 0 / 0
+        tl.store(
+            out_ptr + token[:, None] * stride_o_tok + head[:, None] * stride_o_head + dv[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & dv_ok[None, :],
+        )
+    else:
+        part = (token * num_heads + head) * NUM_SPLITS + split
+        acc_ptrs = part_acc_ptr + part[:, None] * DV_PAD + dv[None, :]
+        tl.store(acc_ptrs, acc, mask=row_ok[:, None])
+        ml = part * 2
+        tl.store(part_ml_ptr + ml, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + ml + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def merge_splits_kernel(
+    out_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    stride_o_tok,
+    stride_o_head,
+    num_heads,
+    HEAD_SIZE_V: tl.constexpr,
+    DV_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    """Grid ``(tokens, num_heads)``: ``out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M)``,
+    ``M = max_s m_s``, over the partial results of :func:`paged_attention_kernel`
+    (``part_acc`` contiguous ``[T, num_heads, NUM_SPLITS, DV_PAD]``, ``part_ml`` contiguous
+    ``[T, num_heads, NUM_SPLITS, 2]``)."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    split_ok = splits < NUM_SPLITS
+    row = token * num_heads + head
+    ml = part_ml_ptr + (row * NUM_SPLITS + splits) * 2
+    m = tl.load(ml, mask=split_ok, other=float("-inf"))
+    l_part = tl.load(ml + 1, mask=split_ok, other=0.0)
+    m_max = tl.max(m, axis=0)
+    weight = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))
+    total = tl.sum(l_part * weight, axis=0)
+    dv = tl.arange(0, DV_PAD)
+    acc = tl.load(
+        part_acc_ptr + (row * NUM_SPLITS + splits[:, None]) * DV_PAD + dv[None, :],
+        mask=split_ok[:, None],
+        other=0.0,
+    )
+    out = tl.sum(acc * weight[:, None], axis=0) / total
+    tl.store(
+        out_ptr + token * stride_o_tok + head * stride_o_head + dv,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dv < HEAD_SIZE_V,
+    )
+
+
+# (case name, FORMAT, cache pointer type, aux pointer type, inline scales, K / V interleave4)
+_FORMAT_CASES: tuple[tuple[str, int, str, str, bool, bool], ...] = (
+    ("fp16", 0, "*fp16", "*fp16", True, False),
+    ("fp32", 0, "*fp32", "*fp32", True, False),
+    ("bf16", 1, "*i16", "*bf16", True, False),
+    ("fp8_e4m3", 2, "*u8", "*u8", True, False),
+    ("fp8_e5m2", 3, "*u8", "*u8", True, False),
+    ("int8_per_token_head", 4, "*u8", "*u8", True, False),
+    ("fp8_per_token_head", 5, "*u8", "*u8", True, False),
+    ("fp8_per_token_head/scale_cache", 5, "*u8", "*fp32", False, False),
+    ("nvfp4/linear", 6, "*u8", "*u8", True, False),
+    ("nvfp4/interleave4", 6, "*u8", "*u8", True, True),
+)
+
+# (case name, query dtype, BLOCK_M, NUM_SPLITS, causal, window, soft cap, sinks)
+_FEATURE_CASES: tuple[tuple[str, str, int, int, bool, bool, bool, bool], ...] = (
+    ("decode/bf16", "bf16", 16, 1, True, False, False, False),
+    ("decode_split4/fp16", "fp16", 16, 4, True, False, False, False),
+    ("prefill_window_softcap_sinks/bf16", "bf16", 64, 1, True, True, True, True),
+    ("noncausal_window/fp32", "fp32", 64, 1, False, True, False, False),
+)
+
+
+def _attention_signature(q_type: str, cache_type: str, aux_type: str) -> dict[str, str]:
+    pointers = {
+        "out_ptr": q_type,
+        "q_ptr": q_type,
+        "k_ptr": cache_type,
+        "v_ptr": cache_type,
+        "k_aux_ptr": aux_type,
+        "v_aux_ptr": aux_type,
+        "block_table_ptr": "*i32",
+        "seq_lens_ptr": "*i32",
+        "query_start_ptr": "*i32",
+        "tile_seq_ptr": "*i32",
+        "tile_first_ptr": "*i32",
+        "k_scale_ptr": "*fp32",
+        "v_scale_ptr": "*fp32",
+        "sinks_ptr": "*fp32",
+        "part_acc_ptr": "*fp32",
+        "part_ml_ptr": "*fp32",
+    }
+    scalars = {"softmax_scale": "fp32", "soft_cap": "fp32", "window": "i32", "num_seqs": "i32"}
+    strides = [
+        "stride_q_tok",
+        "stride_q_head",
+        "stride_o_tok",
+        "stride_o_head",
+        *(f"stride_{s}_{d}" for s in ("k", "ka", "v", "va") for d in ("page", "tok", "head")),
+        "stride_bt",
+        "k_scale_stride",
+        "v_scale_stride",
+        "num_heads",
+    ]
+    return {**pointers, **scalars, **dict.fromkeys(strides, "i32")}
+
+
+def triton_compile_cases() -> list:
+    """Every cache format x {decode, split-K decode, prefill with window / soft cap / sinks,
+    non-causal fp32} of :func:`paged_attention_kernel` (GQA group 4, head sizes 128 / 64,
+    pages of 16 tokens), and :func:`merge_splits_kernel` per output dtype."""
+    from vllm.triton_utils.aot import TritonCompileCase
+
+    cases = []
+    for fmt_name, fmt, cache_type, aux_type, inline, interleave4 in _FORMAT_CASES:
+        for feat_name, q_type, block_m, splits, causal, window, soft_cap, sinks in _FEATURE_CASES:
+            constexprs = {
+                "HEAD_SIZE": 128,
+                "HEAD_SIZE_V": 64,
+                "D_PAD": 128,
+                "DV_PAD": 64,
+                "BLOCK_SIZE": 16,
+                "GROUP": 4,
+                "GROUP_PAD": 4,
+                "BLOCK_M": block_m,
+                "TILE_N": 32,
+                "FORMAT": fmt,
+                "K_INTERLEAVE4": interleave4,
+                "V_INTERLEAVE4": interleave4,
+                "SCALE_INLINE": inline,
+                "FP32_DOT": q_type == "fp32",
+                "CAUSAL": causal,
+                "USE_WINDOW": window,
+                "USE_SOFT_CAP": soft_cap,
+                "USE_SINKS": sinks,
+                "NUM_SPLITS": splits,
+            }
+            cases.append(
+                TritonCompileCase(
+                    f"paged_attention/{fmt_name}/{feat_name}",
+                    paged_attention_kernel,
+                    _attention_signature(f"*{q_type}", cache_type, aux_type),
+                    constexprs,
+                )
+            )
+    for q_type in ("fp16", "bf16", "fp32"):
+        cases.append(
+            TritonCompileCase(
+                f"merge_splits/{q_type}",
+                merge_splits_kernel,
+                {
+                    "out_ptr": f"*{q_type}",
+                    "part_acc_ptr": "*fp32",
+                    "part_ml_ptr": "*fp32",
+                    "stride_o_tok": "i32",
+                    "stride_o_head": "i32",
+                    "num_heads": "i32",
+                },
+                {"HEAD_SIZE_V": 64, "DV_PAD": 64, "NUM_SPLITS": 4, "SPLITS_PAD": 4},
+            )
+        )
+    return cases

@@ -1,0 +1,433 @@
+"""Host side of the Triton paged attention: :func:`paged_attention` (this library's caches,
+named by ``kv_cache_dtype``) and upstream's :func:`unified_attention` signature over it.
+
+Kernels: :mod:`vllm.v1.attention.ops.triton_paged_attention`; format decoders:
+:mod:`vllm.v1.attention.ops.triton_kv_decode`. Every cache side is a 4-D ``(B, N, H, D')`` view
+with any page / token / head strides (NHD, HND, one side of a 5-D cache); scales are fp32
+``[1]`` or ``[H]``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import torch
+
+from vllm.kv_quant import ScaleLayout, kv_scale_as_1d
+from vllm.triton_utils import triton
+from vllm.utils.torch_utils import _nvfp4_split_data_scale
+from vllm.v1.attention.ops import triton_kv_decode as dec
+from vllm.v1.attention.ops.triton_paged_attention import (
+    merge_splits_kernel,
+    paged_attention_kernel,
+)
+from vllm.v1.kv_cache_format import KVCacheFormat, KVQuantMode, lookup
+
+TILE_N = 32
+"""Keys per tile (a multiple of 16 for ``tl.dot``)."""
+
+MAX_SPLITS = 16
+"""Most key splits of one query tile (split-K)."""
+
+_QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class _Side(NamedTuple):
+    """Kernel arguments of one cache side: the tensor its data pointer comes from, its
+    ``(page, token, head)`` strides, and the auxiliary tensor (NVFP4 scale view, per-token-head
+    scales) with its strides."""
+
+    data: torch.Tensor
+    strides: tuple[int, int, int]
+    aux: torch.Tensor
+    aux_strides: tuple[int, int, int]
+    interleave4: bool
+
+
+def kernel_format(fmt: KVCacheFormat, cache_dtype: torch.dtype) -> int:
+    """The kernels' ``FORMAT`` constant for a cache of ``fmt`` stored as ``cache_dtype``."""
+    if fmt.is_nvfp4:
+        return dec.FMT_NVFP4
+    if fmt.quant_mode == KVQuantMode.INT8_PER_TOKEN_HEAD:
+        return dec.FMT_INT8_PER_TOKEN_HEAD
+    if fmt.quant_mode == KVQuantMode.FP8_PER_TOKEN_HEAD:
+        return dec.FMT_FP8_PER_TOKEN_HEAD
+    if fmt.is_fp8:
+        return dec.FMT_FP8_E5M2 if fmt.fp8_variant == "e5m2" else dec.FMT_FP8_E4M3
+    return dec.FMT_BF16 if cache_dtype == torch.bfloat16 else dec.FMT_FLOAT
+
+
+def _side(
+    side: torch.Tensor,
+    fmt: int,
+    head_size: int,
+    layout: ScaleLayout,
+    scale_cache: torch.Tensor | None,
+) -> _Side:
+    """Kernel arguments of ``side (B, N, H, D')`` in kernel format ``fmt``."""
+    strides = (side.stride(0), side.stride(1), side.stride(2))
+    if fmt == dec.FMT_NVFP4:
+        data, scale = _nvfp4_split_data_scale(side)
+        scale = scale.view(torch.uint8)
+        return _Side(
+            data,
+            (data.stride(0), data.stride(1), data.stride(2)),
+            scale,
+            (scale.stride(0), scale.stride(1), scale.stride(2)),
+            layout is ScaleLayout.INTERLEAVE4,
+        )
+    if fmt in (dec.FMT_INT8_PER_TOKEN_HEAD, dec.FMT_FP8_PER_TOKEN_HEAD):
+        raw = side.view(torch.uint8)
+        if scale_cache is None:  # inline: 4 scale bytes after each row's values
+            return _Side(raw, strides, raw[..., head_size:], strides, False)
+        aux = (scale_cache.stride(0), scale_cache.stride(1), scale_cache.stride(2))
+        return _Side(raw, strides, scale_cache, aux, False)
+    if fmt == dec.FMT_BF16:
+        return _Side(side.view(torch.int16), strides, side, (0, 0, 0), False)
+    if fmt in (dec.FMT_FP8_E4M3, dec.FMT_FP8_E5M2):
+        return _Side(side.view(torch.uint8), strides, side, (0, 0, 0), False)
+    return _Side(side, strides, side, (0, 0, 0), False)
+
+
+def _is_interpreted() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(
+    num_programs: int, max_seq_len: int, num_tokens: int, target_programs: int
+) -> int:
+    """Key splits per query tile: enough programs to fill ``target_programs`` (e.g. twice the
+    SM count) when few query tiles attend over long sequences, at least 4 key tiles per split,
+    at most :data:`MAX_SPLITS`; 1 when the batch has many query tokens (prefill fills the GPU
+    and the partial buffers would be large)."""
+    if num_tokens > 128 or num_programs >= target_programs:
+        return 1
+    by_keys = max(1, math.ceil(max_seq_len / TILE_N) // 4)
+    return max(1, min(MAX_SPLITS, by_keys, math.ceil(target_programs / max(num_programs, 1))))
+
+
+def _block_m(group_pad: int, max_query_len: int) -> int:
+    """Query rows per program: the GQA group times enough query tokens for 16 (decode) or 64
+    (prefill) rows."""
+    return max(16 if max_query_len <= 1 else 64, group_pad)
+
+
+def paged_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    causal: bool = True,
+    k_scale_layout: ScaleLayout | str | None = None,
+    v_scale_layout: ScaleLayout | str | None = None,
+    k_scale_cache: torch.Tensor | None = None,
+    v_scale_cache: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Write attention of ``query [T, Hq, D]`` over the paged cache into ``out [T, Hq, Dv]``.
+
+    Sequence ``i`` has ``seq_lens[i]`` keys and the queries ``query_start_loc[i] ..
+    query_start_loc[i+1] - 1`` at its last positions; ``block_table [num_seqs, max_pages]``
+    (int32) maps its pages. ``key_cache`` / ``value_cache`` are ``(B, N, Hkv, D')`` sides of a
+    ``kv_cache_dtype`` cache; ``k_scale`` / ``v_scale`` fp32 ``[1]`` or ``[Hkv]`` (FP8 scales,
+    NVFP4 global scales; unread otherwise). Per-token-head caches read their inline scales, or
+    ``k_scale_cache`` / ``v_scale_cache`` (fp32 ``[B, N, Hkv]``, upstream's separate layout).
+    ``num_splits`` forces the split-K count (``None``: :func:`choose_num_splits`). Returns
+    ``out``. Arguments are assumed checked (the backend's impl and :func:`unified_attention`
+    check them).
+    """
+    fmt = lookup(kv_cache_dtype, include_mla_only=False)
+    num_tokens, num_heads, head_size = query.shape
+    head_size_v = out.shape[2]
+    num_kv_heads = key_cache.shape[2]
+    block_size = key_cache.shape[1]
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    device = query.device
+    code = kernel_format(fmt, key_cache.dtype)
+    k_layout = ScaleLayout.resolve(k_scale_layout, block_size, head_size)
+    v_layout = ScaleLayout.resolve(v_scale_layout, block_size, head_size_v)
+    k_side = _side(key_cache, code, head_size, k_layout, k_scale_cache)
+    v_side = _side(value_cache, code, head_size_v, v_layout, v_scale_cache)
+
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    block_m = _block_m(group_pad, max_query_len)
+    block_q = block_m // group_pad
+    qsl = query_start_loc.to(device=device, dtype=torch.int32)
+    q_lens = (qsl[1:] - qsl[:-1]).to(torch.int64)
+    tiles = (q_lens + block_q - 1) // block_q
+    tiles_end = torch.cumsum(tiles, 0)
+    num_programs = num_tokens // block_q + num_seqs  # >= the tiles of any split of T
+    tile_seq = torch.searchsorted(
+        tiles_end, torch.arange(num_programs, device=device), right=True
+    ).to(torch.int32)
+    tile_first = (tiles_end - tiles).to(torch.int32)
+
+    if num_splits is None:
+        target = 1 if _is_interpreted() or device.type != "cuda" else 2 * _num_sms(device.index)
+        num_splits = choose_num_splits(num_seqs * num_kv_heads, max_seq_len, num_tokens, target)
+    d_pad = max(16, triton.next_power_of_2(head_size))
+    dv_pad = max(16, triton.next_power_of_2(head_size_v))
+    if num_splits > 1:
+        part_acc = torch.empty(num_tokens, num_heads, num_splits, dv_pad, device=device)
+        part_ml = torch.empty(num_tokens, num_heads, num_splits, 2, device=device)
+    else:
+        part_acc = part_ml = out  # unread
+    sinks_arg = sinks.to(device=device, dtype=torch.float32) if sinks is not None else k_scale
+    table = block_table.to(device=device, dtype=torch.int32)
+    k_scale = k_scale.to(device=device, dtype=torch.float32)
+    v_scale = v_scale.to(device=device, dtype=torch.float32)
+    paged_attention_kernel[(num_programs, num_kv_heads, num_splits)](
+        out,
+        query,
+        k_side.data,
+        v_side.data,
+        k_side.aux,
+        v_side.aux,
+        table,
+        seq_lens.to(device=device, dtype=torch.int32),
+        qsl,
+        tile_seq,
+        tile_first,
+        k_scale,
+        v_scale,
+        sinks_arg,
+        part_acc,
+        part_ml,
+        float(scale),
+        float(logits_soft_cap or 1.0),
+        int(sliding_window or 0),
+        num_seqs,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        *k_side.strides,
+        *k_side.aux_strides,
+        *v_side.strides,
+        *v_side.aux_strides,
+        table.stride(0),
+        1 if k_scale.numel() > 1 else 0,
+        1 if v_scale.numel() > 1 else 0,
+        num_heads,
+        HEAD_SIZE=head_size,
+        HEAD_SIZE_V=head_size_v,
+        D_PAD=d_pad,
+        DV_PAD=dv_pad,
+        BLOCK_SIZE=block_size,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_M=block_m,
+        TILE_N=TILE_N,
+        FORMAT=code,
+        K_INTERLEAVE4=k_side.interleave4,
+        V_INTERLEAVE4=v_side.interleave4,
+        SCALE_INLINE=k_scale_cache is None,
+        FP32_DOT=query.dtype == torch.float32,
+        CAUSAL=causal,
+        USE_WINDOW=sliding_window is not None,
+        USE_SOFT_CAP=logits_soft_cap is not None,
+        USE_SINKS=sinks is not None,
+        NUM_SPLITS=num_splits,
+    )
+    if num_splits > 1:
+        merge_splits_kernel[(num_tokens, num_heads)](
+            out,
+            part_acc,
+            part_ml,
+            out.stride(0),
+            out.stride(1),
+            num_heads,
+            HEAD_SIZE_V=head_size_v,
+            DV_PAD=dv_pad,
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+        )
+    return out
+
+
+def _upstream_format(k: torch.Tensor, kv_quant_mode: KVQuantMode) -> str:
+    """The ``kv_cache_dtype`` of upstream-style arguments: the cache's torch dtype and
+    ``kv_quant_mode``."""
+    mode = KVQuantMode(kv_quant_mode)
+    if mode == KVQuantMode.INT8_PER_TOKEN_HEAD:
+        return "int8_per_token_head"
+    if mode == KVQuantMode.FP8_PER_TOKEN_HEAD:
+        return "fp8_per_token_head"
+    if mode == KVQuantMode.NVFP4:
+        return "nvfp4"
+    if k.dtype == torch.float8_e5m2:
+        return "fp8_e5m2"
+    if k.dtype in (torch.float8_e4m3fn, torch.uint8):
+        return "fp8_e4m3"
+    if k.dtype in _QUERY_DTYPES:
+        return "auto"
+    raise ValueError(
+        f"k: expected a float16 / bfloat16 / float32 / float8 / uint8 cache for kv_quant_mode="
+        f"{mode.name}, got {k.dtype}"
+    )
+
+
+def _descale(x: torch.Tensor | None, name: str, num_kv_heads: int) -> torch.Tensor:
+    """fp32 ``[1]`` / ``[Hkv]`` scale from upstream's descale argument (``None``: 1; a
+    ``[num_seqs, Hkv]`` expansion: its first row)."""
+    if x is None:
+        return torch.ones(1, dtype=torch.float32)
+    if isinstance(x, torch.Tensor) and x.dim() == 2:
+        x = x[0]
+    return kv_scale_as_1d(x, name, num_kv_heads)
+
+
+def unified_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_seqlen_q: int,
+    seqused_k: torch.Tensor,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    window_size: tuple[int, int],
+    block_table: torch.Tensor,
+    softcap: float,
+    q_descale: torch.Tensor | None,
+    k_descale: torch.Tensor | None,
+    v_descale: torch.Tensor | None,
+    seq_threshold_3D: int | None = None,
+    num_par_softmax_segments: int | None = None,
+    softmax_segm_output: torch.Tensor | None = None,
+    softmax_segm_max: torch.Tensor | None = None,
+    softmax_segm_expsum: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    output_scale: torch.Tensor | None = None,
+    qq_bias: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    mm_prefix_range: torch.Tensor | None = None,
+    use_alibi_sqrt: bool = False,
+    kv_quant_mode: KVQuantMode = KVQuantMode.NONE,
+    k_scale_cache: torch.Tensor | None = None,
+    v_scale_cache: torch.Tensor | None = None,
+    chunk_lookback: int = -1,
+    use_td: bool = False,
+    *,
+    kv_cache_dtype: str | None = None,
+    k_scale_layout: ScaleLayout | str | None = None,
+    v_scale_layout: ScaleLayout | str | None = None,
+) -> None:
+    """Upstream vLLM's ``unified_attention`` over this library's paged caches.
+
+    ``q [T, Hq, D]``, ``out [T, Hq, Dv]``; ``k`` / ``v`` ``(B, N, Hkv, D')`` cache sides;
+    ``cu_seqlens_q [num_seqs + 1]``, ``seqused_k [num_seqs]`` keys per sequence,
+    ``block_table [num_seqs, max_pages]``; ``window_size (left, right)``: ``(-1, -1)`` or
+    ``(W - 1, 0)`` for a window of W keys; ``softcap`` 0 for none; ``k_descale`` /
+    ``v_descale`` the FP8 (NVFP4: global) scales. The format comes from ``kv_cache_dtype`` when
+    given, else from ``k.dtype`` and ``kv_quant_mode`` (per-token-head: separate fp32 scale
+    caches ``[B, N, Hkv]`` when ``k_scale_cache`` / ``v_scale_cache`` are given, else the
+    inline scales of this library's rows). The decode path splits keys into
+    ``num_par_softmax_segments`` parts when ``max_seqlen_q == 1`` and ``num_seqs <=
+    seq_threshold_3D`` (upstream's 3D rule; scratch is allocated here, so the
+    ``softmax_segm_*`` buffers are not needed); without ``seq_threshold_3D`` the split count
+    is chosen (:func:`choose_num_splits`). ALiBi, output scales, q/q bias, prefix-LM ranges,
+    chunked lookback, tensor descriptors and FP8 queries are not supported (``ValueError``).
+    """
+    for name, value, default in (
+        ("alibi_slopes", alibi_slopes, None),
+        ("output_scale", output_scale, None),
+        ("qq_bias", qq_bias, None),
+        ("mm_prefix_range", mm_prefix_range, None),
+        ("q_descale", q_descale, None),
+        ("use_alibi_sqrt", use_alibi_sqrt, False),
+        ("chunk_lookback", chunk_lookback, -1),
+        ("use_td", use_td, False),
+    ):
+        if value is not default and value != default:
+            raise ValueError(f"{name}: expected {default} (not supported), got {value!r}")
+    if q.dim() != 3 or q.dtype not in _QUERY_DTYPES or q.stride(-1) != 1:
+        raise ValueError(
+            f"q: expected a [T, Hq, D] float16 / bfloat16 / float32 tensor with unit last "
+            f"stride, got {q.dtype} of shape {list(q.shape)}"
+        )
+    if out.dim() != 3 or out.shape[:2] != q.shape[:2] or out.dtype != q.dtype:
+        raise ValueError(
+            f"out: expected [{q.shape[0]}, {q.shape[1]}, Dv] in {q.dtype}, got {out.dtype} of "
+            f"shape {list(out.shape)}"
+        )
+    if out.stride(-1) != 1:
+        raise ValueError(f"out: expected a unit last stride, got strides {out.stride()}")
+    if k.dim() != 4 or v.dim() != 4 or q.shape[1] % k.shape[2] != 0:
+        raise ValueError(
+            f"k: expected (B, N, Hkv, D') sides with Hq={q.shape[1]} a multiple of Hkv, got "
+            f"{list(k.shape)} and {list(v.shape)}"
+        )
+    if len(window_size) != 2 or window_size[1] not in (-1, 0):
+        raise ValueError(f"window_size: expected (-1, -1) or (W - 1, 0), got {window_size}")
+    if block_table.dim() != 2 or block_table.dtype != torch.int32:
+        raise ValueError(
+            f"block_table: expected an int32 [num_seqs, max_pages] tensor, got "
+            f"{block_table.dtype} of shape {list(block_table.shape)}"
+        )
+    num_seqs = seqused_k.shape[0]
+    if cu_seqlens_q.shape != (num_seqs + 1,):
+        raise ValueError(
+            f"cu_seqlens_q: expected shape [{num_seqs + 1}] (num_seqs + 1), got "
+            f"{list(cu_seqlens_q.shape)}"
+        )
+    name = kv_cache_dtype or _upstream_format(k, kv_quant_mode)
+    fmt = lookup(name, include_mla_only=False)
+    num_kv_heads = k.shape[2]
+    if fmt.is_per_token_head and (k_scale_cache is None) != (v_scale_cache is None):
+        raise ValueError("k_scale_cache, v_scale_cache: expected both or neither")
+    splits = None
+    if seq_threshold_3D is not None:
+        use_3d = max_seqlen_q == 1 and num_seqs <= seq_threshold_3D
+        splits = min(MAX_SPLITS, max(1, num_par_softmax_segments or 1)) if use_3d else 1
+    paged_attention(
+        out,
+        q,
+        k if k.dtype in _QUERY_DTYPES else k.view(torch.uint8),
+        v if v.dtype in _QUERY_DTYPES else v.view(torch.uint8),
+        block_table,
+        seqused_k,
+        cu_seqlens_q,
+        name,
+        _descale(k_descale, "k_descale", num_kv_heads),
+        _descale(v_descale, "v_descale", num_kv_heads),
+        softmax_scale,
+        max_seqlen_q,
+        max_seqlen_k,
+        sliding_window=window_size[0] + 1 if window_size[0] >= 0 else None,
+        logits_soft_cap=softcap if softcap > 0 else None,
+        sinks=sinks,
+        causal=causal,
+        k_scale_layout=k_scale_layout,
+        v_scale_layout=v_scale_layout,
+        k_scale_cache=k_scale_cache,
+        v_scale_cache=v_scale_cache,
+        num_splits=splits,
+    )
