@@ -19,6 +19,7 @@ from vllm.v1.attention.backends import (
     MLACommonBackend,
     MultipleOf,
     ReferenceAttentionBackend,
+    TritonAttentionBackend,
     compute_compressed_slot_mapping,
     compute_slot_mapping,
     get_attn_backend,
@@ -263,7 +264,8 @@ def test_selector() -> None:
         assert get_attn_backend(128, torch.bfloat16, "nvfp4", 16, None) is CPUAttentionBackend
         named = get_attn_backend(128, torch.bfloat16, "nvfp4", 16, None, backend="REFERENCE")
         assert named is ReferenceAttentionBackend
-        assert get_attn_backend(128, torch.bfloat16, "nvfp4", 16, H100) is ReferenceAttentionBackend
+        # What FlashInfer cannot serve on a GPU goes to TRITON_ATTN (issue 23).
+        assert get_attn_backend(128, torch.bfloat16, "nvfp4", 16, H100) is TritonAttentionBackend
         assert (
             get_attn_backend(512, torch.bfloat16, "fp8_ds_mla", 2, H100, use_mla=True)
             is MLACommonBackend
@@ -301,7 +303,7 @@ def test_selector_prefers_cpu_attn_on_cpu(kv_cache_dtype: str, layout: str) -> N
     assert CPUAttentionBackend.get_metadata_cls() is CPUAttentionMetadata
     # Not on a GPU, and not for MLA: those orders are unchanged.
     assert get_attn_backend(128, torch.bfloat16, "auto", 16, H100) is FlashInferBackend
-    assert get_attn_backend(72, torch.bfloat16, "auto", 16, H100) is ReferenceAttentionBackend
+    assert get_attn_backend(72, torch.bfloat16, "auto", 16, H100) is TritonAttentionBackend
 
 
 def test_selector_falls_back_to_reference_without_the_kernel(

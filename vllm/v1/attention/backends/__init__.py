@@ -1,6 +1,7 @@
 """Attention backends: the ``AttentionBackend`` base, FlashInfer (shapes, stride orders,
 validation), a pure-torch reference backend that reads every cache format, the compiled CPU
-backend (``CPU_ATTN``, the selector's first choice on the CPU) and a selector."""
+backend (``CPU_ATTN``, the selector's first choice on the CPU), the Triton backend
+(``TRITON_ATTN``, the GPU reader of every format where FlashInfer is absent) and a selector."""
 
 from vllm.v1.attention.backends.abstract import (
     AttentionBackend,
@@ -25,6 +26,11 @@ from vllm.v1.attention.backends.reference import (
     ReferenceAttentionMetadata,
 )
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, get_attn_backend
+from vllm.v1.attention.backends.triton_attn import (
+    TritonAttentionBackend,
+    TritonAttentionImpl,
+    TritonAttentionMetadata,
+)
 from vllm.v1.attention.backends.utils import (
     KV_CACHE_LAYOUTS,
     compute_compressed_slot_mapping,
@@ -54,6 +60,9 @@ __all__ = [
     "ReferenceAttentionBackend",
     "ReferenceAttentionImpl",
     "ReferenceAttentionMetadata",
+    "TritonAttentionBackend",
+    "TritonAttentionImpl",
+    "TritonAttentionMetadata",
     "compute_compressed_slot_mapping",
     "compute_slot_mapping",
     "get_attn_backend",

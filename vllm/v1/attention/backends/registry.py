@@ -2,13 +2,16 @@
 
 ``get_attn_backend`` validates a configuration against a named backend (or picks the first
 backend that serves it) before anything is allocated, and raises ``ValueError`` naming every
-missing piece otherwise. The order: on a GPU FLASHINFER then REFERENCE, on the CPU the compiled
+missing piece otherwise. The order: on a GPU FLASHINFER, TRITON_ATTN then REFERENCE (FLASHINFER
+left out on a CUDA host where the flashinfer package does not import), on the CPU the compiled
 CPU_ATTN then REFERENCE (the reference backend is pure torch: it serves everything, slowly).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.util
 import logging
 from enum import Enum
 
@@ -29,6 +32,7 @@ class AttentionBackendEnum(Enum):
     FLASHINFER = "vllm.v1.attention.backends.flashinfer.FlashInferBackend"
     REFERENCE = "vllm.v1.attention.backends.reference.ReferenceAttentionBackend"
     CPU_ATTN = "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
+    TRITON_ATTN = "vllm.v1.attention.backends.triton_attn.TritonAttentionBackend"
     MLA_COMMON = "vllm.v1.attention.backends.mla.common.MLACommonBackend"
 
     def get_path(self) -> str:
@@ -52,9 +56,20 @@ class AttentionBackendEnum(Enum):
             ) from None
 
 
-_PRIORITY = (AttentionBackendEnum.FLASHINFER, AttentionBackendEnum.REFERENCE)
+_PRIORITY = (
+    AttentionBackendEnum.FLASHINFER,
+    AttentionBackendEnum.TRITON_ATTN,
+    AttentionBackendEnum.REFERENCE,
+)
 _CPU_PRIORITY = (AttentionBackendEnum.CPU_ATTN, AttentionBackendEnum.REFERENCE)
 _MLA_PRIORITY = (AttentionBackendEnum.MLA_COMMON,)
+
+
+@functools.cache
+def flashinfer_missing() -> bool:
+    """True on a CUDA host where the ``flashinfer`` package cannot be found: the selector then
+    skips FLASHINFER. A host without CUDA (planning for a GPU, tests) assumes it is there."""
+    return torch.cuda.is_available() and importlib.util.find_spec("flashinfer") is None
 
 
 def get_attn_backend(
@@ -73,8 +88,9 @@ def get_attn_backend(
 
     ``device_capability`` is ``None`` for CPU (see
     :func:`~vllm.v1.attention.backends.abstract.get_device_capability`). With ``backend``
-    given, that backend must serve it; otherwise the first that does of FLASHINFER, REFERENCE
-    on a GPU, CPU_ATTN, REFERENCE on the CPU (MLA: MLA_COMMON) is returned. ``ValueError`` lists
+    given, that backend must serve it; otherwise the first that does of FLASHINFER,
+    TRITON_ATTN, REFERENCE on a GPU (FLASHINFER skipped when :func:`flashinfer_missing`),
+    CPU_ATTN, REFERENCE on the CPU (MLA: MLA_COMMON) is returned. ``ValueError`` lists
     each candidate's reasons.
     """
     capability = as_device_capability(device_capability)
@@ -86,6 +102,9 @@ def get_attn_backend(
         candidates = _CPU_PRIORITY if capability is None else _PRIORITY
     failures: list[str] = []
     for member in candidates:
+        if member is AttentionBackendEnum.FLASHINFER and backend is None and flashinfer_missing():
+            failures.append("FLASHINFER: the flashinfer package is not installed")
+            continue
         cls = member.get_class()
         reasons = cls.validate_configuration(
             head_size,
