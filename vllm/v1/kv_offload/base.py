@@ -20,6 +20,13 @@ import numpy as np
 import torch
 
 from vllm.utils import check_positive_int
+from vllm.v1.core.block_hashing import (
+    BlockHash,
+    BlockHashWithGroupId,
+    get_block_hash,
+    get_group_id,
+    make_block_hash_with_group_id,
+)
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
 if TYPE_CHECKING:
@@ -29,24 +36,23 @@ if TYPE_CHECKING:
 
 OffloadKey = NewType("OffloadKey", bytes)
 """One offloaded block: its block hash followed by its KV-cache group index (4 bytes,
-big-endian). Plain bytes, so keys hash and compare cheaply."""
-
-_GROUP_IDX_BYTES = 4
+big-endian), the same bytes as the device prefix cache's ``BlockHashWithGroupId`` so a block has
+one key on every medium. Plain bytes, so keys hash and compare cheaply."""
 
 
 def make_offload_key(block_hash: bytes, group_idx: int) -> OffloadKey:
     """The key of block ``block_hash`` of KV-cache group ``group_idx``."""
-    return OffloadKey(bytes(block_hash) + group_idx.to_bytes(_GROUP_IDX_BYTES, "big"))
+    return OffloadKey(make_block_hash_with_group_id(BlockHash(bytes(block_hash)), group_idx))
 
 
 def get_offload_block_hash(key: OffloadKey) -> bytes:
     """The block hash part of ``key``."""
-    return key[:-_GROUP_IDX_BYTES]
+    return get_block_hash(BlockHashWithGroupId(key))
 
 
 def get_offload_group_idx(key: OffloadKey) -> int:
     """The KV-cache group index part of ``key``."""
-    return int.from_bytes(key[-_GROUP_IDX_BYTES:], "big")
+    return get_group_id(BlockHashWithGroupId(key))
 
 
 @dataclass
