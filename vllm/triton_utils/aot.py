@@ -55,6 +55,9 @@ class TritonCompileCase:
     signature: dict[str, str]
     constexprs: dict[str, object] = field(default_factory=dict)
     num_warps: int = 4
+    enable_fp_fusion: bool = True
+    """Compile option of the same name: ``False`` for kernels whose bytes depend on every fp32
+    multiply being rounded on its own (no FMA contraction), as they are launched."""
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,6 @@ class CompileResult:
     error: str | None
     seconds: float
     cubin_bytes: int = 0
-    registers: int = 0
     shared_bytes: int = 0
 
 
@@ -100,7 +102,7 @@ def compile_case(module: str, case: TritonCompileCase, arch: int) -> CompileResu
         compiled = triton.compile(
             source,
             target=GPUTarget("cuda", arch, 32),
-            options={"num_warps": case.num_warps},
+            options={"num_warps": case.num_warps, "enable_fp_fusion": case.enable_fp_fusion},
         )
     except Exception as exc:  # the compiler raises many types; report, do not stop the run
         first_line = f"{type(exc).__name__}: {exc}".strip()
@@ -113,7 +115,6 @@ def compile_case(module: str, case: TritonCompileCase, arch: int) -> CompileResu
         None,
         time.perf_counter() - start,
         cubin_bytes=len(compiled.asm.get("cubin", b"")),
-        registers=int(getattr(compiled, "n_regs", 0) or 0),
         shared_bytes=int(getattr(metadata, "shared", 0) or 0),
     )
 

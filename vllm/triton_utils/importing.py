@@ -3,8 +3,8 @@ under upstream vLLM's import path (``vllm.triton_utils.importing``).
 
 Modules holding Triton kernels import ``triton`` and ``tl`` from :mod:`vllm.triton_utils`, so that
 importing the library never needs Triton: without it, ``@triton.jit`` leaves the function as plain
-Python (never called: the Python wrappers check :data:`HAS_TRITON` first) and ``tl.constexpr`` /
-``tl.int64`` annotations resolve to ``None``.
+Python (never launched without Triton), ``tl.constexpr(v)`` module constants stay ``v`` and
+other ``tl`` attributes (annotations such as ``tl.int64``) resolve to ``None``.
 """
 
 from __future__ import annotations
@@ -47,11 +47,17 @@ class TritonPlaceholder(types.ModuleType):
         return decorator
 
 
+def _constexpr(value: Any = None) -> Any:
+    return value
+
+
 class TritonLanguagePlaceholder(types.ModuleType):
     """Stand-in for ``triton.language``: every attribute a kernel signature names is ``None``."""
 
     def __init__(self) -> None:
         super().__init__("triton.language")
+        # Module constants of kernel files are spelled tl.constexpr(value).
+        self.constexpr = _constexpr
 
     def __getattr__(self, name: str) -> None:
         # Annotations (tl.constexpr, tl.int64, ...) are evaluated when a kernel is defined.

@@ -1,0 +1,483 @@
+"""The Triton KV-cache writer under upstream vLLM's import path and names
+(``vllm.v1.attention.ops.triton_reshape_and_cache_flash``).
+
+:func:`triton_reshape_and_cache_flash` writes every format the compiled op
+``torch.ops._C_cache_ops.reshape_and_cache_flash`` writes, to the same bytes: unquantized caches
+(fp32 / fp16 / bf16, K/V of any float dtype rounded to the cache dtype), FP8 e4m3 / e5m2 with
+per-tensor or per-head scales, per-token-head INT8 / FP8 rows with their inline fp32 scale, and
+NVFP4 (``nvfp4`` and the block-scale search of ``nvfp4_mse``) with linear or interleave4
+block-scale layouts; NHD and HND pages. Its arguments go through the compiled op's own checks
+first (a zero-token call: the same errors, nothing written). Upstream's
+:func:`triton_reshape_and_cache_flash_per_token_head_quant` (separate fp32 scale caches) and
+:func:`triton_reshape_and_cache_flash_diffkv` (K and V in one row) share the kernel.
+
+One program writes one (token, head): its K row, then its V row. The encoders
+(:mod:`.triton_kv_encode`) are integer-exact, so the bytes are the reference codecs' under
+Triton's interpreter (CPU tensors, no GPU) and on a GPU alike.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm import _custom_ops as ops
+from vllm.kv_quant.kv_scale import kv_scale_as_1d
+from vllm.kv_quant.per_token_head import PER_TOKEN_HEAD_SCALE_FLOOR, per_token_head_qmax
+from vllm.kv_quant.scale_layout import ScaleLayout
+from vllm.triton_utils import tl, triton
+from vllm.triton_utils.aot import TritonCompileCase
+from vllm.v1.attention.ops.triton_kv_encode import (
+    SRC_BF16,
+    SRC_FP16,
+    SRC_FP32,
+    write_fp8_row,
+    write_nvfp4_row,
+    write_per_token_head_row,
+    write_plain_row,
+)
+from vllm.v1.kv_cache_format import NVFP4_GROUP_SIZE, KVCacheFormat, KVQuantMode, lookup
+
+__all__ = [
+    "triton_compile_cases",
+    "triton_reshape_and_cache_flash",
+    "triton_reshape_and_cache_flash_diffkv",
+    "triton_reshape_and_cache_flash_per_token_head_quant",
+]
+
+# What a side's kernel writes (constexpr KIND).
+KIND_PLAIN = 0
+KIND_FP8_E4M3 = 1
+KIND_FP8_E5M2 = 2
+KIND_NVFP4 = 3
+KIND_INT8_PTH = 4
+KIND_FP8_PTH = 5
+
+
+@triton.jit
+def _write_side(src_ptr, src_off, dst_ptr, block, tok, head, block_stride, token_stride,
+                head_stride, scale_ptr, aux_block_stride, aux_token_stride, aux_head_stride,
+                scale_region_off, D: tl.constexpr, D_PAD: tl.constexpr, KIND: tl.constexpr,
+                SRC: tl.constexpr, DST: tl.constexpr, SCALE_PER_HEAD: tl.constexpr,
+                INTERLEAVE4: tl.constexpr, SEARCH: tl.constexpr, QMAX: tl.constexpr,
+                FLOOR: tl.constexpr, SCALE_INLINE: tl.constexpr):  # fmt: skip
+    """One (token, head) row of one cache side. Strides are in cache elements; NVFP4's token and
+    head strides count entries (rows of D/2 data or D/16 scale bytes)."""
+    if KIND == 0:
+        entry = block * block_stride + tok * token_stride + head * head_stride
+        write_plain_row(src_ptr, src_off, dst_ptr, entry, D, D_PAD, SRC, DST)
+    elif KIND == 1 or KIND == 2:
+        entry = block * block_stride + tok * token_stride + head * head_stride
+        scale = tl.load(scale_ptr + (head if SCALE_PER_HEAD else 0))
+        write_fp8_row(src_ptr, src_off, dst_ptr, entry, scale, D, D_PAD, SRC, KIND == 2)
+    elif KIND == 3:
+        scale = tl.load(scale_ptr + (head if SCALE_PER_HEAD else 0))
+        page = block * block_stride
+        data_off = page + (tok * token_stride + head * head_stride) * (D // 2)
+        row0 = (tok // 4) * 4 if INTERLEAVE4 else tok
+        scale_row_off = (
+            page + scale_region_off + (row0 * token_stride + head * head_stride) * (D // 16)
+        )
+        write_nvfp4_row(src_ptr, src_off, dst_ptr, data_off, scale_row_off, tok, scale,
+                        token_stride, D, D_PAD, SRC, INTERLEAVE4, SEARCH)  # fmt: skip
+    else:
+        entry = block * block_stride + tok * token_stride + head * head_stride
+        aux = block * aux_block_stride + tok * aux_token_stride + head * aux_head_stride
+        write_per_token_head_row(src_ptr, src_off, dst_ptr, entry, scale_ptr, aux, D, D_PAD, SRC,
+                              KIND == 5, QMAX, FLOOR, SCALE_INLINE)  # fmt: skip
+
+
+@triton.jit
+def reshape_and_cache_flash_kernel(
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, k_scale_ptr, v_scale_ptr,
+    slot_mapping_ptr, key_stride, value_stride,
+    k_block_stride, k_token_stride, k_head_stride,
+    v_block_stride, v_token_stride, v_head_stride,
+    ks_block_stride, ks_token_stride, ks_head_stride,
+    vs_block_stride, vs_token_stride, vs_head_stride,
+    k_scale_region_off, v_scale_region_off, block_size, num_slots,
+    D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, PAD_V: tl.constexpr,
+    KIND: tl.constexpr, SRC: tl.constexpr, DST: tl.constexpr,
+    K_PER_HEAD: tl.constexpr, V_PER_HEAD: tl.constexpr,
+    K_INTERLEAVE4: tl.constexpr, V_INTERLEAVE4: tl.constexpr, SEARCH: tl.constexpr,
+    QMAX: tl.constexpr, FLOOR: tl.constexpr, SCALE_INLINE: tl.constexpr,
+):  # fmt: skip
+    """Grid (num_tokens, num_heads): writes K then V of one (token, head). Slots < 0 (padding)
+    and >= num_slots are skipped. PAD_*: next power of 2 of the row (NVFP4: of D / 16 groups).
+    ``k_scale_ptr`` / ``v_scale_ptr``: the fp32 dequantization scale ([1] or [H]) of FP8 /
+    NVFP4, or an int32 view of a per-token-head scale cache (strides ``ks_*`` / ``vs_*``)."""
+    tok_idx = tl.program_id(0)
+    head = tl.program_id(1)
+    slot = tl.load(slot_mapping_ptr + tok_idx).to(tl.int64)
+    if (slot < 0) | (slot >= num_slots):
+        return
+    block = slot // block_size
+    tok = slot % block_size
+    _write_side(key_ptr, tok_idx * key_stride + head * D_K, key_cache_ptr, block, tok, head,
+                k_block_stride, k_token_stride, k_head_stride, k_scale_ptr, ks_block_stride,
+                ks_token_stride, ks_head_stride, k_scale_region_off, D_K, PAD_K, KIND, SRC, DST,
+                K_PER_HEAD, K_INTERLEAVE4, SEARCH, QMAX, FLOOR, SCALE_INLINE)  # fmt: skip
+    _write_side(value_ptr, tok_idx * value_stride + head * D_V, value_cache_ptr, block, tok, head,
+                v_block_stride, v_token_stride, v_head_stride, v_scale_ptr, vs_block_stride,
+                vs_token_stride, vs_head_stride, v_scale_region_off, D_V, PAD_V, KIND, SRC, DST,
+                V_PER_HEAD, V_INTERLEAVE4, SEARCH, QMAX, FLOOR, SCALE_INLINE)  # fmt: skip
+
+
+# Element dtype -> (SRC / DST code, the integer dtype the kernel reads and writes its bits as).
+_BITS_VIEW: dict[torch.dtype, tuple[int, torch.dtype]] = {
+    torch.float32: (SRC_FP32, torch.int32),
+    torch.float16: (SRC_FP16, torch.int16),
+    torch.bfloat16: (SRC_BF16, torch.int16),
+}
+
+
+def _kind_of(fmt: KVCacheFormat) -> int:
+    mode = fmt.quant_mode
+    if mode == KVQuantMode.NONE:
+        return KIND_PLAIN
+    if mode == KVQuantMode.FP8_PER_TENSOR:
+        return KIND_FP8_E5M2 if fmt.fp8_variant == "e5m2" else KIND_FP8_E4M3
+    if mode == KVQuantMode.NVFP4:
+        return KIND_NVFP4
+    return KIND_INT8_PTH if mode == KVQuantMode.INT8_PER_TOKEN_HEAD else KIND_FP8_PTH
+
+
+def _check(ok: bool, message: str) -> None:
+    """The compiled op's error type (TORCH_CHECK raises RuntimeError)."""
+    if not ok:
+        raise RuntimeError(message)
+
+
+def _check_slot_mapping(slot_mapping: object, tokens_padded: int, num_slots: int) -> None:
+    """The slot_mapping rules of csrc/cache_ops_torch.cpp and, for CPU tensors, the CPU op's
+    range check (a CUDA op skips slots >= num_slots instead of syncing to check them)."""
+    _check(
+        isinstance(slot_mapping, torch.Tensor),
+        f"slot_mapping: expected a torch.Tensor, got {type(slot_mapping).__name__}",
+    )
+    assert isinstance(slot_mapping, torch.Tensor)
+    _check(
+        slot_mapping.dtype == torch.int64,
+        f"slot_mapping: expected dtype int64, got {ops._dtype_name(slot_mapping.dtype)}",
+    )
+    _check(
+        slot_mapping.dim() == 1,
+        f"slot_mapping: expected a 1-D tensor [T], got shape {list(slot_mapping.shape)}",
+    )
+    _check(
+        slot_mapping.shape[0] <= 1 or slot_mapping.stride(0) == 1,
+        f"slot_mapping: expected a contiguous tensor, got stride {slot_mapping.stride(0)}",
+    )
+    _check(
+        slot_mapping.shape[0] <= tokens_padded,
+        f"slot_mapping: expected at most T_pad = key.size(0) = {tokens_padded} entries, "
+        f"got {slot_mapping.shape[0]}",
+    )
+    if slot_mapping.device.type == "cpu" and slot_mapping.numel() > 0:
+        bad = (slot_mapping >= num_slots).nonzero()
+        if bad.numel() > 0:
+            i = int(bad[0, 0])
+            raise RuntimeError(
+                f"slot_mapping: expected slots < num_blocks * block_size = {num_slots} "
+                f"(negative to skip a token), got slot_mapping[{i}] = {int(slot_mapping[i])}"
+            )
+
+
+def _check_source(x: object, name: str) -> torch.Tensor:
+    """key / value: [T_pad, H, D] float, each token's [H, D] contiguous (csrc check_source)."""
+    _check(isinstance(x, torch.Tensor), f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    assert isinstance(x, torch.Tensor)
+    _check(x.dim() == 3, f"{name}: expected a 3-D tensor [T_pad, H, D], got shape {list(x.shape)}")
+    _, heads, dim = x.shape
+    dense = (dim <= 1 or x.stride(2) == 1) and (heads <= 1 or x.stride(1) == dim)
+    apart = x.shape[0] <= 1 or x.stride(0) >= heads * dim
+    _check(
+        dense and apart,
+        f"{name}: expected each token's [H, D] contiguous and tokens at least H*D = "
+        f"{heads * dim} elements apart (strides [>= {heads * dim}, {dim}, 1]), got strides "
+        f"{list(x.stride())}",
+    )
+    _check(
+        x.dtype in _BITS_VIEW,
+        f"{name}: expected dtype float32, float16 or bfloat16, got {ops._dtype_name(x.dtype)}",
+    )
+    return x
+
+
+def _page_strides(cache: torch.Tensor, last_dim: int) -> tuple[int, int, int]:
+    """(block, token, head) strides of a cache side whose pages are dense in NHD or HND order,
+    size-1 dims given the canonical stride of the detected order (csrc make_side)."""
+    num_blocks, block_size, heads, _ = cache.shape
+    nhd = (block_size <= 1 or cache.stride(1) == heads * last_dim) and (
+        heads <= 1 or cache.stride(2) == last_dim
+    )
+    block = block_size * heads * last_dim if num_blocks <= 1 else cache.stride(0)
+    if nhd:
+        return block, heads * last_dim, last_dim
+    return block, last_dim, block_size * last_dim
+
+
+def _pad(n: int) -> int:
+    return triton.next_power_of_2(max(n, 1))
+
+
+def _launch(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    sides: tuple[torch.Tensor, torch.Tensor],
+    strides: tuple[tuple[int, int, int], tuple[int, int, int]],
+    scales: tuple[torch.Tensor, torch.Tensor],
+    scale_strides: tuple[tuple[int, int, int], tuple[int, int, int]],
+    slot_mapping: torch.Tensor,
+    num_slots: int,
+    block_size: int,
+    *,
+    kind: int,
+    dst: int = SRC_FP32,
+    per_head: tuple[bool, bool] = (False, False),
+    interleave4: tuple[bool, bool] = (False, False),
+    search: bool = False,
+    qmax: float = 1.0,
+    scale_inline: bool = True,
+) -> None:
+    """Launch the writer over (tokens, heads); no-op for empty input. ``sides`` are the K / V
+    cache tensors already viewed as the dtype the kernel stores (int bits or uint8)."""
+    num_tokens = slot_mapping.shape[0]
+    heads, d_k, d_v = key.shape[1], key.shape[2], value.shape[2]
+    if num_tokens == 0 or heads == 0 or d_k == 0 or d_v == 0:
+        return
+    src, bits_dtype = _BITS_VIEW[key.dtype]
+    nvfp4 = kind == KIND_NVFP4
+    pads = [_pad(d // NVFP4_GROUP_SIZE if nvfp4 else d) for d in (d_k, d_v)]
+    region = [block_size * heads * (d // 2) if nvfp4 else 0 for d in (d_k, d_v)]
+    reshape_and_cache_flash_kernel[(num_tokens, heads)](
+        key.view(bits_dtype), value.view(bits_dtype), sides[0], sides[1], scales[0], scales[1],
+        slot_mapping, key.stride(0), value.stride(0), *strides[0], *strides[1],
+        *scale_strides[0], *scale_strides[1], region[0], region[1], block_size, num_slots,
+        D_K=d_k, D_V=d_v, PAD_K=pads[0], PAD_V=pads[1], KIND=kind, SRC=src, DST=dst,
+        K_PER_HEAD=per_head[0], V_PER_HEAD=per_head[1], K_INTERLEAVE4=interleave4[0],
+        V_INTERLEAVE4=interleave4[1], SEARCH=search, QMAX=qmax,
+        FLOOR=PER_TOKEN_HEAD_SCALE_FLOOR, SCALE_INLINE=scale_inline,
+        num_warps=max(1, min(8, max(pads) // 32)), enable_fp_fusion=False,
+    )  # fmt: skip
+
+
+def triton_reshape_and_cache_flash(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    k_scale_layout: ScaleLayout | str | None = None,
+    v_scale_layout: ScaleLayout | str | None = None,
+) -> None:
+    """:func:`vllm._custom_ops.reshape_and_cache_flash` in Triton, same arguments and bytes.
+
+    ``key [T_pad, H, D]`` / ``value [T_pad, H, Dv]`` token ``i < T`` goes to slot
+    ``slot_mapping[i]`` (< 0: skipped) of the paged caches (logical ``[B, N, H, D']``, NHD or
+    HND), quantized for ``kv_cache_dtype``. ``k_scale`` / ``v_scale``: fp32 dequantization
+    scales, one value (0-d, [1]) or [H]; NVFP4 block-scale layouts as the op's (``None``: the
+    default for the geometry; V follows a named K)."""
+    if isinstance(slot_mapping, torch.Tensor) and slot_mapping.dim() == 1:
+        # The compiled op's checks (shapes, strides, dtypes, scales, layouts, overlap), with its
+        # messages: a zero-token call validates and writes nothing.
+        ops.reshape_and_cache_flash(
+            key, value, key_cache, value_cache, slot_mapping[:0], kv_cache_dtype, k_scale,
+            v_scale, k_scale_layout, v_scale_layout,
+        )  # fmt: skip
+    num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
+    _check_slot_mapping(slot_mapping, key.shape[0], num_blocks * block_size)
+    fmt = lookup(kv_cache_dtype)
+    kind = _kind_of(fmt)
+    d_k, d_v = key.shape[2], value.shape[2]
+    last = (fmt.last_dim(d_k), fmt.last_dim(d_v)) if fmt.is_quantized else (d_k, d_v)
+    caches = (key_cache, value_cache)
+    strides = tuple(_page_strides(c, f) for c, f in zip(caches, last, strict=True))
+    no_aux = ((0, 0, 0), (0, 0, 0))
+    if kind == KIND_PLAIN:
+        dst, bits = _BITS_VIEW[key_cache.dtype]
+        sides = (key_cache.view(bits), value_cache.view(bits))
+        _launch(key, value, sides, strides, (k_scale, v_scale), no_aux, slot_mapping,
+                num_blocks * block_size, block_size, kind=kind, dst=dst)  # fmt: skip
+        return
+    sides = (key_cache.view(torch.uint8), value_cache.view(torch.uint8))
+    if fmt.is_per_token_head:
+        _launch(key, value, sides, strides, sides, no_aux, slot_mapping, num_blocks * block_size,
+                block_size, kind=kind, qmax=per_token_head_qmax(fmt))  # fmt: skip
+        return
+    per_head = (k_scale.numel() > 1, v_scale.numel() > 1)
+    interleave4 = (False, False)
+    if kind == KIND_NVFP4:
+        k_layout = ScaleLayout.resolve(k_scale_layout, block_size, d_k)
+        if v_scale_layout is not None:
+            v_layout = ScaleLayout.parse(v_scale_layout)
+        else:
+            v_layout = (
+                k_layout if k_scale_layout is not None else ScaleLayout.default_for(block_size, d_v)
+            )
+        interleave4 = (k_layout == ScaleLayout.INTERLEAVE4, v_layout == ScaleLayout.INTERLEAVE4)
+        # NVFP4 token / head strides count entries of the page's data and scale regions.
+        strides = tuple((b, t // f, h // f) for (b, t, h), f in zip(strides, last, strict=True))
+    _launch(key, value, sides, strides, (k_scale.reshape(-1), v_scale.reshape(-1)), no_aux,
+            slot_mapping, num_blocks * block_size, block_size, kind=kind, per_head=per_head,
+            interleave4=interleave4, search=fmt.scale_search)  # fmt: skip
+
+
+def _check_paged(cache: torch.Tensor, name: str, lead: list[int], last: int) -> None:
+    """``cache`` is ``[*lead, last]`` with a contiguous last dim (any other strides)."""
+    _check(
+        list(cache.shape) == [*lead, last] and (last <= 1 or cache.stride(-1) == 1),
+        f"{name}: expected shape {[*lead, last]} with a contiguous last dim, got shape "
+        f"{list(cache.shape)} and strides {list(cache.stride())}",
+    )
+
+
+def triton_reshape_and_cache_flash_per_token_head_quant(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    k_scale_cache: torch.Tensor,
+    v_scale_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Upstream's per-token-head writer: ``key [T_pad, H, D]`` / ``value [T_pad, H, Dv]`` token
+    ``i`` quantized per (token, head) into slot ``slot_mapping[i]`` (< 0: skipped) of
+    ``key_cache [B, N, H, D]`` / ``value_cache [B, N, H, Dv]`` (int8, or float8_e4m3fn / uint8
+    e4m3 bytes), the fp32 scales into ``k_scale_cache`` / ``v_scale_cache [B, N, H]``. Bytes and
+    scales are those of the ``int8_per_token_head`` / ``fp8_per_token_head`` codec
+    (:mod:`vllm.kv_quant.per_token_head`); any strides."""
+    key, value = _check_source(key, "key"), _check_source(value, "value")
+    _check(
+        value.dtype == key.dtype,
+        f"value: expected dtype {ops._dtype_name(key.dtype)} (key's dtype), "
+        f"got {ops._dtype_name(value.dtype)}",
+    )
+    fp8 = key_cache.dtype in (torch.float8_e4m3fn, torch.uint8)
+    _check(
+        fp8 or key_cache.dtype == torch.int8,
+        "key_cache: expected dtype int8 or float8_e4m3fn (uint8: e4m3 bytes), "
+        f"got {ops._dtype_name(key_cache.dtype)}",
+    )
+    _check(
+        value_cache.dtype == key_cache.dtype,
+        f"value_cache: expected dtype {ops._dtype_name(key_cache.dtype)} (key_cache's), "
+        f"got {ops._dtype_name(value_cache.dtype)}",
+    )
+    _check(key_cache.dim() == 4, f"key_cache: expected a 4-D tensor, got {list(key_cache.shape)}")
+    lead = [key_cache.shape[0], key_cache.shape[1], key.shape[1]]
+    _check_paged(key_cache, "key_cache", lead, key.shape[2])
+    _check_paged(value_cache, "value_cache", lead, value.shape[2])
+    for name, sc in (("k_scale_cache", k_scale_cache), ("v_scale_cache", v_scale_cache)):
+        _check(
+            sc.dtype == torch.float32 and list(sc.shape) == lead,
+            f"{name}: expected a float32 tensor {lead}, got {ops._dtype_name(sc.dtype)} of shape "
+            f"{list(sc.shape)}",
+        )
+    num_slots = lead[0] * lead[1]
+    _check_slot_mapping(slot_mapping, key.shape[0], num_slots)
+    fmt = lookup("fp8_per_token_head" if fp8 else "int8_per_token_head")
+    sides = (key_cache.view(torch.uint8), value_cache.view(torch.uint8))
+    scales = (k_scale_cache.view(torch.int32), v_scale_cache.view(torch.int32))
+    _launch(key, value, sides, tuple(tuple(c.stride()[:3]) for c in sides), scales,
+            tuple(tuple(s.stride()) for s in scales), slot_mapping, num_slots, lead[1],
+            kind=_kind_of(fmt), qmax=per_token_head_qmax(fmt), scale_inline=False)  # fmt: skip
+
+
+def triton_reshape_and_cache_flash_diffkv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+) -> None:
+    """Upstream's writer for K and V of different head sizes in one row: ``key [T_pad, H, Dk]``
+    and ``value [T_pad, H, Dv]`` into ``kv_cache [B, N, H, Dk + Dv]`` (K first), unquantized
+    (rounded to the cache dtype) or FP8 (``x / scale``, per-tensor or per-head scales); any page
+    strides with a contiguous last dim."""
+    key, value = _check_source(key, "key"), _check_source(value, "value")
+    fmt = lookup(kv_cache_dtype)
+    _check(
+        fmt.quant_mode in (KVQuantMode.NONE, KVQuantMode.FP8_PER_TENSOR) and not fmt.mla_only,
+        "kv_cache_dtype: expected an unquantized or FP8 format for rows holding K and V, "
+        f"got {kv_cache_dtype!r}",
+    )
+    ops.check_kv_dtypes(key, value, kv_cache, kv_cache, kv_cache_dtype)
+    heads, d_k, d_v = key.shape[1], key.shape[2], value.shape[2]
+    _check(
+        list(value.shape[:2]) == list(key.shape[:2]),
+        f"value: expected [T_pad, H] = {list(key.shape[:2])} (key's), got {list(value.shape)}",
+    )
+    _check(kv_cache.dim() == 4, f"kv_cache: expected a 4-D tensor, got {list(kv_cache.shape)}")
+    lead = [kv_cache.shape[0], kv_cache.shape[1], heads]
+    _check_paged(kv_cache, "kv_cache", lead, d_k + d_v)
+    k_scale = kv_scale_as_1d(k_scale, "k_scale", heads)
+    v_scale = kv_scale_as_1d(v_scale, "v_scale", heads)
+    num_slots = lead[0] * lead[1]
+    _check_slot_mapping(slot_mapping, key.shape[0], num_slots)
+    kind = _kind_of(fmt)
+    dst, bits = _BITS_VIEW[kv_cache.dtype] if kind == KIND_PLAIN else (SRC_FP32, torch.uint8)
+    view = kv_cache.view(bits)
+    stride = tuple(view.stride()[:3])
+    _launch(key, value, (view[..., :d_k], view[..., d_k:]), (stride, stride), (k_scale, v_scale),
+            ((0, 0, 0), (0, 0, 0)), slot_mapping, num_slots, lead[1], kind=kind, dst=dst,
+            per_head=(k_scale.numel() > 1, v_scale.numel() > 1))  # fmt: skip
+
+
+def triton_compile_cases() -> list[TritonCompileCase]:
+    """The writer kernel for every format it writes (``tools/compile_triton_kernels.py``):
+    unquantized same-dtype copies and casts, FP8 e4m3 / e5m2 with per-tensor and per-head
+    scales, per-token-head INT8 / FP8 with inline and separate scales, NVFP4 and nvfp4_mse with
+    linear and interleave4 scale layouts; head size 128, bf16 K/V unless the case casts."""
+    bits = {SRC_FP32: "*i32", SRC_FP16: "*i16", SRC_BF16: "*i16"}
+    names = {SRC_FP32: "fp32", SRC_FP16: "fp16", SRC_BF16: "bf16"}
+
+    def case(name: str, kind: int, src: int = SRC_BF16, dst: int = SRC_FP32, *,
+             scale: str = "*fp32", per_head: bool = False, interleave4: bool = False,
+             search: bool = False, qmax: float = 1.0,
+             inline: bool = True) -> TritonCompileCase:  # fmt: skip
+        cache = bits[dst] if kind == KIND_PLAIN else "*u8"
+        pad = 128 // NVFP4_GROUP_SIZE if kind == KIND_NVFP4 else 128
+        signature = {"key_ptr": bits[src], "value_ptr": bits[src], "key_cache_ptr": cache,
+                     "value_cache_ptr": cache, "k_scale_ptr": scale, "v_scale_ptr": scale,
+                     "slot_mapping_ptr": "*i64", "block_size": "i32",
+                     "num_slots": "i64"}  # fmt: skip
+        for arg in ("key_stride", "value_stride", "k_scale_region_off", "v_scale_region_off"):
+            signature[arg] = "i64"
+        for side in ("k", "v", "ks", "vs"):
+            for dim in ("block", "token", "head"):
+                signature[f"{side}_{dim}_stride"] = "i64"
+        constexprs = dict(D_K=128, D_V=128, PAD_K=pad, PAD_V=pad, KIND=kind, SRC=src, DST=dst,
+                          K_PER_HEAD=per_head, V_PER_HEAD=per_head, K_INTERLEAVE4=interleave4,
+                          V_INTERLEAVE4=interleave4, SEARCH=search, QMAX=qmax,
+                          FLOOR=PER_TOKEN_HEAD_SCALE_FLOOR, SCALE_INLINE=inline)  # fmt: skip
+        return TritonCompileCase(
+            f"reshape_and_cache_flash/{name}", reshape_and_cache_flash_kernel, signature,
+            constexprs, num_warps=4, enable_fp_fusion=False,
+        )  # fmt: skip
+
+    cases = [
+        case(f"{names[s]}->{names[d]}", KIND_PLAIN, s, d)
+        for s in (SRC_FP32, SRC_FP16, SRC_BF16)
+        for d in (SRC_FP32, SRC_FP16, SRC_BF16)
+    ]
+    for kind, label in ((KIND_FP8_E4M3, "fp8_e4m3"), (KIND_FP8_E5M2, "fp8_e5m2")):
+        cases += [case(label, kind), case(f"{label}/per_head", kind, per_head=True)]
+    for name in ("int8_per_token_head", "fp8_per_token_head"):
+        fmt = lookup(name)
+        qmax = per_token_head_qmax(fmt)
+        cases += [
+            case(name, _kind_of(fmt), scale="*u8", qmax=qmax),
+            case(f"{name}/scale_cache", _kind_of(fmt), scale="*i32", qmax=qmax, inline=False),
+        ]
+    for search, label in ((False, "nvfp4"), (True, "nvfp4_mse")):
+        for interleave4 in (False, True):
+            layout = "interleave4" if interleave4 else "linear"
+            cases.append(case(f"{label}/{layout}", KIND_NVFP4, interleave4=interleave4,
+                              search=search))  # fmt: skip
+    cases.append(case("fp16/nvfp4/per_head", KIND_NVFP4, SRC_FP16, per_head=True))
+    return cases
