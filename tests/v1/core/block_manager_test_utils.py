@@ -85,6 +85,8 @@ class ManagerSim:
         self.last_start: dict[str, int] = {}
         self.contents: dict[int, tuple[int, ...]] = {}
         self.num_hit_tokens = 0
+        # The last prefix lookup: (pages per group, tokens).
+        self.last_hit: tuple[KVCacheBlocks, int] | None = None
 
     def schedule(self, request: Request, next_token: int = 0) -> bool:
         """One step of ``request`` (prefix lookup first when it is not running): up to
@@ -94,6 +96,7 @@ class ManagerSim:
         if request.request_id not in self.running:
             hit_blocks, hit_tokens = self.manager.get_computed_blocks(request)
             self.check_hit(request, hit_blocks, hit_tokens)
+            self.last_hit = (hit_blocks, hit_tokens)
         start = request.num_computed_tokens + hit_tokens
         num_new = min(self.chunk, request.num_tokens - start)
         if self.manager.allocate_slots(request, num_new, hit_tokens, hit_blocks) is None:
