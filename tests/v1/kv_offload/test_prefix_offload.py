@@ -4,12 +4,16 @@ for every cache format."""
 
 from __future__ import annotations
 
+import dataclasses
+import uuid
 from collections.abc import Iterator
 
 import pytest
 import torch
-from tiering_test_utils import FORMATS, worker_pages
+from test_mooncake_tier import FakeClient, FakeStore
+from tiering_test_utils import FORMATS, stub_spec, wait_until, worker_pages
 
+from vllm.config.kv_transfer import KVTransferConfig
 from vllm.distributed.kv_events import BlockRemoved
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256_cbor
@@ -22,21 +26,32 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     KVCacheTensor,
 )
-from vllm.v1.kv_offload.base import GPULoadStoreSpec, get_offload_block_hash, make_offload_key
+from vllm.v1.kv_offload.base import (
+    GPULoadStoreSpec,
+    OffloadingManager,
+    ReqContext,
+    get_offload_block_hash,
+    make_offload_key,
+)
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.gpu_worker import CpuGpuOffloadingHandlers
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.prefix_offload import PrefixCacheOffloader, request_offload_keys
+from vllm.v1.kv_offload.tiering.mooncake import manager as mooncake_tier
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 from vllm.v1.kv_offload.worker.page_views import canonicalize_kv_caches
 from vllm.v1.kv_offload.worker.worker import OffloadingWorker
 from vllm.v1.request import Request
 
+try:
+    from vllm import _custom_ops as ops
+except ImportError:  # pragma: no cover - the extension is built in CI
+    pytest.skip("vllm._custom_ops (the compiled extension) is not built", allow_module_level=True)
+
+CTX_B = ReqContext(req_id="b")
 BS = 16  # tokens per block, the pages' block size
 NUM_BLOCKS = 6  # device pages (worker_pages makes six), block 0 is the pool's null block
-
-
-def _swap(src: torch.Tensor, dst: torch.Tensor, page_bytes: int, mapping: torch.Tensor) -> None:
-    dst[mapping[:, 1]] = src[mapping[:, 0]]
 
 
 def _request(tokens: list[int], rid: str) -> Request:
@@ -52,7 +67,7 @@ def _request(tokens: list[int], rid: str) -> Request:
 class Engine:
     """A device pool over real pages of one format, a CPU tier and the worker that copies."""
 
-    def __init__(self, cache_dtype: str) -> None:
+    def __init__(self, cache_dtype: str, secondary_tiers: list[dict] | None = None) -> None:
         fmt = lookup(cache_dtype)
         assert fmt.storage_dtype is not None
         spec = FullAttentionSpec(
@@ -73,12 +88,31 @@ class Engine:
         pages, _ = worker_pages(cache_dtype, seed=3)
         raw = [p.reshape(-1).view(torch.int8).clone() for p in pages]
         self.pages = [r.view(torch.uint8).view(NUM_BLOCKS, -1) for r in raw]
-        handlers = CpuGpuOffloadingHandlers(
-            canonicalize_kv_caches(dict(zip(names, raw, strict=True)), config),
-            block_size_factor=1,
-            num_cpu_blocks=4,
-            swap_blocks=_swap,
-        )
+        canonical = canonicalize_kv_caches(dict(zip(names, raw, strict=True)), config)
+        manager: OffloadingManager
+        if secondary_tiers is None:
+            manager = CPUOffloadingManager(4)
+            handlers = CpuGpuOffloadingHandlers(
+                canonical, block_size_factor=1, num_cpu_blocks=4, swap_blocks=ops.swap_blocks
+            )
+        else:
+            spec_name = {"spec_name": "TieringOffloadingSpec", "num_cpu_blocks": 4}
+            transfer = KVTransferConfig(
+                kv_connector="OffloadingConnector",
+                kv_role="kv_both",
+                kv_connector_extra_config={**spec_name, "secondary_tiers": secondary_tiers},
+            )
+            vllm_config = dataclasses.replace(
+                stub_spec(dict.fromkeys(names, spec), cache_dtype).vllm_config,
+                kv_transfer_config=transfer,
+                instance_id=f"test_{uuid.uuid4().hex}",
+            )
+            tiering = OffloadingSpecFactory.create_spec(vllm_config, config)
+            assert isinstance(tiering, TieringOffloadingSpec)
+            tiering.swap_blocks = ops.swap_blocks
+            manager = tiering.get_manager()
+            handlers = tiering.create_handlers(canonical)
+        self.manager, self.handlers = manager, handlers
         self.worker = OffloadingWorker()
         self.worker.register_handler(
             GPULoadStoreSpec, CPULoadStoreSpec, handlers.gpu_to_cpu_handler
@@ -87,7 +121,7 @@ class Engine:
             CPULoadStoreSpec, GPULoadStoreSpec, handlers.cpu_to_gpu_handler
         )
         self.pool = BlockPool(NUM_BLOCKS, True, BS, enable_kv_cache_events=True)
-        self.offloader = PrefixCacheOffloader(self.pool, CPUOffloadingManager(4), BS)
+        self.offloader = PrefixCacheOffloader(self.pool, manager, BS)
         self.jobs = 0
 
     def run(self, spec) -> None:
@@ -98,6 +132,24 @@ class Engine:
 
     def page_bytes(self, block_id: int) -> list[bytes]:
         return [p[block_id].numpy().tobytes() for p in self.pages]
+
+    def store_prefix(self, request: Request, num_blocks: int) -> list[list[bytes]]:
+        """Cache the request's first blocks on the device, store them in the tier; the bytes
+        the pages held."""
+        blocks = self.pool.get_new_blocks(num_blocks)
+        written = [self.page_bytes(b.block_id) for b in blocks]
+        self.pool.cache_full_blocks(request, blocks, 0, num_blocks, BS, 0)
+        store = self.offloader.plan_store(request, blocks, 0, num_blocks)
+        assert store is not None and store.keys == request_offload_keys(request, 0)[:num_blocks]
+        self.run(store.spec)
+        self.offloader.complete_store(request, store)
+        self.pool.free_blocks(reversed(blocks))
+        return written
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.handlers.shutdown()
+        self.manager.shutdown()
 
 
 @pytest.fixture(autouse=True)
@@ -188,3 +240,46 @@ def test_keys_of_larger_offloaded_blocks_are_their_last_hash() -> None:
     keys = request_offload_keys(a, 2, hash_block_size_factor=2)
     assert keys == [make_offload_key(a.block_hashes[i], 2) for i in (1, 3)]
     assert request_offload_keys(a, 2, 2, start=1) == keys[1:]
+
+
+MOONCAKE = [{"type": "mooncake", "mooncake": {"master_server_address": "127.0.0.1:1"}}]
+
+
+@pytest.mark.parametrize("cache_dtype", FORMATS)
+def test_another_instance_finds_the_prefix_in_mooncake_by_hash(
+    cache_dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = FakeStore()
+    monkeypatch.setattr(FakeClient, "store", store)
+    monkeypatch.setattr(mooncake_tier, "MooncakeStoreClient", FakeClient)
+    tokens = list(range(2 * BS + 3))
+    writer = Engine(cache_dtype, MOONCAKE)
+    reader = Engine(cache_dtype, MOONCAKE)
+    try:
+        written = writer.store_prefix(_request(tokens, "a"), 2)
+
+        def cascaded() -> bool:
+            list(writer.manager.take_events())  # an engine step: collect the tier's jobs
+            return sum(not name.endswith(".hdr") for name in store.objects) == 2
+
+        wait_until(cascaded)
+        for p in reader.pages:
+            p.fill_(0x5A)  # the reader's device pages hold something else
+        b = _request(tokens, "b")
+        # Not in the reader's CPU tier: the first ask starts the promotions from Mooncake.
+        assert reader.offloader.plan_load(b, 0) is None
+
+        def promoted() -> bool:
+            list(reader.manager.take_events())
+            return all(reader.manager.lookup(k, CTX_B) for k in request_offload_keys(b, 0))
+
+        wait_until(promoted)
+        load = reader.offloader.plan_load(b, 0)
+        assert load is not None and len(load.blocks) == 2
+        reader.run(load.spec)
+        reader.offloader.complete_load(b, load)
+        assert [reader.page_bytes(x.block_id) for x in load.blocks] == written
+        assert reader.pool.get_cached_block(b.block_hashes[1], [0]) == [load.blocks[1]]
+    finally:
+        writer.close()
+        reader.close()
