@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import islice
+from typing import Any
 
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.block_pool import BlockPool
@@ -166,8 +167,8 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
 class SlidingWindowManager(SingleTypeKVCacheManager):
     """Attention over the last ``sliding_window`` tokens (the new one included)."""
 
-    def __init__(self, kv_cache_spec: SlidingWindowSpec, **kwargs: object) -> None:
-        super().__init__(kv_cache_spec, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, kv_cache_spec: SlidingWindowSpec, **kwargs: Any) -> None:
+        super().__init__(kv_cache_spec, **kwargs)
         self.sliding_window = kv_cache_spec.sliding_window
 
     @classmethod
@@ -247,8 +248,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
     """Attention within aligned chunks of ``attention_chunk_size`` tokens."""
 
-    def __init__(self, kv_cache_spec: ChunkedLocalAttentionSpec, **kwargs: object) -> None:
-        super().__init__(kv_cache_spec, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, kv_cache_spec: ChunkedLocalAttentionSpec, **kwargs: Any) -> None:
+        super().__init__(kv_cache_spec, **kwargs)
         self.attention_chunk_size = kv_cache_spec.attention_chunk_size
 
     @classmethod

@@ -16,7 +16,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from math import lcm
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import (
@@ -413,7 +413,7 @@ def get_kv_cache_coordinator(
 ) -> KVCacheCoordinator:
     """The coordinator for ``kv_cache_config``: no-prefix-cache when caching is off, unitary
     for one group, hybrid otherwise."""
-    common = dict(
+    common: dict[str, Any] = dict(
         dcp_world_size=dcp_world_size,
         pcp_world_size=pcp_world_size,
         hash_block_size=hash_block_size,
@@ -426,7 +426,7 @@ def get_kv_cache_coordinator(
             max_num_batched_tokens,
             use_eagle,
             enable_kv_cache_events,
-            **common,  # type: ignore[arg-type]
+            **common,
         )
     coordinator_cls: type[UnitaryKVCacheCoordinator | HybridKVCacheCoordinator] = (
         UnitaryKVCacheCoordinator
@@ -440,5 +440,5 @@ def get_kv_cache_coordinator(
         use_eagle,
         enable_caching,
         enable_kv_cache_events,
-        **common,  # type: ignore[arg-type]
+        **common,
     )

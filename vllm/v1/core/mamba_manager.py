@@ -15,6 +15,7 @@ state at the end of the hit) with null pages before it. ``mamba_cache_mode`` (fr
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.block_pool import BlockPool
@@ -31,8 +32,8 @@ from vllm.v1.request import Request
 class MambaManager(SingleTypeKVCacheManager):
     """Mamba state pages of one KV cache group (see the module docstring for the modes)."""
 
-    def __init__(self, kv_cache_spec: MambaSpec, block_pool: BlockPool, **kwargs: object) -> None:
-        super().__init__(kv_cache_spec, block_pool, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, kv_cache_spec: MambaSpec, block_pool: BlockPool, **kwargs: Any) -> None:
+        super().__init__(kv_cache_spec, block_pool, **kwargs)
         self.mamba_cache_mode = kv_cache_spec.mamba_cache_mode
         self.num_speculative_blocks = kv_cache_spec.num_speculative_blocks
         # Hashes published during the current step: another request may not start from them
