@@ -61,8 +61,14 @@ _CBOR_HASH_FUNCTIONS = frozenset({sha256_cbor, xxhash_cbor})
 NONE_HASH: BlockHash
 
 
+# The suffixes of the group ids models have, made once: a key is built on every prefix lookup.
+_GROUP_SUFFIXES = tuple(i.to_bytes(_GROUP_ID_BYTES, "big") for i in range(64))
+
+
 def make_block_hash_with_group_id(block_hash: BlockHash, group_id: int) -> BlockHashWithGroupId:
     """``block_hash`` followed by ``group_id`` as 4 big-endian bytes (no tuple per key)."""
+    if 0 <= group_id < len(_GROUP_SUFFIXES):
+        return BlockHashWithGroupId(block_hash + _GROUP_SUFFIXES[group_id])
     return BlockHashWithGroupId(block_hash + group_id.to_bytes(_GROUP_ID_BYTES, "big"))
 
 

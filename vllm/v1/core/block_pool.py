@@ -133,6 +133,9 @@ class BlockPool:
     ) -> list[KVCacheBlock] | None:
         """The cached block of ``block_hash`` in each group, or None if any group misses."""
         lookup = self.cached_block_hash_to_block.get_one_block
+        if len(kv_cache_group_ids) == 1:  # the common case, without the loop
+            block = lookup(make_block_hash_with_group_id(block_hash, kv_cache_group_ids[0]))
+            return None if block is None else [block]
         found: list[KVCacheBlock] = []
         for group_id in kv_cache_group_ids:
             block = lookup(make_block_hash_with_group_id(block_hash, group_id))
