@@ -1,0 +1,182 @@
+"""Upstream vLLM's ``unified_attention(...)`` signature over the Triton paged attention
+(:mod:`vllm.v1.attention.ops.triton_unified_attention`): per-token-head caches with separate
+scale caches (upstream's layout) against the same values dequantized, float8-typed FP8 caches
+with expanded descales, upstream's window / soft cap / 3D (split) arguments, the split rule and
+the argument errors. fp16 queries under the interpreter (its bf16 is wrong), bf16 on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm.v1.attention.backends import (
+    AttentionLayerScales,
+    ReferenceAttentionImpl,
+    ReferenceAttentionMetadata,
+)
+from vllm.v1.attention.ops.triton_unified_attention import (
+    MAX_SPLITS,
+    choose_num_splits,
+    unified_attention,
+)
+from vllm.v1.kv_cache_format import KVQuantMode
+
+pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+QUERY_DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16
+TOL = 4e-3 if QUERY_DTYPE is torch.float16 else 2e-2  # operands rounded to the query dtype
+H, HQ, D, N = 2, 4, 64, 16
+
+
+def _problem(seed: int, query_lens: list[int], kv_lens: list[int]):
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = 24
+    q = torch.randn(sum(query_lens), HQ, D, generator=gen).to(DEVICE, QUERY_DTYPE)
+    max_pages = max((k + N - 1) // N for k in kv_lens)
+    table = torch.randperm(num_blocks, generator=gen)[: len(kv_lens) * max_pages]
+    table = table.reshape(len(kv_lens), max_pages).to(torch.int32).to(DEVICE)
+    cu = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    args = dict(
+        cu_seqlens_q=cu.to(DEVICE),
+        max_seqlen_q=max(query_lens),
+        seqused_k=torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE),
+        max_seqlen_k=max(kv_lens),
+        softmax_scale=D**-0.5,
+        causal=True,
+        window_size=(-1, -1),
+        block_table=table,
+        softcap=0,
+        q_descale=None,
+        k_descale=None,
+        v_descale=None,
+    )
+    return gen, num_blocks, q, args
+
+
+@pytest.mark.parametrize(
+    ("mode", "dtype", "qmax"),
+    [
+        (KVQuantMode.INT8_PER_TOKEN_HEAD, torch.int8, 127.0),
+        (KVQuantMode.FP8_PER_TOKEN_HEAD, torch.float8_e4m3fn, 448.0),
+    ],
+)
+def test_per_token_head_scale_caches(mode: KVQuantMode, dtype: torch.dtype, qmax: float) -> None:
+    """Upstream's layout: one-byte caches ``[B, N, H, D]`` and fp32 scale caches
+    ``[B, N, H]``; the result equals attention over the dequantized values (an fp32 cache)."""
+    gen, num_blocks, q, args = _problem(0, [1, 1, 5], [40, 17, 23])
+    values = [torch.randn(num_blocks, N, H, D, generator=gen) for _ in range(2)]
+    caches, scales, dequantized = [], [], []
+    for x in values:
+        scale = (x.abs().amax(-1) / qmax).clamp(min=1e-6)
+        y = (x / scale[..., None]).clamp(-qmax, qmax)
+        quant = y.round().to(dtype) if dtype == torch.int8 else y.to(dtype)
+        caches.append(quant.to(DEVICE))
+        scales.append(scale.to(DEVICE))
+        dequantized.append((quant.float() * scale[..., None]).to(DEVICE))
+    out = torch.empty_like(q)
+    unified_attention(
+        q, caches[0], caches[1], out, **args, kv_quant_mode=mode,
+        k_scale_cache=scales[0], v_scale_cache=scales[1],
+    )  # fmt: skip
+    expected = torch.empty_like(q)
+    unified_attention(q, dequantized[0], dequantized[1], expected, **args)
+    torch.testing.assert_close(out.float(), expected.float(), atol=TOL, rtol=TOL)
+
+
+def _fp8_cache_and_reference(sliding_window: int | None, soft_cap: float | None):
+    """An FP8 e4m3 cache written by the reference writer, its per-head scales, and the
+    reference impl's output."""
+    query_lens, kv_lens = [7, 1, 1], [30, 33, 64]
+    gen, num_blocks, q, args = _problem(1, query_lens, kv_lens)
+    ref = ReferenceAttentionImpl(
+        HQ, D, num_kv_heads=H, kv_cache_dtype="fp8_e4m3", sliding_window=sliding_window,
+        logits_soft_cap=soft_cap,
+    )  # fmt: skip
+    cache = torch.zeros(num_blocks, 2, N, H, D, dtype=torch.uint8, device=DEVICE)
+    layer = AttentionLayerScales(
+        torch.tensor([0.01, 0.02], device=DEVICE), torch.tensor([0.015, 0.005], device=DEVICE)
+    )
+    table = args["block_table"]
+    full = ReferenceAttentionMetadata.build(kv_lens, kv_lens, table, N)
+    k = torch.randn(sum(kv_lens), H, D, generator=gen).to(DEVICE)
+    v = torch.randn(sum(kv_lens), H, D, generator=gen).to(DEVICE)
+    ref.do_kv_cache_update(layer, k, v, cache, full.slot_mapping)
+    meta = ReferenceAttentionMetadata.build(kv_lens, query_lens, table, N)
+    expected = ref.forward(layer, q, None, None, cache, meta)
+    return q, cache, layer, args, expected
+
+
+@pytest.mark.parametrize(("window", "soft_cap"), [(None, None), (9, 5.0)])
+@pytest.mark.parametrize("threshold", [None, 0, 8])
+def test_fp8_cache_with_upstream_arguments(
+    window: int | None, soft_cap: float | None, threshold: int | None
+) -> None:
+    """float8-typed cache sides, descales expanded to ``[num_seqs, H]``, ``window_size =
+    (W - 1, 0)``, ``softcap``, and upstream's 3D rule (``seq_threshold_3D`` 0: never split;
+    8 with ``max_seqlen_q == 1``: 4 splits) give the reference impl's result."""
+    q, cache, layer, args, expected = _fp8_cache_and_reference(window, soft_cap)
+    if threshold is not None:  # a decode-only batch: the split path applies at threshold 8
+        args = {**args, "cu_seqlens_q": torch.arange(4, dtype=torch.int32, device=DEVICE)}
+        args["max_seqlen_q"] = 1
+        q, expected = q[[6, 7, 8]], expected[[6, 7, 8]]
+    args.update(
+        window_size=(window - 1, 0) if window else (-1, -1),
+        softcap=soft_cap or 0,
+        k_descale=layer._k_scale.expand(3, H),
+        v_descale=layer._v_scale.expand(3, H),
+    )
+    out = torch.empty_like(q)
+    fp8 = cache.view(torch.float8_e4m3fn)
+    unified_attention(
+        q, fp8[:, 0], fp8[:, 1], out, **args, seq_threshold_3D=threshold,
+        num_par_softmax_segments=4,
+    )  # fmt: skip
+    torch.testing.assert_close(out.float(), expected.float(), atol=TOL, rtol=TOL)
+
+
+def test_choose_num_splits() -> None:
+    """Few programs over long keys split up to the target, at least 4 tiles each, at most
+    MAX_SPLITS; prefill-sized batches and full grids never split."""
+    assert choose_num_splits(8, 8192, 8, 264) == MAX_SPLITS
+    assert choose_num_splits(64, 8192, 8, 264) == 5
+    assert choose_num_splits(8, 256, 8, 264) == 2  # 8 tiles of 32 keys: 2 splits of 4
+    assert choose_num_splits(8, 64, 8, 264) == 1
+    assert choose_num_splits(8, 8192, 4096, 264) == 1
+    assert choose_num_splits(512, 8192, 8, 264) == 1
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"alibi_slopes": torch.ones(HQ)}, r"alibi_slopes: expected None \(not supported\)"),
+        ({"q_descale": torch.ones(1)}, r"q_descale: expected None \(not supported\)"),
+        ({"use_td": True}, r"use_td: expected False \(not supported\), got True"),
+        ({"window_size": (3, 2)}, r"window_size: expected \(-1, -1\) or \(W - 1, 0\)"),
+        ({"block_table": "int64"}, "block_table: expected an int32"),
+        ({"cu_seqlens_q": "short"}, r"cu_seqlens_q: expected shape \[4\]"),
+        ({"out": "fp32"}, "out: expected"),
+        ({"k": "int16"}, "k: expected a float16 / bfloat16 / float32 / float8 / uint8 cache"),
+    ],
+)
+def test_argument_errors(change: dict, message: str) -> None:
+    _, num_blocks, q, args = _problem(2, [1, 1, 1], [3, 4, 5])
+    k = torch.zeros(num_blocks, N, H, D, dtype=QUERY_DTYPE, device=DEVICE)
+    out = torch.zeros_like(q)
+    tensors = {"q": q, "k": k, "v": k, "out": out}
+    for name, value in change.items():
+        if value == "int64":
+            args[name] = args[name].long()
+        elif value == "short":
+            args[name] = args[name][:2]
+        elif value == "fp32":
+            tensors[name] = out.float()
+        elif value == "int16":
+            tensors[name] = k.view(torch.int16)
+        elif name in tensors:
+            tensors[name] = value
+        else:
+            args[name] = value
+    with pytest.raises(ValueError, match=message):
+        unified_attention(tensors["q"], tensors["k"], tensors["v"], tensors["out"], **args)
+    assert not out.any()
