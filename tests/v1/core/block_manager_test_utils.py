@@ -88,10 +88,11 @@ class ManagerSim:
         # The last prefix lookup: (pages per group, tokens).
         self.last_hit: tuple[KVCacheBlocks, int] | None = None
 
-    def schedule(self, request: Request, next_token: int = 0) -> bool:
+    def schedule(self, request: Request, next_token: int = 0, lookahead: int = 0) -> bool:
         """One step of ``request`` (prefix lookup first when it is not running): up to
-        ``chunk`` tokens are computed, and a sampled ``next_token`` is appended once the prompt
-        is done. False (and nothing computed) when the pool is short."""
+        ``chunk`` tokens are computed (with ``lookahead`` extra speculative slots), and a
+        sampled ``next_token`` is appended once the prompt is done. False (and nothing
+        computed) when the pool is short."""
         hit_tokens, hit_blocks = 0, None
         if request.request_id not in self.running:
             hit_blocks, hit_tokens = self.manager.get_computed_blocks(request)
@@ -99,7 +100,12 @@ class ManagerSim:
             self.last_hit = (hit_blocks, hit_tokens)
         start = request.num_computed_tokens + hit_tokens
         num_new = min(self.chunk, request.num_tokens - start)
-        if self.manager.allocate_slots(request, num_new, hit_tokens, hit_blocks) is None:
+        if (
+            self.manager.allocate_slots(
+                request, num_new, hit_tokens, hit_blocks, num_lookahead_tokens=lookahead
+            )
+            is None
+        ):
             return False
         self.running[request.request_id] = request
         self.num_hit_tokens += hit_tokens

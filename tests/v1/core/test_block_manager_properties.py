@@ -45,7 +45,9 @@ OPS = st.lists(
             st.integers(0, 24),
             st.lists(st.integers(0, 7), min_size=1, max_size=8),
         ),
-        st.tuples(st.sampled_from(["step", "preempt", "finish"]), st.integers(0, 7)),
+        st.tuples(st.sampled_from(["preempt", "finish"]), st.integers(0, 7)),
+        # a step of one request, with 0-3 speculative lookahead slots
+        st.tuples(st.just("step"), st.integers(0, 7), st.integers(0, 3)),
     ),
     min_size=1,
     max_size=40,
@@ -53,12 +55,15 @@ OPS = st.lists(
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=OPS)
-def test_random_schedules_keep_the_pool_consistent(name: str, ops: list[tuple]) -> None:
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS, num_blocks=st.sampled_from([12, 20, NUM_BLOCKS]))
+def test_random_schedules_keep_the_pool_consistent(
+    name: str, ops: list[tuple], num_blocks: int
+) -> None:
+    """Small pools make requests wait and evict cached pages; large ones keep more hits."""
     specs, hash_block_size, chunk, caching = CONFIGS[name]
     manager = KVCacheManager(
-        config_of(NUM_BLOCKS, *specs),
+        config_of(num_blocks, *specs),
         max_model_len=MAX_REQUEST_TOKENS + 8,
         hash_block_size=hash_block_size,
         enable_caching=caching,
@@ -75,7 +80,7 @@ def test_random_schedules_keep_the_pool_consistent(name: str, ops: list[tuple]) 
             request = requests[op[1] % len(requests)]
             running = request.request_id in sim.running
             if op[0] == "step":
-                sim.schedule(request, next_token=step % 8)
+                sim.schedule(request, next_token=step % 8, lookahead=op[2])
             elif op[0] == "preempt" and running:
                 sim.preempt(request)
             elif op[0] == "finish":

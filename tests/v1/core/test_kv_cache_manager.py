@@ -131,3 +131,21 @@ def test_eagle_group_choice() -> None:
     unmarked = manager(full(4), sliding(4, 8), use_eagle=True)
     assert unmarked.coordinator.eagle_group_ids == {0, 1}
     assert KVCacheBlocks(((),)).get_block_ids(allow_none=True) is None
+
+
+def test_hybrid_lookup_restarts_when_a_later_group_shortens() -> None:
+    """Full, sliding and Mamba groups: the Mamba state at 16 tokens is gone, so the hit drops to
+    12 and the sliding group (which accepted 16) must be looked up again at 12."""
+    m = manager(full(4), sliding(4, 5), mamba(4, "all"))
+    first = make_request("a", list(range(17)), 4)
+    assert m.allocate_slots(first, 17) is not None
+    mamba_table = m.coordinator.single_type_managers[2].req_to_blocks["a"]
+    m.evict_blocks({mamba_table[3].block_id})
+    hit, num = m.get_computed_blocks(make_request("b", list(range(16)) + [50, 51], 4))
+    assert num == 12
+    full_ids, sliding_ids, mamba_ids = hit.get_block_ids()
+    null = m.block_pool.null_block.block_id
+    tables = [t.req_to_blocks["a"] for t in m.coordinator.single_type_managers]
+    assert full_ids == [b.block_id for b in tables[0][:3]]
+    assert sliding_ids == [null, null, tables[1][2].block_id]
+    assert mamba_ids == [null, null, tables[2][2].block_id]
