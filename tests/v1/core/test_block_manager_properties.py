@@ -54,13 +54,7 @@ OPS = st.lists(
 )
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=OPS, num_blocks=st.sampled_from([12, 20, NUM_BLOCKS]))
-def test_random_schedules_keep_the_pool_consistent(
-    name: str, ops: list[tuple], num_blocks: int
-) -> None:
-    """Small pools make requests wait and evict cached pages; large ones keep more hits."""
+def make_sim(name: str, num_blocks: int) -> ManagerSim:
     specs, hash_block_size, chunk, caching = CONFIGS[name]
     manager = KVCacheManager(
         config_of(num_blocks, *specs),
@@ -68,7 +62,18 @@ def test_random_schedules_keep_the_pool_consistent(
         hash_block_size=hash_block_size,
         enable_caching=caching,
     )
-    sim = ManagerSim(manager, chunk)
+    return ManagerSim(manager, chunk)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS, num_blocks=st.sampled_from([12, 20, NUM_BLOCKS]))
+def test_random_schedules_keep_the_pool_consistent(
+    name: str, ops: list[tuple], num_blocks: int
+) -> None:
+    """Small pools make requests wait and evict cached pages; large ones keep more hits."""
+    sim = make_sim(name, num_blocks)
+    manager = sim.manager
     requests = []  # every request that arrived and has not finished, in arrival order
     for step, op in enumerate(ops):
         manager.new_step_starts()
@@ -91,21 +96,16 @@ def test_random_schedules_keep_the_pool_consistent(
                 requests.remove(request)
         sim.check_invariants()
     sim.free_all_and_check_no_leak()
-    if not caching:
+    if not CONFIGS[name][3]:
         assert sim.num_hit_tokens == 0
 
 
 def test_shared_prefixes_do_hit() -> None:
     """The property test above cannot fail by never hitting: a fixed schedule of two requests
     on one document hits on every prefix-caching config (hybrid hits are whole LCM blocks)."""
-    for name, (specs, hash_block_size, chunk, caching) in CONFIGS.items():
-        manager = KVCacheManager(
-            config_of(NUM_BLOCKS, *specs),
-            max_model_len=MAX_REQUEST_TOKENS + 8,
-            hash_block_size=hash_block_size,
-            enable_caching=caching,
-        )
-        sim = ManagerSim(manager, chunk)
+    for name, (_, hash_block_size, chunk, caching) in CONFIGS.items():
+        sim = make_sim(name, NUM_BLOCKS)
+        manager = sim.manager
         first = make_request("a", DOCUMENTS[0] + [1], hash_block_size)
         for _ in range(cdiv(first.num_tokens, chunk)):
             assert sim.schedule(first)

@@ -203,33 +203,28 @@ class KVCacheManager:
         num_local_computed = request.num_computed_tokens + num_new_computed_tokens
         num_computed = num_local_computed + num_external_computed_tokens
         total_computed = min(num_computed, self.max_model_len)
-        free = self.block_pool.get_num_free_blocks
-        if full_sequence_must_fit:
-            num_full = min(request.num_tokens, self.max_model_len)
+
+        def fits(num_tokens: int, computed: int, main_model: int, cap: bool) -> bool:
             need = self.coordinator.get_num_blocks_to_allocate(
                 request_id=request.request_id,
-                num_tokens=num_full,
+                num_tokens=num_tokens,
                 new_computed_blocks=hit_blocks,
                 num_encoder_tokens=num_encoder_tokens,
-                total_computed_tokens=total_computed,
-                num_tokens_main_model=num_full,
-                apply_admission_cap=True,
+                total_computed_tokens=computed,
+                num_tokens_main_model=main_model,
+                apply_admission_cap=cap,
             )
-            if need > free():
+            return need <= self.block_pool.get_num_free_blocks()
+
+        if full_sequence_must_fit:
+            num_full = min(request.num_tokens, self.max_model_len)
+            if not fits(num_full, total_computed, num_full, cap=True):
                 return None
         num_tokens_main_model = total_computed + num_new_tokens
         num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens, self.max_model_len)
         # Freeing out-of-window pages first lowers what must be evicted below.
         self.coordinator.remove_skipped_blocks(request.request_id, total_computed)
-        need = self.coordinator.get_num_blocks_to_allocate(
-            request_id=request.request_id,
-            num_tokens=num_tokens_need_slot,
-            new_computed_blocks=hit_blocks,
-            num_encoder_tokens=num_encoder_tokens,
-            total_computed_tokens=num_computed,
-            num_tokens_main_model=num_tokens_main_model,
-        )
-        if need > free():
+        if not fits(num_tokens_need_slot, num_computed, num_tokens_main_model, cap=False):
             return None
         if hit_blocks is not self.empty_kv_cache_blocks.blocks or num_external_computed_tokens > 0:
             # Take the hits before the new pages so a hit cannot be evicted to make room.
