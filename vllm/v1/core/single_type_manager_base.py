@@ -35,6 +35,8 @@ def trim_to_alignment(
 ) -> None:
     """Drop trailing hit blocks (in place, every group alike) until the hit length in tokens is
     a multiple of ``alignment_tokens``."""
+    if alignment_tokens == block_size:
+        return  # the common single-group case: every page count is aligned
     keep = aligned_block_count(len(computed_blocks[0]), block_size, alignment_tokens)
     for blocks in computed_blocks:
         del blocks[keep:]
