@@ -5,7 +5,7 @@ Same cache shape and layouts as the reference backend
 (:class:`~vllm.v1.attention.backends.reference.ReferenceAttentionBackend`: ``(B, 2, N, H, D')``,
 NHD or HND, separate K / V regions when ``head_size_v != head_size``), same metadata and impl
 constructor, so one cache is read by any of REFERENCE, CPU_ATTN and TRITON_ATTN. The impl runs
-:func:`~vllm.v1.attention.ops.triton_unified_attention.paged_attention`: decode, prefill and
+:func:`~vllm.v1.attention.ops.triton_unified_attention.plan_paged_attention`: decode, prefill and
 chunked prefill in one launch, GQA, sliding window, sinks, logits soft cap, ``head_size_v``,
 split-K for long sequences, queries in fp16 / bf16 / fp32. Without a GPU it runs under Triton's
 interpreter (``TRITON_INTERPRET=1``) on CPU tensors, which is how the tests run it there.
@@ -136,7 +136,7 @@ class TritonAttentionImpl(ReferenceAttentionImpl):
     ) -> torch.Tensor:
         """Attention of ``query [T, num_heads, D]`` (or ``[T, num_heads*D]``) over the cache,
         as :meth:`ReferenceAttentionImpl.forward` (same arguments, result and errors)."""
-        from vllm.v1.attention.ops.triton_unified_attention import paged_attention
+        from vllm.v1.attention.ops.triton_unified_attention import plan_paged_attention
 
         checked = self._begin_forward(layer, query, key, value, kv_cache, attn_metadata, output)
         query = checked.query if checked.query.stride(-1) == 1 else checked.query.contiguous()
@@ -146,7 +146,7 @@ class TritonAttentionImpl(ReferenceAttentionImpl):
             target = torch.empty(output.shape, dtype=output.dtype, device=output.device)
         rows = attn_metadata.num_actual_tokens
         k_layout, v_layout = self._fitting_scale_layouts(checked.key_cache.shape[1])
-        paged_attention(
+        plan_paged_attention(
             target[:rows],
             query[:rows],
             checked.key_cache,
@@ -167,7 +167,7 @@ class TritonAttentionImpl(ReferenceAttentionImpl):
             k_scale_layout=k_layout,
             v_scale_layout=v_layout,
             num_splits=self.num_splits,
-        )
+        )()
         if target is not output:
             output[:rows] = target[:rows]
         return output

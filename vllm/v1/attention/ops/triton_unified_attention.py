@@ -1,5 +1,6 @@
-"""Host side of the Triton paged attention: :func:`paged_attention` (this library's caches,
-named by ``kv_cache_dtype``) and upstream's :func:`unified_attention` signature over it.
+"""Host side of the Triton paged attention: :func:`plan_paged_attention` (this library's
+caches, named by ``kv_cache_dtype``; the plan is called to run) and upstream's
+:func:`unified_attention` signature over it.
 
 Kernels: :mod:`vllm.v1.attention.ops.triton_paged_attention`; format decoders:
 :mod:`vllm.v1.attention.ops.triton_kv_decode`. Every cache side is a 4-D ``(B, N, H, D')`` view
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -121,7 +122,41 @@ def _block_m(group_pad: int, max_query_len: int) -> int:
     return max(16 if max_query_len <= 1 else 64, group_pad)
 
 
-def paged_attention(
+class PagedAttentionLaunch:
+    """The kernel launches of one :func:`plan_paged_attention` call, every argument prepared
+    (tile map, scratch, views); calling it runs them again, e.g. once per timed call of a
+    benchmark or under a CUDA graph capture (the inputs are read in place at each call)."""
+
+    def __init__(
+        self,
+        grid: tuple[int, int, int],
+        args: list[Any],
+        constexprs: dict[str, Any],
+        merge_grid: tuple[int, int] | None,
+        merge_args: list[Any],
+        merge_constexprs: dict[str, Any],
+    ) -> None:
+        self.grid = grid
+        self.args = args
+        self.constexprs = constexprs
+        self.merge_grid = merge_grid
+        self.merge_args = merge_args
+        self.merge_constexprs = merge_constexprs
+
+    @property
+    def num_splits(self) -> int:
+        """Key splits per query tile (1: no merge kernel)."""
+        return self.grid[2]
+
+    def __call__(self) -> None:
+        if self.grid[0] == 0:
+            return
+        paged_attention_kernel[self.grid](*self.args, **self.constexprs)
+        if self.merge_grid is not None:
+            merge_splits_kernel[self.merge_grid](*self.merge_args, **self.merge_constexprs)
+
+
+def plan_paged_attention(
     out: torch.Tensor,
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -145,8 +180,9 @@ def paged_attention(
     k_scale_cache: torch.Tensor | None = None,
     v_scale_cache: torch.Tensor | None = None,
     num_splits: int | None = None,
-) -> torch.Tensor:
-    """Write attention of ``query [T, Hq, D]`` over the paged cache into ``out [T, Hq, Dv]``.
+) -> PagedAttentionLaunch:
+    """The launches that write attention of ``query [T, Hq, D]`` over the paged cache into
+    ``out [T, Hq, Dv]`` (nothing runs until the result is called).
 
     Sequence ``i`` has ``seq_lens[i]`` keys and the queries ``query_start_loc[i] ..
     query_start_loc[i+1] - 1`` at its last positions; ``block_table [num_seqs, max_pages]``
@@ -154,8 +190,8 @@ def paged_attention(
     ``kv_cache_dtype`` cache; ``k_scale`` / ``v_scale`` fp32 ``[1]`` or ``[Hkv]`` (FP8 scales,
     NVFP4 global scales; unread otherwise). Per-token-head caches read their inline scales, or
     ``k_scale_cache`` / ``v_scale_cache`` (fp32 ``[B, N, Hkv]``, upstream's separate layout).
-    ``num_splits`` forces the split-K count (``None``: :func:`choose_num_splits`). Returns
-    ``out``. Arguments are assumed checked (the backend's impl and :func:`unified_attention`
+    ``num_splits`` forces the split-K count (``None``: :func:`choose_num_splits`). Arguments
+    are assumed checked (the backend's impl and :func:`unified_attention`
     check them).
     """
     fmt = lookup(kv_cache_dtype, include_mla_only=False)
@@ -165,7 +201,7 @@ def paged_attention(
     block_size = key_cache.shape[1]
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
-        return out
+        return PagedAttentionLaunch((0, 0, 1), [], {}, None, [], {})
     device = query.device
     code = kernel_format(fmt, key_cache.dtype)
     k_layout = ScaleLayout.resolve(k_scale_layout, block_size, head_size)
@@ -201,7 +237,7 @@ def paged_attention(
     table = block_table.to(device=device, dtype=torch.int32)
     k_scale = k_scale.to(device=device, dtype=torch.float32)
     v_scale = v_scale.to(device=device, dtype=torch.float32)
-    paged_attention_kernel[(num_programs, num_kv_heads, num_splits)](
+    args = [
         out,
         query,
         k_side.data,
@@ -234,6 +270,8 @@ def paged_attention(
         1 if k_scale.numel() > 1 else 0,
         1 if v_scale.numel() > 1 else 0,
         num_heads,
+    ]
+    constexprs = dict(
         HEAD_SIZE=head_size,
         HEAD_SIZE_V=head_size_v,
         D_PAD=d_pad,
@@ -254,20 +292,23 @@ def paged_attention(
         USE_SINKS=sinks is not None,
         NUM_SPLITS=num_splits,
     )
-    if num_splits > 1:
-        merge_splits_kernel[(num_tokens, num_heads)](
-            out,
-            part_acc,
-            part_ml,
-            out.stride(0),
-            out.stride(1),
-            num_heads,
-            HEAD_SIZE_V=head_size_v,
-            DV_PAD=dv_pad,
-            NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
-        )
-    return out
+    if num_splits == 1:
+        return PagedAttentionLaunch((num_programs, num_kv_heads, 1), args, constexprs, None, [], {})
+    merge_args = [out, part_acc, part_ml, out.stride(0), out.stride(1), num_heads]
+    merge_constexprs = dict(
+        HEAD_SIZE_V=head_size_v,
+        DV_PAD=dv_pad,
+        NUM_SPLITS=num_splits,
+        SPLITS_PAD=triton.next_power_of_2(num_splits),
+    )
+    return PagedAttentionLaunch(
+        (num_programs, num_kv_heads, num_splits),
+        args,
+        constexprs,
+        (num_tokens, num_heads),
+        merge_args,
+        merge_constexprs,
+    )
 
 
 def _upstream_format(k: torch.Tensor, kv_quant_mode: KVQuantMode) -> str:
@@ -407,7 +448,7 @@ def unified_attention(
     if seq_threshold_3D is not None:
         use_3d = max_seqlen_q == 1 and num_seqs <= seq_threshold_3D
         splits = min(MAX_SPLITS, max(1, num_par_softmax_segments or 1)) if use_3d else 1
-    paged_attention(
+    plan_paged_attention(
         out,
         q,
         k if k.dtype in _QUERY_DTYPES else k.view(torch.uint8),
@@ -430,4 +471,4 @@ def unified_attention(
         k_scale_cache=k_scale_cache,
         v_scale_cache=v_scale_cache,
         num_splits=splits,
-    )
+    )()
