@@ -149,3 +149,22 @@ def test_hybrid_lookup_restarts_when_a_later_group_shortens() -> None:
     assert full_ids == [b.block_id for b in tables[0][:3]]
     assert sliding_ids == [null, null, tables[1][2].block_id]
     assert mamba_ids == [null, null, tables[2][2].block_id]
+
+
+def test_external_tokens_get_pages_only_inside_the_window() -> None:
+    """16 tokens come from a KV connector, 8 are computed: full attention takes pages for all
+    24; the sliding group (the next token reads 7 back) nulls the 2 pages before its window."""
+    m = manager(full(4), sliding(4, 8))
+    request = make_request("a", list(range(24)), 4)
+    free = m.block_pool.get_num_free_blocks()
+    predicted = m.coordinator.get_num_blocks_to_allocate("a", 24, ((), ()), 0, 16, 24)
+    blocks = m.allocate_slots(request, 8, num_external_computed_tokens=16, delay_cache_blocks=True)
+    assert blocks is not None
+    assert [len(g) for g in blocks.get_block_ids()] == [2, 2]  # the pages for the new tokens
+    full_ids, sliding_ids = m.get_block_ids("a")
+    null = m.block_pool.null_block.block_id
+    assert len(full_ids) == 6 and null not in full_ids
+    assert sliding_ids[:2] == [null, null] and null not in sliding_ids[2:]
+    assert free - m.block_pool.get_num_free_blocks() == predicted == 10
+    m.free(request)
+    assert m.block_pool.get_num_free_blocks() == free
