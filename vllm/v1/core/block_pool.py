@@ -73,17 +73,17 @@ class BlockHashToBlockMap:
 
     def pop(self, key: BlockHashWithGroupId, block_id: int) -> KVCacheBlock | None:
         """Remove and return block ``block_id`` from under ``key`` (None if it is not there)."""
-        blocks = self._cache.get(key)
+        blocks = self._cache.pop(key, None)
         if blocks is None:
             return None
         if isinstance(blocks, KVCacheBlock):
             if blocks.block_id != block_id:
+                self._cache[key] = blocks  # another block's entry: put it back
                 return None
-            del self._cache[key]
             return blocks
         block = blocks.pop(block_id, None)
-        if not blocks:
-            del self._cache[key]
+        if blocks:
+            self._cache[key] = blocks
         return block
 
     def __len__(self) -> int:
@@ -181,12 +181,14 @@ class BlockPool:
                 f"got {len(block_hashes)}"
             )
         new_hashes = block_hashes[num_cached_blocks:num_full_blocks]
-        stored: list[int] = []  # indices into new_blocks that were cached
+        # The group-id suffix of every key of this call, built once (hot loop below).
+        suffix = make_block_hash_with_group_id(BlockHash(b""), kv_cache_group_id)
         insert = self.cached_block_hash_to_block.insert
+        stored: list[int] = []  # indices into new_blocks that were cached
         for i, block in enumerate(new_blocks):
             if block.is_null or (block_mask is not None and not block_mask[i]):
                 continue
-            key = make_block_hash_with_group_id(new_hashes[i], kv_cache_group_id)
+            key = BlockHashWithGroupId(new_hashes[i] + suffix)
             block.block_hash = key
             insert(key, block)
             stored.append(i)
@@ -244,17 +246,15 @@ class BlockPool:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         taken = self.free_block_queue.popleft_n(num_blocks)
         collector = self.metrics_collector
+        evict = self._maybe_evict_cached_block if self.enable_caching else None
         for block in taken:
-            if self.enable_caching:
-                if block.block_hash is not None:
-                    self._maybe_evict_cached_block(block)
-                elif collector is not None:
-                    collector.on_block_evicted(block)
             if block.ref_cnt != 0:
                 raise AssertionError(
                     f"block {block.block_id}: expected ref_cnt 0 in the free queue, "
                     f"got {block.ref_cnt}"
                 )
+            if evict is not None and (block.block_hash is not None or collector is not None):
+                evict(block)
             block.ref_cnt = 1
             if collector is not None:
                 collector.on_block_allocated(block)
