@@ -13,8 +13,12 @@ from vllm.utils.hashing import sha256
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+from vllm.v1.core.single_type_kv_cache_manager import (
+    ChunkedLocalAttentionManager,
+    SlidingWindowManager,
+)
 from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -51,6 +55,16 @@ def sliding(block_size: int, window: int) -> SlidingWindowSpec:
         head_size=1,
         dtype=torch.float32,
         sliding_window=window,
+    )
+
+
+def chunked(block_size: int, chunk: int) -> ChunkedLocalAttentionSpec:
+    return ChunkedLocalAttentionSpec(
+        block_size=block_size,
+        num_kv_heads=1,
+        head_size=1,
+        dtype=torch.float32,
+        attention_chunk_size=chunk,
     )
 
 
@@ -168,8 +182,9 @@ class ManagerSim:
                 assert block.ref_cnt == refs[block.block_id], block
         assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1 - len(refs)
         for single in coordinator.single_type_managers:
-            if isinstance(single, SlidingWindowManager):
-                # Pages that left the window were returned when the last chunk was allocated.
+            if isinstance(single, (SlidingWindowManager, ChunkedLocalAttentionManager)):
+                # Pages that left the window (or finished chunks) were returned when the last
+                # chunk was allocated.
                 for rid in self.running:
                     skipped = single.get_num_skipped_tokens(self.last_start[rid])
                     table = single.req_to_blocks[rid]

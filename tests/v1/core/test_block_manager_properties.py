@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from tests.v1.core.block_manager_test_utils import (
     ManagerSim,
+    chunked,
     config_of,
     full,
     make_request,
@@ -30,6 +31,7 @@ CONFIGS: dict[str, tuple[tuple[KVCacheSpec, ...], int, int, bool]] = {
     "full+sliding(block 8)": ((full(4), sliding(8, 10)), 4, 7, True),
     "full+2sliding+mamba": ((full(4), sliding(4, 5), sliding(4, 5), mamba(4, "all")), 4, 6, True),
     "full+mamba(align)": ((full(4), mamba(4, "align")), 4, 8, True),
+    "full+chunked local": ((full(4), chunked(4, 8)), 4, 6, True),
     "no prefix cache": ((full(4), sliding(4, 6)), 4, 5, False),
 }
 NUM_BLOCKS = 40
