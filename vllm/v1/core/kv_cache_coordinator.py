@@ -92,7 +92,8 @@ class KVCacheCoordinator(ABC):
         self._init_lookup()
 
     def _check_config(self) -> None:
-        """Refuse a config this coordinator cannot serve (before anything is built)."""
+        """Refuse a config this coordinator cannot serve and note what its lookup reads (runs
+        before the pool and the managers are built)."""
         return None
 
     def _init_lookup(self) -> None:
