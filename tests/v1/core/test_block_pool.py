@@ -183,3 +183,12 @@ def test_no_caching_keeps_no_hashes_on_reuse() -> None:
     blocks = pool.get_new_blocks(2)
     pool.free_blocks(blocks)
     assert pool.get_new_blocks(2) == blocks
+
+
+def test_a_block_listed_twice_is_queued_once() -> None:
+    pool = BlockPool(4, True, BS)
+    (block,) = pool.get_new_blocks(1)
+    pool.touch([block])  # a second request shares it
+    pool.free_blocks([block, block])
+    assert block.ref_cnt == 0 and pool.get_num_free_blocks() == 3
+    assert [b.block_id for b in pool.free_block_queue.get_all_free_blocks()].count(1) == 1

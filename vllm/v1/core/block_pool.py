@@ -296,11 +296,12 @@ class BlockPool:
         """Drop a reference on each block; those no longer used go to the tail of the free
         queue in the given order (the first is evicted first)."""
         released: list[KVCacheBlock] = []
+        release = released.append
         for block in ordered_blocks:
             block.ref_cnt -= 1
             # A block listed twice is released once, when its count reaches 0.
             if block.ref_cnt == 0 and not block.is_null:
-                released.append(block)
+                release(block)
         self.free_block_queue.append_n(released)
 
     def evict_blocks(self, block_ids: set[int]) -> None:
