@@ -18,9 +18,10 @@ Triton's interpreter (CPU tensors, no GPU) and on a GPU alike.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
-from vllm import _custom_ops as ops
 from vllm.kv_quant.kv_scale import kv_scale_as_1d
 from vllm.kv_quant.per_token_head import PER_TOKEN_HEAD_SCALE_FLOOR, per_token_head_qmax
 from vllm.kv_quant.scale_layout import ScaleLayout
@@ -141,6 +142,19 @@ def _kind_of(fmt: KVCacheFormat) -> int:
     return KIND_INT8_PTH if mode == KVQuantMode.INT8_PER_TOKEN_HEAD else KIND_FP8_PTH
 
 
+def _ops() -> ModuleType:
+    """The compiled ops, imported on the first call rather than with this module, so that the
+    AOT compile check (tools/compile_triton_kernels.py) imports the kernels without the built
+    extension."""
+    from vllm import _custom_ops
+
+    return _custom_ops
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _check(ok: bool, message: str) -> None:
     """The compiled op's error type (TORCH_CHECK raises RuntimeError)."""
     if not ok:
@@ -157,7 +171,7 @@ def _check_slot_mapping(slot_mapping: object, tokens_padded: int, num_slots: int
     assert isinstance(slot_mapping, torch.Tensor)
     _check(
         slot_mapping.dtype == torch.int64,
-        f"slot_mapping: expected dtype int64, got {ops._dtype_name(slot_mapping.dtype)}",
+        f"slot_mapping: expected dtype int64, got {_dtype_name(slot_mapping.dtype)}",
     )
     _check(
         slot_mapping.dim() == 1,
@@ -198,7 +212,7 @@ def _check_source(x: object, name: str) -> torch.Tensor:
     )
     _check(
         x.dtype in _BITS_VIEW,
-        f"{name}: expected dtype float32, float16 or bfloat16, got {ops._dtype_name(x.dtype)}",
+        f"{name}: expected dtype float32, float16 or bfloat16, got {_dtype_name(x.dtype)}",
     )
     return x
 
@@ -283,7 +297,7 @@ def triton_reshape_and_cache_flash(
     if isinstance(slot_mapping, torch.Tensor) and slot_mapping.dim() == 1:
         # The compiled op's checks (shapes, strides, dtypes, scales, layouts, overlap), with its
         # messages: a zero-token call validates and writes nothing.
-        ops.reshape_and_cache_flash(
+        _ops().reshape_and_cache_flash(
             key, value, key_cache, value_cache, slot_mapping[:0], kv_cache_dtype, k_scale,
             v_scale, k_scale_layout, v_scale_layout,
         )  # fmt: skip
@@ -352,19 +366,19 @@ def triton_reshape_and_cache_flash_per_token_head_quant(
     key, value = _check_source(key, "key"), _check_source(value, "value")
     _check(
         value.dtype == key.dtype,
-        f"value: expected dtype {ops._dtype_name(key.dtype)} (key's dtype), "
-        f"got {ops._dtype_name(value.dtype)}",
+        f"value: expected dtype {_dtype_name(key.dtype)} (key's dtype), "
+        f"got {_dtype_name(value.dtype)}",
     )
     fp8 = key_cache.dtype in (torch.float8_e4m3fn, torch.uint8)
     _check(
         fp8 or key_cache.dtype == torch.int8,
         "key_cache: expected dtype int8 or float8_e4m3fn (uint8: e4m3 bytes), "
-        f"got {ops._dtype_name(key_cache.dtype)}",
+        f"got {_dtype_name(key_cache.dtype)}",
     )
     _check(
         value_cache.dtype == key_cache.dtype,
-        f"value_cache: expected dtype {ops._dtype_name(key_cache.dtype)} (key_cache's), "
-        f"got {ops._dtype_name(value_cache.dtype)}",
+        f"value_cache: expected dtype {_dtype_name(key_cache.dtype)} (key_cache's), "
+        f"got {_dtype_name(value_cache.dtype)}",
     )
     _check(key_cache.dim() == 4, f"key_cache: expected a 4-D tensor, got {list(key_cache.shape)}")
     lead = [key_cache.shape[0], key_cache.shape[1], key.shape[1]]
@@ -373,7 +387,7 @@ def triton_reshape_and_cache_flash_per_token_head_quant(
     for name, sc in (("k_scale_cache", k_scale_cache), ("v_scale_cache", v_scale_cache)):
         _check(
             sc.dtype == torch.float32 and list(sc.shape) == lead,
-            f"{name}: expected a float32 tensor {lead}, got {ops._dtype_name(sc.dtype)} of shape "
+            f"{name}: expected a float32 tensor {lead}, got {_dtype_name(sc.dtype)} of shape "
             f"{list(sc.shape)}",
         )
     num_slots = lead[0] * lead[1]
@@ -406,7 +420,7 @@ def triton_reshape_and_cache_flash_diffkv(
         "kv_cache_dtype: expected an unquantized or FP8 format for rows holding K and V, "
         f"got {kv_cache_dtype!r}",
     )
-    ops.check_kv_dtypes(key, value, kv_cache, kv_cache, kv_cache_dtype)
+    _ops().check_kv_dtypes(key, value, kv_cache, kv_cache, kv_cache_dtype)
     heads, d_k, d_v = key.shape[1], key.shape[2], value.shape[2]
     _check(
         list(value.shape[:2]) == list(key.shape[:2]),
