@@ -236,6 +236,25 @@ def test_window_edges_and_non_causal(window: int) -> None:
     torch.testing.assert_close(got, expected, atol=4e-3, rtol=4e-3)
 
 
+def test_strided_query_output_buffer_and_5d_cache() -> None:
+    """A query with a non-unit last stride, an output buffer with spare rows and a non-unit
+    last stride, a flat query ``[T, Hq*D]``, and a 5-D ``(B, 2, N, H, D)`` cache."""
+    case = Case("fp8_e4m3", head_size_v=64, seq_lens=[20, 9], query_lens=[5, 1])
+    reference, triton_impl, layer, kv_cache, metadata, query = setup(case)
+    five_d = torch.stack([kv_cache[0], kv_cache[1]], dim=1)
+    expected = reference.forward(layer, query, None, None, kv_cache, metadata)
+    strided = torch.zeros(query.shape[0], 4, 128, dtype=query.dtype, device=DEVICE)[..., ::2]
+    strided.copy_(query)
+    buffer = torch.full((9, 4, 128), 7.0, dtype=query.dtype, device=DEVICE)
+    out = buffer[..., ::2]
+    got = triton_impl.forward(layer, strided, None, None, five_d, metadata, out)
+    assert got is out
+    torch.testing.assert_close(out[:6].float(), expected.float(), atol=4e-3, rtol=4e-3)
+    assert (buffer[6:] == 7).all() and (buffer[:6, :, 1::2] == 7).all()
+    flat = triton_impl.forward(layer, query.reshape(6, -1), None, None, five_d, metadata)
+    torch.testing.assert_close(flat, got[:6], atol=0, rtol=0)
+
+
 def _random_bytes(side: torch.Tensor, gen: torch.Generator) -> None:
     """Fill a cache side with random bits of its dtype (every code, NaN, Inf, subnormals)."""
     width = side.element_size()

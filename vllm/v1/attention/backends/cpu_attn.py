@@ -149,11 +149,8 @@ class CPUAttentionImpl(ReferenceAttentionImpl):
         from vllm import _custom_ops as ops
 
         checked = self._begin_forward(layer, query, key, value, kv_cache, attn_metadata, output)
-        query = checked.query if checked.query.stride(-1) == 1 else checked.query.contiguous()
+        query, target = self._kernel_io(checked)
         output = checked.output
-        target = output
-        if output.stride(-1) != 1:
-            target = torch.empty(output.shape, dtype=output.dtype, device=output.device)
         device = checked.key_cache.device
         sinks = None
         if self.sinks is not None:

@@ -488,6 +488,18 @@ class ReferenceAttentionImpl(AttentionImpl):
             )
         return checked
 
+    @staticmethod
+    def _kernel_io(checked: CheckedForward) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the compiled impls' kernels, which need unit last strides: the query (a
+        contiguous copy when its last stride is not 1) and the tensor to write the output into
+        (``checked.output``, or a new one whose first ``num_actual_tokens`` rows the caller
+        copies back)."""
+        query = checked.query if checked.query.stride(-1) == 1 else checked.query.contiguous()
+        output = checked.output
+        if output.stride(-1) == 1:
+            return query, output
+        return query, torch.empty(output.shape, dtype=output.dtype, device=output.device)
+
     def forward(
         self,
         layer: AttentionLayer,

@@ -139,11 +139,8 @@ class TritonAttentionImpl(ReferenceAttentionImpl):
         from vllm.v1.attention.ops.triton_unified_attention import plan_paged_attention
 
         checked = self._begin_forward(layer, query, key, value, kv_cache, attn_metadata, output)
-        query = checked.query if checked.query.stride(-1) == 1 else checked.query.contiguous()
+        query, target = self._kernel_io(checked)
         output = checked.output
-        target = output
-        if output.stride(-1) != 1:
-            target = torch.empty(output.shape, dtype=output.dtype, device=output.device)
         rows = attn_metadata.num_actual_tokens
         k_layout, v_layout = self._fitting_scale_layouts(checked.key_cache.shape[1])
         plan_paged_attention(
