@@ -5,7 +5,7 @@
 # compute-sanitizer is there, memcheck on the check program and the kernel tests; writes the
 # results under $OUT.
 #
-#   tools/gpu_session.sh [--out DIR] [--budget SECONDS] [--dry-run]
+#   tools/gpu_session.sh [--out DIR] [--budget SECONDS] [--only STEP,...] [--dry-run]
 #
 # Made for a remote runner that starts it in a copy of the repository, gives it 10 minutes, sets
 # $OUT and returns at most 8 files from it (docs/benchmarks.md). Runs in the
@@ -25,7 +25,9 @@
 #   gpu_check.json      csrc/cuda/tests/gpu_check_reshape_and_cache_flash.cu: byte comparison with
 #                       a scalar reference and its own bandwidth figures (plain nvcc, no torch)
 #
-# --dry-run prints the steps and their commands without running anything (works without a GPU).
+# --only runs the named steps alone (comma-separated names from the step table below, e.g.
+# build,kernel-tests: a short first session, or a rerun of what failed); the others are listed as
+# skipped, and the environment report always runs. --dry-run prints the steps and their commands without running anything (works without a GPU).
 # Environment: PYTHON, NVCC (default nvcc on PATH, else /usr/local/cuda/bin/nvcc),
 # VLLM_KV_CUDA_ARCHS (default: this GPU's architecture, e.g. 90a on an H100).
 set -uo pipefail
@@ -36,15 +38,26 @@ cd "$ROOT" || exit 2
 OUT_DIR="${OUT:-}"
 BUDGET=540
 DRY_RUN=0
+ONLY=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --out) OUT_DIR="${2:?--out needs a directory}"; shift ;;
     --budget) BUDGET="${2:?--budget needs seconds}"; shift ;;
+    --only) ONLY="${2:?--only needs step names}"; shift ;;
     --dry-run) DRY_RUN=1 ;;
     -h|--help) awk 'NR > 2 && /^#/ { sub(/^# ?/, ""); print; next } NR > 2 { exit }' "$0"; exit 0 ;;
     *) echo "gpu_session.sh: unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
+done
+STEP_NAMES=(environment build kernel-tests gpu-check benchmark suite-tests memcheck-kernels
+  memcheck-tests)
+IFS=',' read -r -a only_names <<< "$ONLY"
+for name in "${only_names[@]}"; do
+  if [[ " ${STEP_NAMES[*]} " != *" $name "* ]]; then
+    echo "gpu_session.sh: --only: expected step names from: ${STEP_NAMES[*]}; got $name" >&2
+    exit 2
+  fi
 done
 if [[ ! "$BUDGET" =~ ^[0-9]+$ ]] || [[ "$BUDGET" -lt 60 ]]; then
   echo "gpu_session.sh: --budget: expected seconds >= 60, got $BUDGET" >&2
@@ -76,6 +89,11 @@ FAILED=0
 # left of the budget (minus 20 s for the summary), logs its output, records status and time.
 step() {
   local name="$1" cap="$2" fn="$3"
+  # The environment report always runs: every summary needs the device.
+  if [[ -n "$ONLY" && $name != environment && ",$ONLY," != *",$name,"* ]]; then
+    printf '%s\tskipped\t0\tnot in --only\n' "$name" >> "$STEPS_TSV"
+    return 0
+  fi
   local left=$((BUDGET - (SECONDS - START) - 20))
   local limit=$((cap < left ? cap : left))
   if [[ $DRY_RUN == 1 ]]; then
