@@ -168,7 +168,7 @@ def test_storage_dtypes_come_from_the_registry() -> None:
         (((3, 4), (0, 2)), (torch.float32,) * 2, r"shapes\[1\]: .*got \(0, 2\)"),
         (((3, 4.0),), (torch.float32,), r"shapes\[0\]: .*got \(3, 4.0\)"),
         (((3, 4),), ("float32",), r"dtypes\[0\]: expected a torch.dtype, got 'float32' \(str\)"),
-        ((1,), (torch.float32,),
+        ((1, 2), (torch.float32,) * 2,
          r"shapes\[0\]: expected a tuple of ints \(a state shape\), got 1 \(int\)"),
         (torch.Size([3, 4]), (torch.float32,) * 2, r"shapes\[0\]: .*got 3 \(int\)"),
         (((3, 4), None), (torch.float32,) * 2, r"shapes\[1\]: .*got None \(NoneType\)"),
@@ -191,6 +191,14 @@ def test_mamba_spec_accepts_tuple_list_and_size_shapes() -> None:
     spec = MambaSpec(block_size=16, shapes=shapes, dtypes=(torch.float32,) * 3)
     assert spec.state_sizes_bytes == (48, 48, 48)
     assert MambaSpec(block_size=16, shapes=[(2,)], dtypes=[torch.float16]).page_size_bytes == 4
+
+
+def test_mamba_spec_bare_shape_with_one_dtype_is_one_state() -> None:
+    """``shapes=(1, 1)`` with one dtype (how upstream's tests build specs) is ``((1, 1),)``."""
+    spec = MambaSpec(block_size=16, shapes=(3, 4), dtypes=(torch.float32,))
+    assert spec.shapes == ((3, 4),)
+    assert spec == MambaSpec(block_size=16, shapes=((3, 4),), dtypes=(torch.float32,))
+    assert spec.page_size_bytes == 48
 
 
 @pytest.mark.parametrize("num_blocks", [-8, -1, True, 2.0, "8"])
