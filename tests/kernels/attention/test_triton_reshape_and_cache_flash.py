@@ -1,0 +1,330 @@
+"""The Triton cache writer (vllm.v1.attention.ops.triton_reshape_and_cache_flash) byte for byte
+against the reference codecs (vllm.kv_quant) and the compiled op on the same inputs: every
+format, source dtype, page order (NHD / HND), scale kind and NVFP4 scale layout; casts into
+unquantized caches; odd shapes and strides; ties, saturation, zeros, subnormal scales, NaN and
+Inf; skipped and padding tokens; the compiled op's errors on bad input, nothing written.
+
+Without a GPU the kernel runs under Triton's interpreter on CPU tensors (tests/conftest.py sets
+TRITON_INTERPRET=1), so shapes are small; with one, the CUDA cases run it natively. The helpers
+(Case, make_case, check_against_reference, the edge-value rows, the bad-input table) are those
+of the compiled op's tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+from vllm import _custom_ops as ops
+from vllm.v1.attention.ops.triton_reshape_and_cache_flash import triton_reshape_and_cache_flash
+from vllm.v1.kv_cache_format import lookup
+
+from .cache_utils import (
+    EXPLICIT_UNQUANTIZED,
+    KIND_AND_DTYPE,
+    SOURCE_DTYPES,
+    Case,
+    _id,
+    _rebased,
+    assert_bytes_equal,
+    check_against_reference,
+    make_case,
+)
+from .test_cache import _special_values, random_cases
+from .test_cache_errors import BAD_INPUTS
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+TRITON_DEVICES = [
+    pytest.param(
+        "cpu",
+        marks=pytest.mark.skipif(
+            not INTERPRETED,
+            reason="Triton runs CPU tensors only under its interpreter (TRITON_INTERPRET=1, set "
+            "by tests/conftest.py when there is no GPU)",
+        ),
+    ),
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    ),
+]
+PER_TOKEN_HEAD = ["int8_per_token_head", "fp8_per_token_head"]
+ALL_KINDS = [*(k for k, _ in KIND_AND_DTYPE), *PER_TOKEN_HEAD]
+# Small pages: the interpreter costs ~1 ms per program (token x head), nvfp4_mse ~0.5 s.
+SMALL = dict(num_blocks=3, block_size=4, num_heads=2, num_tokens=6, padding=2, skip_every=4)
+TINY_MSE = dict(num_blocks=2, block_size=4, num_heads=1, num_tokens=3, padding=1, skip_every=3)
+
+
+class TritonCase(Case):
+    """A Case whose run() is the Triton writer (same arguments as the compiled op)."""
+
+    def run(self) -> None:
+        triton_reshape_and_cache_flash(*self.args())
+
+
+def as_triton(case: Case) -> TritonCase:
+    return TritonCase(**{f.name: getattr(case, f.name) for f in dataclasses.fields(case)})
+
+
+def small_case(device: str, kind: str, dtype: torch.dtype, **overrides: object) -> Case:
+    shape = TINY_MSE if kind == "nvfp4_mse" else SMALL
+    return make_case(device, kind, dtype, **{**shape, **overrides})
+
+
+def op_bytes(case: Case) -> list[torch.Tensor]:
+    """The case's buffers after the compiled op has written the case's tokens into a copy."""
+    op_buffers = case.snapshot()
+    ops.reshape_and_cache_flash(
+        case.key,
+        case.value,
+        _rebased(case.key_cache, case.buffers, op_buffers),
+        _rebased(case.value_cache, case.buffers, op_buffers),
+        *case.args()[4:],
+    )
+    return op_buffers
+
+
+def check_triton(case: Case) -> None:
+    """The Triton writer's bytes equal the reference codec's and the compiled op's."""
+    expected_op = op_bytes(case)
+    check_against_reference(as_triton(case))
+    assert_bytes_equal(case.buffers, expected_op)
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize(
+    "kind,dtype",
+    [*KIND_AND_DTYPE, *((k, d) for k in PER_TOKEN_HEAD for d in SOURCE_DTYPES)],
+    ids=_id,
+)
+@pytest.mark.parametrize("hnd", [False, True], ids=["NHD", "HND"])
+def test_matches_reference_and_op(device: str, kind: str, dtype: torch.dtype, hnd: bool) -> None:
+    check_triton(small_case(device, kind, dtype, hnd=hnd, row_padding=3))
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_e5m2", "nvfp4", "nvfp4_mse"])
+@pytest.mark.parametrize("shape", [(), (1,), (1, 1)], ids=["0d", "1", "1x1"])
+def test_scale_shapes(device: str, kind: str, shape: tuple[int, ...]) -> None:
+    """Per-head [H] scales, and one value in any shape (upstream engines pass 0-d tensors)."""
+    per_head = small_case(device, kind, torch.bfloat16, per_head_scale=True, hnd=True)
+    check_triton(per_head)
+    case = small_case(device, kind, torch.float16, seed=1)
+    case.k_scale = case.k_scale.reshape(shape)
+    case.v_scale = case.v_scale.reshape(shape)
+    check_triton(case)
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("src", SOURCE_DTYPES, ids=_id)
+@pytest.mark.parametrize("cache", SOURCE_DTYPES, ids=_id)
+def test_cast_into_unquantized_cache(device: str, src: torch.dtype, cache: torch.dtype) -> None:
+    """K/V of any float dtype are rounded to nearest even into the cache's dtype, as ``.to()``
+    does (the interpreter's own fp32 -> bf16 conversion truncates: the kernel rounds on bits)."""
+    check_triton(small_case(device, "auto", src, cache_dtype=cache))
+    name = next(n for n, d in EXPLICIT_UNQUANTIZED.items() if d == cache)
+    check_triton(small_case(device, name, src, cache_dtype=cache, hnd=True, seed=2))
+
+
+def _rounding_rows(dtype: torch.dtype) -> torch.Tensor:
+    """fp32 values that fp16 / bf16 must round: ties both ways, carries into the exponent,
+    overflow to Inf, fp16 subnormals and their ties, NaN; the same values negated."""
+    step = torch.tensor([1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11, 1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8])
+    values = torch.cat(
+        [
+            step,
+            torch.tensor([65504.0, 65519.0, 65520.0, 3.4e38, float("inf"), float("nan")]),
+            torch.tensor([2.0**-25, 3 * 2.0**-25, 2.0**-24 * 1.5, 2.0**-15, 6.1e-5, 1e-40]),
+            torch.tensor([2.0 - 2.0**-12, 2.0 - 2.0**-9, 1.0 - 2.0**-25, 0.0, -0.0, 7.0]),
+        ]
+    )
+    return torch.cat([values, -values]).to(dtype)
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("cache", [torch.float16, torch.bfloat16], ids=_id)
+def test_cast_rounding_edges(device: str, cache: torch.dtype) -> None:
+    values = _rounding_rows(torch.float32)
+    case = make_case(
+        device, "auto", torch.float32, cache_dtype=cache, num_blocks=2, block_size=4,
+        num_heads=1, head_size=values.numel(), num_tokens=2, padding=0, skip_every=0,
+    )  # fmt: skip
+    case.key = values.view(1, 1, -1).repeat(2, 1, 1).to(device)
+    case.value = -case.key
+    if cache == torch.bfloat16:
+        # torch's fp32 -> bf16 cast gives NaN some other NaN bits than the compiled op's quiet
+        # NaN (csrc float_to_bf16_bits): NaN is compared with the op only.
+        nan = case.key.isnan()
+        case.key, case.value = case.key.masked_fill(nan, 1.0), case.value.masked_fill(nan, -1.0)
+        check_triton(case)
+        nan_case = as_triton(make_case(device, "auto", torch.float32, cache_dtype=cache))
+        nan_case.key = torch.full_like(nan_case.key, float("nan"))
+        nan_case.value = -nan_case.key
+        op_buffers = op_bytes(nan_case)
+        nan_case.run()
+        assert_bytes_equal(nan_case.buffers, op_buffers)
+        return
+    check_triton(case)
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("kind", ["nvfp4", "nvfp4_mse"])
+@pytest.mark.parametrize(
+    "k_layout,v_layout",
+    [("linear", "interleave4"), ("interleave4", "linear"), ("interleave4", None), (None, None)],
+)
+def test_nvfp4_scale_layouts(
+    device: str, kind: str, k_layout: str | None, v_layout: str | None
+) -> None:
+    """Each side's block-scale layout, V following a named K, and the geometry's default
+    (None: interleave4 where it fits)."""
+    case = small_case(
+        device, kind, torch.bfloat16, k_scale_layout=k_layout, v_scale_layout=v_layout
+    )
+    check_triton(case)
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_nvfp4_default_layout_where_interleave4_does_not_fit(device: str) -> None:
+    """Block size 3 and head size 48: no interleave4, the default is linear on both sides."""
+    case = small_case(
+        device, "nvfp4", torch.float16, block_size=3, head_size=48, head_size_v=80,
+        k_scale_layout=None, v_scale_layout=None,
+    )  # fmt: skip
+    check_triton(case)
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("kind", ALL_KINDS[::2] + ["fp8_per_token_head", "nvfp4"])
+@pytest.mark.parametrize(
+    "head_size,head_size_v,block_size,num_heads",
+    [(16, 48, 1, 1), (32, 64, 3, 3), (80, 16, 5, 2)],
+)
+def test_odd_shapes(
+    device: str, kind: str, head_size: int, head_size_v: int, block_size: int, num_heads: int
+) -> None:
+    """Head sizes that are not powers of two (K and V different), blocks of 1, 3, 5 tokens."""
+    case = small_case(
+        device, kind, torch.bfloat16, head_size=head_size, head_size_v=head_size_v,
+        block_size=block_size, num_heads=num_heads, num_tokens=min(5, 3 * block_size),
+        row_padding=7, hnd=block_size == 3,
+    )  # fmt: skip
+    check_triton(case)
+
+
+def _special_case(device: str, kind: str, dtype: torch.dtype, k_scale, v_scale) -> Case:
+    """The compiled op's edge-value rows (E2M1 / FP8 ties, saturation, zeros, NaN, Inf,
+    subnormals) as keys, reversed as values."""
+    values = _special_values(dtype)
+    num_heads, head_size = 2, 32
+    t = values.shape[0] * 16 // (num_heads * head_size) + 1
+    flat = values.flatten().repeat(2)[: t * num_heads * head_size]
+    case = make_case(
+        device, kind, dtype, num_blocks=2, block_size=4, num_heads=num_heads,
+        head_size=head_size, num_tokens=t, padding=0, skip_every=0,
+    )  # fmt: skip
+    case.key = flat.view(t, num_heads, head_size).to(device)
+    case.value = flat.flip(0).view(t, num_heads, head_size).to(device)
+    case.k_scale = torch.tensor(k_scale, device=device)
+    case.v_scale = torch.tensor(v_scale, device=device)
+    return case
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_e5m2", "nvfp4", *PER_TOKEN_HEAD])
+@pytest.mark.parametrize("dtype", SOURCE_DTYPES, ids=_id)
+@pytest.mark.parametrize("scale", [1.0, 3.0])
+def test_special_values(device: str, kind: str, dtype: torch.dtype, scale: float) -> None:
+    check_triton(_special_case(device, kind, dtype, [scale], [scale, 1.0 / scale]))
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("dtype", SOURCE_DTYPES, ids=_id)
+def test_special_values_mse(device: str, dtype: torch.dtype) -> None:
+    """nvfp4_mse keeps the plain scale for NaN, Inf and all-zero groups and searches the rest."""
+    check_triton(_special_case(device, "nvfp4_mse", dtype, [0.5], [0.5, 2.0]))
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "nvfp4"])
+def test_subnormal_scale(device: str, kind: str) -> None:
+    """A subnormal scale is valid but its inverse overflows to Inf (NaN multipliers for 0)."""
+    check_triton(_special_case(device, kind, torch.float32, [1e-40], [0.5, 1e-40]))
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("kind", ["auto", "fp8", "nvfp4", "int8_per_token_head"])
+def test_skipped_tokens_write_nothing(device: str, kind: str) -> None:
+    """Every slot < 0, or no token at all: the caches keep every byte."""
+    case = as_triton(small_case(device, kind, torch.bfloat16))
+    before = case.snapshot()
+    case.slot_mapping = torch.full_like(case.slot_mapping, -1)
+    case.run()
+    case.slot_mapping = case.slot_mapping[:0]
+    case.run()
+    assert_bytes_equal(case.buffers, before)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_skips_out_of_range_slots() -> None:
+    """On CUDA, like the compiled op, a slot >= num_blocks * block_size is skipped (checking
+    would sync); on the CPU it is an error (test_bad_input)."""
+    case = small_case("cuda", "fp8", torch.bfloat16)
+    case.slot_mapping[0] = 10**6
+    check_triton(case)
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(params=random_cases())
+def test_random_shapes(device: str, params: dict) -> None:
+    """The compiled op's random shapes (heads, head sizes, layouts, strides, padding), fewer
+    tokens for the block-scale search."""
+    kind, dtype = params.pop("kind"), params.pop("dtype")
+    if kind == "nvfp4_mse":
+        params["num_tokens"] = min(params["num_tokens"], 2)
+        params["num_heads"] = 1
+    check_triton(make_case(device, kind, dtype, **params))
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize(
+    "kind,mutate,message,cpu_only", [b[1:] for b in BAD_INPUTS], ids=[b[0] for b in BAD_INPUTS]
+)
+def test_bad_input(
+    device: str, kind: str, mutate: Callable[[Case], None], message: str, cpu_only: bool
+) -> None:
+    """The compiled op's bad-input table: the same error (RuntimeError, same message) before
+    anything is written."""
+    if cpu_only and device != "cpu":
+        pytest.skip("value checks of slots and scales run on the CPU only (docs/design.md §6)")
+    dtype = torch.float16 if kind == "float16" else torch.bfloat16
+    case = as_triton(make_case(device, kind, dtype, per_head_scale=True))
+    mutate(case)
+    watched = [*case.buffers, case.key_cache, case.value_cache]
+    before = [t.contiguous().view(torch.uint8).clone() for t in watched]
+    with pytest.raises(RuntimeError, match=message):
+        case.run()
+    assert_bytes_equal([t.contiguous().view(torch.uint8) for t in watched], before)
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_non_tensor_slot_mapping(device: str) -> None:
+    case = as_triton(small_case(device, "auto", torch.bfloat16))
+    case.slot_mapping = [0, 1]  # type: ignore[assignment]
+    with pytest.raises(RuntimeError, match="slot_mapping: expected a torch.Tensor, got list"):
+        case.run()
+
+
+def test_every_kernel_format_is_covered() -> None:
+    """Every format the compiled op writes is among this file's kinds (a format added to the
+    registry must be added to the writer and here)."""
+    from vllm.v1.kv_cache_format import formats
+
+    written = {f.name for f in formats() if f.cache_kind is not None}
+    assert written == {lookup(k).name for k in ALL_KINDS}
