@@ -5,21 +5,27 @@ values equal, bit for bit, to the reference codecs of :mod:`vllm.kv_quant`:
 
 * unquantized fp16 / fp32: loaded and widened; bf16: read as int16 bits, shifted into the high
   half of an fp32 (exact, and right under Triton's interpreter, whose bf16 is wrong);
-* FP8 e4m3 / e5m2: the byte's bits are moved into an fp16 (e5m2 is the top byte of an fp16;
-  e4m3 lands 8 binades low and is multiplied by 2^8), then widened, so no fp8 type is needed
-  (sm_80 has none); e4m3's NaN bytes 0x7F / 0xFF give NaN. Times the per-tensor or per-head
-  scale (one fp32 multiply);
+* FP8 e4m3 / e5m2: decoded from the byte's bits by integer operations (the exact decoders of
+  :mod:`.triton_kv_encode`; e5m2 is the high byte of an fp16), so no fp8 type is needed (sm_80
+  has none); e4m3's NaN bytes 0x7F / 0xFF give NaN. Times the per-tensor or per-head scale (one
+  fp32 multiply);
 * per-token-head INT8 / FP8: the row's bytes times its fp32 scale, read from 4 inline
   little-endian bytes after the row (this library's layout) or from a separate fp32 scale cache
   (upstream's ``k_scale_cache``);
-* NVFP4: the 4-bit E2M1 code (low nibble first) moved into an fp16 the same way, times its
-  e4m3 block scale (linear or interleave4 placement), times the global scale:
-  ``(E2M1[q] * float(sf)) * gs``.
+* NVFP4: the 4-bit E2M1 code (low nibble first) decoded exactly, times its e4m3 block scale
+  (linear or interleave4 placement), times the global scale: ``(E2M1[q] * float(sf)) * gs``.
 """
 
 from __future__ import annotations
 
 from vllm.triton_utils import tl, triton
+from vllm.v1.attention.ops.triton_kv_encode import (
+    e2m1_to_f32,
+    e4m3_to_f32,
+    fp16_bits_to_f32_bits,
+    from_bits,
+    source_to_f32_bits,
+)
 
 # Cache formats as the kernels see them (constexpr values).
 FMT_FLOAT = 0  # fp16 / fp32 pages, read in their own dtype
@@ -32,37 +38,9 @@ FMT_NVFP4 = 6
 
 
 @triton.jit
-def fp16_bits_to_fp32(bits):
-    """fp32 value of the fp16 whose bits are the low 16 bits of int32 ``bits``."""
-    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def e4m3_to_fp32(byte):
-    """fp32 value of FP8 e4m3 bytes (uint8 or int32 0..255); 0x7F / 0xFF give NaN."""
-    b = byte.to(tl.int32)
-    magnitude = b & 0x7F
-    value = fp16_bits_to_fp32(((b & 0x80) << 8) | (magnitude << 7)) * 256.0
-    return tl.where(magnitude == 0x7F, float("nan"), value)
-
-
-@triton.jit
-def e5m2_to_fp32(byte):
-    """fp32 value of FP8 e5m2 bytes (the high byte of an fp16)."""
-    return fp16_bits_to_fp32(byte.to(tl.int32) << 8)
-
-
-@triton.jit
-def e2m1_to_fp32(code):
-    """fp32 value of E2M1 codes (int32 0..15: bit 3 sign, bits 0..2 the magnitude index)."""
-    bits = ((code & 8) << 12) | ((code & 7) << 9)
-    return fp16_bits_to_fp32(bits) * 16384.0
-
-
-@triton.jit
-def bf16_bits_to_fp32(bits):
-    """fp32 value of bf16 values read as int16 bits."""
-    return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+def e5m2_to_f32(byte):
+    """fp32 value of FP8 e5m2 bytes: the high byte of an fp16, widened exactly."""
+    return from_bits(fp16_bits_to_f32_bits(byte.to(tl.uint32) << 8))
 
 
 @triton.jit
@@ -124,20 +102,22 @@ def load_kv_tile(
             srow = tok
             scol = group
         aux = page * aux_stride_page + srow * aux_stride_tok + head * aux_stride_head + scol
-        sf = e4m3_to_fp32(tl.load(aux_ptr + aux, mask=mask, other=0))
-        value = (e2m1_to_fp32(code) * sf) * tensor_scale
+        sf = e4m3_to_f32(tl.load(aux_ptr + aux, mask=mask, other=0).to(tl.uint32))
+        value = (e2m1_to_f32(code.to(tl.uint32)) * sf) * tensor_scale
     elif FORMAT == 4 or FORMAT == 5:  # per-token-head rows
         byte = tl.load(cache_ptr + row + dim, mask=mask, other=0).to(tl.int32)
         # FORMAT 4: the uint8 bits of an int8 value; 5: e4m3.
-        q = ((byte ^ 128) - 128).to(tl.float32) if FORMAT == 4 else e4m3_to_fp32(byte)
+        q = ((byte ^ 128) - 128).to(tl.float32) if FORMAT == 4 else e4m3_to_f32(byte.to(tl.uint32))
         aux = page * aux_stride_page + tok * aux_stride_tok + head * aux_stride_head
         value = q * load_row_scale(aux_ptr, aux, key_mask, SCALE_INLINE)
     elif FORMAT == 2:
-        value = e4m3_to_fp32(tl.load(cache_ptr + row + dim, mask=mask, other=0)) * tensor_scale
+        byte = tl.load(cache_ptr + row + dim, mask=mask, other=0).to(tl.uint32)
+        value = e4m3_to_f32(byte) * tensor_scale
     elif FORMAT == 3:
-        value = e5m2_to_fp32(tl.load(cache_ptr + row + dim, mask=mask, other=0)) * tensor_scale
+        value = e5m2_to_f32(tl.load(cache_ptr + row + dim, mask=mask, other=0)) * tensor_scale
     elif FORMAT == 1:
-        value = bf16_bits_to_fp32(tl.load(cache_ptr + row + dim, mask=mask, other=0))
+        bits = tl.load(cache_ptr + row + dim, mask=mask, other=0)
+        value = from_bits(source_to_f32_bits(bits, 2))  # 2: SRC_BF16
     else:
         value = tl.load(cache_ptr + row + dim, mask=mask, other=0.0).to(tl.float32)
     return tl.where(mask, value, 0.0)
