@@ -2,15 +2,16 @@
 exits 1 naming each (kernel case, target) that fails.
 
     python tools/compile_triton_kernels.py [--arch 80,90,100] [--only SUBSTRING ...] [--jobs N]
-                                           [--list]
+                                           [--module NAME ...] [--list]
 
 Finds every module under ``vllm/`` that defines ``triton_compile_cases()`` (the convention of
 :mod:`vllm.triton_utils.aot`), imports it and compiles each case with Triton's own compiler for
 ``GPUTarget("cuda", cc, 32)`` (PTX and cubin; no driver needed), then prints one row per case and
 target: seconds, cubin bytes, shared memory. ``--jobs`` compiles in that many worker processes
-(default: the CPU count), each importing the kernel modules itself. Triton's interpreter, which
-runs the kernels in the CPU tests, accepts code the GPU compiler rejects, so this is the check
-that the kernels build.
+(default: the CPU count), each importing the kernel modules itself. ``--module`` adds a module
+outside ``vllm/`` by its import name (one defining ``triton_compile_cases``). Triton's
+interpreter, which runs the kernels in the CPU tests, accepts code the GPU compiler rejects, so
+this is the check that the kernels build.
 ``TRITON_INTERPRET`` is removed from the environment before Triton is imported (under the
 interpreter ``@triton.jit`` gives functions the compiler cannot take). ``--list`` prints the
 cases without compiling.
@@ -88,10 +89,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: CPUs)"
     )
+    parser.add_argument(
+        "--module",
+        action="append",
+        default=[],
+        help="also compile the cases of this importable module (repeatable)",
+    )
     parser.add_argument("--list", action="store_true", help="list the cases, compile nothing")
     args = parser.parse_args(argv)
 
     modules = find_case_modules("vllm")
+    for name in args.module:
+        hook = getattr(importlib.import_module(name), CASES_HOOK, None)
+        if not callable(hook):
+            print(f"--module: expected a module defining {CASES_HOOK}(), got {name!r}")
+            return 2
+        modules.append((name, hook))
     cases = [
         (module, case)
         for module, hook in modules

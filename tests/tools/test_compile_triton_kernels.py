@@ -1,0 +1,96 @@
+"""tools/compile_triton_kernels.py: the writer's kernel compiles for a GPU target on this CPU
+machine (Triton's compiler, no driver), and a kernel the GPU compiler rejects but Triton's
+interpreter runs (an 8x8 ``tl.dot``) fails the tool, naming the kernel and the target.
+
+The tool runs in a subprocess without TRITON_INTERPRET (tests/conftest.py sets it here, and
+under the interpreter ``@triton.jit`` gives functions the compiler cannot take).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOL = ROOT / "tools" / "compile_triton_kernels.py"
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="needs Triton (the dev extra)"
+)
+
+# A kernel module outside vllm/: interpreted, the 8x8 dot runs; compiled, tl.dot needs K >= 16.
+BAD_MODULE = """
+import triton
+import triton.language as tl
+
+from vllm.triton_utils.aot import TritonCompileCase
+
+
+@triton.jit
+def dot8x8(a_ptr, c_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    a = tl.load(a_ptr + offs[:, None] * N + offs[None, :])
+    tl.store(c_ptr + offs[:, None] * N + offs[None, :], tl.dot(a, a))
+
+
+def triton_compile_cases():
+    signature = {"a_ptr": "*fp16", "c_ptr": "*fp32"}
+    return [
+        TritonCompileCase("dot16x16", dot8x8, signature, {"N": 16}),
+        TritonCompileCase("dot8x8", dot8x8, signature, {"N": 8}),
+    ]
+"""
+
+
+def run_tool(*args: str, pythonpath: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), env.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [sys.executable, str(TOOL), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_lists_the_writer_cases() -> None:
+    result = run_tool("--list")
+    assert result.returncode == 0, result.stderr
+    for case in ("fp32->bf16", "fp8_e5m2/per_head", "nvfp4_mse/interleave4", "int8_per_token_head"):
+        assert f"reshape_and_cache_flash/{case}" in result.stdout
+
+
+def test_compiles_a_writer_case() -> None:
+    result = run_tool("--only", "reshape_and_cache_flash/fp8_e4m3/per_head", "--arch", "90")
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [line for line in result.stdout.splitlines() if "fp8_e4m3/per_head" in line]
+    assert len(rows) == 1 and "sm_90" in rows[0] and " ok " in rows[0], result.stdout
+    assert "1 cases x 1 targets" in result.stdout
+
+
+def test_fails_on_a_kernel_the_gpu_compiler_rejects(tmp_path: Path) -> None:
+    (tmp_path / "bad_triton_kernels.py").write_text(BAD_MODULE)
+    result = run_tool(
+        "--module", "bad_triton_kernels", "--only", "bad_triton_kernels", "--arch", "80,100",
+        pythonpath=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    ok = [line for line in result.stdout.splitlines() if "dot16x16" in line]
+    assert len(ok) == 2 and all(" ok " in line for line in ok), result.stdout
+    for arch in (80, 100):
+        assert f"FAILED: bad_triton_kernels:dot8x8 for sm_{arch}:" in result.stderr
+    assert "K >= 16" in result.stderr
+
+
+def test_rejects_a_bad_arch() -> None:
+    result = run_tool("--arch", "sm90")
+    assert result.returncode == 2
+    assert "--arch: expected compute capabilities such as 80,90,100, got 'sm90'" in result.stderr
