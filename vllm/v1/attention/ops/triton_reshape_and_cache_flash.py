@@ -217,6 +217,17 @@ def _check_source(x: object, name: str) -> torch.Tensor:
     return x
 
 
+def _check_sources(key: object, value: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both sources checked, value in key's dtype."""
+    key, value = _check_source(key, "key"), _check_source(value, "value")
+    _check(
+        value.dtype == key.dtype,
+        f"value: expected dtype {_dtype_name(key.dtype)} (key's dtype), "
+        f"got {_dtype_name(value.dtype)}",
+    )
+    return key, value
+
+
 def _page_strides(cache: torch.Tensor, last_dim: int) -> tuple[int, int, int]:
     """(block, token, head) strides of a cache side whose pages are dense in NHD or HND order,
     size-1 dims given the canonical stride of the detected order (csrc make_side)."""
@@ -363,12 +374,7 @@ def triton_reshape_and_cache_flash_per_token_head_quant(
     e4m3 bytes), the fp32 scales into ``k_scale_cache`` / ``v_scale_cache [B, N, H]``. Bytes and
     scales are those of the ``int8_per_token_head`` / ``fp8_per_token_head`` codec
     (:mod:`vllm.kv_quant.per_token_head`); any strides."""
-    key, value = _check_source(key, "key"), _check_source(value, "value")
-    _check(
-        value.dtype == key.dtype,
-        f"value: expected dtype {_dtype_name(key.dtype)} (key's dtype), "
-        f"got {_dtype_name(value.dtype)}",
-    )
+    key, value = _check_sources(key, value)
     fp8 = key_cache.dtype in (torch.float8_e4m3fn, torch.uint8)
     _check(
         fp8 or key_cache.dtype == torch.int8,
@@ -413,14 +419,20 @@ def triton_reshape_and_cache_flash_diffkv(
     and ``value [T_pad, H, Dv]`` into ``kv_cache [B, N, H, Dk + Dv]`` (K first), unquantized
     (rounded to the cache dtype) or FP8 (``x / scale``, per-tensor or per-head scales); any page
     strides with a contiguous last dim."""
-    key, value = _check_source(key, "key"), _check_source(value, "value")
+    key, value = _check_sources(key, value)
     fmt = lookup(kv_cache_dtype)
     _check(
         fmt.quant_mode in (KVQuantMode.NONE, KVQuantMode.FP8_PER_TENSOR) and not fmt.mla_only,
         "kv_cache_dtype: expected an unquantized or FP8 format for rows holding K and V, "
         f"got {kv_cache_dtype!r}",
     )
-    _ops().check_kv_dtypes(key, value, kv_cache, kv_cache, kv_cache_dtype)
+    floats = "float32, float16 or bfloat16"
+    wanted = floats if fmt.is_auto else _dtype_name(fmt.resolve_storage_dtype(kv_cache.dtype))
+    _check(
+        kv_cache.dtype in _BITS_VIEW if fmt.is_auto else kv_cache.dtype == fmt.storage_dtype,
+        f"kv_cache: expected dtype {wanted} for kv_cache_dtype '{kv_cache_dtype}', "
+        f"got {_dtype_name(kv_cache.dtype)}",
+    )
     heads, d_k, d_v = key.shape[1], key.shape[2], value.shape[2]
     _check(
         list(value.shape[:2]) == list(key.shape[:2]),
