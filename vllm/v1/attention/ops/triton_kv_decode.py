@@ -12,15 +12,19 @@ values equal, bit for bit, to the reference codecs of :mod:`vllm.kv_quant`:
 * per-token-head INT8 / FP8: the row's bytes times its fp32 scale, read from 4 inline
   little-endian bytes after the row (this library's layout) or from a separate fp32 scale cache
   (upstream's ``k_scale_cache``);
-* NVFP4: the 4-bit E2M1 code (low nibble first) decoded exactly, times its e4m3 block scale
-  (linear or interleave4 placement), times the global scale: ``(E2M1[q] * float(sf)) * gs``.
+* NVFP4 is not decoded element by element into fp32 (a dozen operations per element would
+  make the read compute-bound): :func:`nvfp4_units` gives each code's ``E2M1[q] * 2^-14`` as an
+  exact fp16 in a few integer operations, :func:`nvfp4_block_scales` the e4m3 block scales, and
+  the attention kernel applies the scales per 16-element group around its dots: for keys,
+  ``s = sum_g sf_g * (q_g . E_g)`` (a batched dot per group), for values ``P (sf_g) @ E_g``, the
+  global scale and 2^14 once per tile / at the end. With a softmax weight of 1 the output is
+  ``(E2M1[q] * sf) * gs`` rounded once, as ``dequantize_nvfp4``.
 """
 
 from __future__ import annotations
 
 from vllm.triton_utils import tl, triton
 from vllm.v1.attention.ops.triton_kv_encode import (
-    e2m1_to_f32,
     e4m3_to_f32,
     fp16_bits_to_f32_bits,
     from_bits,
@@ -58,6 +62,46 @@ def load_row_scale(scale_ptr, offset, mask, SCALE_INLINE: tl.constexpr):
 
 
 @triton.jit
+def nvfp4_units(cache_ptr, page, tok, head, dim, mask, stride_page, stride_tok, stride_head):
+    """fp16 ``E2M1[q] * 2^-14`` (exact) of NVFP4 elements ``dim`` of (``page``, ``tok``) of KV
+    head ``head``: byte ``dim / 2`` of the data view (low nibble first), its 4-bit code moved
+    into an fp16's sign, exponent and mantissa bits (a few integer operations per element; the
+    2^14 is put back after the dot). Masked elements are 0."""
+    row = page * stride_page + tok * stride_tok + head * stride_head
+    byte = tl.load(cache_ptr + row + dim // 2, mask=mask, other=0).to(tl.int32)
+    code = (byte >> ((dim & 1) * 4)) & 0xF
+    return (((code & 8) << 12) | ((code & 7) << 9)).to(tl.uint16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def nvfp4_block_scales(
+    aux_ptr,
+    page,
+    tok,
+    head,
+    group,
+    mask,
+    stride_page,
+    stride_tok,
+    stride_head,
+    INTERLEAVE4: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+):
+    """fp32 e4m3 block scales of 16-element ``group`` of (``page``, ``tok``) of KV head ``head``,
+    read from the page's scale view at their linear or interleave4 place (row
+    ``(t/4)*4 + s/(S/4)``, column ``(s % (S/4))*4 + t%4``). Masked scales are 0."""
+    if INTERLEAVE4:
+        quarter: tl.constexpr = HEAD_SIZE // 64
+        srow = (tok // 4) * 4 + group // quarter
+        scol = (group % quarter) * 4 + tok % 4
+    else:
+        srow = tok
+        scol = group
+    aux = page * stride_page + srow * stride_tok + head * stride_head + scol
+    return e4m3_to_f32(tl.load(aux_ptr + aux, mask=mask, other=0).to(tl.uint32))
+
+
+@triton.jit
 def load_kv_tile(
     cache_ptr,
     aux_ptr,
@@ -75,36 +119,20 @@ def load_kv_tile(
     aux_stride_head,
     tensor_scale,
     FORMAT: tl.constexpr,
-    INTERLEAVE4: tl.constexpr,
     SCALE_INLINE: tl.constexpr,
-    HEAD_SIZE: tl.constexpr,
 ):
-    """fp32 values of one cache side at (``page``, ``tok``) x ``dim`` of KV head ``head``.
+    """fp32 values of one cache side (any format but NVFP4, see :func:`nvfp4_units`) at
+    (``page``, ``tok``) x ``dim`` of KV head ``head``.
 
     ``page`` (int64) / ``tok`` and ``dim`` broadcast against each other (e.g. ``[1, N]`` and
     ``[D, 1]`` for a transposed key tile); ``key_mask`` / ``dim_mask`` have their shapes.
-    Strides are in elements of ``cache_ptr`` (bytes for the quantized formats; NVFP4: the data
-    view's). ``aux_ptr`` / ``aux_stride_*``: the NVFP4 scale view, or the per-token-head scales
-    (inline bytes or a scale cache). ``tensor_scale``: fp32 per-tensor / per-head scale (FP8) or
-    global scale (NVFP4). Masked elements are 0.
+    Strides are in elements of ``cache_ptr`` (bytes for the quantized formats). ``aux_ptr`` /
+    ``aux_stride_*``: the per-token-head scales (inline bytes or a scale cache).
+    ``tensor_scale``: the fp32 per-tensor / per-head FP8 scale. Masked elements are 0.
     """
     mask = key_mask & dim_mask
     row = page * stride_page + tok * stride_tok + head * stride_head
-    if FORMAT == 6:  # NVFP4
-        byte = tl.load(cache_ptr + row + dim // 2, mask=mask, other=0).to(tl.int32)
-        code = (byte >> ((dim & 1) * 4)) & 0xF
-        group = dim // 16
-        if INTERLEAVE4:
-            quarter: tl.constexpr = HEAD_SIZE // 64
-            srow = (tok // 4) * 4 + group // quarter
-            scol = (group % quarter) * 4 + tok % 4
-        else:
-            srow = tok
-            scol = group
-        aux = page * aux_stride_page + srow * aux_stride_tok + head * aux_stride_head + scol
-        sf = e4m3_to_f32(tl.load(aux_ptr + aux, mask=mask, other=0).to(tl.uint32))
-        value = (e2m1_to_f32(code.to(tl.uint32)) * sf) * tensor_scale
-    elif FORMAT == 4 or FORMAT == 5:  # per-token-head rows
+    if FORMAT == 4 or FORMAT == 5:  # per-token-head rows
         byte = tl.load(cache_ptr + row + dim, mask=mask, other=0).to(tl.int32)
         # FORMAT 4: the uint8 bits of an int8 value; 5: e4m3.
         q = ((byte ^ 128) - 128).to(tl.float32) if FORMAT == 4 else e4m3_to_f32(byte.to(tl.uint32))

@@ -14,9 +14,14 @@ otherwise it writes its unnormalised partial sums and running max / sum, which
 from __future__ import annotations
 
 from vllm.triton_utils import LOG2E, tl, triton
-from vllm.v1.attention.ops.triton_kv_decode import load_kv_tile
+from vllm.v1.attention.ops.triton_kv_decode import (
+    load_kv_tile,
+    nvfp4_block_scales,
+    nvfp4_units,
+)
 
 _LOG2E = tl.constexpr(LOG2E)
+_E2M1_UNIT = tl.constexpr(16384.0)  # nvfp4_units gives E2M1 / 2^14
 
 
 @triton.jit
@@ -153,6 +158,10 @@ def paged_attention_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
     kv_head64 = kv_head.to(tl.int64)
+    if FORMAT == 6:  # per-group query slices [G, BLOCK_M, 16] and group indices (NVFP4)
+        q_groups = tl.permute(tl.reshape(q, [BLOCK_M, D_PAD // 16, 16]), (1, 0, 2))
+        groups = tl.arange(0, D_PAD // 16)
+        groups_v = tl.arange(0, DV_PAD // 16)
 
     for t in range(tile_begin, tile_end):
         keys = key_lo + t * TILE_N + tl.arange(0, TILE_N)
@@ -161,28 +170,58 @@ def paged_attention_kernel(
             block_table_ptr + seq * stride_bt + keys // BLOCK_SIZE, mask=key_ok, other=0
         ).to(tl.int64)
         tok = keys % BLOCK_SIZE
-        k = load_kv_tile(
-            k_ptr,
-            k_aux_ptr,
-            page[None, :],
-            tok[None, :],
-            kv_head64,
-            d[:, None],
-            key_ok[None, :],
-            d_ok[:, None],
-            stride_k_page,
-            stride_k_tok,
-            stride_k_head,
-            stride_ka_page,
-            stride_ka_tok,
-            stride_ka_head,
-            k_scale,
-            FORMAT,
-            K_INTERLEAVE4,
-            SCALE_INLINE,
-            HEAD_SIZE,
-        )
-        s = tl.dot(q, k, input_precision="ieee") if FP32_DOT else tl.dot(q, k.to(q.dtype))
+        if FORMAT == 6:  # NVFP4: s = sum_g sf_g (q_g . E_g), see triton_kv_decode
+            units = nvfp4_units(
+                k_ptr,
+                page[None, :],
+                tok[None, :],
+                kv_head64,
+                d[:, None],
+                key_ok[None, :] & d_ok[:, None],
+                stride_k_page,
+                stride_k_tok,
+                stride_k_head,
+            )
+            k_sf = nvfp4_block_scales(
+                k_aux_ptr,
+                page[None, :],
+                tok[None, :],
+                kv_head64,
+                groups[:, None],
+                key_ok[None, :] & (groups[:, None] < HEAD_SIZE // 16),
+                stride_ka_page,
+                stride_ka_tok,
+                stride_ka_head,
+                K_INTERLEAVE4,
+                HEAD_SIZE,
+            )
+            units = tl.reshape(units.to(q.dtype), [D_PAD // 16, 16, TILE_N])
+            if FP32_DOT:
+                s3 = tl.dot(q_groups, units, input_precision="ieee")
+            else:
+                s3 = tl.dot(q_groups, units)
+            s = tl.sum(s3 * k_sf[:, None, :], axis=0) * (k_scale * _E2M1_UNIT)
+        else:
+            k = load_kv_tile(
+                k_ptr,
+                k_aux_ptr,
+                page[None, :],
+                tok[None, :],
+                kv_head64,
+                d[:, None],
+                key_ok[None, :],
+                d_ok[:, None],
+                stride_k_page,
+                stride_k_tok,
+                stride_k_head,
+                stride_ka_page,
+                stride_ka_tok,
+                stride_ka_head,
+                k_scale,
+                FORMAT,
+                SCALE_INLINE,
+            )
+            s = tl.dot(q, k, input_precision="ieee") if FP32_DOT else tl.dot(q, k.to(q.dtype))
         s = s * softmax_scale
         if USE_SOFT_CAP:
             s = soft_cap * _tanh(s / soft_cap)
@@ -200,34 +239,64 @@ def paged_attention_kernel(
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = load_kv_tile(
-            v_ptr,
-            v_aux_ptr,
-            page[:, None],
-            tok[:, None],
-            kv_head64,
-            dv[None, :],
-            key_ok[:, None],
-            dv_ok[None, :],
-            stride_v_page,
-            stride_v_tok,
-            stride_v_head,
-            stride_va_page,
-            stride_va_tok,
-            stride_va_head,
-            v_scale,
-            FORMAT,
-            V_INTERLEAVE4,
-            SCALE_INLINE,
-            HEAD_SIZE_V,
-        )
-        if FP32_DOT:
-            pv = tl.dot(p, v, input_precision="ieee")
+        if FORMAT == 6:  # NVFP4: P @ V = sum over groups of (P sf_g) @ E_g
+            units = nvfp4_units(
+                v_ptr,
+                page[:, None],
+                tok[:, None],
+                kv_head64,
+                dv[None, :],
+                key_ok[:, None] & dv_ok[None, :],
+                stride_v_page,
+                stride_v_tok,
+                stride_v_head,
+            )
+            v_sf = nvfp4_block_scales(
+                v_aux_ptr,
+                page[None, :],
+                tok[None, :],
+                kv_head64,
+                groups_v[:, None],
+                key_ok[None, :] & (groups_v[:, None] < HEAD_SIZE_V // 16),
+                stride_va_page,
+                stride_va_tok,
+                stride_va_head,
+                V_INTERLEAVE4,
+                HEAD_SIZE_V,
+            )
+            units = tl.permute(tl.reshape(units.to(q.dtype), [TILE_N, DV_PAD // 16, 16]), (1, 0, 2))
+            p3 = (p[None, :, :] * v_sf[:, None, :]).to(q.dtype)
+            o3 = tl.dot(p3, units, input_precision="ieee") if FP32_DOT else tl.dot(p3, units)
+            pv = tl.reshape(tl.permute(o3, (1, 0, 2)), [BLOCK_M, DV_PAD])
         else:
-            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+            v = load_kv_tile(
+                v_ptr,
+                v_aux_ptr,
+                page[:, None],
+                tok[:, None],
+                kv_head64,
+                dv[None, :],
+                key_ok[:, None],
+                dv_ok[None, :],
+                stride_v_page,
+                stride_v_tok,
+                stride_v_head,
+                stride_va_page,
+                stride_va_tok,
+                stride_va_head,
+                v_scale,
+                FORMAT,
+                SCALE_INLINE,
+            )
+            if FP32_DOT:
+                pv = tl.dot(p, v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
+    if FORMAT == 6:  # the global scale and 2^14 of the value units, once
+        acc = acc * (v_scale * _E2M1_UNIT)
     if NUM_SPLITS == 1:
         out = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # padding rows: no 0 / 0
         tl.store(
