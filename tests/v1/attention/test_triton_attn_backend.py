@@ -347,6 +347,31 @@ def test_bad_num_splits_fails_before_writing(splits: object) -> None:
     assert all(torch.equal(a, b) for a, b in zip(kv_cache, before, strict=True))
 
 
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the shared bad-argument cases are CPU tensors")
+@pytest.mark.parametrize("kind", ["auto", "nvfp4"])
+def test_shared_bad_arguments_raise_before_the_write(kind: str) -> None:
+    """Every case of test_forward_checks_before_write on TRITON_ATTN: the error, and the cache
+    bytes unchanged."""
+    from tests.v1.attention.test_forward_checks_before_write import (
+        BAD,
+        HEAD_SIZE,
+        NUM_HEADS,
+        NUM_KV_HEADS,
+        _forward_args,
+    )
+
+    impl = TritonAttentionImpl(NUM_HEADS, HEAD_SIZE, num_kv_heads=NUM_KV_HEADS, kv_cache_dtype=kind)
+    for name, mutate, message in BAD:
+        if name == "k_scale" and kind == "auto":
+            continue  # an unquantized cache reads no scale values
+        args, raw = _forward_args(kind)
+        before = raw.clone()
+        mutate(args)
+        with pytest.raises(ValueError, match=message):
+            impl.forward(**args)
+        assert torch.equal(raw, before), name
+
+
 def test_reference_checks_apply() -> None:
     _, triton_impl, layer, kv_cache, metadata, query = setup(Case())
     with pytest.raises(ValueError, match=r"query: expected shape \[T, 4, 64\], got \[44, 4, 32\]"):
