@@ -279,11 +279,17 @@ def load_f32(src_ptr, offs, mask, SRC: tl.constexpr):
 
 
 @triton.jit
+def _nonzero(x):
+    return tl.where(x == 0.0, 1.0, x)
+
+
+@triton.jit
 def nvfp4_candidate_error(src_ptr, group_off, gmask, c, inv, SRC: tl.constexpr):
     """Squared error of each group under block-scale byte ``c`` (nvfp4_candidate_error): every
     op one rounded fp32 op, summed strictly in element order."""
     c_f = e4m3_to_f32(c)
-    mult = tl.where(c_f == 0.0, 0.0, tl.math.div_rn(tl.zeros_like(c_f) + inv, c_f))
+    # A zero scale byte gives multiplier 0 (divided by 1 only to keep 1 / 0 out of the lanes).
+    mult = tl.where(c_f == 0.0, 0.0, tl.math.div_rn(tl.zeros_like(c_f) + inv, _nonzero(c_f)))
     err = tl.zeros_like(c_f)
     for i in range(16):  # a loop, not unrolled: 3 candidates x 16 loads bloat the code
         x = load_f32(src_ptr, group_off + i, gmask, SRC)
@@ -340,7 +346,7 @@ def write_nvfp4_row(src_ptr, src_off, dst_ptr, data_off, scale_row_off, tok, sca
         best = tl.where(take, sf + 1, best)
         sf = tl.where(plain, sf, best)
     sf_f = e4m3_to_f32(sf)
-    mult = tl.where(sf_f == 0.0, 0.0, tl.math.div_rn(tl.zeros_like(sf_f) + inv, sf_f))
+    mult = tl.where(sf_f == 0.0, 0.0, tl.math.div_rn(tl.zeros_like(sf_f) + inv, _nonzero(sf_f)))
     lo = f32_to_e2m1(from_bits(even) * mult[:, None])
     hi = f32_to_e2m1(from_bits(odd) * mult[:, None])
     packed = tl.where((sf == FP8_NAN_BYTE)[:, None], 0, (hi << 4) | lo)
