@@ -63,6 +63,7 @@ def _write_side(src_ptr, src_off, dst_ptr, block, tok, head, block_stride, token
                 FLOOR: tl.constexpr, SCALE_INLINE: tl.constexpr):  # fmt: skip
     """One (token, head) row of one cache side. Strides are in cache elements; NVFP4's token and
     head strides count entries (rows of D/2 data or D/16 scale bytes)."""
+    # KIND: KIND_PLAIN 0, KIND_FP8_E4M3 1, KIND_FP8_E5M2 2, KIND_NVFP4 3, per-token-head 4 / 5.
     if KIND == 0:
         entry = block * block_stride + tok * token_stride + head * head_stride
         write_plain_row(src_ptr, src_off, dst_ptr, entry, D, D_PAD, SRC, DST)
@@ -106,7 +107,7 @@ def reshape_and_cache_flash_kernel(
     and >= num_slots are skipped. PAD_*: next power of 2 of the row (NVFP4: of D / 16 groups).
     ``k_scale_ptr`` / ``v_scale_ptr``: the fp32 dequantization scale ([1] or [H]) of FP8 /
     NVFP4, or an int32 view of a per-token-head scale cache (strides ``ks_*`` / ``vs_*``)."""
-    tok_idx = tl.program_id(0)
+    tok_idx = tl.program_id(0).to(tl.int64)  # source offsets may pass 2^31 elements
     head = tl.program_id(1)
     slot = tl.load(slot_mapping_ptr + tok_idx).to(tl.int64)
     if (slot < 0) | (slot >= num_slots):
