@@ -21,6 +21,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from vllm import _custom_ops as ops
+from vllm.triton_utils import HAS_TRITON
 from vllm.v1.attention.ops.triton_reshape_and_cache_flash import triton_reshape_and_cache_flash
 from vllm.v1.kv_cache_format import lookup
 
@@ -37,6 +38,8 @@ from .cache_utils import (
 )
 from .test_cache import _special_values, random_cases
 from .test_cache_errors import BAD_INPUTS
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the dev extra, Linux)")
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 TRITON_DEVICES = [

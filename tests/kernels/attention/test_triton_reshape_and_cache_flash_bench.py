@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from vllm.triton_utils import HAS_TRITON
 from vllm.v1.kv_cache_format import formats
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the dev extra, Linux)")
 
 SCRIPT = Path(__file__).parents[3] / "benchmarks" / "kernels"
 SCRIPT = SCRIPT / "benchmark_triton_reshape_and_cache_flash.py"

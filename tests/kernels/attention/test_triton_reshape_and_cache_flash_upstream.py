@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from vllm.kv_quant import quantize_per_token_head
+from vllm.triton_utils import HAS_TRITON
 from vllm.v1.attention.ops.triton_reshape_and_cache_flash import (
     triton_reshape_and_cache_flash_diffkv,
     triton_reshape_and_cache_flash_per_token_head_quant,
@@ -17,6 +18,8 @@ from vllm.v1.attention.ops.triton_reshape_and_cache_flash import (
 
 from .cache_utils import SOURCE_DTYPES, _id, assert_bytes_equal, make_slots, reference_write
 from .test_triton_reshape_and_cache_flash import TRITON_DEVICES
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the dev extra, Linux)")
 
 PTH_CACHE_DTYPES = {
     "int8": (torch.int8, "int8_per_token_head"),

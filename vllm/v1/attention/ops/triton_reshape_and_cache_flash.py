@@ -25,7 +25,7 @@ import torch
 from vllm.kv_quant.kv_scale import kv_scale_as_1d
 from vllm.kv_quant.per_token_head import PER_TOKEN_HEAD_SCALE_FLOOR, per_token_head_qmax
 from vllm.kv_quant.scale_layout import ScaleLayout
-from vllm.triton_utils import tl, triton
+from vllm.triton_utils import HAS_TRITON, tl, triton
 from vllm.triton_utils.aot import TritonCompileCase
 from vllm.v1.attention.ops.triton_kv_encode import (
     SRC_BF16,
@@ -269,6 +269,7 @@ def _launch(
     cache tensors already viewed as the dtype the kernel stores (int bits or uint8)."""
     num_tokens = slot_mapping.shape[0]
     heads, d_k, d_v = key.shape[1], key.shape[2], value.shape[2]
+    _check(HAS_TRITON, "triton: expected Triton installed (pip install triton), got none")
     if num_tokens == 0 or heads == 0 or d_k == 0 or d_v == 0:
         return
     src, bits_dtype = _BITS_VIEW[key.dtype]
