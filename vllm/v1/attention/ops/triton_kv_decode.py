@@ -5,10 +5,10 @@ values equal, bit for bit, to the reference codecs of :mod:`vllm.kv_quant`:
 
 * unquantized fp16 / fp32: loaded and widened; bf16: read as int16 bits, shifted into the high
   half of an fp32 (exact, and right under Triton's interpreter, whose bf16 is wrong);
-* FP8 e4m3 / e5m2: decoded from the byte's bits by integer operations (the exact decoders of
-  :mod:`.triton_kv_encode`; e5m2 is the high byte of an fp16), so no fp8 type is needed (sm_80
-  has none); e4m3's NaN bytes 0x7F / 0xFF give NaN. Times the per-tensor or per-head scale (one
-  fp32 multiply);
+* FP8 e4m3 / e5m2 (per-tensor or per-head scale): :func:`fp8_units`, the bytes' bits moved
+  into exact fp16 (e4m3 times 2^-8) that go into the dots as they are; the kernel multiplies the
+  scores by ``k_scale * 2^8`` and the output by ``v_scale * 2^8`` (with a softmax weight of 1:
+  ``fp32(q) * scale`` rounded once, as ``dequantize_fp8``);
 * per-token-head INT8 / FP8: the row's bytes times its fp32 scale, read from 4 inline
   little-endian bytes after the row (this library's layout) or from a separate fp32 scale cache
   (upstream's ``k_scale_cache``);
@@ -26,7 +26,6 @@ from __future__ import annotations
 from vllm.triton_utils import tl, triton
 from vllm.v1.attention.ops.triton_kv_encode import (
     e4m3_to_f32,
-    fp16_bits_to_f32_bits,
     from_bits,
     source_to_f32_bits,
 )
@@ -42,9 +41,17 @@ FMT_NVFP4 = 6
 
 
 @triton.jit
-def e5m2_to_f32(byte):
-    """fp32 value of FP8 e5m2 bytes: the high byte of an fp16, widened exactly."""
-    return from_bits(fp16_bits_to_f32_bits(byte.to(tl.uint32) << 8))
+def fp8_units(byte, E5M2: tl.constexpr):
+    """Exact fp16 of FP8 bytes in two or three integer operations, no fp8 type (sm_80 has
+    none): an e5m2 byte is the high byte of an fp16 (its value); e4m3's sign, exponent and
+    mantissa bits moved into an fp16 give its value times 2^-8 (the kernel puts the 2^8 back
+    with the scale, once), its NaN bytes 0x7F / 0xFF NaN."""
+    b = byte.to(tl.int32)
+    if E5M2:
+        return (b << 8).to(tl.uint16).to(tl.float16, bitcast=True)
+    magnitude = b & 0x7F
+    units = (((b & 0x80) << 8) | (magnitude << 7)).to(tl.uint16).to(tl.float16, bitcast=True)
+    return tl.where(magnitude == 0x7F, float("nan"), units)
 
 
 @triton.jit
@@ -117,18 +124,19 @@ def load_kv_tile(
     aux_stride_page,
     aux_stride_tok,
     aux_stride_head,
-    tensor_scale,
     FORMAT: tl.constexpr,
     SCALE_INLINE: tl.constexpr,
 ):
-    """fp32 values of one cache side (any format but NVFP4, see :func:`nvfp4_units`) at
-    (``page``, ``tok``) x ``dim`` of KV head ``head``.
+    """Values of one cache side (any format but NVFP4, see :func:`nvfp4_units`) at
+    (``page``, ``tok``) x ``dim`` of KV head ``head``: fp32, except FP8's :func:`fp8_units`
+    (fp16, the per-tensor / per-head scale not applied: the kernel applies it to the scores and
+    the output, once).
 
     ``page`` (int64) / ``tok`` and ``dim`` broadcast against each other (e.g. ``[1, N]`` and
     ``[D, 1]`` for a transposed key tile); ``key_mask`` / ``dim_mask`` have their shapes.
     Strides are in elements of ``cache_ptr`` (bytes for the quantized formats). ``aux_ptr`` /
-    ``aux_stride_*``: the per-token-head scales (inline bytes or a scale cache).
-    ``tensor_scale``: the fp32 per-tensor / per-head FP8 scale. Masked elements are 0.
+    ``aux_stride_*``: the per-token-head scales (inline bytes or a scale cache). Masked
+    elements are 0.
     """
     mask = key_mask & dim_mask
     row = page * stride_page + tok * stride_tok + head * stride_head
@@ -138,11 +146,8 @@ def load_kv_tile(
         q = ((byte ^ 128) - 128).to(tl.float32) if FORMAT == 4 else e4m3_to_f32(byte.to(tl.uint32))
         aux = page * aux_stride_page + tok * aux_stride_tok + head * aux_stride_head
         value = q * load_row_scale(aux_ptr, aux, key_mask, SCALE_INLINE)
-    elif FORMAT == 2:
-        byte = tl.load(cache_ptr + row + dim, mask=mask, other=0).to(tl.uint32)
-        value = e4m3_to_f32(byte) * tensor_scale
-    elif FORMAT == 3:
-        value = e5m2_to_f32(tl.load(cache_ptr + row + dim, mask=mask, other=0)) * tensor_scale
+    elif FORMAT == 2 or FORMAT == 3:  # FP8: unscaled fp16 units (see fp8_units)
+        value = fp8_units(tl.load(cache_ptr + row + dim, mask=mask, other=0), FORMAT == 3)
     elif FORMAT == 1:
         bits = tl.load(cache_ptr + row + dim, mask=mask, other=0)
         value = from_bits(source_to_f32_bits(bits, 2))  # 2: SRC_BF16

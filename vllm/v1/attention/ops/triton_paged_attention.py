@@ -99,6 +99,7 @@ def paged_attention_kernel(
     ``part_acc [T, Hq, NUM_SPLITS, DV_PAD]`` fp32, ``part_ml [T, Hq, NUM_SPLITS, 2]``
     (running max in log2 units, running sum)."""
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
+    FP8_UNIT: tl.constexpr = 256.0 if FORMAT == 2 else 1.0  # fp8_units gives e4m3 * 2^-8
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -217,11 +218,15 @@ def paged_attention_kernel(
                 stride_ka_page,
                 stride_ka_tok,
                 stride_ka_head,
-                k_scale,
                 FORMAT,
                 SCALE_INLINE,
             )
-            s = tl.dot(q, k, input_precision="ieee") if FP32_DOT else tl.dot(q, k.to(q.dtype))
+            if FP32_DOT:
+                s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
+            else:
+                s = tl.dot(q, k.to(q.dtype))
+            if FORMAT == 2 or FORMAT == 3:  # FP8 units: the scale (and e4m3's 2^8) once
+                s = s * (k_scale * FP8_UNIT)
         s = s * softmax_scale
         if USE_SOFT_CAP:
             s = soft_cap * _tanh(s / soft_cap)
@@ -284,12 +289,11 @@ def paged_attention_kernel(
                 stride_va_page,
                 stride_va_tok,
                 stride_va_head,
-                v_scale,
                 FORMAT,
                 SCALE_INLINE,
             )
             if FP32_DOT:
-                pv = tl.dot(p, v, input_precision="ieee")
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
             else:
                 pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
         acc = acc * alpha[:, None] + pv
@@ -297,6 +301,8 @@ def paged_attention_kernel(
 
     if FORMAT == 6:  # the global scale and 2^14 of the value units, once
         acc = acc * (v_scale * _E2M1_UNIT)
+    elif FORMAT == 2 or FORMAT == 3:  # the FP8 scale (and e4m3's 2^8), once
+        acc = acc * (v_scale * FP8_UNIT)
     if NUM_SPLITS == 1:
         out = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # padding rows: no 0 / 0
         tl.store(
