@@ -180,3 +180,35 @@ def test_argument_errors(change: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         unified_attention(tensors["q"], tensors["k"], tensors["v"], tensors["out"], **args)
     assert not out.any()
+
+
+def test_compile_cases_cover_every_reader_and_feature() -> None:
+    """triton_compile_cases() (compiled for sm_80/90/100 by tools/compile_triton_kernels.py)
+    holds every kernel FORMAT, both NVFP4 scale layouts, both per-token-head scale sources,
+    split and unsplit, each feature flag on, every query dtype, and the merge kernel."""
+    from vllm.v1.attention.ops import triton_kv_decode as dec
+    from vllm.v1.attention.ops.triton_paged_attention import (
+        merge_splits_kernel,
+        paged_attention_kernel,
+        triton_compile_cases,
+    )
+
+    cases = triton_compile_cases()
+    attention = [c for c in cases if c.kernel is paged_attention_kernel]
+    formats = {c.constexprs["FORMAT"] for c in attention}
+    assert formats == {getattr(dec, n) for n in dir(dec) if n.startswith("FMT_")}
+    assert {c.constexprs["K_INTERLEAVE4"] for c in attention if c.constexprs["FORMAT"] == 6} == {
+        True,
+        False,
+    }
+    assert {c.constexprs["SCALE_INLINE"] for c in attention if c.constexprs["FORMAT"] == 5} == {
+        True,
+        False,
+    }
+    for flag in ("CAUSAL", "USE_WINDOW", "USE_SOFT_CAP", "USE_SINKS", "FP32_DOT"):
+        assert {c.constexprs[flag] for c in attention} == {True, False}, flag
+    assert {c.constexprs["NUM_SPLITS"] > 1 for c in attention} == {True, False}
+    assert {c.signature["q_ptr"] for c in attention} == {"*fp16", "*bf16", "*fp32"}
+    merges = [c for c in cases if c.kernel is merge_splits_kernel]
+    assert {c.signature["out_ptr"] for c in merges} == {"*fp16", "*bf16", "*fp32"}
+    assert len({c.name for c in cases}) == len(cases)
