@@ -119,7 +119,9 @@ def _problem(fmt: str, batch: int, context: int, device: torch.device) -> _Probl
     cpu = attention._problem(fmt, batch, 1, context)
     kv_cache = cpu.kv_cache.to(device)
     table = cpu.metadata.block_table.to(device)
-    metadata = TritonAttentionMetadata.build([context] * batch, [1] * batch, table, 16)
+    metadata = TritonAttentionMetadata.build(
+        [context] * batch, [1] * batch, table, attention.BLOCK_SIZE
+    )
     # The interpreter's bf16 arithmetic is wrong: fp16 queries there (timing only).
     query_dtype = attention.QUERY_DTYPE if device.type == "cuda" else torch.float16
     query = cpu.query.to(device, query_dtype)
