@@ -27,6 +27,7 @@ from vllm.v1.attention.backends import (
     get_kv_cache_layout,
     kv_cache_layout,
     map_to_kernel_blocks,
+    registry,
     set_kv_cache_layout,
     split_kv_cache,
 )
@@ -49,6 +50,13 @@ def _clean_layout(monkeypatch: pytest.MonkeyPatch):
     set_kv_cache_layout(None)
     yield
     set_kv_cache_layout(None)
+
+
+@pytest.fixture(autouse=True)
+def _flashinfer_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The selector's GPU order as on a host with FlashInfer, whatever this host has (a GPU
+    host without the package skips FLASHINFER: test_triton_attn_backend.py covers that)."""
+    monkeypatch.setattr(registry, "flashinfer_missing", lambda: False)
 
 
 # --------------------------------------------------------------------------- layout
