@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # shellcheck disable=SC2329  # the step functions are exported and run through `bash -c`
 # One command for a GPU machine: builds the extension for this GPU, runs the kernel tests on it, the
-# rest of the test suite, the byte-exact GPU check program, the benchmarks and, when
+# Triton writer against the CUDA writer and the Triton attention's decode benchmark, the rest of
+# the test suite, the byte-exact GPU check program, the benchmarks and, when
 # compute-sanitizer is there, memcheck on the check program and the kernel tests; writes the
 # results under $OUT.
 #
@@ -20,6 +21,8 @@
 #   junit-kernels.xml   pytest tests/kernels on the GPU
 #   junit-suite.xml     the rest of the test suite (tests/ without tests/kernels)
 #   junit-memcheck.xml  pytest tests/kernels under compute-sanitizer --tool memcheck
+#   triton_attention.json  benchmarks/kernels/benchmark_triton_attention.py: TRITON_ATTN decode at
+#                       8k context per format, GB/s, % of the copy bandwidth, x bf16
 #   bench.json          benchmarks/kernels/benchmark_reshape_and_cache_flash.py --device cuda:
 #                       GB/s, % of the device's copy bandwidth measured in the same run, x baseline
 #   gpu_check.json      csrc/cuda/tests/gpu_check_reshape_and_cache_flash.cu: byte comparison with
@@ -50,8 +53,8 @@ while [[ $# -gt 0 ]]; do
   esac
   shift
 done
-STEP_NAMES=(environment build kernel-tests gpu-check benchmark suite-tests memcheck-kernels
-  memcheck-tests)
+STEP_NAMES=(environment build kernel-tests triton-writer triton-attention gpu-check benchmark
+  suite-tests memcheck-kernels memcheck-tests)
 IFS=',' read -r -a only_names <<< "$ONLY"
 for name in "${only_names[@]}"; do
   if [[ " ${STEP_NAMES[*]} " != *" $name "* ]]; then
@@ -169,12 +172,27 @@ build() {
   VLLM_KV_CUDA_ARCHS="$ARCH" "$PYTHON" -m pip install --no-index --no-build-isolation --no-deps \
     -e . && "$PYTHON" tools/check_op_registrations.py --require CPU,CUDA,Meta
 }
+# pytest on 8 workers where pytest-xdist is installed (see the header), else in one process.
+pytest_run() {
+  local workers=()
+  "$PYTHON" -c 'import xdist' 2> /dev/null && workers=(-n 8)
+  "$PYTHON" -m pytest -q -p no:cacheprovider "${workers[@]}" "$@"
+}
 kernel_tests() {
-  "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels --junitxml="$OUT_DIR/junit-kernels.xml"
+  pytest_run tests/kernels --junitxml="$OUT_DIR/junit-kernels.xml"
+}
+triton_writer() {
+  # Native Triton kernels (no interpreter): the Triton writer's bytes against the CUDA op's for
+  # every format (PASS / FAIL, exit 1 on a difference), and the store bandwidth of both.
+  env -u TRITON_INTERPRET "$PYTHON" benchmarks/kernels/benchmark_triton_reshape_and_cache_flash.py \
+    --device cuda --tokens 4096 --heads 8
+}
+triton_attention() {
+  env -u TRITON_INTERPRET "$PYTHON" benchmarks/kernels/benchmark_triton_attention.py \
+    --json "$OUT_DIR/triton_attention.json" --markdown "$WORK/triton_attention.md"
 }
 suite_tests() {
-  "$PYTHON" -m pytest -q -p no:cacheprovider tests --ignore=tests/kernels \
-    --junitxml="$OUT_DIR/junit-suite.xml"
+  pytest_run tests --ignore=tests/kernels --junitxml="$OUT_DIR/junit-suite.xml"
 }
 gpu_check() {
   local arch="${ARCH%%;*}"
@@ -209,11 +227,13 @@ memcheck_tests() {
 }
 
 export PYTHON NVCC ARCH OUT_DIR WORK GPU_INFO
-export -f env_report build kernel_tests suite_tests gpu_check benchmark memcheck_kernels \
-  memcheck_tests
+export -f env_report build pytest_run kernel_tests triton_writer triton_attention suite_tests \
+  gpu_check benchmark memcheck_kernels memcheck_tests
 step environment 30 env_report
 step build 240 build
 step kernel-tests 150 kernel_tests
+step triton-writer 90 triton_writer
+step triton-attention 150 triton_attention
 step gpu-check 90 gpu_check
 step benchmark 120 benchmark
 step suite-tests 90 suite_tests
@@ -255,6 +275,12 @@ EOF
   echo "| rest of tests/ | $(junit_counts "$OUT_DIR/junit-suite.xml") |"
   echo "| tests/kernels -k cuda under memcheck | $(junit_counts "$OUT_DIR/junit-memcheck.xml") |"
   echo
+  if [[ -f "$WORK/triton_attention.md" ]]; then
+    echo "## TRITON_ATTN decode (triton_attention.json)"
+    echo
+    cat "$WORK/triton_attention.md"
+    echo
+  fi
   if [[ -f "$WORK/bench.md" ]]; then
     echo "## reshape_and_cache_flash (bench.json)"
     echo
