@@ -236,7 +236,7 @@ step triton-writer 90 triton_writer
 step triton-attention 150 triton_attention
 step gpu-check 90 gpu_check
 step benchmark 120 benchmark
-step suite-tests 90 suite_tests
+step suite-tests 150 suite_tests
 step memcheck-kernels 60 memcheck_kernels
 step memcheck-tests 600 memcheck_tests  # last: it takes whatever the budget has left
 [[ $DRY_RUN == 1 ]] && exit 0
