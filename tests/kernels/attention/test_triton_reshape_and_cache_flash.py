@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 
 from vllm import _custom_ops as ops
 from vllm.triton_utils import HAS_TRITON
+from vllm.v1.attention.ops import triton_reshape_and_cache_flash as writer
 from vllm.v1.attention.ops.triton_reshape_and_cache_flash import triton_reshape_and_cache_flash
 from vllm.v1.kv_cache_format import lookup
 
@@ -34,6 +35,7 @@ from .cache_utils import (
     _rebased,
     assert_bytes_equal,
     check_against_reference,
+    expected_buffers,
     make_case,
 )
 from .test_cache import _special_values, random_cases
@@ -136,12 +138,13 @@ def test_cast_into_unquantized_cache(device: str, src: torch.dtype, cache: torch
 
 def _rounding_rows(dtype: torch.dtype) -> torch.Tensor:
     """fp32 values that fp16 / bf16 must round: ties both ways, carries into the exponent,
-    overflow to Inf, fp16 subnormals and their ties, NaN; the same values negated."""
+    overflow to Inf, fp16 subnormals and their ties; the same values negated (NaN:
+    NAN_CASTS)."""
     step = torch.tensor([1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11, 1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8])
     values = torch.cat(
         [
             step,
-            torch.tensor([65504.0, 65519.0, 65520.0, 3.4e38, float("inf"), float("nan")]),
+            torch.tensor([65504.0, 65519.0, 65520.0, 3.4e38, float("inf")]),
             torch.tensor([2.0**-25, 3 * 2.0**-25, 2.0**-24 * 1.5, 2.0**-15, 6.1e-5, 1e-40]),
             torch.tensor([2.0 - 2.0**-12, 2.0 - 2.0**-9, 1.0 - 2.0**-25, 0.0, -0.0, 7.0]),
         ]
@@ -152,6 +155,8 @@ def _rounding_rows(dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("cache", [torch.float16, torch.bfloat16], ids=_id)
 def test_cast_rounding_edges(device: str, cache: torch.dtype) -> None:
+    """Every non-NaN rounding edge against torch's cast and the compiled op (NaN: the next
+    test, since torch's cast is no reference for NaN bits)."""
     values = _rounding_rows(torch.float32)
     case = make_case(
         device, "auto", torch.float32, cache_dtype=cache, num_blocks=2, block_size=4,
@@ -159,20 +164,54 @@ def test_cast_rounding_edges(device: str, cache: torch.dtype) -> None:
     )  # fmt: skip
     case.key = values.view(1, 1, -1).repeat(2, 1, 1).to(device)
     case.value = -case.key
-    if cache == torch.bfloat16:
-        # torch's fp32 -> bf16 cast gives NaN some other NaN bits than the compiled op's quiet
-        # NaN (csrc float_to_bf16_bits): NaN is compared with the op only.
-        nan = case.key.isnan()
-        case.key, case.value = case.key.masked_fill(nan, 1.0), case.value.masked_fill(nan, -1.0)
-        check_triton(case)
-        nan_case = as_triton(make_case(device, "auto", torch.float32, cache_dtype=cache))
-        nan_case.key = torch.full_like(nan_case.key, float("nan"))
-        nan_case.value = -nan_case.key
-        op_buffers = op_bytes(nan_case)
-        nan_case.run()
-        assert_bytes_equal(nan_case.buffers, op_buffers)
-        return
     check_triton(case)
+
+
+# fp32 NaN bits -> the fp16 / bf16 bits the compiled op writes (csrc float_to_fp16_bits: quiet
+# 0x7E00 with the sign; float_to_bf16_bits: the high half with the quiet bit set). torch's own
+# cast is device dependent here: on CUDA __float2half / __float2bfloat16 give the canonical NaN
+# 0x7FFF whatever the sign, on the CPU fp16 gives these bits and bf16 0x7FC0 or 0xFFFF
+# depending on the code path.
+NAN_CASTS = [
+    (0x7FC00000, 0x7E00, 0x7FC0),
+    (0xFFC00000, 0xFE00, 0xFFC0),
+    (0x7F800001, 0x7E00, 0x7FC0),  # signalling, lowest payload bit
+    (0xFF812345, 0xFE00, 0xFFC1),
+    (0x7FFFFFFF, 0x7E00, 0x7FFF),
+    (0xFFFFFFFF, 0xFE00, 0xFFFF),
+]
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("cache", [torch.float16, torch.bfloat16], ids=_id)
+def test_cast_nan_codes(device: str, cache: torch.dtype) -> None:
+    """NaN of any sign and payload becomes the codec's NaN code (NAN_CASTS) on every device, as
+    the compiled op writes it; the value side sees the table rotated."""
+    column = 1 if cache == torch.float16 else 2
+    n = len(NAN_CASTS)
+    case = as_triton(make_case(
+        device, "auto", torch.float32, cache_dtype=cache, num_blocks=2, block_size=4,
+        num_heads=2, head_size=8 * n, num_tokens=5, padding=1, skip_every=3,
+    ))  # fmt: skip
+    bits = torch.tensor([row[0] for row in NAN_CASTS], dtype=torch.int64)
+    bits = torch.where(bits >= 2**31, bits - 2**32, bits)  # the int32 of each bit pattern
+    codes = torch.tensor([row[column] for row in NAN_CASTS], dtype=torch.int64)
+    shape = case.key.shape
+    tiled = [(bits.roll(r), codes.roll(r)) for r in (0, n // 2)]
+    case.key, case.value = (
+        b.repeat(shape.numel() // n).to(torch.int32).view(torch.float32).view(shape).to(device)
+        for b, _ in tiled
+    )
+    op_buffers = op_bytes(case)
+    case.run()
+    assert_bytes_equal(case.buffers, op_buffers)
+    kept = case.slot_mapping[case.slot_mapping >= 0]
+    assert kept.numel() > 0
+    block_size = case.key_cache.shape[1]
+    for side, (_, side_codes) in zip((case.key_cache, case.value_cache), tiled, strict=True):
+        written = side[kept // block_size, kept % block_size].view(torch.int16).to(torch.int64)
+        want = side_codes.repeat(shape[1] * shape[2] // n).view(shape[1:]).to(written.device)
+        assert torch.equal(written & 0xFFFF, want.expand_as(written)), (written & 0xFFFF, want)
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
@@ -273,13 +312,32 @@ def test_skipped_tokens_write_nothing(device: str, kind: str) -> None:
     assert_bytes_equal(case.buffers, before)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_skips_out_of_range_slots() -> None:
-    """On CUDA, like the compiled op, a slot >= num_blocks * block_size is skipped (checking
-    would sync); on the CPU it is an error (test_bad_input)."""
-    case = small_case("cuda", "fp8", torch.bfloat16)
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("kind", ["fp8", "nvfp4"])
+def test_kernel_skips_out_of_range_slots(
+    device: str, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CUDA, like the compiled op, a slot >= num_blocks * block_size is skipped by the kernel
+    (checking would sync): the bytes are the reference codec's with that token's slot -1 (the
+    codec itself rejects such a slot) and the op's. On the CPU the host check raises instead
+    (test_bad_input); it is switched off here so that the interpreter reaches the kernel's own
+    bound."""
+    case = as_triton(small_case(device, kind, torch.bfloat16))
+    num_slots = case.key_cache.shape[0] * case.key_cache.shape[1]
     case.slot_mapping[0] = 10**6
-    check_triton(case)
+    case.slot_mapping[4] = num_slots  # the first slot out of range
+    in_range = dataclasses.replace(
+        case, slot_mapping=case.slot_mapping.masked_fill(case.slot_mapping >= num_slots, -1)
+    )
+    expected = [expected_buffers(in_range)]
+    assert any(not torch.equal(b, e) for b, e in zip(case.buffers, expected[0], strict=True))
+    if device == "cuda":
+        expected.append(op_bytes(case))
+    else:
+        monkeypatch.setattr(writer, "_check_slot_mapping", lambda *args: None)
+    case.run()
+    for want in expected:
+        assert_bytes_equal(case.buffers, want)
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
