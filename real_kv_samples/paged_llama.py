@@ -29,6 +29,7 @@ from real_kv_samples.smollm2 import LoadedModel
 from vllm.accuracy.cache_io import allocate_cache
 from vllm.accuracy.formats import CacheFormat, compute_scales
 from vllm.kv_quant import KeyTransform, KVScaleObserver
+from vllm.utils import check_positive_int
 from vllm.v1.attention.backends.abstract import AttentionLayerScales
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionImpl, CPUAttentionMetadata
 from vllm.v1.attention.backends.reference import ReferenceAttentionImpl
@@ -90,7 +91,13 @@ class PagedKVRun:
     ``key_transforms`` one :class:`~vllm.kv_quant.KeyTransform` per layer (None: keys as they
     are);
     ``recorder`` sees every K/V written; ``backend`` is one of :data:`BACKENDS`. Unwritten
-    cache bytes are seeded garbage, so a read of a wrong slot shows up."""
+    cache bytes are seeded garbage, so a read of a wrong slot shows up.
+
+    ``num_blocks`` (None: exactly the pages ``capacities`` need, handed out by a seeded random
+    permutation) sizes each layer's cache in pages instead; then every ``block_table`` entry
+    starts at 0 and the owner of the pages fills the rows and ``seq_lens`` (as
+    :class:`~real_kv_samples.prefix_sharing.ManagedKVRun` does from a ``KVCacheManager``).
+    ``kv_slots_written`` counts the token slots the writer filled, summed over the layers."""
 
     def __init__(
         self,
@@ -103,6 +110,7 @@ class PagedKVRun:
         layout: str = "NHD",
         seed: int = 0,
         key_transforms: Sequence[KeyTransform] | None = None,
+        num_blocks: int | None = None,
     ) -> None:
         if scales is not None and len(scales) != lm.num_layers:
             raise ValueError(
@@ -122,8 +130,13 @@ class PagedKVRun:
         self.seq_lens = [0] * len(capacities)
         self.capacities = list(capacities)
         pages = [math.ceil(c / BLOCK_SIZE) for c in capacities]
-        self.block_table = _block_table(pages, seed)
-        num_blocks = sum(pages)
+        if num_blocks is None:
+            self.block_table = _block_table(pages, seed)
+            num_blocks = sum(pages)
+        else:
+            check_positive_int("num_blocks", num_blocks)
+            self.block_table = torch.zeros(len(pages), max(pages, default=0), dtype=torch.int64)
+        self.kv_slots_written = 0
         self.caches = [
             allocate_cache(
                 fmt, num_blocks, BLOCK_SIZE, lm.num_kv_heads, lm.head_size, layout, seed=seed + i
@@ -187,6 +200,7 @@ class PagedKVRun:
             self.recorder.observe(layer, k, v)
         transform = self.key_transforms[layer]
         q, k = transform.reader_query(q), transform.stored_key(k)
+        self.kv_slots_written += int(self._metadata.slot_mapping.numel())
         out = self.impl.forward(self.layers[layer], q, k, v, self.caches[layer], self._metadata)
         return out[None]
 
