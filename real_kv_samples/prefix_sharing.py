@@ -22,10 +22,11 @@ from dataclasses import asdict, dataclass
 import torch
 
 from real_kv_samples import smollm2
-from real_kv_samples.paged_llama import BLOCK_SIZE, PagedKVRun
+from real_kv_samples.paged_llama import BLOCK_SIZE, KVRecorder, LayerScales, PagedKVRun
 from real_kv_samples.smollm2 import LoadedModel
 from vllm.accuracy.formats import CacheFormat, parse_format
 from vllm.config.cache import CacheConfig
+from vllm.kv_quant import KeyTransform
 from vllm.sampling_params import SamplingParams
 from vllm.utils import check_positive_int
 from vllm.utils.hashing import sha256
@@ -43,6 +44,10 @@ SHARED_PREFIX = (
 )
 """The shared start of the default prompts (written for this project; two whole pages and
 part of a third in SmolLM2's tokens)."""
+
+Calibration = tuple[Sequence[KeyTransform] | None, Sequence[LayerScales] | None]
+"""Per-layer key transforms and scales of a format (None, None: keys as they are, unit
+scales)."""
 
 
 @dataclass(frozen=True)
@@ -72,7 +77,8 @@ class ManagedKVRun:
     ``num_blocks`` pages (tokens: ``num_blocks * BLOCK_SIZE``) are planned for the format's
     ``kv_cache_dtype``; at most ``max_seqs`` requests of at most ``max_model_len`` tokens run
     at once, each in a slot of the underlying run. ``enable_caching`` turns prefix caching on
-    or off; ``backend`` and ``seed`` go to :class:`PagedKVRun` (the cache's seeded garbage)."""
+    or off; ``backend``, ``seed`` (the cache's seeded garbage) and ``calibration`` (key
+    transforms and scales, see :func:`calibrate`) go to :class:`PagedKVRun`."""
 
     def __init__(
         self,
@@ -84,6 +90,7 @@ class ManagedKVRun:
         enable_caching: bool = True,
         backend: str = "CPU_ATTN",
         seed: int = 0,
+        calibration: Calibration = (None, None),
     ) -> None:
         check_positive_int("num_blocks", num_blocks)
         check_positive_int("max_model_len", max_model_len)
@@ -118,8 +125,10 @@ class ManagedKVRun:
             lm,
             fmt,
             [max_model_len] * max_seqs,
+            scales=calibration[1],
             backend=backend,
             seed=seed,
+            key_transforms=calibration[0],
             num_blocks=config.num_blocks,
         )
         if not hasattr(kcu, "NONE_HASH"):
@@ -255,6 +264,18 @@ def shared_prefix_len(a: torch.Tensor, b: torch.Tensor) -> int:
     return int(differ[0, 0]) if differ.numel() else n
 
 
+def calibrate(lm: LoadedModel, fmt: CacheFormat, prompts: Sequence[torch.Tensor]) -> Calibration:
+    """``fmt``'s key transforms and scales from the K/V of a bf16 pass over ``prompts`` (as the
+    model report calibrates, :meth:`~real_kv_samples.paged_llama.KVRecorder.calibrate`);
+    (None, None) for the unquantized cache."""
+    if not fmt.is_quantized:
+        return None, None
+    recorder = KVRecorder(lm.num_layers)
+    run = PagedKVRun(lm, parse_format("bf16"), [p.numel() for p in prompts], recorder=recorder)
+    run.step(list(prompts))
+    return recorder.calibrate(fmt)
+
+
 def shared_prefix_prompts(lm: LoadedModel) -> tuple[torch.Tensor, torch.Tensor]:
     """Two prompts (int64 token ids) that start with :data:`SHARED_PREFIX` and go on with
     different questions; joined as ids, so the prefix is the same ids in both."""
@@ -270,14 +291,18 @@ def prefix_reuse_report(
     first: torch.Tensor,
     second: torch.Tensor,
     new_tokens: int = 4,
+    calibration: Calibration = (None, None),
 ) -> PrefixReuseReport:
     """Prefill ``first`` then ``second`` (int64 token ids) on one managed run, and ``second``
-    alone on a run without prefix caching; greedy-decode ``new_tokens`` of each second."""
+    alone on a run without prefix caching; greedy-decode ``new_tokens`` of each second.
+    ``calibration``: the format's key transforms and scales (see :func:`calibrate`)."""
     max_model_len = max(first.numel(), second.numel()) + new_tokens
     pages = 2 * -(-max_model_len // BLOCK_SIZE) + 1  # both requests, plus the null page
     results = []
     for caching in (True, False):
-        managed = ManagedKVRun(lm, fmt, pages, max_model_len, enable_caching=caching)
+        managed = ManagedKVRun(
+            lm, fmt, pages, max_model_len, enable_caching=caching, calibration=calibration
+        )
         if caching:
             managed.greedy("first", managed.prefill("first", first, new_tokens), new_tokens)
         prefill = managed.prefill("second", second, new_tokens)
@@ -305,7 +330,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     fmt = parse_format(args.format)
     lm = smollm2.load_model()
     with torch.inference_mode():
-        report = prefix_reuse_report(lm, fmt, *shared_prefix_prompts(lm), args.new_tokens)
+        prompts = shared_prefix_prompts(lm)
+        calibration = calibrate(lm, fmt, prompts)
+        report = prefix_reuse_report(lm, fmt, *prompts, args.new_tokens, calibration)
     print(json.dumps({"format": fmt.name, **report.as_dict()}, indent=2))
     return 0
 

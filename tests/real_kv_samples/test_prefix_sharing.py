@@ -153,7 +153,7 @@ def test_freeing_returns_every_page_and_keeps_them_cached(
 
 
 def test_prefix_reuse_report(lm: smollm2.LoadedModel, prompts: Prompts) -> None:
-    from real_kv_samples.prefix_sharing import prefix_reuse_report
+    from real_kv_samples.prefix_sharing import calibrate, prefix_reuse_report
     from vllm.accuracy.formats import parse_format
 
     first, second = prompts
@@ -170,6 +170,7 @@ def test_prefix_reuse_report(lm: smollm2.LoadedModel, prompts: Prompts) -> None:
     assert report.with_reuse.seconds > 0 and report.without_reuse.seconds > 0
     assert report.same_logits and report.max_abs_logit_diff == 0.0
     assert report.same_greedy_tokens
+    assert calibrate(lm, parse_format("bf16"), prompts) == (None, None)
 
 
 def test_script_prints_the_report(
@@ -179,13 +180,31 @@ def test_script_prints_the_report(
 
     from real_kv_samples.prefix_sharing import main
 
-    assert main(["--new-tokens", "2"]) == 0
+    assert main(["--format", "fp8_e4m3", "--new-tokens", "2"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["format"] == "bf16" and doc["same_logits"] and doc["same_greedy_tokens"]
+    assert doc["format"] == "fp8_e4m3" and doc["same_logits"] and doc["same_greedy_tokens"]
     with_reuse, without = doc["with_reuse"], doc["without_reuse"]
     assert with_reuse["cached_tokens"] == doc["shared_tokens"] // 16 * 16 > 0
     saved = without["kv_bytes_written"] - with_reuse["kv_bytes_written"]
-    assert saved == with_reuse["cached_tokens"] * 23_040
+    assert saved == with_reuse["cached_tokens"] * 11_520  # 30 x 2 x 3 x 64 x 1 byte (fp8)
+
+
+@pytest.mark.parametrize("name", ["fp8_e5m2/head", "nvfp4+offset", "int8_per_token_head"])
+def test_reuse_is_bit_identical_in_quantized_formats(
+    lm: smollm2.LoadedModel, prompts: Prompts, name: str
+) -> None:
+    from real_kv_samples.prefix_sharing import calibrate, prefix_reuse_report
+    from vllm.accuracy.formats import parse_format
+
+    fmt = parse_format(name)
+    transforms, scales = calibrate(lm, fmt, prompts)
+    assert transforms is not None and scales is not None and len(scales) == lm.num_layers
+    with torch.inference_mode():
+        report = prefix_reuse_report(lm, fmt, *prompts, NEW_TOKENS, (transforms, scales))
+    assert report.same_logits and report.same_greedy_tokens
+    per_token = fmt.bytes_per_token(lm.num_kv_heads, lm.head_size, lm.head_size) * lm.num_layers
+    saved = report.without_reuse.kv_bytes_written - report.with_reuse.kv_bytes_written
+    assert saved == report.with_reuse.cached_tokens * per_token > 0
 
 
 def test_errors(lm: smollm2.LoadedModel, prompts: Prompts) -> None:
