@@ -34,9 +34,6 @@ from vllm.v1.core import kv_cache_utils as kcu
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.request import Request
 
-PLANNER_PROBE_BYTES = 1 << 40
-"""Budget of the first planning pass, which only reads the plan's bytes per block."""
-
 SHARED_PREFIX = (
     "You are a careful assistant who answers questions about computers in plain words. Keep "
     "every answer short, exact and friendly, and explain any term a beginner may not know. "
@@ -97,9 +94,12 @@ class ManagedKVRun:
         check_positive_int("max_seqs", max_seqs)
         model_config = lm.model.config.to_dict()
         cache_config = CacheConfig(block_size=BLOCK_SIZE, cache_dtype=fmt.kv_cache_dtype)  # type: ignore[arg-type]
-        probe = kcu.plan_kv_cache(model_config, cache_config, PLANNER_PROBE_BYTES, max_model_len)
+        # The cache stores each token's K/V in fmt.bytes_per_token bytes per layer; the plan's
+        # page must be that (else block ids would not index the caches the run allocates).
+        page_bytes = BLOCK_SIZE * fmt.bytes_per_token(lm.num_kv_heads, lm.head_size, lm.head_size)
+        block_bytes = page_bytes * lm.num_layers
         self.plan = kcu.plan_kv_cache(
-            model_config, cache_config, num_blocks * probe.bytes_per_block, max_model_len
+            model_config, cache_config, num_blocks * block_bytes, max_model_len
         )
         config = self.plan.kv_cache_config
         groups = config.kv_cache_groups
@@ -108,12 +108,10 @@ class ManagedKVRun:
                 f"model: expected one KV cache group of all {lm.num_layers} layers, got "
                 f"{[len(g.layer_names) for g in groups]} layers per group"
             )
-        page_bytes = BLOCK_SIZE * fmt.bytes_per_token(lm.num_kv_heads, lm.head_size, lm.head_size)
-        if self.plan.bytes_per_block != page_bytes * lm.num_layers:
+        if (self.plan.bytes_per_block, config.num_blocks) != (block_bytes, num_blocks):
             raise ValueError(
-                f"fmt: expected the planned page of {fmt.kv_cache_dtype} to take "
-                f"{page_bytes} bytes per layer (as the cache does), got "
-                f"{self.plan.bytes_per_block // lm.num_layers}"
+                f"fmt: expected the plan to give {num_blocks} pages of {block_bytes} bytes for "
+                f"{fmt.kv_cache_dtype}, got {config.num_blocks} of {self.plan.bytes_per_block}"
             )
         self.manager = KVCacheManager(
             kcu.generate_scheduler_kv_cache_config([config]),
@@ -158,7 +156,10 @@ class ManagedKVRun:
             )
         free = [i for i in range(len(self.run.seq_lens)) if i not in self._slots.values()]
         if not free:
-            raise ValueError(f"request_id: expected a free slot, got all {len(self._slots)} busy")
+            raise ValueError(
+                f"max_seqs: expected a free slot for {request_id!r}, got all {len(self._slots)} "
+                "holding requests"
+            )
         request = Request(
             request_id=request_id,
             prompt_token_ids=prompt.tolist(),

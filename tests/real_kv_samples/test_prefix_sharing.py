@@ -217,6 +217,11 @@ def test_errors(lm: smollm2.LoadedModel, prompts: Prompts) -> None:
     with pytest.raises(ValueError, match="max_seqs: expected a positive int, got 0"):
         ManagedKVRun(lm, parse_format("bf16"), PAGES, MAX_MODEL_LEN, max_seqs=0)
     first, second = prompts
+    single = ManagedKVRun(lm, parse_format("bf16"), 4, 32, max_seqs=1)
+    with torch.inference_mode():
+        single.prefill("a", first[:8])
+        with pytest.raises(ValueError, match="max_seqs: expected a free slot for 'b', got all 1"):
+            single.prefill("b", second[:8])
     need = [-(-p.numel() // 16) for p in prompts]
     # Room for either request alone (plus the null page), not both; no prefix caching.
     assert sum(need) > max(need)
