@@ -200,8 +200,8 @@ class PagedKVRun:
             self.recorder.observe(layer, k, v)
         transform = self.key_transforms[layer]
         q, k = transform.reader_query(q), transform.stored_key(k)
-        self.kv_slots_written += int(self._metadata.slot_mapping.numel())
         out = self.impl.forward(self.layers[layer], q, k, v, self.caches[layer], self._metadata)
+        self.kv_slots_written += int(self._metadata.slot_mapping.numel())
         return out[None]
 
 
