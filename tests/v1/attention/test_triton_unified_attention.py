@@ -17,6 +17,7 @@ from vllm.v1.attention.backends import (
 from vllm.v1.attention.ops.triton_unified_attention import (
     MAX_SPLITS,
     choose_num_splits,
+    plan_paged_attention,
     unified_attention,
 )
 from vllm.v1.kv_cache_format import KVQuantMode
@@ -139,6 +140,8 @@ def test_choose_num_splits() -> None:
     """Few programs over long keys split up to the target, at least 4 tiles each, at most
     MAX_SPLITS; prefill-sized batches and full grids never split."""
     assert choose_num_splits(8, 8192, 8, 264) == MAX_SPLITS
+    assert choose_num_splits(8, 8192, 1, 264) == 32  # batch 1, 8 KV heads: 256 programs
+    assert choose_num_splits(8, 2048, 1, 264) == 16  # 64 tiles of 32 keys: 4 per split
     assert choose_num_splits(64, 8192, 8, 264) == 5
     assert choose_num_splits(8, 256, 8, 264) == 2  # 8 tiles of 32 keys: 2 splits of 4
     assert choose_num_splits(8, 64, 8, 264) == 1
@@ -209,6 +212,15 @@ def test_compile_cases_cover_every_reader_and_feature() -> None:
         assert {c.constexprs[flag] for c in attention} == {True, False}, flag
     assert {c.constexprs["NUM_SPLITS"] > 1 for c in attention} == {True, False}
     assert {c.signature["q_ptr"] for c in attention} == {"*fp16", "*bf16", "*fp32"}
+    # What is compiled is what is launched: the same constexpr names, the same pipelining.
+    _, num_blocks, q, args = _problem(4, [1], [40])
+    cache = torch.zeros(num_blocks, N, H, D, dtype=QUERY_DTYPE, device=DEVICE)
+    launch = plan_paged_attention(
+        torch.empty_like(q), q, cache, cache, args["block_table"], args["seqused_k"],
+        args["cu_seqlens_q"], "auto", torch.ones(1), torch.ones(1), 1.0, 1, 40,
+    )  # fmt: skip
+    assert {tuple(sorted(c.constexprs)) for c in attention} == {tuple(sorted(launch.constexprs))}
+    assert {c.constexprs["NUM_STAGES"] for c in attention} == {launch.constexprs["NUM_STAGES"]}
     merges = [c for c in cases if c.kernel is merge_splits_kernel]
     assert {c.signature["out_ptr"] for c in merges} == {"*fp16", "*bf16", "*fp32"}
     assert len({c.name for c in cases}) == len(cases)

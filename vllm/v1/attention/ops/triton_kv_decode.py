@@ -1,34 +1,30 @@
 """Triton decoders of the paged KV-cache formats (``@triton.jit`` helpers, no kernels).
 
-:func:`load_kv_tile` reads a tile of one cache side straight from its pages and returns fp32
-values equal, bit for bit, to the reference codecs of :mod:`vllm.kv_quant`:
+:func:`load_kv_tile` reads a tile of one cache side straight from its pages as exact values
+WITHOUT their scales; the attention kernel applies every scale once per score, probability
+or output row instead of once per element (a few integer operations per element keep the
+quantized reads memory-bound). With a softmax weight of 1 each output element is still the
+reference codec's value of :mod:`vllm.kv_quant`, bit for bit:
 
 * unquantized fp16 / fp32: loaded and widened; bf16: read as int16 bits, shifted into the high
   half of an fp32 (exact, and right under Triton's interpreter, whose bf16 is wrong);
 * FP8 e4m3 / e5m2 (per-tensor or per-head scale): :func:`fp8_units`, the bytes' bits moved
-  into exact fp16 (e4m3 times 2^-8) that go into the dots as they are; the kernel multiplies the
-  scores by ``k_scale * 2^8`` and the output by ``v_scale * 2^8`` (with a softmax weight of 1:
-  ``fp32(q) * scale`` rounded once, as ``dequantize_fp8``);
-* per-token-head INT8 / FP8: the row's bytes times its fp32 scale, read from 4 inline
-  little-endian bytes after the row (this library's layout) or from a separate fp32 scale cache
-  (upstream's ``k_scale_cache``);
-* NVFP4 is not decoded element by element into fp32 (a dozen operations per element would
-  make the read compute-bound): :func:`nvfp4_units` gives each code's ``E2M1[q] * 2^-14`` as an
-  exact fp16 in a few integer operations, :func:`nvfp4_block_scales` the e4m3 block scales, and
-  the attention kernel applies the scales per 16-element group around its dots: for keys,
-  ``s = sum_g sf_g * (q_g . E_g)`` (a batched dot per group), for values ``P (sf_g) @ E_g``, the
-  global scale and 2^14 once per tile / at the end. With a softmax weight of 1 the output is
-  ``(E2M1[q] * sf) * gs`` rounded once, as ``dequantize_nvfp4``.
+  into exact fp16 (e4m3 times 2^-8); the kernel multiplies the scores by ``k_scale * 2^8`` and
+  the output by ``v_scale * 2^8`` (``fp32(q) * scale`` rounded once, as ``dequantize_fp8``);
+* per-token-head INT8 / FP8: the integer / e4m3 value (exact in fp16 and bf16); the row's fp32
+  scale (:func:`load_row_scale`: 4 inline little-endian bytes after the row, this library's
+  layout, or upstream's separate ``k_scale_cache``) multiplies the key's scores and the
+  value's probabilities (``p * scale`` then times the value: one rounding, as the codec);
+* NVFP4: :func:`nvfp4_tile` gives ``E2M1[q] * sf`` (code and e4m3 block scale), exact in fp16
+  / bf16 too (at most 6 significant bits, 2^-10 .. 2688), so a whole head goes into ONE dot;
+  the global scale multiplies the scores and the output once (``(E2M1[q] * sf) * gs`` rounded
+  once, as ``dequantize_nvfp4``).
 """
 
 from __future__ import annotations
 
 from vllm.triton_utils import tl, triton
-from vllm.v1.attention.ops.triton_kv_encode import (
-    e4m3_to_f32,
-    from_bits,
-    source_to_f32_bits,
-)
+from vllm.v1.attention.ops.triton_kv_encode import from_bits, source_to_f32_bits
 
 # Cache formats as the kernels see them (constexpr values).
 FMT_FLOAT = 0  # fp16 / fp32 pages, read in their own dtype
@@ -69,18 +65,6 @@ def load_row_scale(scale_ptr, offset, mask, SCALE_INLINE: tl.constexpr):
 
 
 @triton.jit
-def nvfp4_units(cache_ptr, page, tok, head, dim, mask, stride_page, stride_tok, stride_head):
-    """fp16 ``E2M1[q] * 2^-14`` (exact) of NVFP4 elements ``dim`` of (``page``, ``tok``) of KV
-    head ``head``: byte ``dim / 2`` of the data view (low nibble first), its 4-bit code moved
-    into an fp16's sign, exponent and mantissa bits (a few integer operations per element; the
-    2^14 is put back after the dot). Masked elements are 0."""
-    row = page * stride_page + tok * stride_tok + head * stride_head
-    byte = tl.load(cache_ptr + row + dim // 2, mask=mask, other=0).to(tl.int32)
-    code = (byte >> ((dim & 1) * 4)) & 0xF
-    return (((code & 8) << 12) | ((code & 7) << 9)).to(tl.uint16).to(tl.float16, bitcast=True)
-
-
-@triton.jit
 def nvfp4_block_scales(
     aux_ptr,
     page,
@@ -94,9 +78,10 @@ def nvfp4_block_scales(
     INTERLEAVE4: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
 ):
-    """fp32 e4m3 block scales of 16-element ``group`` of (``page``, ``tok``) of KV head ``head``,
-    read from the page's scale view at their linear or interleave4 place (row
-    ``(t/4)*4 + s/(S/4)``, column ``(s % (S/4))*4 + t%4``). Masked scales are 0."""
+    """fp16 e4m3 block scales times 2^-8 (:func:`fp8_units`) of 16-element ``group`` of
+    (``page``, ``tok``) of KV head ``head``, read from the page's scale view at their linear or
+    interleave4 place (row ``(t/4)*4 + s/(S/4)``, column ``(s % (S/4))*4 + t%4``). Masked
+    scales are 0."""
     if INTERLEAVE4:
         quarter: tl.constexpr = HEAD_SIZE // 64
         srow = (tok // 4) * 4 + group // quarter
@@ -105,13 +90,66 @@ def nvfp4_block_scales(
         srow = tok
         scol = group
     aux = page * stride_page + srow * stride_tok + head * stride_head + scol
-    return e4m3_to_f32(tl.load(aux_ptr + aux, mask=mask, other=0).to(tl.uint32))
+    return fp8_units(tl.load(aux_ptr + aux, mask=mask, other=0), False)
+
+
+@triton.jit
+def nvfp4_tile(
+    data_ptr,
+    aux_ptr,
+    page,
+    tok,
+    head,
+    key_mask,
+    stride_page,
+    stride_tok,
+    stride_head,
+    aux_stride_page,
+    aux_stride_tok,
+    aux_stride_head,
+    INTERLEAVE4: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    D_PAD: tl.constexpr,
+):
+    """fp32 ``E2M1[q] * sf``, ``[N, D_PAD]``, of the NVFP4 rows (``page``, ``tok``: ``[N]``,
+    ``key_mask``) of KV head ``head``. Exact, and exact again in fp16 / bf16 (at most 6
+    significant bits, magnitudes 2^-10 .. 2688), so the kernel casts a whole head once for one
+    dot and applies only the global scale afterwards. Masked elements are 0.
+
+    Each byte of the data view is loaded once (contiguous along the row) and split into its
+    low (even element) and high nibble; each 4-bit code's bits moved into an fp16's sign,
+    exponent and mantissa give ``E2M1 * 2^-14`` in a few integer operations, put back to scale
+    with the block scale."""
+    GROUPS: tl.constexpr = D_PAD // 16
+    half = tl.arange(0, D_PAD // 2)
+    row = page * stride_page + tok * stride_tok + head * stride_head
+    mask = key_mask[:, None] & (half[None, :] < HEAD_SIZE // 2)
+    byte = tl.load(data_ptr + row[:, None] + half[None, :], mask=mask, other=0).to(tl.int32)
+    code = tl.reshape(tl.join(byte & 0xF, byte >> 4), [page.shape[0], D_PAD])
+    units = (((code & 8) << 12) | ((code & 7) << 9)).to(tl.uint16).to(tl.float16, bitcast=True)
+    group = tl.arange(0, GROUPS)
+    scales = nvfp4_block_scales(
+        aux_ptr,
+        page[:, None],
+        tok[:, None],
+        head,
+        group[None, :],
+        key_mask[:, None] & (group[None, :] < HEAD_SIZE // 16),
+        aux_stride_page,
+        aux_stride_tok,
+        aux_stride_head,
+        INTERLEAVE4,
+        HEAD_SIZE,
+    )
+    # units are E2M1 * 2^-14 and scales sf * 2^-8: 2^22 puts both back, exactly, per group.
+    scales = scales.to(tl.float32) * 4194304.0
+    tile = tl.reshape(units.to(tl.float32), [page.shape[0], GROUPS, 16]) * scales[:, :, None]
+    return tl.reshape(tile, [page.shape[0], D_PAD])
 
 
 @triton.jit
 def load_kv_tile(
     cache_ptr,
-    aux_ptr,
     page,
     tok,
     head,
@@ -121,31 +159,27 @@ def load_kv_tile(
     stride_page,
     stride_tok,
     stride_head,
-    aux_stride_page,
-    aux_stride_tok,
-    aux_stride_head,
     FORMAT: tl.constexpr,
-    SCALE_INLINE: tl.constexpr,
 ):
-    """Values of one cache side (any format but NVFP4, see :func:`nvfp4_units`) at
-    (``page``, ``tok``) x ``dim`` of KV head ``head``: fp32, except FP8's :func:`fp8_units`
-    (fp16, the per-tensor / per-head scale not applied: the kernel applies it to the scores and
-    the output, once).
+    """Values of one cache side (any format but NVFP4, see :func:`nvfp4_tile`) at
+    (``page``, ``tok``) x ``dim`` of KV head ``head``, without their scales (the kernel
+    applies them to the scores / the probabilities / the output, not per element): fp32, exact
+    (per-token-head: the INT8 integer or the e4m3 value, to be multiplied by the row's
+    :func:`load_row_scale`), except FP8's :func:`fp8_units` (fp16, e4m3 times 2^-8).
 
     ``page`` (int64) / ``tok`` and ``dim`` broadcast against each other (e.g. ``[1, N]`` and
     ``[D, 1]`` for a transposed key tile); ``key_mask`` / ``dim_mask`` have their shapes.
-    Strides are in elements of ``cache_ptr`` (bytes for the quantized formats). ``aux_ptr`` /
-    ``aux_stride_*``: the per-token-head scales (inline bytes or a scale cache). Masked
+    Strides are in elements of ``cache_ptr`` (bytes for the quantized formats). Masked
     elements are 0.
     """
     mask = key_mask & dim_mask
     row = page * stride_page + tok * stride_tok + head * stride_head
-    if FORMAT == 4 or FORMAT == 5:  # per-token-head rows
+    if FORMAT == 4:  # the uint8 bits of an int8 value
         byte = tl.load(cache_ptr + row + dim, mask=mask, other=0).to(tl.int32)
-        # FORMAT 4: the uint8 bits of an int8 value; 5: e4m3.
-        q = ((byte ^ 128) - 128).to(tl.float32) if FORMAT == 4 else e4m3_to_f32(byte.to(tl.uint32))
-        aux = page * aux_stride_page + tok * aux_stride_tok + head * aux_stride_head
-        value = q * load_row_scale(aux_ptr, aux, key_mask, SCALE_INLINE)
+        value = ((byte ^ 128) - 128).to(tl.float32)
+    elif FORMAT == 5:  # e4m3 value: fp8_units * 2^8, exact
+        byte = tl.load(cache_ptr + row + dim, mask=mask, other=0)
+        value = fp8_units(byte, False).to(tl.float32) * 256.0
     elif FORMAT == 2 or FORMAT == 3:  # FP8: unscaled fp16 units (see fp8_units)
         value = fp8_units(tl.load(cache_ptr + row + dim, mask=mask, other=0), FORMAT == 3)
     elif FORMAT == 1:

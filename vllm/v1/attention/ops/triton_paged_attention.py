@@ -4,8 +4,10 @@
 One program attends ``BLOCK_Q`` query tokens x the query heads of one KV head (``BLOCK_M``
 rows, the heads of a GQA group side by side) over the keys of one split of the key range, in
 tiles of ``TILE_N`` keys. Each key's page comes from the block table, so a tile may straddle
-pages; every tile is decoded to fp32 by :func:`~.triton_kv_decode.load_kv_tile`, cast to the
-query dtype for ``tl.dot`` (fp32 queries: IEEE fp32 dots) with fp32 accumulation, and folded
+pages; every tile is decoded WITHOUT its scales (:func:`~.triton_kv_decode.load_kv_tile`,
+:func:`~.triton_kv_decode.nvfp4_tile`: values exact in the query dtype), goes whole into one
+``tl.dot`` (fp32 queries: IEEE fp32 dots) with fp32 accumulation, and the scales multiply the
+scores, the probabilities (per-token-head values) or the output once; the scores are folded
 into an fp32 online softmax (base 2). With ``NUM_SPLITS == 1`` the program writes the output;
 otherwise it writes its unnormalised partial sums and running max / sum, which
 :func:`merge_splits_kernel` combines (split-K for long sequences).
@@ -14,14 +16,12 @@ otherwise it writes its unnormalised partial sums and running max / sum, which
 from __future__ import annotations
 
 from vllm.triton_utils import LOG2E, tl, triton
-from vllm.v1.attention.ops.triton_kv_decode import (
-    load_kv_tile,
-    nvfp4_block_scales,
-    nvfp4_units,
-)
+from vllm.v1.attention.ops.triton_kv_decode import load_kv_tile, load_row_scale, nvfp4_tile
 
 _LOG2E = tl.constexpr(LOG2E)
-_E2M1_UNIT = tl.constexpr(16384.0)  # nvfp4_units gives E2M1 / 2^14
+
+PIPELINE_STAGES = 3
+"""Software-pipelining depth of the key loop as launched (and compiled by the AOT cases)."""
 
 
 @triton.jit
@@ -91,15 +91,17 @@ def paged_attention_kernel(
     USE_SOFT_CAP: tl.constexpr,
     USE_SINKS: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     """Grid ``(query tiles, num_kv_heads, NUM_SPLITS)``. ``tile_seq[i]`` is the sequence of
     query tile ``i`` (``num_seqs`` past the last tile: the program does nothing) and
     ``tile_first[s]`` the first tile of sequence ``s``. ``window`` W: a query at ``p`` sees
     keys in ``(p - W, p]`` (and ``[p, p + W)`` when not causal). Partial results:
     ``part_acc [T, Hq, NUM_SPLITS, DV_PAD]`` fp32, ``part_ml [T, Hq, NUM_SPLITS, 2]``
-    (running max in log2 units, running sum)."""
+    (running max in log2 units, running sum). ``NUM_STAGES``: software-pipelining depth of
+    the key loop (1: none)."""
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
-    FP8_UNIT: tl.constexpr = 256.0 if FORMAT == 2 else 1.0  # fp8_units gives e4m3 * 2^-8
+    UNIT: tl.constexpr = 256.0 if FORMAT == 2 else 1.0  # fp8_units gives e4m3 * 2^-8
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -159,53 +161,38 @@ def paged_attention_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
     kv_head64 = kv_head.to(tl.int64)
-    if FORMAT == 6:  # per-group query slices [G, BLOCK_M, 16] and group indices (NVFP4)
-        q_groups = tl.permute(tl.reshape(q, [BLOCK_M, D_PAD // 16, 16]), (1, 0, 2))
-        groups = tl.arange(0, D_PAD // 16)
-        groups_v = tl.arange(0, DV_PAD // 16)
 
-    for t in range(tile_begin, tile_end):
+    # Software pipelining: the next tiles' block-table entries and pages are copied in
+    # (cp.async) while this one is computed; without it each tile waits out its loads.
+    for t in tl.range(tile_begin, tile_end, num_stages=NUM_STAGES):
         keys = key_lo + t * TILE_N + tl.arange(0, TILE_N)
         key_ok = keys < key_hi
         page = tl.load(
             block_table_ptr + seq * stride_bt + keys // BLOCK_SIZE, mask=key_ok, other=0
         ).to(tl.int64)
         tok = keys % BLOCK_SIZE
-        if FORMAT == 6:  # NVFP4: s = sum_g sf_g (q_g . E_g), see triton_kv_decode
-            units = nvfp4_units(
+        if FORMAT == 6:  # NVFP4: E2M1 * block scale, exact in the dot dtype; rows loaded
+            k = nvfp4_tile(
                 k_ptr,
-                page[None, :],
-                tok[None, :],
+                k_aux_ptr,
+                page,
+                tok,
                 kv_head64,
-                d[:, None],
-                key_ok[None, :] & d_ok[:, None],
+                key_ok,
                 stride_k_page,
                 stride_k_tok,
                 stride_k_head,
-            )
-            k_sf = nvfp4_block_scales(
-                k_aux_ptr,
-                page[None, :],
-                tok[None, :],
-                kv_head64,
-                groups[:, None],
-                key_ok[None, :] & (groups[:, None] < HEAD_SIZE // 16),
                 stride_ka_page,
                 stride_ka_tok,
                 stride_ka_head,
                 K_INTERLEAVE4,
                 HEAD_SIZE,
+                D_PAD,
             )
-            units = tl.reshape(units.to(q.dtype), [D_PAD // 16, 16, TILE_N])
-            if FP32_DOT:
-                s3 = tl.dot(q_groups, units, input_precision="ieee")
-            else:
-                s3 = tl.dot(q_groups, units)
-            s = tl.sum(s3 * k_sf[:, None, :], axis=0) * (k_scale * _E2M1_UNIT)
+            k = tl.trans(k.to(tl.float32 if FP32_DOT else q.dtype))
         else:
             k = load_kv_tile(
                 k_ptr,
-                k_aux_ptr,
                 page[None, :],
                 tok[None, :],
                 kv_head64,
@@ -215,18 +202,17 @@ def paged_attention_kernel(
                 stride_k_page,
                 stride_k_tok,
                 stride_k_head,
-                stride_ka_page,
-                stride_ka_tok,
-                stride_ka_head,
                 FORMAT,
-                SCALE_INLINE,
             )
-            if FP32_DOT:
-                s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
-            else:
-                s = tl.dot(q, k.to(q.dtype))
-            if FORMAT == 2 or FORMAT == 3:  # FP8 units: the scale (and e4m3's 2^8) once
-                s = s * (k_scale * FP8_UNIT)
+        if FP32_DOT:
+            s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
+        else:
+            s = tl.dot(q, k.to(q.dtype))
+        if FORMAT == 4 or FORMAT == 5:  # per-token-head: each key's row scale, once
+            k_aux = page * stride_ka_page + tok * stride_ka_tok + kv_head64 * stride_ka_head
+            s = s * load_row_scale(k_aux_ptr, k_aux, key_ok, SCALE_INLINE)[None, :]
+        elif FORMAT >= 2:  # FP8 (units) / NVFP4: the tensor or head scale, once
+            s = s * (k_scale * UNIT)
         s = s * softmax_scale
         if USE_SOFT_CAP:
             s = soft_cap * _tanh(s / soft_cap)
@@ -244,39 +230,27 @@ def paged_attention_kernel(
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if FORMAT == 6:  # NVFP4: P @ V = sum over groups of (P sf_g) @ E_g
-            units = nvfp4_units(
+        if FORMAT == 6:
+            v = nvfp4_tile(
                 v_ptr,
-                page[:, None],
-                tok[:, None],
+                v_aux_ptr,
+                page,
+                tok,
                 kv_head64,
-                dv[None, :],
-                key_ok[:, None] & dv_ok[None, :],
+                key_ok,
                 stride_v_page,
                 stride_v_tok,
                 stride_v_head,
-            )
-            v_sf = nvfp4_block_scales(
-                v_aux_ptr,
-                page[None, :],
-                tok[None, :],
-                kv_head64,
-                groups_v[:, None],
-                key_ok[None, :] & (groups_v[:, None] < HEAD_SIZE_V // 16),
                 stride_va_page,
                 stride_va_tok,
                 stride_va_head,
                 V_INTERLEAVE4,
                 HEAD_SIZE_V,
+                DV_PAD,
             )
-            units = tl.permute(tl.reshape(units.to(q.dtype), [TILE_N, DV_PAD // 16, 16]), (1, 0, 2))
-            p3 = (p[None, :, :] * v_sf[:, None, :]).to(q.dtype)
-            o3 = tl.dot(p3, units, input_precision="ieee") if FP32_DOT else tl.dot(p3, units)
-            pv = tl.reshape(tl.permute(o3, (1, 0, 2)), [BLOCK_M, DV_PAD])
         else:
             v = load_kv_tile(
                 v_ptr,
-                v_aux_ptr,
                 page[:, None],
                 tok[:, None],
                 kv_head64,
@@ -286,23 +260,24 @@ def paged_attention_kernel(
                 stride_v_page,
                 stride_v_tok,
                 stride_v_head,
-                stride_va_page,
-                stride_va_tok,
-                stride_va_head,
                 FORMAT,
-                SCALE_INLINE,
             )
-            if FP32_DOT:
-                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+        if FORMAT == 4 or FORMAT == 5:  # per-token-head: each value row's scale
+            v_aux = page * stride_va_page + tok * stride_va_tok + kv_head64 * stride_va_head
+            v_row = load_row_scale(v_aux_ptr, v_aux, key_ok, SCALE_INLINE)
+            if q.dtype == tl.float16:  # p * scale could fall into fp16's subnormals
+                v = v * v_row[:, None]
+            else:  # on the probabilities, once per key (fp32 / bf16 range)
+                p = p * v_row[None, :]
+        if FP32_DOT:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    if FORMAT == 6:  # the global scale and 2^14 of the value units, once
-        acc = acc * (v_scale * _E2M1_UNIT)
-    elif FORMAT == 2 or FORMAT == 3:  # the FP8 scale (and e4m3's 2^8), once
-        acc = acc * (v_scale * FP8_UNIT)
+    if FORMAT == 2 or FORMAT == 3 or FORMAT == 6:  # the tensor or head scale, once
+        acc = acc * (v_scale * UNIT)
     if NUM_SPLITS == 1:
         out = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # padding rows: no 0 / 0
         tl.store(
@@ -447,6 +422,7 @@ def triton_compile_cases() -> list:
                 "USE_SOFT_CAP": soft_cap,
                 "USE_SINKS": sinks,
                 "NUM_SPLITS": splits,
+                "NUM_STAGES": PIPELINE_STAGES,
             }
             cases.append(
                 TritonCompileCase(
