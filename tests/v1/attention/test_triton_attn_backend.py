@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 import pytest
 import torch
 
+from vllm.kv_quant import E2M1_VALUES
 from vllm.v1.attention.backends import (
     AttentionLayerScales,
     ReferenceAttentionImpl,
@@ -292,6 +293,25 @@ def test_raw_bytes_decode_bit_for_bit(cache_dtype: str, scale_layout: str) -> No
     assert torch.equal(torch.where(got.isnan(), 0.0, got), same)
 
 
+def test_dot_operands_exact_in_half_precision() -> None:
+    """The unscaled values the kernel feeds its fp16 / bf16 dots are exact there (the
+    interpreter runs no bf16 dot, so this is the bf16 half of the bit-exact claim): every NVFP4
+    E2M1 value times every finite e4m3 block scale, FP8 units (e4m3 * 2^-8, e5m2), int8."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    e4m3 = codes.view(torch.float8_e4m3fn).float()
+    e4m3 = e4m3[e4m3.isfinite()]
+    e5m2 = codes.view(torch.float8_e5m2).float()
+    operands = {
+        "nvfp4": (torch.tensor(E2M1_VALUES)[:, None] * e4m3[None, :]).flatten(),
+        "e4m3_units": e4m3 / 256,
+        "e5m2": e5m2[e5m2.isfinite()],
+        "int8": torch.arange(-128, 128, dtype=torch.float32),
+    }
+    for name, values in operands.items():
+        for dtype in (torch.float16, torch.bfloat16):
+            assert torch.equal(values.to(dtype).float(), values), (name, dtype)
+
+
 def test_key_transforms_through_attention_kv_cache() -> None:
     """AttentionKVCache with TRITON_ATTN, a Hadamard key rotation and a key offset: the same
     bytes as with REFERENCE, and the same attention."""
@@ -326,8 +346,11 @@ def test_key_transforms_through_attention_kv_cache() -> None:
 @pytest.mark.skipif(
     DEVICE.type != "cuda", reason="bf16 arithmetic and tl.dot are wrong under the interpreter"
 )
-@pytest.mark.parametrize("cache_dtype", ["auto", "fp8_e4m3", "nvfp4"])
+@pytest.mark.parametrize(
+    "cache_dtype", ["auto", "fp8_e4m3", "nvfp4", "int8_per_token_head", "fp8_per_token_head"]
+)
 def test_bf16_query_on_gpu(cache_dtype: str) -> None:
+    """bf16 queries: per-token-head caches take the probabilities-times-row-scale path."""
     check(replace(Case(cache_dtype), query_dtype=torch.bfloat16), seed=5)
 
 
