@@ -265,12 +265,18 @@ def _random_bytes(side: torch.Tensor, gen: torch.Generator) -> None:
 
 
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # NaN/Inf bytes, on purpose
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # beyond fp16's range
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("cache_dtype", "scale_layout"), FORMATS)
-def test_raw_bytes_decode_bit_for_bit(cache_dtype: str, scale_layout: str) -> None:
+def test_raw_bytes_decode_bit_for_bit(
+    cache_dtype: str, scale_layout: str, query_dtype: torch.dtype
+) -> None:
     """A window of one key over random value-cache bytes: each query sees only its own key,
     its softmax weight is exactly 1, so the fp32 output is the decoded value row, which must
     equal the reference codec's bit for bit (NaN where it gives NaN) for every byte pattern,
-    page and token position (block-scale placement included)."""
+    page and token position (block-scale placement included). fp16 queries too: one rounding
+    of the codec's fp32 value to fp16 (per-token-head values then carry their row scale, not
+    the probabilities, whose ``p * scale`` would round it to fp16 first)."""
     gen = torch.Generator().manual_seed(3)
     seq_lens = torch.randint(1, 33, (12,), generator=gen).tolist()
     case = Case(
@@ -280,7 +286,7 @@ def test_raw_bytes_decode_bit_for_bit(cache_dtype: str, scale_layout: str) -> No
         head_size_v=64,
         seq_lens=seq_lens,
         query_lens=[1] * len(seq_lens),
-        query_dtype=torch.float32,
+        query_dtype=query_dtype,
         sliding_window=1,
         per_head_scale=True,
     )
