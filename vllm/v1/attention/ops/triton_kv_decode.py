@@ -160,12 +160,15 @@ def load_kv_tile(
     stride_tok,
     stride_head,
     FORMAT: tl.constexpr,
+    BF16_OUT: tl.constexpr,
 ):
     """Values of one cache side (any format but NVFP4, see :func:`nvfp4_tile`) at
     (``page``, ``tok``) x ``dim`` of KV head ``head``, without their scales (the kernel
     applies them to the scores / the probabilities / the output, not per element): fp32, exact
     (per-token-head: the INT8 integer or the e4m3 value, to be multiplied by the row's
-    :func:`load_row_scale`), except FP8's :func:`fp8_units` (fp16, e4m3 times 2^-8).
+    :func:`load_row_scale`), except FP8's :func:`fp8_units` (fp16, e4m3 times 2^-8) and bf16
+    pages with ``BF16_OUT`` (bf16 queries, never under the interpreter, whose bf16 is wrong):
+    their bits as bf16.
 
     ``page`` (int64) / ``tok`` and ``dim`` broadcast against each other (e.g. ``[1, N]`` and
     ``[D, 1]`` for a transposed key tile); ``key_mask`` / ``dim_mask`` have their shapes.
@@ -184,7 +187,10 @@ def load_kv_tile(
         value = fp8_units(tl.load(cache_ptr + row + dim, mask=mask, other=0), FORMAT == 3)
     elif FORMAT == 1:
         bits = tl.load(cache_ptr + row + dim, mask=mask, other=0)
-        value = from_bits(source_to_f32_bits(bits, 2))  # 2: SRC_BF16
+        if BF16_OUT:  # the bits as they are (no widening and rounding back for a bf16 dot)
+            value = bits.to(tl.bfloat16, bitcast=True)
+        else:
+            value = from_bits(source_to_f32_bits(bits, 2))  # 2: SRC_BF16
     else:
         value = tl.load(cache_ptr + row + dim, mask=mask, other=0.0).to(tl.float32)
-    return tl.where(mask, value, 0.0)
+    return value  # masked loads gave 0 bits: 0 in every format

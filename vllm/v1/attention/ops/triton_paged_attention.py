@@ -203,6 +203,7 @@ def paged_attention_kernel(
                 stride_k_tok,
                 stride_k_head,
                 FORMAT,
+                q.dtype == tl.bfloat16,
             )
         if FP32_DOT:
             s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
@@ -261,6 +262,7 @@ def paged_attention_kernel(
                 stride_v_tok,
                 stride_v_head,
                 FORMAT,
+                q.dtype == tl.bfloat16,
             )
         if FORMAT == 4 or FORMAT == 5:  # per-token-head: each value row's scale
             v_aux = page * stride_va_page + tok * stride_va_tok + kv_head64 * stride_va_head
