@@ -27,6 +27,7 @@ from vllm.v1.attention.backends import (
     get_attn_backend,
 )
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionImpl, _kernel_missing
+from vllm.v1.attention.ops.triton_unified_attention import MAX_SPLITS
 from vllm.v1.kv_cache_format import lookup
 
 pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
@@ -363,7 +364,7 @@ def test_bf16_query_on_gpu(cache_dtype: str) -> None:
 # ------------------------------------------------------------------------ errors, selection
 
 
-@pytest.mark.parametrize("splits", [0, 17, True, 2.0])
+@pytest.mark.parametrize("splits", [0, MAX_SPLITS + 1, True, 2.0])
 def test_bad_num_splits_fails_before_writing(splits: object) -> None:
     case = Case(seq_lens=[20], query_lens=[4])
     _, triton_impl, layer, kv_cache, metadata, query = setup(case)
@@ -371,7 +372,8 @@ def test_bad_num_splits_fails_before_writing(splits: object) -> None:
     key = torch.randn(4, 2, 64, device=DEVICE)
     value = torch.randn(4, 2, 32, device=DEVICE)
     triton_impl.num_splits = splits  # type: ignore[assignment]
-    with pytest.raises(ValueError, match=r"num_splits: expected None or an int in 1\.\.16, got"):
+    message = rf"num_splits: expected None or an int in 1\.\.{MAX_SPLITS}, got"
+    with pytest.raises(ValueError, match=message):
         triton_impl.forward(layer, query, key, value, kv_cache, metadata)
     assert all(torch.equal(a, b) for a, b in zip(kv_cache, before, strict=True))
 

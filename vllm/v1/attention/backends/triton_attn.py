@@ -111,11 +111,15 @@ class TritonAttentionImpl(ReferenceAttentionImpl):
     ) -> CheckedForward:
         """The reference impl's checks, plus a CUDA cache (any device under the interpreter)
         and a valid :attr:`num_splits`."""
+        from vllm.v1.attention.ops.triton_unified_attention import MAX_SPLITS
+
         splits = self.num_splits
-        if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int)):
-            raise ValueError(f"num_splits: expected None or an int in 1..16, got {splits!r}")
-        if splits is not None and not 1 <= splits <= 16:
-            raise ValueError(f"num_splits: expected None or an int in 1..16, got {splits!r}")
+        if splits is not None and (
+            isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= MAX_SPLITS
+        ):
+            raise ValueError(
+                f"num_splits: expected None or an int in 1..{MAX_SPLITS}, got {splits!r}"
+            )
         checked = super()._check_forward(layer, query, key, value, kv_cache, attn_metadata, output)
         device = checked.key_cache.device
         if device.type != "cuda" and not triton_interpreted():
