@@ -9,6 +9,7 @@ GPU.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from vllm.triton_utils.importing import (
@@ -27,4 +28,10 @@ else:
 LOG2E = 1.4426950408889634
 LOGE2 = 0.6931471805599453
 
-__all__ = ["HAS_TRITON", "LOG2E", "LOGE2", "tl", "triton"]
+
+def triton_interpreted() -> bool:
+    """Whether Triton kernels run under the interpreter (``TRITON_INTERPRET`` set, not 0)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+__all__ = ["HAS_TRITON", "LOG2E", "LOGE2", "tl", "triton", "triton_interpreted"]

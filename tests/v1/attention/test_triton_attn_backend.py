@@ -350,15 +350,26 @@ def test_key_transforms_through_attention_kv_cache() -> None:
     torch.testing.assert_close(outs[0], outs[1], atol=4e-3, rtol=4e-3)
 
 
-@pytest.mark.skipif(
-    DEVICE.type != "cuda", reason="bf16 arithmetic and tl.dot are wrong under the interpreter"
-)
 @pytest.mark.parametrize(
     "cache_dtype", ["auto", "fp8_e4m3", "nvfp4", "int8_per_token_head", "fp8_per_token_head"]
 )
-def test_bf16_query_on_gpu(cache_dtype: str) -> None:
-    """bf16 queries: per-token-head caches take the probabilities-times-row-scale path."""
+def test_bf16_query(cache_dtype: str) -> None:
+    """bf16 queries: per-token-head caches take the probabilities-times-row-scale path. Under
+    the interpreter (whose bf16 arithmetic is wrong) the launch runs on fp32 copies of the query
+    and output (FP32Staging); on a GPU the kernels compute in bf16."""
     check(replace(Case(cache_dtype), query_dtype=torch.bfloat16), seed=5)
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the interpreter's fp32 staging: CPU only")
+def test_bf16_query_is_staged_through_fp32_under_the_interpreter() -> None:
+    from vllm.v1.attention.ops.triton_unified_attention import FP32Staging
+
+    query = torch.randn(3, 4, 64, dtype=torch.bfloat16)
+    out = torch.empty(3, 4, 32, dtype=torch.bfloat16)
+    staging = FP32Staging.needed(query, out)
+    assert staging is not None
+    assert staging.query_fp32.dtype == staging.out_fp32.dtype == torch.float32
+    assert FP32Staging.needed(query.half(), out.half()) is None
 
 
 # ------------------------------------------------------------------------ errors, selection

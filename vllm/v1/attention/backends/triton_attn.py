@@ -13,11 +13,9 @@ interpreter (``TRITON_INTERPRET=1``) on CPU tensors, which is how the tests run 
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from vllm.triton_utils import HAS_TRITON
+from vllm.triton_utils import HAS_TRITON, triton_interpreted
 from vllm.v1.attention.backends.abstract import AttentionLayer, DeviceCapability
 from vllm.v1.attention.backends.reference import (
     ReferenceAttentionBackend,
@@ -28,11 +26,6 @@ from vllm.v1.attention.backends.reference_metadata import CheckedForward
 
 MIN_CAPABILITY = (8, 0)
 """Oldest GPU the kernels are built and tested for (Ampere)."""
-
-
-def triton_interpreted() -> bool:
-    """Whether Triton kernels run under the interpreter (``TRITON_INTERPRET`` set, not 0)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 class TritonAttentionBackend(ReferenceAttentionBackend):

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from vllm.kv_quant import ScaleLayout, kv_scale_as_1d
-from vllm.triton_utils import triton
+from vllm.triton_utils import triton, triton_interpreted
 from vllm.utils.torch_utils import _nvfp4_split_data_scale
 from vllm.v1.attention.ops import triton_kv_decode as dec
 from vllm.v1.attention.ops.triton_paged_attention import (
@@ -138,6 +138,7 @@ class PagedAttentionLaunch:
         merge_grid: tuple[int, int] | None,
         merge_args: list[Any],
         merge_constexprs: dict[str, Any],
+        staging: FP32Staging | None = None,
     ) -> None:
         self.grid = grid
         self.args = args
@@ -145,6 +146,7 @@ class PagedAttentionLaunch:
         self.merge_grid = merge_grid
         self.merge_args = merge_args
         self.merge_constexprs = merge_constexprs
+        self.staging = staging
 
     @property
     def num_splits(self) -> int:
@@ -154,9 +156,35 @@ class PagedAttentionLaunch:
     def __call__(self) -> None:
         if self.grid[0] == 0:
             return
+        if self.staging is not None:
+            self.staging.query_fp32.copy_(self.staging.query)
         paged_attention_kernel[self.grid](*self.args, **self.constexprs)
         if self.merge_grid is not None:
             merge_splits_kernel[self.merge_grid](*self.merge_args, **self.merge_constexprs)
+        if self.staging is not None:
+            self.staging.out.copy_(self.staging.out_fp32)
+
+
+class FP32Staging(NamedTuple):
+    """fp32 stand-ins of a bf16 query / output under Triton's interpreter, which multiplies bf16
+    bit patterns as integers: the kernels run on the fp32 copies, the launch copies the query in
+    and the output back (rounded to nearest even by torch) at each call. On a GPU there is none."""
+
+    query: torch.Tensor
+    query_fp32: torch.Tensor
+    out: torch.Tensor
+    out_fp32: torch.Tensor
+
+    @classmethod
+    def needed(cls, query: torch.Tensor, out: torch.Tensor) -> FP32Staging | None:
+        if torch.bfloat16 not in (query.dtype, out.dtype) or not triton_interpreted():
+            return None
+        return cls(
+            query,
+            torch.empty(query.shape, dtype=torch.float32, device=query.device),
+            out,
+            torch.empty(out.shape, dtype=torch.float32, device=out.device),
+        )
 
 
 def plan_paged_attention(
@@ -198,6 +226,9 @@ def plan_paged_attention(
     check them).
     """
     fmt = lookup(kv_cache_dtype, include_mla_only=False)
+    staging = FP32Staging.needed(query, out)
+    if staging is not None:
+        query, out = staging.query_fp32, staging.out_fp32
     num_tokens, num_heads, head_size = query.shape
     head_size_v = out.shape[2]
     num_kv_heads = key_cache.shape[2]
@@ -297,7 +328,8 @@ def plan_paged_attention(
         NUM_STAGES=PIPELINE_STAGES,
     )
     if num_splits == 1:
-        return PagedAttentionLaunch((num_programs, num_kv_heads, 1), args, constexprs, None, [], {})
+        grid = (num_programs, num_kv_heads, 1)
+        return PagedAttentionLaunch(grid, args, constexprs, None, [], {}, staging)
     merge_args = [out, part_acc, part_ml, out.stride(0), out.stride(1), num_heads]
     merge_constexprs = dict(
         HEAD_SIZE_V=head_size_v,
@@ -312,6 +344,7 @@ def plan_paged_attention(
         (num_tokens, num_heads),
         merge_args,
         merge_constexprs,
+        staging,
     )
 
 
