@@ -255,6 +255,45 @@ void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& 
               " (key_cache's device), got ", t.device());
 }
 
+// A tensor of paged attention's pre-RoPE key transform: fp32, `dims`-D, contiguous.
+void check_key_tensor(const at::Tensor& t, const char* name, int64_t dims, const char* shape_doc) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, ": expected dtype float32, got ",
+              dtype_str(t.scalar_type()));
+  TORCH_CHECK(t.dim() == dims, name, ": expected a ", dims, "-D tensor ", shape_doc, ", got shape ",
+              shape_str(t));
+  TORCH_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor, got strides ", t.strides());
+}
+
+// Shapes of paged attention's optional rope_cos_sin, key_offset and sink_keys (devices are
+// checked with the other arguments'). Their values are not read.
+void check_key_transform(const std::optional<at::Tensor>& rope_cos_sin,
+                         const std::optional<at::Tensor>& key_offset,
+                         const std::optional<at::Tensor>& sink_keys, int64_t num_seqs,
+                         int64_t kv_heads, int64_t head_size) {
+  if (rope_cos_sin) {
+    check_key_tensor(*rope_cos_sin, "rope_cos_sin", 2, "[max_positions, rotary_dim]");
+    const int64_t rotary_dim = rope_cos_sin->size(1);
+    TORCH_CHECK(rotary_dim >= 2 && rotary_dim % 2 == 0 && rotary_dim <= head_size,
+                "rope_cos_sin: expected an even rotary_dim in [2, head_size = ", head_size,
+                "] at dim 1, got shape ", shape_str(*rope_cos_sin));
+    check_int_range(rope_cos_sin->size(0), "rope_cos_sin max_positions");
+  }
+  if (key_offset) {
+    check_key_tensor(*key_offset, "key_offset", 2, "[num_kv_heads, head_size]");
+    TORCH_CHECK(key_offset->size(0) == kv_heads && key_offset->size(1) == head_size,
+                "key_offset: expected shape [num_kv_heads, head_size] = [", kv_heads, ", ",
+                head_size, "], got ", shape_str(*key_offset));
+  }
+  if (sink_keys) {
+    check_key_tensor(*sink_keys, "sink_keys", 4, "[num_seqs, S, num_kv_heads, head_size]");
+    TORCH_CHECK(sink_keys->size(0) == num_seqs && sink_keys->size(1) >= 1 &&
+                    sink_keys->size(2) == kv_heads && sink_keys->size(3) == head_size,
+                "sink_keys: expected shape [num_seqs, S >= 1, num_kv_heads, head_size] = [",
+                num_seqs, ", S, ", kv_heads, ", ", head_size, "], got ", shape_str(*sink_keys));
+    check_int_range(sink_keys->size(1), "sink_keys S");
+  }
+}
+
 }  // namespace
 
 ReshapeAndCacheParams prepare_reshape_and_cache_flash(
@@ -387,7 +426,9 @@ PagedAttentionParams prepare_paged_attention(
     const at::Tensor& v_scale, double scale, int64_t sliding_window, double logits_soft_cap,
     const std::optional<at::Tensor>& sinks, bool causal,
     const std::optional<std::string>& k_scale_layout,
-    const std::optional<std::string>& v_scale_layout) {
+    const std::optional<std::string>& v_scale_layout, const std::optional<at::Tensor>& rope_cos_sin,
+    bool rope_is_neox, const std::optional<at::Tensor>& key_offset,
+    const std::optional<at::Tensor>& sink_keys) {
   const CacheKind kind = get_cache_kind(kv_cache_dtype);
   for (const auto& [t, name] :
        {std::pair{&out, "out"}, std::pair{&query, "query"}, std::pair{&value_cache, "value_cache"},
@@ -396,7 +437,11 @@ PagedAttentionParams prepare_paged_attention(
         std::pair{&v_scale, "v_scale"}}) {
     check_same_device(*t, name, key_cache);
   }
-  if (sinks) check_same_device(*sinks, "sinks", key_cache);
+  for (const auto& [t, name] :
+       {std::pair{&sinks, "sinks"}, std::pair{&rope_cos_sin, "rope_cos_sin"},
+        std::pair{&key_offset, "key_offset"}, std::pair{&sink_keys, "sink_keys"}}) {
+    if (*t) check_same_device(**t, name, key_cache);
+  }
 
   TORCH_CHECK(query.dim() == 3,
               "query: expected a 3-D tensor [T, num_heads, head_size], got shape ",
@@ -485,6 +530,8 @@ PagedAttentionParams prepare_paged_attention(
                 dtype_str(sinks->scalar_type()), " of shape ", shape_str(*sinks));
   }
 
+  check_key_transform(rope_cos_sin, key_offset, sink_keys, num_seqs, kv_heads, head_size);
+
   PagedAttentionParams p{};
   p.out = out.data_ptr();
   p.out_token_stride = out.stride(0);
@@ -512,6 +559,12 @@ PagedAttentionParams prepare_paged_attention(
   p.logits_soft_cap = float(logits_soft_cap);
   p.sinks = sinks ? sinks->data_ptr<float>() : nullptr;
   p.causal = causal;
+  p.rope_cos_sin = rope_cos_sin ? rope_cos_sin->data_ptr<float>() : nullptr;
+  p.rotary_dim = rope_cos_sin ? int(rope_cos_sin->size(1)) : 0;
+  p.rope_is_neox = rope_is_neox;
+  p.key_offset = key_offset ? key_offset->data_ptr<float>() : nullptr;
+  p.sink_keys = sink_keys ? sink_keys->data_ptr<float>() : nullptr;
+  p.num_sink_keys = sink_keys ? int(sink_keys->size(1)) : 0;
   return p;
 }
 

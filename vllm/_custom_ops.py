@@ -144,6 +144,10 @@ def _paged_attention_fake(
     k_scale_layout: str | None = None,
     v_scale_layout: str | None = None,
     simd: str = "auto",
+    rope_cos_sin: torch.Tensor | None = None,
+    rope_is_neox: bool = True,
+    key_offset: torch.Tensor | None = None,
+    sink_keys: torch.Tensor | None = None,
 ) -> None:
     _reject_real_and_meta(
         dict(
@@ -157,6 +161,9 @@ def _paged_attention_fake(
             k_scale=k_scale,
             v_scale=v_scale,
             sinks=sinks,
+            rope_cos_sin=rope_cos_sin,
+            key_offset=key_offset,
+            sink_keys=sink_keys,
         ),
         "key_cache",
     )
@@ -323,6 +330,10 @@ def paged_attention(
     k_scale_layout: ScaleLayout | str | None = None,
     v_scale_layout: ScaleLayout | str | None = None,
     simd: str = "auto",
+    rope_cos_sin: torch.Tensor | None = None,
+    rope_is_neox: bool = True,
+    key_offset: torch.Tensor | None = None,
+    sink_keys: torch.Tensor | None = None,
 ) -> None:
     """Paged attention of ``query [T, Hq, D]`` over the cache sides ``key_cache`` /
     ``value_cache`` (logical ``[B, N, Hkv, D']``, NHD or HND, any format
@@ -335,6 +346,17 @@ def paged_attention(
     optional. Scale layouts as for :func:`reshape_and_cache_flash` (``None``: the default for the
     geometry). ``simd`` picks the CPU kernels' instruction set: ``"auto"`` or one of
     :func:`paged_attention_simd_levels`.
+
+    Keys stored before RoPE (all optional, fp32, contiguous, on the cache's device): the key at
+    position ``t`` (0-based, in its sequence) of KV head ``h`` of sequence ``s`` is
+    ``sink_keys[s, t, h]`` (``[num_seqs, S, Hkv, D]``, real units) when ``t < S``, else the
+    cache's dequantized key; plus ``key_offset[h]`` (``[Hkv, D]``, real units); then rotated by
+    row ``t`` of ``rope_cos_sin`` (``[max_positions, rotary_dim]``: ``cos`` of the
+    ``rotary_dim / 2`` frequencies, then their ``sin``, as upstream's ``cos_sin_cache``;
+    ``rotary_dim`` even, at most ``D``; every ``seq_len <= max_positions``). ``rope_is_neox``
+    rotates channel pairs ``(i, i + rotary_dim / 2)``, else ``(2i, 2i + 1)``; channels past
+    ``rotary_dim`` are unchanged. Values are never transformed. Any of the three takes the
+    kernels' slower decode-into-tile path.
     """
     torch.ops._C_cache_ops.paged_attention(
         out,
@@ -355,6 +377,10 @@ def paged_attention(
         _layout_name(k_scale_layout),
         None if v_scale_layout is None else _layout_name(v_scale_layout),
         simd,
+        rope_cos_sin,
+        rope_is_neox,
+        key_offset,
+        sink_keys,
     )
 
 

@@ -63,9 +63,10 @@ SimdLevel parse_simd_level(const std::string& name) {
               c10::Join(", ", paged_attention_simd_levels()), ", got '", name, "'");
 }
 
-// Lengths and page ids of every sequence, before anything is read from the cache.
+// Lengths and page ids of every sequence, before anything is read from the cache. With
+// rope_cos_sin (max_positions >= 0 rows) every position of every sequence must have a row.
 void check_sequences(const PagedAttentionParams& p, int64_t query_rows, int64_t out_rows,
-                     int64_t num_blocks, int64_t max_blocks) {
+                     int64_t num_blocks, int64_t max_blocks, int64_t max_positions) {
   TORCH_CHECK(p.query_start_loc[0] == 0, "query_start_loc: expected 0 first, got ",
               p.query_start_loc[0]);
   for (const int seq : c10::irange(p.num_seqs)) {
@@ -74,6 +75,8 @@ void check_sequences(const PagedAttentionParams& p, int64_t query_rows, int64_t 
     TORCH_CHECK(q_len >= 0 && q_len <= seq_len, "seq_lens: sequence ", seq, " has ", seq_len,
                 " tokens and ", q_len,
                 " query tokens (query_start_loc); expected 0 <= query_len <= seq_len");
+    TORCH_CHECK(max_positions < 0 || seq_len <= max_positions, "rope_cos_sin: expected at least ",
+                seq_len, " rows (sequence ", seq, "'s seq_len), got ", max_positions);
     if (q_len == 0) continue;
     const int first_key = cpu::attention::key_range(p, int(seq_len), int(q_len), 0).first;
     const int64_t first_page = first_key / p.block_size;
@@ -101,15 +104,18 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
                          const at::Tensor& v_scale, double scale, int64_t sliding_window,
                          double logits_soft_cap, const std::optional<at::Tensor>& sinks,
                          bool causal, const std::optional<std::string>& k_scale_layout,
-                         const std::optional<std::string>& v_scale_layout,
-                         const std::string& simd) {
+                         const std::optional<std::string>& v_scale_layout, const std::string& simd,
+                         const std::optional<at::Tensor>& rope_cos_sin, bool rope_is_neox,
+                         const std::optional<at::Tensor>& key_offset,
+                         const std::optional<at::Tensor>& sink_keys) {
   check_cpu(key_cache, "key_cache");
   const SimdLevel level = parse_simd_level(simd);
   const PagedAttentionParams p = prepare_paged_attention(
       out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, kv_cache_dtype,
       k_scale, v_scale, scale, sliding_window, logits_soft_cap, sinks, causal, k_scale_layout,
-      v_scale_layout);
-  check_sequences(p, query.size(0), out.size(0), key_cache.size(0), block_table.size(1));
+      v_scale_layout, rope_cos_sin, rope_is_neox, key_offset, sink_keys);
+  check_sequences(p, query.size(0), out.size(0), key_cache.size(0), block_table.size(1),
+                  rope_cos_sin ? rope_cos_sin->size(0) : -1);
   if (reads_kv_scale(p.cache_kind)) {
     check_scale_values(k_scale, "k_scale", kv_cache_dtype);
     check_scale_values(v_scale, "v_scale", kv_cache_dtype);

@@ -12,7 +12,8 @@
 // an item: the K scale is folded into the query, the V scale into the output. Per-token-head rows
 // (int8 / e4m3 values + their own inline fp32 scale) are decoded times that scale into the tiles.
 // Long key ranges of few items are split (split-K); the splits' (max, sum, accumulator) partials
-// are merged after.
+// are merged after. Keys stored before RoPE (rope_cos_sin / key_offset / sink_keys given) are
+// decoded into the tile and rebuilt there (transform_keys), never fused.
 #pragma once
 
 #include <algorithm>
@@ -742,9 +743,12 @@ class PagedAttention {
         dim_k_(round_up(geo_.head_size)),
         dim_v_(round_up(geo_.head_size_v)),
         tokens_(round_up(p.block_size)),
-        // Per-token-head rows are decoded (times their inline scales) into the tiles only.
-        fused_(L != SimdLevel::kGeneric && !is_per_token_head(K) && geo_.head_size % kLanes == 0 &&
-               geo_.head_size_v % kLanes == 0),
+        key_transform_(p.rope_cos_sin != nullptr || p.key_offset != nullptr ||
+                       p.sink_keys != nullptr),
+        // Per-token-head rows are decoded (times their inline scales) into the tiles only, and
+        // so are keys rebuilt from pre-RoPE ones (transform_keys).
+        fused_(L != SimdLevel::kGeneric && !is_per_token_head(K) && !key_transform_ &&
+               geo_.head_size % kLanes == 0 && geo_.head_size_v % kLanes == 0),
         bf16_dot_(kBf16Dot && fused_ && p.io_type == SourceType::kBFloat16 &&
                   geo_.head_size % 32 == 0),
         bf16_v_(kBf16Dot && fused_ && geo_.head_size_v % 32 == 0),
@@ -805,10 +809,11 @@ class PagedAttention {
       const auto [begin, end] = key_range(p_, seq_len, q_len, item.q_begin + jt);
       ranges[jt] = {std::max(begin, item.key_begin), std::min(end, item.key_end)};
     }
-    // Query rows, pre-multiplied by the softmax scale and the K dequantization scale.
+    // Query rows, pre-multiplied by the softmax scale and the K dequantization scale (unless
+    // the keys are rebuilt: query_key_scale).
     for (int hh = 0; hh < heads; ++hh) {
       const int kv_head = item.kv_begin + hh;
-      const float q_scale = p_.scale * side_scale(p_.key_cache, kv_head, K);
+      const float q_scale = p_.scale * query_key_scale(kv_head);
       for (int jt = 0; jt < tokens; ++jt) {
         const int64_t token = p_.query_start_loc[item.seq] + item.q_begin + jt;
         for (int g = 0; g < geo_.group; ++g) {
@@ -899,6 +904,9 @@ class PagedAttention {
         } else {
           decode_page(p_.key_cache, k_layout_, k_groups_, block, lo - page_start, hi - page_start,
                       kv_head, geo_.head_size, dim_k_, k_tile);
+          if (key_transform_) {
+            transform_keys(item.seq, kv_head, page_start, lo - page_start, hi - page_start, k_tile);
+          }
         }
         for (int jt = 0; jt < tokens; ++jt) {
           const int b = std::max(ranges[jt].first, lo) - page_start;
@@ -908,7 +916,7 @@ class PagedAttention {
           score_rows(q + int64_t(r0) * dim_k_, fused ? nullptr : k_tile, k_rows, k_scales, b, e,
                      scores + int64_t(r0) * tokens_,
                      bf16_dot ? q_bf16 + int64_t(r0) * dim_k_ : nullptr,
-                     p_.scale * side_scale(p_.key_cache, kv_head, K));
+                     p_.scale * query_key_scale(kv_head));
           for (int g = 0; g < geo_.group; ++g) {
             softmax_step(scores + int64_t(r0 + g) * tokens_, b, e, m[r0 + g], l[r0 + g],
                          acc + int64_t(r0 + g) * dim_v_);
@@ -1035,6 +1043,47 @@ class PagedAttention {
         bytes = dim * kElementBytes;
       }
       for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b);
+    }
+  }
+
+  // The K scale folded into the query rows: 1 when the key tile holds rebuilt keys (they are
+  // in real units, as the sink keys and the offset are given).
+  float query_key_scale(int kv_head) const {
+    return key_transform_ ? 1.0f : side_scale(p_.key_cache, kv_head, K);
+  }
+
+  // Rebuilds the keys of tile rows [t0, t1) (positions page_start + t of sequence `seq`, KV head
+  // `head`, decoded by decode_page) from pre-RoPE keys: the sink key or the decoded key times the
+  // K scale (the reference codec's value), plus the head's offset, then the forward RoPE rotation
+  // of row `position` of rope_cos_sin. Scalar: this path is for correctness, not speed.
+  void transform_keys(int seq, int head, int page_start, int t0, int t1, float* tile) const {
+    const int dim = geo_.head_size;
+    const float k_scale = side_scale(p_.key_cache, head, K);
+    const float* offset = p_.key_offset != nullptr ? p_.key_offset + int64_t(head) * dim : nullptr;
+    const int half = p_.rotary_dim / 2;
+    for (int t = t0; t < t1; ++t) {
+      const int position = page_start + t;
+      float* x = tile + int64_t(t) * dim_k_;
+      if (position < p_.num_sink_keys) {
+        const int64_t row = (int64_t(seq) * p_.num_sink_keys + position) * p_.num_kv_heads + head;
+        std::memcpy(x, p_.sink_keys + row * dim, sizeof(float) * dim);
+      } else {
+        for (int d = 0; d < dim; ++d) x[d] *= k_scale;
+      }
+      if (offset != nullptr) {
+        for (int d = 0; d < dim; ++d) x[d] += offset[d];
+      }
+      if (p_.rope_cos_sin == nullptr) continue;
+      const float* cos = p_.rope_cos_sin + int64_t(position) * p_.rotary_dim;
+      const float* sin = cos + half;
+      for (int i = 0; i < half; ++i) {
+        float& a = x[p_.rope_is_neox ? i : 2 * i];
+        float& b = x[p_.rope_is_neox ? i + half : 2 * i + 1];
+        const float a0 = a;
+        const float b0 = b;
+        a = a0 * cos[i] - b0 * sin[i];
+        b = b0 * cos[i] + a0 * sin[i];
+      }
     }
   }
 
@@ -1823,8 +1872,10 @@ class PagedAttention {
   int dim_k_;   // head_size rounded up to whole vectors (tile and query row stride)
   int dim_v_;   // head_size_v rounded up (tile and accumulator row stride)
   int tokens_;  // block_size rounded up (score row stride)
+  // rope_cos_sin, key_offset or sink_keys given: keys are rebuilt by transform_keys.
+  bool key_transform_;
   // Decode in registers inside the dot products is possible (vector levels, head sizes of whole
-  // vectors); otherwise pages are always decoded into the fp32 tiles first.
+  // vectors, keys as stored); otherwise pages are always decoded into the fp32 tiles first.
   bool fused_;
   // The bf16 dot path applies (kBf16Dot, a bf16 query, head size of whole 32-element vectors).
   bool bf16_dot_;
