@@ -20,6 +20,8 @@ from vllm.kv_quant.fp8 import (
 )
 from vllm.kv_quant.fp8_cache import fp8_read_cache, fp8_write_cache
 from vllm.kv_quant.hadamard import HADAMARD, check_hadamard_head_size, hadamard_rotate
+from vllm.kv_quant.key_rope import KeyRope
+from vllm.kv_quant.key_sinks import key_sink_scale, read_key_sinks, write_key_sinks
 from vllm.kv_quant.key_transform import KeyTransform
 from vllm.kv_quant.kv_scale import is_per_tensor_scale, kv_scale_as_1d
 from vllm.kv_quant.nvfp4 import (
@@ -58,7 +60,11 @@ from vllm.kv_quant.scale_layout import (
 
 __all__ = [
     "HADAMARD",
+    "KeyRope",
     "KeyTransform",
+    "key_sink_scale",
+    "read_key_sinks",
+    "write_key_sinks",
     "check_hadamard_head_size",
     "hadamard_rotate",
     "E2M1_MAX",

@@ -1,9 +1,15 @@
-"""What a cache does to keys before writing them and to queries before reading: an optional key
-offset and an optional Hadamard rotation (docs/design.md §5.5), one definition for every user.
+"""What a cache does to keys before writing them and to queries before reading: an optional
+RoPE undone, an optional key offset, an optional Hadamard rotation and optional FP8 key sinks
+(docs/design.md §5.5), one definition for every user.
 
-The writer receives ``round_to_key_dtype(rotate(fp32(key) - offset))``; the reader rotates the
-query alike. Scores are kept by the rotation and moved by ``q . offset`` per query by the offset,
-which softmax ignores; both leave the page bytes in the format's own encoding.
+The writer receives ``round_to_key_dtype(rotate(unrope(fp32(key)) - offset))``. Without RoPE
+the reader rotates the query alike: scores are kept by the rotation and moved by
+``q . offset`` per query by the offset, which softmax ignores. With RoPE (keys stored before
+it, :mod:`vllm.kv_quant.key_rope`) the reader rebuilds each key instead
+(:meth:`KeyTransform.rebuild_key`): rotated back, offset added, RoPE applied at the key's
+position. Key sinks (:mod:`vllm.kv_quant.key_sinks`) replace the first ``sink_tokens`` stored
+keys of each sequence by their FP8 copies before that. The page bytes stay in the format's own
+encoding.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm.kv_quant.hadamard import HADAMARD, check_hadamard_head_size, hadamard_rotate
+from vllm.kv_quant.key_rope import KeyRope
 
 __all__ = ["KeyTransform"]
 
@@ -20,14 +27,25 @@ __all__ = ["KeyTransform"]
 @dataclass(frozen=True, eq=False)
 class KeyTransform:
     """``rotation``: ``None`` or ``"hadamard"``; ``offset``: ``None`` or fp32 ``[H, D]``
-    subtracted from every key (e.g. :meth:`vllm.kv_quant.KVScaleObserver.key_mean`)."""
+    subtracted from every key (e.g. :meth:`vllm.kv_quant.KVScaleObserver.key_mean`; with
+    ``rope``, of the pre-RoPE keys); ``rope``: ``None`` or the model's RoPE, undone before the
+    keys are stored; ``sink_tokens``: keys of the first positions of each page kept in FP8
+    beside the pages (0: none)."""
 
     rotation: str | None = None
     offset: torch.Tensor | None = None
+    rope: KeyRope | None = None
+    sink_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.rotation not in (None, HADAMARD):
             raise ValueError(f"key_rotation: expected None or {HADAMARD!r}, got {self.rotation!r}")
+        if self.rope is not None and not isinstance(self.rope, KeyRope):
+            got = type(self.rope).__name__
+            raise ValueError(f"key_rope: expected None or a KeyRope, got {got}")
+        sinks = self.sink_tokens
+        if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+            raise ValueError(f"key_sink_tokens: expected an int >= 0, got {sinks!r}")
         offset = self.offset
         if offset is not None:
             if not isinstance(offset, torch.Tensor) or offset.dim() != 2:
@@ -44,14 +62,39 @@ class KeyTransform:
     @property
     def is_identity(self) -> bool:
         """Keys and queries pass unchanged."""
-        return self.rotation is None and self.offset is None
+        return (
+            self.rotation is None
+            and self.offset is None
+            and self.rope is None
+            and self.sink_tokens == 0
+        )
 
-    def stored_key(self, key: torch.Tensor) -> torch.Tensor:
+    @property
+    def rebuilds_keys(self) -> bool:
+        """The reader rebuilds each key (:meth:`rebuild_key`) instead of rotating the query:
+        keys are stored before RoPE."""
+        return self.rope is not None
+
+    @property
+    def needs_key_rebuild(self) -> bool:
+        """A reader must rebuild keys (pre-RoPE keys or sink rows), not read page rows as
+        they are."""
+        return self.rebuilds_keys or self.sink_tokens > 0
+
+    def stored_key(self, key: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """``key [..., H, D]`` as the writer receives it (``key`` itself when
-        :attr:`is_identity`)."""
+        :attr:`is_identity`); ``positions`` (int ``[T]``, each key's position in its sequence)
+        are needed with :attr:`rope`."""
         if self.is_identity:
             return key
         stored = key.to(torch.float32)
+        if self.rope is not None:
+            if positions is None:
+                raise ValueError(
+                    "positions: expected each key's position in its sequence (keys are stored "
+                    "before RoPE), got None"
+                )
+            stored = self.rope.unrotate(stored, positions)
         if self.offset is not None:
             if tuple(key.shape[-2:]) != tuple(self.offset.shape):
                 raise ValueError(
@@ -65,7 +108,20 @@ class KeyTransform:
 
     def reader_query(self, query: torch.Tensor) -> torch.Tensor:
         """``query`` as the reader receives it: rotated like the keys, in its own dtype (the
-        offset needs nothing: softmax ignores the shift it makes)."""
-        if self.rotation is None:
+        offset needs nothing: softmax ignores the shift it makes); unchanged when the reader
+        rebuilds the keys."""
+        if self.rotation is None or self.rebuilds_keys:
             return query
         return hadamard_rotate(query).to(query.dtype)
+
+    def rebuild_key(self, stored: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """fp32 post-RoPE keys ``[T, H, D]`` from stored ones (dequantized, fp32) at
+        ``positions [T]``: rotated back, offset added, RoPE applied (see
+        :attr:`rebuilds_keys`)."""
+        assert self.rope is not None, "rebuild_key: keys are stored after RoPE"
+        key = stored.to(torch.float32)
+        if self.rotation is not None:
+            key = hadamard_rotate(key)  # orthonormal and symmetric: its own inverse
+        if self.offset is not None:
+            key = key + self.offset.to(key.device)
+        return self.rope.rotate(key, positions)
