@@ -44,15 +44,18 @@ struct PagedAttentionParams {
   const float* sinks;     // fp32 [num_heads] logits, or nullptr
   bool causal;
   // Keys stored before RoPE (optional, each nullptr when absent). The key at position t of
-  // sequence s, KV head h is sink_keys[s][t][h] for t < num_sink_keys, else the cache's; plus
-  // key_offset[h]; then rotated by row t of rope_cos_sin (cos of the rotary_dim / 2 pair
-  // frequencies, then their sin; neox pairs (i, i + rotary_dim / 2), GPT-J pairs (2i, 2i + 1)).
+  // sequence s, KV head h is sink_keys[s][t][h] for t < num_sink_keys, else the cache's; then
+  // rotated back by the fixed Hadamard rotation when key_hadamard (c * H x, c = 1/sqrt(D), the
+  // butterflies of kv_quant/hadamard.py in the same order); plus key_offset[h]; then rotated by row
+  // t of rope_cos_sin (cos of the rotary_dim / 2 pair frequencies, then their sin; neox pairs (i, i
+  // + rotary_dim / 2), GPT-J pairs (2i, 2i + 1)).
   const float* rope_cos_sin;  // fp32 [max_positions, rotary_dim]
   int rotary_dim;
   bool rope_is_neox;
   const float* key_offset;  // fp32 [num_kv_heads, head_size]
   const float* sink_keys;   // fp32 [num_seqs, num_sink_keys, num_kv_heads, head_size]
   int num_sink_keys;
+  bool key_hadamard;
 };
 
 }  // namespace vllm_kv

@@ -428,7 +428,7 @@ PagedAttentionParams prepare_paged_attention(
     const std::optional<std::string>& k_scale_layout,
     const std::optional<std::string>& v_scale_layout, const std::optional<at::Tensor>& rope_cos_sin,
     bool rope_is_neox, const std::optional<at::Tensor>& key_offset,
-    const std::optional<at::Tensor>& sink_keys) {
+    const std::optional<at::Tensor>& sink_keys, bool key_hadamard) {
   const CacheKind kind = get_cache_kind(kv_cache_dtype);
   for (const auto& [t, name] :
        {std::pair{&out, "out"}, std::pair{&query, "query"}, std::pair{&value_cache, "value_cache"},
@@ -531,6 +531,8 @@ PagedAttentionParams prepare_paged_attention(
   }
 
   check_key_transform(rope_cos_sin, key_offset, sink_keys, num_seqs, kv_heads, head_size);
+  TORCH_CHECK(!key_hadamard || (head_size & (head_size - 1)) == 0,
+              "key_hadamard: expected a power-of-two head size, got ", head_size);
 
   PagedAttentionParams p{};
   p.out = out.data_ptr();
@@ -565,6 +567,7 @@ PagedAttentionParams prepare_paged_attention(
   p.key_offset = key_offset ? key_offset->data_ptr<float>() : nullptr;
   p.sink_keys = sink_keys ? sink_keys->data_ptr<float>() : nullptr;
   p.num_sink_keys = sink_keys ? int(sink_keys->size(1)) : 0;
+  p.key_hadamard = key_hadamard;
   return p;
 }
 

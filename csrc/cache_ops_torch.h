@@ -53,7 +53,7 @@ PagedAttentionParams prepare_paged_attention(
     const std::optional<std::string>& k_scale_layout,
     const std::optional<std::string>& v_scale_layout, const std::optional<at::Tensor>& rope_cos_sin,
     bool rope_is_neox, const std::optional<at::Tensor>& key_offset,
-    const std::optional<at::Tensor>& sink_keys);
+    const std::optional<at::Tensor>& sink_keys, bool key_hadamard);
 
 // Validates the arguments of swap_blocks: block_mapping is an int64 CPU [n, 2] tensor of
 // (src page, dst page) ids, block_size_in_bytes > 0, and every id addresses a whole page inside

@@ -148,6 +148,7 @@ def _paged_attention_fake(
     rope_is_neox: bool = True,
     key_offset: torch.Tensor | None = None,
     sink_keys: torch.Tensor | None = None,
+    key_hadamard: bool = False,
 ) -> None:
     _reject_real_and_meta(
         dict(
@@ -334,6 +335,7 @@ def paged_attention(
     rope_is_neox: bool = True,
     key_offset: torch.Tensor | None = None,
     sink_keys: torch.Tensor | None = None,
+    key_hadamard: bool = False,
 ) -> None:
     """Paged attention of ``query [T, Hq, D]`` over the cache sides ``key_cache`` /
     ``value_cache`` (logical ``[B, N, Hkv, D']``, NHD or HND, any format
@@ -350,7 +352,9 @@ def paged_attention(
     Keys stored before RoPE (all optional, fp32, contiguous, on the cache's device): the key at
     position ``t`` (0-based, in its sequence) of KV head ``h`` of sequence ``s`` is
     ``sink_keys[s, t, h]`` (``[num_seqs, S, Hkv, D]``, real units) when ``t < S``, else the
-    cache's dequantized key; plus ``key_offset[h]`` (``[Hkv, D]``, real units); then rotated by
+    cache's dequantized key; rotated back by the fixed Hadamard rotation when ``key_hadamard``
+    (:func:`vllm.kv_quant.hadamard_rotate`, its own inverse; power-of-two ``D``); plus
+    ``key_offset[h]`` (``[Hkv, D]``, real units); then rotated by
     row ``t`` of ``rope_cos_sin`` (``[max_positions, rotary_dim]``: ``cos`` of the
     ``rotary_dim / 2`` frequencies, then their ``sin``, as upstream's ``cos_sin_cache``;
     ``rotary_dim`` even, at most ``D``; every ``seq_len <= max_positions``). ``rope_is_neox``
@@ -381,6 +385,7 @@ def paged_attention(
         rope_is_neox,
         key_offset,
         sink_keys,
+        key_hadamard,
     )
 
 

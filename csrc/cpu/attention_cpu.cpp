@@ -107,13 +107,13 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
                          const std::optional<std::string>& v_scale_layout, const std::string& simd,
                          const std::optional<at::Tensor>& rope_cos_sin, bool rope_is_neox,
                          const std::optional<at::Tensor>& key_offset,
-                         const std::optional<at::Tensor>& sink_keys) {
+                         const std::optional<at::Tensor>& sink_keys, bool key_hadamard) {
   check_cpu(key_cache, "key_cache");
   const SimdLevel level = parse_simd_level(simd);
   const PagedAttentionParams p = prepare_paged_attention(
       out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, kv_cache_dtype,
       k_scale, v_scale, scale, sliding_window, logits_soft_cap, sinks, causal, k_scale_layout,
-      v_scale_layout, rope_cos_sin, rope_is_neox, key_offset, sink_keys);
+      v_scale_layout, rope_cos_sin, rope_is_neox, key_offset, sink_keys, key_hadamard);
   check_sequences(p, query.size(0), out.size(0), key_cache.size(0), block_table.size(1),
                   rope_cos_sin ? rope_cos_sin->size(0) : -1);
   if (reads_kv_scale(p.cache_kind)) {

@@ -744,7 +744,7 @@ class PagedAttention {
         dim_v_(round_up(geo_.head_size_v)),
         tokens_(round_up(p.block_size)),
         key_transform_(p.rope_cos_sin != nullptr || p.key_offset != nullptr ||
-                       p.sink_keys != nullptr),
+                       p.sink_keys != nullptr || p.key_hadamard),
         // Per-token-head rows are decoded (times their inline scales) into the tiles only, and
         // so are keys rebuilt from pre-RoPE ones (transform_keys).
         fused_(L != SimdLevel::kGeneric && !is_per_token_head(K) && !key_transform_ &&
@@ -1056,6 +1056,24 @@ class PagedAttention {
   // `head`, decoded by decode_page) from pre-RoPE keys: the sink key or the decoded key times the
   // K scale (the reference codec's value), plus the head's offset, then the forward RoPE rotation
   // of row `position` of rope_cos_sin. Scalar: this path is for correctness, not speed.
+  // x <- c * H x in place (H the Sylvester Hadamard matrix, c = fp32(1 / sqrt(dim))): the
+  // butterflies and the one multiply of kv_quant/hadamard.py, in its order, so that the result
+  // is the reference rotation's to the bit.
+  static void hadamard_row(float* x, int dim) {
+    for (int h = 1; h < dim; h *= 2) {
+      for (int i = 0; i < dim; i += 2 * h) {
+        for (int j = i; j < i + h; ++j) {
+          const float a = x[j];
+          const float b = x[j + h];
+          x[j] = a + b;
+          x[j + h] = a - b;
+        }
+      }
+    }
+    const float c = float(1.0 / std::sqrt(double(dim)));  // fp32(1 / sqrt(D)), as torch rounds it
+    for (int d = 0; d < dim; ++d) x[d] *= c;
+  }
+
   void transform_keys(int seq, int head, int page_start, int t0, int t1, float* tile) const {
     const int dim = geo_.head_size;
     const float k_scale = side_scale(p_.key_cache, head, K);
@@ -1070,6 +1088,7 @@ class PagedAttention {
       } else {
         for (int d = 0; d < dim; ++d) x[d] *= k_scale;
       }
+      if (p_.key_hadamard) hadamard_row(x, dim);
       if (offset != nullptr) {
         for (int d = 0; d < dim; ++d) x[d] += offset[d];
       }

@@ -1,7 +1,8 @@
 """CPU paged attention over keys stored before RoPE: ``rope_cos_sin``, ``rope_is_neox``,
-``key_offset`` and ``sink_keys`` of :func:`vllm._custom_ops.paged_attention` against dense fp32
-torch attention over keys rebuilt from the reference codecs' dequantization of the same cache
-(sink key or cache key, plus the offset, then :meth:`vllm.kv_quant.key_rope.KeyRope.rotate`).
+``key_offset``, ``sink_keys`` and ``key_hadamard`` of :func:`vllm._custom_ops.paged_attention`
+against dense fp32 torch attention over keys rebuilt from the reference codecs' dequantization
+of the same cache (sink key or cache key, rotated back by the Hadamard rotation, plus the
+offset, then :meth:`vllm.kv_quant.key_rope.KeyRope.rotate`).
 Every cache format x every compiled SIMD level, NHD / HND, neox and GPT-J pairs, partial rotary
 dims, each argument alone and together, sinks longer than the sequences, GQA, prefill + decode
 in one batch, split-K, sliding window, soft cap, logit sinks, fp32 / bf16 / fp16 queries, and
@@ -17,6 +18,7 @@ import torch
 
 from vllm import _custom_ops as ops
 from vllm.kv_quant.fp8_cache import fp8_read_cache
+from vllm.kv_quant.hadamard import hadamard_rotate
 from vllm.kv_quant.key_rope import KeyRope
 from vllm.kv_quant.nvfp4_cache import nvfp4_read_cache
 from vllm.kv_quant.per_token_head import per_token_head_read_cache
@@ -63,6 +65,7 @@ class Case:
     sliding_window: int | None = None
     logits_soft_cap: float | None = None
     logit_sinks: bool = False
+    hadamard: bool = False
 
 
 def dequantize(case: Case, side: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -152,6 +155,7 @@ def build(case: Case, seed: int = 0) -> Batch:
         sink_keys=torch.randn(num_seqs, case.sink_tokens, heads, dim, generator=gen) * 2
         if case.sink_tokens
         else None,
+        key_hadamard=case.hadamard,
     )
     return Batch(
         args, dequantize(case, key_cache, k_scale), dequantize(case, value_cache, v_scale), table
@@ -173,6 +177,8 @@ def expected_output(case: Case, batch: Batch) -> torch.Tensor:
         if args["sink_keys"] is not None:
             n = min(case.sink_tokens, seq_len)
             k[:n] = args["sink_keys"][s, :n]
+        if args["key_hadamard"]:
+            k = hadamard_rotate(k)
         if args["key_offset"] is not None:
             k = k + args["key_offset"]
         if args["rope_cos_sin"] is not None:
@@ -279,12 +285,52 @@ def test_split_k_window_soft_cap_and_logit_sinks(cache_dtype: str, scale_layout:
     check(replace(case, sliding_window=700, logits_soft_cap=20.0, logit_sinks=True), seed=1)
 
 
+@pytest.mark.parametrize("simd", SIMD_LEVELS)
+@pytest.mark.parametrize("others", [False, True])
+@pytest.mark.parametrize(("cache_dtype", "scale_layout", "per_head_scale"), FORMATS)
+def test_keys_rotated_back_by_the_hadamard_rotation(
+    cache_dtype: str, scale_layout: str, per_head_scale: bool, others: bool, simd: str
+) -> None:
+    """``key_hadamard`` alone and with the three others; head sizes 64 and 128."""
+    transform = dict(rotary_dim=64, offset=True, sink_tokens=3)
+    if not others:
+        transform = dict(rotary_dim=None, offset=False, sink_tokens=0)
+    query_dtype = torch.float16 if cache_dtype == "float16" else torch.float32
+    for head_size in (64, 128):
+        case = Case(
+            cache_dtype,
+            scale_layout,
+            per_head_scale,
+            head_size=head_size,
+            query_dtype=query_dtype,
+            hadamard=True,
+            **transform,
+        )
+        check(case, simd)
+
+
+def test_hadamard_needs_a_power_of_two_head_size() -> None:
+    case = Case("auto", head_size=48, rotary_dim=None, offset=False, sink_tokens=0, hadamard=True)
+    args = build(case).args
+    with pytest.raises(
+        RuntimeError, match="key_hadamard: expected a power-of-two head size, got 48"
+    ):
+        ops.paged_attention(**args)
+    assert args["out"].isnan().all()  # nothing written
+
+
 def test_transform_changes_the_output() -> None:
     """The arguments are read: without them the same cache gives another result."""
     batch = build(Case(query_dtype=torch.float32))
     ops.paged_attention(**batch.args)
     with_transform = batch.args["out"].clone()
-    plain = {**batch.args, "rope_cos_sin": None, "key_offset": None, "sink_keys": None}
+    plain = {
+        **batch.args,
+        "rope_cos_sin": None,
+        "key_offset": None,
+        "sink_keys": None,
+        "key_hadamard": False,
+    }
     ops.paged_attention(**plain)
     assert (with_transform - plain["out"]).abs().max() > 0.1
 

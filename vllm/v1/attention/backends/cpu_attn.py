@@ -20,6 +20,7 @@ from typing import ClassVar
 import torch
 
 from vllm.v1.attention.backends.abstract import AttentionLayer, DeviceCapability
+from vllm.v1.attention.backends.key_rebuild import KeyRebuild
 from vllm.v1.attention.backends.reference import (
     ReferenceAttentionBackend,
     ReferenceAttentionImpl,
@@ -155,6 +156,9 @@ class CPUAttentionImpl(ReferenceAttentionImpl):
         sinks = None
         if self.sinks is not None:
             sinks = self.sinks.to(device=query.device, dtype=torch.float32).contiguous()
+        rebuild = KeyRebuild.of(
+            layer, attn_metadata.block_table, len(checked.seq_lens), checked.k_scale, self._is_nvfp4
+        )
         ops.paged_attention(
             target,
             query,
@@ -174,6 +178,7 @@ class CPUAttentionImpl(ReferenceAttentionImpl):
             self.k_scale_layout,
             self.v_scale_layout,
             simd=self.simd,
+            **({} if rebuild is None else rebuild.kernel_args()),
         )
         if target is not output:
             rows = attn_metadata.num_actual_tokens

@@ -33,6 +33,11 @@ from vllm.v1.attention.backends.abstract import (
     MultipleOf,
     paged_kv_cache_shape,
 )
+from vllm.v1.attention.backends.key_rebuild import (
+    KeyRebuild,
+    check_key_sinks,
+    write_layer_key_sinks,
+)
 from vllm.v1.attention.backends.reference_metadata import (
     CheckedForward,
     ReferenceAttentionMetadata,
@@ -119,17 +124,17 @@ class ReferenceAttentionImpl(AttentionImpl):
     ``p`` sees keys in ``(p - W, p]``. ``num_heads`` must be a multiple of ``num_kv_heads``
     (query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``). ``sinks`` (fp32
     ``[num_heads]``) are per-head logits added to each softmax denominator (GPT-OSS).
-    ``k_scale_layout`` / ``v_scale_layout`` name the NVFP4 block-scale layout of each side of
-    the cache; the same values serve the write (:meth:`do_kv_cache_update`) and the read
-    (:meth:`forward`). Pass the layouts recorded with the cache
-    (:func:`~vllm.v1.worker.gpu.attn_utils.get_kv_cache_scale_layouts`, e.g. interleave4 for a
-    FlashInfer cache). Defaults (:meth:`scale_layouts`): :class:`ReferenceAttentionBackend`'s
-    for the cache's geometry, i.e. the op's default; ``v_scale_layout=None`` means K's when
+    ``k_scale_layout`` / ``v_scale_layout`` name the NVFP4 block-scale layout of each side, for
+    the write (:meth:`do_kv_cache_update`) and the read (:meth:`forward`): pass the layouts
+    recorded with the cache (``get_kv_cache_scale_layouts``). Defaults (:meth:`scale_layouts`):
+    the op's default for the cache's geometry; ``v_scale_layout=None`` means K's when
     ``k_scale_layout`` is given.
     """
 
     cache_device_type: ClassVar[str | None] = None
     """The device type that the cache must be on (``None``: any device)."""
+    rebuilds_keys: ClassVar[bool] = True
+    """The reader rebuilds the keys of a layer that needs it (:mod:`.key_rebuild`)."""
 
     def __init__(
         self,
@@ -281,6 +286,7 @@ class ReferenceAttentionImpl(AttentionImpl):
         key_cache, value_cache = split_kv_cache(kv_cache)
         self._check_side(key_cache, "key_cache", self.head_size)
         self._check_side(value_cache, "value_cache", self.head_size_v)
+        check_key_sinks(layer, *key_cache.shape[:3], self.head_size, self.kv_cache_format)
         self._write(layer, key, value, key_cache, value_cache, slot_mapping)
 
     def _write(
@@ -292,7 +298,9 @@ class ReferenceAttentionImpl(AttentionImpl):
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        """:meth:`do_kv_cache_update` on cache sides that passed :meth:`_check_side`."""
+        """:meth:`do_kv_cache_update` on cache sides that passed :meth:`_check_side`, the
+        layer's key sinks (:mod:`vllm.kv_quant.key_sinks`) included."""
+        write_layer_key_sinks(layer, key, slot_mapping, key_cache.shape[1], self._is_nvfp4)
         k_layout, v_layout = self._fitting_scale_layouts(key_cache.shape[1])
         op = _copy_op()
         if op is not None:
@@ -392,6 +400,7 @@ class ReferenceAttentionImpl(AttentionImpl):
             )
         num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
         self._fitting_scale_layouts(block_size)
+        check_key_sinks(layer, *key_cache.shape[:3], self.head_size, self.kv_cache_format)
         device = key_cache.device
         wanted = self.cache_device_type
         if wanted is not None and device.type != wanted:
@@ -530,6 +539,7 @@ class ReferenceAttentionImpl(AttentionImpl):
         block_size = key_cache.shape[1]
         k_layout, v_layout = self._fitting_scale_layouts(block_size)
         block_table = block_table.to(device=device, dtype=torch.int64)
+        rebuild = KeyRebuild.of(layer, block_table, len(seq_lens), k_scale, self._is_nvfp4)
 
         for i, seq_len in enumerate(seq_lens):
             q_start, q_end = qsl[i], qsl[i + 1]
@@ -549,6 +559,8 @@ class ReferenceAttentionImpl(AttentionImpl):
             k = k.reshape(-1, self.num_kv_heads, self.head_size)[start:stop]
             v = v.reshape(-1, self.num_kv_heads, self.head_size_v)[start:stop]
             key_pos = torch.arange(first_key, last_key + 1, device=device)
+            if rebuild is not None:
+                k = rebuild.keys(k, i, key_pos)
             q_pos = torch.arange(first_q, seq_len, device=device)
             out = self._attend(query[q_start:q_end], k, v, q_pos, key_pos, attn_metadata.causal)
             output[q_start:q_end] = out.to(output.dtype)

@@ -72,10 +72,7 @@ class ReferenceAttentionMetadata:
         qsl = [0]
         for q in queries:
             qsl.append(qsl[-1] + q)
-        positions = torch.cat(
-            [torch.arange(s - q, s, dtype=torch.int64) for s, q in zip(seqs, queries, strict=True)]
-            + [torch.zeros(0, dtype=torch.int64)]
-        ).to(device)
+        positions = _positions(seqs, queries).to(device)
         req_indices = torch.repeat_interleave(
             torch.arange(len(seqs), dtype=torch.int64), torch.tensor(queries, dtype=torch.int64)
         ).to(device)
@@ -90,6 +87,20 @@ class ReferenceAttentionMetadata:
             slot_mapping=slot_mapping,
             causal=causal,
         )
+
+    def token_positions(self) -> torch.Tensor:
+        """int64 ``[num_actual_tokens]``: each new token's position in its sequence."""
+        qsl = as_int_list(self.query_start_loc, "query_start_loc")
+        queries = [b - a for a, b in zip(qsl, qsl[1:], strict=False)]
+        seqs = as_int_list(self.seq_lens, "seq_lens")
+        return _positions(seqs, queries).to(self.slot_mapping.device)
+
+
+def _positions(seq_lens: Sequence[int], query_lens: Sequence[int]) -> torch.Tensor:
+    """int64 positions of each sequence's last ``query_lens`` tokens, sequence after sequence."""
+    spans = zip(seq_lens, query_lens, strict=True)
+    pieces = [torch.arange(s - q, s, dtype=torch.int64) for s, q in spans]
+    return torch.cat([*pieces, torch.zeros(0, dtype=torch.int64)])
 
 
 class CheckedForward(NamedTuple):

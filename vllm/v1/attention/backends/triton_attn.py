@@ -13,10 +13,13 @@ interpreter (``TRITON_INTERPRET=1``) on CPU tensors, which is how the tests run 
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from vllm.triton_utils import HAS_TRITON, triton_interpreted
 from vllm.v1.attention.backends.abstract import AttentionLayer, DeviceCapability
+from vllm.v1.attention.backends.key_rebuild import refuse_key_rebuild
 from vllm.v1.attention.backends.reference import (
     ReferenceAttentionBackend,
     ReferenceAttentionImpl,
@@ -91,6 +94,7 @@ class TritonAttentionImpl(ReferenceAttentionImpl):
     pick."""
 
     num_splits: int | None = None
+    rebuilds_keys: ClassVar[bool] = False
 
     def _check_forward(
         self,
@@ -102,8 +106,8 @@ class TritonAttentionImpl(ReferenceAttentionImpl):
         attn_metadata: ReferenceAttentionMetadata,
         output: torch.Tensor | None,
     ) -> CheckedForward:
-        """The reference impl's checks, plus a CUDA cache (any device under the interpreter)
-        and a valid :attr:`num_splits`."""
+        """The reference impl's checks, plus a CUDA cache (any device under the interpreter),
+        a valid :attr:`num_splits` and keys read as stored (no pre-RoPE keys, no key sinks)."""
         from vllm.v1.attention.ops.triton_unified_attention import MAX_SPLITS
 
         splits = self.num_splits
@@ -113,6 +117,7 @@ class TritonAttentionImpl(ReferenceAttentionImpl):
             raise ValueError(
                 f"num_splits: expected None or an int in 1..{MAX_SPLITS}, got {splits!r}"
             )
+        refuse_key_rebuild(layer, "TRITON_ATTN")
         checked = super()._check_forward(layer, query, key, value, kv_cache, attn_metadata, output)
         device = checked.key_cache.device
         if device.type != "cuda" and not triton_interpreted():
