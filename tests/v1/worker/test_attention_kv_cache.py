@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from vllm import _custom_ops as ops
-from vllm.kv_quant import KVScaleObserver, ScaleLayout, hadamard_rotate, nvfp4_read_cache
+from vllm.kv_quant import (
+    KeyRope,
+    KVScaleObserver,
+    ScaleLayout,
+    hadamard_rotate,
+    nvfp4_read_cache,
+)
 from vllm.v1.attention.backends import (
     CPUAttentionBackend,
     CPUAttentionImpl,
@@ -286,3 +292,49 @@ def test_key_offset_checks() -> None:
     cache.set_key_offset(None)
     k = torch.randn(2, H, D)
     assert cache.stored_key(k) is k
+
+
+ROPE = KeyRope.from_base(D, 64)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"kv_cache_dtype": "auto", "key_rope": ROPE}, "key_rope: expected a quantized cache"),
+        ({"kv_cache_dtype": "auto", "key_sink_tokens": 1}, "key_sink_tokens: expected a quant"),
+        ({"key_rope": KeyRope.from_base(2 * D, 8)}, "key_rope: expected rotary_dim <= head_size"),
+        ({"key_rope": "rope"}, "key_rope: expected None or a KeyRope, got str"),
+        ({"key_sink_tokens": -1}, "key_sink_tokens: expected an int >= 0, got -1"),
+        ({"key_sink_tokens": 17}, "key_sink_tokens: expected at most block_size=16, got 17"),
+        (
+            {"kv_cache_dtype": "int8_per_token_head", "key_sink_tokens": 1},
+            "key_sink_tokens: expected an FP8 or NVFP4 cache",
+        ),
+    ],
+)
+def test_bad_key_rebuild_options(kwargs: dict[str, object], message: str) -> None:
+    args: dict[str, object] = {"kv_cache_dtype": "fp8", **kwargs}
+    with pytest.raises(ValueError, match=message):
+        AttentionKVCache.create(args.pop("kv_cache_dtype"), 8, 16, H, D, **args)  # type: ignore[arg-type]
+
+
+def test_pre_rope_keys_need_positions_and_keep_rope_and_sinks_with_an_offset() -> None:
+    cache = AttentionKVCache.create(
+        "fp8", 8, 16, H, D, num_heads=HQ, key_rope=ROPE, key_sink_tokens=1, logits_soft_cap=30.0
+    )
+    k, v, _ = _kvq(4)
+    meta = cache.metadata([40], [40], TABLE)
+    with pytest.raises(ValueError, match="positions: expected each key's position"):
+        cache.write(k, v, meta.slot_mapping)
+    sinks = cache.layer.key_sinks
+    assert sinks is not None and not sinks.any()  # nothing written
+    # the reader adds the offset back: allowed with a soft cap, RoPE and sinks kept
+    cache.set_key_offset(torch.ones(H, D))
+    assert cache.key_transform.rope is ROPE and cache.key_transform.sink_tokens == 1
+    assert cache.layer.key_sinks is sinks
+    positions = meta.token_positions()
+    assert torch.equal(positions, torch.arange(40))
+    expected = ROPE.unrotate(k.float(), positions) - 1.0
+    assert torch.equal(cache.stored_key(k, positions), expected.to(k.dtype))
+    cache.write(k, v, meta.slot_mapping, positions)
+    assert sinks.any()

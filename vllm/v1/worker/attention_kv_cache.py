@@ -14,12 +14,14 @@ disagree. On the CPU the backend is ``CPU_ATTN``; a backend without an impl in t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from vllm.kv_quant.hadamard import check_hadamard_head_size
+from vllm.kv_quant.key_rope import KeyRope
 from vllm.kv_quant.key_transform import KeyTransform
 from vllm.kv_quant.kv_scale import kv_scale_as_1d
 from vllm.kv_quant.scale_layout import ScaleLayout
@@ -118,17 +120,42 @@ def _check_scale_layouts(spec: AttentionSpec, layouts: KVCacheScaleLayouts) -> N
             )
 
 
-def _check_key_rotation(spec: AttentionSpec, key_rotation: str | None) -> None:
-    """``ValueError`` unless ``key_rotation`` is None or ``"hadamard"`` on a quantized format
-    with a power-of-two head size."""
-    if KeyTransform(key_rotation).rotation is None:  # (KeyTransform checks the name)
-        return
-    if not spec.kv_quant_mode.is_quantized:
+def _key_transform(
+    spec: AttentionSpec, key_rotation: str | None, key_rope: KeyRope | None, sink_tokens: int
+) -> KeyTransform:
+    """The cache's key transform, or ``ValueError``: each option on a quantized format only
+    (they only reduce quantization error), the rotation on a power-of-two head size, RoPE
+    within the head, sinks on an FP8 or NVFP4 format and within a page."""
+    transform = KeyTransform(key_rotation, rope=key_rope, sink_tokens=sink_tokens)
+    fmt = spec.kv_cache_format
+    for name, used in (
+        ("key_rotation", transform.rotation is not None),
+        ("key_rope", key_rope is not None),
+        ("key_sink_tokens", sink_tokens > 0),
+    ):
+        if used and not spec.kv_quant_mode.is_quantized:
+            raise ValueError(
+                f"{name}: expected a quantized cache format (it only reduces quantization "
+                f"error), got {fmt.name!r}"
+            )
+    if transform.rotation is not None:
+        check_hadamard_head_size(spec.head_size)
+    if key_rope is not None and key_rope.rotary_dim > spec.head_size:
         raise ValueError(
-            f"key_rotation: expected a quantized cache format (rotation only spreads "
-            f"quantization error), got {spec.kv_cache_format.name!r}"
+            f"key_rope: expected rotary_dim <= head_size={spec.head_size}, got "
+            f"{key_rope.rotary_dim}"
         )
-    check_hadamard_head_size(spec.head_size)
+    if sink_tokens > 0:
+        if spec.kv_quant_mode.is_per_token_head:
+            raise ValueError(
+                "key_sink_tokens: expected an FP8 or NVFP4 cache (the sink rows use its K "
+                f"scale), got {fmt.name!r}"
+            )
+        if sink_tokens > spec.block_size:
+            raise ValueError(
+                f"key_sink_tokens: expected at most block_size={spec.block_size}, got {sink_tokens}"
+            )
+    return transform
 
 
 class AttentionKVCache:
@@ -147,12 +174,9 @@ class AttentionKVCache:
         kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
         impl: ReferenceAttentionImpl,
         scale_layouts: KVCacheScaleLayouts,
-        key_rotation: str | None = None,
+        key_transform: KeyTransform | None = None,
     ) -> None:
         key_cache, _ = split_kv_cache(kv_cache)
-        self.key_transform = KeyTransform(key_rotation)
-        """The key offset (:meth:`set_key_offset`) and rotation applied before writing keys
-        (and the rotation before reading with a query): :class:`~vllm.kv_quant.KeyTransform`."""
         self.backend = backend
         self.kv_cache = kv_cache
         self.impl = impl
@@ -161,7 +185,15 @@ class AttentionKVCache:
             torch.ones((), dtype=torch.float32, device=key_cache.device),
             torch.ones((), dtype=torch.float32, device=key_cache.device),
         )
-        """What the impl reads the scales from (upstream's ``_k_scale`` / ``_v_scale``)."""
+        """What the impl reads the scales from (upstream's ``_k_scale`` / ``_v_scale``), and
+        the key transform and sink rows."""
+        self.layer.set_key_transform(
+            key_transform or KeyTransform(),
+            key_cache.shape[0],
+            impl.num_kv_heads,
+            impl.head_size,
+            key_cache.device,
+        )
 
     @classmethod
     def create(
@@ -206,6 +238,8 @@ class AttentionKVCache:
         layout: str | None = None,
         scale_layouts: tuple[ScaleLayout | str, ScaleLayout | str] | None = None,
         key_rotation: str | None = None,
+        key_rope: KeyRope | None = None,
+        key_sink_tokens: int = 0,
         **impl_options: Any,
     ) -> AttentionKVCache:
         """Validate, allocate and wire the cache of a (non-MLA) attention ``spec``.
@@ -217,7 +251,11 @@ class AttentionKVCache:
         the backend's); ``key_rotation`` ``"hadamard"`` stores keys rotated by the fixed
         Hadamard rotation (quantized formats, power-of-two head sizes; the scores are
         unchanged, the quantization error of keys spread over all channels; calibrate
-        :attr:`k_scale` on :meth:`stored_key`); ``impl_options`` go to the impl
+        :attr:`k_scale` on :meth:`stored_key`); ``key_rope`` (the model's RoPE) stores keys
+        before RoPE, the reader rebuilding them at their positions, and ``key_sink_tokens`` S
+        keeps the first S keys of each page again in FP8 (FP8 / NVFP4 caches;
+        :mod:`vllm.kv_quant.key_sinks`), both needing a reader that rebuilds keys (CPU_ATTN,
+        REFERENCE); ``impl_options`` go to the impl
         (``scale``, ``sliding_window``, ``logits_soft_cap``, ``sinks``). The backend, the
         impl's arguments and the cache views are checked before memory is allocated, the
         scale layouts against the pages (an empty write) before the cache is returned.
@@ -226,7 +264,7 @@ class AttentionKVCache:
             raise ValueError(f"spec: expected a non-MLA attention spec, got {type(spec).__name__}")
         check_positive_int("num_blocks", num_blocks)
         _check_cache_dtype(spec, kv_cache_dtype)
-        _check_key_rotation(spec, key_rotation)
+        transform = _key_transform(spec, key_rotation, key_rope, key_sink_tokens)
         cache_dtype = spec_cache_dtype_str(spec, kv_cache_dtype)
         device = torch.device(device)
         config = KVCacheConfig(
@@ -241,7 +279,13 @@ class AttentionKVCache:
             if scale_layouts is not None:
                 layouts = KVCacheScaleLayouts(*(ScaleLayout.parse(s) for s in scale_layouts))
                 _check_scale_layouts(spec, layouts)
-            impl = _reader_backend(chosen).get_impl_cls()(
+            impl_cls = _reader_backend(chosen).get_impl_cls()
+            if transform.needs_key_rebuild and not impl_cls.rebuilds_keys:
+                raise ValueError(
+                    f"backend: expected one whose reader rebuilds keys (CPU_ATTN, REFERENCE) for "
+                    f"key_rope / key_sink_tokens, got {chosen.get_name()}"
+                )
+            impl = impl_cls(
                 spec.num_kv_heads if num_heads is None else num_heads,
                 spec.head_size,
                 num_kv_heads=spec.num_kv_heads,
@@ -254,17 +298,21 @@ class AttentionKVCache:
             kv_cache = init_kv_cache(
                 config, [chosen], device, model_dtype=model_dtype, cache_dtype=cache_dtype
             )[_LAYER]
-        cache = cls(chosen, kv_cache, impl, layouts, key_rotation)
+        cache = cls(chosen, kv_cache, impl, layouts, transform)
         cache.write(*cache._empty_batch(model_dtype))  # the impl's checks (layouts fit), no-op
         return cache
 
-    def _empty_batch(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """No tokens: K, V in ``dtype`` and their slots."""
+    def _empty_batch(
+        self, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """No tokens: K, V in ``dtype``, their slots and positions."""
         heads, device = self.impl.num_kv_heads, self.device
+        no_tokens = torch.empty(0, dtype=torch.int64, device=device)
         return (
             torch.empty(0, heads, self.impl.head_size, dtype=dtype, device=device),
             torch.empty(0, heads, self.impl.head_size_v, dtype=dtype, device=device),
-            torch.empty(0, dtype=torch.int64, device=device),
+            no_tokens,
+            no_tokens,
         )
 
     # ------------------------------------------------------------------------- properties
@@ -337,6 +385,12 @@ class AttentionKVCache:
         )
 
     @property
+    def key_transform(self) -> KeyTransform:
+        """What the cache does to keys (:class:`~vllm.kv_quant.KeyTransform`): offset
+        (:meth:`set_key_offset`), rotation, RoPE undone and sink rows."""
+        return self.layer.key_transform
+
+    @property
     def key_rotation(self) -> str | None:
         """``"hadamard"`` when keys are stored rotated (queries rotated alike), else None."""
         return self.key_transform.rotation
@@ -352,36 +406,46 @@ class AttentionKVCache:
         stop (``None``). Every score of a query then moves by the same ``q . offset``, which
         softmax ignores: the attention is unchanged while the keys' common part no longer
         takes the format's range. Refused for an impl with ``sinks`` or ``logits_soft_cap``
-        (their scores are not shift-free). Set it before the first write and calibrate
-        :attr:`k_scale` on :meth:`stored_key` afterwards."""
+        (their scores are not shift-free) unless keys are stored before RoPE (the reader then
+        adds the offset back). With RoPE it is the mean of the pre-RoPE keys. Set it before the
+        first write and calibrate :attr:`k_scale` on :meth:`stored_key` afterwards."""
         if offset is not None:
             shape = [self.impl.num_kv_heads, self.impl.head_size]
             if not isinstance(offset, torch.Tensor) or list(offset.shape) != shape:
                 got = list(offset.shape) if isinstance(offset, torch.Tensor) else offset
                 raise ValueError(f"offset: expected a tensor of shape {shape}, got {got}")
-            if self.impl.sinks is not None or self.impl.logits_soft_cap is not None:
+            shift_free = self.impl.sinks is None and self.impl.logits_soft_cap is None
+            if not (shift_free or self.key_transform.rebuilds_keys):
                 raise ValueError(
                     "offset: expected an impl without sinks or logits_soft_cap (a key offset "
                     "shifts scores, which only plain softmax ignores), got one with them"
                 )
             offset = offset.to(device=self.device)
-        self.key_transform = KeyTransform(self.key_rotation, offset)
+        transform = dataclasses.replace(self.key_transform, offset=offset)
+        self.layer.key_transform = transform  # (same sink rows: set_key_transform not needed)
 
-    def stored_key(self, key: torch.Tensor) -> torch.Tensor:
+    def stored_key(self, key: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """The keys as the writer receives them (:meth:`KeyTransform.stored_key
-        <vllm.kv_quant.KeyTransform.stored_key>`). Observe these to calibrate
-        :attr:`k_scale`."""
-        return self.key_transform.stored_key(key)
+        <vllm.kv_quant.KeyTransform.stored_key>`; ``positions [T]`` needed with RoPE).
+        Observe these to calibrate :attr:`k_scale`."""
+        return self.key_transform.stored_key(key, positions)
 
     def _reader_query(self, query: torch.Tensor) -> torch.Tensor:
         """The query the impl reads with: rotated like the keys, in the query's dtype."""
         return self.key_transform.reader_query(query)
 
-    def write(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def write(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        positions: torch.Tensor | None = None,
+    ) -> None:
         """Write ``key [T, H, D]`` / ``value [T, H, Dv]`` at ``slot_mapping [T]`` (int64;
-        negative slots skipped) with the cache's scales and scale layouts."""
+        negative slots skipped) with the cache's scales and scale layouts; ``positions [T]``
+        (each token's position in its sequence) are needed when keys are stored before RoPE."""
         self.impl.do_kv_cache_update(
-            self.layer, self.stored_key(key), value, self.kv_cache, slot_mapping
+            self.layer, self.stored_key(key, positions), value, self.kv_cache, slot_mapping
         )
 
     def attend(
@@ -406,10 +470,11 @@ class AttentionKVCache:
     ) -> torch.Tensor:
         """Write the new ``key`` / ``value`` at ``attn_metadata.slot_mapping``, then attend
         (every argument is checked before anything is written)."""
+        positions = attn_metadata.token_positions() if self.key_transform.rebuilds_keys else None
         return self.impl.forward(
             self.layer,
             self._reader_query(query),
-            self.stored_key(key),
+            self.stored_key(key, positions),
             value,
             self.kv_cache,
             attn_metadata,
