@@ -205,7 +205,7 @@ def _make_run(
     if base.calibrating:
         recorder = base.recorders[key] = KVRecorder(lm.num_layers)
     else:
-        transforms, scales = base.recorders[key].calibrate(fmt)
+        transforms, scales = base.recorders[key].calibrate(fmt, lm.key_rope())
     return PagedKVRun(
         lm,
         fmt,

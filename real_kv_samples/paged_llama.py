@@ -16,6 +16,7 @@ forward call's keyword arguments, so ``transformers``' own attention is untouche
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import math
@@ -28,7 +29,7 @@ import torch
 from real_kv_samples.smollm2 import LoadedModel
 from vllm.accuracy.cache_io import allocate_cache
 from vllm.accuracy.formats import CacheFormat, compute_scales
-from vllm.kv_quant import KeyTransform, KVScaleObserver
+from vllm.kv_quant import KeyRope, KeyTransform, KVScaleObserver
 from vllm.utils import check_positive_int
 from vllm.v1.attention.backends.abstract import AttentionLayerScales
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionImpl, CPUAttentionMetadata
@@ -49,36 +50,51 @@ LayerScales = tuple[torch.Tensor, torch.Tensor]
 
 
 class KVRecorder:
-    """Collects each layer's post-RoPE K/V (fp32 ``[T, H, D]``) as a run writes them, to
-    calibrate the scales of the quantized formats."""
+    """Collects each layer's post-RoPE K/V (fp32 ``[T, H, D]``) and their positions as a run
+    writes them, to calibrate the scales of the quantized formats."""
 
     def __init__(self, num_layers: int) -> None:
         self._keys: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self._values: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self._positions: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
 
-    def observe(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    def observe(
+        self, layer: int, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor
+    ) -> None:
+        """Record ``key`` / ``value [T, H, D]`` of tokens at ``positions [T]``."""
         self._keys[layer].append(key.detach().to(torch.float32).clone())
         self._values[layer].append(value.detach().to(torch.float32).clone())
+        self._positions[layer].append(positions.detach().to(torch.int64).clone())
 
-    def calibrate(self, fmt: CacheFormat) -> tuple[list[KeyTransform], list[LayerScales]]:
-        """Each layer's key transform and scales for ``fmt`` from everything observed: the key
-        offset (with ``+offset``) is the mean key per head and channel
+    def calibrate(
+        self, fmt: CacheFormat, rope: KeyRope | None = None
+    ) -> tuple[list[KeyTransform], list[LayerScales]]:
+        """Each layer's key transform and scales for ``fmt`` from everything observed: with
+        ``+prerope`` keys are stored before ``rope`` (the model's); the key offset (with
+        ``+offset``) is the mean key (pre-RoPE with ``+prerope``) per head and channel
         (:meth:`~vllm.kv_quant.KVScaleObserver.key_mean`), and the scales follow the check's
         rule (:func:`~vllm.accuracy.formats.compute_scales`: ``amax / MAX`` per tensor or per
         head) on the keys as the writer receives them (offset and rotated)."""
+        if fmt.key_prerope and rope is None:
+            raise ValueError(f"rope: expected the model's RoPE for {fmt.name}, got None")
+        layers = zip(self._keys, self._values, self._positions, strict=True)
         transforms, scales = [], []
-        for keys, values in zip(self._keys, self._values, strict=True):
+        for keys, values, positions in layers:
             if not keys:
                 raise ValueError("recorder: expected K/V observed for every layer, got none")
-            key, value = torch.cat(keys), torch.cat(values)
-            offset = None
+            key, value, position = torch.cat(keys), torch.cat(values), torch.cat(positions)
+            transform = KeyTransform(
+                fmt.key_rotation,
+                rope=rope if fmt.key_prerope else None,
+                sink_tokens=fmt.key_sink_tokens,
+            )
             if fmt.key_offset:
                 observer = KVScaleObserver()
-                observer.observe(key, value)
-                offset = observer.key_mean()
-            transform = KeyTransform(fmt.key_rotation, offset)
+                unroped = transform.rope.unrotate(key, position) if transform.rope else key
+                observer.observe(unroped, value)
+                transform = dataclasses.replace(transform, offset=observer.key_mean())
             transforms.append(transform)
-            scales.append(compute_scales(transform.stored_key(key), value, fmt))
+            scales.append(compute_scales(transform.stored_key(key, position), value, fmt))
         return transforms, scales
 
 
@@ -148,6 +164,8 @@ class PagedKVRun:
             AttentionLayerScales(*(scales[i] if scales is not None else (unit, unit)))
             for i in range(lm.num_layers)
         ]
+        for layer, transform in zip(self.layers, self.key_transforms, strict=True):
+            layer.set_key_transform(transform, num_blocks, lm.num_kv_heads, lm.head_size)
         layout_of = fmt.scale_layout_for(BLOCK_SIZE, lm.head_size)
         impl_cls = CPUAttentionImpl if backend == "CPU_ATTN" else ReferenceAttentionImpl
         self.impl = impl_cls(
@@ -160,6 +178,7 @@ class PagedKVRun:
             v_scale_layout=layout_of,
         )
         self._metadata: CPUAttentionMetadata | None = None
+        self._positions: torch.Tensor | None = None
 
     def step(self, new_tokens: Sequence[torch.Tensor]) -> torch.Tensor:
         """Feed ``new_tokens[i]`` (int64 ``[q_i]``, possibly empty) to sequence ``i``; returns the
@@ -176,6 +195,7 @@ class PagedKVRun:
         spans = zip(self.seq_lens, after, strict=True)
         positions = torch.cat([torch.arange(s, n, dtype=torch.int64) for s, n in spans])
         self._metadata = CPUAttentionMetadata.build(after, query_lens, self.block_table, BLOCK_SIZE)
+        self._positions = positions
         ids = torch.cat([t.to(torch.int64) for t in new_tokens])
         try:
             with paged_attention(self.lm.model):
@@ -183,7 +203,7 @@ class PagedKVRun:
                     input_ids=ids[None], position_ids=positions[None], use_cache=False, kv_run=self
                 )
         finally:
-            self._metadata = None
+            self._metadata = self._positions = None
         self.seq_lens = after
         return out.logits[0]
 
@@ -192,14 +212,14 @@ class PagedKVRun:
     ) -> torch.Tensor:
         """One layer's attention: ``query [1, Hq, T, D]``, ``key`` / ``value [1, Hkv, T, D]``
         (post-RoPE) in, ``[1, T, Hq, D]`` out, K/V written into the layer's cache first."""
-        assert self._metadata is not None, "attend runs inside step()"
+        assert self._metadata is not None and self._positions is not None, "inside step() only"
         q = query[0].transpose(0, 1).contiguous()
         k = key[0].transpose(0, 1).contiguous()
         v = value[0].transpose(0, 1).contiguous()
         if self.recorder is not None:
-            self.recorder.observe(layer, k, v)
+            self.recorder.observe(layer, k, v, self._positions)
         transform = self.key_transforms[layer]
-        q, k = transform.reader_query(q), transform.stored_key(k)
+        q, k = transform.reader_query(q), transform.stored_key(k, self._positions)
         out = self.impl.forward(self.layers[layer], q, k, v, self.caches[layer], self._metadata)
         self.kv_slots_written += int(self._metadata.slot_mapping.numel())
         return out[None]

@@ -274,7 +274,7 @@ def calibrate(lm: LoadedModel, fmt: CacheFormat, prompts: Sequence[torch.Tensor]
     recorder = KVRecorder(lm.num_layers)
     run = PagedKVRun(lm, parse_format("bf16"), [p.numel() for p in prompts], recorder=recorder)
     run.step(list(prompts))
-    return recorder.calibrate(fmt)
+    return recorder.calibrate(fmt, lm.key_rope())
 
 
 def shared_prefix_prompts(lm: LoadedModel) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from vllm.kv_quant.key_rope import KeyRope
+
 MODEL_ID = "smollm2-135m"
 """The ``--model`` value that selects this model."""
 
@@ -109,6 +111,14 @@ class LoadedModel:
     @property
     def head_size(self) -> int:
         return int(self.model.config.head_dim)
+
+    def key_rope(self) -> KeyRope:
+        """The model's RoPE (Llama: neox style) for every position it takes, from its own rotary
+        module: the same fp32 cos / sin its attention applies."""
+        positions = torch.arange(int(self.model.config.max_position_embeddings))[None]
+        cos, sin = self.model.model.rotary_emb(torch.zeros(1), positions)
+        half = self.head_size // 2
+        return KeyRope(torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=1), is_neox_style=True)
 
     def encode(self, text: str) -> torch.Tensor:
         """Token ids (int64 ``[T]``) of ``text``, without special tokens."""

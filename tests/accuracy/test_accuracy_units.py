@@ -123,10 +123,20 @@ def test_format_ids_with_key_options() -> None:
     assert fmt.name == "nvfp4/head+hadamard+offset" and fmt.has_key_options
     assert parse_format(fmt.name) == fmt
     assert not parse_format("fp8").has_key_options
+    pre = parse_format("nvfp4_mse+sink+prerope+hadamard+offset")
+    assert (pre.key_prerope, pre.key_sink_tokens) == (True, 1) and pre.has_key_options
+    assert pre.name == "nvfp4_mse+hadamard+offset+prerope+sink"
+    assert parse_format(pre.name) == pre
+    # SmolLM2's geometry: 3 heads of 64, 16-token pages; one FP8 sink key row per page
+    plain = parse_format("nvfp4").bytes_per_token(3, 64, 64)
+    assert pre.bytes_per_token(3, 64, 64) == plain + 3 * 64 // 16
     for bad, message in (
         ("bf16+hadamard", "kv_cache_dtype: expected a quantized format"),
         ("fp8+rotate", "unknown format"),
         ("fp8+offset+offset", "unknown format"),
+        ("bf16+prerope", "kv_cache_dtype: expected a quantized format"),
+        ("int8_per_token_head+sink", "expected an FP8 or NVFP4 format with \\+sink"),
+        ("fp8+sink+sink", "unknown format"),
     ):
         with pytest.raises(ValueError, match=message):
             parse_format(bad)

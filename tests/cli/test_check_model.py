@@ -125,8 +125,8 @@ def test_recorder_calibrates_key_options() -> None:
     keys = [torch.randn(10, 3, 16, generator=gen) + 5 * i for i in range(2)]
     values = [torch.randn(10, 3, 16, generator=gen) for _ in range(2)]
     for layer in range(2):
-        recorder.observe(layer, keys[layer][:6], values[layer][:6])
-        recorder.observe(layer, keys[layer][6:], values[layer][6:])
+        recorder.observe(layer, keys[layer][:6], values[layer][:6], torch.arange(6))
+        recorder.observe(layer, keys[layer][6:], values[layer][6:], torch.arange(6, 10))
     fmt = parse_format("fp8/head+hadamard+offset")
     transforms, scales = recorder.calibrate(fmt)
     for layer, (transform, (k_scale, v_scale)) in enumerate(zip(transforms, scales, strict=True)):
@@ -138,3 +138,19 @@ def test_recorder_calibrates_key_options() -> None:
         assert torch.equal(v_scale, want_v)
     plain, _ = recorder.calibrate(parse_format("fp8"))
     assert all(t.is_identity for t in plain)
+    # +prerope: the offset is the mean of the keys with RoPE undone at their positions
+    from vllm.kv_quant import KeyRope
+
+    rope = KeyRope.from_base(16, 12)
+    pre = parse_format("nvfp4+hadamard+offset+prerope+sink")
+    with pytest.raises(ValueError, match="rope: expected the model's RoPE for nvfp4"):
+        recorder.calibrate(pre)
+    transforms, scales = recorder.calibrate(pre, rope)
+    positions = torch.arange(10)
+    for layer, (transform, (k_scale, _)) in enumerate(zip(transforms, scales, strict=True)):
+        assert transform.rope is rope and transform.sink_tokens == 1
+        unroped = rope.unrotate(keys[layer], positions)
+        assert transform.offset is not None
+        torch.testing.assert_close(transform.offset, unroped.mean(0))
+        stored = hadamard_rotate(unroped - transform.offset)
+        torch.testing.assert_close(k_scale, compute_scales(stored, values[layer], pre)[0])

@@ -16,6 +16,9 @@ Format ids, as the CLI's ``--formats`` takes them::
     nvfp4[/head]@interleave4          NVFP4 with 4-token-interleaved block scales
     <quantized>...+hadamard+offset    keys rotated and/or offset before writing (docs/design.md
                                       §5.5; ``vllm-kv check --model`` only)
+    <quantized>...+prerope+sink       keys stored before RoPE (rebuilt by the reader) and the
+                                      first key of each page kept in FP8 (FP8 / NVFP4;
+                                      §5.5; ``vllm-kv check --model`` only)
     nvfp4[/head]@linear               NVFP4 with linear block scales (plain nvfp4 uses the
                                       op's default: interleave4 where the geometry fits)
     int8_per_token_head               int8 / FP8 e4m3 rows with their own inline fp32 scale
@@ -102,6 +105,10 @@ class CacheFormat:
     """``"hadamard"``: keys stored rotated, queries rotated alike (docs/design.md §5.5)."""
     key_offset: bool = False
     """Keys stored minus their calibrated mean per head and channel (docs/design.md §5.5)."""
+    key_prerope: bool = False
+    """Keys stored before RoPE, the reader applying it (docs/design.md §5.5)."""
+    key_sink_tokens: int = 0
+    """The first keys of each page kept again in FP8 beside the pages (docs/design.md §5.5)."""
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in _SHORT_NAMES:
@@ -121,8 +128,14 @@ class CacheFormat:
         KeyTransform(self.key_rotation)  # checks the rotation's name
         if self.has_key_options and not self.is_quantized:
             raise ValueError(
-                f"kv_cache_dtype: expected a quantized format with +{HADAMARD} / +offset (they "
-                f"only spread quantization error), got {self.kv_cache_dtype}"
+                f"kv_cache_dtype: expected a quantized format with +{HADAMARD} / +offset / "
+                f"+prerope / +sink (they only reduce quantization error), got "
+                f"{self.kv_cache_dtype}"
+            )
+        if self.key_sink_tokens and self.is_per_token_head:
+            raise ValueError(
+                "kv_cache_dtype: expected an FP8 or NVFP4 format with +sink (the sink rows use "
+                f"its K scale), got {self.kv_cache_dtype}"
             )
         if (
             self.scale_layout is not None
@@ -145,12 +158,22 @@ class CacheFormat:
             out += f"+{self.key_rotation}"
         if self.key_offset:
             out += "+offset"
+        if self.key_prerope:
+            out += "+prerope"
+        if self.key_sink_tokens:
+            out += "+sink"
         return out
 
     @property
     def has_key_options(self) -> bool:
-        """A key rotation or offset is set (measured by the model report only)."""
-        return self.key_rotation is not None or self.key_offset
+        """A key rotation, offset, pre-RoPE storage or key sinks are set (measured by the
+        model report only)."""
+        return (
+            self.key_rotation is not None
+            or self.key_offset
+            or self.key_prerope
+            or self.key_sink_tokens > 0
+        )
 
     def scale_layout_for(self, block_size: int, head_size: int) -> ScaleLayout:
         """The NVFP4 block-scale layout of a cache of this format with pages of ``block_size``
@@ -230,7 +253,8 @@ class CacheFormat:
 
     def bytes_per_token(self, num_kv_heads: int, head_size: int, head_size_v: int) -> int:
         """K plus V cache bytes of one token of one layer (all KV heads), from the spec's page
-        size (global scales, a few bytes per layer, are not counted)."""
+        size (global scales, a few bytes per layer, are not counted), plus the FP8 key sink
+        rows per page shared by its tokens (rounded up)."""
         block_size = 16
         spec = FullAttentionSpec(
             block_size=block_size,
@@ -240,7 +264,8 @@ class CacheFormat:
             dtype=self.storage_dtype,
             kv_quant_mode=self.format.quant_mode,
         )
-        return spec.real_page_size_bytes // block_size
+        sink_bytes = self.key_sink_tokens * num_kv_heads * head_size
+        return -(-(spec.real_page_size_bytes + sink_bytes) // block_size)
 
 
 def parse_format(text: str) -> CacheFormat:
@@ -255,9 +280,9 @@ def parse_format(text: str) -> CacheFormat:
         "bf16, fp8 (= fp8_e4m3), fp8_e4m3, fp8_e5m2, nvfp4, nvfp4_mse, optionally followed by "
         "/tensor or /head, and for nvfp4 / nvfp4_mse by @linear or @interleave4; or "
         f"{per_token_head}; then "
-        f"optionally +{HADAMARD} and/or +offset"
+        f"optionally +{HADAMARD}, +offset, +prerope and/or +sink"
     )
-    known_options = {HADAMARD, "offset"}
+    known_options = {HADAMARD, "offset", "prerope", "sink"}
     if (
         dtype not in _DTYPE_ALIASES
         or granularity not in ("", "tensor", "head")
@@ -274,6 +299,8 @@ def parse_format(text: str) -> CacheFormat:
             scale_layout,
             key_rotation=HADAMARD if HADAMARD in options else None,
             key_offset="offset" in options,
+            key_prerope="prerope" in options,
+            key_sink_tokens=1 if "sink" in options else 0,
         )
     except ValueError as e:
         raise ValueError(f"formats: invalid format {raw!r}: {e}") from None
