@@ -20,9 +20,9 @@ def test_readme_python_example_runs() -> None:
 
 def test_readme_engine_loop_runs() -> None:
     """The engine loop (``AttentionKVCache`` + ``KVScaleObserver``) runs as written, then the
-    key-options block that follows it in the same namespace."""
+    key-options block and the pre-RoPE block that follow it, in the same namespace."""
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
-    engine, options = [b for b in blocks if "AttentionKVCache" in b]
+    engine, options, pre_rope = [b for b in blocks if "AttentionKVCache" in b]
     namespace: dict[str, object] = {}
     exec(compile(engine, str(README), "exec"), namespace)
     out = namespace["out"]
@@ -32,3 +32,8 @@ def test_readme_engine_loop_runs() -> None:
     out = namespace["out"]
     assert isinstance(out, torch.Tensor) and out.shape == (32, 9, 64)
     assert torch.isfinite(out).all() and namespace["cache"].key_offset is not None
+    exec(compile(pre_rope, str(README), "exec"), namespace)
+    out, cache = namespace["out"], namespace["cache"]
+    assert isinstance(out, torch.Tensor) and out.shape == (1, 9, 64)
+    assert torch.isfinite(out).all() and cache.key_transform.rebuilds_keys
+    assert cache.layer.key_sinks is not None and cache.layer.key_sinks.any()

@@ -154,3 +154,35 @@ def test_recorder_calibrates_key_options() -> None:
         torch.testing.assert_close(transform.offset, unroped.mean(0))
         stored = hadamard_rotate(unroped - transform.offset)
         torch.testing.assert_close(k_scale, compute_scales(stored, values[layer], pre)[0])
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (
+            [],
+            [
+                "bf16",
+                "nvfp4",
+                "fp8_e4m3/head+hadamard+offset",
+                "nvfp4_mse+hadamard+offset+prerope+sink",
+            ],
+        ),
+        (["--formats", "nvfp4"], ["nvfp4"]),
+    ],
+)
+def test_model_report_formats(argv: list[str], expected: list[str], monkeypatch, capsys) -> None:
+    """Without --formats the model report adds the best FP8 and NVFP4 key options to the
+    check's defaults; with it, runs what it names."""
+    seen: list[list[str]] = []
+
+    def fake_report(formats, **_: object) -> ModelReport:
+        seen.append([f.name for f in formats])
+        return _made_up_report()
+
+    monkeypatch.setattr(smollm2, "missing_packages", lambda: [])
+    monkeypatch.setattr(lm_report, "run_model_report", fake_report)
+    assert main(["check", "--model", "smollm2-135m", *argv]) == 0
+    assert len(seen) == 1 and set(expected) <= set(seen[0])
+    assert argv == [] or seen[0] == expected
+    assert "attention on the paged cache" in capsys.readouterr().out  # the table printed

@@ -83,6 +83,14 @@ DEFAULT_FORMATS: tuple[str, ...] = (
 )
 """The formats ``vllm-kv check`` measures when ``--formats`` is not given."""
 
+MODEL_DEFAULT_FORMATS: tuple[str, ...] = (
+    *DEFAULT_FORMATS,
+    "fp8_e4m3/head+hadamard+offset",
+    "nvfp4_mse+hadamard+offset+prerope+sink",
+)
+"""What ``vllm-kv check --model`` measures when ``--formats`` is not given: the defaults and the
+best FP8 and NVFP4 key options measured on the model (docs/accuracy.md)."""
+
 
 @dataclass(frozen=True)
 class CacheFormat:

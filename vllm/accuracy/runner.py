@@ -157,8 +157,8 @@ def run_check(
     keyed = [f.name for f in formats if f.has_key_options]
     if keyed:
         raise ValueError(
-            f"formats: expected formats without +hadamard / +offset (measured by the model "
-            f"report only), got {keyed[0]}"
+            f"formats: expected formats without +hadamard / +offset / +prerope / +sink "
+            f"(measured by the model report only), got {keyed[0]}"
         )
     rdr = make_reader(reader)
     device = str(samples[0].key.device)

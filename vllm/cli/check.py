@@ -27,7 +27,13 @@ import torch
 
 import vllm
 from vllm.accuracy.cache_io import READERS, WRITERS, make_reader, resolve_writer
-from vllm.accuracy.formats import DEFAULT_FORMATS, MEASURED_FORMATS, CacheFormat, parse_formats
+from vllm.accuracy.formats import (
+    DEFAULT_FORMATS,
+    MEASURED_FORMATS,
+    MODEL_DEFAULT_FORMATS,
+    CacheFormat,
+    parse_formats,
+)
 from vllm.accuracy.runner import CheckReport, run_check, scale_rules
 from vllm.accuracy.synthetic import synthetic_sample
 from vllm.cli import args as cli_args
@@ -63,9 +69,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--formats",
-        default=",".join(DEFAULT_FORMATS),
         type=_formats_arg,
-        help="comma-separated format ids (default: " + ",".join(DEFAULT_FORMATS) + "); also "
+        help="comma-separated format ids (default: " + ",".join(DEFAULT_FORMATS) + "; with "
+        "--model also " + ",".join(MODEL_DEFAULT_FORMATS[len(DEFAULT_FORMATS) :]) + "); also "
         "fp8 (= fp8_e4m3), X/tensor, and nvfp4[/head]@interleave4",
     )
     add_json_argument(parser, "the reports")
@@ -128,7 +134,7 @@ def _check_backends(args: argparse.Namespace) -> None:
 def collect_reports(args: argparse.Namespace) -> list[CheckReport]:
     """Run the check for the parsed ``args`` (checked by :func:`_check_backends` first)."""
     device = torch.device(args.device)
-    formats: list[CacheFormat] = args.formats
+    formats: list[CacheFormat] = args.formats or parse_formats(None)
     real = None
     if args.real:
         # The real-model source is an application of its own, loaded only when asked for.

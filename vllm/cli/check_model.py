@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import vllm
+from vllm.accuracy.formats import MODEL_DEFAULT_FORMATS, parse_formats
 from vllm.cli import args as cli_args
 from vllm.cli.args import UsageError, distinct_outputs
 from vllm.cli.output import deliver, writing
@@ -95,7 +96,9 @@ def check_arguments(args: argparse.Namespace) -> None:
         keyed = [f.name for f in args.formats or () if f.has_key_options]
         if keyed:
             raise UsageError(
-                "--formats", f"+hadamard / +offset are measured with --model only, got {keyed[0]}"
+                "--formats",
+                f"+hadamard / +offset / +prerope / +sink are measured with --model only, got "
+                f"{keyed[0]}",
             )
         return
     if args.real:
@@ -141,8 +144,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    formats = args.formats or parse_formats(",".join(MODEL_DEFAULT_FORMATS))
     report = run_model_report(
-        args.formats,
+        formats,
         max_tokens=args.max_tokens,
         new_tokens=args.new_tokens,
         prompts=args.prompts,
