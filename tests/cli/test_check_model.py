@@ -165,7 +165,7 @@ def test_recorder_calibrates_key_options() -> None:
                 "bf16",
                 "nvfp4",
                 "fp8_e4m3/head+hadamard+offset",
-                "nvfp4_mse+hadamard+offset+prerope+sink",
+                "nvfp4_mse+offset+prerope+sink",
             ],
         ),
         (["--formats", "nvfp4"], ["nvfp4"]),

@@ -86,7 +86,7 @@ DEFAULT_FORMATS: tuple[str, ...] = (
 MODEL_DEFAULT_FORMATS: tuple[str, ...] = (
     *DEFAULT_FORMATS,
     "fp8_e4m3/head+hadamard+offset",
-    "nvfp4_mse+hadamard+offset+prerope+sink",
+    "nvfp4_mse+offset+prerope+sink",
 )
 """What ``vllm-kv check --model`` measures when ``--formats`` is not given: the defaults and the
 best FP8 and NVFP4 key options measured on the model (docs/accuracy.md)."""
