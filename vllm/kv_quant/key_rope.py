@@ -5,8 +5,8 @@ so a channel whose mean is large before RoPE spins around zero after it: the per
 offset of docs/design.md §5.5 then removes only what does not spin. Stored before RoPE (offset
 subtracted, quantized), a key is rebuilt by the reader as ``rope(p)(dequantized + offset)`` at
 its position ``p`` in the sequence. On SmolLM2-135M this, with the first key of each sequence
-kept in FP8 (:mod:`vllm.kv_quant.key_sinks`), takes NVFP4 from +4.6% / +2.9% perplexity over
-the bf16 cache to under 2% on both texts of docs/accuracy.md.
+kept in FP8 (:mod:`vllm.kv_quant.key_sinks`), takes NVFP4 (offset, scale search) from +4.6% /
++2.9% perplexity over the bf16 cache to +0.8% / +1.9% on the two texts of docs/accuracy.md.
 
 The table follows the usual ``cos_sin_cache`` layout: row ``p`` holds ``cos(p f_i)`` for the
 ``rotary_dim / 2`` frequencies ``f_i``, then ``sin(p f_i)``. Neox style pairs channels
