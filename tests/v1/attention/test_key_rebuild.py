@@ -121,16 +121,23 @@ def test_sink_rows_are_the_fp8_first_keys_of_each_page() -> None:
     assert torch.equal(got, expected)
 
 
-def test_triton_attn_refuses_a_layer_that_rebuilds_keys_before_writing() -> None:
-    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
-
-    cache = AttentionKVCache.create("fp8_e4m3", 4, BLOCK, H, D, num_heads=HQ, key_sink_tokens=1)
-    impl = TritonAttentionImpl(HQ, D, num_kv_heads=H, kv_cache_dtype="fp8_e4m3")
-    k, v, q = _inputs(3, 5)
-    meta = cache.metadata([5], [5], torch.tensor([[0]], dtype=torch.int32))
-    before = cache.kv_cache.clone()
-    with pytest.raises(ValueError, match="layer: expected keys stored after RoPE and no key sinks"):
-        impl.forward(cache.layer, q, k, v, cache.kv_cache, meta)
-    assert torch.equal(cache.kv_cache, before)
-    with pytest.raises(ValueError, match="backend: expected one whose reader rebuilds keys"):
-        AttentionKVCache.create("fp8_e4m3", 4, BLOCK, H, D, backend="TRITON_ATTN", key_rope=ROPE)
+def test_triton_attn_reads_like_the_reference() -> None:
+    """TRITON_ATTN rebuilds keys too (created with key_rope, key sinks and the rotation): a
+    prefill then a decode step give the same pages, sink rows and attention as REFERENCE."""
+    tokens = 21
+    k, v, q = _inputs(3, tokens)
+    table = torch.tensor([[6, 2]], dtype=torch.int32)
+    options = dict(key_rope=ROPE, key_sink_tokens=1, key_rotation="hadamard")
+    outs, caches = [], []
+    for backend in ("TRITON_ATTN", "REFERENCE"):
+        cache = _cache("fp8_e4m3", backend, tokens, k, v, **options)
+        parts = []
+        for start, stop in ((0, 20), (20, 21)):
+            meta = cache.metadata([stop], [stop - start], table)
+            parts.append(cache.forward(q[start:stop], k[start:stop], v[start:stop], meta))
+        outs.append(torch.cat(parts))
+        caches.append(cache)
+    assert torch.equal(caches[0].kv_cache, caches[1].kv_cache)
+    sinks = [c.layer.key_sinks for c in caches]
+    assert sinks[0] is not None and sinks[1] is not None and torch.equal(sinks[0], sinks[1])
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=2e-5)

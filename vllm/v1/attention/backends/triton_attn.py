@@ -7,19 +7,21 @@ NHD or HND, separate K / V regions when ``head_size_v != head_size``), same meta
 constructor, so one cache is read by any of REFERENCE, CPU_ATTN and TRITON_ATTN. The impl runs
 :func:`~vllm.v1.attention.ops.triton_unified_attention.plan_paged_attention`: decode, prefill and
 chunked prefill in one launch, GQA, sliding window, sinks, logits soft cap, ``head_size_v``,
-split-K for long sequences, queries in fp16 / bf16 / fp32. Without a GPU it runs under Triton's
-interpreter (``TRITON_INTERPRET=1``) on CPU tensors, which is how the tests run it there.
+split-K for long sequences, queries in fp16 / bf16 / fp32, layers that store keys before RoPE
+or keep FP8 key sinks (:mod:`~vllm.v1.attention.ops.triton_key_rebuild`). Without a GPU it runs
+under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors, which is how the tests run it
+there.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from vllm.triton_utils import HAS_TRITON, triton_interpreted
 from vllm.v1.attention.backends.abstract import AttentionLayer, DeviceCapability
-from vllm.v1.attention.backends.key_rebuild import refuse_key_rebuild
+from vllm.v1.attention.backends.key_rebuild import KeyRebuild
 from vllm.v1.attention.backends.reference import (
     ReferenceAttentionBackend,
     ReferenceAttentionImpl,
@@ -94,7 +96,9 @@ class TritonAttentionImpl(ReferenceAttentionImpl):
     pick."""
 
     num_splits: int | None = None
-    rebuilds_keys: ClassVar[bool] = False
+    rebuilds_keys: ClassVar[bool] = True
+    """The kernel rebuilds the keys of a layer that needs it (:mod:`.key_rebuild`, in
+    :mod:`~vllm.v1.attention.ops.triton_key_rebuild`)."""
 
     def _check_forward(
         self,
@@ -107,7 +111,8 @@ class TritonAttentionImpl(ReferenceAttentionImpl):
         output: torch.Tensor | None,
     ) -> CheckedForward:
         """The reference impl's checks, plus a CUDA cache (any device under the interpreter),
-        a valid :attr:`num_splits` and keys read as stored (no pre-RoPE keys, no key sinks)."""
+        a valid :attr:`num_splits` and, for keys stored before RoPE, a RoPE table that covers
+        every sequence (checked before anything is written)."""
         from vllm.v1.attention.ops.triton_unified_attention import MAX_SPLITS
 
         splits = self.num_splits
@@ -117,8 +122,15 @@ class TritonAttentionImpl(ReferenceAttentionImpl):
             raise ValueError(
                 f"num_splits: expected None or an int in 1..{MAX_SPLITS}, got {splits!r}"
             )
-        refuse_key_rebuild(layer, "TRITON_ATTN")
         checked = super()._check_forward(layer, query, key, value, kv_cache, attn_metadata, output)
+        transform = getattr(layer, "key_transform", None)
+        rope = None if transform is None else transform.rope
+        longest = max(checked.seq_lens, default=0)
+        if rope is not None and longest > rope.max_positions:
+            raise ValueError(
+                f"seq_lens: expected at most {rope.max_positions} tokens (the layer's RoPE table "
+                f"rows), got {longest}"
+            )
         device = checked.key_cache.device
         if device.type != "cuda" and not triton_interpreted():
             raise ValueError(
@@ -145,6 +157,9 @@ class TritonAttentionImpl(ReferenceAttentionImpl):
         output = checked.output
         rows = attn_metadata.num_actual_tokens
         k_layout, v_layout = self._fitting_scale_layouts(checked.key_cache.shape[1])
+        rebuild = KeyRebuild.of(
+            layer, attn_metadata.block_table, len(checked.seq_lens), checked.k_scale, self._is_nvfp4
+        )
         plan_paged_attention(
             target[:rows],
             query[:rows],
@@ -166,7 +181,14 @@ class TritonAttentionImpl(ReferenceAttentionImpl):
             k_scale_layout=k_layout,
             v_scale_layout=v_layout,
             num_splits=self.num_splits,
+            **({} if rebuild is None else _on_device(rebuild.kernel_args(), query.device)),
         )()
         if target is not output:
             output[:rows] = target[:rows]
         return output
+
+
+def _on_device(args: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """The rebuild's kernel arguments with its tensors on the query's device (a layer's RoPE
+    table may live on the CPU)."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}

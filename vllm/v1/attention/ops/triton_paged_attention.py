@@ -11,11 +11,17 @@ scores, the probabilities (per-token-head values) or the output once; the scores
 into an fp32 online softmax (base 2). With ``NUM_SPLITS == 1`` the program writes the output;
 otherwise it writes its unnormalised partial sums and running max / sum, which
 :func:`merge_splits_kernel` combines (split-K for long sequences).
+
+With ``REBUILD_KEYS`` (layers that store keys before RoPE or keep key sinks) each key tile is
+instead rebuilt in fp32 real units (:func:`~.triton_key_rebuild.rebuilt_key_tile`: sink rows,
+Hadamard back, offset, RoPE at the keys' positions) and dotted with the fp32 query in IEEE
+precision, so the rebuilt keys lose nothing; the other paths are compiled without it.
 """
 
 from __future__ import annotations
 
 from vllm.triton_utils import LOG2E, tl, triton
+from vllm.v1.attention.ops.triton_key_rebuild import rebuilt_key_tile
 from vllm.v1.attention.ops.triton_kv_decode import load_kv_tile, load_row_scale, nvfp4_tile
 
 _LOG2E = tl.constexpr(LOG2E)
@@ -72,6 +78,12 @@ def paged_attention_kernel(
     k_scale_stride,
     v_scale_stride,
     num_heads,
+    rope_ptr,
+    key_offset_ptr,
+    sink_keys_ptr,
+    hadamard_scale,
+    rotary_dim,
+    num_sink_keys,
     HEAD_SIZE: tl.constexpr,
     HEAD_SIZE_V: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -92,6 +104,12 @@ def paged_attention_kernel(
     USE_SINKS: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    REBUILD_KEYS: tl.constexpr,
+    USE_ROPE: tl.constexpr,
+    ROPE_NEOX: tl.constexpr,
+    KEY_HADAMARD: tl.constexpr,
+    USE_KEY_OFFSET: tl.constexpr,
+    USE_SINK_KEYS: tl.constexpr,
 ):
     """Grid ``(query tiles, num_kv_heads, NUM_SPLITS)``. ``tile_seq[i]`` is the sequence of
     query tile ``i`` (``num_seqs`` past the last tile: the program does nothing) and
@@ -163,57 +181,98 @@ def paged_attention_kernel(
     kv_head64 = kv_head.to(tl.int64)
 
     # Software pipelining: the next tiles' block-table entries and pages are copied in
-    # (cp.async) while this one is computed; without it each tile waits out its loads.
-    for t in tl.range(tile_begin, tile_end, num_stages=NUM_STAGES):
+    # (cp.async) while this one is computed; without it each tile waits out its loads. Not
+    # for rebuilt keys: their fp32 cos / sin tiles in flight took 100-150 KB of shared memory
+    # (sm_86 / sm_89 have 99 KB), 48 KB without.
+    STAGES: tl.constexpr = 1 if REBUILD_KEYS else NUM_STAGES
+    for t in tl.range(tile_begin, tile_end, num_stages=STAGES):
         keys = key_lo + t * TILE_N + tl.arange(0, TILE_N)
         key_ok = keys < key_hi
         page = tl.load(
             block_table_ptr + seq * stride_bt + keys // BLOCK_SIZE, mask=key_ok, other=0
         ).to(tl.int64)
         tok = keys % BLOCK_SIZE
-        if FORMAT == 6:  # NVFP4: E2M1 * block scale, exact in the dot dtype; rows loaded
-            k = nvfp4_tile(
+        if REBUILD_KEYS:  # fp32 keys in real units, rebuilt (triton_key_rebuild), fp32 dot
+            k = rebuilt_key_tile(
                 k_ptr,
                 k_aux_ptr,
+                rope_ptr,
+                key_offset_ptr,
+                sink_keys_ptr,
                 page,
                 tok,
-                kv_head64,
+                keys,
                 key_ok,
+                seq,
+                kv_head64,
+                d,
+                k_scale,
+                hadamard_scale,
+                rotary_dim,
+                num_sink_keys,
+                num_heads // GROUP,
                 stride_k_page,
                 stride_k_tok,
                 stride_k_head,
                 stride_ka_page,
                 stride_ka_tok,
                 stride_ka_head,
-                K_INTERLEAVE4,
                 HEAD_SIZE,
                 D_PAD,
-            )
-            k = tl.trans(k.to(tl.float32 if FP32_DOT else q.dtype))
-        else:
-            k = load_kv_tile(
-                k_ptr,
-                page[None, :],
-                tok[None, :],
-                kv_head64,
-                d[:, None],
-                key_ok[None, :],
-                d_ok[:, None],
-                stride_k_page,
-                stride_k_tok,
-                stride_k_head,
                 FORMAT,
-                q.dtype == tl.bfloat16,
+                K_INTERLEAVE4,
+                SCALE_INLINE,
+                USE_ROPE,
+                ROPE_NEOX,
+                KEY_HADAMARD,
+                USE_KEY_OFFSET,
+                USE_SINK_KEYS,
             )
-        if FP32_DOT:
-            s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
+            s = tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee")
         else:
-            s = tl.dot(q, k.to(q.dtype))
-        if FORMAT == 4 or FORMAT == 5:  # per-token-head: each key's row scale, once
-            k_aux = page * stride_ka_page + tok * stride_ka_tok + kv_head64 * stride_ka_head
-            s = s * load_row_scale(k_aux_ptr, k_aux, key_ok, SCALE_INLINE)[None, :]
-        elif FORMAT >= 2:  # FP8 (units) / NVFP4: the tensor or head scale, once
-            s = s * (k_scale * UNIT)
+            if FORMAT == 6:  # NVFP4: E2M1 * block scale, exact in the dot dtype; rows loaded
+                k = nvfp4_tile(
+                    k_ptr,
+                    k_aux_ptr,
+                    page,
+                    tok,
+                    kv_head64,
+                    key_ok,
+                    stride_k_page,
+                    stride_k_tok,
+                    stride_k_head,
+                    stride_ka_page,
+                    stride_ka_tok,
+                    stride_ka_head,
+                    K_INTERLEAVE4,
+                    HEAD_SIZE,
+                    D_PAD,
+                )
+                k = tl.trans(k.to(tl.float32 if FP32_DOT else q.dtype))
+            else:
+                k = load_kv_tile(
+                    k_ptr,
+                    page[None, :],
+                    tok[None, :],
+                    kv_head64,
+                    d[:, None],
+                    key_ok[None, :],
+                    d_ok[:, None],
+                    stride_k_page,
+                    stride_k_tok,
+                    stride_k_head,
+                    FORMAT,
+                    q.dtype == tl.bfloat16,
+                )
+            if FP32_DOT:
+                s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
+            else:
+                s = tl.dot(q, k.to(q.dtype))
+            if FORMAT == 4 or FORMAT == 5:  # per-token-head: each key's row scale, once
+                k_aux = page * stride_ka_page + tok * stride_ka_tok + kv_head64 * stride_ka_head
+                s = s * load_row_scale(k_aux_ptr, k_aux, key_ok, SCALE_INLINE)[None, :]
+            elif FORMAT >= 2:  # FP8 (units) / NVFP4: the tensor or head scale, once
+                s = s * (k_scale * UNIT)
         s = s * softmax_scale
         if USE_SOFT_CAP:
             s = soft_cap * _tanh(s / soft_cap)
@@ -360,6 +419,13 @@ _FEATURE_CASES: tuple[tuple[str, str, int, int, bool, bool, bool, bool], ...] = 
     ("noncausal_window/fp32", "fp32", 64, 1, False, True, False, False),
 )
 
+# Keys rebuilt (REBUILD_KEYS, every transform on): (case name, query dtype, BLOCK_M,
+# NUM_SPLITS, neox RoPE, Hadamard rotation)
+_REBUILD_CASES: tuple[tuple[str, str, int, int, bool, bool], ...] = (
+    ("decode/bf16", "bf16", 16, 1, True, True),
+    ("prefill_split4_gptj/fp16", "fp16", 64, 4, False, False),
+)
+
 
 def _attention_signature(q_type: str, cache_type: str, aux_type: str) -> dict[str, str]:
     pointers = {
@@ -381,6 +447,14 @@ def _attention_signature(q_type: str, cache_type: str, aux_type: str) -> dict[st
         "part_ml_ptr": "*fp32",
     }
     scalars = {"softmax_scale": "fp32", "soft_cap": "fp32", "window": "i32", "num_seqs": "i32"}
+    rebuild = {
+        "rope_ptr": "*fp32",
+        "key_offset_ptr": "*fp32",
+        "sink_keys_ptr": "*fp32",
+        "hadamard_scale": "fp32",
+        "rotary_dim": "i32",
+        "num_sink_keys": "i32",
+    }
     strides = [
         "stride_q_tok",
         "stride_q_head",
@@ -392,46 +466,83 @@ def _attention_signature(q_type: str, cache_type: str, aux_type: str) -> dict[st
         "v_scale_stride",
         "num_heads",
     ]
-    return {**pointers, **scalars, **dict.fromkeys(strides, "i32")}
+    return {**pointers, **scalars, **dict.fromkeys(strides, "i32"), **rebuild}
+
+
+def _attention_constexprs(
+    fmt: int, inline: bool, interleave4: bool, q_type: str, block_m: int, splits: int
+) -> dict[str, object]:
+    """The compile cases' constexprs (GQA group 4, head sizes 128 / 64, pages of 16 tokens),
+    keys read as stored."""
+    return {
+        "HEAD_SIZE": 128,
+        "HEAD_SIZE_V": 64,
+        "D_PAD": 128,
+        "DV_PAD": 64,
+        "BLOCK_SIZE": 16,
+        "GROUP": 4,
+        "GROUP_PAD": 4,
+        "BLOCK_M": block_m,
+        "TILE_N": 32,
+        "FORMAT": fmt,
+        "K_INTERLEAVE4": interleave4,
+        "V_INTERLEAVE4": interleave4,
+        "SCALE_INLINE": inline,
+        "FP32_DOT": q_type == "fp32",
+        "CAUSAL": True,
+        "USE_WINDOW": False,
+        "USE_SOFT_CAP": False,
+        "USE_SINKS": False,
+        "NUM_SPLITS": splits,
+        "NUM_STAGES": PIPELINE_STAGES,
+        "REBUILD_KEYS": False,
+        "USE_ROPE": False,
+        "ROPE_NEOX": True,
+        "KEY_HADAMARD": False,
+        "USE_KEY_OFFSET": False,
+        "USE_SINK_KEYS": False,
+    }
 
 
 def triton_compile_cases() -> list:
     """Every cache format x {decode, split-K decode, prefill with window / soft cap / sinks,
-    non-causal fp32} of :func:`paged_attention_kernel` (GQA group 4, head sizes 128 / 64,
-    pages of 16 tokens), and :func:`merge_splits_kernel` per output dtype."""
+    non-causal fp32, and the rebuilt keys of :data:`_REBUILD_CASES`} of
+    :func:`paged_attention_kernel` (:func:`_attention_constexprs`), and
+    :func:`merge_splits_kernel` per output dtype."""
     from vllm.triton_utils.aot import TritonCompileCase
 
     cases = []
     for fmt_name, fmt, cache_type, aux_type, inline, interleave4 in _FORMAT_CASES:
         for feat_name, q_type, block_m, splits, causal, window, soft_cap, sinks in _FEATURE_CASES:
-            constexprs = {
-                "HEAD_SIZE": 128,
-                "HEAD_SIZE_V": 64,
-                "D_PAD": 128,
-                "DV_PAD": 64,
-                "BLOCK_SIZE": 16,
-                "GROUP": 4,
-                "GROUP_PAD": 4,
-                "BLOCK_M": block_m,
-                "TILE_N": 32,
-                "FORMAT": fmt,
-                "K_INTERLEAVE4": interleave4,
-                "V_INTERLEAVE4": interleave4,
-                "SCALE_INLINE": inline,
-                "FP32_DOT": q_type == "fp32",
-                "CAUSAL": causal,
-                "USE_WINDOW": window,
-                "USE_SOFT_CAP": soft_cap,
-                "USE_SINKS": sinks,
-                "NUM_SPLITS": splits,
-                "NUM_STAGES": PIPELINE_STAGES,
-            }
+            constexprs = _attention_constexprs(fmt, inline, interleave4, q_type, block_m, splits)
+            constexprs.update(
+                CAUSAL=causal, USE_WINDOW=window, USE_SOFT_CAP=soft_cap, USE_SINKS=sinks
+            )
             cases.append(
                 TritonCompileCase(
                     f"paged_attention/{fmt_name}/{feat_name}",
                     paged_attention_kernel,
                     _attention_signature(f"*{q_type}", cache_type, aux_type),
                     constexprs,
+                )
+            )
+        for feat_name, q_type, block_m, splits, neox, hadamard in _REBUILD_CASES:
+            constexprs = _attention_constexprs(fmt, inline, interleave4, q_type, block_m, splits)
+            constexprs.update(
+                REBUILD_KEYS=True,
+                USE_ROPE=True,
+                ROPE_NEOX=neox,
+                KEY_HADAMARD=hadamard,
+                USE_KEY_OFFSET=True,
+                USE_SINK_KEYS=True,
+            )
+            cases.append(
+                TritonCompileCase(
+                    f"paged_attention_rebuild/{fmt_name}/{feat_name}",
+                    paged_attention_kernel,
+                    _attention_signature(f"*{q_type}", cache_type, aux_type),
+                    constexprs,
+                    enable_fp_fusion=False,  # as launched: the rebuild's products one by one
                 )
             )
     for q_type in ("fp16", "bf16", "fp32"):

@@ -20,6 +20,7 @@ from vllm.kv_quant import ScaleLayout, kv_scale_as_1d
 from vllm.triton_utils import triton, triton_interpreted
 from vllm.utils.torch_utils import _nvfp4_split_data_scale
 from vllm.v1.attention.ops import triton_kv_decode as dec
+from vllm.v1.attention.ops.triton_key_rebuild import key_rebuild_args
 from vllm.v1.attention.ops.triton_paged_attention import (
     PIPELINE_STAGES,
     merge_splits_kernel,
@@ -139,8 +140,10 @@ class PagedAttentionLaunch:
         merge_args: list[Any],
         merge_constexprs: dict[str, Any],
         staging: FP32Staging | None = None,
+        fp_fusion: bool = True,
     ) -> None:
         self.grid = grid
+        self.fp_fusion = fp_fusion
         self.args = args
         self.constexprs = constexprs
         self.merge_grid = merge_grid
@@ -158,7 +161,9 @@ class PagedAttentionLaunch:
             return
         if self.staging is not None:
             self.staging.query_fp32.copy_(self.staging.query)
-        paged_attention_kernel[self.grid](*self.args, **self.constexprs)
+        paged_attention_kernel[self.grid](
+            *self.args, **self.constexprs, enable_fp_fusion=self.fp_fusion
+        )
         if self.merge_grid is not None:
             merge_splits_kernel[self.merge_grid](*self.merge_args, **self.merge_constexprs)
         if self.staging is not None:
@@ -211,6 +216,11 @@ def plan_paged_attention(
     k_scale_cache: torch.Tensor | None = None,
     v_scale_cache: torch.Tensor | None = None,
     num_splits: int | None = None,
+    rope_cos_sin: torch.Tensor | None = None,
+    rope_is_neox: bool = True,
+    key_offset: torch.Tensor | None = None,
+    sink_keys: torch.Tensor | None = None,
+    key_hadamard: bool = False,
 ) -> PagedAttentionLaunch:
     """The launches that write attention of ``query [T, Hq, D]`` over the paged cache into
     ``out [T, Hq, Dv]`` (nothing runs until the result is called).
@@ -221,9 +231,15 @@ def plan_paged_attention(
     ``kv_cache_dtype`` cache; ``k_scale`` / ``v_scale`` fp32 ``[1]`` or ``[Hkv]`` (FP8 scales,
     NVFP4 global scales; unread otherwise). Per-token-head caches read their inline scales, or
     ``k_scale_cache`` / ``v_scale_cache`` (fp32 ``[B, N, Hkv]``, upstream's separate layout).
-    ``num_splits`` forces the split-K count (``None``: :func:`choose_num_splits`). Arguments
-    are assumed checked (the backend's impl and :func:`unified_attention`
-    check them).
+    ``num_splits`` forces the split-K count (``None``: :func:`choose_num_splits`).
+
+    Keys stored before RoPE / key sinks (``rope_cos_sin``, ``rope_is_neox``, ``key_offset``,
+    ``sink_keys``, ``key_hadamard``: as :func:`vllm._custom_ops.paged_attention`, e.g.
+    :meth:`~vllm.v1.attention.backends.key_rebuild.KeyRebuild.kernel_args`) are checked here
+    (:func:`~.triton_key_rebuild.key_rebuild_args`, ``ValueError`` before any launch); any of
+    them rebuilds every key tile in fp32 (real units) and dots it with the query in IEEE fp32,
+    launched without FMA contraction. Other arguments are assumed checked (the backend's impl
+    and :func:`unified_attention` check them).
     """
     fmt = lookup(kv_cache_dtype, include_mla_only=False)
     staging = FP32Staging.needed(query, out)
@@ -234,6 +250,19 @@ def plan_paged_attention(
     num_kv_heads = key_cache.shape[2]
     block_size = key_cache.shape[1]
     num_seqs = seq_lens.shape[0]
+    rebuild_args, rebuild_constexprs = key_rebuild_args(
+        rope_cos_sin,
+        rope_is_neox,
+        key_offset,
+        sink_keys,
+        key_hadamard,
+        num_seqs=num_seqs,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        max_seq_len=max_seq_len,
+        device=key_cache.device,
+        unused=k_scale,
+    )
     if num_tokens == 0 or num_seqs == 0:
         return PagedAttentionLaunch((0, 0, 1), [], {}, None, [], {})
     device = query.device
@@ -304,6 +333,7 @@ def plan_paged_attention(
         1 if k_scale.numel() > 1 else 0,
         1 if v_scale.numel() > 1 else 0,
         num_heads,
+        *rebuild_args,
     ]
     constexprs = dict(
         HEAD_SIZE=head_size,
@@ -326,10 +356,13 @@ def plan_paged_attention(
         USE_SINKS=sinks is not None,
         NUM_SPLITS=num_splits,
         NUM_STAGES=PIPELINE_STAGES,
+        **rebuild_constexprs,
     )
+    # The rebuilt keys' fp32 products are rounded one by one, as the reference's.
+    fusion = not rebuild_constexprs["REBUILD_KEYS"]
     if num_splits == 1:
         grid = (num_programs, num_kv_heads, 1)
-        return PagedAttentionLaunch(grid, args, constexprs, None, [], {}, staging)
+        return PagedAttentionLaunch(grid, args, constexprs, None, [], {}, staging, fusion)
     merge_args = [out, part_acc, part_ml, out.stride(0), out.stride(1), num_heads]
     merge_constexprs = dict(
         HEAD_SIZE_V=head_size_v,
@@ -345,6 +378,7 @@ def plan_paged_attention(
         merge_args,
         merge_constexprs,
         staging,
+        fusion,
     )
 
 
@@ -417,6 +451,11 @@ def unified_attention(
     kv_cache_dtype: str | None = None,
     k_scale_layout: ScaleLayout | str | None = None,
     v_scale_layout: ScaleLayout | str | None = None,
+    rope_cos_sin: torch.Tensor | None = None,
+    rope_is_neox: bool = True,
+    key_offset: torch.Tensor | None = None,
+    sink_keys: torch.Tensor | None = None,
+    key_hadamard: bool = False,
 ) -> None:
     """Upstream vLLM's ``unified_attention`` over this library's paged caches.
 
@@ -431,8 +470,10 @@ def unified_attention(
     ``num_par_softmax_segments`` parts when ``max_seqlen_q == 1`` and ``num_seqs <=
     seq_threshold_3D`` (upstream's 3D rule; scratch is allocated here, so the
     ``softmax_segm_*`` buffers are not needed); without ``seq_threshold_3D`` the split count
-    is chosen (:func:`choose_num_splits`). ALiBi, output scales, q/q bias, prefix-LM ranges,
-    chunked lookback, tensor descriptors and FP8 queries are not supported (``ValueError``).
+    is chosen (:func:`choose_num_splits`). Keys stored before RoPE / key sinks: the
+    keyword-only ``rope_cos_sin`` .. ``key_hadamard`` of :func:`plan_paged_attention`. ALiBi,
+    output scales, q/q bias, prefix-LM ranges, chunked lookback, tensor descriptors and FP8
+    queries are not supported (``ValueError``).
     """
     for name, value, default in (
         ("alibi_slopes", alibi_slopes, None),
@@ -508,4 +549,9 @@ def unified_attention(
         k_scale_cache=k_scale_cache,
         v_scale_cache=v_scale_cache,
         num_splits=splits,
+        rope_cos_sin=rope_cos_sin,
+        rope_is_neox=rope_is_neox,
+        key_offset=key_offset,
+        sink_keys=sink_keys,
+        key_hadamard=key_hadamard,
     )()
