@@ -274,11 +274,12 @@ def _dense_attention(q, rows_per_seq, v_per_seq, inputs, query_lens, scale):
 def test_attention_over_rebuilt_keys_is_dense_attention(
     name: str, cache_dtype: torch.dtype, query_dtype: torch.dtype, layout: str, splits: int
 ) -> None:
-    """Two sequences in one batch, a 6-token prefill chunk and a decode step, over an
-    unquantized cache (NHD, or HND strides) with the rebuild's arguments given directly."""
+    """Three sequences in one batch: a 6-token prefill chunk, a decode step and a 2-token
+    prefill (shorter than S = 3 sinks), over an unquantized cache (NHD, or HND strides) with
+    the rebuild's arguments given directly."""
     gen = torch.Generator().manual_seed(3)
-    seq_lens, query_lens = [37, 9], [6, 1]
-    table = torch.tensor([[5, 1, 7], [2, 0, 0]], dtype=torch.int32)
+    seq_lens, query_lens = [37, 9, 2], [6, 1, 2]
+    table = torch.tensor([[5, 1, 7], [2, 0, 0], [4, 0, 0]], dtype=torch.int32)
     if layout == "NHD":
         k_cache = torch.randn(NUM_BLOCKS, BLOCK, H, D, generator=gen).to(cache_dtype)
     else:
@@ -286,12 +287,12 @@ def test_attention_over_rebuilt_keys_is_dense_attention(
         k_cache = k_cache.transpose(1, 2)
     v_cache = torch.randn(NUM_BLOCKS, BLOCK, H, D, generator=gen).to(cache_dtype)
     q = torch.randn(sum(query_lens), HQ, D, generator=gen).to(query_dtype)
-    inputs = _transform_inputs(gen, 2, TRANSFORMS[name])
+    inputs = _transform_inputs(gen, 3, TRANSFORMS[name])
     out = torch.full_like(q, float("nan"))
     launch = plan_paged_attention(
         out.to(DEVICE), q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), table.to(DEVICE),
         torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        torch.tensor([0, 6, 7], dtype=torch.int32, device=DEVICE), "auto",
+        torch.tensor([0, 6, 7, 9], dtype=torch.int32, device=DEVICE), "auto",
         torch.ones(1), torch.ones(1), D**-0.5, 6, 37, num_splits=splits,
         **_kernel_kwargs(inputs),
     )  # fmt: skip
