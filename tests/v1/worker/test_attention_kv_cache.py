@@ -338,3 +338,18 @@ def test_pre_rope_keys_need_positions_and_keep_rope_and_sinks_with_an_offset() -
     assert torch.equal(cache.stored_key(k, positions), expected.to(k.dtype))
     cache.write(k, v, meta.slot_mapping, positions)
     assert sinks.any()
+
+
+def test_forward_with_padded_rows_and_pre_rope_keys() -> None:
+    """Rows past num_actual_tokens (CUDA-graph padding) are neither positioned nor written."""
+    k, v, q = _kvq(5)
+    caches = [
+        AttentionKVCache.create("fp8", 8, 16, H, D, num_heads=HQ, key_rope=ROPE) for _ in range(2)
+    ]
+    for cache in caches:
+        cache.set_kv_scales(torch.tensor(0.05), torch.tensor(0.05))
+    meta = caches[0].metadata([30], [30], TABLE)
+    padded = caches[0].forward(q[:40], k[:40], v[:40], meta)
+    exact = caches[1].forward(q[:30], k[:30], v[:30], meta)
+    assert torch.equal(caches[0].kv_cache, caches[1].kv_cache)
+    assert torch.equal(padded[:30], exact)

@@ -470,7 +470,12 @@ class AttentionKVCache:
     ) -> torch.Tensor:
         """Write the new ``key`` / ``value`` at ``attn_metadata.slot_mapping``, then attend
         (every argument is checked before anything is written)."""
-        positions = attn_metadata.token_positions() if self.key_transform.rebuilds_keys else None
+        positions = None
+        if self.key_transform.rebuilds_keys:
+            positions = attn_metadata.token_positions()
+            padding = key.shape[0] - positions.shape[0]  # rows past num_actual_tokens: unwritten
+            if padding > 0:
+                positions = torch.cat([positions, positions.new_zeros(padding)])
         return self.impl.forward(
             self.layer,
             self._reader_query(query),
