@@ -200,18 +200,20 @@ def _run_tile_check(fmt: str, model_dtype: torch.dtype, layout: str | None, opti
     gen = torch.Generator().manual_seed(len(fmt) + 7 * len(options))
     layouts = None if layout is None else (layout, layout)
     cache = AttentionKVCache.create(fmt, NUM_BLOCKS, BLOCK, H, D, backend="REFERENCE",
-                                    model_dtype=model_dtype, scale_layouts=layouts)  # fmt: skip
+                                    model_dtype=model_dtype, scale_layouts=layouts,
+                                    device=DEVICE)  # fmt: skip
     if lookup(fmt, include_mla_only=False).is_quantized:
         cache.set_kv_scales(torch.tensor([0.02, 0.05]), torch.tensor(0.1))
     k = _keys(gen, tokens)
     k[3, 1, 7], k[4, 0, 2] = float("nan"), float("inf")  # the definition's NaN / Inf, too
-    k = k.to(model_dtype)
+    k = k.to(DEVICE, model_dtype)
+    table = table.to(DEVICE)
     meta = cache.metadata([tokens], [tokens], table[None])
     cache.write(k, torch.zeros_like(k), meta.slot_mapping)
-    k_scale = kv_scale_as_1d(cache.k_scale, "k_scale", H).to(torch.float32)
+    k_scale = kv_scale_as_1d(cache.k_scale, "k_scale", H).to(DEVICE, torch.float32)
     k_layout = ScaleLayout.resolve(cache.impl.k_scale_layout, BLOCK, D)
     pages = cache.key_cache[table.long()]
-    rows = cache.impl._dequantize(pages, k_scale, D, k_layout).reshape(-1, H, D)[:tokens]
+    rows = cache.impl._dequantize(pages, k_scale, D, k_layout).reshape(-1, H, D)[:tokens].cpu()
 
     inputs = _transform_inputs(gen, 1, options)
     positions = torch.arange(tokens)
@@ -220,17 +222,21 @@ def _run_tile_check(fmt: str, model_dtype: torch.dtype, layout: str | None, opti
                         None if sinks is None else sinks[0], inputs["hadamard"])  # fmt: skip
     code = kernel_format(cache.impl.kv_cache_format, cache.key_cache.dtype)
     side = _side(cache.key_cache, code, D, k_layout, None)
-    args, constexprs = key_rebuild_args(
+    rebuild = key_rebuild_args(
         **_kernel_kwargs(inputs), num_seqs=1, num_kv_heads=H, head_size=D,
-        max_seq_len=tokens, device=cache.device, unused=k_scale,
+        max_seq_len=tokens, device=cache.device,
     )  # fmt: skip
+    constexprs = dict(rebuild.constexprs)
     assert constexprs.pop("REBUILD_KEYS")
-    got = torch.full((tokens, H, D), float("nan"))
+    got = torch.full((tokens, H, D), float("nan"), device=DEVICE)
     _rebuild_tile_kernel[(triton.cdiv(tokens, 16), H, 1)](
-        got, side.data, side.aux, *args, table, k_scale, int(k_scale.numel() > 1), tokens,
-        *side.strides, *side.aux_strides, HEAD_SIZE=D, NUM_KV_HEADS=H, BLOCK_SIZE=BLOCK,
-        TILE_N=16, FORMAT=code, K_INTERLEAVE4=side.interleave4, **constexprs,
+        got, side.data, side.aux, *rebuild.kernel_args(k_scale), table, k_scale,
+        int(k_scale.numel() > 1), tokens, *side.strides, *side.aux_strides, HEAD_SIZE=D,
+        NUM_KV_HEADS=H, BLOCK_SIZE=BLOCK, TILE_N=16, FORMAT=code,
+        K_INTERLEAVE4=side.interleave4, **constexprs,
+        enable_fp_fusion=False,  # as the attention kernel is launched: products rounded alone
     )  # fmt: skip
+    got = got.cpu()
     torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
     assert got.isfinite().float().mean() > 0.9  # NaN / Inf stay in their keys' rows
 
@@ -387,7 +393,7 @@ def test_triton_attn_reads_like_the_reference(
     for backend in ("TRITON_ATTN", "REFERENCE"):
         cache = AttentionKVCache.create(
             fmt, NUM_BLOCKS, BLOCK, H, D, num_heads=HQ, backend=backend, model_dtype=model_dtype,
-            **options,
+            device=DEVICE, **options,
         )  # fmt: skip
         if backend == "TRITON_ATTN":
             cache.impl.num_splits = splits
@@ -398,10 +404,10 @@ def test_triton_attn_reads_like_the_reference(
             spans = list(zip(starts, stops, strict=True))
             meta = cache.metadata(list(stops), [b - a for a, b in spans], table)
             q_b, k_b, v_b = (
-                torch.cat([x[i][a:b] for i, (a, b) in enumerate(spans)]).to(model_dtype)
+                torch.cat([x[i][a:b] for i, (a, b) in enumerate(spans)]).to(DEVICE, model_dtype)
                 for x in (q, k, v)
             )
-            parts.append(cache.forward(q_b, k_b, v_b, meta).float())
+            parts.append(cache.forward(q_b, k_b, v_b, meta).float().cpu())
         outs.append(torch.cat(parts))
         caches.append(cache)
     assert torch.equal(caches[0].key_cache, caches[1].key_cache)
@@ -472,9 +478,11 @@ def test_sequences_past_the_rope_table_are_refused_before_writing() -> None:
     rope = KeyRope.from_base(D, 16)
     cache = AttentionKVCache.create("fp8_e4m3", NUM_BLOCKS, BLOCK, H, D, num_heads=HQ,
                                     backend="TRITON_ATTN", model_dtype=torch.float32,
-                                    key_rope=rope, key_sink_tokens=1)  # fmt: skip
+                                    key_rope=rope, key_sink_tokens=1, device=DEVICE)  # fmt: skip
     gen = torch.Generator().manual_seed(9)
-    k, v, q = _keys(gen, 17), torch.randn(17, H, D), torch.randn(17, HQ, D)
+    k, v, q = (
+        x.to(DEVICE) for x in (_keys(gen, 17), torch.randn(17, H, D), torch.randn(17, HQ, D))
+    )
     meta = cache.metadata([17], [17], torch.tensor([[3, 4]], dtype=torch.int32))
     before, sinks = cache.kv_cache.clone(), cache.layer.key_sinks.clone()
     with pytest.raises(ValueError, match="seq_lens: expected at most 16 tokens"):

@@ -10,13 +10,13 @@ offset, then RoPE at ``p`` (:func:`rope_tile`). Each channel's partner comes fro
 along the row, so the fp32 operations are the reference's, one rounding each (the kernel is
 launched without FMA contraction). The kernel then dots the query with these keys in IEEE fp32.
 
-:func:`key_rebuild_args` checks the host-side inputs and lays them out for the kernel.
+:func:`key_rebuild_args` checks the host-side inputs (:class:`KeyRebuildArgs`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -180,6 +180,22 @@ def _check_fp32(name: str, x: object, shape: str, dims: int, device: torch.devic
     return x
 
 
+class KeyRebuildArgs(NamedTuple):
+    """The checked rebuild inputs of one launch (:func:`key_rebuild_args`): ``tensors`` the
+    RoPE table, offset and sink rows (None: not given), ``scalars`` the Hadamard scale
+    ``fp32(1 / sqrt(D))``, ``rotary_dim`` and S (0: none), and the kernel's constexprs."""
+
+    tensors: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+    scalars: tuple[float, int, int]
+    constexprs: dict[str, Any]
+
+    def kernel_args(self, unused: torch.Tensor) -> list[Any]:
+        """``[rope_ptr, key_offset_ptr, sink_keys_ptr, hadamard_scale, rotary_dim,
+        num_sink_keys]``; ``unused`` (an fp32 tensor on the kernel's device) stands in for an
+        absent tensor."""
+        return [unused if t is None else t for t in self.tensors] + list(self.scalars)
+
+
 def key_rebuild_args(
     rope_cos_sin: torch.Tensor | None,
     rope_is_neox: bool,
@@ -192,13 +208,10 @@ def key_rebuild_args(
     head_size: int,
     max_seq_len: int,
     device: torch.device,
-    unused: torch.Tensor,
-) -> tuple[list[Any], dict[str, Any]]:
-    """The kernel's rebuild arguments ``[rope_ptr, key_offset_ptr, sink_keys_ptr,
-    hadamard_scale, rotary_dim, num_sink_keys]`` and constexprs (``unused`` stands in for an
-    absent tensor), after checking them (``ValueError``, ``<arg>: expected X, got Y``):
-    ``rope_cos_sin`` fp32 ``[max_positions >= max_seq_len, rotary_dim]`` (even, at most
-    ``head_size``), ``key_offset`` fp32 ``[num_kv_heads, head_size]`` (real units),
+) -> KeyRebuildArgs:
+    """The kernel's rebuild inputs, after checking them (``ValueError``, ``<arg>: expected X,
+    got Y``): ``rope_cos_sin`` fp32 ``[max_positions >= max_seq_len, rotary_dim]`` (even, at
+    most ``head_size``), ``key_offset`` fp32 ``[num_kv_heads, head_size]`` (real units),
     ``sink_keys`` fp32 ``[num_seqs, S >= 1, num_kv_heads, head_size]`` (real units), all
     contiguous on ``device``; ``key_hadamard`` needs a power-of-two ``head_size``."""
     for name, flag in (("rope_is_neox", rope_is_neox), ("key_hadamard", key_hadamard)):
@@ -237,14 +250,6 @@ def key_rebuild_args(
     if key_hadamard:
         check_hadamard_head_size(head_size)
     hadamard_scale = float(torch.tensor(1.0 / math.sqrt(head_size), dtype=torch.float32))
-    args = [
-        unused if rope_cos_sin is None else rope_cos_sin,
-        unused if key_offset is None else key_offset,
-        unused if sink_keys is None else sink_keys,
-        hadamard_scale,
-        rotary_dim,
-        num_sink,
-    ]
     constexprs = dict(
         REBUILD_KEYS=bool(rotary_dim or num_sink or key_hadamard or key_offset is not None),
         USE_ROPE=rope_cos_sin is not None,
@@ -253,4 +258,6 @@ def key_rebuild_args(
         USE_KEY_OFFSET=key_offset is not None,
         USE_SINK_KEYS=sink_keys is not None,
     )
-    return args, constexprs
+    return KeyRebuildArgs(
+        (rope_cos_sin, key_offset, sink_keys), (hadamard_scale, rotary_dim, num_sink), constexprs
+    )

@@ -250,7 +250,7 @@ def plan_paged_attention(
     num_kv_heads = key_cache.shape[2]
     block_size = key_cache.shape[1]
     num_seqs = seq_lens.shape[0]
-    rebuild_args, rebuild_constexprs = key_rebuild_args(
+    rebuild = key_rebuild_args(
         rope_cos_sin,
         rope_is_neox,
         key_offset,
@@ -261,7 +261,6 @@ def plan_paged_attention(
         head_size=head_size,
         max_seq_len=max_seq_len,
         device=key_cache.device,
-        unused=k_scale,
     )
     if num_tokens == 0 or num_seqs == 0:
         return PagedAttentionLaunch((0, 0, 1), [], {}, None, [], {})
@@ -296,9 +295,10 @@ def plan_paged_attention(
         part_ml = torch.empty(num_tokens, num_heads, num_splits, 2, device=device)
     else:
         part_acc = part_ml = out  # unread
-    sinks_arg = sinks.to(device=device, dtype=torch.float32) if sinks is not None else k_scale
     table = block_table.to(device=device, dtype=torch.int32)
     k_scale = k_scale.to(device=device, dtype=torch.float32)
+    # unread pointers: an fp32 tensor on the kernels' device
+    sinks_arg = sinks.to(device=device, dtype=torch.float32) if sinks is not None else k_scale
     v_scale = v_scale.to(device=device, dtype=torch.float32)
     args = [
         out,
@@ -333,7 +333,7 @@ def plan_paged_attention(
         1 if k_scale.numel() > 1 else 0,
         1 if v_scale.numel() > 1 else 0,
         num_heads,
-        *rebuild_args,
+        *rebuild.kernel_args(k_scale),
     ]
     constexprs = dict(
         HEAD_SIZE=head_size,
@@ -356,10 +356,10 @@ def plan_paged_attention(
         USE_SINKS=sinks is not None,
         NUM_SPLITS=num_splits,
         NUM_STAGES=PIPELINE_STAGES,
-        **rebuild_constexprs,
+        **rebuild.constexprs,
     )
     # The rebuilt keys' fp32 products are rounded one by one, as the reference's.
-    fusion = not rebuild_constexprs["REBUILD_KEYS"]
+    fusion = not rebuild.constexprs["REBUILD_KEYS"]
     if num_splits == 1:
         grid = (num_programs, num_kv_heads, 1)
         return PagedAttentionLaunch(grid, args, constexprs, None, [], {}, staging, fusion)
