@@ -66,6 +66,12 @@ class KeyRope:
         angles = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         return cls(torch.cat([angles.cos(), angles.sin()], dim=1), is_neox_style)
 
+    def to(self, device: torch.device | str) -> KeyRope:
+        """The same RoPE with its table on ``device`` (itself when already there)."""
+        if self.cos_sin.device == torch.device(device):
+            return self
+        return KeyRope(self.cos_sin.to(device), self.is_neox_style)
+
     @property
     def rotary_dim(self) -> int:
         """Channels rotated (the first ones of each head)."""

@@ -14,6 +14,7 @@ encoding.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -69,17 +70,18 @@ class KeyTransform:
             and self.sink_tokens == 0
         )
 
+    def to(self, device: torch.device | str) -> KeyTransform:
+        """The same transform with its offset and RoPE table on ``device``, so that readers
+        there use them without a copy per call."""
+        offset = None if self.offset is None else self.offset.to(device)
+        rope = None if self.rope is None else self.rope.to(device)
+        return dataclasses.replace(self, offset=offset, rope=rope)
+
     @property
     def rebuilds_keys(self) -> bool:
         """The reader rebuilds each key (:meth:`rebuild_key`) instead of rotating the query:
         keys are stored before RoPE."""
         return self.rope is not None
-
-    @property
-    def needs_key_rebuild(self) -> bool:
-        """A reader must rebuild keys (pre-RoPE keys or sink rows), not read page rows as
-        they are."""
-        return self.rebuilds_keys or self.sink_tokens > 0
 
     def stored_key(self, key: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """``key [..., H, D]`` as the writer receives it (``key`` itself when

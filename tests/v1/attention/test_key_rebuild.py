@@ -1,7 +1,7 @@
 """Readers of layers that store keys before RoPE and keep FP8 key sinks (key_rebuild): the
 reference reader and CPU_ATTN agree, the attention is the model's (RoPE undone and redone), the
-sink rows are the FP8 copies of the first stored keys, and TRITON_ATTN refuses such a layer
-before writing anything."""
+sink rows are the FP8 copies of the first stored keys, and TRITON_ATTN reads like the
+reference."""
 
 from __future__ import annotations
 

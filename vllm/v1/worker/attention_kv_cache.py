@@ -254,8 +254,8 @@ class AttentionKVCache:
         :attr:`k_scale` on :meth:`stored_key`); ``key_rope`` (the model's RoPE) stores keys
         before RoPE, the reader rebuilding them at their positions, and ``key_sink_tokens`` S
         keeps the first S keys of each page again in FP8 (FP8 / NVFP4 caches;
-        :mod:`vllm.kv_quant.key_sinks`), both needing a reader that rebuilds keys (CPU_ATTN,
-        REFERENCE); ``impl_options`` go to the impl
+        :mod:`vllm.kv_quant.key_sinks`), read by every backend's reader (docs/design.md §5.6);
+        ``impl_options`` go to the impl
         (``scale``, ``sliding_window``, ``logits_soft_cap``, ``sinks``). The backend, the
         impl's arguments and the cache views are checked before memory is allocated, the
         scale layouts against the pages (an empty write) before the cache is returned.
@@ -279,13 +279,7 @@ class AttentionKVCache:
             if scale_layouts is not None:
                 layouts = KVCacheScaleLayouts(*(ScaleLayout.parse(s) for s in scale_layouts))
                 _check_scale_layouts(spec, layouts)
-            impl_cls = _reader_backend(chosen).get_impl_cls()
-            if transform.needs_key_rebuild and not impl_cls.rebuilds_keys:
-                raise ValueError(
-                    f"backend: expected one whose reader rebuilds keys (CPU_ATTN, REFERENCE) for "
-                    f"key_rope / key_sink_tokens, got {chosen.get_name()}"
-                )
-            impl = impl_cls(
+            impl = _reader_backend(chosen).get_impl_cls()(
                 spec.num_kv_heads if num_heads is None else num_heads,
                 spec.head_size,
                 num_kv_heads=spec.num_kv_heads,

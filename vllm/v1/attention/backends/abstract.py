@@ -117,9 +117,9 @@ class AttentionLayerScales:
         head_size: int,
         device: torch.device | str = "cpu",
     ) -> None:
-        """Use ``transform`` from now on; with ``sink_tokens`` S, a zeroed sink store for a
-        cache of ``num_blocks`` pages of ``num_kv_heads`` heads of ``head_size`` (kept when it
-        already has that shape)."""
+        """Use ``transform`` (its offset and RoPE table moved to ``device``) from now on; with
+        ``sink_tokens`` S, a zeroed sink store on ``device`` for a cache of ``num_blocks`` pages
+        of ``num_kv_heads`` heads of ``head_size`` (kept when it already has that shape)."""
         if not isinstance(transform, KeyTransform):
             raise ValueError(f"transform: expected a KeyTransform, got {type(transform).__name__}")
         shape = (num_blocks, transform.sink_tokens, num_kv_heads, head_size)
@@ -128,7 +128,7 @@ class AttentionLayerScales:
             sinks = None
         elif sinks is None or tuple(sinks.shape) != shape:
             sinks = torch.zeros(shape, dtype=torch.uint8, device=device)
-        self.key_transform, self.key_sinks = transform, sinks
+        self.key_transform, self.key_sinks = transform.to(device), sinks
 
     @property
     def k_scale(self) -> torch.Tensor:

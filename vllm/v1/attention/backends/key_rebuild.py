@@ -9,7 +9,8 @@ dequantized page rows: the key at position ``p`` of a sequence is
    RoPE at ``p`` (:meth:`~vllm.kv_quant.KeyTransform.rebuild_key`).
 
 :class:`KeyRebuild` gathers this per call; the reference reader applies it in torch
-(:meth:`KeyRebuild.keys`), ``CPU_ATTN`` hands its tensors to the kernel, which does the same.
+(:meth:`KeyRebuild.keys`); ``CPU_ATTN`` and ``TRITON_ATTN`` hand its tensors to their kernels,
+which do the same in fp32.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from vllm.kv_quant.key_sinks import key_sink_scale, read_key_sinks, write_key_si
 from vllm.kv_quant.key_transform import KeyTransform
 from vllm.v1.kv_cache_format import KVCacheFormat
 
-__all__ = ["KeyRebuild", "check_key_sinks", "refuse_key_rebuild", "write_layer_key_sinks"]
+__all__ = ["KeyRebuild", "check_key_sinks", "write_layer_key_sinks"]
 
 
 def _layer_parts(layer: Any) -> tuple[KeyTransform, torch.Tensor | None]:
@@ -73,16 +74,6 @@ def write_layer_key_sinks(
     if sinks is not None:
         scale = key_sink_scale(layer._k_scale, is_nvfp4)
         write_key_sinks(sinks, key, slot_mapping, block_size, scale)
-
-
-def refuse_key_rebuild(layer: Any, backend: str) -> None:
-    """``ValueError`` when the layer's keys need rebuilding, which ``backend`` cannot do."""
-    transform, sinks = _layer_parts(layer)
-    if transform.needs_key_rebuild or sinks is not None:
-        raise ValueError(
-            f"layer: expected keys stored after RoPE and no key sinks ({backend} reads pages "
-            "as they are; use CPU_ATTN or REFERENCE), got a layer that rebuilds its keys"
-        )
 
 
 @dataclass(frozen=True)

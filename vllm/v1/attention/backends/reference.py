@@ -133,8 +133,6 @@ class ReferenceAttentionImpl(AttentionImpl):
 
     cache_device_type: ClassVar[str | None] = None
     """The device type that the cache must be on (``None``: any device)."""
-    rebuilds_keys: ClassVar[bool] = True
-    """The reader rebuilds the keys of a layer that needs it (:mod:`.key_rebuild`)."""
 
     def __init__(
         self,

@@ -15,7 +15,7 @@ there.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -96,9 +96,6 @@ class TritonAttentionImpl(ReferenceAttentionImpl):
     pick."""
 
     num_splits: int | None = None
-    rebuilds_keys: ClassVar[bool] = True
-    """The kernel rebuilds the keys of a layer that needs it (:mod:`.key_rebuild`, in
-    :mod:`~vllm.v1.attention.ops.triton_key_rebuild`)."""
 
     def _check_forward(
         self,
