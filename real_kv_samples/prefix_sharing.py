@@ -94,9 +94,9 @@ class ManagedKVRun:
         check_positive_int("max_seqs", max_seqs)
         model_config = lm.model.config.to_dict()
         cache_config = CacheConfig(block_size=BLOCK_SIZE, cache_dtype=fmt.kv_cache_dtype)  # type: ignore[arg-type]
-        # The cache stores each token's K/V in fmt.bytes_per_token bytes per layer; the plan's
-        # page must be that (else block ids would not index the caches the run allocates).
-        page_bytes = BLOCK_SIZE * fmt.bytes_per_token(lm.num_kv_heads, lm.head_size, lm.head_size)
+        # The plan's page must be the format's (else block ids would not index the caches the
+        # run allocates); key sink rows, if any, are kept beside the pages, outside the plan.
+        page_bytes = fmt.page_bytes(lm.num_kv_heads, lm.head_size, lm.head_size, BLOCK_SIZE)
         block_bytes = page_bytes * lm.num_layers
         self.plan = kcu.plan_kv_cache(
             model_config, cache_config, num_blocks * block_bytes, max_model_len
@@ -139,8 +139,11 @@ class ManagedKVRun:
 
     @property
     def bytes_per_token(self) -> int:
-        """K/V bytes one token takes over all layers."""
-        return self.plan.bytes_per_block // BLOCK_SIZE
+        """K/V bytes one token takes over all layers: its share of a page and of the page's
+        key sink rows (the plan's pages, ``plan.bytes_per_block``, hold no sink rows)."""
+        lm = self.run.lm
+        per_layer = self.run.fmt.bytes_per_token(lm.num_kv_heads, lm.head_size, lm.head_size)
+        return lm.num_layers * per_layer
 
     def prefill(self, request_id: str, prompt: torch.Tensor, max_tokens: int = 16) -> Prefill:
         """Admit a request of ``prompt`` (int64 ``[T]``) and compute the prompt tokens its

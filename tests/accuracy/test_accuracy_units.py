@@ -130,6 +130,11 @@ def test_format_ids_with_key_options() -> None:
     # SmolLM2's geometry: 3 heads of 64, 16-token pages; one FP8 sink key row per page
     plain = parse_format("nvfp4").bytes_per_token(3, 64, 64)
     assert pre.bytes_per_token(3, 64, 64) == plain + 3 * 64 // 16
+    assert pre.page_bytes(3, 64, 64) == parse_format("nvfp4").page_bytes(3, 64, 64) == 3456
+    assert (pre.sink_bytes_per_page(3, 64), parse_format("nvfp4").sink_bytes_per_page(3, 64)) == (
+        192,
+        0,
+    )
     for bad, message in (
         ("bf16+hadamard", "kv_cache_dtype: expected a quantized format"),
         ("fp8+rotate", "unknown format"),

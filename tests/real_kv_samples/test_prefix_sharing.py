@@ -189,7 +189,10 @@ def test_script_prints_the_report(
     assert saved == with_reuse["cached_tokens"] * 11_520  # 30 x 2 x 3 x 64 x 1 byte (fp8)
 
 
-@pytest.mark.parametrize("name", ["fp8_e5m2/head", "nvfp4+offset", "int8_per_token_head"])
+@pytest.mark.parametrize(
+    "name",
+    ["fp8_e5m2/head", "nvfp4+offset", "nvfp4_mse+offset+prerope+sink", "int8_per_token_head"],
+)
 def test_reuse_is_bit_identical_in_quantized_formats(
     lm: smollm2.LoadedModel, prompts: Prompts, name: str
 ) -> None:

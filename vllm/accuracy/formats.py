@@ -259,11 +259,12 @@ class CacheFormat:
         """Last dim ``D'`` of the cache tensor: ``D``, or ``F(D) = D/2 + D/16`` for NVFP4."""
         return self.format.last_dim(head_size)
 
-    def bytes_per_token(self, num_kv_heads: int, head_size: int, head_size_v: int) -> int:
-        """K plus V cache bytes of one token of one layer (all KV heads), from the spec's page
-        size (global scales, a few bytes per layer, are not counted), plus the FP8 key sink
-        rows per page shared by its tokens (rounded up)."""
-        block_size = 16
+    def page_bytes(
+        self, num_kv_heads: int, head_size: int, head_size_v: int, block_size: int = 16
+    ) -> int:
+        """Bytes of one page of ``block_size`` tokens of one layer (K and V, block and inline
+        scales): the spec's page size, what a plan allocates per page. The key sink rows are
+        not in it (:meth:`sink_bytes_per_page`)."""
         spec = FullAttentionSpec(
             block_size=block_size,
             num_kv_heads=num_kv_heads,
@@ -272,8 +273,21 @@ class CacheFormat:
             dtype=self.storage_dtype,
             kv_quant_mode=self.format.quant_mode,
         )
-        sink_bytes = self.key_sink_tokens * num_kv_heads * head_size
-        return -(-(spec.real_page_size_bytes + sink_bytes) // block_size)
+        return spec.real_page_size_bytes
+
+    def sink_bytes_per_page(self, num_kv_heads: int, head_size: int) -> int:
+        """Bytes of the FP8 key sink rows kept beside each page of one layer (0 without
+        ``+sink``)."""
+        return self.key_sink_tokens * num_kv_heads * head_size
+
+    def bytes_per_token(self, num_kv_heads: int, head_size: int, head_size_v: int) -> int:
+        """K plus V cache bytes of one token of one layer (all KV heads) at 16-token pages:
+        the page (global scales, a few bytes per layer, are not counted) plus its key sink
+        rows, shared by its tokens (rounded up)."""
+        block_size = 16
+        page = self.page_bytes(num_kv_heads, head_size, head_size_v, block_size)
+        sinks = self.sink_bytes_per_page(num_kv_heads, head_size)
+        return -(-(page + sinks) // block_size)
 
 
 def parse_format(text: str) -> CacheFormat:
