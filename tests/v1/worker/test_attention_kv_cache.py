@@ -353,3 +353,16 @@ def test_forward_with_padded_rows_and_pre_rope_keys() -> None:
     exact = caches[1].forward(q[:30], k[:30], v[:30], meta)
     assert torch.equal(caches[0].kv_cache, caches[1].kv_cache)
     assert torch.equal(padded[:30], exact)
+
+
+def test_a_bad_value_writes_neither_pages_nor_sink_rows() -> None:
+    cache = AttentionKVCache.create("fp8", 8, 16, H, D, num_heads=HQ, key_sink_tokens=1)
+    cache.set_kv_scales(torch.tensor(0.05), torch.tensor(0.05))
+    k, v, _ = _kvq(6)
+    meta = cache.metadata([40], [40], TABLE)
+    before = cache.kv_cache.clone()
+    with pytest.raises((ValueError, RuntimeError), match="value"):
+        cache.write(k, v[:, :1], meta.slot_mapping)  # one KV head instead of two
+    sinks = cache.layer.key_sinks
+    assert sinks is not None and not sinks.any()
+    assert torch.equal(cache.kv_cache, before)

@@ -100,7 +100,7 @@ class KeyRebuild:
             return None
         sinks = None
         if store is not None:
-            first_pages = block_table[:num_seqs, 0] if num_seqs else block_table[:0, 0]
+            first_pages = block_table[:num_seqs, 0]
             sinks = read_key_sinks(store, first_pages, key_sink_scale(k_scale, is_nvfp4))
         return cls(transform, sinks)
 

@@ -296,9 +296,9 @@ class ReferenceAttentionImpl(AttentionImpl):
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        """:meth:`do_kv_cache_update` on cache sides that passed :meth:`_check_side`, the
-        layer's key sinks (:mod:`vllm.kv_quant.key_sinks`) included."""
-        write_layer_key_sinks(layer, key, slot_mapping, key_cache.shape[1], self._is_nvfp4)
+        """:meth:`do_kv_cache_update` on cache sides that passed :meth:`_check_side`, then the
+        layer's key sinks (:mod:`vllm.kv_quant.key_sinks`): the page writer checks every
+        argument first, so the sink rows are written only once the pages are."""
         k_layout, v_layout = self._fitting_scale_layouts(key_cache.shape[1])
         op = _copy_op()
         if op is not None:
@@ -314,34 +314,35 @@ class ReferenceAttentionImpl(AttentionImpl):
                 k_scale_layout=k_layout.value,
                 v_scale_layout=v_layout.value,
             )
-            return
-        from vllm.kv_quant import fp8_write_cache, nvfp4_write_cache, per_token_head_write_cache
-        from vllm.kv_quant.nvfp4_cache import check_slot_mapping
+        else:  # the reference codecs (no extension built)
+            from vllm.kv_quant import fp8_write_cache, nvfp4_write_cache, per_token_head_write_cache
+            from vllm.kv_quant.nvfp4_cache import check_slot_mapping
 
-        for x, side, scale, layout in (
-            (key, key_cache, layer._k_scale, k_layout),
-            (value, value_cache, layer._v_scale, v_layout),
-        ):
-            if self._is_nvfp4:
-                nvfp4_write_cache(
-                    x,
-                    side,
-                    slot_mapping,
-                    scale.to(side.device),
-                    layout,
-                    scale_search=self.kv_cache_format.scale_search,
-                )
-            elif self.kv_cache_format.is_per_token_head:  # scales computed per row, not read
-                per_token_head_write_cache(x, side, slot_mapping, self.kv_cache_format)
-            elif self._is_fp8:
-                fp8_write_cache(x, side, slot_mapping, scale.to(side.device), self._fp8_format)
-            else:
-                num_slots = side.shape[0] * side.shape[1]
-                check_slot_mapping(slot_mapping, x.shape[0], num_slots, side.device)
-                keep = slot_mapping >= 0
-                slots = slot_mapping[keep]
-                rows = x[: slot_mapping.shape[0]][keep].to(side.dtype)
-                side[slots // side.shape[1], slots % side.shape[1]] = rows
+            for x, side, scale, layout in (
+                (key, key_cache, layer._k_scale, k_layout),
+                (value, value_cache, layer._v_scale, v_layout),
+            ):
+                if self._is_nvfp4:
+                    nvfp4_write_cache(
+                        x,
+                        side,
+                        slot_mapping,
+                        scale.to(side.device),
+                        layout,
+                        scale_search=self.kv_cache_format.scale_search,
+                    )
+                elif self.kv_cache_format.is_per_token_head:  # scales computed per row, not read
+                    per_token_head_write_cache(x, side, slot_mapping, self.kv_cache_format)
+                elif self._is_fp8:
+                    fp8_write_cache(x, side, slot_mapping, scale.to(side.device), self._fp8_format)
+                else:
+                    num_slots = side.shape[0] * side.shape[1]
+                    check_slot_mapping(slot_mapping, x.shape[0], num_slots, side.device)
+                    keep = slot_mapping >= 0
+                    slots = slot_mapping[keep]
+                    rows = x[: slot_mapping.shape[0]][keep].to(side.dtype)
+                    side[slots // side.shape[1], slots % side.shape[1]] = rows
+        write_layer_key_sinks(layer, key, slot_mapping, key_cache.shape[1], self._is_nvfp4)
 
     # ------------------------------------------------------------------------------- read
 
