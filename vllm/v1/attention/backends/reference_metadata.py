@@ -4,7 +4,7 @@ a forward call."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -39,6 +39,9 @@ class ReferenceAttentionMetadata:
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
     causal: bool = True
+    _token_positions: torch.Tensor | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     @classmethod
     def build(
@@ -89,11 +92,14 @@ class ReferenceAttentionMetadata:
         )
 
     def token_positions(self) -> torch.Tensor:
-        """int64 ``[num_actual_tokens]``: each new token's position in its sequence."""
-        qsl = as_int_list(self.query_start_loc, "query_start_loc")
-        queries = [b - a for a, b in zip(qsl, qsl[1:], strict=False)]
-        seqs = as_int_list(self.seq_lens, "seq_lens")
-        return _positions(seqs, queries).to(self.slot_mapping.device)
+        """int64 ``[num_actual_tokens]``: each new token's position in its sequence (computed
+        at the first call and kept: every layer of a step asks for it)."""
+        if self._token_positions is None:
+            qsl = as_int_list(self.query_start_loc, "query_start_loc")
+            queries = [b - a for a, b in zip(qsl, qsl[1:], strict=False)]
+            seqs = as_int_list(self.seq_lens, "seq_lens")
+            self._token_positions = _positions(seqs, queries).to(self.slot_mapping.device)
+        return self._token_positions
 
 
 def _positions(seq_lens: Sequence[int], query_lens: Sequence[int]) -> torch.Tensor:
