@@ -49,20 +49,25 @@ def _cache(fmt: str, backend: str, tokens: int, k: torch.Tensor, v: torch.Tensor
     return cache
 
 
-@pytest.mark.parametrize("fmt", ["fp8_e4m3", "nvfp4", "nvfp4_mse"])
-@pytest.mark.parametrize("rotation", [None, "hadamard"])
-def test_cpu_attn_reads_like_the_reference(fmt: str, rotation: str | None) -> None:
-    """Prefill in two chunks then a decode step, through forward(): same pages, same sink
-    rows, the same attention from both readers."""
-    tokens = 41
-    k, v, q = _inputs(0, tokens)
-    table = torch.tensor([[5, 1, 7]], dtype=torch.int32)
+def _compare_readers(
+    backend: str,
+    fmt: str,
+    rotation: str | None,
+    seed: int,
+    table: torch.Tensor,
+    chunks: tuple[tuple[int, int], ...],
+    tolerance: float,
+) -> None:
+    """``backend`` and REFERENCE over the same chunks through forward() (key_rope, one key
+    sink, ``rotation``): the same pages, the same sink rows, the same attention."""
+    tokens = chunks[-1][1]
+    k, v, q = _inputs(seed, tokens)
     options = dict(key_rope=ROPE, key_sink_tokens=1, key_rotation=rotation)
     outs, caches = [], []
-    for backend in ("CPU_ATTN", "REFERENCE"):
-        cache = _cache(fmt, backend, tokens, k, v, **options)
+    for name in (backend, "REFERENCE"):
+        cache = _cache(fmt, name, tokens, k, v, **options)
         parts = []
-        for start, stop in ((0, 30), (30, 40), (40, 41)):
+        for start, stop in chunks:
             meta = cache.metadata([stop], [stop - start], table)
             parts.append(cache.forward(q[start:stop], k[start:stop], v[start:stop], meta))
         outs.append(torch.cat(parts))
@@ -70,7 +75,17 @@ def test_cpu_attn_reads_like_the_reference(fmt: str, rotation: str | None) -> No
     assert torch.equal(caches[0].kv_cache, caches[1].kv_cache)
     sinks = [c.layer.key_sinks for c in caches]
     assert sinks[0] is not None and sinks[1] is not None and torch.equal(sinks[0], sinks[1])
-    torch.testing.assert_close(outs[0], outs[1], atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(outs[0], outs[1], atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "nvfp4", "nvfp4_mse"])
+@pytest.mark.parametrize("rotation", [None, "hadamard"])
+def test_cpu_attn_reads_like_the_reference(fmt: str, rotation: str | None) -> None:
+    """Prefill in two chunks then a decode step, through forward(): same pages, same sink
+    rows, the same attention from both readers."""
+    table = torch.tensor([[5, 1, 7]], dtype=torch.int32)
+    chunks = ((0, 30), (30, 40), (40, 41))
+    _compare_readers("CPU_ATTN", fmt, rotation, 0, table, chunks, tolerance=2e-4)
 
 
 @pytest.mark.parametrize("backend", ["CPU_ATTN", "REFERENCE"])
@@ -124,20 +139,6 @@ def test_sink_rows_are_the_fp8_first_keys_of_each_page() -> None:
 def test_triton_attn_reads_like_the_reference() -> None:
     """TRITON_ATTN rebuilds keys too (created with key_rope, key sinks and the rotation): a
     prefill then a decode step give the same pages, sink rows and attention as REFERENCE."""
-    tokens = 21
-    k, v, q = _inputs(3, tokens)
     table = torch.tensor([[6, 2]], dtype=torch.int32)
-    options = dict(key_rope=ROPE, key_sink_tokens=1, key_rotation="hadamard")
-    outs, caches = [], []
-    for backend in ("TRITON_ATTN", "REFERENCE"):
-        cache = _cache("fp8_e4m3", backend, tokens, k, v, **options)
-        parts = []
-        for start, stop in ((0, 20), (20, 21)):
-            meta = cache.metadata([stop], [stop - start], table)
-            parts.append(cache.forward(q[start:stop], k[start:stop], v[start:stop], meta))
-        outs.append(torch.cat(parts))
-        caches.append(cache)
-    assert torch.equal(caches[0].kv_cache, caches[1].kv_cache)
-    sinks = [c.layer.key_sinks for c in caches]
-    assert sinks[0] is not None and sinks[1] is not None and torch.equal(sinks[0], sinks[1])
-    torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=2e-5)
+    chunks = ((0, 20), (20, 21))
+    _compare_readers("TRITON_ATTN", "fp8_e4m3", "hadamard", 3, table, chunks, tolerance=2e-5)
