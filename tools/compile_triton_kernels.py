@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import multiprocessing
 import os
 import sys
 import time
@@ -66,9 +67,13 @@ def _archs(text: str) -> tuple[int, ...]:
 
 def _row(r: CompileResult) -> str:
     status = "ok" if r.error is None else "FAILED"
+    res = r.resources
+    usage = ""
+    if res is not None:
+        usage = f" {res.registers:>4} {res.stack_bytes:>5} {res.loop_instructions:>6}"
     return (
         f"{r.module:<52} {r.case:<64} sm_{r.arch:<4} {status:<6} {r.seconds:7.2f} "
-        f"{r.cubin_bytes:>9} {r.shared_bytes:>7}"
+        f"{r.cubin_bytes:>9} {r.shared_bytes:>7}{usage}"
     )
 
 
@@ -121,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     header = f"{'module':<52} {'case':<64} {'target':<7} {'status':<6} {'seconds':>7} "
-    print(header + f"{'cubin B':>9} {'smem B':>7}")
+    print(header + f"{'cubin B':>9} {'smem B':>7} {'regs':>4} {'stack':>5} {'loop':>6}")
     start = time.perf_counter()
     failures = []
     jobs = [(module, case.name, arch) for module, case in cases for arch in args.arch]
@@ -130,7 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     if duplicates:
         print(f"case names must be unique within a module, got repeats {duplicates}")
         return 1
-    with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+    # Spawned, not forked: the case hooks run torch ops in this process (a forked child can
+    # deadlock in torch's thread pool) and each worker imports the kernel modules itself anyway.
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=max(1, args.jobs), mp_context=spawn) as pool:
         for result in pool.map(_compile_named, *zip(*jobs, strict=True)):
             print(_row(result), flush=True)
             if result.error is not None:

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
+from vllm.triton_utils.sass import KernelResources, kernel_resources
+
 __all__ = [
     "DEFAULT_ARCHS",
     "CompileResult",
@@ -58,6 +60,10 @@ class TritonCompileCase:
     enable_fp_fusion: bool = True
     """Compile option of the same name: ``False`` for kernels whose bytes depend on every fp32
     multiply being rounded on its own (no FMA contraction), as they are launched."""
+    divisible_by_16: tuple[str, ...] = ()
+    """Arguments that launches pass as multiples of 16 (pointers: 16-byte aligned addresses;
+    integers: values). Triton specialises a launch on exactly that (and vectorises loads with
+    it), so hinting them here compiles the code those launches run."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,8 @@ class CompileResult:
     seconds: float
     cubin_bytes: int = 0
     shared_bytes: int = 0
+    resources: KernelResources | None = None
+    """Registers, stack frame and hottest-loop SASS of the cubin (:mod:`.sass`)."""
 
 
 def _check_not_interpreted() -> None:
@@ -98,24 +106,28 @@ def compile_case(module: str, case: TritonCompileCase, arch: int) -> CompileResu
         signature = dict(case.signature)
         for name in case.constexprs:
             signature.setdefault(name, "constexpr")
-        source = ASTSource(case.kernel, signature, dict(case.constexprs))
+        names = list(case.kernel.arg_names)
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in case.divisible_by_16}
+        source = ASTSource(case.kernel, signature, dict(case.constexprs), attrs)
         compiled = triton.compile(
             source,
             target=GPUTarget("cuda", arch, 32),
             options={"num_warps": case.num_warps, "enable_fp_fusion": case.enable_fp_fusion},
         )
+        cubin = compiled.asm["cubin"]
+        resources = kernel_resources(cubin)
     except Exception as exc:  # the compiler raises many types; report, do not stop the run
         first_line = f"{type(exc).__name__}: {exc}".strip()
         return CompileResult(module, case.name, arch, first_line, time.perf_counter() - start)
-    metadata = compiled.metadata
     return CompileResult(
         module,
         case.name,
         arch,
         None,
         time.perf_counter() - start,
-        cubin_bytes=len(compiled.asm.get("cubin", b"")),
-        shared_bytes=int(getattr(metadata, "shared", 0) or 0),
+        cubin_bytes=len(cubin),
+        shared_bytes=int(getattr(compiled.metadata, "shared", 0) or 0),
+        resources=resources,
     )
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 import pytest
 import torch
 
-from vllm.kv_quant import E2M1_VALUES
+from vllm.kv_quant import E2M1_VALUES, ScaleLayout
 from vllm.v1.attention.backends import (
     AttentionLayerScales,
     ReferenceAttentionImpl,
@@ -27,7 +27,12 @@ from vllm.v1.attention.backends import (
     get_attn_backend,
 )
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionImpl, _kernel_missing
-from vllm.v1.attention.ops.triton_unified_attention import MAX_SPLITS
+from vllm.v1.attention.ops.triton_unified_attention import (
+    MAX_SPLITS,
+    _side,
+    kernel_format,
+    plan_paged_attention,
+)
 from vllm.v1.kv_cache_format import lookup
 
 pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
@@ -451,3 +456,40 @@ def test_selector_picks_triton_where_flashinfer_is_absent(monkeypatch: pytest.Mo
     reasons = TritonAttentionBackend.validate_configuration(64, torch.float16, "auto", 16, (7, 5))
     assert reasons == ["TRITON_ATTN does not run on sm_75"]
     assert TritonAttentionBackend.get_impl_cls() is TritonAttentionImpl
+
+
+@pytest.mark.parametrize("cache_dtype", ["int8_per_token_head", "fp8_per_token_head"])
+def test_per_token_head_rows_off_4_byte_boundaries(cache_dtype: str) -> None:
+    """Per-token-head rows are ``D + 4`` bytes (D a multiple of 4): an allocated cache's rows
+    start on 4-byte boundaries (``row_align`` 4: 4-byte loads, each inline scale one fp32
+    load), a cache view one byte off does not (``row_align`` 1: byte loads). Both read the
+    same bytes to the same output."""
+    gen = torch.Generator().manual_seed(5)
+    blocks, block, heads, d = 3, 16, 2, 64
+    rows = torch.randint(-100, 100, (2, blocks, block, heads, d), generator=gen, dtype=torch.int8)
+    if cache_dtype == "fp8_per_token_head":  # finite e4m3 bytes
+        rows = rows.view(torch.uint8) & 0x77
+    scales = torch.rand(2, blocks, block, heads, 1, generator=gen) / 50 + 0.01
+    raw = torch.cat([rows.view(torch.uint8), scales.view(torch.uint8)], -1)  # [2, B, N, H, 68]
+    aligned = raw.clone().to(DEVICE)
+    shifted = torch.zeros(raw.numel() + 1, dtype=torch.uint8, device=DEVICE)
+    shifted[1:] = raw.flatten().to(DEVICE)
+    odd = shifted[1:].view(raw.shape)
+    storage = lookup(cache_dtype).resolve_storage_dtype(torch.bfloat16)
+    fmt = lookup(cache_dtype)
+    query = torch.randn(3, 2 * heads, d, generator=gen).to(DEVICE)
+    outs = []
+    for cache, align in ((aligned, 4), (odd, 1)):
+        key_cache, value_cache = cache.view(storage).unbind(0)
+        side = _side(key_cache, kernel_format(fmt, storage), d, ScaleLayout.LINEAR, None)
+        assert side.row_align == align
+        out = torch.empty_like(query)
+        seq_lens = torch.tensor([37, 9], dtype=torch.int32)
+        table = torch.tensor([[2, 0, 1], [1, 0, 0]], dtype=torch.int32)
+        one = torch.ones(1)
+        plan_paged_attention(out, query, key_cache, value_cache, table, seq_lens,
+                             torch.tensor([0, 2, 3], dtype=torch.int32), cache_dtype, one, one,
+                             d**-0.5, 2, 37)()  # fmt: skip
+        outs.append(out.cpu())
+    assert outs[0].isfinite().all()
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)

@@ -96,6 +96,7 @@ def _rebuild_tile_kernel(
     TILE_N: tl.constexpr,
     FORMAT: tl.constexpr,
     K_INTERLEAVE4: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
     USE_ROPE: tl.constexpr,
     ROPE_NEOX: tl.constexpr,
     KEY_HADAMARD: tl.constexpr,
@@ -138,6 +139,7 @@ def _rebuild_tile_kernel(
         FORMAT,
         K_INTERLEAVE4,
         True,
+        ROW_ALIGN,
         USE_ROPE,
         ROPE_NEOX,
         KEY_HADAMARD,
@@ -233,7 +235,7 @@ def _run_tile_check(fmt: str, model_dtype: torch.dtype, layout: str | None, opti
         got, side.data, side.aux, *rebuild.kernel_args(k_scale), table, k_scale,
         int(k_scale.numel() > 1), tokens, *side.strides, *side.aux_strides, HEAD_SIZE=D,
         NUM_KV_HEADS=H, BLOCK_SIZE=BLOCK, TILE_N=16, FORMAT=code,
-        K_INTERLEAVE4=side.interleave4, **constexprs,
+        K_INTERLEAVE4=side.interleave4, ROW_ALIGN=side.row_align, **constexprs,
         enable_fp_fusion=False,  # as the attention kernel is launched: products rounded alone
     )  # fmt: skip
     got = got.cpu()

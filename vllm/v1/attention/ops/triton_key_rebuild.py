@@ -99,6 +99,7 @@ def rebuilt_key_tile(
     FORMAT: tl.constexpr,
     K_INTERLEAVE4: tl.constexpr,
     SCALE_INLINE: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
     USE_ROPE: tl.constexpr,
     ROPE_NEOX: tl.constexpr,
     KEY_HADAMARD: tl.constexpr,
@@ -142,10 +143,11 @@ def rebuilt_key_tile(
             stride_k_head,
             FORMAT,
             False,
+            ROW_ALIGN,
         ).to(tl.float32)
         if FORMAT == 4 or FORMAT == 5:  # value * the row's scale, rounded once
             k_aux = page * stride_ka_page + tok * stride_ka_tok + kv_head64 * stride_ka_head
-            x = x * load_row_scale(k_aux_ptr, k_aux, key_ok, SCALE_INLINE)[:, None]
+            x = x * load_row_scale(k_aux_ptr, k_aux, key_ok, SCALE_INLINE, ROW_ALIGN)[:, None]
         elif FORMAT == 2 or FORMAT == 3:  # units * (scale * 2^8): value * scale, rounded once
             unit = 256.0 if FORMAT == 2 else 1.0
             x = x * (k_scale * unit)

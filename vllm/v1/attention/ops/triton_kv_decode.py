@@ -51,9 +51,14 @@ def fp8_units(byte, E5M2: tl.constexpr):
 
 
 @triton.jit
-def load_row_scale(scale_ptr, offset, mask, SCALE_INLINE: tl.constexpr):
+def load_row_scale(scale_ptr, offset, mask, SCALE_INLINE: tl.constexpr, ROW_ALIGN: tl.constexpr):
     """Per-token-head scales: fp32 from 4 little-endian bytes at ``scale_ptr + offset``
-    (``SCALE_INLINE``) or an fp32 load from a scale cache."""
+    (``SCALE_INLINE``) or an fp32 load from a scale cache. ``ROW_ALIGN``: the byte alignment
+    the host found for every row and inline scale (4: each scale is one fp32 load; 1: four
+    byte loads)."""
+    if SCALE_INLINE and ROW_ALIGN % 4 == 0:
+        word = scale_ptr + tl.multiple_of(offset, 4)
+        return tl.load(word.to(tl.pointer_type(tl.float32), bitcast=True), mask=mask, other=0.0)
     if SCALE_INLINE:
         p = scale_ptr + offset
         bits = tl.load(p, mask=mask, other=0).to(tl.uint32)
@@ -161,6 +166,7 @@ def load_kv_tile(
     stride_head,
     FORMAT: tl.constexpr,
     BF16_OUT: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
 ):
     """Values of one cache side (any format but NVFP4, see :func:`nvfp4_tile`) at
     (``page``, ``tok``) x ``dim`` of KV head ``head``, without their scales (the kernel
@@ -173,10 +179,13 @@ def load_kv_tile(
     ``page`` (int64) / ``tok`` and ``dim`` broadcast against each other (e.g. ``[1, N]`` and
     ``[D, 1]`` for a transposed key tile); ``key_mask`` / ``dim_mask`` have their shapes.
     Strides are in elements of ``cache_ptr`` (bytes for the quantized formats). Masked
-    elements are 0.
+    elements are 0. ``ROW_ALIGN``: per-token-head rows (``D + 4`` bytes, so never 16-byte
+    aligned) start on multiples of it; 4 lets the compiler load them 4 bytes at a time.
     """
     mask = key_mask & dim_mask
     row = page * stride_page + tok * stride_tok + head * stride_head
+    if (FORMAT == 4 or FORMAT == 5) and ROW_ALIGN % 4 == 0:
+        row = tl.multiple_of(row, [4, 4])
     if FORMAT == 4:  # the uint8 bits of an int8 value
         byte = tl.load(cache_ptr + row + dim, mask=mask, other=0).to(tl.int32)
         value = ((byte ^ 128) - 128).to(tl.float32)

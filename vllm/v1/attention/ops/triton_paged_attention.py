@@ -97,6 +97,7 @@ def paged_attention_kernel(
     K_INTERLEAVE4: tl.constexpr,
     V_INTERLEAVE4: tl.constexpr,
     SCALE_INLINE: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
     FP32_DOT: tl.constexpr,
     CAUSAL: tl.constexpr,
     USE_WINDOW: tl.constexpr,
@@ -222,6 +223,7 @@ def paged_attention_kernel(
                 FORMAT,
                 K_INTERLEAVE4,
                 SCALE_INLINE,
+                ROW_ALIGN,
                 USE_ROPE,
                 ROPE_NEOX,
                 KEY_HADAMARD,
@@ -263,6 +265,7 @@ def paged_attention_kernel(
                     stride_k_head,
                     FORMAT,
                     q.dtype == tl.bfloat16,
+                    ROW_ALIGN,
                 )
             if FP32_DOT:
                 s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
@@ -270,7 +273,7 @@ def paged_attention_kernel(
                 s = tl.dot(q, k.to(q.dtype))
             if FORMAT == 4 or FORMAT == 5:  # per-token-head: each key's row scale, once
                 k_aux = page * stride_ka_page + tok * stride_ka_tok + kv_head64 * stride_ka_head
-                s = s * load_row_scale(k_aux_ptr, k_aux, key_ok, SCALE_INLINE)[None, :]
+                s = s * load_row_scale(k_aux_ptr, k_aux, key_ok, SCALE_INLINE, ROW_ALIGN)[None, :]
             elif FORMAT >= 2:  # FP8 (units) / NVFP4: the tensor or head scale, once
                 s = s * (k_scale * UNIT)
         s = s * softmax_scale
@@ -322,10 +325,11 @@ def paged_attention_kernel(
                 stride_v_head,
                 FORMAT,
                 q.dtype == tl.bfloat16,
+                ROW_ALIGN,
             )
         if FORMAT == 4 or FORMAT == 5:  # per-token-head: each value row's scale
             v_aux = page * stride_va_page + tok * stride_va_tok + kv_head64 * stride_va_head
-            v_row = load_row_scale(v_aux_ptr, v_aux, key_ok, SCALE_INLINE)
+            v_row = load_row_scale(v_aux_ptr, v_aux, key_ok, SCALE_INLINE, ROW_ALIGN)
             if q.dtype == tl.float16:  # p * scale could fall into fp16's subnormals
                 v = v * v_row[:, None]
             else:  # on the probabilities, once per key (fp32 / bf16 range)
@@ -397,18 +401,19 @@ def merge_splits_kernel(
     )
 
 
-# (case name, FORMAT, cache pointer type, aux pointer type, inline scales, K / V interleave4)
-_FORMAT_CASES: tuple[tuple[str, int, str, str, bool, bool], ...] = (
-    ("fp16", 0, "*fp16", "*fp16", True, False),
-    ("fp32", 0, "*fp32", "*fp32", True, False),
-    ("bf16", 1, "*i16", "*bf16", True, False),
-    ("fp8_e4m3", 2, "*u8", "*u8", True, False),
-    ("fp8_e5m2", 3, "*u8", "*u8", True, False),
-    ("int8_per_token_head", 4, "*u8", "*u8", True, False),
-    ("fp8_per_token_head", 5, "*u8", "*u8", True, False),
-    ("fp8_per_token_head/scale_cache", 5, "*u8", "*fp32", False, False),
-    ("nvfp4/linear", 6, "*u8", "*u8", True, False),
-    ("nvfp4/interleave4", 6, "*u8", "*u8", True, True),
+# (case name, FORMAT, cache pointer type, aux pointer type, inline scales, K / V interleave4,
+# kv_cache_dtype of the launch it stands for)
+_FORMAT_CASES: tuple[tuple[str, int, str, str, bool, bool, str], ...] = (
+    ("fp16", 0, "*fp16", "*fp16", True, False, "float16"),
+    ("fp32", 0, "*fp32", "*fp32", True, False, "float32"),
+    ("bf16", 1, "*i16", "*bf16", True, False, "bfloat16"),
+    ("fp8_e4m3", 2, "*u8", "*u8", True, False, "fp8_e4m3"),
+    ("fp8_e5m2", 3, "*u8", "*u8", True, False, "fp8_e5m2"),
+    ("int8_per_token_head", 4, "*u8", "*u8", True, False, "int8_per_token_head"),
+    ("fp8_per_token_head", 5, "*u8", "*u8", True, False, "fp8_per_token_head"),
+    ("fp8_per_token_head/scale_cache", 5, "*u8", "*fp32", False, False, "fp8_per_token_head"),
+    ("nvfp4/linear", 6, "*u8", "*u8", True, False, "nvfp4"),
+    ("nvfp4/interleave4", 6, "*u8", "*u8", True, True, "nvfp4"),
 )
 
 # (case name, query dtype, BLOCK_M, NUM_SPLITS, causal, window, soft cap, sinks)
@@ -469,6 +474,31 @@ def _attention_signature(q_type: str, cache_type: str, aux_type: str) -> dict[st
     return {**pointers, **scalars, **dict.fromkeys(strides, "i32"), **rebuild}
 
 
+def _attention_hints(kv_cache_dtype: str, inline: bool, interleave4: bool) -> tuple[str, ...]:
+    """The arguments a launch over the compile cases' geometry (8 KV heads, pages of 16 tokens,
+    head sizes 128 / 64) passes as multiples of 16: every pointer but the cache sides' (torch
+    allocations), the query / output strides (multiples of the head size) and, per cache side,
+    what :func:`~.triton_unified_attention.side_divisibility` finds."""
+    # Host module imported here: it imports this one.
+    from vllm.v1.attention.ops.triton_unified_attention import side_divisibility
+
+    sides = {}
+    for side, head_size in (("k", 128), ("v", 64)):
+        sides.update(
+            side_divisibility(
+                kv_cache_dtype,
+                head_size,
+                side,
+                scale_cache=not inline,
+                scale_layout="interleave4" if interleave4 else "linear",
+            )
+        )
+    pointers = [n for n in _attention_signature("*fp16", "*u8", "*u8") if n.endswith("_ptr")]
+    always = [n for n in pointers if n not in sides]
+    always += ["stride_q_tok", "stride_q_head", "stride_o_tok", "stride_o_head"]
+    return (*always, *(name for name, divisible in sides.items() if divisible))
+
+
 def _attention_constexprs(
     fmt: int, inline: bool, interleave4: bool, q_type: str, block_m: int, splits: int
 ) -> dict[str, object]:
@@ -488,6 +518,7 @@ def _attention_constexprs(
         "K_INTERLEAVE4": interleave4,
         "V_INTERLEAVE4": interleave4,
         "SCALE_INLINE": inline,
+        "ROW_ALIGN": 4,
         "FP32_DOT": q_type == "fp32",
         "CAUSAL": True,
         "USE_WINDOW": False,
@@ -512,7 +543,8 @@ def triton_compile_cases() -> list:
     from vllm.triton_utils.aot import TritonCompileCase
 
     cases = []
-    for fmt_name, fmt, cache_type, aux_type, inline, interleave4 in _FORMAT_CASES:
+    for fmt_name, fmt, cache_type, aux_type, inline, interleave4, dtype in _FORMAT_CASES:
+        hints = _attention_hints(dtype, inline, interleave4)
         for feat_name, q_type, block_m, splits, causal, window, soft_cap, sinks in _FEATURE_CASES:
             constexprs = _attention_constexprs(fmt, inline, interleave4, q_type, block_m, splits)
             constexprs.update(
@@ -524,6 +556,7 @@ def triton_compile_cases() -> list:
                     paged_attention_kernel,
                     _attention_signature(f"*{q_type}", cache_type, aux_type),
                     constexprs,
+                    divisible_by_16=hints,
                 )
             )
         for feat_name, q_type, block_m, splits, neox, hadamard in _REBUILD_CASES:
@@ -543,6 +576,7 @@ def triton_compile_cases() -> list:
                     _attention_signature(f"*{q_type}", cache_type, aux_type),
                     constexprs,
                     enable_fp_fusion=False,  # as launched: the rebuild's products one by one
+                    divisible_by_16=hints,
                 )
             )
     for q_type in ("fp16", "bf16", "fp32"):

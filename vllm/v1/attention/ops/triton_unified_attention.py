@@ -50,6 +50,15 @@ class _Side(NamedTuple):
     aux_strides: tuple[int, int, int]
     interleave4: bool
 
+    @property
+    def row_align(self) -> int:
+        """4 when every row of this side and its inline scale start on 4-byte boundaries
+        (both pointers and the ``(page, token, head)`` strides are multiples of 4), else 1.
+        Only the per-token-head decoders read it: their ``D + 4``-byte rows are never 16-byte
+        aligned, so without it each byte is its own load."""
+        addresses = (self.data.data_ptr(), self.aux.data_ptr(), *self.strides)
+        return 4 if all(a % 4 == 0 for a in addresses) else 1
+
 
 def kernel_format(fmt: KVCacheFormat, cache_dtype: torch.dtype) -> int:
     """The kernels' ``FORMAT`` constant for a cache of ``fmt`` stored as ``cache_dtype``."""
@@ -94,6 +103,48 @@ def _side(
     if fmt in (dec.FMT_FP8_E4M3, dec.FMT_FP8_E5M2):
         return _Side(side.view(torch.uint8), strides, side, (0, 0, 0), False)
     return _Side(side, strides, side, (0, 0, 0), False)
+
+
+def side_divisibility(
+    kv_cache_dtype: str,
+    head_size: int,
+    side: str,
+    *,
+    num_kv_heads: int = 8,
+    block_size: int = 16,
+    scale_cache: bool = False,
+    scale_layout: ScaleLayout | str | None = None,
+) -> dict[str, bool]:
+    """Which of one cache side's kernel arguments (``{side}_ptr``, ``{side}_aux_ptr`` and the
+    ``stride_{side}_*`` / ``stride_{side}a_*`` strides; ``side`` is ``"k"`` or ``"v"``) a launch
+    over a ``kv_cache_dtype`` cache of this geometry passes as multiples of 16 (bytes of
+    address, elements of stride): Triton specialises those as divisible by 16, which lets it
+    vectorise the page loads. The ahead-of-time compile cases take the same hints, so they
+    compile the code that such a launch runs. ``scale_cache``: per-token-head scales in
+    upstream's separate fp32 cache; ``scale_layout``: NVFP4's (``None``: the default)."""
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+    from vllm.v1.attention.backends.abstract import kv_cache_dim
+
+    fmt = lookup(kv_cache_dtype, include_mla_only=False)
+    dtype = STR_DTYPE_TO_TORCH_DTYPE[kv_cache_dtype]
+    cache = torch.zeros(2, block_size, num_kv_heads, kv_cache_dim(head_size, kv_cache_dtype))
+    cache = cache.to(dtype)  # zeros of any storage dtype; the base is 64-byte aligned
+    code = kernel_format(fmt, dtype)
+    scales = torch.zeros(2, block_size, num_kv_heads) if scale_cache else None
+    layout = ScaleLayout.resolve(scale_layout, block_size, head_size)
+    kernel_side = _side(cache, code, head_size, layout, scales)
+    base = cache.data_ptr()
+    aux_base = scales.data_ptr() if scales is not None else base
+    hints = {
+        f"{side}_ptr": (kernel_side.data.data_ptr() - base) % 16 == 0,
+        f"{side}_aux_ptr": (kernel_side.aux.data_ptr() - aux_base) % 16 == 0,
+    }
+    for dim, data_stride, aux_stride in zip(
+        ("page", "tok", "head"), kernel_side.strides, kernel_side.aux_strides, strict=True
+    ):
+        hints[f"stride_{side}_{dim}"] = data_stride % 16 == 0
+        hints[f"stride_{side}a_{dim}"] = aux_stride % 16 == 0
+    return hints
 
 
 def _is_interpreted() -> bool:
@@ -349,6 +400,7 @@ def plan_paged_attention(
         K_INTERLEAVE4=k_side.interleave4,
         V_INTERLEAVE4=v_side.interleave4,
         SCALE_INLINE=k_scale_cache is None,
+        ROW_ALIGN=min(k_side.row_align, v_side.row_align),
         FP32_DOT=query.dtype == torch.float32,
         CAUSAL=causal,
         USE_WINDOW=sliding_window is not None,
