@@ -22,7 +22,12 @@ import torch
 
 from vllm.kv_quant.hadamard import check_hadamard_head_size
 from vllm.triton_utils import tl, triton
-from vllm.v1.attention.ops.triton_kv_decode import load_kv_tile, load_row_scale, nvfp4_tile
+from vllm.v1.attention.ops.triton_kv_decode import (
+    NVFP4_UNIT,
+    load_kv_tile,
+    load_row_scale,
+    nvfp4_tile,
+)
 
 HADAMARD_MAX_BITS = tl.constexpr(12)
 """log2 of the largest head size the Hadamard butterflies unroll for (4096 channels)."""
@@ -128,7 +133,7 @@ def rebuilt_key_tile(
             HEAD_SIZE,
             D_PAD,
         )
-        x = x * k_scale
+        x = x.to(tl.float32) * (k_scale * NVFP4_UNIT)
     else:
         x = load_kv_tile(
             k_ptr,
@@ -145,11 +150,13 @@ def rebuilt_key_tile(
             False,
             ROW_ALIGN,
         ).to(tl.float32)
+        # e4m3 units are value * 2^-8: units * (scale * 2^8) is value * scale, rounded once
+        unit = 256.0 if FORMAT == 2 or FORMAT == 5 else 1.0
         if FORMAT == 4 or FORMAT == 5:  # value * the row's scale, rounded once
             k_aux = page * stride_ka_page + tok * stride_ka_tok + kv_head64 * stride_ka_head
-            x = x * load_row_scale(k_aux_ptr, k_aux, key_ok, SCALE_INLINE, ROW_ALIGN)[:, None]
-        elif FORMAT == 2 or FORMAT == 3:  # units * (scale * 2^8): value * scale, rounded once
-            unit = 256.0 if FORMAT == 2 else 1.0
+            k_row = load_row_scale(k_aux_ptr, k_aux, key_ok, SCALE_INLINE, ROW_ALIGN)
+            x = x * (k_row * unit)[:, None]
+        elif FORMAT == 2 or FORMAT == 3:
             x = x * (k_scale * unit)
     if USE_SINK_KEYS:
         is_sink = key_ok & (keys < num_sink_keys)

@@ -11,13 +11,15 @@ reference codec's value of :mod:`vllm.kv_quant`, bit for bit:
 * FP8 e4m3 / e5m2 (per-tensor or per-head scale): :func:`fp8_units`, the bytes' bits moved
   into exact fp16 (e4m3 times 2^-8); the kernel multiplies the scores by ``k_scale * 2^8`` and
   the output by ``v_scale * 2^8`` (``fp32(q) * scale`` rounded once, as ``dequantize_fp8``);
-* per-token-head INT8 / FP8: the integer / e4m3 value (exact in fp16 and bf16); the row's fp32
+* per-token-head INT8 / FP8: the integer as an exact fp16 without an int-to-float conversion
+  (its bits under 2^10's exponent, minus 1152), or the e4m3 :func:`fp8_units`; the row's fp32
   scale (:func:`load_row_scale`: 4 inline little-endian bytes after the row, this library's
-  layout, or upstream's separate ``k_scale_cache``) multiplies the key's scores and the
-  value's probabilities (``p * scale`` then times the value: one rounding, as the codec);
-* NVFP4: :func:`nvfp4_tile` gives ``E2M1[q] * sf`` (code and e4m3 block scale), exact in fp16
-  / bf16 too (at most 6 significant bits, 2^-10 .. 2688), so a whole head goes into ONE dot;
-  the global scale multiplies the scores and the output once (``(E2M1[q] * sf) * gs`` rounded
+  layout, or upstream's separate ``k_scale_cache``; times 2^8 for e4m3) multiplies the key's
+  scores and the value's probabilities (``p * scale`` then times the value: one rounding, as
+  the codec);
+* NVFP4: :func:`nvfp4_tile` gives ``E2M1[q] * sf * 2^-14`` (code and e4m3 block scale) in
+  fp16, exact (and in bf16 / fp32), so a whole head goes into ONE dot; ``2^14`` times the
+  global scale multiplies the scores and the output once (``(E2M1[q] * sf) * gs`` rounded
   once, as ``dequantize_nvfp4``).
 """
 
@@ -25,6 +27,9 @@ from __future__ import annotations
 
 from vllm.triton_utils import tl, triton
 from vllm.v1.attention.ops.triton_kv_encode import from_bits, source_to_f32_bits
+
+NVFP4_UNIT = tl.constexpr(16384.0)
+""":func:`nvfp4_tile` gives ``E2M1[q] * sf`` times ``1 / NVFP4_UNIT``."""
 
 # Cache formats as the kernels see them (constexpr values).
 FMT_FLOAT = 0  # fp16 / fp32 pages, read in their own dtype
@@ -116,15 +121,18 @@ def nvfp4_tile(
     HEAD_SIZE: tl.constexpr,
     D_PAD: tl.constexpr,
 ):
-    """fp32 ``E2M1[q] * sf``, ``[N, D_PAD]``, of the NVFP4 rows (``page``, ``tok``: ``[N]``,
-    ``key_mask``) of KV head ``head``. Exact, and exact again in fp16 / bf16 (at most 6
-    significant bits, magnitudes 2^-10 .. 2688), so the kernel casts a whole head once for one
-    dot and applies only the global scale afterwards. Masked elements are 0.
+    """fp16 ``E2M1[q] * sf * 2^-14`` (:data:`NVFP4_UNIT` = 2^14 puts it back), ``[N,
+    D_PAD]``, of the NVFP4 rows (``page``, ``tok``: ``[N]``, ``key_mask``) of KV head
+    ``head``. Exact: ``E2M1[q] * sf`` is a multiple of 2^-10 with at most 6 significant bits
+    and below 2688, so times 2^-14 it is an fp16 (a subnormal below 2^-14, which fp16
+    multiplies keep) and again a bf16 / fp32; the kernel puts a whole head into one dot and
+    applies ``2^14`` and the global scale afterwards. Masked elements are 0.
 
     Each byte of the data view is loaded once (contiguous along the row) and split into its
     low (even element) and high nibble; each 4-bit code's bits moved into an fp16's sign,
-    exponent and mantissa give ``E2M1 * 2^-14`` in a few integer operations, put back to scale
-    with the block scale."""
+    exponent and mantissa give ``E2M1 * 2^-14`` in a few integer operations, and one fp16
+    multiply by the block scale (an exact fp16 too) gives the tile, two elements per
+    instruction."""
     GROUPS: tl.constexpr = D_PAD // 16
     half = tl.arange(0, D_PAD // 2)
     row = page * stride_page + tok * stride_tok + head * stride_head
@@ -146,9 +154,9 @@ def nvfp4_tile(
         INTERLEAVE4,
         HEAD_SIZE,
     )
-    # units are E2M1 * 2^-14 and scales sf * 2^-8: 2^22 puts both back, exactly, per group.
-    scales = scales.to(tl.float32) * 4194304.0
-    tile = tl.reshape(units.to(tl.float32), [page.shape[0], GROUPS, 16]) * scales[:, :, None]
+    # units are E2M1 * 2^-14 and scales sf * 2^-8 (fp16): 2^8 puts the scales back, exactly.
+    scales = scales * 256.0
+    tile = tl.reshape(units, [page.shape[0], GROUPS, 16]) * scales[:, :, None]
     return tl.reshape(tile, [page.shape[0], D_PAD])
 
 
@@ -170,11 +178,11 @@ def load_kv_tile(
 ):
     """Values of one cache side (any format but NVFP4, see :func:`nvfp4_tile`) at
     (``page``, ``tok``) x ``dim`` of KV head ``head``, without their scales (the kernel
-    applies them to the scores / the probabilities / the output, not per element): fp32, exact
-    (per-token-head: the INT8 integer or the e4m3 value, to be multiplied by the row's
-    :func:`load_row_scale`), except FP8's :func:`fp8_units` (fp16, e4m3 times 2^-8) and bf16
-    pages with ``BF16_OUT`` (bf16 queries, never under the interpreter, whose bf16 is wrong):
-    their bits as bf16.
+    applies them to the scores / the probabilities / the output, not per element): fp32, exact,
+    except the byte formats' fp16 (FP8 and per-token-head FP8: :func:`fp8_units`, e4m3 times
+    2^-8; per-token-head INT8: the integer; both to be multiplied by the row's
+    :func:`load_row_scale`) and bf16 pages with ``BF16_OUT`` (bf16 queries, never under the
+    interpreter, whose bf16 is wrong): their bits as bf16.
 
     ``page`` (int64) / ``tok`` and ``dim`` broadcast against each other (e.g. ``[1, N]`` and
     ``[D, 1]`` for a transposed key tile); ``key_mask`` / ``dim_mask`` have their shapes.
@@ -186,13 +194,10 @@ def load_kv_tile(
     row = page * stride_page + tok * stride_tok + head * stride_head
     if (FORMAT == 4 or FORMAT == 5) and ROW_ALIGN % 4 == 0:
         row = tl.multiple_of(row, [4, 4])
-    if FORMAT == 4:  # the uint8 bits of an int8 value
-        byte = tl.load(cache_ptr + row + dim, mask=mask, other=0).to(tl.int32)
-        value = ((byte ^ 128) - 128).to(tl.float32)
-    elif FORMAT == 5:  # e4m3 value: fp8_units * 2^8, exact
-        byte = tl.load(cache_ptr + row + dim, mask=mask, other=0)
-        value = fp8_units(byte, False).to(tl.float32) * 256.0
-    elif FORMAT == 2 or FORMAT == 3:  # FP8: unscaled fp16 units (see fp8_units)
+    if FORMAT == 4:  # int8 v: fp16 1024 + (v + 128) from the bits, minus 1152 (exact)
+        byte = tl.load(cache_ptr + row + dim, mask=mask, other=0).to(tl.uint16)
+        value = (byte ^ 0x6480).to(tl.float16, bitcast=True) - 1152.0
+    elif FORMAT == 2 or FORMAT == 3 or FORMAT == 5:  # FP8: unscaled fp16 units (fp8_units)
         value = fp8_units(tl.load(cache_ptr + row + dim, mask=mask, other=0), FORMAT == 3)
     elif FORMAT == 1:
         bits = tl.load(cache_ptr + row + dim, mask=mask, other=0)

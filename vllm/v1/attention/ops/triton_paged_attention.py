@@ -22,7 +22,12 @@ from __future__ import annotations
 
 from vllm.triton_utils import LOG2E, tl, triton
 from vllm.v1.attention.ops.triton_key_rebuild import rebuilt_key_tile
-from vllm.v1.attention.ops.triton_kv_decode import load_kv_tile, load_row_scale, nvfp4_tile
+from vllm.v1.attention.ops.triton_kv_decode import (
+    NVFP4_UNIT,
+    load_kv_tile,
+    load_row_scale,
+    nvfp4_tile,
+)
 
 _LOG2E = tl.constexpr(LOG2E)
 
@@ -34,6 +39,16 @@ PIPELINE_STAGES = 3
 def _tanh(x):
     """tanh from exp (libdevice does not run under the interpreter); saturates to ±1."""
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _dot_operand(x, dtype: tl.constexpr):
+    """``x`` (exact in ``dtype``) as a dot operand of ``dtype``. fp16 goes to bf16 through fp32:
+    the direct conversion is one slow instruction per element (a quarter of the integer
+    rate), the two steps are fast ones (the second packs two elements)."""
+    if x.dtype == tl.float16 and dtype == tl.bfloat16:
+        return x.to(tl.float32).to(tl.bfloat16)
+    return x.to(dtype)
 
 
 @triton.jit
@@ -120,7 +135,10 @@ def paged_attention_kernel(
     (running max in log2 units, running sum). ``NUM_STAGES``: software-pipelining depth of
     the key loop (1: none)."""
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
-    UNIT: tl.constexpr = 256.0 if FORMAT == 2 else 1.0  # fp8_units gives e4m3 * 2^-8
+    # What the decoders leave out of the values: e4m3 units are value * 2^-8, NVFP4 tiles
+    # E2M1 * sf / NVFP4_UNIT.
+    E4M3_UNITS: tl.constexpr = FORMAT == 2 or FORMAT == 5
+    UNIT: tl.constexpr = NVFP4_UNIT if FORMAT == 6 else (256.0 if E4M3_UNITS else 1.0)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -250,7 +268,7 @@ def paged_attention_kernel(
                     HEAD_SIZE,
                     D_PAD,
                 )
-                k = tl.trans(k.to(tl.float32 if FP32_DOT else q.dtype))
+                k = tl.trans(k)
             else:
                 k = load_kv_tile(
                     k_ptr,
@@ -270,10 +288,11 @@ def paged_attention_kernel(
             if FP32_DOT:
                 s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
             else:
-                s = tl.dot(q, k.to(q.dtype))
+                s = tl.dot(q, _dot_operand(k, q.dtype))
             if FORMAT == 4 or FORMAT == 5:  # per-token-head: each key's row scale, once
                 k_aux = page * stride_ka_page + tok * stride_ka_tok + kv_head64 * stride_ka_head
-                s = s * load_row_scale(k_aux_ptr, k_aux, key_ok, SCALE_INLINE, ROW_ALIGN)[None, :]
+                k_row = load_row_scale(k_aux_ptr, k_aux, key_ok, SCALE_INLINE, ROW_ALIGN)
+                s = s * (k_row * UNIT)[None, :]
             elif FORMAT >= 2:  # FP8 (units) / NVFP4: the tensor or head scale, once
                 s = s * (k_scale * UNIT)
         s = s * softmax_scale
@@ -329,7 +348,7 @@ def paged_attention_kernel(
             )
         if FORMAT == 4 or FORMAT == 5:  # per-token-head: each value row's scale
             v_aux = page * stride_va_page + tok * stride_va_tok + kv_head64 * stride_va_head
-            v_row = load_row_scale(v_aux_ptr, v_aux, key_ok, SCALE_INLINE, ROW_ALIGN)
+            v_row = load_row_scale(v_aux_ptr, v_aux, key_ok, SCALE_INLINE, ROW_ALIGN) * UNIT
             if q.dtype == tl.float16:  # p * scale could fall into fp16's subnormals
                 v = v * v_row[:, None]
             else:  # on the probabilities, once per key (fp32 / bf16 range)
@@ -337,7 +356,7 @@ def paged_attention_kernel(
         if FP32_DOT:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
-            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+            pv = tl.dot(p.to(q.dtype), _dot_operand(v, q.dtype))
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
