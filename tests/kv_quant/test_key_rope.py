@@ -91,3 +91,25 @@ def test_bad_inputs_are_refused() -> None:
         KeyRope.from_base(5, 10)
     with pytest.raises(ValueError, match="max_positions: expected a positive int, got 0"):
         KeyRope.from_base(4, 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_positions_are_checked_on_the_gpu_without_a_host_round_trip() -> None:
+    """On a GPU the position check stays on the device: rotate / unrotate capture into a CUDA
+    graph (reading the positions on the host is refused while capturing) and the replay equals
+    the eager result. (A bad position then fails as a device-side assertion, which leaves the
+    CUDA context unusable, so it is not provoked here.)"""
+    rope = KeyRope.from_base(16, 64).to(torch.device("cuda"))
+    x = torch.randn(5, 2, 16, device="cuda")
+    positions = torch.tensor([0, 3, 17, 40, 63], device="cuda")
+    eager = rope.unrotate(rope.rotate(x, positions), positions)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up off the default stream, as capture requires
+        rope.unrotate(rope.rotate(x, positions), positions)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = rope.unrotate(rope.rotate(x, positions), positions)
+    graph.replay()
+    torch.testing.assert_close(captured, eager, rtol=0, atol=0)

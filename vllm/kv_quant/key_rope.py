@@ -92,6 +92,22 @@ class KeyRope:
         to pre-RoPE keys."""
         return self._turn(x, positions, -1.0)
 
+    def _check_positions(self, positions: torch.Tensor) -> None:
+        """Every position a row of the table. On the CPU a ``ValueError`` names the range; on an
+        accelerator the check stays on the device (a host round trip per layer would stall
+        every step and break CUDA-graph capture), and a bad position stops the step with a
+        device-side assertion carrying the same expectation."""
+        if not positions.numel():
+            return
+        expected = f"positions: expected values in [0, {self.max_positions}) (the table's rows)"
+        if positions.device.type != "cpu":
+            in_range = ((positions >= 0) & (positions < self.max_positions)).all()
+            torch._assert_async(in_range, expected)
+            return
+        low, high = int(positions.min()), int(positions.max())
+        if low < 0 or high >= self.max_positions:
+            raise ValueError(f"{expected}, got {low}..{high}")
+
     def _turn(self, x: torch.Tensor, positions: torch.Tensor, direction: float) -> torch.Tensor:
         if x.dim() != 3 or x.shape[-1] < self.rotary_dim:
             raise ValueError(
@@ -102,13 +118,7 @@ class KeyRope:
             raise ValueError(
                 f"positions: expected [{x.shape[0]}] (one per token), got {list(positions.shape)}"
             )
-        if positions.numel() and (
-            int(positions.min()) < 0 or int(positions.max()) >= self.max_positions
-        ):
-            raise ValueError(
-                f"positions: expected values in [0, {self.max_positions}) (the table's rows), got "
-                f"{int(positions.min())}..{int(positions.max())}"
-            )
+        self._check_positions(positions)
         half = self.rotary_dim // 2
         table = self.cos_sin.to(x.device)[positions.to(device=x.device, dtype=torch.int64)]
         cos = table[:, None, :half]
