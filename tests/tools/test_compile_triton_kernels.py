@@ -75,6 +75,37 @@ def triton_compile_cases():
 """
 
 
+# A pipelined dot whose stages need 128 KB of shared memory at M = K = 128 (32 KB at 64):
+# sm_80 has 163 KB, but sm_86 / sm_89, which Triton compiles the same way, give 99 KB.
+SMEM_MODULE = """
+import triton
+import triton.language as tl
+
+from vllm.triton_utils.aot import TritonCompileCase
+
+
+@triton.jit
+def staged_dot(a_ptr, b_ptr, c_ptr, M: tl.constexpr, K: tl.constexpr):
+    m = tl.arange(0, M)
+    k = tl.arange(0, K)
+    acc = tl.zeros([M, M], dtype=tl.float32)
+    for i in tl.range(0, 4, num_stages=3):
+        a = tl.load(a_ptr + i * M * K + m[:, None] * K + k[None, :])
+        b = tl.load(b_ptr + i * M * K + k[:, None] * M + m[None, :])
+        acc += tl.dot(a, b)
+    tl.store(c_ptr + m[:, None] * M + m[None, :], acc)
+
+
+def triton_compile_cases():
+    signature = {"a_ptr": "*fp16", "b_ptr": "*fp16", "c_ptr": "*fp32"}
+    hints = {"divisible_by_16": ("a_ptr", "b_ptr", "c_ptr")}
+    return [
+        TritonCompileCase("fits", staged_dot, signature, {"M": 64, "K": 64}, **hints),
+        TritonCompileCase("big", staged_dot, signature, {"M": 128, "K": 128}, **hints),
+    ]
+"""
+
+
 def run_tool(*args: str, pythonpath: Path | None = None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if pythonpath is not None:
@@ -145,3 +176,18 @@ def test_reports_resources_and_compiles_the_launch_hints(tmp_path: Path) -> None
         assert columns["regs"] > 0 and columns["stack"] == 0 and columns["loop"] > 0, columns
     # 1024 fp16 per row over 128 threads: 8 scalar loads per thread, or one 16-byte load.
     assert hinted["loop"] < plain["loop"], (plain, hinted)
+
+
+def test_fails_an_sm8x_kernel_that_needs_more_shared_memory_than_sm86_has(tmp_path: Path) -> None:
+    (tmp_path / "smem_triton_kernels.py").write_text(SMEM_MODULE)
+    result = run_tool(
+        "--module", "smem_triton_kernels", "--only", "smem_triton_kernels", "--arch", "80,90",
+        pythonpath=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    ok = [line for line in result.stdout.splitlines() if " ok " in line]
+    assert len(ok) == 3 and not any(" big " in line and "sm_80" in line for line in ok), ok
+    assert (
+        "FAILED: smem_triton_kernels:big for sm_80: shared memory: expected at most 101376 bytes "
+        "per block (what sm_86 / sm_89 give), got 131072"
+    ) in result.stderr

@@ -30,6 +30,7 @@ from vllm.triton_utils.sass import KernelResources, kernel_resources
 
 __all__ = [
     "DEFAULT_ARCHS",
+    "SM8X_MAX_SHARED_BYTES",
     "CompileResult",
     "TritonCompileCase",
     "compile_case",
@@ -38,6 +39,10 @@ __all__ = [
 
 # Compute capabilities the kernels must build for: Ampere, Hopper, Blackwell.
 DEFAULT_ARCHS: tuple[int, ...] = (80, 90, 100)
+# Shared memory one block may use on sm_86 / sm_87 / sm_89 (99 KB), the least of the sm_8x
+# parts: Triton compiles them as it does sm_80 (163 KB), so an sm_80 compile above this builds
+# but cannot launch on those GPUs.
+SM8X_MAX_SHARED_BYTES = 101376
 # The hook name every kernel module defines.
 CASES_HOOK = "triton_compile_cases"
 
@@ -92,7 +97,8 @@ def _check_not_interpreted() -> None:
 
 def compile_case(module: str, case: TritonCompileCase, arch: int) -> CompileResult:
     """Compile ``case`` for ``GPUTarget("cuda", arch, 32)``; any compiler error is captured in
-    the result, not raised. ``seconds`` is wall time."""
+    the result, not raised, and so is an sm_8x compile that needs more shared memory than
+    :data:`SM8X_MAX_SHARED_BYTES`. ``seconds`` is wall time."""
     import time
 
     import triton
@@ -119,14 +125,21 @@ def compile_case(module: str, case: TritonCompileCase, arch: int) -> CompileResu
     except Exception as exc:  # the compiler raises many types; report, do not stop the run
         first_line = f"{type(exc).__name__}: {exc}".strip()
         return CompileResult(module, case.name, arch, first_line, time.perf_counter() - start)
+    shared = int(getattr(compiled.metadata, "shared", 0) or 0)
+    error = None
+    if 80 <= arch < 90 and shared > SM8X_MAX_SHARED_BYTES:
+        error = (
+            f"shared memory: expected at most {SM8X_MAX_SHARED_BYTES} bytes per block (what "
+            f"sm_86 / sm_89 give), got {shared}"
+        )
     return CompileResult(
         module,
         case.name,
         arch,
-        None,
+        error,
         time.perf_counter() - start,
         cubin_bytes=len(cubin),
-        shared_bytes=int(getattr(compiled.metadata, "shared", 0) or 0),
+        shared_bytes=shared,
         resources=resources,
     )
 
