@@ -224,3 +224,34 @@ def test_compile_cases_cover_every_reader_and_feature() -> None:
     merges = [c for c in cases if c.kernel is merge_splits_kernel]
     assert {c.signature["out_ptr"] for c in merges} == {"*fp16", "*bf16", "*fp32"}
     assert len({c.name for c in cases}) == len(cases)
+    # ... and the same tiling: the exact paths at 16 x 16 with 8 warps, the others 4 warps.
+    for c in attention:
+        exact = c.constexprs["FP32_DOT"] or c.constexprs["REBUILD_KEYS"]
+        shape = (c.constexprs["BLOCK_M"], c.constexprs["TILE_N"], c.num_warps)
+        assert shape == ((16, 16, 8) if exact else (shape[0], 32, 4)), c.name
+
+
+def test_tiling_exact_paths_small_tiles_more_warps() -> None:
+    """choose_tiling: tensor-core dots take 16 (decode) / 64 (prefill) rows, 32-key tiles and 4
+    warps; the exact paths 16 rows, 16-key tiles and 8 warps (their FMA dots spill at larger
+    tiles); a GQA group wider than the rows widens them. Launches follow it: fp32 queries on
+    the exact tiling, fp16 on the fast one, the split count counted in the launch's tiles."""
+    from vllm.v1.attention.ops.triton_paged_attention import Tiling, choose_tiling
+
+    assert choose_tiling(4, 1, exact=False) == Tiling(16, 32, 4)
+    assert choose_tiling(4, 7, exact=False) == Tiling(64, 32, 4)
+    assert choose_tiling(128, 7, exact=False) == Tiling(128, 32, 4)
+    assert choose_tiling(4, 7, exact=True) == Tiling(16, 16, 8)
+    assert choose_tiling(32, 1, exact=True) == Tiling(32, 16, 8)
+    assert choose_num_splits(8, 2048, 1, 264, tile_n=16) == 32  # 128 tiles of 16 keys
+    _, num_blocks, q, args = _problem(4, [1], [300])
+    for dtype, tiling in ((torch.float32, (16, 16, 8)), (torch.float16, (16, 32, 4))):
+        query = q.to(dtype)
+        cache = torch.zeros(num_blocks, N, H, D, dtype=dtype, device=DEVICE)
+        launch = plan_paged_attention(
+            torch.empty_like(query), query, cache, cache, args["block_table"],
+            args["seqused_k"], args["cu_seqlens_q"], "auto", torch.ones(1), torch.ones(1), 1.0,
+            1, 300, num_splits=1,
+        )  # fmt: skip
+        constexprs = launch.constexprs
+        assert (constexprs["BLOCK_M"], constexprs["TILE_N"], launch.num_warps) == tiling

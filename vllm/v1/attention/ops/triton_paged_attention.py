@@ -20,6 +20,8 @@ precision, so the rebuilt keys lose nothing; the other paths are compiled withou
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from vllm.triton_utils import LOG2E, tl, triton
 from vllm.v1.attention.ops.triton_key_rebuild import rebuilt_key_tile
 from vllm.v1.attention.ops.triton_kv_decode import (
@@ -33,6 +35,30 @@ _LOG2E = tl.constexpr(LOG2E)
 
 PIPELINE_STAGES = 3
 """Software-pipelining depth of the key loop as launched (and compiled by the AOT cases)."""
+
+
+TILE_N = 32
+"""Keys per tile of the tensor-core paths (fp16 / bf16 queries)."""
+
+
+class Tiling(NamedTuple):
+    """Launch shape of :func:`paged_attention_kernel`: query rows per program, keys per tile,
+    warps per program."""
+
+    block_m: int
+    tile_n: int
+    num_warps: int
+
+
+def choose_tiling(group_pad: int, max_query_len: int, exact: bool) -> Tiling:
+    """Tensor-core dots (fp16 / bf16 queries): the GQA group times enough query tokens for 16
+    rows (decode) or 64 (prefill), 32-key tiles, 4 warps. Exact paths (fp32 queries' IEEE dots,
+    rebuilt keys), whose dots run on FMA units with fp32 operands in registers: 16 rows, 16-key
+    tiles, 8 warps; larger tiles spill (sm_90: 0.9-5.7 KB of local memory per thread at 64 x 32
+    with 4 warps, none at 16 x 16 with 8; benchmarks.md, static cost)."""
+    if exact:
+        return Tiling(max(16, group_pad), 16, 8)
+    return Tiling(max(16 if max_query_len <= 1 else 64, group_pad), TILE_N, 4)
 
 
 @triton.jit
@@ -435,18 +461,19 @@ _FORMAT_CASES: tuple[tuple[str, int, str, str, bool, bool, str], ...] = (
     ("nvfp4/interleave4", 6, "*u8", "*u8", True, True, "nvfp4"),
 )
 
-# (case name, query dtype, BLOCK_M, NUM_SPLITS, causal, window, soft cap, sinks)
+# (case name, query dtype, longest query (1: decode), NUM_SPLITS, causal, window, soft cap,
+# sinks); the tiling is choose_tiling's, as launched
 _FEATURE_CASES: tuple[tuple[str, str, int, int, bool, bool, bool, bool], ...] = (
-    ("decode/bf16", "bf16", 16, 1, True, False, False, False),
-    ("decode_split4/fp16", "fp16", 16, 4, True, False, False, False),
+    ("decode/bf16", "bf16", 1, 1, True, False, False, False),
+    ("decode_split4/fp16", "fp16", 1, 4, True, False, False, False),
     ("prefill_window_softcap_sinks/bf16", "bf16", 64, 1, True, True, True, True),
     ("noncausal_window/fp32", "fp32", 64, 1, False, True, False, False),
 )
 
-# Keys rebuilt (REBUILD_KEYS, every transform on): (case name, query dtype, BLOCK_M,
+# Keys rebuilt (REBUILD_KEYS, every transform on): (case name, query dtype, longest query,
 # NUM_SPLITS, neox RoPE, Hadamard rotation)
 _REBUILD_CASES: tuple[tuple[str, str, int, int, bool, bool], ...] = (
-    ("decode/bf16", "bf16", 16, 1, True, True),
+    ("decode/bf16", "bf16", 1, 1, True, True),
     ("prefill_split4_gptj/fp16", "fp16", 64, 4, False, False),
 )
 
@@ -519,7 +546,7 @@ def _attention_hints(kv_cache_dtype: str, inline: bool, interleave4: bool) -> tu
 
 
 def _attention_constexprs(
-    fmt: int, inline: bool, interleave4: bool, q_type: str, block_m: int, splits: int
+    fmt: int, inline: bool, interleave4: bool, q_type: str, tiling: Tiling, splits: int
 ) -> dict[str, object]:
     """The compile cases' constexprs (GQA group 4, head sizes 128 / 64, pages of 16 tokens),
     keys read as stored."""
@@ -531,8 +558,8 @@ def _attention_constexprs(
         "BLOCK_SIZE": 16,
         "GROUP": 4,
         "GROUP_PAD": 4,
-        "BLOCK_M": block_m,
-        "TILE_N": 32,
+        "BLOCK_M": tiling.block_m,
+        "TILE_N": tiling.tile_n,
         "FORMAT": fmt,
         "K_INTERLEAVE4": interleave4,
         "V_INTERLEAVE4": interleave4,
@@ -564,8 +591,9 @@ def triton_compile_cases() -> list:
     cases = []
     for fmt_name, fmt, cache_type, aux_type, inline, interleave4, dtype in _FORMAT_CASES:
         hints = _attention_hints(dtype, inline, interleave4)
-        for feat_name, q_type, block_m, splits, causal, window, soft_cap, sinks in _FEATURE_CASES:
-            constexprs = _attention_constexprs(fmt, inline, interleave4, q_type, block_m, splits)
+        for feat_name, q_type, query_len, splits, causal, window, soft_cap, sinks in _FEATURE_CASES:
+            tiling = choose_tiling(4, query_len, exact=q_type == "fp32")
+            constexprs = _attention_constexprs(fmt, inline, interleave4, q_type, tiling, splits)
             constexprs.update(
                 CAUSAL=causal, USE_WINDOW=window, USE_SOFT_CAP=soft_cap, USE_SINKS=sinks
             )
@@ -575,11 +603,13 @@ def triton_compile_cases() -> list:
                     paged_attention_kernel,
                     _attention_signature(f"*{q_type}", cache_type, aux_type),
                     constexprs,
+                    num_warps=tiling.num_warps,
                     divisible_by_16=hints,
                 )
             )
-        for feat_name, q_type, block_m, splits, neox, hadamard in _REBUILD_CASES:
-            constexprs = _attention_constexprs(fmt, inline, interleave4, q_type, block_m, splits)
+        for feat_name, q_type, query_len, splits, neox, hadamard in _REBUILD_CASES:
+            tiling = choose_tiling(4, query_len, exact=True)
+            constexprs = _attention_constexprs(fmt, inline, interleave4, q_type, tiling, splits)
             constexprs.update(
                 REBUILD_KEYS=True,
                 USE_ROPE=True,
@@ -594,6 +624,7 @@ def triton_compile_cases() -> list:
                     paged_attention_kernel,
                     _attention_signature(f"*{q_type}", cache_type, aux_type),
                     constexprs,
+                    num_warps=tiling.num_warps,
                     enable_fp_fusion=False,  # as launched: the rebuild's products one by one
                     divisible_by_16=hints,
                 )

@@ -23,13 +23,12 @@ from vllm.v1.attention.ops import triton_kv_decode as dec
 from vllm.v1.attention.ops.triton_key_rebuild import key_rebuild_args
 from vllm.v1.attention.ops.triton_paged_attention import (
     PIPELINE_STAGES,
+    TILE_N,
+    choose_tiling,
     merge_splits_kernel,
     paged_attention_kernel,
 )
 from vllm.v1.kv_cache_format import KVCacheFormat, KVQuantMode, lookup
-
-TILE_N = 32
-"""Keys per tile (a multiple of 16 for ``tl.dot``)."""
 
 MAX_SPLITS = 32
 """Most key splits of one query tile (split-K): a batch-1 decode over 8 KV heads fills twice
@@ -159,22 +158,20 @@ def _num_sms(device_index: int) -> int:
 
 
 def choose_num_splits(
-    num_programs: int, max_seq_len: int, num_tokens: int, target_programs: int
+    num_programs: int,
+    max_seq_len: int,
+    num_tokens: int,
+    target_programs: int,
+    tile_n: int = TILE_N,
 ) -> int:
     """Key splits per query tile: enough programs to fill ``target_programs`` (e.g. twice the
-    SM count) when few query tiles attend over long sequences, at least 4 key tiles per split,
-    at most :data:`MAX_SPLITS`; 1 when the batch has many query tokens (prefill fills the GPU
-    and the partial buffers would be large)."""
+    SM count) when few query tiles attend over long sequences, at least 4 key tiles of
+    ``tile_n`` keys per split, at most :data:`MAX_SPLITS`; 1 when the batch has many query
+    tokens (prefill fills the GPU and the partial buffers would be large)."""
     if num_tokens > 128 or num_programs >= target_programs:
         return 1
-    by_keys = max(1, math.ceil(max_seq_len / TILE_N) // 4)
+    by_keys = max(1, math.ceil(max_seq_len / tile_n) // 4)
     return max(1, min(MAX_SPLITS, by_keys, math.ceil(target_programs / max(num_programs, 1))))
-
-
-def _block_m(group_pad: int, max_query_len: int) -> int:
-    """Query rows per program: the GQA group times enough query tokens for 16 (decode) or 64
-    (prefill) rows."""
-    return max(16 if max_query_len <= 1 else 64, group_pad)
 
 
 class PagedAttentionLaunch:
@@ -192,9 +189,11 @@ class PagedAttentionLaunch:
         merge_constexprs: dict[str, Any],
         staging: FP32Staging | None = None,
         fp_fusion: bool = True,
+        num_warps: int = 4,
     ) -> None:
         self.grid = grid
         self.fp_fusion = fp_fusion
+        self.num_warps = num_warps
         self.args = args
         self.constexprs = constexprs
         self.merge_grid = merge_grid
@@ -213,7 +212,7 @@ class PagedAttentionLaunch:
         if self.staging is not None:
             self.staging.query_fp32.copy_(self.staging.query)
         paged_attention_kernel[self.grid](
-            *self.args, **self.constexprs, enable_fp_fusion=self.fp_fusion
+            *self.args, **self.constexprs, enable_fp_fusion=self.fp_fusion, num_warps=self.num_warps
         )
         if self.merge_grid is not None:
             merge_splits_kernel[self.merge_grid](*self.merge_args, **self.merge_constexprs)
@@ -324,8 +323,9 @@ def plan_paged_attention(
 
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    block_m = _block_m(group_pad, max_query_len)
-    block_q = block_m // group_pad
+    exact = query.dtype == torch.float32 or rebuild.constexprs["REBUILD_KEYS"]
+    tiling = choose_tiling(group_pad, max_query_len, exact)
+    block_q = tiling.block_m // group_pad
     qsl = query_start_loc.to(device=device, dtype=torch.int32)
     q_lens = (qsl[1:] - qsl[:-1]).to(torch.int64)
     tiles = (q_lens + block_q - 1) // block_q
@@ -338,7 +338,9 @@ def plan_paged_attention(
 
     if num_splits is None:
         target = 1 if _is_interpreted() or device.type != "cuda" else 2 * _num_sms(device.index)
-        num_splits = choose_num_splits(num_seqs * num_kv_heads, max_seq_len, num_tokens, target)
+        num_splits = choose_num_splits(
+            num_seqs * num_kv_heads, max_seq_len, num_tokens, target, tiling.tile_n
+        )
     d_pad = max(16, triton.next_power_of_2(head_size))
     dv_pad = max(16, triton.next_power_of_2(head_size_v))
     if num_splits > 1:
@@ -394,8 +396,8 @@ def plan_paged_attention(
         BLOCK_SIZE=block_size,
         GROUP=group,
         GROUP_PAD=group_pad,
-        BLOCK_M=block_m,
-        TILE_N=TILE_N,
+        BLOCK_M=tiling.block_m,
+        TILE_N=tiling.tile_n,
         FORMAT=code,
         K_INTERLEAVE4=k_side.interleave4,
         V_INTERLEAVE4=v_side.interleave4,
@@ -414,7 +416,9 @@ def plan_paged_attention(
     fusion = not rebuild.constexprs["REBUILD_KEYS"]
     if num_splits == 1:
         grid = (num_programs, num_kv_heads, 1)
-        return PagedAttentionLaunch(grid, args, constexprs, None, [], {}, staging, fusion)
+        return PagedAttentionLaunch(
+            grid, args, constexprs, None, [], {}, staging, fusion, tiling.num_warps
+        )
     merge_args = [out, part_acc, part_ml, out.stride(0), out.stride(1), num_heads]
     merge_constexprs = dict(
         HEAD_SIZE_V=head_size_v,
@@ -431,6 +435,7 @@ def plan_paged_attention(
         merge_constexprs,
         staging,
         fusion,
+        tiling.num_warps,
     )
 
 
