@@ -127,6 +127,14 @@ def test_lists_the_writer_cases() -> None:
         assert f"reshape_and_cache_flash/{case}" in result.stdout
 
 
+def run_module(
+    tmp_path: Path, name: str, source: str, archs: str
+) -> subprocess.CompletedProcess[str]:
+    """The tool over the cases of a module ``name`` written from ``source`` alone."""
+    (tmp_path / f"{name}.py").write_text(source)
+    return run_tool("--module", name, "--only", name, "--arch", archs, pythonpath=tmp_path)
+
+
 def test_compiles_a_writer_case() -> None:
     result = run_tool("--only", "reshape_and_cache_flash/fp8_e4m3/per_head", "--arch", "90")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -136,11 +144,7 @@ def test_compiles_a_writer_case() -> None:
 
 
 def test_fails_on_a_kernel_the_gpu_compiler_rejects(tmp_path: Path) -> None:
-    (tmp_path / "bad_triton_kernels.py").write_text(BAD_MODULE)
-    result = run_tool(
-        "--module", "bad_triton_kernels", "--only", "bad_triton_kernels", "--arch", "80,100",
-        pythonpath=tmp_path,
-    )  # fmt: skip
+    result = run_module(tmp_path, "bad_triton_kernels", BAD_MODULE, "80,100")
     assert result.returncode == 1, result.stdout + result.stderr
     ok = [line for line in result.stdout.splitlines() if "dot16x16" in line]
     assert len(ok) == 2 and all(" ok " in line for line in ok), result.stdout
@@ -164,11 +168,7 @@ def _columns(stdout: str, case: str) -> dict[str, int]:
 
 
 def test_reports_resources_and_compiles_the_launch_hints(tmp_path: Path) -> None:
-    (tmp_path / "hint_triton_kernels.py").write_text(HINT_MODULE)
-    result = run_tool(
-        "--module", "hint_triton_kernels", "--only", "hint_triton_kernels", "--arch", "90",
-        pythonpath=tmp_path,
-    )  # fmt: skip
+    result = run_module(tmp_path, "hint_triton_kernels", HINT_MODULE, "90")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "regs stack   loop" in result.stdout
     plain, hinted = _columns(result.stdout, "plain"), _columns(result.stdout, "hinted")
@@ -179,11 +179,7 @@ def test_reports_resources_and_compiles_the_launch_hints(tmp_path: Path) -> None
 
 
 def test_fails_an_sm8x_kernel_that_needs_more_shared_memory_than_sm86_has(tmp_path: Path) -> None:
-    (tmp_path / "smem_triton_kernels.py").write_text(SMEM_MODULE)
-    result = run_tool(
-        "--module", "smem_triton_kernels", "--only", "smem_triton_kernels", "--arch", "80,90",
-        pythonpath=tmp_path,
-    )  # fmt: skip
+    result = run_module(tmp_path, "smem_triton_kernels", SMEM_MODULE, "80,90")
     assert result.returncode == 1, result.stdout + result.stderr
     ok = [line for line in result.stdout.splitlines() if " ok " in line]
     assert len(ok) == 3 and not any(" big " in line and "sm_80" in line for line in ok), ok

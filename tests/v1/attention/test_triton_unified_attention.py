@@ -190,10 +190,10 @@ def test_compile_cases_cover_every_reader_and_feature() -> None:
     holds every kernel FORMAT, both NVFP4 scale layouts, both per-token-head scale sources,
     split and unsplit, each feature flag on, every query dtype, and the merge kernel."""
     from vllm.v1.attention.ops import triton_kv_decode as dec
+    from vllm.v1.attention.ops.triton_attention_cases import triton_compile_cases
     from vllm.v1.attention.ops.triton_paged_attention import (
         merge_splits_kernel,
         paged_attention_kernel,
-        triton_compile_cases,
     )
 
     cases = triton_compile_cases()

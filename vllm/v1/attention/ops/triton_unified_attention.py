@@ -104,48 +104,6 @@ def _side(
     return _Side(side, strides, side, (0, 0, 0), False)
 
 
-def side_divisibility(
-    kv_cache_dtype: str,
-    head_size: int,
-    side: str,
-    *,
-    num_kv_heads: int = 8,
-    block_size: int = 16,
-    scale_cache: bool = False,
-    scale_layout: ScaleLayout | str | None = None,
-) -> dict[str, bool]:
-    """Which of one cache side's kernel arguments (``{side}_ptr``, ``{side}_aux_ptr`` and the
-    ``stride_{side}_*`` / ``stride_{side}a_*`` strides; ``side`` is ``"k"`` or ``"v"``) a launch
-    over a ``kv_cache_dtype`` cache of this geometry passes as multiples of 16 (bytes of
-    address, elements of stride): Triton specialises those as divisible by 16, which lets it
-    vectorise the page loads. The ahead-of-time compile cases take the same hints, so they
-    compile the code that such a launch runs. ``scale_cache``: per-token-head scales in
-    upstream's separate fp32 cache; ``scale_layout``: NVFP4's (``None``: the default)."""
-    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
-    from vllm.v1.attention.backends.abstract import kv_cache_dim
-
-    fmt = lookup(kv_cache_dtype, include_mla_only=False)
-    dtype = STR_DTYPE_TO_TORCH_DTYPE[kv_cache_dtype]
-    cache = torch.zeros(2, block_size, num_kv_heads, kv_cache_dim(head_size, kv_cache_dtype))
-    cache = cache.to(dtype)  # zeros of any storage dtype; the base is 64-byte aligned
-    code = kernel_format(fmt, dtype)
-    scales = torch.zeros(2, block_size, num_kv_heads) if scale_cache else None
-    layout = ScaleLayout.resolve(scale_layout, block_size, head_size)
-    kernel_side = _side(cache, code, head_size, layout, scales)
-    base = cache.data_ptr()
-    aux_base = scales.data_ptr() if scales is not None else base
-    hints = {
-        f"{side}_ptr": (kernel_side.data.data_ptr() - base) % 16 == 0,
-        f"{side}_aux_ptr": (kernel_side.aux.data_ptr() - aux_base) % 16 == 0,
-    }
-    for dim, data_stride, aux_stride in zip(
-        ("page", "tok", "head"), kernel_side.strides, kernel_side.aux_strides, strict=True
-    ):
-        hints[f"stride_{side}_{dim}"] = data_stride % 16 == 0
-        hints[f"stride_{side}a_{dim}"] = aux_stride % 16 == 0
-    return hints
-
-
 def _is_interpreted() -> bool:
     import os
 

@@ -1,0 +1,260 @@
+"""Ahead-of-time compile cases of the Triton paged attention (:mod:`.triton_paged_attention`):
+every cache format x decode, split-K decode, prefill with window / soft cap / sinks, non-causal
+fp32 and the rebuilt-key variant, compiled as launches run them (the launch's tiling from
+:func:`~.triton_paged_attention.choose_tiling`, the divisibility hints of a real cache's views),
+and the split merge per output dtype (design.md §11.4)."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.kv_quant import ScaleLayout
+from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+from vllm.v1.attention.backends.abstract import kv_cache_dim
+from vllm.v1.attention.ops.triton_paged_attention import (
+    PIPELINE_STAGES,
+    Tiling,
+    choose_tiling,
+    merge_splits_kernel,
+    paged_attention_kernel,
+)
+from vllm.v1.attention.ops.triton_unified_attention import _side, kernel_format
+from vllm.v1.kv_cache_format import lookup
+
+
+def side_divisibility(
+    kv_cache_dtype: str,
+    head_size: int,
+    side: str,
+    *,
+    num_kv_heads: int = 8,
+    block_size: int = 16,
+    scale_cache: bool = False,
+    scale_layout: ScaleLayout | str | None = None,
+) -> dict[str, bool]:
+    """Which of one cache side's kernel arguments (``{side}_ptr``, ``{side}_aux_ptr`` and the
+    ``stride_{side}_*`` / ``stride_{side}a_*`` strides; ``side`` is ``"k"`` or ``"v"``) a launch
+    over a ``kv_cache_dtype`` cache of this geometry passes as multiples of 16 (bytes of
+    address, elements of stride): Triton specialises those as divisible by 16, which lets it
+    vectorise the page loads. The ahead-of-time compile cases take the same hints, so they
+    compile the code that such a launch runs. ``scale_cache``: per-token-head scales in
+    upstream's separate fp32 cache; ``scale_layout``: NVFP4's (``None``: the default)."""
+    fmt = lookup(kv_cache_dtype, include_mla_only=False)
+    dtype = STR_DTYPE_TO_TORCH_DTYPE[kv_cache_dtype]
+    cache = torch.zeros(2, block_size, num_kv_heads, kv_cache_dim(head_size, kv_cache_dtype))
+    cache = cache.to(dtype)  # zeros of any storage dtype; the base is 64-byte aligned
+    code = kernel_format(fmt, dtype)
+    scales = torch.zeros(2, block_size, num_kv_heads) if scale_cache else None
+    layout = ScaleLayout.resolve(scale_layout, block_size, head_size)
+    kernel_side = _side(cache, code, head_size, layout, scales)
+    base = cache.data_ptr()
+    aux_base = scales.data_ptr() if scales is not None else base
+    hints = {
+        f"{side}_ptr": (kernel_side.data.data_ptr() - base) % 16 == 0,
+        f"{side}_aux_ptr": (kernel_side.aux.data_ptr() - aux_base) % 16 == 0,
+    }
+    for dim, data_stride, aux_stride in zip(
+        ("page", "tok", "head"), kernel_side.strides, kernel_side.aux_strides, strict=True
+    ):
+        hints[f"stride_{side}_{dim}"] = data_stride % 16 == 0
+        hints[f"stride_{side}a_{dim}"] = aux_stride % 16 == 0
+    return hints
+
+
+# (case name, FORMAT, cache pointer type, aux pointer type, inline scales, K / V interleave4,
+# kv_cache_dtype of the launch it stands for)
+_FORMAT_CASES: tuple[tuple[str, int, str, str, bool, bool, str], ...] = (
+    ("fp16", 0, "*fp16", "*fp16", True, False, "float16"),
+    ("fp32", 0, "*fp32", "*fp32", True, False, "float32"),
+    ("bf16", 1, "*i16", "*bf16", True, False, "bfloat16"),
+    ("fp8_e4m3", 2, "*u8", "*u8", True, False, "fp8_e4m3"),
+    ("fp8_e5m2", 3, "*u8", "*u8", True, False, "fp8_e5m2"),
+    ("int8_per_token_head", 4, "*u8", "*u8", True, False, "int8_per_token_head"),
+    ("fp8_per_token_head", 5, "*u8", "*u8", True, False, "fp8_per_token_head"),
+    ("fp8_per_token_head/scale_cache", 5, "*u8", "*fp32", False, False, "fp8_per_token_head"),
+    ("nvfp4/linear", 6, "*u8", "*u8", True, False, "nvfp4"),
+    ("nvfp4/interleave4", 6, "*u8", "*u8", True, True, "nvfp4"),
+)
+
+# (case name, query dtype, longest query (1: decode), NUM_SPLITS, causal, window, soft cap,
+# sinks); the tiling is choose_tiling's, as launched
+_FEATURE_CASES: tuple[tuple[str, str, int, int, bool, bool, bool, bool], ...] = (
+    ("decode/bf16", "bf16", 1, 1, True, False, False, False),
+    ("decode_split4/fp16", "fp16", 1, 4, True, False, False, False),
+    ("prefill_window_softcap_sinks/bf16", "bf16", 64, 1, True, True, True, True),
+    ("noncausal_window/fp32", "fp32", 64, 1, False, True, False, False),
+)
+
+# Keys rebuilt (REBUILD_KEYS, every transform on): (case name, query dtype, longest query,
+# NUM_SPLITS, neox RoPE, Hadamard rotation)
+_REBUILD_CASES: tuple[tuple[str, str, int, int, bool, bool], ...] = (
+    ("decode/bf16", "bf16", 1, 1, True, True),
+    ("prefill_split4_gptj/fp16", "fp16", 64, 4, False, False),
+)
+
+
+def _attention_signature(q_type: str, cache_type: str, aux_type: str) -> dict[str, str]:
+    pointers = {
+        "out_ptr": q_type,
+        "q_ptr": q_type,
+        "k_ptr": cache_type,
+        "v_ptr": cache_type,
+        "k_aux_ptr": aux_type,
+        "v_aux_ptr": aux_type,
+        "block_table_ptr": "*i32",
+        "seq_lens_ptr": "*i32",
+        "query_start_ptr": "*i32",
+        "tile_seq_ptr": "*i32",
+        "tile_first_ptr": "*i32",
+        "k_scale_ptr": "*fp32",
+        "v_scale_ptr": "*fp32",
+        "sinks_ptr": "*fp32",
+        "part_acc_ptr": "*fp32",
+        "part_ml_ptr": "*fp32",
+    }
+    scalars = {"softmax_scale": "fp32", "soft_cap": "fp32", "window": "i32", "num_seqs": "i32"}
+    rebuild = {
+        "rope_ptr": "*fp32",
+        "key_offset_ptr": "*fp32",
+        "sink_keys_ptr": "*fp32",
+        "hadamard_scale": "fp32",
+        "rotary_dim": "i32",
+        "num_sink_keys": "i32",
+    }
+    strides = [
+        "stride_q_tok",
+        "stride_q_head",
+        "stride_o_tok",
+        "stride_o_head",
+        *(f"stride_{s}_{d}" for s in ("k", "ka", "v", "va") for d in ("page", "tok", "head")),
+        "stride_bt",
+        "k_scale_stride",
+        "v_scale_stride",
+        "num_heads",
+    ]
+    return {**pointers, **scalars, **dict.fromkeys(strides, "i32"), **rebuild}
+
+
+def _attention_hints(kv_cache_dtype: str, inline: bool, interleave4: bool) -> tuple[str, ...]:
+    """The arguments a launch over the compile cases' geometry (8 KV heads, pages of 16 tokens,
+    head sizes 128 / 64) passes as multiples of 16: every pointer but the cache sides' (torch
+    allocations), the query / output strides (multiples of the head size) and, per cache side,
+    what :func:`side_divisibility` finds."""
+    sides = {}
+    for side, head_size in (("k", 128), ("v", 64)):
+        sides.update(
+            side_divisibility(
+                kv_cache_dtype,
+                head_size,
+                side,
+                scale_cache=not inline,
+                scale_layout="interleave4" if interleave4 else "linear",
+            )
+        )
+    pointers = [n for n in _attention_signature("*fp16", "*u8", "*u8") if n.endswith("_ptr")]
+    always = [n for n in pointers if n not in sides]
+    always += ["stride_q_tok", "stride_q_head", "stride_o_tok", "stride_o_head"]
+    return (*always, *(name for name, divisible in sides.items() if divisible))
+
+
+def _attention_constexprs(
+    fmt: int, inline: bool, interleave4: bool, q_type: str, tiling: Tiling, splits: int
+) -> dict[str, object]:
+    """The compile cases' constexprs (GQA group 4, head sizes 128 / 64, pages of 16 tokens),
+    keys read as stored."""
+    return {
+        "HEAD_SIZE": 128,
+        "HEAD_SIZE_V": 64,
+        "D_PAD": 128,
+        "DV_PAD": 64,
+        "BLOCK_SIZE": 16,
+        "GROUP": 4,
+        "GROUP_PAD": 4,
+        "BLOCK_M": tiling.block_m,
+        "TILE_N": tiling.tile_n,
+        "FORMAT": fmt,
+        "K_INTERLEAVE4": interleave4,
+        "V_INTERLEAVE4": interleave4,
+        "SCALE_INLINE": inline,
+        "ROW_ALIGN": 4,
+        "FP32_DOT": q_type == "fp32",
+        "CAUSAL": True,
+        "USE_WINDOW": False,
+        "USE_SOFT_CAP": False,
+        "USE_SINKS": False,
+        "NUM_SPLITS": splits,
+        "NUM_STAGES": PIPELINE_STAGES,
+        "REBUILD_KEYS": False,
+        "USE_ROPE": False,
+        "ROPE_NEOX": True,
+        "KEY_HADAMARD": False,
+        "USE_KEY_OFFSET": False,
+        "USE_SINK_KEYS": False,
+    }
+
+
+def triton_compile_cases() -> list:
+    """Every cache format x {decode, split-K decode, prefill with window / soft cap / sinks,
+    non-causal fp32, and the rebuilt keys of :data:`_REBUILD_CASES`} of
+    :func:`paged_attention_kernel` (:func:`_attention_constexprs`), and
+    :func:`merge_splits_kernel` per output dtype."""
+    from vllm.triton_utils.aot import TritonCompileCase
+
+    cases = []
+    for fmt_name, fmt, cache_type, aux_type, inline, interleave4, dtype in _FORMAT_CASES:
+        hints = _attention_hints(dtype, inline, interleave4)
+        for feat_name, q_type, query_len, splits, causal, window, soft_cap, sinks in _FEATURE_CASES:
+            tiling = choose_tiling(4, query_len, exact=q_type == "fp32")
+            constexprs = _attention_constexprs(fmt, inline, interleave4, q_type, tiling, splits)
+            constexprs.update(
+                CAUSAL=causal, USE_WINDOW=window, USE_SOFT_CAP=soft_cap, USE_SINKS=sinks
+            )
+            cases.append(
+                TritonCompileCase(
+                    f"paged_attention/{fmt_name}/{feat_name}",
+                    paged_attention_kernel,
+                    _attention_signature(f"*{q_type}", cache_type, aux_type),
+                    constexprs,
+                    num_warps=tiling.num_warps,
+                    divisible_by_16=hints,
+                )
+            )
+        for feat_name, q_type, query_len, splits, neox, hadamard in _REBUILD_CASES:
+            tiling = choose_tiling(4, query_len, exact=True)
+            constexprs = _attention_constexprs(fmt, inline, interleave4, q_type, tiling, splits)
+            constexprs.update(
+                REBUILD_KEYS=True,
+                USE_ROPE=True,
+                ROPE_NEOX=neox,
+                KEY_HADAMARD=hadamard,
+                USE_KEY_OFFSET=True,
+                USE_SINK_KEYS=True,
+            )
+            cases.append(
+                TritonCompileCase(
+                    f"paged_attention_rebuild/{fmt_name}/{feat_name}",
+                    paged_attention_kernel,
+                    _attention_signature(f"*{q_type}", cache_type, aux_type),
+                    constexprs,
+                    num_warps=tiling.num_warps,
+                    enable_fp_fusion=False,  # as launched: the rebuild's products one by one
+                    divisible_by_16=hints,
+                )
+            )
+    for q_type in ("fp16", "bf16", "fp32"):
+        cases.append(
+            TritonCompileCase(
+                f"merge_splits/{q_type}",
+                merge_splits_kernel,
+                {
+                    "out_ptr": f"*{q_type}",
+                    "part_acc_ptr": "*fp32",
+                    "part_ml_ptr": "*fp32",
+                    "stride_o_tok": "i32",
+                    "stride_o_head": "i32",
+                    "num_heads": "i32",
+                },
+                {"HEAD_SIZE_V": 64, "DV_PAD": 64, "NUM_SPLITS": 4, "SPLITS_PAD": 4},
+            )
+        )
+    return cases
