@@ -208,6 +208,8 @@ def test_compile_cases_cover_every_reader_and_feature() -> None:
         True,
         False,
     }
+    row_aligns = {c.constexprs["ROW_ALIGN"] for c in attention if c.constexprs["FORMAT"] in (4, 5)}
+    assert row_aligns == {1, 4}  # per-token-head rows: 4-byte loads and the byte-load fallback
     for flag in ("CAUSAL", "USE_WINDOW", "USE_SOFT_CAP", "USE_SINKS", "FP32_DOT"):
         assert {c.constexprs[flag] for c in attention} == {True, False}, flag
     assert {c.constexprs["NUM_SPLITS"] > 1 for c in attention} == {True, False}

@@ -135,11 +135,14 @@ def _attention_signature(q_type: str, cache_type: str, aux_type: str) -> dict[st
     return {**pointers, **scalars, **dict.fromkeys(strides, "i32"), **rebuild}
 
 
-def _attention_hints(kv_cache_dtype: str, inline: bool, interleave4: bool) -> tuple[str, ...]:
+def _attention_hints(
+    kv_cache_dtype: str, inline: bool, interleave4: bool, cache_view_aligned: bool = True
+) -> tuple[str, ...]:
     """The arguments a launch over the compile cases' geometry (8 KV heads, pages of 16 tokens,
     head sizes 128 / 64) passes as multiples of 16: every pointer but the cache sides' (torch
     allocations), the query / output strides (multiples of the head size) and, per cache side,
-    what :func:`side_divisibility` finds."""
+    what :func:`side_divisibility` finds (none of them for a cache view off its allocation's
+    alignment, ``cache_view_aligned=False``)."""
     sides = {}
     for side, head_size in (("k", 128), ("v", 64)):
         sides.update(
@@ -154,6 +157,8 @@ def _attention_hints(kv_cache_dtype: str, inline: bool, interleave4: bool) -> tu
     pointers = [n for n in _attention_signature("*fp16", "*u8", "*u8") if n.endswith("_ptr")]
     always = [n for n in pointers if n not in sides]
     always += ["stride_q_tok", "stride_q_head", "stride_o_tok", "stride_o_head"]
+    if not cache_view_aligned:
+        return tuple(always)
     return (*always, *(name for name, divisible in sides.items() if divisible))
 
 
@@ -241,6 +246,23 @@ def triton_compile_cases() -> list:
                     divisible_by_16=hints,
                 )
             )
+    # Per-token-head rows off 4-byte boundaries (a cache view one byte off): byte loads, and
+    # no cache pointer or stride known to be a multiple of 16.
+    for fmt_name, fmt in (("int8", 4), ("fp8", 5)):
+        tiling = choose_tiling(4, 1, exact=False)
+        constexprs = _attention_constexprs(fmt, True, False, "bf16", tiling, 1)
+        constexprs.update(ROW_ALIGN=1)
+        hints = _attention_hints(f"{fmt_name}_per_token_head", True, False, False)
+        cases.append(
+            TritonCompileCase(
+                f"paged_attention/{fmt_name}_per_token_head/unaligned_rows/decode/bf16",
+                paged_attention_kernel,
+                _attention_signature("*bf16", "*u8", "*u8"),
+                constexprs,
+                num_warps=tiling.num_warps,
+                divisible_by_16=hints,
+            )
+        )
     for q_type in ("fp16", "bf16", "fp32"):
         cases.append(
             TritonCompileCase(
