@@ -43,16 +43,17 @@ FMT_NVFP4 = 6
 
 @triton.jit
 def fp8_units(byte, E5M2: tl.constexpr):
-    """Exact fp16 of FP8 bytes in two or three integer operations, no fp8 type (sm_80 has
-    none): an e5m2 byte is the high byte of an fp16 (its value); e4m3's sign, exponent and
-    mantissa bits moved into an fp16 give its value times 2^-8 (the kernel puts the 2^8 back
-    with the scale, once), its NaN bytes 0x7F / 0xFF NaN."""
-    b = byte.to(tl.int32)
+    """Exact fp16 of FP8 bytes in a few integer operations, no fp8 type (sm_80 has none): an
+    e5m2 byte is the high byte of an fp16 (its value); e4m3's sign, exponent and mantissa bits
+    moved into an fp16 give its value times 2^-8 (the kernel puts the 2^8 back with the scale,
+    once), its NaN bytes 0x7F / 0xFF NaN."""
     if E5M2:
-        return (b << 8).to(tl.uint16).to(tl.float16, bitcast=True)
-    magnitude = b & 0x7F
-    units = (((b & 0x80) << 8) | (magnitude << 7)).to(tl.uint16).to(tl.float16, bitcast=True)
-    return tl.where(magnitude == 0x7F, float("nan"), units)
+        return (byte.to(tl.uint16) << 8).to(tl.float16, bitcast=True)
+    # The byte sign-extended to 16 bits and shifted by 7 has its sign in bits 15 and 14 and
+    # the rest in 13..7: masking bit 14 off (0xBF80, -16512 as int16) leaves the fp16 bits.
+    b = byte.to(tl.int8, bitcast=True).to(tl.int16)
+    units = ((b << 7) & -16512).to(tl.float16, bitcast=True)
+    return tl.where((b & 0x7F) == 0x7F, float("nan"), units)
 
 
 @triton.jit
