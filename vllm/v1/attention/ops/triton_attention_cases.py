@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from vllm.kv_quant import ScaleLayout
+from vllm.triton_utils.aot import TritonCompileCase
 from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
 from vllm.v1.attention.backends.abstract import kv_cache_dim
 from vllm.v1.attention.ops.triton_paged_attention import (
@@ -198,13 +199,33 @@ def _attention_constexprs(
     }
 
 
-def triton_compile_cases() -> list:
+def _attention_case(
+    name: str,
+    q_type: str,
+    cache_type: str,
+    aux_type: str,
+    constexprs: dict[str, object],
+    tiling: Tiling,
+    hints: tuple[str, ...],
+    **options: bool,
+) -> TritonCompileCase:
+    """One :func:`paged_attention_kernel` case, launched with ``tiling``'s warps."""
+    return TritonCompileCase(
+        name,
+        paged_attention_kernel,
+        _attention_signature(f"*{q_type}", cache_type, aux_type),
+        constexprs,
+        num_warps=tiling.num_warps,
+        divisible_by_16=hints,
+        **options,
+    )
+
+
+def triton_compile_cases() -> list[TritonCompileCase]:
     """Every cache format x {decode, split-K decode, prefill with window / soft cap / sinks,
     non-causal fp32, and the rebuilt keys of :data:`_REBUILD_CASES`} of
     :func:`paged_attention_kernel` (:func:`_attention_constexprs`), and
     :func:`merge_splits_kernel` per output dtype."""
-    from vllm.triton_utils.aot import TritonCompileCase
-
     cases = []
     for fmt_name, fmt, cache_type, aux_type, inline, interleave4, dtype in _FORMAT_CASES:
         hints = _attention_hints(dtype, inline, interleave4)
@@ -214,15 +235,9 @@ def triton_compile_cases() -> list:
             constexprs.update(
                 CAUSAL=causal, USE_WINDOW=window, USE_SOFT_CAP=soft_cap, USE_SINKS=sinks
             )
+            name = f"paged_attention/{fmt_name}/{feat_name}"
             cases.append(
-                TritonCompileCase(
-                    f"paged_attention/{fmt_name}/{feat_name}",
-                    paged_attention_kernel,
-                    _attention_signature(f"*{q_type}", cache_type, aux_type),
-                    constexprs,
-                    num_warps=tiling.num_warps,
-                    divisible_by_16=hints,
-                )
+                _attention_case(name, q_type, cache_type, aux_type, constexprs, tiling, hints)
             )
         for feat_name, q_type, query_len, splits, neox, hadamard in _REBUILD_CASES:
             tiling = choose_tiling(4, query_len, exact=True)
@@ -235,17 +250,13 @@ def triton_compile_cases() -> list:
                 USE_KEY_OFFSET=True,
                 USE_SINK_KEYS=True,
             )
-            cases.append(
-                TritonCompileCase(
-                    f"paged_attention_rebuild/{fmt_name}/{feat_name}",
-                    paged_attention_kernel,
-                    _attention_signature(f"*{q_type}", cache_type, aux_type),
-                    constexprs,
-                    num_warps=tiling.num_warps,
-                    enable_fp_fusion=False,  # as launched: the rebuild's products one by one
-                    divisible_by_16=hints,
-                )
-            )
+            name = f"paged_attention_rebuild/{fmt_name}/{feat_name}"
+            # as launched: the rebuild's products rounded one by one (no FMA contraction)
+            case = _attention_case(
+                name, q_type, cache_type, aux_type, constexprs, tiling, hints,
+                enable_fp_fusion=False,
+            )  # fmt: skip
+            cases.append(case)
     # Per-token-head rows off 4-byte boundaries (a cache view one byte off): byte loads, and
     # no cache pointer or stride known to be a multiple of 16.
     for fmt_name, fmt in (("int8", 4), ("fp8", 5)):
@@ -253,16 +264,8 @@ def triton_compile_cases() -> list:
         constexprs = _attention_constexprs(fmt, True, False, "bf16", tiling, 1)
         constexprs.update(ROW_ALIGN=1)
         hints = _attention_hints(f"{fmt_name}_per_token_head", True, False, False)
-        cases.append(
-            TritonCompileCase(
-                f"paged_attention/{fmt_name}_per_token_head/unaligned_rows/decode/bf16",
-                paged_attention_kernel,
-                _attention_signature("*bf16", "*u8", "*u8"),
-                constexprs,
-                num_warps=tiling.num_warps,
-                divisible_by_16=hints,
-            )
-        )
+        name = f"paged_attention/{fmt_name}_per_token_head/unaligned_rows/decode/bf16"
+        cases.append(_attention_case(name, "bf16", "*u8", "*u8", constexprs, tiling, hints))
     for q_type in ("fp16", "bf16", "fp32"):
         cases.append(
             TritonCompileCase(
