@@ -71,6 +71,7 @@ def _row(r: CompileResult) -> str:
     usage = ""
     if res is not None:
         usage = f" {res.registers:>4} {res.stack_bytes:>5} {res.loop_instructions:>6}"
+        usage += f" {res.loop_conversions:>4}"
     return (
         f"{r.module:<52} {r.case:<64} sm_{r.arch:<4} {status:<6} {r.seconds:7.2f} "
         f"{r.cubin_bytes:>9} {r.shared_bytes:>7}{usage}"
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     header = f"{'module':<52} {'case':<64} {'target':<7} {'status':<6} {'seconds':>7} "
-    print(header + f"{'cubin B':>9} {'smem B':>7} {'regs':>4} {'stack':>5} {'loop':>6}")
+    print(header + f"{'cubin B':>9} {'smem B':>7} {'regs':>4} {'stack':>5} {'loop':>6} {'cvt':>4}")
     start = time.perf_counter()
     failures = []
     jobs = [(module, case.name, arch) for module, case in cases for arch in args.arch]

@@ -160,17 +160,18 @@ def test_rejects_a_bad_arch() -> None:
 
 
 def _columns(stdout: str, case: str) -> dict[str, int]:
-    """The registers, stack bytes and loop instructions printed for ``case``."""
+    """The registers, stack bytes, loop instructions and loop conversions printed for
+    ``case``."""
     rows = [line.split() for line in stdout.splitlines() if f" {case} " in line]
     assert len(rows) == 1, stdout
-    regs, stack, loop = (int(v) for v in rows[0][-3:])
-    return {"regs": regs, "stack": stack, "loop": loop}
+    regs, stack, loop, cvt = (int(v) for v in rows[0][-4:])
+    return {"regs": regs, "stack": stack, "loop": loop, "cvt": cvt}
 
 
 def test_reports_resources_and_compiles_the_launch_hints(tmp_path: Path) -> None:
     result = run_module(tmp_path, "hint_triton_kernels", HINT_MODULE, "90")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "regs stack   loop" in result.stdout
+    assert "regs stack   loop  cvt" in result.stdout
     plain, hinted = _columns(result.stdout, "plain"), _columns(result.stdout, "hinted")
     for columns in (plain, hinted):
         assert columns["regs"] > 0 and columns["stack"] == 0 and columns["loop"] > 0, columns

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm.triton_utils.sass import parse_loop_body, parse_resource_usage
+from vllm.triton_utils.sass import KernelResources, parse_loop_body, parse_resource_usage
 
 USAGE = """
 Resource usage:
@@ -51,6 +51,14 @@ def test_resource_usage_rejects_other_output() -> None:
 def test_longest_loop_body() -> None:
     body = parse_loop_body(LISTING)
     assert body == {"LDS": 2, "HMMA": 1, "BRA": 1}  # opcodes without modifiers, predicated too
+
+
+def test_loop_conversions_count_type_conversions_only() -> None:
+    listing = LISTING.replace("HMMA.16816.F32.BF16 R8, R4, R12, R8", "I2F.F16 R9, R5")
+    body = parse_loop_body(listing)
+    resources = KernelResources(64, 0, sum(body.values()), tuple(body.most_common()))
+    assert resources.loop_conversions == 1
+    assert KernelResources(64, 0, 4, (("LDS", 2), ("HMMA", 1), ("BRA", 1))).loop_conversions == 0
 
 
 def test_no_backward_branch_no_loop() -> None:

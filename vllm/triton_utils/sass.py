@@ -25,6 +25,9 @@ _TIMEOUT_S = 120
 _INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*);")
 _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 _BRANCH_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
+# Type conversions (int <-> float, between float widths): a quarter of the integer rate on
+# sm_80 to sm_100, so one per decoded element bounds a decoder.
+_CONVERSIONS = ("F2F", "I2F", "F2I", "I2FP", "F2IP")
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,11 @@ class KernelResources:
     """SASS instructions in the longest loop body (one trip); 0 when the kernel has no loop."""
     loop_opcodes: tuple[tuple[str, int], ...]
     """The loop body's opcodes (without modifiers) and their counts, most frequent first."""
+
+    @property
+    def loop_conversions(self) -> int:
+        """Type-conversion instructions (``F2F``, ``I2F``, ...) in the loop body."""
+        return sum(count for opcode, count in self.loop_opcodes if opcode in _CONVERSIONS)
 
 
 def parse_resource_usage(text: str) -> tuple[int, int]:
