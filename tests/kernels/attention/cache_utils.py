@@ -228,11 +228,13 @@ def reference_write(
 
 def _rebased(view: torch.Tensor, old: list[torch.Tensor], new: list[torch.Tensor]) -> torch.Tensor:
     """`view` re-expressed over the clone in `new` of the buffer in `old` that it lives in."""
+    size = view.element_size()
     for o, n in zip(old, new, strict=True):
         if view.untyped_storage().data_ptr() == o.untyped_storage().data_ptr():
-            return torch.as_strided(
-                n.view(view.dtype), view.shape, view.stride(), view.storage_offset()
-            )
+            # The view's place in bytes from the buffer's start, which may lie inside its storage.
+            start = view.storage_offset() * size - o.storage_offset() * o.element_size()
+            offset = (start + n.storage_offset() * n.element_size()) // size
+            return torch.as_strided(n.view(view.dtype), view.shape, view.stride(), offset)
     raise AssertionError("view does not live in any buffer")
 
 

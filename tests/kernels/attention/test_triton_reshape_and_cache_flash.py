@@ -259,6 +259,117 @@ def test_odd_shapes(
     check_triton(case)
 
 
+Launch = tuple[tuple[int, ...], tuple, dict]
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
+    """The writer kernel's launches (grid, arguments, keyword arguments) while the test runs."""
+    seen: list[Launch] = []
+    kernel = writer.reshape_and_cache_flash_kernel
+
+    class Spy:
+        def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
+            def launch(*args: object, **kwargs: object) -> None:
+                seen.append((grid, args, kwargs))
+                kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(writer, "reshape_and_cache_flash_kernel", Spy())
+    return seen
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("kind", ["auto", "fp8_e5m2", "nvfp4", *PER_TOKEN_HEAD])
+def test_head_blocks(device: str, kind: str, launches: list) -> None:
+    """A token's heads over several programs, the last one part-filled: 3 heads of 512 (V 256)
+    make rows of 512 padded elements, so a program writes 2 heads (WRITER_TILE_ELEMENTS)."""
+    case = small_case(
+        device, kind, torch.float16, num_heads=3, head_size=512, head_size_v=256, num_tokens=3,
+        padding=1, skip_every=0,
+    )  # fmt: skip
+    check_triton(case)
+    assert [(grid, kw["HEADS"]) for grid, _, kw in launches] == [((3, 2), 2)]
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("kind", PER_TOKEN_HEAD)
+def _one_byte_off(case: Case) -> Case:
+    """``case`` with its buffers, and the cache views in them, one byte further on."""
+    moved = []
+    for raw in case.buffers:
+        shifted = torch.zeros(raw.numel() + 1, dtype=torch.uint8, device=raw.device)
+        shifted[1:] = raw
+        moved.append(shifted[1:])
+    key_cache = _rebased(case.key_cache, case.buffers, moved)
+    value_cache = _rebased(case.value_cache, case.buffers, moved)
+    return dataclasses.replace(case, key_cache=key_cache, value_cache=value_cache, buffers=moved)
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("kind", PER_TOKEN_HEAD)
+@pytest.mark.parametrize("shift,row_align", [(False, 4), (True, 1)], ids=["aligned", "byte_off"])
+def test_per_token_head_row_alignment(
+    device: str, kind: str, shift: bool, row_align: int, launches: list
+) -> None:
+    """Rows of D + 4 bytes go out a word at a time, the scale as one word, when every row and
+    scale is 4-byte aligned (ROW_ALIGN 4, as in an allocated cache); a cache view one byte off
+    is stored byte by byte. Both store the codec's bytes."""
+    case = small_case(device, kind, torch.bfloat16, hnd=True)
+    if shift:
+        case = _one_byte_off(case)
+        assert case.key_cache.data_ptr() % 4 == 1
+    check_triton(case)
+    assert [kw["ROW_ALIGN"] for _, _, kw in launches] == [row_align]
+
+
+@pytest.mark.parametrize(
+    "case_name,kind,per_head",
+    [
+        ("bf16->bf16", "bfloat16", False),
+        ("fp8_e4m3/per_head", "fp8_e4m3", True),
+        ("int8_per_token_head", "int8_per_token_head", False),
+        ("fp8_per_token_head", "fp8_per_token_head", False),
+        ("nvfp4/interleave4", "nvfp4", False),
+    ],
+)
+def test_compile_cases_are_the_launches(
+    case_name: str,
+    kind: str,
+    per_head: bool,
+    launches: list[Launch],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The AOT compile cases (tools/compile_triton_kernels.py) compile what a launch into an
+    allocated cache of their geometry (8 heads of 128, 16-token NHD pages, bf16 K/V) runs: the
+    same heads per program, warps, row alignment and arguments that are multiples of 16 (Triton
+    specialises on those; zero strides are unread)."""
+    if not INTERPRETED:
+        pytest.skip("launches CPU tensors through Triton's interpreter")
+    layout = "interleave4" if kind == "nvfp4" else "linear"
+    case = make_case("cpu", kind, torch.bfloat16, num_heads=writer.CASE_HEADS, head_size=128,
+                     block_size=16, num_tokens=2, padding=0, per_head_scale=per_head,
+                     k_scale_layout=layout)  # fmt: skip
+    as_triton(case).run()
+    [(grid, args, kwargs)] = launches
+    monkeypatch.undo()  # the kernel itself again, for the cases and its argument names
+    compiled = {c.name: c for c in writer.triton_compile_cases()}[
+        f"reshape_and_cache_flash/{case_name}"
+    ]
+    names = writer.reshape_and_cache_flash_kernel.arg_names
+    places = {
+        name: arg.data_ptr() if isinstance(arg, torch.Tensor) else arg
+        for name, arg in zip(names, args, strict=False)
+    }
+    multiples = {name for name, place in places.items() if place % 16 == 0 and place != 0}
+    assert set(compiled.divisible_by_16) == multiples
+    for name in ("HEADS", "ROW_ALIGN", "PAD_K", "KIND", "SCALE_INLINE", "K_INTERLEAVE4"):
+        assert compiled.constexprs[name] == kwargs[name], name
+    assert compiled.num_warps == kwargs["num_warps"]
+    assert grid == (2, 1)
+
+
 def _special_case(device: str, kind: str, dtype: torch.dtype, k_scale, v_scale) -> Case:
     """The compiled op's edge-value rows (E2M1 / FP8 ties, saturation, zeros, NaN, Inf,
     subnormals) as keys, reversed as values."""

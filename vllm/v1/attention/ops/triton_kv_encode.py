@@ -210,16 +210,18 @@ def f32_to_int8_rne_sat(y):
     return signed.to(tl.uint32, bitcast=True) & 0xFF
 
 
-# --- Row writers: one (token, head) row of a cache side, for the writer kernel. ---
+# --- Row writers: rows of a cache side (a token's heads), for the writer kernel. ---
+# Offsets are [R] vectors of element offsets (one per row) and ``row_ok`` [R] masks whole rows,
+# so one program stores a [R, D] tile: wide, coalesced accesses instead of a row per program.
 
 
 @triton.jit
-def write_plain_row(src_ptr, src_off, dst_ptr, dst_off, D: tl.constexpr, D_PAD: tl.constexpr,
-                 SRC: tl.constexpr, DST: tl.constexpr):  # fmt: skip
-    """Unquantized row: bits copied when the dtypes agree, else widened and rounded to DST."""
-    d = tl.arange(0, D_PAD)
-    mask = d < D
-    raw = tl.load(src_ptr + src_off + d, mask=mask, other=0)
+def write_plain_rows(src_ptr, src_off, dst_ptr, dst_off, row_ok, D: tl.constexpr,
+                     D_PAD: tl.constexpr, SRC: tl.constexpr, DST: tl.constexpr):  # fmt: skip
+    """Unquantized rows: bits copied when the dtypes agree, else widened and rounded to DST."""
+    d = tl.arange(0, D_PAD)[None, :]
+    mask = row_ok[:, None] & (d < D)
+    raw = tl.load(src_ptr + src_off[:, None] + d, mask=mask, other=0)
     if SRC == DST:
         out = raw
     else:
@@ -228,49 +230,60 @@ def write_plain_row(src_ptr, src_off, dst_ptr, dst_off, D: tl.constexpr, D_PAD: 
             out = bits.to(tl.int32, bitcast=True)
         else:
             out = bits.to(tl.uint16).to(tl.int16, bitcast=True)
-    tl.store(dst_ptr + dst_off + d, out, mask=mask)
+    tl.store(dst_ptr + dst_off[:, None] + d, out, mask=mask)
 
 
 @triton.jit
-def write_fp8_row(src_ptr, src_off, dst_ptr, dst_off, scale, D: tl.constexpr, D_PAD: tl.constexpr,
-               SRC: tl.constexpr, E5M2: tl.constexpr):  # fmt: skip
-    """FP8 row: ``fp8(x / scale)``, saturating, NaN -> 0x7F."""
-    d = tl.arange(0, D_PAD)
-    mask = d < D
-    x = from_bits(source_to_f32_bits(tl.load(src_ptr + src_off + d, mask=mask, other=0), SRC))
-    y = tl.math.div_rn(x, tl.zeros_like(x) + scale)
+def write_fp8_rows(src_ptr, src_off, dst_ptr, dst_off, row_ok, scale, D: tl.constexpr,
+                   D_PAD: tl.constexpr, SRC: tl.constexpr, E5M2: tl.constexpr):  # fmt: skip
+    """FP8 rows: ``fp8(x / scale)`` (``scale`` [R]), saturating, NaN -> 0x7F."""
+    d = tl.arange(0, D_PAD)[None, :]
+    mask = row_ok[:, None] & (d < D)
+    raw = tl.load(src_ptr + src_off[:, None] + d, mask=mask, other=0)
+    x = from_bits(source_to_f32_bits(raw, SRC))
+    y = tl.math.div_rn(x, tl.zeros_like(x) + scale[:, None])
     code = f32_to_e5m2(y) if E5M2 else f32_to_e4m3(y)
-    tl.store(dst_ptr + dst_off + d, code.to(tl.uint8), mask=mask)
+    tl.store(dst_ptr + dst_off[:, None] + d, code.to(tl.uint8), mask=mask)
 
 
 @triton.jit
-def write_per_token_head_row(src_ptr, src_off, dst_ptr, dst_off, scale_ptr, scale_off,
-                          D: tl.constexpr, D_PAD: tl.constexpr, SRC: tl.constexpr,
-                          FP8: tl.constexpr, QMAX: tl.constexpr, FLOOR: tl.constexpr,
-                          SCALE_INLINE: tl.constexpr):  # fmt: skip
-    """Per-token-head row: scale = max(finite amax / QMAX, FLOOR) (NaN for a row holding a NaN,
-    whose bytes are 0), bytes = int8 / e4m3 of ``x * (1 / scale)``. The scale's fp32 bits go
-    after the row, little-endian, one byte at a time (SCALE_INLINE), or into an int32 view of a
-    separate scale cache."""
-    d = tl.arange(0, D_PAD)
-    mask = d < D
-    bits = source_to_f32_bits(tl.load(src_ptr + src_off + d, mask=mask, other=0), SRC)
+def write_per_token_head_rows(src_ptr, src_off, dst_ptr, dst_off, row_ok, scale_ptr, scale_off,
+                              D: tl.constexpr, D_PAD: tl.constexpr, SRC: tl.constexpr,
+                              FP8: tl.constexpr, QMAX: tl.constexpr, FLOOR: tl.constexpr,
+                              SCALE_INLINE: tl.constexpr, ROW_ALIGN: tl.constexpr):  # fmt: skip
+    """Per-token-head rows: scale = max(finite amax / QMAX, FLOOR) (NaN for a row holding a
+    NaN, whose bytes are 0), bytes = int8 / e4m3 of ``x * (1 / scale)``. The scale's fp32 bits
+    go after the row, little-endian (SCALE_INLINE), or into an int32 view of a separate scale
+    cache at ``scale_off``. ``ROW_ALIGN``: the byte alignment the host found for every row and
+    inline scale (4: rows stored 4 bytes at a time, each scale one 4-byte store; 1: bytes)."""
+    dst_rows = dst_off[:, None]
+    if ROW_ALIGN % 4 == 0:
+        dst_rows = tl.multiple_of(dst_rows, [4, 4])
+    d = tl.arange(0, D_PAD)[None, :]
+    mask = row_ok[:, None] & (d < D)
+    bits = source_to_f32_bits(tl.load(src_ptr + src_off[:, None] + d, mask=mask, other=0), SRC)
     a = bits & F32_ABS_MASK
-    has_nan = tl.max(tl.where(mask & (a > F32_INF_BITS), 1, 0), axis=0) > 0
+    has_nan = tl.max(tl.where(mask & (a > F32_INF_BITS), 1, 0), axis=1) > 0
     # |x| orders like its bits; Inf and NaN do not count.
-    amax = from_bits(tl.max(tl.where(mask & (a < F32_INF_BITS), a, 0), axis=0))
-    scale = tl.maximum(tl.math.div_rn(amax, tl.full([], QMAX, tl.float32)), FLOOR)
-    inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), scale)
-    y = from_bits(bits) * inv
+    amax = from_bits(tl.max(tl.where(mask & (a < F32_INF_BITS), a, 0), axis=1))
+    scale = tl.maximum(tl.math.div_rn(amax, tl.zeros_like(amax) + QMAX), FLOOR)
+    inv = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
+    y = from_bits(bits) * inv[:, None]
     code = f32_to_e4m3(y) if FP8 else f32_to_int8_rne_sat(y)
-    code = tl.where(has_nan, 0, code)
-    tl.store(dst_ptr + dst_off + d, code.to(tl.uint8), mask=mask)
+    code = tl.where(has_nan[:, None], 0, code)
+    tl.store(dst_ptr + dst_rows + d, code.to(tl.uint8), mask=mask)
     scale_bits = tl.where(has_nan, F32_NAN_BITS, as_bits(scale))
-    if SCALE_INLINE:
+    if SCALE_INLINE and ROW_ALIGN % 4 == 0:
+        word = (dst_ptr + tl.multiple_of(dst_off + D, 4)).to(
+            tl.pointer_type(tl.uint32), bitcast=True
+        )
+        tl.store(word, scale_bits, mask=row_ok)
+    elif SCALE_INLINE:
         for b in tl.static_range(4):
-            tl.store(dst_ptr + dst_off + D + b, ((scale_bits >> (8 * b)) & 0xFF).to(tl.uint8))
+            byte = ((scale_bits >> (8 * b)) & 0xFF).to(tl.uint8)
+            tl.store(dst_ptr + dst_off + D + b, byte, mask=row_ok)
     else:
-        tl.store(scale_ptr + scale_off, scale_bits.to(tl.int32, bitcast=True))
+        tl.store(scale_ptr + scale_off, scale_bits.to(tl.int32, bitcast=True), mask=row_ok)
 
 
 @triton.jit
@@ -300,27 +313,18 @@ def nvfp4_candidate_error(src_ptr, group_off, gmask, c, inv, SRC: tl.constexpr):
 
 
 @triton.jit
-def write_nvfp4_row(src_ptr, src_off, dst_ptr, data_off, scale_row_off, tok, scale, token_step,
-                 D: tl.constexpr, G_PAD: tl.constexpr, SRC: tl.constexpr,
-                 INTERLEAVE4: tl.constexpr, SEARCH: tl.constexpr):  # fmt: skip
-    """NVFP4 row: per group of 16, block-scale byte sf = e4m3((amax * inv) / 6) with
+def write_nvfp4_groups(src_ptr, src_off, dst_ptr, data_off, scale_off, group_ok, scale,
+                       SRC: tl.constexpr, SEARCH: tl.constexpr):  # fmt: skip
+    """NVFP4 16-element groups, one per row: ``src_off`` (source elements), ``data_off`` (8
+    data bytes), ``scale_off`` (the block-scale byte, at its linear or interleave4 place) and
+    the global ``scale`` are [R] vectors. Block-scale byte sf = e4m3((amax * inv) / 6) with
     inv = 1 / scale (0x7F and zero data for a group holding a NaN), codes E2M1(x * (inv / sf)),
-    even element in the low nibble. SEARCH (nvfp4_mse): the best of sf, sf - 1, sf + 1 by squared
-    group error. ``scale_row_off`` is the scale plane's entry of (token row 0 of this
-    interleave block, head), ``tok`` the token's row in its page."""
-    G: tl.constexpr = D // 16
-    QUARTER: tl.constexpr = G // 4
-    g = tl.arange(0, G_PAD)
-    gmask = g < G
-    gi = g[:, None]
-    j = tl.arange(0, 8)[None, :]
-    mask2 = (gi < G) & (j < 8)
-    even = source_to_f32_bits(
-        tl.load(src_ptr + src_off + gi * 16 + 2 * j, mask=mask2, other=0), SRC
-    )
-    odd = source_to_f32_bits(
-        tl.load(src_ptr + src_off + gi * 16 + 2 * j + 1, mask=mask2, other=0), SRC
-    )
+    even element in the low nibble. SEARCH (nvfp4_mse): the best of sf, sf - 1, sf + 1 by
+    squared group error."""
+    mask = group_ok[:, None] & (tl.arange(0, 16) < 16)[None, :]
+    raw = tl.load(src_ptr + src_off[:, None] + tl.arange(0, 16)[None, :], mask=mask, other=0)
+    # One contiguous load per group, split into its even and odd elements.
+    even, odd = tl.split(tl.reshape(source_to_f32_bits(raw, SRC), [raw.shape[0], 8, 2]))
     ae = even & F32_ABS_MASK
     ao = odd & F32_ABS_MASK
     has_nan = (tl.max(tl.where((ae > F32_INF_BITS) | (ao > F32_INF_BITS), 1, 0), axis=1)) > 0
@@ -328,20 +332,20 @@ def write_nvfp4_row(src_ptr, src_off, dst_ptr, data_off, scale_row_off, tok, sca
         tl.max(tl.where(ae > F32_INF_BITS, 0, ae), axis=1),
         tl.max(tl.where(ao > F32_INF_BITS, 0, ao), axis=1),
     )
-    inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), scale)
-    block_scale = tl.math.div_rn(from_bits(amax_bits) * inv, tl.zeros([G_PAD], tl.float32) + 6.0)
+    inv = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
+    amax = from_bits(amax_bits)
+    block_scale = tl.math.div_rn(amax * inv, tl.zeros_like(amax) + 6.0)
     block_scale = tl.where(has_nan, from_bits(amax_bits * 0 + F32_NAN_BITS), block_scale)
     sf = f32_to_e4m3(block_scale)
     if SEARCH:
-        group_off = src_off + g * 16
         plain = has_nan | (amax_bits == F32_INF_BITS) | (amax_bits == 0)
         best = sf
-        best_err = nvfp4_candidate_error(src_ptr, group_off, gmask, sf, inv, SRC)
-        err_m = nvfp4_candidate_error(src_ptr, group_off, gmask, sf - 1, inv, SRC)
+        best_err = nvfp4_candidate_error(src_ptr, src_off, group_ok, sf, inv, SRC)
+        err_m = nvfp4_candidate_error(src_ptr, src_off, group_ok, sf - 1, inv, SRC)
         take = (sf >= 1) & (err_m < best_err)  # strictly smaller: ties keep the earlier
         best = tl.where(take, sf - 1, best)
         best_err = tl.where(take, err_m, best_err)
-        err_p = nvfp4_candidate_error(src_ptr, group_off, gmask, sf + 1, inv, SRC)
+        err_p = nvfp4_candidate_error(src_ptr, src_off, group_ok, sf + 1, inv, SRC)
         take = (sf + 1 <= 0x7E) & (err_p < best_err)
         best = tl.where(take, sf + 1, best)
         sf = tl.where(plain, sf, best)
@@ -350,10 +354,6 @@ def write_nvfp4_row(src_ptr, src_off, dst_ptr, data_off, scale_row_off, tok, sca
     lo = f32_to_e2m1(from_bits(even) * mult[:, None])
     hi = f32_to_e2m1(from_bits(odd) * mult[:, None])
     packed = tl.where((sf == FP8_NAN_BYTE)[:, None], 0, (hi << 4) | lo)
-    tl.store(dst_ptr + data_off + gi * 8 + j, packed.to(tl.uint8), mask=mask2)
-    if INTERLEAVE4:
-        # Row (t // 4) * 4 + g // QUARTER, column (g % QUARTER) * 4 + t % 4 of the [N, S] plane.
-        scale_off = scale_row_off + (g // QUARTER) * token_step * G + (g % QUARTER) * 4 + tok % 4
-    else:
-        scale_off = scale_row_off + g
-    tl.store(dst_ptr + scale_off, sf.to(tl.uint8), mask=gmask)
+    j = tl.arange(0, 8)[None, :]
+    tl.store(dst_ptr + data_off[:, None] + j, packed.to(tl.uint8), mask=group_ok[:, None] & (j < 8))
+    tl.store(dst_ptr + scale_off, sf.to(tl.uint8), mask=group_ok)

@@ -11,7 +11,8 @@ first (a zero-token call: the same errors, nothing written). Upstream's
 :func:`triton_reshape_and_cache_flash_per_token_head_quant` (separate fp32 scale caches) and
 :func:`triton_reshape_and_cache_flash_diffkv` (K and V in one row) share the kernel.
 
-One program writes one (token, head): its K row, then its V row. The encoders
+One program writes the K rows, then the V rows, of up to :func:`heads_per_program` heads of one
+token (a ``[heads, D]`` tile per side: wide accesses, few programs). The encoders
 (:mod:`.triton_kv_encode`) are integer-exact, so the bytes are the reference codecs' under
 Triton's interpreter (CPU tensors, no GPU) and on a GPU alike.
 """
@@ -25,16 +26,16 @@ import torch
 from vllm.kv_quant.kv_scale import kv_scale_as_1d
 from vllm.kv_quant.per_token_head import PER_TOKEN_HEAD_SCALE_FLOOR, per_token_head_qmax
 from vllm.kv_quant.scale_layout import ScaleLayout
-from vllm.triton_utils import HAS_TRITON, tl, triton
+from vllm.triton_utils import HAS_TRITON, row_alignment, tl, triton
 from vllm.triton_utils.aot import TritonCompileCase
 from vllm.v1.attention.ops.triton_kv_encode import (
     SRC_BF16,
     SRC_FP16,
     SRC_FP32,
-    write_fp8_row,
-    write_nvfp4_row,
-    write_per_token_head_row,
-    write_plain_row,
+    write_fp8_rows,
+    write_nvfp4_groups,
+    write_per_token_head_rows,
+    write_plain_rows,
 )
 from vllm.v1.kv_cache_format import NVFP4_GROUP_SIZE, KVCacheFormat, KVQuantMode, lookup
 
@@ -54,38 +55,74 @@ KIND_INT8_PTH = 4
 KIND_FP8_PTH = 5
 
 
+WRITER_TILE_ELEMENTS = 1024
+"""Most padded row elements of one cache side a writer program stores: 8 per thread at 4 warps,
+so a bf16 row tile moves in 16-byte accesses (a program per (token, head) moved 2 bytes per
+thread)."""
+
+
+def heads_per_program(num_heads: int, row_elements: int) -> int:
+    """Heads of one token a writer program writes: all of them (a power of two covering
+    ``num_heads``) up to :data:`WRITER_TILE_ELEMENTS` padded elements of ``row_elements``."""
+    all_heads = 1 << (max(num_heads, 1) - 1).bit_length()  # plain ints: listed without Triton
+    fit = max(1, WRITER_TILE_ELEMENTS // row_elements)
+    return min(all_heads, 1 << (fit.bit_length() - 1))
+
+
+def writer_num_warps(tile_elements: int) -> int:
+    """Warps of a writer program storing ``tile_elements`` padded elements per side: 8 elements
+    per thread, 1 to 8 warps."""
+    return max(1, min(8, tile_elements // 256))
+
+
 @triton.jit
-def _write_side(src_ptr, src_off, dst_ptr, block, tok, head, block_stride, token_stride,
-                head_stride, scale_ptr, aux_block_stride, aux_token_stride, aux_head_stride,
-                scale_region_off, D: tl.constexpr, D_PAD: tl.constexpr, KIND: tl.constexpr,
-                SRC: tl.constexpr, DST: tl.constexpr, SCALE_PER_HEAD: tl.constexpr,
-                INTERLEAVE4: tl.constexpr, SEARCH: tl.constexpr, QMAX: tl.constexpr,
-                FLOOR: tl.constexpr, SCALE_INLINE: tl.constexpr):  # fmt: skip
-    """One (token, head) row of one cache side. Strides are in cache elements; NVFP4's token and
-    head strides count entries (rows of D/2 data or D/16 scale bytes)."""
+def _write_side(src_ptr, src_off, dst_ptr, block, tok, head0, num_heads, block_stride,
+                token_stride, head_stride, scale_ptr, aux_block_stride, aux_token_stride,
+                aux_head_stride, scale_region_off, D: tl.constexpr, D_PAD: tl.constexpr,
+                HEADS: tl.constexpr, KIND: tl.constexpr, SRC: tl.constexpr, DST: tl.constexpr,
+                SCALE_PER_HEAD: tl.constexpr, INTERLEAVE4: tl.constexpr, SEARCH: tl.constexpr,
+                QMAX: tl.constexpr, FLOOR: tl.constexpr, SCALE_INLINE: tl.constexpr,
+                ROW_ALIGN: tl.constexpr):  # fmt: skip
+    """Rows of heads ``head0 .. head0 + HEADS - 1`` (those < ``num_heads``) of one token of one
+    cache side; ``src_off`` is the token's first source element (its ``[H, D]`` is dense).
+    Strides are in cache elements; NVFP4's token and head strides count entries (rows of D/2
+    data or D/16 scale bytes), and its ``D_PAD`` pads the D/16 groups."""
     # KIND: KIND_PLAIN 0, KIND_FP8_E4M3 1, KIND_FP8_E5M2 2, KIND_NVFP4 3, per-token-head 4 / 5.
-    if KIND == 0:
-        entry = block * block_stride + tok * token_stride + head * head_stride
-        write_plain_row(src_ptr, src_off, dst_ptr, entry, D, D_PAD, SRC, DST)
-    elif KIND == 1 or KIND == 2:
-        entry = block * block_stride + tok * token_stride + head * head_stride
-        scale = tl.load(scale_ptr + (head if SCALE_PER_HEAD else 0))
-        write_fp8_row(src_ptr, src_off, dst_ptr, entry, scale, D, D_PAD, SRC, KIND == 2)
-    elif KIND == 3:
-        scale = tl.load(scale_ptr + (head if SCALE_PER_HEAD else 0))
+    if KIND == 3:
+        G: tl.constexpr = D // 16
+        QUARTER: tl.constexpr = G // 4
+        r = tl.arange(0, HEADS * D_PAD)  # one row per 16-element group
+        head = head0 + r // D_PAD
+        g = r % D_PAD
+        ok = (head < num_heads) & (g < G)
+        scale = tl.load(scale_ptr + (head if SCALE_PER_HEAD else head * 0), mask=ok, other=1.0)
         page = block * block_stride
-        data_off = page + (tok * token_stride + head * head_stride) * (D // 2)
-        row0 = (tok // 4) * 4 if INTERLEAVE4 else tok
-        scale_row_off = (
-            page + scale_region_off + (row0 * token_stride + head * head_stride) * (D // 16)
-        )
-        write_nvfp4_row(src_ptr, src_off, dst_ptr, data_off, scale_row_off, tok, scale,
-                        token_stride, D, D_PAD, SRC, INTERLEAVE4, SEARCH)  # fmt: skip
+        data_off = page + (tok * token_stride + head * head_stride) * (D // 2) + g * 8
+        scale_plane = page + scale_region_off
+        if INTERLEAVE4:
+            # Row (t // 4) * 4 + g // QUARTER, column (g % QUARTER) * 4 + t % 4 of the [N, S]
+            # plane of the head.
+            srow = (tok // 4) * 4 + g // QUARTER
+            scale_off = (srow * token_stride + head * head_stride) * G + (g % QUARTER) * 4 + tok % 4
+        else:
+            scale_off = (tok * token_stride + head * head_stride) * G + g
+        write_nvfp4_groups(src_ptr, src_off + head * D + g * 16, dst_ptr, data_off,
+                           scale_plane + scale_off, ok, scale, SRC, SEARCH)  # fmt: skip
     else:
+        head = head0 + tl.arange(0, HEADS)
+        ok = head < num_heads
+        rows = src_off + head * D
         entry = block * block_stride + tok * token_stride + head * head_stride
-        aux = block * aux_block_stride + tok * aux_token_stride + head * aux_head_stride
-        write_per_token_head_row(src_ptr, src_off, dst_ptr, entry, scale_ptr, aux, D, D_PAD, SRC,
-                              KIND == 5, QMAX, FLOOR, SCALE_INLINE)  # fmt: skip
+        if KIND == 0:
+            write_plain_rows(src_ptr, rows, dst_ptr, entry, ok, D, D_PAD, SRC, DST)
+        elif KIND == 1 or KIND == 2:
+            scale = tl.load(scale_ptr + (head if SCALE_PER_HEAD else head * 0), mask=ok, other=1.0)
+            write_fp8_rows(src_ptr, rows, dst_ptr, entry, ok, scale, D, D_PAD, SRC, KIND == 2)
+        else:
+            aux = block * aux_block_stride + tok * aux_token_stride + head * aux_head_stride
+            write_per_token_head_rows(src_ptr, rows, dst_ptr, entry, ok, scale_ptr, aux, D, D_PAD,
+                                      SRC, KIND == 5, QMAX, FLOOR, SCALE_INLINE,
+                                      ROW_ALIGN)  # fmt: skip
 
 
 @triton.jit
@@ -96,32 +133,35 @@ def reshape_and_cache_flash_kernel(
     v_block_stride, v_token_stride, v_head_stride,
     ks_block_stride, ks_token_stride, ks_head_stride,
     vs_block_stride, vs_token_stride, vs_head_stride,
-    k_scale_region_off, v_scale_region_off, block_size, num_slots,
+    k_scale_region_off, v_scale_region_off, block_size, num_slots, num_heads,
     D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, PAD_V: tl.constexpr,
-    KIND: tl.constexpr, SRC: tl.constexpr, DST: tl.constexpr,
+    HEADS: tl.constexpr, KIND: tl.constexpr, SRC: tl.constexpr, DST: tl.constexpr,
     K_PER_HEAD: tl.constexpr, V_PER_HEAD: tl.constexpr,
     K_INTERLEAVE4: tl.constexpr, V_INTERLEAVE4: tl.constexpr, SEARCH: tl.constexpr,
-    QMAX: tl.constexpr, FLOOR: tl.constexpr, SCALE_INLINE: tl.constexpr,
+    QMAX: tl.constexpr, FLOOR: tl.constexpr, SCALE_INLINE: tl.constexpr, ROW_ALIGN: tl.constexpr,
 ):  # fmt: skip
-    """Grid (num_tokens, num_heads): writes K then V of one (token, head). Slots < 0 (padding)
-    and >= num_slots are skipped. PAD_*: next power of 2 of the row (NVFP4: of D / 16 groups).
-    ``k_scale_ptr`` / ``v_scale_ptr``: the fp32 dequantization scale ([1] or [H]) of FP8 /
-    NVFP4, or an int32 view of a per-token-head scale cache (strides ``ks_*`` / ``vs_*``)."""
+    """Grid (num_tokens, cdiv(num_heads, HEADS)): writes K then V of ``HEADS`` heads of one
+    token. Slots < 0 (padding) and >= num_slots are skipped. PAD_*: next power of 2 of the row
+    (NVFP4: of D / 16 groups). ``k_scale_ptr`` / ``v_scale_ptr``: the fp32 dequantization scale
+    ([1] or [H]) of FP8 / NVFP4, or an int32 view of a per-token-head scale cache (strides
+    ``ks_*`` / ``vs_*``)."""
     tok_idx = tl.program_id(0).to(tl.int64)  # source offsets may pass 2^31 elements
-    head = tl.program_id(1)
+    head0 = tl.program_id(1) * HEADS
     slot = tl.load(slot_mapping_ptr + tok_idx).to(tl.int64)
     if (slot < 0) | (slot >= num_slots):
         return
     block = slot // block_size
     tok = slot % block_size
-    _write_side(key_ptr, tok_idx * key_stride + head * D_K, key_cache_ptr, block, tok, head,
+    _write_side(key_ptr, tok_idx * key_stride, key_cache_ptr, block, tok, head0, num_heads,
                 k_block_stride, k_token_stride, k_head_stride, k_scale_ptr, ks_block_stride,
-                ks_token_stride, ks_head_stride, k_scale_region_off, D_K, PAD_K, KIND, SRC, DST,
-                K_PER_HEAD, K_INTERLEAVE4, SEARCH, QMAX, FLOOR, SCALE_INLINE)  # fmt: skip
-    _write_side(value_ptr, tok_idx * value_stride + head * D_V, value_cache_ptr, block, tok, head,
+                ks_token_stride, ks_head_stride, k_scale_region_off, D_K, PAD_K, HEADS, KIND, SRC,
+                DST, K_PER_HEAD, K_INTERLEAVE4, SEARCH, QMAX, FLOOR, SCALE_INLINE,
+                ROW_ALIGN)  # fmt: skip
+    _write_side(value_ptr, tok_idx * value_stride, value_cache_ptr, block, tok, head0, num_heads,
                 v_block_stride, v_token_stride, v_head_stride, v_scale_ptr, vs_block_stride,
-                vs_token_stride, vs_head_stride, v_scale_region_off, D_V, PAD_V, KIND, SRC, DST,
-                V_PER_HEAD, V_INTERLEAVE4, SEARCH, QMAX, FLOOR, SCALE_INLINE)  # fmt: skip
+                vs_token_stride, vs_head_stride, v_scale_region_off, D_V, PAD_V, HEADS, KIND, SRC,
+                DST, V_PER_HEAD, V_INTERLEAVE4, SEARCH, QMAX, FLOOR, SCALE_INLINE,
+                ROW_ALIGN)  # fmt: skip
 
 
 # Element dtype -> (SRC / DST code, the integer dtype the kernel reads and writes its bits as).
@@ -275,16 +315,23 @@ def _launch(
     src, bits_dtype = _BITS_VIEW[key.dtype]
     nvfp4 = kind == KIND_NVFP4
     pads = [_pad(d // NVFP4_GROUP_SIZE if nvfp4 else d) for d in (d_k, d_v)]
+    row_elements = max(pads) * (NVFP4_GROUP_SIZE if nvfp4 else 1)
+    per_program = heads_per_program(heads, row_elements)
     region = [block_size * heads * (d // 2) if nvfp4 else 0 for d in (d_k, d_v)]
-    reshape_and_cache_flash_kernel[(num_tokens, heads)](
+    row_align = 1  # read by the per-token-head rows alone (a constexpr: one compile for others)
+    if kind in (KIND_INT8_PTH, KIND_FP8_PTH):
+        row_align = row_alignment(sides[0].data_ptr(), sides[1].data_ptr(), *strides[0],
+                                  *strides[1], d_k, d_v)  # fmt: skip
+    grid = (num_tokens, triton.cdiv(heads, per_program))
+    reshape_and_cache_flash_kernel[grid](
         key.view(bits_dtype), value.view(bits_dtype), sides[0], sides[1], scales[0], scales[1],
         slot_mapping, key.stride(0), value.stride(0), *strides[0], *strides[1],
-        *scale_strides[0], *scale_strides[1], region[0], region[1], block_size, num_slots,
-        D_K=d_k, D_V=d_v, PAD_K=pads[0], PAD_V=pads[1], KIND=kind, SRC=src, DST=dst,
-        K_PER_HEAD=per_head[0], V_PER_HEAD=per_head[1], K_INTERLEAVE4=interleave4[0],
+        *scale_strides[0], *scale_strides[1], region[0], region[1], block_size, num_slots, heads,
+        D_K=d_k, D_V=d_v, PAD_K=pads[0], PAD_V=pads[1], HEADS=per_program, KIND=kind, SRC=src,
+        DST=dst, K_PER_HEAD=per_head[0], V_PER_HEAD=per_head[1], K_INTERLEAVE4=interleave4[0],
         V_INTERLEAVE4=interleave4[1], SEARCH=search, QMAX=qmax,
-        FLOOR=PER_TOKEN_HEAD_SCALE_FLOOR, SCALE_INLINE=scale_inline,
-        num_warps=max(1, min(8, max(pads) // 32)), enable_fp_fusion=False,
+        FLOOR=PER_TOKEN_HEAD_SCALE_FLOOR, SCALE_INLINE=scale_inline, ROW_ALIGN=row_align,
+        num_warps=writer_num_warps(per_program * row_elements), enable_fp_fusion=False,
     )  # fmt: skip
 
 
@@ -456,6 +503,10 @@ def triton_reshape_and_cache_flash_diffkv(
             per_head=(k_scale.numel() > 1, v_scale.numel() > 1))  # fmt: skip
 
 
+CASE_HEADS = 8
+"""KV heads of the compile cases (a GQA model's 8 KV heads of 128)."""
+
+
 def triton_compile_cases() -> list[TritonCompileCase]:
     """The writer kernel for every format it writes (``tools/compile_triton_kernels.py``):
     unquantized same-dtype copies and casts, FP8 e4m3 / e5m2 with per-tensor and per-head
@@ -466,26 +517,43 @@ def triton_compile_cases() -> list[TritonCompileCase]:
 
     def case(name: str, kind: int, src: int = SRC_BF16, dst: int = SRC_FP32, *,
              scale: str = "*fp32", per_head: bool = False, interleave4: bool = False,
-             search: bool = False, qmax: float = 1.0,
-             inline: bool = True) -> TritonCompileCase:  # fmt: skip
+             search: bool = False, qmax: float = 1.0, inline: bool = True,
+             row_align: int = 1) -> TritonCompileCase:  # fmt: skip
         cache = bits[dst] if kind == KIND_PLAIN else "*u8"
         pad = 128 // NVFP4_GROUP_SIZE if kind == KIND_NVFP4 else 128
         signature = {"key_ptr": bits[src], "value_ptr": bits[src], "key_cache_ptr": cache,
                      "value_cache_ptr": cache, "k_scale_ptr": scale, "v_scale_ptr": scale,
                      "slot_mapping_ptr": "*i64", "block_size": "i32",
-                     "num_slots": "i64"}  # fmt: skip
+                     "num_slots": "i64", "num_heads": "i32"}  # fmt: skip
         for arg in ("key_stride", "value_stride", "k_scale_region_off", "v_scale_region_off"):
             signature[arg] = "i64"
         for side in ("k", "v", "ks", "vs"):
             for dim in ("block", "token", "head"):
                 signature[f"{side}_{dim}_stride"] = "i64"
-        constexprs = dict(D_K=128, D_V=128, PAD_K=pad, PAD_V=pad, KIND=kind, SRC=src, DST=dst,
-                          K_PER_HEAD=per_head, V_PER_HEAD=per_head, K_INTERLEAVE4=interleave4,
-                          V_INTERLEAVE4=interleave4, SEARCH=search, QMAX=qmax,
-                          FLOOR=PER_TOKEN_HEAD_SCALE_FLOOR, SCALE_INLINE=inline)  # fmt: skip
+        row_elements = pad * (NVFP4_GROUP_SIZE if kind == KIND_NVFP4 else 1)
+        heads = heads_per_program(CASE_HEADS, row_elements)
+        constexprs = dict(D_K=128, D_V=128, PAD_K=pad, PAD_V=pad, HEADS=heads, KIND=kind,
+                          SRC=src, DST=dst, K_PER_HEAD=per_head, V_PER_HEAD=per_head,
+                          K_INTERLEAVE4=interleave4, V_INTERLEAVE4=interleave4, SEARCH=search,
+                          QMAX=qmax, FLOOR=PER_TOKEN_HEAD_SCALE_FLOOR,
+                          SCALE_INLINE=inline, ROW_ALIGN=row_align)  # fmt: skip
+        # What a launch into an allocated NHD cache (16-token pages, 8 heads) passes as
+        # multiples of 16: Triton specialises on it and widens the row accesses with it.
+        hints = ["key_ptr", "value_ptr", "key_cache_ptr", "value_cache_ptr", "k_scale_ptr",
+                 "v_scale_ptr", "slot_mapping_ptr", "key_stride", "value_stride", "block_size",
+                 "num_slots", "k_block_stride", "v_block_stride"]  # fmt: skip
+        if kind == KIND_NVFP4:  # token / head strides count entries (8, 1)
+            hints += ["k_scale_region_off", "v_scale_region_off"]
+        else:  # per-token-head rows are D + 4 bytes: their head stride is not a multiple
+            hints += ["k_token_stride", "v_token_stride"]
+            if kind not in (KIND_INT8_PTH, KIND_FP8_PTH):
+                hints += ["k_head_stride", "v_head_stride"]
+            elif not inline:
+                hints += ["ks_block_stride", "vs_block_stride"]
         return TritonCompileCase(
             f"reshape_and_cache_flash/{name}", reshape_and_cache_flash_kernel, signature,
-            constexprs, num_warps=4, enable_fp_fusion=False,
+            constexprs, num_warps=writer_num_warps(heads * row_elements),
+            enable_fp_fusion=False, divisible_by_16=tuple(hints),
         )  # fmt: skip
 
     cases = [
@@ -498,9 +566,11 @@ def triton_compile_cases() -> list[TritonCompileCase]:
     for name in ("int8_per_token_head", "fp8_per_token_head"):
         fmt = lookup(name)
         qmax = per_token_head_qmax(fmt)
+        kind = _kind_of(fmt)
         cases += [
-            case(name, _kind_of(fmt), scale="*u8", qmax=qmax),
-            case(f"{name}/scale_cache", _kind_of(fmt), scale="*i32", qmax=qmax, inline=False),
+            case(name, kind, scale="*u8", qmax=qmax, row_align=4),
+            case(f"{name}/unaligned_rows", kind, scale="*u8", qmax=qmax),
+            case(f"{name}/scale_cache", kind, scale="*i32", qmax=qmax, inline=False, row_align=4),
         ]
     for search, label in ((False, "nvfp4"), (True, "nvfp4_mse")):
         for interleave4 in (False, True):

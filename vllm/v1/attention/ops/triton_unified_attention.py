@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from vllm.kv_quant import ScaleLayout, kv_scale_as_1d
-from vllm.triton_utils import triton, triton_interpreted
+from vllm.triton_utils import row_alignment, triton, triton_interpreted
 from vllm.utils.torch_utils import _nvfp4_split_data_scale
 from vllm.v1.attention.ops import triton_kv_decode as dec
 from vllm.v1.attention.ops.triton_key_rebuild import key_rebuild_args
@@ -51,12 +51,10 @@ class _Side(NamedTuple):
 
     @property
     def row_align(self) -> int:
-        """4 when every row of this side and its inline scale start on 4-byte boundaries
-        (both pointers and the ``(page, token, head)`` strides are multiples of 4), else 1.
-        Only the per-token-head decoders read it: their ``D + 4``-byte rows are never 16-byte
-        aligned, so without it each byte is its own load."""
-        addresses = (self.data.data_ptr(), self.aux.data_ptr(), *self.strides)
-        return 4 if all(a % 4 == 0 for a in addresses) else 1
+        """:func:`~vllm.triton_utils.row_alignment` of this side's rows and inline scales (both
+        pointers, the ``(page, token, head)`` strides); only the per-token-head decoders read
+        it."""
+        return row_alignment(self.data.data_ptr(), self.aux.data_ptr(), *self.strides)
 
 
 def kernel_format(fmt: KVCacheFormat, cache_dtype: torch.dtype) -> int:
@@ -102,12 +100,6 @@ def _side(
     if fmt in (dec.FMT_FP8_E4M3, dec.FMT_FP8_E5M2):
         return _Side(side.view(torch.uint8), strides, side, (0, 0, 0), False)
     return _Side(side, strides, side, (0, 0, 0), False)
-
-
-def _is_interpreted() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @functools.cache
@@ -295,7 +287,7 @@ def plan_paged_attention(
     tile_first = (tiles_end - tiles).to(torch.int32)
 
     if num_splits is None:
-        target = 1 if _is_interpreted() or device.type != "cuda" else 2 * _num_sms(device.index)
+        target = 1 if triton_interpreted() or device.type != "cuda" else 2 * _num_sms(device.index)
         num_splits = choose_num_splits(
             num_seqs * num_kv_heads, max_seq_len, num_tokens, target, tiling.tile_n
         )
