@@ -51,9 +51,12 @@ def fp8_units(byte, E5M2: tl.constexpr):
         return (byte.to(tl.uint16) << 8).to(tl.float16, bitcast=True)
     # The byte sign-extended to 16 bits and shifted by 7 has its sign in bits 15 and 14 and
     # the rest in 13..7: masking bit 14 off (0xBF80, -16512 as int16) leaves the fp16 bits.
-    b = byte.to(tl.int8, bitcast=True).to(tl.int16)
-    units = ((b << 7) & -16512).to(tl.float16, bitcast=True)
-    return tl.where((b & 0x7F) == 0x7F, float("nan"), units)
+    # Bits 13..7 are all ones for the NaN bytes alone, so adding 0x80 to them carries into bit
+    # 14 for those only: or-ed in, it makes the exponent all ones over a non-zero mantissa, an
+    # fp16 NaN, without a compare and select per element.
+    u = byte.to(tl.int8, bitcast=True).to(tl.int16) << 7
+    nan_bit = ((u & 0x3F80) + 0x80) & 0x4000
+    return ((u & -16512) | nan_bit).to(tl.float16, bitcast=True)
 
 
 @triton.jit
