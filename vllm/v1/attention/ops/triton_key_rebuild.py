@@ -147,7 +147,7 @@ def rebuilt_key_tile(
             stride_k_tok,
             stride_k_head,
             FORMAT,
-            False,
+            tl.float32,
             ROW_ALIGN,
         ).to(tl.float32)
         # e4m3 units are value * 2^-8: units * (scale * 2^8) is value * scale, rounded once

@@ -11,8 +11,9 @@ reference codec's value of :mod:`vllm.kv_quant`, bit for bit:
 * FP8 e4m3 / e5m2 (per-tensor or per-head scale): :func:`fp8_units`, the bytes' bits moved
   into exact fp16 (e4m3 times 2^-8); the kernel multiplies the scores by ``k_scale * 2^8`` and
   the output by ``v_scale * 2^8`` (``fp32(q) * scale`` rounded once, as ``dequantize_fp8``);
-* per-token-head INT8 / FP8: the integer as an exact fp16 without an int-to-float conversion
-  (its bits under 2^10's exponent, minus 1152), or the e4m3 :func:`fp8_units`; the row's fp32
+* per-token-head INT8 / FP8: the integer without an int-to-float conversion, for fp16 dots as
+  an fp16 (its bits under 2^10's exponent, minus 1152), else as an fp32 (under 2^23's, minus
+  2^23 + 128), or the e4m3 :func:`fp8_units`; the row's fp32
   scale (:func:`load_row_scale`: 4 inline little-endian bytes after the row, this library's
   layout, or upstream's separate ``k_scale_cache``; times 2^8 for e4m3) multiplies the key's
   scores and the value's probabilities (``p * scale`` then times the value: one rounding, as
@@ -177,16 +178,17 @@ def load_kv_tile(
     stride_tok,
     stride_head,
     FORMAT: tl.constexpr,
-    BF16_OUT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
     ROW_ALIGN: tl.constexpr,
 ):
     """Values of one cache side (any format but NVFP4, see :func:`nvfp4_tile`) at
     (``page``, ``tok``) x ``dim`` of KV head ``head``, without their scales (the kernel
-    applies them to the scores / the probabilities / the output, not per element): fp32, exact,
-    except the byte formats' fp16 (FP8 and per-token-head FP8: :func:`fp8_units`, e4m3 times
-    2^-8; per-token-head INT8: the integer; both to be multiplied by the row's
-    :func:`load_row_scale`) and bf16 pages with ``BF16_OUT`` (bf16 queries, never under the
-    interpreter, whose bf16 is wrong): their bits as bf16.
+    applies them to the scores / the probabilities / the output, not per element), exact, for
+    a dot in ``DOT_DTYPE`` (the query's dtype, or fp32): FP8 and per-token-head FP8 as fp16
+    units (:func:`fp8_units`, e4m3 times 2^-8); per-token-head INT8 as the integer, in fp16 for
+    fp16 dots, else in fp32 (both to be multiplied by the row's :func:`load_row_scale`); bf16
+    pages for bf16 dots (never under the interpreter, whose bf16 is wrong) as their bits; the
+    rest in fp32.
 
     ``page`` (int64) / ``tok`` and ``dim`` broadcast against each other (e.g. ``[1, N]`` and
     ``[D, 1]`` for a transposed key tile); ``key_mask`` / ``dim_mask`` have their shapes.
@@ -198,14 +200,17 @@ def load_kv_tile(
     row = page * stride_page + tok * stride_tok + head * stride_head
     if (FORMAT == 4 or FORMAT == 5) and ROW_ALIGN % 4 == 0:
         row = tl.multiple_of(row, [4, 4])
-    if FORMAT == 4:  # int8 v: fp16 1024 + (v + 128) from the bits, minus 1152 (exact)
+    if FORMAT == 4 and DOT_DTYPE.is_fp16():  # int8 v: fp16 1024 + (v + 128), minus 1152
         byte = tl.load(cache_ptr + row + dim, mask=mask, other=0).to(tl.uint16)
         value = (byte ^ 0x6480).to(tl.float16, bitcast=True) - 1152.0
+    elif FORMAT == 4:  # int8 v: fp32 2^23 + (v + 128), minus 2^23 + 128 (exact; exact in bf16)
+        byte = tl.load(cache_ptr + row + dim, mask=mask, other=0).to(tl.uint32)
+        value = (byte ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
     elif FORMAT == 2 or FORMAT == 3 or FORMAT == 5:  # FP8: unscaled fp16 units (fp8_units)
         value = fp8_units(tl.load(cache_ptr + row + dim, mask=mask, other=0), FORMAT == 3)
     elif FORMAT == 1:
         bits = tl.load(cache_ptr + row + dim, mask=mask, other=0)
-        if BF16_OUT:  # the bits as they are (no widening and rounding back for a bf16 dot)
+        if DOT_DTYPE.is_bf16():  # the bits as they are (no widening and rounding back)
             value = bits.to(tl.bfloat16, bitcast=True)
         else:
             value = from_bits(source_to_f32_bits(bits, 2))  # 2: SRC_BF16

@@ -165,6 +165,7 @@ def paged_attention_kernel(
     # E2M1 * sf / NVFP4_UNIT.
     E4M3_UNITS: tl.constexpr = FORMAT == 2 or FORMAT == 5
     UNIT: tl.constexpr = NVFP4_UNIT if FORMAT == 6 else (256.0 if E4M3_UNITS else 1.0)
+    DOT_DTYPE: tl.constexpr = tl.float32 if FP32_DOT else q_ptr.dtype.element_ty
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -308,7 +309,7 @@ def paged_attention_kernel(
                     stride_k_tok,
                     stride_k_head,
                     FORMAT,
-                    q.dtype == tl.bfloat16,
+                    DOT_DTYPE,
                     ROW_ALIGN,
                 )
             if FP32_DOT:
@@ -369,7 +370,7 @@ def paged_attention_kernel(
                 stride_v_tok,
                 stride_v_head,
                 FORMAT,
-                q.dtype == tl.bfloat16,
+                DOT_DTYPE,
                 ROW_ALIGN,
             )
         if FORMAT == 4 or FORMAT == 5:  # per-token-head: each value row's scale
