@@ -310,6 +310,9 @@ def test_ctrl_c_is_one_line() -> None:
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        # SIGINT as a terminal delivers it: a shell without job control starts background
+        # commands with it ignored, and Python then never raises KeyboardInterrupt.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert proc.stderr is not None
     first = proc.stderr.read(1)  # the bar (or a load warning): the benchmark has started
