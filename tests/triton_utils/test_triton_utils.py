@@ -21,7 +21,7 @@ WITHOUT_TRITON = "import sys\nsys.modules['triton'] = None\n"
 def test_imports_without_triton() -> None:
     code = (
         WITHOUT_TRITON + "from vllm.triton_utils import HAS_TRITON, tl, triton\n"
-        "import vllm.v1.attention.ops.triton_reshape_and_cache_flash as w\n"
+        "import vllm.v1.attention.ops.triton_reshape_and_cache_flash_cases as w\n"
         "assert not HAS_TRITON\n"
         "assert triton.jit(len) is len and triton.jit()(len) is len\n"
         "assert tl.constexpr(7) == 7 and tl.int64 is None\n"

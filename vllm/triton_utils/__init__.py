@@ -37,7 +37,7 @@ def triton_interpreted() -> bool:
 def row_alignment(*places: int) -> int:
     """The ``ROW_ALIGN`` of rows of bytes whose start and pieces lie at ``places`` (addresses,
     strides and offsets, in bytes): 4 when every one is a multiple of 4, else 1. Kernels move
-    4-byte-aligned rows a word at a time; per-token-head rows (``D + 4`` bytes) are never
+    4-byte-aligned rows a word at a time; per-token-head rows (``D + 4`` bytes) are not all
     16-byte aligned, so without it each byte is its own access."""
     return 4 if all(place % 4 == 0 for place in places) else 1
 

@@ -233,7 +233,9 @@ def _rebased(view: torch.Tensor, old: list[torch.Tensor], new: list[torch.Tensor
         if view.untyped_storage().data_ptr() == o.untyped_storage().data_ptr():
             # The view's place in bytes from the buffer's start, which may lie inside its storage.
             start = view.storage_offset() * size - o.storage_offset() * o.element_size()
-            offset = (start + n.storage_offset() * n.element_size()) // size
+            start += n.storage_offset() * n.element_size()
+            assert start % size == 0, "the view's place is not a whole number of its elements"
+            offset = start // size
             return torch.as_strided(n.view(view.dtype), view.shape, view.stride(), offset)
     raise AssertionError("view does not live in any buffer")
 

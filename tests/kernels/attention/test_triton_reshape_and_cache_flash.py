@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from vllm import _custom_ops as ops
 from vllm.triton_utils import HAS_TRITON
 from vllm.v1.attention.ops import triton_reshape_and_cache_flash as writer
+from vllm.v1.attention.ops import triton_reshape_and_cache_flash_cases as cases
 from vllm.v1.attention.ops.triton_reshape_and_cache_flash import triton_reshape_and_cache_flash
 from vllm.v1.kv_cache_format import lookup
 
@@ -60,7 +61,7 @@ TRITON_DEVICES = [
 ]
 PER_TOKEN_HEAD = ["int8_per_token_head", "fp8_per_token_head"]
 ALL_KINDS = [*(k for k, _ in KIND_AND_DTYPE), *PER_TOKEN_HEAD]
-# Small pages: the interpreter costs ~1 ms per program (token x head), nvfp4_mse ~0.5 s.
+# Small pages: the interpreter costs ~1 ms per program (a token's heads), nvfp4_mse ~0.5 s.
 SMALL = dict(num_blocks=3, block_size=4, num_heads=2, num_tokens=6, padding=2, skip_every=4)
 TINY_MSE = dict(num_blocks=2, block_size=4, num_heads=1, num_tokens=3, padding=1, skip_every=3)
 
@@ -293,8 +294,6 @@ def test_head_blocks(device: str, kind: str, launches: list) -> None:
     assert [(grid, kw["HEADS"]) for grid, _, kw in launches] == [((3, 2), 2)]
 
 
-@pytest.mark.parametrize("device", TRITON_DEVICES)
-@pytest.mark.parametrize("kind", PER_TOKEN_HEAD)
 def _one_byte_off(case: Case) -> Case:
     """``case`` with its buffers, and the cache views in them, one byte further on."""
     moved = []
@@ -332,6 +331,7 @@ def test_per_token_head_row_alignment(
         ("int8_per_token_head", "int8_per_token_head", False),
         ("fp8_per_token_head", "fp8_per_token_head", False),
         ("nvfp4/interleave4", "nvfp4", False),
+        ("nvfp4_mse/linear", "nvfp4_mse", False),
     ],
 )
 def test_compile_cases_are_the_launches(
@@ -341,33 +341,47 @@ def test_compile_cases_are_the_launches(
     launches: list[Launch],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The AOT compile cases (tools/compile_triton_kernels.py) compile what a launch into an
-    allocated cache of their geometry (8 heads of 128, 16-token NHD pages, bf16 K/V) runs: the
-    same heads per program, warps, row alignment and arguments that are multiples of 16 (Triton
-    specialises on those; zero strides are unread)."""
+    """The AOT compile cases (tools/compile_triton_kernels.py) compile what a launch through
+    the public function into a cache of their geometry (8 heads of 128, 16-token NHD pages,
+    bf16 K/V) runs: the same argument types, constants (integers equal to 1), arguments that
+    are multiples of 16, constexprs and warps."""
     if not INTERPRETED:
         pytest.skip("launches CPU tensors through Triton's interpreter")
-    layout = "interleave4" if kind == "nvfp4" else "linear"
-    case = make_case("cpu", kind, torch.bfloat16, num_heads=writer.CASE_HEADS, head_size=128,
-                     block_size=16, num_tokens=2, padding=0, per_head_scale=per_head,
+    layout = case_name.split("/")[-1] if kind.startswith("nvfp4") else "linear"
+    case = make_case("cpu", kind, torch.bfloat16, num_heads=cases.CASE_HEADS,
+                     head_size=cases.CASE_HEAD_SIZE, block_size=cases.CASE_BLOCK_SIZE,
+                     num_tokens=1, padding=0, skip_every=0, per_head_scale=per_head,
                      k_scale_layout=layout)  # fmt: skip
     as_triton(case).run()
     [(grid, args, kwargs)] = launches
-    monkeypatch.undo()  # the kernel itself again, for the cases and its argument names
-    compiled = {c.name: c for c in writer.triton_compile_cases()}[
-        f"reshape_and_cache_flash/{case_name}"
-    ]
-    names = writer.reshape_and_cache_flash_kernel.arg_names
-    places = {
-        name: arg.data_ptr() if isinstance(arg, torch.Tensor) else arg
-        for name, arg in zip(names, args, strict=False)
-    }
-    multiples = {name for name, place in places.items() if place % 16 == 0 and place != 0}
-    assert set(compiled.divisible_by_16) == multiples
-    for name in ("HEADS", "ROW_ALIGN", "PAD_K", "KIND", "SCALE_INLINE", "K_INTERLEAVE4"):
-        assert compiled.constexprs[name] == kwargs[name], name
-    assert compiled.num_warps == kwargs["num_warps"]
-    assert grid == (2, 1)
+    monkeypatch.undo()  # the kernel itself again, for the cases
+    constexprs = {k: v for k, v in kwargs.items() if k not in ("num_warps", "enable_fp_fusion")}
+    launched = cases.case_from_launch(
+        case_name, writer.WriterLaunch(grid, args, constexprs, kwargs["num_warps"])
+    )
+    compiled = {c.name: c for c in cases.triton_compile_cases()}[launched.name]
+    assert compiled.signature == launched.signature
+    assert compiled.constexprs == launched.constexprs
+    assert set(compiled.divisible_by_16) == set(launched.divisible_by_16)
+    assert compiled.num_warps == launched.num_warps == 4
+    assert grid == (1, 1)
+
+
+def test_compile_cases_specialise_as_triton() -> None:
+    """case_from_launch types, constants and hints arguments as Triton's launch does (an
+    integer equal to 1 a constant, 0 and other multiples of 16 hinted, i64 past 2^31)."""
+    names = cases._runtime_arg_names()
+    tensor = torch.zeros(4, dtype=torch.uint8)
+    values = {"key_stride": 1, "value_stride": 2**31 + 16, "k_block_stride": 0,
+              "k_token_stride": 24, "key_ptr": tensor[1:]}  # fmt: skip
+    args = tuple(values.get(n, tensor) for n in names)
+    got = cases.case_from_launch("x", writer.WriterLaunch((1, 1), args, {}, 4))
+    assert got.constexprs == {"key_stride": 1} and "key_stride" not in got.signature
+    assert got.signature["value_stride"] == "i64" and got.signature["k_token_stride"] == "i32"
+    assert got.signature["key_ptr"] == "*u8"
+    hinted = set(got.divisible_by_16)
+    assert {"value_stride", "k_block_stride", "value_ptr"} <= hinted
+    assert not {"k_token_stride", "key_ptr"} & hinted
 
 
 def _special_case(device: str, kind: str, dtype: torch.dtype, k_scale, v_scale) -> Case:

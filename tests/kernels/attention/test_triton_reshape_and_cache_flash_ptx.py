@@ -41,7 +41,7 @@ import json, re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from vllm.v1.attention.ops.triton_reshape_and_cache_flash import triton_compile_cases
+from vllm.v1.attention.ops.triton_reshape_and_cache_flash_cases import triton_compile_cases
 
 opcodes = {}
 for case in triton_compile_cases():

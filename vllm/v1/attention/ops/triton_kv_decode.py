@@ -193,7 +193,7 @@ def load_kv_tile(
     ``page`` (int64) / ``tok`` and ``dim`` broadcast against each other (e.g. ``[1, N]`` and
     ``[D, 1]`` for a transposed key tile); ``key_mask`` / ``dim_mask`` have their shapes.
     Strides are in elements of ``cache_ptr`` (bytes for the quantized formats). Masked
-    elements are 0. ``ROW_ALIGN``: per-token-head rows (``D + 4`` bytes, so never 16-byte
+    elements are 0. ``ROW_ALIGN``: per-token-head rows (``D + 4`` bytes, so not all 16-byte
     aligned) start on multiples of it; 4 lets the compiler load them 4 bytes at a time.
     """
     mask = key_mask & dim_mask

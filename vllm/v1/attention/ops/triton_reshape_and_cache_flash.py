@@ -20,6 +20,7 @@ Triton's interpreter (CPU tensors, no GPU) and on a GPU alike.
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Any, NamedTuple
 
 import torch
 
@@ -27,7 +28,6 @@ from vllm.kv_quant.kv_scale import kv_scale_as_1d
 from vllm.kv_quant.per_token_head import PER_TOKEN_HEAD_SCALE_FLOOR, per_token_head_qmax
 from vllm.kv_quant.scale_layout import ScaleLayout
 from vllm.triton_utils import HAS_TRITON, row_alignment, tl, triton
-from vllm.triton_utils.aot import TritonCompileCase
 from vllm.v1.attention.ops.triton_kv_encode import (
     SRC_BF16,
     SRC_FP16,
@@ -40,7 +40,9 @@ from vllm.v1.attention.ops.triton_kv_encode import (
 from vllm.v1.kv_cache_format import NVFP4_GROUP_SIZE, KVCacheFormat, KVQuantMode, lookup
 
 __all__ = [
-    "triton_compile_cases",
+    "WriterLaunch",
+    "plan_per_token_head_quant",
+    "plan_reshape_and_cache_flash",
     "triton_reshape_and_cache_flash",
     "triton_reshape_and_cache_flash_diffkv",
     "triton_reshape_and_cache_flash_per_token_head_quant",
@@ -61,12 +63,17 @@ so a bf16 row tile moves in 16-byte accesses (a program per (token, head) moved 
 thread)."""
 
 
+def _pad(n: int) -> int:
+    """The next power of 2 (plain ints: launches are planned without Triton, for the compile
+    cases)."""
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
 def heads_per_program(num_heads: int, row_elements: int) -> int:
     """Heads of one token a writer program writes: all of them (a power of two covering
     ``num_heads``) up to :data:`WRITER_TILE_ELEMENTS` padded elements of ``row_elements``."""
-    all_heads = 1 << (max(num_heads, 1) - 1).bit_length()  # plain ints: listed without Triton
     fit = max(1, WRITER_TILE_ELEMENTS // row_elements)
-    return min(all_heads, 1 << (fit.bit_length() - 1))
+    return min(_pad(num_heads), 1 << (fit.bit_length() - 1))
 
 
 def writer_num_warps(tile_elements: int) -> int:
@@ -282,11 +289,27 @@ def _page_strides(cache: torch.Tensor, last_dim: int) -> tuple[int, int, int]:
     return block, last_dim, block_size * last_dim
 
 
-def _pad(n: int) -> int:
-    return triton.next_power_of_2(max(n, 1))
+class WriterLaunch(NamedTuple):
+    """One launch of :func:`reshape_and_cache_flash_kernel`, every argument prepared: calling it
+    writes (nothing for an empty grid). The compile cases are built from such launches
+    (:mod:`.triton_reshape_and_cache_flash_cases`)."""
+
+    grid: tuple[int, int]
+    args: tuple[torch.Tensor | int, ...]
+    """The kernel's runtime arguments, in order: tensors for pointers, ints."""
+    constexprs: dict[str, Any]
+    num_warps: int
+
+    def __call__(self) -> None:
+        _check(HAS_TRITON, "triton: expected Triton installed (pip install triton), got none")
+        if self.grid[0] == 0:
+            return
+        reshape_and_cache_flash_kernel[self.grid](
+            *self.args, **self.constexprs, num_warps=self.num_warps, enable_fp_fusion=False
+        )
 
 
-def _launch(
+def _plan(
     key: torch.Tensor,
     value: torch.Tensor,
     sides: tuple[torch.Tensor, torch.Tensor],
@@ -304,14 +327,12 @@ def _launch(
     search: bool = False,
     qmax: float = 1.0,
     scale_inline: bool = True,
-) -> None:
-    """Launch the writer over (tokens, heads); no-op for empty input. ``sides`` are the K / V
-    cache tensors already viewed as the dtype the kernel stores (int bits or uint8)."""
+) -> WriterLaunch:
+    """The writer's launch over (tokens, head blocks); an empty grid for empty input. ``sides``
+    are the K / V cache tensors already viewed as the dtype the kernel stores (int bits or
+    uint8)."""
     num_tokens = slot_mapping.shape[0]
     heads, d_k, d_v = key.shape[1], key.shape[2], value.shape[2]
-    _check(HAS_TRITON, "triton: expected Triton installed (pip install triton), got none")
-    if num_tokens == 0 or heads == 0 or d_k == 0 or d_v == 0:
-        return
     src, bits_dtype = _BITS_VIEW[key.dtype]
     nvfp4 = kind == KIND_NVFP4
     pads = [_pad(d // NVFP4_GROUP_SIZE if nvfp4 else d) for d in (d_k, d_v)]
@@ -322,17 +343,20 @@ def _launch(
     if kind in (KIND_INT8_PTH, KIND_FP8_PTH):
         row_align = row_alignment(sides[0].data_ptr(), sides[1].data_ptr(), *strides[0],
                                   *strides[1], d_k, d_v)  # fmt: skip
-    grid = (num_tokens, triton.cdiv(heads, per_program))
-    reshape_and_cache_flash_kernel[grid](
+    empty = num_tokens == 0 or heads == 0 or d_k == 0 or d_v == 0
+    grid = (0 if empty else num_tokens, -(-heads // per_program))
+    args = (
         key.view(bits_dtype), value.view(bits_dtype), sides[0], sides[1], scales[0], scales[1],
         slot_mapping, key.stride(0), value.stride(0), *strides[0], *strides[1],
         *scale_strides[0], *scale_strides[1], region[0], region[1], block_size, num_slots, heads,
+    )  # fmt: skip
+    constexprs = dict(
         D_K=d_k, D_V=d_v, PAD_K=pads[0], PAD_V=pads[1], HEADS=per_program, KIND=kind, SRC=src,
         DST=dst, K_PER_HEAD=per_head[0], V_PER_HEAD=per_head[1], K_INTERLEAVE4=interleave4[0],
         V_INTERLEAVE4=interleave4[1], SEARCH=search, QMAX=qmax,
         FLOOR=PER_TOKEN_HEAD_SCALE_FLOOR, SCALE_INLINE=scale_inline, ROW_ALIGN=row_align,
-        num_warps=writer_num_warps(per_program * row_elements), enable_fp_fusion=False,
     )  # fmt: skip
+    return WriterLaunch(grid, args, constexprs, writer_num_warps(per_program * row_elements))
 
 
 def triton_reshape_and_cache_flash(
@@ -363,6 +387,27 @@ def triton_reshape_and_cache_flash(
         )  # fmt: skip
     num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
     _check_slot_mapping(slot_mapping, key.shape[0], num_blocks * block_size)
+    plan_reshape_and_cache_flash(
+        key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
+        k_scale_layout, v_scale_layout,
+    )()  # fmt: skip
+
+
+def plan_reshape_and_cache_flash(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    k_scale_layout: ScaleLayout | str | None = None,
+    v_scale_layout: ScaleLayout | str | None = None,
+) -> WriterLaunch:
+    """The launch of :func:`triton_reshape_and_cache_flash` for arguments it has checked
+    (nothing runs until the result is called)."""
+    num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
     fmt = lookup(kv_cache_dtype)
     kind = _kind_of(fmt)
     d_k, d_v = key.shape[2], value.shape[2]
@@ -373,14 +418,13 @@ def triton_reshape_and_cache_flash(
     if kind == KIND_PLAIN:
         dst, bits = _BITS_VIEW[key_cache.dtype]
         sides = (key_cache.view(bits), value_cache.view(bits))
-        _launch(key, value, sides, strides, (k_scale, v_scale), no_aux, slot_mapping,
-                num_blocks * block_size, block_size, kind=kind, dst=dst)  # fmt: skip
-        return
+        return _plan(key, value, sides, strides, (k_scale, v_scale), no_aux, slot_mapping,
+                     num_blocks * block_size, block_size, kind=kind, dst=dst)  # fmt: skip
     sides = (key_cache.view(torch.uint8), value_cache.view(torch.uint8))
     if fmt.is_per_token_head:
-        _launch(key, value, sides, strides, sides, no_aux, slot_mapping, num_blocks * block_size,
-                block_size, kind=kind, qmax=per_token_head_qmax(fmt))  # fmt: skip
-        return
+        return _plan(key, value, sides, strides, sides, no_aux, slot_mapping,
+                     num_blocks * block_size, block_size, kind=kind,
+                     qmax=per_token_head_qmax(fmt))  # fmt: skip
     per_head = (k_scale.numel() > 1, v_scale.numel() > 1)
     interleave4 = (False, False)
     if kind == KIND_NVFP4:
@@ -394,9 +438,10 @@ def triton_reshape_and_cache_flash(
         interleave4 = (k_layout == ScaleLayout.INTERLEAVE4, v_layout == ScaleLayout.INTERLEAVE4)
         # NVFP4 token / head strides count entries of the page's data and scale regions.
         strides = tuple((b, t // f, h // f) for (b, t, h), f in zip(strides, last, strict=True))
-    _launch(key, value, sides, strides, (k_scale.reshape(-1), v_scale.reshape(-1)), no_aux,
-            slot_mapping, num_blocks * block_size, block_size, kind=kind, per_head=per_head,
-            interleave4=interleave4, search=fmt.scale_search)  # fmt: skip
+    return _plan(key, value, sides, strides, (k_scale.reshape(-1), v_scale.reshape(-1)),
+                 no_aux, slot_mapping, num_blocks * block_size, block_size, kind=kind,
+                 per_head=per_head, interleave4=interleave4,
+                 search=fmt.scale_search)  # fmt: skip
 
 
 def _check_paged(cache: torch.Tensor, name: str, lead: list[int], last: int) -> None:
@@ -445,14 +490,31 @@ def triton_reshape_and_cache_flash_per_token_head_quant(
             f"{name}: expected a float32 tensor {lead}, got {_dtype_name(sc.dtype)} of shape "
             f"{list(sc.shape)}",
         )
-    num_slots = lead[0] * lead[1]
-    _check_slot_mapping(slot_mapping, key.shape[0], num_slots)
+    _check_slot_mapping(slot_mapping, key.shape[0], lead[0] * lead[1])
+    plan_per_token_head_quant(
+        key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping
+    )()
+
+
+def plan_per_token_head_quant(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    k_scale_cache: torch.Tensor,
+    v_scale_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> WriterLaunch:
+    """The launch of :func:`triton_reshape_and_cache_flash_per_token_head_quant` for arguments
+    it has checked (nothing runs until the result is called)."""
+    fp8 = key_cache.dtype in (torch.float8_e4m3fn, torch.uint8)
     fmt = lookup("fp8_per_token_head" if fp8 else "int8_per_token_head")
     sides = (key_cache.view(torch.uint8), value_cache.view(torch.uint8))
     scales = (k_scale_cache.view(torch.int32), v_scale_cache.view(torch.int32))
-    _launch(key, value, sides, tuple(tuple(c.stride()[:3]) for c in sides), scales,
-            tuple(tuple(s.stride()) for s in scales), slot_mapping, num_slots, lead[1],
-            kind=_kind_of(fmt), qmax=per_token_head_qmax(fmt), scale_inline=False)  # fmt: skip
+    return _plan(key, value, sides, tuple(tuple(c.stride()[:3]) for c in sides), scales,
+                 tuple(tuple(s.stride()) for s in scales), slot_mapping,
+                 key_cache.shape[0] * key_cache.shape[1], key_cache.shape[1], kind=_kind_of(fmt),
+                 qmax=per_token_head_qmax(fmt), scale_inline=False)  # fmt: skip
 
 
 def triton_reshape_and_cache_flash_diffkv(
@@ -498,84 +560,6 @@ def triton_reshape_and_cache_flash_diffkv(
     dst, bits = _BITS_VIEW[kv_cache.dtype] if kind == KIND_PLAIN else (SRC_FP32, torch.uint8)
     view = kv_cache.view(bits)
     stride = tuple(view.stride()[:3])
-    _launch(key, value, (view[..., :d_k], view[..., d_k:]), (stride, stride), (k_scale, v_scale),
-            ((0, 0, 0), (0, 0, 0)), slot_mapping, num_slots, lead[1], kind=kind, dst=dst,
-            per_head=(k_scale.numel() > 1, v_scale.numel() > 1))  # fmt: skip
-
-
-CASE_HEADS = 8
-"""KV heads of the compile cases (a GQA model's 8 KV heads of 128)."""
-
-
-def triton_compile_cases() -> list[TritonCompileCase]:
-    """The writer kernel for every format it writes (``tools/compile_triton_kernels.py``):
-    unquantized same-dtype copies and casts, FP8 e4m3 / e5m2 with per-tensor and per-head
-    scales, per-token-head INT8 / FP8 with inline and separate scales, NVFP4 and nvfp4_mse with
-    linear and interleave4 scale layouts; head size 128, bf16 K/V unless the case casts."""
-    bits = {SRC_FP32: "*i32", SRC_FP16: "*i16", SRC_BF16: "*i16"}
-    names = {SRC_FP32: "fp32", SRC_FP16: "fp16", SRC_BF16: "bf16"}
-
-    def case(name: str, kind: int, src: int = SRC_BF16, dst: int = SRC_FP32, *,
-             scale: str = "*fp32", per_head: bool = False, interleave4: bool = False,
-             search: bool = False, qmax: float = 1.0, inline: bool = True,
-             row_align: int = 1) -> TritonCompileCase:  # fmt: skip
-        cache = bits[dst] if kind == KIND_PLAIN else "*u8"
-        pad = 128 // NVFP4_GROUP_SIZE if kind == KIND_NVFP4 else 128
-        signature = {"key_ptr": bits[src], "value_ptr": bits[src], "key_cache_ptr": cache,
-                     "value_cache_ptr": cache, "k_scale_ptr": scale, "v_scale_ptr": scale,
-                     "slot_mapping_ptr": "*i64", "block_size": "i32",
-                     "num_slots": "i64", "num_heads": "i32"}  # fmt: skip
-        for arg in ("key_stride", "value_stride", "k_scale_region_off", "v_scale_region_off"):
-            signature[arg] = "i64"
-        for side in ("k", "v", "ks", "vs"):
-            for dim in ("block", "token", "head"):
-                signature[f"{side}_{dim}_stride"] = "i64"
-        row_elements = pad * (NVFP4_GROUP_SIZE if kind == KIND_NVFP4 else 1)
-        heads = heads_per_program(CASE_HEADS, row_elements)
-        constexprs = dict(D_K=128, D_V=128, PAD_K=pad, PAD_V=pad, HEADS=heads, KIND=kind,
-                          SRC=src, DST=dst, K_PER_HEAD=per_head, V_PER_HEAD=per_head,
-                          K_INTERLEAVE4=interleave4, V_INTERLEAVE4=interleave4, SEARCH=search,
-                          QMAX=qmax, FLOOR=PER_TOKEN_HEAD_SCALE_FLOOR,
-                          SCALE_INLINE=inline, ROW_ALIGN=row_align)  # fmt: skip
-        # What a launch into an allocated NHD cache (16-token pages, 8 heads) passes as
-        # multiples of 16: Triton specialises on it and widens the row accesses with it.
-        hints = ["key_ptr", "value_ptr", "key_cache_ptr", "value_cache_ptr", "k_scale_ptr",
-                 "v_scale_ptr", "slot_mapping_ptr", "key_stride", "value_stride", "block_size",
-                 "num_slots", "k_block_stride", "v_block_stride"]  # fmt: skip
-        if kind == KIND_NVFP4:  # token / head strides count entries (8, 1)
-            hints += ["k_scale_region_off", "v_scale_region_off"]
-        else:  # per-token-head rows are D + 4 bytes: their head stride is not a multiple
-            hints += ["k_token_stride", "v_token_stride"]
-            if kind not in (KIND_INT8_PTH, KIND_FP8_PTH):
-                hints += ["k_head_stride", "v_head_stride"]
-            elif not inline:
-                hints += ["ks_block_stride", "vs_block_stride"]
-        return TritonCompileCase(
-            f"reshape_and_cache_flash/{name}", reshape_and_cache_flash_kernel, signature,
-            constexprs, num_warps=writer_num_warps(heads * row_elements),
-            enable_fp_fusion=False, divisible_by_16=tuple(hints),
-        )  # fmt: skip
-
-    cases = [
-        case(f"{names[s]}->{names[d]}", KIND_PLAIN, s, d)
-        for s in (SRC_FP32, SRC_FP16, SRC_BF16)
-        for d in (SRC_FP32, SRC_FP16, SRC_BF16)
-    ]
-    for kind, label in ((KIND_FP8_E4M3, "fp8_e4m3"), (KIND_FP8_E5M2, "fp8_e5m2")):
-        cases += [case(label, kind), case(f"{label}/per_head", kind, per_head=True)]
-    for name in ("int8_per_token_head", "fp8_per_token_head"):
-        fmt = lookup(name)
-        qmax = per_token_head_qmax(fmt)
-        kind = _kind_of(fmt)
-        cases += [
-            case(name, kind, scale="*u8", qmax=qmax, row_align=4),
-            case(f"{name}/unaligned_rows", kind, scale="*u8", qmax=qmax),
-            case(f"{name}/scale_cache", kind, scale="*i32", qmax=qmax, inline=False, row_align=4),
-        ]
-    for search, label in ((False, "nvfp4"), (True, "nvfp4_mse")):
-        for interleave4 in (False, True):
-            layout = "interleave4" if interleave4 else "linear"
-            cases.append(case(f"{label}/{layout}", KIND_NVFP4, interleave4=interleave4,
-                              search=search))  # fmt: skip
-    cases.append(case("fp16/nvfp4/per_head", KIND_NVFP4, SRC_FP16, per_head=True))
-    return cases
+    _plan(key, value, (view[..., :d_k], view[..., d_k:]), (stride, stride), (k_scale, v_scale),
+          ((0, 0, 0), (0, 0, 0)), slot_mapping, num_slots, lead[1], kind=kind, dst=dst,
+          per_head=(k_scale.numel() > 1, v_scale.numel() > 1))()  # fmt: skip
