@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import os
 import pkgutil
 from collections.abc import Callable, Iterator, Sequence
@@ -33,8 +34,10 @@ __all__ = [
     "SM8X_MAX_SHARED_BYTES",
     "CompileResult",
     "TritonCompileCase",
+    "case_from_launch",
     "compile_case",
     "find_case_modules",
+    "runtime_arg_names",
 ]
 
 # Compute capabilities the kernels must build for: Ampere, Hopper, Blackwell.
@@ -69,6 +72,66 @@ class TritonCompileCase:
     """Arguments that launches pass as multiples of 16 (pointers: 16-byte aligned addresses;
     integers: values). Triton specialises a launch on exactly that (and vectorises loads with
     it), so hinting them here compiles the code those launches run."""
+
+
+# Triton's pointer type per tensor dtype (the name after "torch.").
+_POINTER_TYPES = {
+    "int8": "*i8",
+    "uint8": "*u8",
+    "int16": "*i16",
+    "int32": "*i32",
+    "int64": "*i64",
+    "float16": "*fp16",
+    "bfloat16": "*bf16",
+    "float32": "*fp32",
+}
+
+
+def runtime_arg_names(kernel: Any) -> list[str]:
+    """A ``@triton.jit`` kernel's non-constexpr parameters, in order (with Triton or its
+    placeholder, which leaves the function as it is)."""
+    fn = getattr(kernel, "fn", kernel)
+    params = inspect.signature(fn).parameters.values()
+    return [p.name for p in params if "constexpr" not in str(p.annotation)]
+
+
+def case_from_launch(
+    name: str,
+    kernel: Any,
+    args: Sequence[Any],
+    constexprs: dict[str, object],
+    *,
+    num_warps: int,
+    enable_fp_fusion: bool = True,
+) -> TritonCompileCase:
+    """The compile case of a launch of ``kernel`` with runtime ``args`` (tensors for pointers,
+    ints) and ``constexprs``, as Triton specialises it: pointers typed by their tensor's
+    dtype, integers ``i32`` (``i64`` past 2^31), an integer equal to 1 a constant, and pointers
+    at 16-byte boundaries and integers that are multiples of 16 (0 too) hinted."""
+    signature: dict[str, str] = {}
+    case_constexprs = dict(constexprs)
+    hints = []
+    for arg_name, arg in zip(runtime_arg_names(kernel), args, strict=True):
+        if hasattr(arg, "data_ptr"):
+            signature[arg_name] = _POINTER_TYPES[str(arg.dtype).removeprefix("torch.")]
+            place = arg.data_ptr()
+        elif arg == 1:
+            case_constexprs[arg_name] = 1
+            continue
+        else:
+            signature[arg_name] = "i32" if -(2**31) <= arg < 2**31 else "i64"
+            place = arg
+        if place % 16 == 0:
+            hints.append(arg_name)
+    return TritonCompileCase(
+        name,
+        kernel,
+        signature,
+        case_constexprs,
+        num_warps=num_warps,
+        enable_fp_fusion=enable_fp_fusion,
+        divisible_by_16=tuple(hints),
+    )
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 
 from vllm import _custom_ops as ops
 from vllm.triton_utils import HAS_TRITON
+from vllm.triton_utils.aot import case_from_launch, runtime_arg_names
 from vllm.v1.attention.ops import triton_reshape_and_cache_flash as writer
 from vllm.v1.attention.ops import triton_reshape_and_cache_flash_cases as cases
 from vllm.v1.attention.ops.triton_reshape_and_cache_flash import triton_reshape_and_cache_flash
@@ -356,7 +357,7 @@ def test_compile_cases_are_the_launches(
     [(grid, args, kwargs)] = launches
     monkeypatch.undo()  # the kernel itself again, for the cases
     constexprs = {k: v for k, v in kwargs.items() if k not in ("num_warps", "enable_fp_fusion")}
-    launched = cases.case_from_launch(
+    launched = cases._case(
         case_name, writer.WriterLaunch(grid, args, constexprs, kwargs["num_warps"])
     )
     compiled = {c.name: c for c in cases.triton_compile_cases()}[launched.name]
@@ -368,14 +369,16 @@ def test_compile_cases_are_the_launches(
 
 
 def test_compile_cases_specialise_as_triton() -> None:
-    """case_from_launch types, constants and hints arguments as Triton's launch does (an
-    integer equal to 1 a constant, 0 and other multiples of 16 hinted, i64 past 2^31)."""
-    names = cases._runtime_arg_names()
+    """vllm.triton_utils.aot.case_from_launch types, constants and hints arguments as
+    Triton's launch does (an integer equal to 1 a constant, 0 and other multiples of 16 hinted,
+    i64 past 2^31)."""
+    kernel = writer.reshape_and_cache_flash_kernel
+    names = runtime_arg_names(kernel)
     tensor = torch.zeros(4, dtype=torch.uint8)
     values = {"key_stride": 1, "value_stride": 2**31 + 16, "k_block_stride": 0,
               "k_token_stride": 24, "key_ptr": tensor[1:]}  # fmt: skip
     args = tuple(values.get(n, tensor) for n in names)
-    got = cases.case_from_launch("x", writer.WriterLaunch((1, 1), args, {}, 4))
+    got = case_from_launch("x", kernel, args, {}, num_warps=4)
     assert got.constexprs == {"key_stride": 1} and "key_stride" not in got.signature
     assert got.signature["value_stride"] == "i64" and got.signature["k_token_stride"] == "i32"
     assert got.signature["key_ptr"] == "*u8"

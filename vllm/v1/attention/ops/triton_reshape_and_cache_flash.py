@@ -28,6 +28,7 @@ from vllm.kv_quant.kv_scale import kv_scale_as_1d
 from vllm.kv_quant.per_token_head import PER_TOKEN_HEAD_SCALE_FLOOR, per_token_head_qmax
 from vllm.kv_quant.scale_layout import ScaleLayout
 from vllm.triton_utils import HAS_TRITON, row_alignment, tl, triton
+from vllm.utils.math_utils import cdiv, next_power_of_2
 from vllm.v1.attention.ops.triton_kv_encode import (
     SRC_BF16,
     SRC_FP16,
@@ -63,17 +64,11 @@ so a bf16 row tile moves in 16-byte accesses (a program per (token, head) moved 
 thread)."""
 
 
-def _pad(n: int) -> int:
-    """The next power of 2 (plain ints: launches are planned without Triton, for the compile
-    cases)."""
-    return 1 << (max(n, 1) - 1).bit_length()
-
-
 def heads_per_program(num_heads: int, row_elements: int) -> int:
     """Heads of one token a writer program writes: all of them (a power of two covering
     ``num_heads``) up to :data:`WRITER_TILE_ELEMENTS` padded elements of ``row_elements``."""
     fit = max(1, WRITER_TILE_ELEMENTS // row_elements)
-    return min(_pad(num_heads), 1 << (fit.bit_length() - 1))
+    return min(next_power_of_2(num_heads), 1 << (fit.bit_length() - 1))
 
 
 def writer_num_warps(tile_elements: int) -> int:
@@ -335,7 +330,7 @@ def _plan(
     heads, d_k, d_v = key.shape[1], key.shape[2], value.shape[2]
     src, bits_dtype = _BITS_VIEW[key.dtype]
     nvfp4 = kind == KIND_NVFP4
-    pads = [_pad(d // NVFP4_GROUP_SIZE if nvfp4 else d) for d in (d_k, d_v)]
+    pads = [next_power_of_2(d // NVFP4_GROUP_SIZE if nvfp4 else d) for d in (d_k, d_v)]
     row_elements = max(pads) * (NVFP4_GROUP_SIZE if nvfp4 else 1)
     per_program = heads_per_program(heads, row_elements)
     region = [block_size * heads * (d // 2) if nvfp4 else 0 for d in (d_k, d_v)]
@@ -344,7 +339,7 @@ def _plan(
         row_align = row_alignment(sides[0].data_ptr(), sides[1].data_ptr(), *strides[0],
                                   *strides[1], d_k, d_v)  # fmt: skip
     empty = num_tokens == 0 or heads == 0 or d_k == 0 or d_v == 0
-    grid = (0 if empty else num_tokens, -(-heads // per_program))
+    grid = (0 if empty else num_tokens, cdiv(heads, per_program))
     args = (
         key.view(bits_dtype), value.view(bits_dtype), sides[0], sides[1], scales[0], scales[1],
         slot_mapping, key.stride(0), value.stride(0), *strides[0], *strides[1],

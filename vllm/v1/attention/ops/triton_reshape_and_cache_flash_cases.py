@@ -4,16 +4,14 @@ over small CPU tensors of one geometry (8 KV heads of 128, 16-token NHD pages of
 ``[B, 2, N, H, D']`` allocation, one bf16 token unless the case casts) and compiles what that
 launch runs. Its argument types, the integers equal to 1 (constants) and the arguments that are
 multiples of 16 (16-byte aligned pointers, divisible integers) follow Triton's launch
-specialisation, so the compile gives the code a launch into such a cache runs (design.md
-§11.4)."""
+specialisation (:func:`~vllm.triton_utils.aot.case_from_launch`), so the compile gives the code
+a launch into such a cache runs (design.md §11.4)."""
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
-from vllm.triton_utils.aot import TritonCompileCase
+from vllm.triton_utils.aot import TritonCompileCase, case_from_launch
 from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
 from vllm.v1.attention.ops.triton_reshape_and_cache_flash import (
     WriterLaunch,
@@ -28,50 +26,17 @@ CASE_HEADS = 8
 CASE_HEAD_SIZE = 128
 CASE_BLOCK_SIZE = 16
 
-_POINTER_TYPES = {
-    torch.int16: "*i16",
-    torch.int32: "*i32",
-    torch.int64: "*i64",
-    torch.uint8: "*u8",
-    torch.float32: "*fp32",
-}
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def _runtime_arg_names() -> list[str]:
-    """The kernel's non-constexpr parameters, in order (with or without Triton installed)."""
-    fn = getattr(reshape_and_cache_flash_kernel, "fn", reshape_and_cache_flash_kernel)
-    params = inspect.signature(fn).parameters.values()
-    return [p.name for p in params if "constexpr" not in str(p.annotation)]
-
-
-def case_from_launch(name: str, launch: WriterLaunch) -> TritonCompileCase:
-    """The compile case of ``launch`` as Triton specialises it: pointers typed by their tensor's
-    dtype, integers ``i32`` (``i64`` past 2^31), an integer equal to 1 a constant, and the
-    pointers at 16-byte boundaries and integers that are multiples of 16 (0 too) hinted."""
-    signature: dict[str, str] = {}
-    constexprs = dict(launch.constexprs)
-    hints = []
-    for arg_name, arg in zip(_runtime_arg_names(), launch.args, strict=True):
-        if isinstance(arg, torch.Tensor):
-            signature[arg_name] = _POINTER_TYPES[arg.dtype]
-            place = arg.data_ptr()
-        elif arg == 1:
-            constexprs[arg_name] = 1
-            continue
-        else:
-            signature[arg_name] = "i32" if -(2**31) <= arg < 2**31 else "i64"
-            place = arg
-        if place % 16 == 0:
-            hints.append(arg_name)
-    return TritonCompileCase(
+def _case(name: str, launch: WriterLaunch) -> TritonCompileCase:
+    return case_from_launch(
         f"reshape_and_cache_flash/{name}",
         reshape_and_cache_flash_kernel,
-        signature,
-        constexprs,
+        launch.args,
+        launch.constexprs,
         num_warps=launch.num_warps,
         enable_fp_fusion=False,
-        divisible_by_16=tuple(hints),
     )
 
 
@@ -111,7 +76,7 @@ def _flash_case(
     launch = plan_reshape_and_cache_flash(key, key.clone(), key_cache, value_cache, slots,
                                           kv_cache_dtype, scale, scale.clone(), layout,
                                           None)  # fmt: skip
-    return case_from_launch(name, launch)
+    return _case(name, launch)
 
 
 def _scale_cache_case(name: str, kv_cache_dtype: str) -> TritonCompileCase:
@@ -124,7 +89,7 @@ def _scale_cache_case(name: str, kv_cache_dtype: str) -> TritonCompileCase:
     slots = torch.zeros(1, dtype=torch.int64)
     launch = plan_per_token_head_quant(key, key.clone(), kv[:, 0], kv[:, 1], scales[:, 0],
                                        scales[:, 1], slots)  # fmt: skip
-    return case_from_launch(name, launch)
+    return _case(name, launch)
 
 
 def triton_compile_cases() -> list[TritonCompileCase]:
