@@ -20,8 +20,8 @@ inline constexpr std::string_view kNvfp4MseDtypeString = "nvfp4_mse";
 
 // Every kv_cache_dtype string the cache ops accept (the parsers below), for error messages. The
 // op parses the strings itself because upstream engines call it directly; the Python side of this
-// table is the format registry (vllm/v1/kv_cache_format.py, `cache_kind`), and
-// tests/v1/test_kv_cache_format.py keeps the two equal (docs/design.md §2.1).
+// table is the format registry (vllm/kv_quant/formats.py, `cache_kind`), and
+// tests/kv_quant/test_formats.py keeps the two equal (docs/design.md §2.1).
 inline constexpr std::string_view kKvCacheDtypeNames =
     "auto, float16, bfloat16, float32, float, fp8, fp8_e4m3, fp8_e5m2, nvfp4, nvfp4_mse, "
     "int8_per_token_head, fp8_per_token_head";

@@ -123,3 +123,34 @@ def test_finds_a_lazy_cycle_and_ignores_parent_packages(tmp_path: Path) -> None:
     assert graph["pkg.sub.b"] == {"pkg.a", "pkg.c"}
     assert graph["pkg.c"] == {"pkg.sub"}
     assert find_cycles(graph) == [["pkg.a", "pkg.sub.b"]]
+
+
+LOWER_LAYERS = ("vllm.kv_quant", "vllm.utils", "vllm.config", "vllm._custom_ops")
+"""The layers below the specs (docs/design.md §2.1): none of them imports ``vllm.v1`` or
+anything above it, anywhere in its source."""
+
+HIGHER = ("vllm.v1", "vllm.cli", "vllm.accuracy", "vllm.benchmarks", "vllm.distributed")
+
+
+def _in(name: str, packages: Iterable[str]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def test_lower_layers_never_climb_back_up() -> None:
+    graph = import_graph(REPO)
+    climbing = sorted(
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        if _in(module, LOWER_LAYERS)
+        for target in targets
+        if _in(target, HIGHER)
+    )
+    assert climbing == []
+    # The codecs are the bottom: vllm.kv_quant imports nothing else of vllm.
+    assert sorted(
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        if _in(module, ("vllm.kv_quant",))
+        for target in targets
+        if not _in(target, ("vllm.kv_quant",))
+    ) == []

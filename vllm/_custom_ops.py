@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from vllm.kv_quant.formats import find_format, kernel_cache_kind
 from vllm.kv_quant.kv_scale import kv_scale_as_1d
 from vllm.kv_quant.scale_layout import ScaleLayout
-from vllm.v1.kv_cache_format import find_format, kernel_cache_kind
 
 DEBUG_CHECKS_ENV = "VLLM_KV_DEBUG_CHECKS"
 """Set to ``1`` to make :func:`reshape_and_cache_flash` check scale values on the host (a device
@@ -172,7 +172,7 @@ def _paged_attention_fake(
 
 def check_kernel_support(kv_cache_dtype: str) -> None:
     """``ValueError`` for a registered format the compiled kernels do not write (the registry's
-    :func:`~vllm.v1.kv_cache_format.kernel_cache_kind`). A string that names no format goes on
+    :func:`~vllm.kv_quant.formats.kernel_cache_kind`). A string that names no format goes on
     to the op, whose own parser rejects it with the same list of accepted names."""
     if find_format(kv_cache_dtype) is not None:
         kernel_cache_kind(kv_cache_dtype)

@@ -28,10 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from vllm import _custom_ops as ops  # noqa: E402
 from vllm.benchmarks.reshape_and_cache_flash import _setup  # noqa: E402
 from vllm.benchmarks.timing import time_call  # noqa: E402
+from vllm.kv_quant.formats import formats  # noqa: E402
 from vllm.v1.attention.ops.triton_reshape_and_cache_flash import (  # noqa: E402
     triton_reshape_and_cache_flash,
 )
-from vllm.v1.kv_cache_format import formats  # noqa: E402
 
 # Every format the compiled op writes, by canonical name.
 KINDS = tuple(f.name for f in formats() if f.cache_kind is not None)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm.kv_quant import dequantize_nvfp4, quantize_nvfp4, unpack_e2m1
-from vllm.v1.kv_cache_format import NVFP4, lookup
+from vllm.kv_quant.formats import NVFP4, lookup
 
 from .oracles import DEVICES, e2m1_oracle, fl32, fp8_decode_oracle, nvfp4_oracle
 

@@ -16,7 +16,7 @@ from vllm.kv_quant import (
     quantize_per_token_head,
     unpack_rows,
 )
-from vllm.v1.kv_cache_format import lookup
+from vllm.kv_quant.formats import lookup
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVQuantMode,

@@ -13,7 +13,6 @@ from vllm.kv_quant import dequantize_fp8
 from vllm.utils.torch_utils import (
     MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP,
     STR_DTYPE_TO_TORCH_DTYPE,
-    _nvfp4_split_data_scale,
     canonicalize_singleton_dim_strides,
     common_broadcastable_dtype,
     create_kv_caches_with_random,
@@ -26,6 +25,7 @@ from vllm.utils.torch_utils import (
     kv_cache_dtype_str_to_dtype,
     nvfp4_kv_cache_full_dim,
     nvfp4_kv_cache_split_views,
+    nvfp4_split_data_scale,
     set_random_seed,
 )
 
@@ -115,14 +115,14 @@ def test_split_views_share_storage() -> None:
 
 def test_split_views_reject_bad_input() -> None:
     with pytest.raises(ValueError, match="last dim 70 is not a packed NVFP4 head dim"):
-        _nvfp4_split_data_scale(torch.zeros(2, 16, 8, 70, dtype=torch.uint8))
+        nvfp4_split_data_scale(torch.zeros(2, 16, 8, 70, dtype=torch.uint8))
     with pytest.raises(ValueError, match="expected dtype torch.uint8"):
-        _nvfp4_split_data_scale(torch.zeros(2, 16, 8, 72, dtype=torch.bfloat16))
+        nvfp4_split_data_scale(torch.zeros(2, 16, 8, 72, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="4-D side .* or a 5-D cache"):
         nvfp4_kv_cache_split_views(torch.zeros(2, 3, 16, 8, 72, dtype=torch.uint8))
     sparse = torch.zeros(2, 16, 16, 72, dtype=torch.uint8)[:, :, ::2]
     with pytest.raises(ValueError, match="one dense region"):
-        _nvfp4_split_data_scale(sparse)
+        nvfp4_split_data_scale(sparse)
 
 
 def _padded_cache(

@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 from kv_cache_test_utils import dsv4_spec
 
 from vllm.config import ModelConfig, SchedulerConfig, VllmConfig
+from vllm.kv_quant.formats import KVCacheFormat, registered_format, storage_dtypes
 from vllm.utils.torch_utils import nvfp4_kv_cache_full_dim
-from vllm.v1.kv_cache_format import KVCacheFormat, registered_format, storage_dtypes
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -55,7 +55,10 @@ def test_quant_mode() -> None:
     assert get_kv_quant_mode("fp8_e5m2") is KVQuantMode.FP8_PER_TENSOR
     for name in ("auto", "bfloat16", "float16", "float32", "float"):
         assert get_kv_quant_mode(name) is KVQuantMode.NONE
-    assert KVQuantMode.NVFP4 == 4 and KVQuantMode.FP8_PER_TENSOR == 1
+    # upstream v0.33.0's values (v0.22.0 had NVFP4 = 4; INT4_PER_TOKEN_HEAD took 4 since)
+    assert KVQuantMode.NVFP4 == 5 and KVQuantMode.FP8_PER_TENSOR == 1
+    assert KVQuantMode.INT4_PER_TOKEN_HEAD == 4 and KVQuantMode.OCTAVE_K3V3_COMPACT == 14
+    assert KVQuantMode.CUSTOM not in (KVQuantMode.OCTAVE_K3V4,) and not KVQuantMode.CUSTOM.is_octave
     assert KVQuantMode.NVFP4.is_nvfp4 and KVQuantMode.NVFP4.is_quantized
     assert KVQuantMode.FP8_PER_TENSOR.is_fp8 and not KVQuantMode.NONE.is_quantized
     # "half" is a torch dtype name, not a cache dtype (docs/design.md §3)

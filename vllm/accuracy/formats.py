@@ -39,13 +39,13 @@ from dataclasses import dataclass
 import torch
 
 from vllm.kv_quant.calibration import kv_scale_max, scale_from_amax
+from vllm.kv_quant.formats import BFLOAT16, KVCacheFormat, formats, lookup
 from vllm.kv_quant.fp8 import FP8_E4M3_MAX
 from vllm.kv_quant.hadamard import HADAMARD
 from vllm.kv_quant.key_transform import KeyTransform
 from vllm.kv_quant.nvfp4 import E2M1_MAX
 from vllm.kv_quant.per_token_head import per_token_head_qmax
 from vllm.kv_quant.scale_layout import ScaleLayout
-from vllm.v1.kv_cache_format import BFLOAT16, KVCacheFormat, formats, lookup
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 MEASURED_FORMATS: tuple[KVCacheFormat, ...] = (

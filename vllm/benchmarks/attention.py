@@ -42,7 +42,7 @@ from vllm.benchmarks.timing import (
     mode_caption,
     then,
 )
-from vllm.v1.kv_cache_format import lookup
+from vllm.kv_quant.formats import lookup
 
 FORMATS: tuple[str, ...] = KINDS
 """The benchmarked ``kv_cache_dtype`` strings (``fp8`` is e4m3): the cache-write kinds."""

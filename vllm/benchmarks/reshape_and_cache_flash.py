@@ -57,7 +57,7 @@ from vllm.kv_quant import (
     nvfp4_write_cache,
     per_token_head_write_cache,
 )
-from vllm.v1.kv_cache_format import AUTO, lookup, quant_mode_formats
+from vllm.kv_quant.formats import AUTO, lookup, quant_mode_formats
 
 KINDS: tuple[str, ...] = (AUTO.name, *(f.accepted_names[0] for f in quant_mode_formats()))
 """The benchmarked ``kv_cache_dtype`` strings: ``auto`` (the model dtype, bf16), then one format

@@ -22,13 +22,13 @@ from vllm.cli.output import deliver
 from vllm.cli.plan_model import check_tp_fits_heads, load_model_argument, planner_usage_error
 from vllm.cli.plan_report import REFERENCE_DTYPE, plan_report
 from vllm.cli.plan_text import render_text
+from vllm.kv_quant.formats import BFLOAT16, cache_dtype_names, quant_mode_formats
 from vllm.model_presets import DEFAULT_PRESET, available_presets, load_preset
 from vllm.v1.core.cache_dtype_comparison import compare_cache_dtypes
 from vllm.v1.core.kv_bytes import kv_footprint
 from vllm.v1.core.kv_cache_utils import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from vllm.v1.core.model_families import parse_model_layout
 from vllm.v1.core.model_specs import build_kv_cache_specs
-from vllm.v1.kv_cache_format import BFLOAT16, cache_dtype_names, quant_mode_formats
 
 DEFAULT_COLUMNS: tuple[str, ...] = (
     BFLOAT16.name,

@@ -1,11 +1,27 @@
-"""Cache configuration: the accepted KV-cache dtype strings and the user-facing settings."""
+"""Cache configuration: the accepted KV-cache dtype strings, the registration of a platform's
+own dtypes (upstream v0.33's ``register_kv_cache_dtype``), and the user-facing settings."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Literal, Protocol, TypeVar, get_args, overload, runtime_checkable
 
-from vllm.v1.kv_cache_format import lookup
+import torch
+
+from vllm.kv_quant.formats import (
+    KVCacheFormat,
+    KVQuantMode,
+    cache_dtype_names,
+    find_format,
+    format_for_storage,
+    lookup,
+    register_format,
+    unregister_format,
+)
+
+logger = logging.getLogger(__name__)
 
 CacheDType = Literal[
     "auto",
@@ -22,10 +38,155 @@ CacheDType = Literal[
     "fp8_per_token_head",
 ]
 """Accepted ``kv_cache_dtype`` strings (upstream's typing name). ``auto`` means the model dtype.
-The registry (:mod:`vllm.v1.kv_cache_format`) is the source of truth; a test pins this
+The registry (:mod:`vllm.kv_quant.formats`) is the source of truth; a test pins this
 ``Literal`` equal to its user-selectable names."""
 
 CACHE_DTYPES: tuple[str, ...] = get_args(CacheDType)
+
+
+class _KnownDtypes(Sequence[str]):
+    """Every user-selectable ``kv_cache_dtype`` string, read live from the format registry
+    (upstream's mutable ``KV_CACHE_DTYPES`` list, which its registration appends to)."""
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[str]: ...
+
+    def __getitem__(self, index: int | slice) -> str | Sequence[str]:
+        return cache_dtype_names()[index]
+
+    def __len__(self) -> int:
+        return len(cache_dtype_names())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(cache_dtype_names())
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in cache_dtype_names()
+
+    def __repr__(self) -> str:
+        return repr(list(cache_dtype_names()))
+
+
+KV_CACHE_DTYPES: Sequence[str] = _KnownDtypes()
+"""The accepted ``--kv-cache-dtype`` values, those registered by handlers included (live)."""
+
+
+@runtime_checkable
+class KVCacheDTypeHandler(Protocol):
+    """What a platform backend supplies for its own ``--kv-cache-dtype`` value (upstream's
+    protocol): the storage dtype of the cache tensors and the :class:`KVQuantMode` its kernels
+    follow (an existing mode to reuse that mode's page layout and codecs, or
+    ``KVQuantMode.CUSTOM`` when the backend owns every kernel)."""
+
+    name: str
+
+    def torch_dtype(self) -> torch.dtype: ...
+
+    def quant_mode(self) -> KVQuantMode: ...
+
+
+_HANDLERS: dict[str, KVCacheDTypeHandler] = {}
+"""Registered handlers by dtype name."""
+
+_HandlerT = TypeVar("_HandlerT")
+
+
+def _handler_format(name: str, handler: KVCacheDTypeHandler) -> KVCacheFormat:
+    """The registry entry of a handler's dtype: ``name``, the handler's storage dtype and mode.
+    A generic mode keeps the row layout and codec of the registry's format with that mode and
+    storage dtype (so pages, planner and reference readers treat it as that format); the
+    compiled op, which parses its own names, does not take it."""
+    dtype, mode = handler.torch_dtype(), handler.quant_mode()
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name}: torch_dtype() must return a torch.dtype, got {dtype!r}")
+    if not isinstance(mode, KVQuantMode):
+        raise ValueError(f"{name}: quant_mode() must return a KVQuantMode, got {mode!r}")
+    template = None
+    if not mode.is_custom_mode:
+        try:
+            template = format_for_storage(mode, dtype)
+        except ValueError:
+            template = None
+    if template is None:
+        return KVCacheFormat(
+            name=name,
+            accepted_names=(name,),
+            storage_dtype=dtype,
+            quant_mode=mode,
+            label=name,
+            has_kernel=False,
+        )
+    return KVCacheFormat(
+        name=name,
+        accepted_names=(name,),
+        storage_dtype=dtype,
+        quant_mode=mode,
+        label=name,
+        row_dim=template.row_dim,
+        fp8_variant=template.fp8_variant,
+        block_scale_group=template.block_scale_group,
+        scale_layouts=template.scale_layouts,
+        cache_kind=template.cache_kind,
+        has_kernel=False,
+    )
+
+
+def register_kv_cache_dtype(name: str) -> Callable[[type[_HandlerT]], type[_HandlerT]]:
+    """Class decorator registering a platform's own ``--kv-cache-dtype`` value (upstream's
+    API): the class is instantiated once, and ``name`` becomes a format of the registry with the
+    handler's storage dtype and quant mode, so that ``CacheConfig``, ``KV_CACHE_DTYPES``,
+    ``STR_DTYPE_TO_TORCH_DTYPE``, ``get_kv_quant_mode``, the specs and the planner take it.
+    Registering a handler's name again warns and replaces it; a built-in dtype cannot be
+    replaced (``ValueError``)."""
+
+    def decorate(cls: type[_HandlerT]) -> type[_HandlerT]:
+        handler = cls()
+        if not isinstance(handler, KVCacheDTypeHandler):
+            raise ValueError(
+                f"{name}: expected a handler with name, torch_dtype() and quant_mode(), "
+                f"got {cls.__name__}"
+            )
+        fmt = _handler_format(name, handler)
+        if name in _HANDLERS:
+            logger.warning(
+                "The kv-cache-dtype '%s' already exists and will be overwritten by handler %s.",
+                name,
+                cls,
+            )
+            unregister_format(find_format(name).name)  # type: ignore[union-attr]
+        elif find_format(name) is not None:
+            raise ValueError(
+                f"{name}: expected a new kv_cache_dtype name, got a built-in one (its bytes are "
+                "fixed by the format registry)"
+            )
+        register_format(fmt)
+        _HANDLERS[name] = handler
+        return cls
+
+    return decorate
+
+
+def unregister_kv_cache_dtype(name: str) -> None:
+    """Remove a handler's dtype registered with :func:`register_kv_cache_dtype` (beyond
+    upstream: for tests and plugins that unload); ``ValueError`` for any other name."""
+    if name not in _HANDLERS:
+        raise ValueError(f"name: expected a dtype registered by a handler, got {name!r}")
+    del _HANDLERS[name]
+    unregister_format(name)
+
+
+def get_kv_cache_dtype_handler(name: str) -> KVCacheDTypeHandler | None:
+    """The handler registered for ``name``; None for the built-in dtypes (the registry's)."""
+    return _HANDLERS.get(name)
+
+
+def is_known_kv_cache_dtype(name: str) -> bool:
+    """Whether ``name`` is an accepted ``--kv-cache-dtype`` value (registered ones included)."""
+    return name in KV_CACHE_DTYPES
+
 
 MambaCacheMode = Literal["all", "align", "none"]
 """How many Mamba states a request keeps (upstream's typing name)."""
@@ -71,7 +232,11 @@ class CacheConfig:
             raise ValueError(
                 f"block_size: expected a positive int (tokens per page), got {self.block_size}"
             )
-        validate_cache_dtype(self.cache_dtype)
+        if not is_known_kv_cache_dtype(self.cache_dtype):
+            raise ValueError(
+                f"cache_dtype: Invalid kv_cache_dtype: {self.cache_dtype!r}; expected one of "
+                f"{', '.join(KV_CACHE_DTYPES)}"
+            )
         for name in ("num_gpu_blocks_override", "hash_block_size"):
             value = getattr(self, name)
             if value is not None and (

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import torch
 
+from vllm.kv_quant.formats import lookup
 from vllm.kv_quant.fp8 import Fp8Format
 from vllm.kv_quant.nvfp4 import NVFP4_SCALE_MAX
-from vllm.v1.kv_cache_format import lookup
 
 __all__ = ["KVScaleObserver", "kv_scale_max", "kv_scales_from_amax", "scale_from_amax"]
 

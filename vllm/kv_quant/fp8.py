@@ -15,8 +15,8 @@ from enum import Enum
 
 import torch
 
+from vllm.kv_quant.formats import formats, lookup
 from vllm.kv_quant.kv_scale import is_per_tensor_scale, kv_scale_as_1d
-from vllm.v1.kv_cache_format import formats, lookup
 
 FP8_E4M3_MAX = 448.0
 """Largest finite float8_e4m3fn magnitude (byte 0x7E)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm.kv_quant.formats import NVFP4_GROUP_SIZE
 from vllm.kv_quant.fp8 import (
     FP8_E4M3_MAX,
     FP8_NAN_BYTE,
@@ -21,7 +22,6 @@ from vllm.kv_quant.fp8 import (
     fp8_bytes_to_fp32,
     fp32_to_fp8_bytes,
 )
-from vllm.v1.kv_cache_format import NVFP4_GROUP_SIZE
 
 E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 """Magnitudes of E2M1 codes 0..7 (codes 8..15 are the same magnitudes, negative)."""

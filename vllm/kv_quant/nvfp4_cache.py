@@ -2,7 +2,7 @@
 
 A side is a uint8 tensor with logical shape ``(B, N, H, F)``, ``F = D/2 + D/16``, NHD or HND
 strides, page stride ``P`` bytes (docs/design.md §5). Each page of the side is ``[data | scales]``;
-:func:`vllm.utils.torch_utils._nvfp4_split_data_scale` gives the data view ``(B, N, H, D/2)`` and
+:func:`nvfp4_split_data_scale` gives the data view ``(B, N, H, D/2)`` and
 the scale view ``(B, N, H, S)``, ``S = D/16``. For head ``h`` of page ``b`` the scale plane is
 ``scale_view[b, :, h, :]`` (``[N, S]``), holding element ``(t, s)`` at the position that the
 cache's :class:`~vllm.kv_quant.scale_layout.ScaleLayout` gives.
@@ -12,12 +12,62 @@ from __future__ import annotations
 
 import torch
 
+from vllm.kv_quant.formats import nvfp4_packed_dim
 from vllm.kv_quant.kv_scale import kv_scale_as_1d
 from vllm.kv_quant.nvfp4 import NVFP4_GROUP_SIZE, dequantize_nvfp4, quantize_nvfp4
 from vllm.kv_quant.scale_layout import ScaleLayout, from_layout, layout_index
-from vllm.utils.torch_utils import _nvfp4_split_data_scale, nvfp4_kv_cache_full_dim
 
 _FLOAT_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def nvfp4_data_dim(full_dim: int) -> int:
+    """Data bytes of a packed last dim ``F = 9 * D / 16``; raises for an F no head size gives."""
+    if full_dim <= 0 or full_dim % 9 != 0:
+        raise ValueError(
+            f"kv_cache: last dim {full_dim} is not a packed NVFP4 head dim F(D) = D/2 + D/16 "
+            "for a head size D that is a multiple of 16 (expected a positive multiple of 9)"
+        )
+    return full_dim * 8 // 9
+
+
+def nvfp4_split_data_scale(side: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split one side ``(B, d1, d2, F)`` of a packed NVFP4 cache into data and scale views
+    (upstream v0.33's ``nvfp4_split_data_scale``).
+
+    Each page of the side holds ``d1*d2*data_dim`` data bytes followed by ``d1*d2*scale_dim``
+    scale bytes, in the order the side's strides give (NHD or HND). Both views share storage
+    with ``side``; the scale view is ``float8_e4m3fn``.
+    """
+    if side.dim() != 4:
+        raise ValueError(
+            f"kv_cache: expected a 4-D side (B, d1, d2, F), got shape {tuple(side.shape)}"
+        )
+    if side.dtype != torch.uint8:
+        raise ValueError(f"kv_cache: expected dtype torch.uint8 for NVFP4, got {side.dtype}")
+    num_blocks, d1, d2, full_dim = side.shape
+    page_stride, s1, s2, s3 = side.stride()
+    data_dim = nvfp4_data_dim(full_dim)
+    scale_dim = full_dim - data_dim
+    is_nhd = (d1 == 1 or s1 == d2 * full_dim) and (d2 == 1 or s2 == full_dim)
+    is_hnd = (d1 == 1 or s1 == full_dim) and (d2 == 1 or s2 == d1 * full_dim)
+    if s3 != 1 or not (is_nhd or is_hnd):
+        raise ValueError(
+            "kv_cache: each page of an NVFP4 cache side must be one dense region; expected "
+            f"strides (*, {d2 * full_dim}, {full_dim}, 1) (NHD) or (*, {full_dim}, "
+            f"{d1 * full_dim}, 1) (HND), got {side.stride()}"
+        )
+    offset = side.storage_offset()
+    data = side.as_strided(
+        (num_blocks, d1, d2, data_dim),
+        (page_stride, s1 * data_dim // full_dim, s2 * data_dim // full_dim, 1),
+        offset,
+    )
+    scale = side.as_strided(
+        (num_blocks, d1, d2, scale_dim),
+        (page_stride, s1 * scale_dim // full_dim, s2 * scale_dim // full_dim, 1),
+        offset + d1 * d2 * data_dim,
+    ).view(torch.float8_e4m3fn)
+    return data, scale
 
 
 def check_slot_mapping(
@@ -66,12 +116,12 @@ def _check_input(x: torch.Tensor, cache_side: torch.Tensor) -> None:
 
 def _split(cache_side: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Data view (uint8) and scale view (uint8) of a side, after checking ``F == F(head_size)``."""
-    full_dim = nvfp4_kv_cache_full_dim(head_size)
+    full_dim = nvfp4_packed_dim(head_size)
     if cache_side.shape[-1] != full_dim:
         raise ValueError(
             f"cache_side: expected last dim F({head_size}) = {full_dim}, got {cache_side.shape[-1]}"
         )
-    data, scale = _nvfp4_split_data_scale(cache_side)
+    data, scale = nvfp4_split_data_scale(cache_side)
     return data, scale.view(torch.uint8)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm.kv_quant.formats import PER_TOKEN_HEAD_SCALE_BYTES, KVCacheFormat, KVQuantMode, lookup
 from vllm.kv_quant.fp8 import (
     _FLOAT_INPUT_DTYPES,
     Fp8Format,
@@ -31,7 +32,6 @@ from vllm.kv_quant.fp8 import (
     fp32_to_fp8_bytes,
 )
 from vllm.kv_quant.nvfp4_cache import check_slot_mapping
-from vllm.v1.kv_cache_format import PER_TOKEN_HEAD_SCALE_BYTES, KVCacheFormat, KVQuantMode, lookup
 
 INT8_PER_TOKEN_HEAD_MAX = 127.0
 """Largest int8 magnitude a per-token-head scale maps ``amax`` to."""

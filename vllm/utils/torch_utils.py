@@ -5,21 +5,41 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator, Mapping
 
 import numpy as np
 import torch
 
-from vllm.v1.kv_cache_format import (
+from vllm.kv_quant.formats import (
     find_format,
     lookup,
     nvfp4_packed_dim,
     torch_dtype_names,
 )
+from vllm.kv_quant.fp8 import Fp8Format, quantize_fp8
+from vllm.kv_quant.nvfp4_cache import nvfp4_split_data_scale
 
-STR_DTYPE_TO_TORCH_DTYPE: dict[str, torch.dtype] = torch_dtype_names()
+
+class _StorageDtypes(Mapping[str, torch.dtype]):
+    """The format registry's storage dtype of each ``kv_cache_dtype`` string and torch dtype
+    name, read live: a format registered later (``register_kv_cache_dtype``) is in it at once."""
+
+    def __getitem__(self, name: str) -> torch.dtype:
+        return torch_dtype_names()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(torch_dtype_names())
+
+    def __len__(self) -> int:
+        return len(torch_dtype_names())
+
+    def __repr__(self) -> str:
+        return repr(torch_dtype_names())
+
+
+STR_DTYPE_TO_TORCH_DTYPE: Mapping[str, torch.dtype] = _StorageDtypes()
 """Storage dtype of each ``kv_cache_dtype`` string and torch dtype name (``half``), from the
-format registry (``auto`` is resolved against the model)."""
+format registry (``auto`` is resolved against the model; upstream's dict, here a live view)."""
 
 MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP: dict[str, str] = {
     algo: lookup(algo).name for algo in ("fp8", "nvfp4")
@@ -215,55 +235,6 @@ def nvfp4_kv_cache_full_dim(head_size: int) -> int:
     return nvfp4_packed_dim(head_size)
 
 
-def _nvfp4_data_dim(full_dim: int) -> int:
-    """Data bytes of a packed last dim ``F = 9 * D / 16``; raises for an F no head size gives."""
-    if full_dim <= 0 or full_dim % 9 != 0:
-        raise ValueError(
-            f"kv_cache: last dim {full_dim} is not a packed NVFP4 head dim F(D) = D/2 + D/16 "
-            "for a head size D that is a multiple of 16 (expected a positive multiple of 9)"
-        )
-    return full_dim * 8 // 9
-
-
-def _nvfp4_split_data_scale(side: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split one side ``(B, d1, d2, F)`` of a packed NVFP4 cache into data and scale views.
-
-    Each page of the side holds ``d1*d2*data_dim`` data bytes followed by ``d1*d2*scale_dim``
-    scale bytes, in the order the side's strides give (NHD or HND). Both views share storage
-    with ``side``; the scale view is ``float8_e4m3fn``.
-    """
-    if side.dim() != 4:
-        raise ValueError(
-            f"kv_cache: expected a 4-D side (B, d1, d2, F), got shape {tuple(side.shape)}"
-        )
-    if side.dtype != torch.uint8:
-        raise ValueError(f"kv_cache: expected dtype torch.uint8 for NVFP4, got {side.dtype}")
-    num_blocks, d1, d2, full_dim = side.shape
-    page_stride, s1, s2, s3 = side.stride()
-    data_dim = _nvfp4_data_dim(full_dim)
-    scale_dim = full_dim - data_dim
-    is_nhd = (d1 == 1 or s1 == d2 * full_dim) and (d2 == 1 or s2 == full_dim)
-    is_hnd = (d1 == 1 or s1 == full_dim) and (d2 == 1 or s2 == d1 * full_dim)
-    if s3 != 1 or not (is_nhd or is_hnd):
-        raise ValueError(
-            "kv_cache: each page of an NVFP4 cache side must be one dense region; expected "
-            f"strides (*, {d2 * full_dim}, {full_dim}, 1) (NHD) or (*, {full_dim}, "
-            f"{d1 * full_dim}, 1) (HND), got {side.stride()}"
-        )
-    offset = side.storage_offset()
-    data = side.as_strided(
-        (num_blocks, d1, d2, data_dim),
-        (page_stride, s1 * data_dim // full_dim, s2 * data_dim // full_dim, 1),
-        offset,
-    )
-    scale = side.as_strided(
-        (num_blocks, d1, d2, scale_dim),
-        (page_stride, s1 * scale_dim // full_dim, s2 * scale_dim // full_dim, 1),
-        offset + d1 * d2 * data_dim,
-    ).view(torch.float8_e4m3fn)
-    return data, scale
-
-
 def nvfp4_kv_cache_split_views(
     kv_cache: torch.Tensor,
 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
@@ -276,11 +247,11 @@ def nvfp4_kv_cache_split_views(
     read from the strides and kept.
     """
     if kv_cache.dim() == 4:
-        data, scale = _nvfp4_split_data_scale(kv_cache)
+        data, scale = nvfp4_split_data_scale(kv_cache)
         return (data,), (scale,)
     if kv_cache.dim() == 5 and kv_cache.shape[1] == 2:
-        k_data, k_scale = _nvfp4_split_data_scale(kv_cache[:, 0])
-        v_data, v_scale = _nvfp4_split_data_scale(kv_cache[:, 1])
+        k_data, k_scale = nvfp4_split_data_scale(kv_cache[:, 0])
+        v_data, v_scale = nvfp4_split_data_scale(kv_cache[:, 1])
         return (k_data, v_data), (k_scale, v_scale)
     raise ValueError(
         "kv_cache: expected a 4-D side (B, N, H, F) or a 5-D cache (B, 2, N, H, F), "
@@ -303,9 +274,6 @@ def _fill_random(cache: torch.Tensor, cache_dtype: str | torch.dtype | None, bou
     them: FP8 caches get the bytes of those values (scale 1), unquantized caches the values."""
     fp8_variant = lookup(cache_dtype).fp8_variant if isinstance(cache_dtype, str) else None
     if fp8_variant is not None:
-        # Local import: vllm.kv_quant imports this module.
-        from vllm.kv_quant.fp8 import Fp8Format, quantize_fp8
-
         values = torch.empty(cache.shape, dtype=torch.float32, device=cache.device)
         values.uniform_(-bound, bound)
         one = torch.ones((), dtype=torch.float32)

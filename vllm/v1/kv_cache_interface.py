@@ -13,12 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from vllm.utils.torch_utils import (
-    get_dtype_size,
-    is_quantized_kv_cache,  # noqa: F401  (upstream's home of these predicates)
-    kv_cache_uses_per_token_head_scales,  # noqa: F401
-)
-from vllm.v1.kv_cache_format import (
+from vllm.kv_quant.formats import (
     FP8_DS_MLA,
     FP8_DS_MLA_HEAD_SIZE,  # re-exported: its home before the format registry
     FP8_DS_MLA_RECORD_BYTES,  # noqa: F401
@@ -27,6 +22,11 @@ from vllm.v1.kv_cache_format import (
     KVQuantMode,
     format_for_storage,
     lookup,
+)
+from vllm.utils.torch_utils import (
+    get_dtype_size,
+    is_quantized_kv_cache,  # noqa: F401  (upstream's home of these predicates)
+    kv_cache_uses_per_token_head_scales,  # noqa: F401
 )
 from vllm.v1.kv_cache_spec_base import (
     KVCacheSpec,

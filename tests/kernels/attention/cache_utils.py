@@ -15,7 +15,7 @@ from vllm.kv_quant import (
     nvfp4_write_cache,
     per_token_head_write_cache,
 )
-from vllm.v1.kv_cache_format import lookup
+from vllm.kv_quant.formats import lookup
 
 HAS_CUDA = torch.cuda.is_available()
 SOURCE_DTYPES = [torch.float32, torch.float16, torch.bfloat16]

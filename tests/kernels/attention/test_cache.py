@@ -16,8 +16,8 @@ from kv_cache_test_utils import DEVICES
 
 from vllm import _custom_ops as ops
 from vllm.kv_quant import ScaleLayout
+from vllm.kv_quant.formats import lookup
 from vllm.utils.torch_utils import nvfp4_kv_cache_split_views
-from vllm.v1.kv_cache_format import lookup
 
 from ..quantization.nvfp4_utils import dequant_nvfp4_kv_cache_nhd
 from .cache_utils import (

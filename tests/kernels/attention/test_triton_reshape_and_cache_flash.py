@@ -21,12 +21,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from vllm import _custom_ops as ops
+from vllm.kv_quant.formats import lookup
 from vllm.triton_utils import HAS_TRITON
 from vllm.triton_utils.aot import case_from_launch, runtime_arg_names
 from vllm.v1.attention.ops import triton_reshape_and_cache_flash as writer
 from vllm.v1.attention.ops import triton_reshape_and_cache_flash_cases as cases
 from vllm.v1.attention.ops.triton_reshape_and_cache_flash import triton_reshape_and_cache_flash
-from vllm.v1.kv_cache_format import lookup
 
 from .cache_utils import (
     EXPLICIT_UNQUANTIZED,
@@ -513,7 +513,7 @@ def test_non_tensor_slot_mapping(device: str) -> None:
 def test_every_kernel_format_is_covered() -> None:
     """Every format the compiled op writes is among this file's kinds (a format added to the
     registry must be added to the writer and here)."""
-    from vllm.v1.kv_cache_format import formats
+    from vllm.kv_quant.formats import formats
 
     written = {f.name for f in formats() if f.cache_kind is not None}
     assert written == {lookup(k).name for k in ALL_KINDS}

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from vllm.kv_quant.formats import formats
 from vllm.triton_utils import HAS_TRITON
-from vllm.v1.kv_cache_format import formats
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the dev extra, Linux)")
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from vllm import _custom_ops as ops
+from vllm.kv_quant.formats import lookup
 from vllm.v1.attention.backends import (
     AttentionBackendEnum,
     AttentionLayerScales,
@@ -22,7 +23,6 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionImpl,
     CPUAttentionMetadata,
 )
-from vllm.v1.kv_cache_format import lookup
 
 pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
 

@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from vllm import _custom_ops as ops
+from vllm.kv_quant.formats import lookup
 from vllm.kv_quant.fp8_cache import fp8_read_cache
 from vllm.kv_quant.hadamard import hadamard_rotate
 from vllm.kv_quant.key_rope import KeyRope
 from vllm.kv_quant.nvfp4_cache import nvfp4_read_cache
 from vllm.kv_quant.per_token_head import per_token_head_read_cache
-from vllm.v1.kv_cache_format import lookup
 
 pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
 

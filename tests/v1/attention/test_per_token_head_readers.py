@@ -12,6 +12,7 @@ from kv_cache_test_utils import DEVICES
 
 from vllm.accuracy.cache_io import extension_status
 from vllm.kv_quant import dequantize_per_token_head, quantize_per_token_head
+from vllm.kv_quant.formats import lookup
 from vllm.v1.attention.backends import (
     AttentionLayerScales,
     ReferenceAttentionBackend,
@@ -20,7 +21,6 @@ from vllm.v1.attention.backends import (
     kv_cache_layout,
     split_kv_cache,
 )
-from vllm.v1.kv_cache_format import lookup
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from vllm.kv_quant import E2M1_VALUES, ScaleLayout
+from vllm.kv_quant.formats import lookup
 from vllm.v1.attention.backends import (
     AttentionLayerScales,
     ReferenceAttentionImpl,
@@ -33,7 +34,6 @@ from vllm.v1.attention.ops.triton_unified_attention import (
     kernel_format,
     plan_paged_attention,
 )
-from vllm.v1.kv_cache_format import lookup
 
 pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from vllm.kv_quant import KeyRope, ScaleLayout, hadamard_rotate, kv_scale_as_1d
+from vllm.kv_quant.formats import lookup
 from vllm.triton_utils import tl, triton
 from vllm.v1.attention.ops.triton_key_rebuild import key_rebuild_args, rebuilt_key_tile
 from vllm.v1.attention.ops.triton_unified_attention import (
@@ -21,7 +22,6 @@ from vllm.v1.attention.ops.triton_unified_attention import (
     plan_paged_attention,
     unified_attention,
 )
-from vllm.v1.kv_cache_format import lookup
 from vllm.v1.worker.attention_kv_cache import AttentionKVCache
 
 pytestmark = pytest.mark.usefixtures("single_intra_op_thread")

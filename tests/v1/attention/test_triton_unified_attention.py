@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vllm.kv_quant.formats import KVQuantMode
 from vllm.v1.attention.backends import (
     AttentionLayerScales,
     ReferenceAttentionImpl,
@@ -20,7 +21,6 @@ from vllm.v1.attention.ops.triton_unified_attention import (
     plan_paged_attention,
     unified_attention,
 )
-from vllm.v1.kv_cache_format import KVQuantMode
 
 pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
 

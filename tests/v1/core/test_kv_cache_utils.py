@@ -432,19 +432,19 @@ def test_plan_invariants_property(index, dtype, memory, max_model_len):
 
 
 _ATTN = st.builds(
-    lambda cls, heads, head, block, dtype, window: cls(
+    lambda cls, heads, head, block, mode, window: cls(
         block_size=block,
         num_kv_heads=heads,
         head_size=head,
-        dtype=torch.uint8 if dtype else torch.bfloat16,
-        kv_quant_mode=KVQuantMode(dtype),
+        dtype=torch.uint8 if mode.is_quantized else torch.bfloat16,
+        kv_quant_mode=mode,
         **({"sliding_window": window} if cls is SlidingWindowSpec else {}),
     ),
     st.sampled_from([FullAttentionSpec, SlidingWindowSpec]),
     st.sampled_from([1, 2, 4, 8]),
     st.sampled_from([64, 128, 256]),
     st.sampled_from([16, 32, 64]),
-    st.sampled_from([0, 1, 4]),
+    st.sampled_from([KVQuantMode.NONE, KVQuantMode.FP8_PER_TENSOR, KVQuantMode.NVFP4]),
     st.integers(1, 4096),
 )
 _MAMBA = st.builds(

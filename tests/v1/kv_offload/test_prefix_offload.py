@@ -15,11 +15,11 @@ from tiering_test_utils import FORMATS, stub_spec, wait_until, worker_pages
 
 from vllm.config.kv_transfer import KVTransferConfig
 from vllm.distributed.kv_events import BlockRemoved
+from vllm.kv_quant.formats import lookup
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256_cbor
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.kv_cache_format import lookup
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,

@@ -12,8 +12,8 @@ import torch
 from vllm.config import CacheConfig, ModelConfig, VllmConfig
 from vllm.config.kv_transfer import KVTransferConfig
 from vllm.kv_quant import per_token_head_write_cache
+from vllm.kv_quant.formats import lookup
 from vllm.utils.torch_utils import create_kv_caches_with_random_flash
-from vllm.v1.kv_cache_format import lookup
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,

@@ -37,7 +37,7 @@ from kv_cache_test_utils import DEVICES
 
 from vllm import _custom_ops as ops
 from vllm.kv_quant import ScaleLayout
-from vllm.utils.torch_utils import _nvfp4_split_data_scale
+from vllm.utils.torch_utils import nvfp4_split_data_scale
 from vllm.v1.attention.backends import (
     AttentionBackend,
     AttentionLayerScales,
@@ -454,7 +454,7 @@ def test_nvfp4_bound_rejects_swapped_nibbles() -> None:
         fmt, *metrics(read_layer(model, name, group, window, fmt, layer, q, "cpu"), ref)
     )
     for side in split_kv_cache(model.caches[name]):
-        data, _ = _nvfp4_split_data_scale(side)
+        data, _ = nvfp4_split_data_scale(side)
         data.copy_((data >> 4) | (data << 4))
     cos, rel = metrics(read_layer(model, name, group, window, fmt, layer, q, "cpu"), ref)
     assert not _within_bound(fmt, cos, rel), f"swapped nibbles went unnoticed: cos={cos:.6f}"

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm.kv_quant.formats import AUTO, FP8_DS_MLA, FP8_E4M3, lookup
 from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 from vllm.v1.core.model_layout import STATE_KINDS, LayerDesc
-from vllm.v1.kv_cache_format import AUTO, FP8_DS_MLA, FP8_E4M3, lookup
 from vllm.v1.kv_cache_interface import (
     FP8_DS_MLA_HEAD_SIZE,
     FullAttentionSpec,

@@ -33,6 +33,7 @@ from vllm.config.cache import CacheConfig
 from vllm.config.model import ModelConfig
 from vllm.config.scheduler import SchedulerConfig
 from vllm.config.vllm import VllmConfig
+from vllm.kv_quant.formats import AUTO
 from vllm.utils import check_positive_int
 from vllm.v1.core import block_hashing
 from vllm.v1.core.block_hashing import (
@@ -101,7 +102,6 @@ from vllm.v1.core.page_size_unification import (
     PageSizeUnificationError,
     unify_kv_cache_spec_page_size,
 )
-from vllm.v1.kv_cache_format import AUTO
 from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,

@@ -14,8 +14,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from vllm.kv_quant.formats import find_dtype_name, formats
 from vllm.model_presets import available_presets, load_preset
-from vllm.v1.kv_cache_format import find_dtype_name, formats
 
 __all__ = [
     "MAX_CONFIG_INT",

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.config.cache import validate_cache_dtype
+from vllm.kv_quant.formats import AUTO
 from vllm.v1.core.cache_format_policy import (
     DSV4_INDEXER_FP8_SCALE_GROUP,
     FP8_DS_MLA_ALIGNMENT,
@@ -53,7 +54,6 @@ from vllm.v1.core.model_layout import (
     ModelLayout,
 )
 from vllm.v1.core.spec_display import describe_spec
-from vllm.v1.kv_cache_format import AUTO
 from vllm.v1.kv_cache_interface import KVCacheSpec, get_kv_quant_mode
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm.v1.kv_cache_format import find_dtype_name
+from vllm.kv_quant.formats import find_dtype_name
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheSpec, MambaSpec
 
 __all__ = ["describe_spec", "short_dtype_name", "spec_format_label", "spec_format_name"]

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from vllm.kv_quant.formats import lookup
 from vllm.kv_quant.hadamard import check_hadamard_head_size
 from vllm.kv_quant.key_rope import KeyRope
 from vllm.kv_quant.key_transform import KeyTransform
@@ -39,7 +40,6 @@ from vllm.v1.attention.backends.reference import (
 )
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, get_attn_backend
 from vllm.v1.attention.backends.utils import kv_cache_layout, split_kv_cache
-from vllm.v1.kv_cache_format import lookup
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     FullAttentionSpec,

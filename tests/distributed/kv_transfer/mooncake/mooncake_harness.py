@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.config import master_binary
-from vllm.v1.kv_cache_format import lookup
+from vllm.kv_quant.formats import lookup
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,

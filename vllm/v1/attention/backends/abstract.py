@@ -13,11 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 
 import torch
 
-from vllm.kv_quant.key_transform import KeyTransform
-from vllm.kv_quant.kv_scale import kv_scale_as_1d
-from vllm.platforms.interface import DeviceCapability
-from vllm.v1.attention.backends.utils import get_kv_cache_layout, validate_kv_cache_layout
-from vllm.v1.kv_cache_format import (
+from vllm.kv_quant.formats import (
     AUTO,
     BFLOAT16,
     FLOAT16,
@@ -26,6 +22,10 @@ from vllm.v1.kv_cache_format import (
     find_format,
     lookup,
 )
+from vllm.kv_quant.key_transform import KeyTransform
+from vllm.kv_quant.kv_scale import kv_scale_as_1d
+from vllm.platforms.interface import DeviceCapability
+from vllm.v1.attention.backends.utils import get_kv_cache_layout, validate_kv_cache_layout
 
 if TYPE_CHECKING:
     from vllm.kv_quant.scale_layout import ScaleLayout

@@ -23,14 +23,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from vllm.v1.attention.backends.abstract import (
-    AttentionBackend,
-    DeviceCapability,
-    MultipleOf,
-    as_device_capability,
-    paged_kv_cache_shape,
-)
-from vllm.v1.kv_cache_format import (
+from vllm.kv_quant.formats import (
     AUTO,
     BFLOAT16,
     FLOAT16,
@@ -39,6 +32,13 @@ from vllm.v1.kv_cache_format import (
     NVFP4,
     accepted_names_of,
     find_format,
+)
+from vllm.v1.attention.backends.abstract import (
+    AttentionBackend,
+    DeviceCapability,
+    MultipleOf,
+    as_device_capability,
+    paged_kv_cache_shape,
 )
 
 if TYPE_CHECKING:

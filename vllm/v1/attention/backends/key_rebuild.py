@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
+from vllm.kv_quant.formats import KVCacheFormat
 from vllm.kv_quant.key_sinks import key_sink_scale, read_key_sinks, write_key_sinks
 from vllm.kv_quant.key_transform import KeyTransform
-from vllm.v1.kv_cache_format import KVCacheFormat
 
 __all__ = ["KeyRebuild", "check_key_sinks", "write_layer_key_sinks"]
 

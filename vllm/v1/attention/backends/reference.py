@@ -24,6 +24,7 @@ from vllm.kv_quant import (
     nvfp4_read_cache,
     per_token_head_read_cache,
 )
+from vllm.kv_quant.formats import cache_dtype_names, lookup
 from vllm.utils import check_positive_int
 from vllm.v1.attention.backends.abstract import (
     AttentionBackend,
@@ -44,7 +45,6 @@ from vllm.v1.attention.backends.reference_metadata import (
     as_int_list,
 )
 from vllm.v1.attention.backends.utils import check_sequences, key_window, split_kv_cache
-from vllm.v1.kv_cache_format import cache_dtype_names, lookup
 
 
 class ReferenceAttentionBackend(AttentionBackend):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from vllm.kv_quant import ScaleLayout
+from vllm.kv_quant.formats import lookup
 from vllm.triton_utils.aot import TritonCompileCase
 from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
 from vllm.v1.attention.backends.abstract import kv_cache_dim
@@ -20,7 +21,6 @@ from vllm.v1.attention.ops.triton_paged_attention import (
     paged_attention_kernel,
 )
 from vllm.v1.attention.ops.triton_unified_attention import _side, kernel_format
-from vllm.v1.kv_cache_format import lookup
 
 
 def side_divisibility(

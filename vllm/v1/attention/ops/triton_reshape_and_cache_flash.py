@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from vllm.kv_quant.formats import NVFP4_GROUP_SIZE, KVCacheFormat, KVQuantMode, lookup
 from vllm.kv_quant.kv_scale import kv_scale_as_1d
 from vllm.kv_quant.per_token_head import PER_TOKEN_HEAD_SCALE_FLOOR, per_token_head_qmax
 from vllm.kv_quant.scale_layout import ScaleLayout
@@ -38,7 +39,6 @@ from vllm.v1.attention.ops.triton_kv_encode import (
     write_per_token_head_rows,
     write_plain_rows,
 )
-from vllm.v1.kv_cache_format import NVFP4_GROUP_SIZE, KVCacheFormat, KVQuantMode, lookup
 
 __all__ = [
     "WriterLaunch",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm.kv_quant.formats import lookup
 from vllm.triton_utils.aot import TritonCompileCase, case_from_launch
 from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
 from vllm.v1.attention.ops.triton_reshape_and_cache_flash import (
@@ -19,7 +20,6 @@ from vllm.v1.attention.ops.triton_reshape_and_cache_flash import (
     plan_reshape_and_cache_flash,
     reshape_and_cache_flash_kernel,
 )
-from vllm.v1.kv_cache_format import lookup
 
 CASE_HEADS = 8
 """KV heads of the compile cases (a GQA model's 8 KV heads of 128)."""

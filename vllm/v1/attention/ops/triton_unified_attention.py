@@ -17,8 +17,9 @@ from typing import Any, NamedTuple
 import torch
 
 from vllm.kv_quant import ScaleLayout, kv_scale_as_1d
+from vllm.kv_quant.formats import KVCacheFormat, KVQuantMode, lookup
 from vllm.triton_utils import row_alignment, triton, triton_interpreted
-from vllm.utils.torch_utils import _nvfp4_split_data_scale
+from vllm.utils.torch_utils import nvfp4_split_data_scale
 from vllm.v1.attention.ops import triton_kv_decode as dec
 from vllm.v1.attention.ops.triton_key_rebuild import key_rebuild_args
 from vllm.v1.attention.ops.triton_paged_attention import (
@@ -28,7 +29,6 @@ from vllm.v1.attention.ops.triton_paged_attention import (
     merge_splits_kernel,
     paged_attention_kernel,
 )
-from vllm.v1.kv_cache_format import KVCacheFormat, KVQuantMode, lookup
 
 MAX_SPLITS = 32
 """Most key splits of one query tile (split-K): a batch-1 decode over 8 KV heads fills twice
@@ -80,7 +80,7 @@ def _side(
     """Kernel arguments of ``side (B, N, H, D')`` in kernel format ``fmt``."""
     strides = (side.stride(0), side.stride(1), side.stride(2))
     if fmt == dec.FMT_NVFP4:
-        data, scale = _nvfp4_split_data_scale(side)
+        data, scale = nvfp4_split_data_scale(side)
         scale = scale.view(torch.uint8)
         return _Side(
             data,

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from vllm.config.cache import validate_cache_dtype
+from vllm.kv_quant.formats import AUTO, lookup
 from vllm.utils.torch_utils import get_dtype_size
 from vllm.v1.attention.backends.abstract import (
     AttentionBackend,
@@ -31,7 +32,6 @@ from vllm.v1.attention.backends.abstract import (
     MultipleOf,
     get_device_capability,
 )
-from vllm.v1.kv_cache_format import AUTO, lookup
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     KVCacheConfig,

@@ -12,12 +12,7 @@ from typing import ClassVar
 
 import torch
 
-from vllm.v1.attention.backends.abstract import (
-    AttentionBackend,
-    MultipleOf,
-    check_kv_cache_shape_args,
-)
-from vllm.v1.kv_cache_format import (
+from vllm.kv_quant.formats import (
     AUTO,
     BFLOAT16,
     FLOAT16,
@@ -25,6 +20,11 @@ from vllm.v1.kv_cache_format import (
     FP8_E4M3,
     accepted_names_of,
     lookup,
+)
+from vllm.v1.attention.backends.abstract import (
+    AttentionBackend,
+    MultipleOf,
+    check_kv_cache_shape_args,
 )
 
 

@@ -4,17 +4,20 @@ Every fact about a cache format lives in its :class:`KVCacheFormat` entry: the s
 it (aliases included), its storage dtype, whether and how it is quantized
 (:class:`KVQuantMode`, FP8 variant, block-scale group and scale layouts), the size of a cached
 row as a function of the head size, whether it is an MLA-only record layout, its display label,
-and which ``CacheKind`` of the compiled cache kernels writes it. Every other module asks this
-one; none compares dtype strings itself. :func:`lookup` resolves any accepted name (aliases in
+and its row encoding (:class:`CacheKind`, the one enum of format kinds that the reference codecs,
+the compiled kernels and the Triton kernels share). Every other module asks this one; none
+compares dtype strings itself. :func:`lookup` resolves any accepted name (aliases in
 one place) and raises the one "unknown KV-cache dtype" error.
 
 The compiled op parses ``kv_cache_dtype`` strings itself (upstream engines call
 ``torch.ops._C_cache_ops.reshape_and_cache_flash`` directly), with its own table in
 ``csrc/dispatch_utils.h``. The Python side of that mapping is :attr:`KVCacheFormat.cache_kind`;
-``tests/v1/test_kv_cache_format.py`` pins the two tables equal, and :func:`kernel_cache_kind`
+``tests/kv_quant/test_formats.py`` pins the two tables equal, and :func:`kernel_cache_kind`
 is the one check that rejects a registered format the kernels do not write.
 
 This module sits at the bottom of the dependency graph: it imports torch and nothing from vllm.
+How a layer encodes its cache beyond the dtype (scales, layouts, key transforms, sinks) is
+:class:`vllm.kv_quant.encoding.KVCacheEncoding`, built on these entries.
 """
 
 from __future__ import annotations
@@ -66,22 +69,71 @@ __all__ = [
 
 
 class KVQuantMode(IntEnum):
-    """How a KV cache is quantized (upstream's values: a spec stores the mode, not the string)."""
+    """How a KV cache is quantized: upstream v0.33's members and values (a spec stores the mode,
+    not the string; kernels and backends branch on it).
+
+    ``CUSTOM`` marks a dtype whose platform backend dispatches its own kernels (a
+    :class:`~vllm.config.cache.KVCacheDTypeHandler`): quantized, but no generic path. Upstream
+    gives it the value 12, which makes it an alias of ``OCTAVE_K3V4`` (an ``IntEnum`` member with
+    a taken value is the earlier member): there ``KVQuantMode.CUSTOM.is_octave`` holds and a
+    custom dtype takes Octave's kernel path. Here it is its own member, 15 (docs/design.md §3).
+    """
 
     NONE = 0
     FP8_PER_TENSOR = 1
     INT8_PER_TOKEN_HEAD = 2
     FP8_PER_TOKEN_HEAD = 3
-    NVFP4 = 4
+    INT4_PER_TOKEN_HEAD = 4
+    NVFP4 = 5
+    TURBOQUANT_K8V4 = 6
+    TURBOQUANT_4BIT_NC = 7
+    TURBOQUANT_K3V4_NC = 8
+    TURBOQUANT_3BIT_NC = 9
+    NVFP4_DS_MLA = 10
+    ULTRAQUANT_4BIT = 11
+    OCTAVE_K3V4 = 12
+    OCTAVE_K3V3 = 13
+    OCTAVE_K3V3_COMPACT = 14
+    CUSTOM = 15
 
     @property
     def is_per_token_head(self) -> bool:
-        """One fp32 scale per token and head, computed by the writer and stored inline."""
-        return self in (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD)
+        """One scale per token and head, computed by the writer and stored with the row."""
+        return self in (
+            KVQuantMode.INT8_PER_TOKEN_HEAD,
+            KVQuantMode.FP8_PER_TOKEN_HEAD,
+            KVQuantMode.INT4_PER_TOKEN_HEAD,
+        )
 
     @property
     def is_nvfp4(self) -> bool:
         return self == KVQuantMode.NVFP4
+
+    @property
+    def is_octave(self) -> bool:
+        return self in (
+            KVQuantMode.OCTAVE_K3V4,
+            KVQuantMode.OCTAVE_K3V3,
+            KVQuantMode.OCTAVE_K3V3_COMPACT,
+        )
+
+    @property
+    def is_turboquant(self) -> bool:
+        return self in (
+            KVQuantMode.TURBOQUANT_K8V4,
+            KVQuantMode.TURBOQUANT_4BIT_NC,
+            KVQuantMode.TURBOQUANT_K3V4_NC,
+            KVQuantMode.TURBOQUANT_3BIT_NC,
+        )
+
+    @property
+    def is_ultraquant(self) -> bool:
+        return self == KVQuantMode.ULTRAQUANT_4BIT
+
+    @property
+    def is_custom_mode(self) -> bool:
+        """A platform backend's own kernels (quantized, no generic kernel mode)."""
+        return self == KVQuantMode.CUSTOM
 
     @property
     def is_fp8(self) -> bool:
@@ -90,6 +142,27 @@ class KVQuantMode(IntEnum):
     @property
     def is_quantized(self) -> bool:
         return self != KVQuantMode.NONE
+
+
+class CacheKind(IntEnum):
+    """The byte encoding of one cached row, shared by the reference codecs
+    (:func:`vllm.kv_quant.codecs.codec_for`), the compiled kernels (``CacheKind`` of
+    ``csrc/cache_kernels.h``, ``k`` + the member's CamelCase name, same values; a test pins the
+    two) and the Triton kernels (their ``KIND`` constant)."""
+
+    UNQUANTIZED = 0
+    FP8_E4M3 = 1
+    FP8_E5M2 = 2
+    NVFP4 = 3
+    INT8_PER_TOKEN_HEAD = 4
+    FP8_PER_TOKEN_HEAD = 5
+
+    @property
+    def cpp_name(self) -> str:
+        """The C++ enumerator: ``kNvfp4``, ``kFp8E4M3``, ``kInt8PerTokenHead``, ... (a part
+        with a digit second, like ``E4M3``, keeps its capitals)."""
+        parts = self.name.split("_")
+        return "k" + "".join(p if p[1:2].isdigit() else p.capitalize() for p in parts)
 
 
 NVFP4_GROUP_SIZE = 16
@@ -169,8 +242,10 @@ class KVCacheFormat:
     list them (``name`` is the canonical one among them). ``storage_dtype`` is the cache
     tensor's element dtype, ``None`` for ``auto`` (the model dtype). ``row_dim`` maps a head size
     ``D`` (elements) to the last dim of the cache (storage elements per head per side).
-    ``cache_kind`` is the ``CacheKind`` enumerator of ``csrc/cache_kernels.h`` that writes it,
-    ``None`` when no compiled kernel does.
+    ``cache_kind`` is the row encoding (:class:`CacheKind`) that the codecs and kernels share,
+    ``None`` for a record layout no codec reads (``fp8_ds_mla``); ``has_kernel`` says whether the
+    compiled writers take the format (a format added to the registry alone has codecs but no
+    kernel yet).
     """
 
     name: str
@@ -192,7 +267,8 @@ class KVCacheFormat:
     layouts and readers are those of the format's quant mode."""
     mla_only: bool = False
     """A record layout for MLA latents only (not a user-selectable ``kv_cache_dtype``)."""
-    cache_kind: str | None = None
+    cache_kind: CacheKind | None = None
+    has_kernel: bool = True
     torch_dtype_aliases: tuple[str, ...] = ()
     """Further names of ``storage_dtype`` as a torch dtype (``half``) that are not
     ``kv_cache_dtype`` strings."""
@@ -202,6 +278,13 @@ class KVCacheFormat:
             raise ValueError(
                 f"accepted_names: must include the canonical name {self.name!r}, "
                 f"got {self.accepted_names!r}"
+            )
+        kind = self.cache_kind
+        variant = _FP8_VARIANTS.get(kind) if kind is not None else None
+        if kind in _FP8_VARIANTS and self.fp8_variant != variant:
+            raise ValueError(
+                f"fp8_variant: expected {variant!r} for cache_kind {kind.name}, "
+                f"got {self.fp8_variant!r}"
             )
 
     @property
@@ -235,6 +318,9 @@ class KVCacheFormat:
         """The element dtype of the cache tensor for a model in ``model_dtype``."""
         return model_dtype if self.storage_dtype is None else self.storage_dtype
 
+
+_FP8_VARIANTS = {CacheKind.FP8_E4M3: "e4m3", CacheKind.FP8_E5M2: "e5m2"}
+"""The FP8 element encoding of each FP8 row kind."""
 
 _FORMATS: dict[str, KVCacheFormat] = {}
 """Canonical name → format, in registration order (the order names are listed in)."""
@@ -387,17 +473,17 @@ def format_for_storage(quant_mode: KVQuantMode, storage_dtype: torch.dtype) -> K
     )
 
 
-def kernel_cache_kind(kv_cache_dtype: str, arg_name: str = "kv_cache_dtype") -> str:
+def kernel_cache_kind(kv_cache_dtype: str, arg_name: str = "kv_cache_dtype") -> CacheKind:
     """The compiled kernels' ``CacheKind`` for ``kv_cache_dtype``: the one check that rejects a
     registered format the kernels do not write (``ValueError`` naming the format and the missing
     kernels, e.g. ``fp8_ds_mla``), after :func:`lookup`'s unknown-dtype check."""
     fmt = lookup(kv_cache_dtype, arg_name)
-    if fmt.cache_kind is None:
+    if fmt.cache_kind is None or not fmt.has_kernel:
         raise ValueError(f"{arg_name}: format {fmt.name!r} has no kernel support ({KERNEL_OPS})")
     return fmt.cache_kind
 
 
-_UNQUANTIZED = dict(quant_mode=KVQuantMode.NONE, cache_kind="kUnquantized")
+_UNQUANTIZED = dict(quant_mode=KVQuantMode.NONE, cache_kind=CacheKind.UNQUANTIZED)
 _FP8 = dict(storage_dtype=torch.uint8, quant_mode=KVQuantMode.FP8_PER_TENSOR, label="fp8")
 
 AUTO = register_format(
@@ -438,7 +524,7 @@ FP8_E4M3 = register_format(
         name="fp8_e4m3",
         accepted_names=("fp8", "fp8_e4m3"),
         fp8_variant="e4m3",
-        cache_kind="kFp8E4M3",
+        cache_kind=CacheKind.FP8_E4M3,
         **_FP8,
     )
 )
@@ -447,7 +533,7 @@ FP8_E5M2 = register_format(
         name="fp8_e5m2",
         accepted_names=("fp8_e5m2",),
         fp8_variant="e5m2",
-        cache_kind="kFp8E5M2",
+        cache_kind=CacheKind.FP8_E5M2,
         **_FP8,
     )
 )
@@ -461,7 +547,7 @@ NVFP4 = register_format(
         row_dim=nvfp4_packed_dim,
         block_scale_group=NVFP4_GROUP_SIZE,
         scale_layouts=("linear", "interleave4"),
-        cache_kind="kNvfp4",
+        cache_kind=CacheKind.NVFP4,
     )
 )
 NVFP4_MSE = register_format(
@@ -475,7 +561,7 @@ NVFP4_MSE = register_format(
         block_scale_group=NVFP4_GROUP_SIZE,
         scale_layouts=("linear", "interleave4"),
         scale_search=True,
-        cache_kind="kNvfp4",
+        cache_kind=CacheKind.NVFP4,
     )
 )
 INT8_PER_TOKEN_HEAD = register_format(
@@ -486,7 +572,7 @@ INT8_PER_TOKEN_HEAD = register_format(
         quant_mode=KVQuantMode.INT8_PER_TOKEN_HEAD,
         label="int8_pth",
         row_dim=_per_token_head_row_dim,
-        cache_kind="kInt8PerTokenHead",
+        cache_kind=CacheKind.INT8_PER_TOKEN_HEAD,
     )
 )
 FP8_PER_TOKEN_HEAD = register_format(
@@ -497,7 +583,7 @@ FP8_PER_TOKEN_HEAD = register_format(
         quant_mode=KVQuantMode.FP8_PER_TOKEN_HEAD,
         label="fp8_pth",
         row_dim=_per_token_head_row_dim,
-        cache_kind="kFp8PerTokenHead",
+        cache_kind=CacheKind.FP8_PER_TOKEN_HEAD,
     )
 )
 FP8_DS_MLA = register_format(

@@ -9,14 +9,9 @@ import pytest
 import torch
 
 from vllm.config.cache import CACHE_DTYPES, CacheDType
-from vllm.utils.torch_utils import (
-    MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP,
-    STR_DTYPE_TO_TORCH_DTYPE,
-    is_quantized_kv_cache,
-    kv_cache_dtype_str_to_dtype,
-)
-from vllm.v1 import kv_cache_format as registry
-from vllm.v1.kv_cache_format import (
+from vllm.kv_quant import formats as registry
+from vllm.kv_quant.formats import (
+    CacheKind,
     KVCacheFormat,
     KVQuantMode,
     accepted_names_of,
@@ -25,6 +20,12 @@ from vllm.v1.kv_cache_format import (
     format_for_storage,
     kernel_cache_kind,
     lookup,
+)
+from vllm.utils.torch_utils import (
+    MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP,
+    STR_DTYPE_TO_TORCH_DTYPE,
+    is_quantized_kv_cache,
+    kv_cache_dtype_str_to_dtype,
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
@@ -70,7 +71,8 @@ def test_format_facts(name: str) -> None:
         label,
     )
     assert fmt.last_dim(128) == last_dim
-    assert (fmt.fp8_variant, fmt.scale_layouts, fmt.mla_only, fmt.cache_kind) == (
+    cpp_kind = None if fmt.cache_kind is None else fmt.cache_kind.cpp_name
+    assert (fmt.fp8_variant, fmt.scale_layouts, fmt.mla_only, cpp_kind) == (
         variant,
         layouts,
         mla_only,
@@ -211,20 +213,26 @@ def test_registration_rules() -> None:
 
 
 def test_cpp_cache_kinds_are_the_registry_kinds() -> None:
-    """The Python side of the Python↔C++ mapping (``cache_kind``) names exactly the
-    ``CacheKind`` enumerators of the kernels."""
+    """One enum of format kinds: Python's ``CacheKind`` is the kernels' ``CacheKind``
+    enumerator for enumerator (names and values), and every kind is some format's."""
     header = (REPO / "csrc" / "cache_kernels.h").read_text()
     enum = re.search(r"enum class CacheKind \{([^}]*)\}", header)
     assert enum is not None
-    cpp_kinds = {item.split("=")[0].strip() for item in enum.group(1).split(",")}
-    assert {f.cache_kind for f in registry.formats() if f.cache_kind} == cpp_kinds
+    cpp_kinds = {
+        name.strip(): int(value)
+        for name, value in (item.split("=") for item in enum.group(1).split(","))
+    }
+    assert {kind.cpp_name: kind.value for kind in CacheKind} == cpp_kinds
+    assert {f.cache_kind for f in registry.formats() if f.cache_kind is not None} == set(CacheKind)
 
 
 def test_cpp_parser_accepts_exactly_the_registry_names() -> None:
     """The compiled op's own name table (``csrc/dispatch_utils.h``) lists the names the
     registry gives a kernel, in the same order, and accepts each of them."""
     ops = pytest.importorskip("vllm._custom_ops")
-    kernel_names = [name for f in registry.formats() if f.cache_kind for name in f.accepted_names]
+    kernel_names = [
+        name for f in registry.formats() if f.cache_kind is not None for name in f.accepted_names
+    ]
     key = torch.randn(2, 1, 16, dtype=torch.float32)
     slots = torch.tensor([0, 1])
     one = torch.ones((), dtype=torch.float32)

@@ -8,17 +8,18 @@ import pytest
 import torch
 
 from vllm.config.cache import CacheConfig
-from vllm.utils.torch_utils import is_quantized_kv_cache, kv_cache_dtype_str_to_dtype
-from vllm.v1.attention.backends.abstract import kv_cache_dim
-from vllm.v1.attention.backends.reference import ReferenceAttentionImpl
-from vllm.v1.core.model_specs import get_kv_cache_specs
-from vllm.v1.kv_cache_format import (
+from vllm.kv_quant.formats import (
+    CacheKind,
     KVCacheFormat,
     KVQuantMode,
     find_format,
     kernel_cache_kind,
     registered_format,
 )
+from vllm.utils.torch_utils import is_quantized_kv_cache, kv_cache_dtype_str_to_dtype
+from vllm.v1.attention.backends.abstract import kv_cache_dim
+from vllm.v1.attention.backends.reference import ReferenceAttentionImpl
+from vllm.v1.core.model_specs import get_kv_cache_specs
 from vllm.v1.kv_cache_interface import get_kv_quant_mode
 
 ops = pytest.importorskip("vllm._custom_ops")
@@ -30,6 +31,8 @@ TOY = KVCacheFormat(
     quant_mode=KVQuantMode.FP8_PER_TENSOR,
     label="toy",
     fp8_variant="e4m3",
+    cache_kind=CacheKind.FP8_E4M3,
+    has_kernel=False,
 )
 """An FP8-like format (one e4m3 byte per value, per-tensor scale) that no kernel writes."""
 
