@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "key_sink_rows.h"
+
 namespace vllm_kv {
 
 // Cache element kind selected by the kv_cache_dtype string (docs/design.md §3). NVFP4 is routed
@@ -73,6 +75,9 @@ struct ReshapeAndCacheParams {
   bool nvfp4_scale_search;
   CacheSide key_cache;
   CacheSide value_cache;
+  // The first key_sinks.rows keys of every page again in FP8 e4m3 (docs/design.md §6); rows == 0:
+  // none. Written with the K rows, whatever cache_kind is.
+  KeySinkRows key_sinks;
 };
 
 }  // namespace vllm_kv

@@ -11,6 +11,7 @@
 #include <sstream>
 #include <vector>
 
+#include "cache_ops_checks.h"
 #include "dispatch_utils.h"
 #include "kv_quant_math.h"
 #include "per_token_head.h"
@@ -56,8 +57,6 @@ std::string dtype_str(at::ScalarType t) {
   }
 }
 
-namespace {
-
 std::string shape_str(const at::Tensor& t) { return c10::str(t.sizes()); }
 
 SourceType source_type_of(const at::Tensor& t, const char* name) {
@@ -73,6 +72,8 @@ SourceType source_type_of(const at::Tensor& t, const char* name) {
                   dtype_str(t.scalar_type()));
   }
 }
+
+namespace {
 
 at::ScalarType scalar_type_of(SourceType t) {
   switch (t) {
@@ -92,6 +93,8 @@ ScaleLayout parse_scale_layout(const std::string& s, const char* name) {
   TORCH_CHECK(false, name, ": expected 'linear' or 'interleave4', got '", s, "'");
 }
 
+}  // namespace
+
 void check_int_range(int64_t v, const char* what) {
   TORCH_CHECK(v <= INT_MAX, what, ": expected at most ", INT_MAX, ", got ", v);
 }
@@ -103,11 +106,15 @@ int64_t cache_last_dim(CacheKind kind, int64_t d) {
   return d;
 }
 
+namespace {
+
 const char* cache_last_dim_formula(CacheKind kind) {
   if (kind == CacheKind::kNvfp4) return "F(D) = D/2 + D/16";
   if (is_per_token_head(kind)) return "D + 4";
   return "D";
 }
+
+}  // namespace
 
 // Element dtype of a quantized cache (unquantized caches hold the source dtype).
 at::ScalarType quantized_cache_dtype(CacheKind kind) {
@@ -126,6 +133,8 @@ void check_head_size(CacheKind kind, const std::string& kv_cache_dtype, int64_t 
               " needs a head size that is a multiple of ", multiple, ", got ", d);
 }
 
+namespace {
+
 // key / value: [T_pad, H, D], each token's [H, D] contiguous, rows stride(0) >= H*D apart.
 void check_source(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 3, name, ": expected a 3-D tensor [T_pad, H, D], got shape ",
@@ -141,6 +150,8 @@ void check_source(const at::Tensor& x, const char* name) {
               " elements apart (strides [>= ", heads * dim, ", ", dim, ", 1]), got strides ",
               x.strides());
 }
+
+}  // namespace
 
 // Side of a paged cache, logical [B, N, H, last_dim]; each page's [N, H, last_dim] region must be
 // dense in NHD or HND order. Size-1 dims get the canonical stride of the detected order.
@@ -175,6 +186,8 @@ CacheSide make_side(const at::Tensor& cache, const char* name, int64_t head_size
   return side;
 }
 
+namespace {
+
 // The interleave4 scale layout's divisibility needs (a no-op for linear).
 void check_interleave4(ScaleLayout layout, const char* name, int64_t block_size, int64_t dim) {
   if (layout != ScaleLayout::kInterleave4) return;
@@ -184,6 +197,8 @@ void check_interleave4(ScaleLayout layout, const char* name, int64_t block_size,
   TORCH_CHECK((dim / kNvfp4GroupSize) % 4 == 0, name,
               ": interleave4 needs head_size / 16 to be a multiple of 4, got head size ", dim);
 }
+
+}  // namespace
 
 // The scale layouts of a call, for both ops (the one home of the rule): a named layout is parsed;
 // V without a name follows a named K; a side with no name at all gets the default for its geometry
@@ -220,6 +235,8 @@ bool check_scale(const at::Tensor& scale, const char* name, int64_t heads) {
   return true;
 }
 
+namespace {
+
 // Pages (b of key_cache, b' of value_cache) that share a byte, if any. Each side's pages are dense
 // regions (make_side) of N*H*D' elements, page_stride bytes apart. Exact when both sides have the
 // same page stride (one buffer split into K and V, as upstream's kv_cache[:, 0] / kv_cache[:, 1],
@@ -250,48 +267,44 @@ std::optional<std::pair<int64_t, int64_t>> overlapping_pages(const at::Tensor& k
   return std::pair<int64_t, int64_t>{value_page + m, value_page};
 }
 
+}  // namespace
+
 void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& key_cache) {
   TORCH_CHECK(t.device() == key_cache.device(), name, ": expected device ", key_cache.device(),
               " (key_cache's device), got ", t.device());
 }
 
-// A tensor of paged attention's pre-RoPE key transform: fp32, `dims`-D, contiguous.
-void check_key_tensor(const at::Tensor& t, const char* name, int64_t dims, const char* shape_doc) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat, name, ": expected dtype float32, got ",
-              dtype_str(t.scalar_type()));
-  TORCH_CHECK(t.dim() == dims, name, ": expected a ", dims, "-D tensor ", shape_doc, ", got shape ",
-              shape_str(t));
-  TORCH_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor, got strides ", t.strides());
-}
+namespace {
 
-// Shapes of paged attention's optional rope_cos_sin, key_offset and sink_keys (devices are
-// checked with the other arguments'). Their values are not read.
-void check_key_transform(const std::optional<at::Tensor>& rope_cos_sin,
-                         const std::optional<at::Tensor>& key_offset,
-                         const std::optional<at::Tensor>& sink_keys, int64_t num_seqs,
-                         int64_t kv_heads, int64_t head_size) {
-  if (rope_cos_sin) {
-    check_key_tensor(*rope_cos_sin, "rope_cos_sin", 2, "[max_positions, rotary_dim]");
-    const int64_t rotary_dim = rope_cos_sin->size(1);
-    TORCH_CHECK(rotary_dim >= 2 && rotary_dim % 2 == 0 && rotary_dim <= head_size,
-                "rope_cos_sin: expected an even rotary_dim in [2, head_size = ", head_size,
-                "] at dim 1, got shape ", shape_str(*rope_cos_sin));
-    check_int_range(rope_cos_sin->size(0), "rope_cos_sin max_positions");
-  }
-  if (key_offset) {
-    check_key_tensor(*key_offset, "key_offset", 2, "[num_kv_heads, head_size]");
-    TORCH_CHECK(key_offset->size(0) == kv_heads && key_offset->size(1) == head_size,
-                "key_offset: expected shape [num_kv_heads, head_size] = [", kv_heads, ", ",
-                head_size, "], got ", shape_str(*key_offset));
-  }
-  if (sink_keys) {
-    check_key_tensor(*sink_keys, "sink_keys", 4, "[num_seqs, S, num_kv_heads, head_size]");
-    TORCH_CHECK(sink_keys->size(0) == num_seqs && sink_keys->size(1) >= 1 &&
-                    sink_keys->size(2) == kv_heads && sink_keys->size(3) == head_size,
-                "sink_keys: expected shape [num_seqs, S >= 1, num_kv_heads, head_size] = [",
-                num_seqs, ", S, ", kv_heads, ", ", head_size, "], got ", shape_str(*sink_keys));
-    check_int_range(sink_keys->size(1), "sink_keys S");
-  }
+// The optional key sink rows of reshape_and_cache_flash (docs/design.md §6): both given or
+// neither; key_sinks uint8 [num_blocks, S, H, D] with 1 <= S <= block_size and a contiguous last
+// dim (any other strides), key_sink_scale by the scale rule. Devices are checked with the others.
+KeySinkRows make_key_sinks(const std::optional<at::Tensor>& key_sinks,
+                           const std::optional<at::Tensor>& key_sink_scale, int64_t num_blocks,
+                           int64_t block_size, int64_t heads, int64_t head_size) {
+  TORCH_CHECK(key_sinks.has_value() == key_sink_scale.has_value(),
+              key_sinks ? "key_sink_scale" : "key_sinks", ": expected a tensor with ",
+              key_sinks ? "key_sinks" : "key_sink_scale", " (both or neither), got None");
+  KeySinkRows rows{};
+  if (!key_sinks) return rows;
+  const at::Tensor& t = *key_sinks;
+  TORCH_CHECK(t.scalar_type() == at::kByte, "key_sinks: expected dtype uint8, got ",
+              dtype_str(t.scalar_type()));
+  TORCH_CHECK(t.dim() == 4 && t.size(0) == num_blocks && t.size(1) >= 1 &&
+                  t.size(1) <= block_size && t.size(2) == heads && t.size(3) == head_size,
+              "key_sinks: expected shape [num_blocks, S, H, D] = [", num_blocks, ", S, ", heads,
+              ", ", head_size, "] with 1 <= S <= block_size = ", block_size, ", got shape ",
+              shape_str(t));
+  TORCH_CHECK(head_size <= 1 || t.stride(3) == 1,
+              "key_sinks: expected a contiguous last dim (stride 1), got strides ", t.strides());
+  rows.data = static_cast<uint8_t*>(t.data_ptr());
+  rows.block_stride = t.stride(0);
+  rows.token_stride = t.stride(1);
+  rows.head_stride = t.stride(2);
+  rows.rows = int(t.size(1));
+  rows.scale_per_head = check_scale(*key_sink_scale, "key_sink_scale", heads);
+  rows.scale = key_sink_scale->data_ptr<float>();
+  return rows;
 }
 
 }  // namespace
@@ -301,7 +314,8 @@ ReshapeAndCacheParams prepare_reshape_and_cache_flash(
     const at::Tensor& value_cache, const at::Tensor& slot_mapping,
     const std::string& kv_cache_dtype, const at::Tensor& k_scale, const at::Tensor& v_scale,
     const std::optional<std::string>& k_scale_layout,
-    const std::optional<std::string>& v_scale_layout) {
+    const std::optional<std::string>& v_scale_layout, const std::optional<at::Tensor>& key_sinks,
+    const std::optional<at::Tensor>& key_sink_scale) {
   const CacheKind kind = get_cache_kind(kv_cache_dtype);
 
   check_same_device(key, "key", key_cache);
@@ -310,6 +324,8 @@ ReshapeAndCacheParams prepare_reshape_and_cache_flash(
   check_same_device(slot_mapping, "slot_mapping", key_cache);
   check_same_device(k_scale, "k_scale", key_cache);
   check_same_device(v_scale, "v_scale", key_cache);
+  if (key_sinks) check_same_device(*key_sinks, "key_sinks", key_cache);
+  if (key_sink_scale) check_same_device(*key_sink_scale, "key_sink_scale", key_cache);
 
   check_source(key, "key");
   check_source(value, "value");
@@ -391,6 +407,8 @@ ReshapeAndCacheParams prepare_reshape_and_cache_flash(
               " entries, got ", slot_mapping.size(0));
   const bool k_per_head = check_scale(k_scale, "k_scale", heads);
   const bool v_per_head = check_scale(v_scale, "v_scale", heads);
+  const KeySinkRows sink_rows =
+      make_key_sinks(key_sinks, key_sink_scale, num_blocks, block_size, heads, head_size);
 
   ReshapeAndCacheParams p{};
   p.key = key.data_ptr();
@@ -410,164 +428,13 @@ ReshapeAndCacheParams prepare_reshape_and_cache_flash(
                           k_scale, k_per_head, k_layout);
   p.value_cache = make_side(value_cache, "value_cache", head_size_v,
                             cache_last_dim(kind, head_size_v), v_scale, v_per_head, v_layout);
+  p.key_sinks = sink_rows;
   if (const auto pages = overlapping_pages(key_cache, value_cache)) {
     TORCH_CHECK(false,
                 "value_cache: expected a different tensor from key_cache, got the same bytes "
                 "(value_cache page ",
                 pages->second, " overlaps key_cache page ", pages->first, ")");
   }
-  return p;
-}
-
-PagedAttentionParams prepare_paged_attention(
-    const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-    const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
-    const at::Tensor& query_start_loc, const std::string& kv_cache_dtype, const at::Tensor& k_scale,
-    const at::Tensor& v_scale, double scale, int64_t sliding_window, double logits_soft_cap,
-    const std::optional<at::Tensor>& sinks, bool causal,
-    const std::optional<std::string>& k_scale_layout,
-    const std::optional<std::string>& v_scale_layout, const std::optional<at::Tensor>& rope_cos_sin,
-    bool rope_is_neox, const std::optional<at::Tensor>& key_offset,
-    const std::optional<at::Tensor>& sink_keys, bool key_hadamard) {
-  const CacheKind kind = get_cache_kind(kv_cache_dtype);
-  for (const auto& [t, name] :
-       {std::pair{&out, "out"}, std::pair{&query, "query"}, std::pair{&value_cache, "value_cache"},
-        std::pair{&block_table, "block_table"}, std::pair{&seq_lens, "seq_lens"},
-        std::pair{&query_start_loc, "query_start_loc"}, std::pair{&k_scale, "k_scale"},
-        std::pair{&v_scale, "v_scale"}}) {
-    check_same_device(*t, name, key_cache);
-  }
-  for (const auto& [t, name] :
-       {std::pair{&sinks, "sinks"}, std::pair{&rope_cos_sin, "rope_cos_sin"},
-        std::pair{&key_offset, "key_offset"}, std::pair{&sink_keys, "sink_keys"}}) {
-    if (*t) check_same_device(**t, name, key_cache);
-  }
-
-  TORCH_CHECK(query.dim() == 3,
-              "query: expected a 3-D tensor [T, num_heads, head_size], got shape ",
-              shape_str(query));
-  TORCH_CHECK(out.dim() == 3, "out: expected a 3-D tensor [T, num_heads, head_size_v], got shape ",
-              shape_str(out));
-  const SourceType io_type = source_type_of(query, "query");
-  TORCH_CHECK(out.scalar_type() == query.scalar_type(), "out: expected dtype ",
-              dtype_str(query.scalar_type()), " (query's), got ", dtype_str(out.scalar_type()));
-  const int64_t heads = query.size(1);
-  const int64_t head_size = query.size(2);
-  const int64_t head_size_v = out.size(2);
-  TORCH_CHECK(out.size(1) == heads, "out: expected num_heads = query.size(1) = ", heads,
-              " at dim 1, got shape ", shape_str(out));
-  TORCH_CHECK(head_size > 0 && head_size_v > 0 && heads > 0,
-              "query: expected non-empty heads, got shape ", shape_str(query), " and out shape ",
-              shape_str(out));
-  TORCH_CHECK(query.stride(2) == 1, "query: expected a contiguous last dim, got strides ",
-              query.strides());
-  TORCH_CHECK(out.stride(2) == 1, "out: expected a contiguous last dim, got strides ",
-              out.strides());
-
-  const bool quantized = kind != CacheKind::kUnquantized;
-  TORCH_CHECK(key_cache.dim() == 4,
-              "key_cache: expected a 4-D tensor [num_blocks, block_size, "
-              "num_kv_heads, head_dim], got shape ",
-              shape_str(key_cache));
-  const int64_t kv_heads = key_cache.size(2);
-  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0,
-              "key_cache: expected num_kv_heads dividing "
-              "num_heads = ",
-              heads, " (GQA) at dim 2, got shape ", shape_str(key_cache));
-  check_head_size(kind, kv_cache_dtype, head_size, "query");
-  check_head_size(kind, kv_cache_dtype, head_size_v, "out");
-  for (const auto& [cache, name, dim] : {std::tuple{&key_cache, "key_cache", head_size},
-                                         std::tuple{&value_cache, "value_cache", head_size_v}}) {
-    if (quantized) {
-      TORCH_CHECK(cache->scalar_type() == quantized_cache_dtype(kind), name, ": expected dtype ",
-                  dtype_str(quantized_cache_dtype(kind)), " for kv_cache_dtype '", kv_cache_dtype,
-                  "', got ", dtype_str(cache->scalar_type()));
-    } else {
-      source_type_of(*cache, name);
-    }
-    TORCH_CHECK(cache->dim() == 4 && cache->size(0) == key_cache.size(0) &&
-                    cache->size(1) == key_cache.size(1) && cache->size(2) == kv_heads &&
-                    cache->size(3) == cache_last_dim(kind, dim),
-                name, ": expected shape [", key_cache.size(0), ", ", key_cache.size(1), ", ",
-                kv_heads, ", ", cache_last_dim(kind, dim), "] for head size ", dim,
-                " and kv_cache_dtype '", kv_cache_dtype, "', got ", shape_str(*cache));
-  }
-  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), "value_cache: expected dtype ",
-              dtype_str(key_cache.scalar_type()), " (key_cache's), got ",
-              dtype_str(value_cache.scalar_type()));
-  const int64_t block_size = key_cache.size(1);
-  check_int_range(block_size, "key_cache block_size");
-  const auto [k_layout, v_layout] = resolve_scale_layouts(k_scale_layout, v_scale_layout, kind,
-                                                          block_size, head_size, head_size_v);
-  const bool k_per_head = check_scale(k_scale, "k_scale", kv_heads);
-  const bool v_per_head = check_scale(v_scale, "v_scale", kv_heads);
-
-  for (const auto& [t, name] :
-       {std::pair{&seq_lens, "seq_lens"}, std::pair{&query_start_loc, "query_start_loc"}}) {
-    TORCH_CHECK(t->scalar_type() == at::kInt && t->dim() == 1 && t->is_contiguous(), name,
-                ": expected a contiguous 1-D int32 tensor, got ", dtype_str(t->scalar_type()),
-                " of shape ", shape_str(*t));
-  }
-  const int64_t num_seqs = seq_lens.size(0);
-  check_int_range(num_seqs, "seq_lens");
-  TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1, "query_start_loc: expected ", num_seqs + 1,
-              " entries (num_seqs + 1), got ", query_start_loc.size(0));
-  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 &&
-                  block_table.size(0) >= num_seqs &&
-                  (block_table.size(1) <= 1 || block_table.stride(1) == 1),
-              "block_table: expected an int32 tensor [num_seqs, max_blocks] with num_seqs >= ",
-              num_seqs, " and contiguous rows, got ", dtype_str(block_table.scalar_type()),
-              " of shape ", shape_str(block_table), " and strides ", block_table.strides());
-  TORCH_CHECK(std::isfinite(scale), "scale: expected a finite softmax scale, got ", scale);
-  TORCH_CHECK(sliding_window >= 0 && sliding_window <= INT_MAX,
-              "sliding_window: expected a window in tokens (0 = none), got ", sliding_window);
-  TORCH_CHECK(logits_soft_cap >= 0 && std::isfinite(logits_soft_cap),
-              "logits_soft_cap: expected a finite cap >= 0 (0 = none), got ", logits_soft_cap);
-  if (sinks) {
-    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->dim() == 1 &&
-                    sinks->size(0) == heads && sinks->is_contiguous(),
-                "sinks: expected a contiguous float32 tensor [num_heads] = [", heads, "], got ",
-                dtype_str(sinks->scalar_type()), " of shape ", shape_str(*sinks));
-  }
-
-  check_key_transform(rope_cos_sin, key_offset, sink_keys, num_seqs, kv_heads, head_size);
-  TORCH_CHECK(!key_hadamard || (head_size & (head_size - 1)) == 0,
-              "key_hadamard: expected a power-of-two head size, got ", head_size);
-
-  PagedAttentionParams p{};
-  p.out = out.data_ptr();
-  p.out_token_stride = out.stride(0);
-  p.out_head_stride = out.stride(1);
-  p.query = query.data_ptr();
-  p.query_token_stride = query.stride(0);
-  p.query_head_stride = query.stride(1);
-  p.io_type = io_type;
-  p.cache_kind = kind;
-  p.cache_type = quantized ? SourceType::kFloat32 : source_type_of(key_cache, "key_cache");
-  p.key_cache = make_side(key_cache, "key_cache", head_size, cache_last_dim(kind, head_size),
-                          k_scale, k_per_head, k_layout);
-  p.value_cache = make_side(value_cache, "value_cache", head_size_v,
-                            cache_last_dim(kind, head_size_v), v_scale, v_per_head, v_layout);
-  p.block_table = block_table.data_ptr<int32_t>();
-  p.block_table_stride = block_table.stride(0);
-  p.seq_lens = seq_lens.data_ptr<int32_t>();
-  p.query_start_loc = query_start_loc.data_ptr<int32_t>();
-  p.num_seqs = int(num_seqs);
-  p.num_heads = int(heads);
-  p.num_kv_heads = int(kv_heads);
-  p.block_size = int(block_size);
-  p.scale = float(scale);
-  p.sliding_window = int(sliding_window);
-  p.logits_soft_cap = float(logits_soft_cap);
-  p.sinks = sinks ? sinks->data_ptr<float>() : nullptr;
-  p.causal = causal;
-  p.rope_cos_sin = rope_cos_sin ? rope_cos_sin->data_ptr<float>() : nullptr;
-  p.rotary_dim = rope_cos_sin ? int(rope_cos_sin->size(1)) : 0;
-  p.rope_is_neox = rope_is_neox;
-  p.key_offset = key_offset ? key_offset->data_ptr<float>() : nullptr;
-  p.sink_keys = sink_keys ? sink_keys->data_ptr<float>() : nullptr;
-  p.num_sink_keys = sink_keys ? int(sink_keys->size(1)) : 0;
-  p.key_hadamard = key_hadamard;
   return p;
 }
 

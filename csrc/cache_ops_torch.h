@@ -29,15 +29,17 @@ Fp8KVCacheDataType get_fp8_kv_cache_data_type(const std::string& kv_cache_dtype)
 CacheKind get_cache_kind(const std::string& kv_cache_dtype);
 
 // Validates the arguments of reshape_and_cache_flash (dtypes, devices, shapes, strides, head
-// sizes, NVFP4 and interleave4 divisibility, scale shapes) and returns the kernel parameter block
-// pointing into the given tensors. Does not read device memory. A layout left unnamed is
-// default_scale_layout(block_size, head size of that side); an unnamed V follows a named K.
+// sizes, NVFP4 and interleave4 divisibility, scale shapes, the optional key sink rows and their
+// scale) and returns the kernel parameter block pointing into the given tensors. Does not read
+// device memory. A layout left unnamed is default_scale_layout(block_size, head size of that
+// side); an unnamed V follows a named K.
 ReshapeAndCacheParams prepare_reshape_and_cache_flash(
     const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
     const at::Tensor& value_cache, const at::Tensor& slot_mapping,
     const std::string& kv_cache_dtype, const at::Tensor& k_scale, const at::Tensor& v_scale,
     const std::optional<std::string>& k_scale_layout,
-    const std::optional<std::string>& v_scale_layout);
+    const std::optional<std::string>& v_scale_layout, const std::optional<at::Tensor>& key_sinks,
+    const std::optional<at::Tensor>& key_sink_scale);
 
 // Validates the arguments of paged_attention (dtypes, devices, shapes, strides, GQA, head sizes,
 // NVFP4 and interleave4 divisibility, scale and metadata shapes, the optional pre-RoPE key

@@ -6,7 +6,8 @@ TORCH_LIBRARY(_C_cache_ops, m) {
   m.def(
       "reshape_and_cache_flash(Tensor key, Tensor value, Tensor(a!) key_cache, "
       "Tensor(b!) value_cache, Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, "
-      "Tensor v_scale, str? k_scale_layout=None, str? v_scale_layout=None) -> ()");
+      "Tensor v_scale, str? k_scale_layout=None, str? v_scale_layout=None, "
+      "Tensor(c!)? key_sinks=None, Tensor? key_sink_scale=None) -> ()");
   m.def(
       "swap_blocks(Tensor src, Tensor(a!) dst, int block_size_in_bytes, Tensor block_mapping) -> "
       "()");

@@ -85,6 +85,8 @@ def _reshape_and_cache_flash_fake(
     v_scale: torch.Tensor,
     k_scale_layout: str | None = None,
     v_scale_layout: str | None = None,
+    key_sinks: torch.Tensor | None = None,
+    key_sink_scale: torch.Tensor | None = None,
 ) -> None:
     _reject_real_and_meta(
         dict(
@@ -95,6 +97,8 @@ def _reshape_and_cache_flash_fake(
             slot_mapping=slot_mapping,
             k_scale=k_scale,
             v_scale=v_scale,
+            key_sinks=key_sinks,
+            key_sink_scale=key_sink_scale,
         ),
         "key_cache",
     )
@@ -103,6 +107,7 @@ def _reshape_and_cache_flash_fake(
     check_kv_dtypes(key, value, key_cache, value_cache, kv_cache_dtype)
     kv_scale_as_1d(k_scale, "k_scale", key.shape[1])
     kv_scale_as_1d(v_scale, "v_scale", key.shape[1])
+    check_key_sinks(key_sinks, key_sink_scale, key, key_cache)
     return None
 
 
@@ -228,6 +233,47 @@ def check_kv_dtypes(
             )
 
 
+def check_key_sinks(
+    key_sinks: torch.Tensor | None,
+    key_sink_scale: torch.Tensor | None,
+    key: torch.Tensor,
+    key_cache: torch.Tensor,
+) -> None:
+    """The key sink rules of ``reshape_and_cache_flash`` (docs/design.md §6), the twin of the
+    compiled op's ``make_key_sinks`` (csrc/cache_ops_torch.cpp) with its messages
+    (``RuntimeError``): both given or neither; ``key_sinks`` uint8 ``[B, S, H, D]`` (``B`` and
+    ``N`` of ``key_cache``, ``H, D`` of ``key``) with ``1 <= S <= N`` and a contiguous last dim;
+    ``key_sink_scale`` by the scale rule (``ValueError`` from
+    :func:`~vllm.kv_quant.kv_scale.kv_scale_as_1d`, as for ``k_scale``)."""
+    if (key_sinks is None) != (key_sink_scale is None):
+        names = ["key_sinks", "key_sink_scale"]
+        missing, given = names if key_sinks is None else names[::-1]
+        raise RuntimeError(f"{missing}: expected a tensor with {given} (both or neither), got None")
+    if key_sinks is None or key_sink_scale is None:
+        return
+    if key_sinks.dtype != torch.uint8:
+        raise RuntimeError(f"key_sinks: expected dtype uint8, got {_dtype_name(key_sinks.dtype)}")
+    blocks, block_size = key_cache.shape[:2]
+    heads, head_size = key.shape[1], key.shape[-1]
+    shape = list(key_sinks.shape)
+    if not (
+        len(shape) == 4
+        and shape[0] == blocks
+        and 1 <= shape[1] <= block_size
+        and shape[2:] == [heads, head_size]
+    ):
+        raise RuntimeError(
+            f"key_sinks: expected shape [num_blocks, S, H, D] = [{blocks}, S, {heads}, "
+            f"{head_size}] with 1 <= S <= block_size = {block_size}, got shape {shape}"
+        )
+    if head_size > 1 and key_sinks.stride(3) != 1:
+        raise RuntimeError(
+            "key_sinks: expected a contiguous last dim (stride 1), got strides "
+            f"{list(key_sinks.stride())}"
+        )
+    kv_scale_as_1d(key_sink_scale, "key_sink_scale", heads)
+
+
 def _layout_name(layout: ScaleLayout | str | None) -> str | None:
     return layout.value if isinstance(layout, ScaleLayout) else layout
 
@@ -254,6 +300,8 @@ def reshape_and_cache_flash(
     v_scale: torch.Tensor,
     k_scale_layout: ScaleLayout | str | None = None,
     v_scale_layout: ScaleLayout | str | None = None,
+    key_sinks: torch.Tensor | None = None,
+    key_sink_scale: torch.Tensor | None = None,
     *,
     debug_checks: bool | None = None,
 ) -> None:
@@ -262,6 +310,11 @@ def reshape_and_cache_flash(
     for ``kv_cache_dtype`` (docs/design.md §6). NVFP4 block-scale layouts: ``None`` is
     upstream's default, :meth:`ScaleLayout.default_for` the side's geometry (interleave4 where it
     fits, else linear); ``v_scale_layout=None`` with a named ``k_scale_layout`` means "same as K".
+
+    ``key_sinks`` (uint8 ``[B, S, H, D]``, any strides but the last) with ``key_sink_scale``
+    (fp32, one value or ``[H]``): a token written to page row ``t < S`` also gets
+    ``key_sinks[page, t] = e4m3(key / key_sink_scale)`` in the same pass, for every format
+    (:func:`vllm.kv_quant.key_sinks.write_key_sinks`'s bytes).
 
     ``debug_checks`` (default: env ``VLLM_KV_DEBUG_CHECKS=1``) checks on the host that the
     scales of a quantized cache are finite and > 0 before the op runs; on CUDA this syncs
@@ -285,6 +338,8 @@ def reshape_and_cache_flash(
         v_scale,
         _layout_name(k_scale_layout),
         _layout_name(v_scale_layout),
+        key_sinks,
+        key_sink_scale,
     )
 
 

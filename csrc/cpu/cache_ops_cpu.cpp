@@ -21,11 +21,13 @@ void reshape_and_cache_flash_cpu(const at::Tensor& key, const at::Tensor& value,
                                  const at::Tensor& slot_mapping, const std::string& kv_cache_dtype,
                                  const at::Tensor& k_scale, const at::Tensor& v_scale,
                                  const std::optional<std::string>& k_scale_layout,
-                                 const std::optional<std::string>& v_scale_layout) {
+                                 const std::optional<std::string>& v_scale_layout,
+                                 const std::optional<at::Tensor>& key_sinks,
+                                 const std::optional<at::Tensor>& key_sink_scale) {
   check_cpu(key_cache, "key_cache");
   const ReshapeAndCacheParams p = prepare_reshape_and_cache_flash(
       key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
-      k_scale_layout, v_scale_layout);
+      k_scale_layout, v_scale_layout, key_sinks, key_sink_scale);
   const int64_t num_slots = p.num_blocks * p.block_size;
   for (const int64_t i : c10::irange(p.num_tokens)) {
     TORCH_CHECK(p.slot_mapping[i] < num_slots,

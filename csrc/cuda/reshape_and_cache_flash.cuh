@@ -18,6 +18,8 @@
 //   per-token-head INT8 / FP8: unit = one whole row (a head of a token), since its scale depends
 //                on every element: quantize_per_token_head_row of per_token_head.h, the CPU
 //                writer's code, so the bytes are the same by construction (and host-replayable).
+//   Key sink rows (key_sink_rows.h): a K unit of a page row below S also writes its elements'
+//                e4m3 bytes into the sink row, from the same loaded source words.
 //
 // The widest vector width that every pointer, stride and head size allows is chosen on the host
 // (plan_reshape_and_cache_flash), falling back to element-wide accesses. All quantization is done
@@ -35,15 +37,14 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
 
 #include "../cache_kernels.h"
 #include "../cache_layout.h"
 #include "../dispatch_utils.h"
+#include "../key_sink_rows.h"
 #include "../kv_quant_math.h"
 #include "../per_token_head.h"
+#include "flash_access.cuh"
 #include "kv_quant_fast.h"
 
 namespace vllm_kv::gpu {
@@ -71,174 +72,13 @@ struct FlashArgs {
   bool nvfp4_scale_search;  // kNvfp4: nvfp4_mse_quantize_group instead of the nearest scale
   int units_k;              // units of the K side per token
   int units_total;          // units of K and V per token
+  KeySinkRows key_sinks;    // rows == 0: none
+  bool key_bf16;            // the key is bf16 (the plain copy shares fp16's instantiations)
   // Always 0. The slot test also checks ((OR of the loaded source words and scale) & zero) != 0,
   // which makes it depend on those loads: otherwise ptxas sinks them below the test, and the
   // kernel waits for the slot load and the source loads one after the other instead of together.
   uint32_t zero;
 };
-
-// ---------------------------------------------------------------------------------------------
-// Memory access helpers (the host branches exist only for host-side replays in tests).
-
-template <typename T>
-KV_HOST_DEVICE T load_readonly(const T* p) {
-#if defined(__CUDA_ARCH__)
-  return __ldg(p);
-#else
-  return *p;
-#endif
-}
-
-KV_HOST_DEVICE constexpr int words_for_bytes(int bytes) { return (bytes + 3) / 4; }
-
-#if !defined(__CUDA_ARCH__)
-// Host replays (tests) stop at an access the GPU would fault on: a vector access must be aligned.
-inline void host_replay_check_alignment(const void* p, int alignment) {
-  if (reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(alignment) != 0) {
-    std::fprintf(stderr, "reshape_and_cache_flash replay: %d-byte access at misaligned %p\n",
-                 alignment, p);
-    std::abort();
-  }
-}
-#endif
-
-// Reads kBytes bytes at p, kWord bytes per access (p aligned to kWord), into little-endian 32-bit
-// words; bytes past kBytes in the last word are zero.
-template <int kBytes, int kWord>
-KV_HOST_DEVICE void load_bytes(const uint8_t* p, uint32_t (&w)[words_for_bytes(kBytes)]) {
-  static_assert(kWord == 1 || kWord == 2 || kWord == 4 || kWord == 8 || kWord == 16, "word size");
-  static_assert(kBytes % kWord == 0, "kBytes must be a multiple of kWord");
-#if defined(__CUDA_ARCH__)
-  if constexpr (kWord == 16) {
-#pragma unroll
-    for (int i = 0; i < kBytes / 16; ++i) {
-      const uint4 v = __ldg(reinterpret_cast<const uint4*>(p) + i);
-      w[4 * i] = v.x;
-      w[4 * i + 1] = v.y;
-      w[4 * i + 2] = v.z;
-      w[4 * i + 3] = v.w;
-    }
-  } else if constexpr (kWord == 8) {
-#pragma unroll
-    for (int i = 0; i < kBytes / 8; ++i) {
-      const uint2 v = __ldg(reinterpret_cast<const uint2*>(p) + i);
-      w[2 * i] = v.x;
-      w[2 * i + 1] = v.y;
-    }
-  } else if constexpr (kWord == 4) {
-#pragma unroll
-    for (int i = 0; i < kBytes / 4; ++i) w[i] = __ldg(reinterpret_cast<const unsigned int*>(p) + i);
-  } else {
-#pragma unroll
-    for (int i = 0; i < words_for_bytes(kBytes); ++i) w[i] = 0;
-#pragma unroll
-    for (int i = 0; i < kBytes / kWord; ++i) {
-      const uint32_t v = kWord == 2
-                             ? uint32_t(__ldg(reinterpret_cast<const unsigned short*>(p) + i))
-                             : uint32_t(__ldg(p + i));
-      w[i * kWord / 4] |= v << (8 * ((i * kWord) % 4));
-    }
-  }
-#else
-  host_replay_check_alignment(p, kWord);
-  for (int i = 0; i < words_for_bytes(kBytes); ++i) w[i] = 0;
-  std::memcpy(w, p, kBytes);  // little-endian host
-#endif
-}
-
-// Writes the first kBytes bytes of the little-endian words w at p, kWord bytes per access.
-template <int kBytes, int kWord>
-KV_HOST_DEVICE void store_bytes(uint8_t* p, const uint32_t (&w)[words_for_bytes(kBytes)]) {
-  static_assert(kWord == 1 || kWord == 2 || kWord == 4 || kWord == 8 || kWord == 16, "word size");
-  static_assert(kBytes % kWord == 0, "kBytes must be a multiple of kWord");
-#if defined(__CUDA_ARCH__)
-  if constexpr (kWord == 16) {
-#pragma unroll
-    for (int i = 0; i < kBytes / 16; ++i) {
-      reinterpret_cast<uint4*>(p)[i] =
-          make_uint4(w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]);
-    }
-  } else if constexpr (kWord == 8) {
-#pragma unroll
-    for (int i = 0; i < kBytes / 8; ++i) {
-      reinterpret_cast<uint2*>(p)[i] = make_uint2(w[2 * i], w[2 * i + 1]);
-    }
-  } else if constexpr (kWord == 4) {
-#pragma unroll
-    for (int i = 0; i < kBytes / 4; ++i) reinterpret_cast<unsigned int*>(p)[i] = w[i];
-  } else {
-#pragma unroll
-    for (int i = 0; i < kBytes / kWord; ++i) {
-      const uint32_t v = w[i * kWord / 4] >> (8 * ((i * kWord) % 4));
-      if constexpr (kWord == 2) {
-        reinterpret_cast<unsigned short*>(p)[i] = static_cast<unsigned short>(v);
-      } else {
-        p[i] = static_cast<uint8_t>(v);
-      }
-    }
-  }
-#else
-  host_replay_check_alignment(p, kWord);
-  std::memcpy(p, w, kBytes);
-#endif
-}
-
-// ---------------------------------------------------------------------------------------------
-// Source element types: size and exact widening of element i of a word array to fp32.
-
-template <SourceType S>
-struct SourceOps;
-
-template <>
-struct SourceOps<SourceType::kFloat32> {
-  static constexpr int kSize = 4;
-  template <int N>
-  static KV_HOST_DEVICE float element(const uint32_t (&w)[N], int i) {
-    return bits_as_float(w[i]);
-  }
-};
-
-template <>
-struct SourceOps<SourceType::kBFloat16> {
-  static constexpr int kSize = 2;
-  template <int N>
-  static KV_HOST_DEVICE float element(const uint32_t (&w)[N], int i) {
-    return bf16_bits_to_float(static_cast<uint16_t>(w[i / 2] >> (16 * (i % 2))));
-  }
-};
-
-template <>
-struct SourceOps<SourceType::kFloat16> {
-  static constexpr int kSize = 2;
-  template <int N>
-  static KV_HOST_DEVICE float element(const uint32_t (&w)[N], int i) {
-    const uint16_t h = static_cast<uint16_t>(w[i / 2] >> (16 * (i % 2)));
-#if defined(__CUDA_ARCH__)
-    // The hardware widening is exact for every finite value and ±Inf. NaN payload/sign may
-    // differ from fp16_bits_to_float, which no output byte depends on (NaN -> 0x7F / NaN group).
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(static_cast<unsigned short>(h)));
-    return f;
-#else
-    return fp16_bits_to_float(h);
-#endif
-  }
-};
-
-// An unquantized cache of float type C written from source type S != C: the source side is
-// SourceOps<S> (load sizes), each element goes through cast_element<S, C>, the software widening
-// and rounding of the CPU kernels, so the bytes are theirs on every input, NaN included.
-template <SourceType S, SourceType C>
-struct CastOps : SourceOps<S> {
-  static constexpr SourceType kSource = S;
-  static constexpr SourceType kCache = C;
-  static constexpr int kCacheSize = C == SourceType::kFloat32 ? 4 : 2;
-};
-
-template <typename Src>
-inline constexpr bool kIsCast = false;
-template <SourceType S, SourceType C>
-inline constexpr bool kIsCast<CastOps<S, C>> = true;
 
 template <CacheKind K>
 KV_HOST_DEVICE uint8_t fp8_encode(float x) {
@@ -267,10 +107,24 @@ KV_HOST_DEVICE void split_slot(int64_t slot, int block_size, int64_t num_slots, 
   }
 }
 
-// Writes row `head` of token `token` of side `s` of a per-token-head cache (one unit per row).
+// Element i of a unit's source words as fp32, for its key sink row. The plain copy moves fp16
+// and bf16 as raw bytes in one instantiation, so there the key's dtype picks the widening.
+template <typename Src, CacheKind kKind, int kWords>
+KV_HOST_DEVICE float sink_element(const FlashArgs& a, const uint32_t (&w)[kWords], int i) {
+  if constexpr (kKind == CacheKind::kUnquantized && !kIsCast<Src> && Src::kSize == 2) {
+    const uint16_t h = static_cast<uint16_t>(w[i / 2] >> (16 * (i % 2)));
+    return a.key_bf16 ? bf16_bits_to_float(h) : fp16_bits_to_float(h);
+  } else {
+    return Src::element(w, i);
+  }
+}
+
+// Writes row `head` of token `token` of side `side` (0: K, 1: V) of a per-token-head cache (one
+// unit per row), and the row's key sink row if it has one.
 template <typename Src, CacheKind kKind>
-KV_HOST_DEVICE void write_per_token_head_row(const FlashArgs& a, const FlashSideArgs& s,
-                                             int64_t token, int head) {
+KV_HOST_DEVICE void write_per_token_head_row(const FlashArgs& a, int side, int64_t token,
+                                             int head) {
+  const FlashSideArgs& s = a.side[side];
   const int64_t slot = load_readonly(a.slot_mapping + token);
   if (slot < 0 || slot >= a.num_slots) return;
   int64_t block;
@@ -290,6 +144,9 @@ KV_HOST_DEVICE void write_per_token_head_row(const FlashArgs& a, const FlashSide
   quantize_per_token_head_row<kKind>(
       load, s.cache.head_size,
       static_cast<uint8_t*>(s.cache.data) + entry_offset(s.cache, block, row, head));
+  if (side == 0 && row < a.key_sinks.rows) {
+    write_key_sink_row(a.key_sinks, block, row, head, 0, s.cache.head_size, load);
+  }
 }
 
 // write_unit for the unquantized, FP8 and NVFP4 kinds: units of kVec elements.
@@ -328,6 +185,10 @@ KV_HOST_DEVICE void write_vector_unit(const FlashArgs& a, int64_t token, int uni
   int row;
   split_slot(slot, a.block_size, a.num_slots, block, row);
   uint8_t* cache = static_cast<uint8_t*>(s.cache.data);
+  if (!is_value && row < a.key_sinks.rows) {  // this unit's elements of the key's sink row
+    write_key_sink_row(a.key_sinks, block, row, head, chunk * kVec, kVec,
+                       [&](int i) { return sink_element<Src, kKind>(a, in, i); });
+  }
 
   if constexpr (kKind == CacheKind::kUnquantized && kIsCast<Src>) {
     constexpr int kOutBytes = kVec * Src::kCacheSize;
@@ -398,7 +259,7 @@ template <typename Src, CacheKind kKind, int kVec, bool kWide>
 KV_HOST_DEVICE void write_unit(const FlashArgs& a, int64_t token, int unit) {
   if constexpr (is_per_token_head(kKind)) {
     const bool is_value = unit >= a.units_k;
-    write_per_token_head_row<Src, kKind>(a, a.side[is_value ? 1 : 0], token,
+    write_per_token_head_row<Src, kKind>(a, is_value ? 1 : 0, token,
                                          is_value ? unit - a.units_k : unit);
   } else {
     write_vector_unit<Src, kKind, kVec, kWide>(a, token, unit);
@@ -540,6 +401,8 @@ inline FlashLaunchPlan plan_reshape_and_cache_flash(const ReshapeAndCacheParams&
   a.num_slots = p.num_blocks * p.block_size;
   a.block_size = p.block_size;
   a.nvfp4_scale_search = p.nvfp4_scale_search;
+  a.key_sinks = p.key_sinks;
+  a.key_bf16 = p.source_type == SourceType::kBFloat16;
   const int64_t units_k = int64_t(p.num_heads) * a.side[0].units_per_head;
   const int64_t units_total = units_k + int64_t(p.num_heads) * a.side[1].units_per_head;
   a.units_k = static_cast<int>(units_k);

@@ -26,12 +26,14 @@ void reshape_and_cache_flash_cuda(const at::Tensor& key, const at::Tensor& value
                                   const at::Tensor& slot_mapping, const std::string& kv_cache_dtype,
                                   const at::Tensor& k_scale, const at::Tensor& v_scale,
                                   const std::optional<std::string>& k_scale_layout,
-                                  const std::optional<std::string>& v_scale_layout) {
+                                  const std::optional<std::string>& v_scale_layout,
+                                  const std::optional<at::Tensor>& key_sinks,
+                                  const std::optional<at::Tensor>& key_sink_scale) {
   TORCH_CHECK(key.is_cuda(), "reshape_and_cache_flash: key: expected a CUDA tensor, got device ",
               key.device());
   const ReshapeAndCacheParams params = prepare_reshape_and_cache_flash(
       key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
-      k_scale_layout, v_scale_layout);
+      k_scale_layout, v_scale_layout, key_sinks, key_sink_scale);
   if (params.num_tokens == 0) return;
   const c10::cuda::CUDAGuard device_guard(key.device());
   launch_reshape_and_cache_flash(params, c10::cuda::getCurrentCUDAStream());

@@ -6,8 +6,8 @@
 //   check (default): the vector encoders against the scalar ones of kv_quant_math.h on every fp32
 //     (and every 16-bit) input; then random problems (flash_test_problem.h: dtypes, kinds, head
 //     sizes, NHD / HND, padded pages, strides, misalignment, skipped slots, linear / interleave4
-//     scales) and adversarial NVFP4 groups, whole cache images compared byte for byte with the
-//     independent scalar reference FlashTestProblem::expected.
+//     scales, key sink rows) and adversarial NVFP4 groups, whole cache images compared byte for
+//     byte with the independent scalar reference FlashTestProblem::expected.
 //   bench | bench-cold  T H D [reps]: one thread, bf16 -> FP8 e4m3 and NVFP4, NHD, cache-resident
 //     or cold (caches flushed before every call); best ns per element.
 //
@@ -96,8 +96,9 @@ bool run_problem(test::FlashTestProblem& t, const char* what) {
   make_cpu_valid(t);
   test::Bytes cache(t.cache.size());
   std::memcpy(cache.data(), t.cache.data(), t.cache.size());
-  const ReshapeAndCacheParams p = t.params(cache.data(), t.key.data(), t.value.data(),
-                                           t.slots.data(), t.k_scale.data(), t.v_scale.data());
+  const ReshapeAndCacheParams p =
+      t.params(cache.data(), t.key.data(), t.value.data(), t.slots.data(), t.k_scale.data(),
+               t.v_scale.data(), t.sink_scale.data());
   cpu::reshape_and_cache_flash(p, kSerial);
   const test::Bytes expected = t.expected();
   for (size_t i = 0; i < cache.size(); ++i) {
@@ -207,8 +208,9 @@ int bench(int tokens, int heads, int head_size, int reps, bool cold) {
     for (size_t b = 0; b < pages.size(); ++b) pages[b] = int64_t(b);
     std::shuffle(pages.begin(), pages.end(), rng);
     for (int i = 0; i < tokens; ++i) t.slots[i] = pages[i / 16] * 16 + i % 16;
-    const ReshapeAndCacheParams p = t.params(t.cache.data(), t.key.data(), t.value.data(),
-                                             t.slots.data(), t.k_scale.data(), t.v_scale.data());
+    const ReshapeAndCacheParams p =
+        t.params(t.cache.data(), t.key.data(), t.value.data(), t.slots.data(), t.k_scale.data(),
+                 t.v_scale.data(), t.sink_scale.data());
     double best = 1e30;
     for (int r = 0; r < reps; ++r) {
       for (size_t i = 0; i < flush.size(); i += 64) flush[i] += 1;

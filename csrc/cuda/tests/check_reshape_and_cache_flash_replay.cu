@@ -4,7 +4,8 @@
 // For random problems (flash_test_problem.h: source dtype, cache kind, head sizes K != V, NHD /
 // HND, padded pages, fused or separate K/V caches, source token strides larger than H*D,
 // T < T_pad, skipped and out-of-range slots, per-tensor / per-head scales including degenerate
-// ones, linear / interleave4 NVFP4 scales, misaligned pointers and strides) it builds the launch
+// ones, linear / interleave4 NVFP4 scales, misaligned pointers and strides, key sink rows inside
+// the pages in [S][H][D] or [H][S][D] order) it builds the launch
 // plan exactly as launch_reshape_and_cache_flash does, then runs the selected kernel
 // instantiation's per-thread function (gpu::write_unit) for every (block, thread) of the planned
 // grid, including the grid-stride loop. The whole cache image, padding and guard bytes included,
@@ -59,8 +60,9 @@ bool run_problem(std::mt19937_64& rng, std::map<std::string, int>& seen, bool ve
   const test::FlashTestProblem t = test::make_random_problem(rng);
   test::Bytes cache(t.cache.size());
   std::memcpy(cache.data(), t.cache.data(), t.cache.size());
-  const ReshapeAndCacheParams params = t.params(cache.data(), t.key.data(), t.value.data(),
-                                                t.slots.data(), t.k_scale.data(), t.v_scale.data());
+  const ReshapeAndCacheParams params =
+      t.params(cache.data(), t.key.data(), t.value.data(), t.slots.data(), t.k_scale.data(),
+               t.v_scale.data(), t.sink_scale.data());
   const gpu::FlashLaunchPlan plan = gpu::plan_reshape_and_cache_flash(params);
   std::string inst = "empty";
   if (!plan.empty) {

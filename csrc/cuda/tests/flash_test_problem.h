@@ -1,7 +1,8 @@
 // Random reshape_and_cache_flash problems for the torch-free checks of the CUDA kernels: host
 // images of the source tensors, the cache (random initial bytes, so that untouched bytes are
-// checked too) and the slot mapping, plus the bytes a plain scalar reference writes for the same
-// problem. Shared by check_reshape_and_cache_flash_replay.cu (host replay of the kernels) and
+// checked too; key sink rows, when a problem has them, inside the K pages) and the slot mapping,
+// plus the bytes a plain scalar reference writes for the same problem. Shared by
+// check_reshape_and_cache_flash_replay.cu (host replay of the kernels) and
 // gpu_check_reshape_and_cache_flash.cu (the kernels on a GPU).
 #pragma once
 
@@ -54,6 +55,8 @@ struct Shape {
   int tokens = 0, tokens_padded = 0;
   bool hnd = false, fused = true, per_head = false, interleave4_k = false, interleave4_v = false;
   bool scale_search = false;  // kNvfp4: the nvfp4_mse writer (block-scale search)
+  int sink_rows = 0;          // key sink rows per page (S; 0: none), after each K page's rows
+  bool sink_hnd = false;      // sink rows in [H][S][D] order instead of [S][H][D]
 };
 
 // One side's cache placement inside the cache image.
@@ -109,22 +112,23 @@ struct FlashTestProblem {
   int64_t key_offset = 0, value_offset = 0;  // bytes from the image start to element 0
   int64_t key_stride = 0, value_stride = 0;  // source elements between tokens
   SidePlacement pk, pv;
+  SidePlacement sinks;         // key sink rows (shape.sink_rows > 0), strides in bytes
   std::vector<int64_t> slots;  // what the op gets: skips (< 0) and out-of-range slots
-  std::vector<float> k_scale, v_scale;
+  std::vector<float> k_scale, v_scale, sink_scale;
 
   std::string describe() const {
     const Shape& p = shape;
-    char s[320];
-    std::snprintf(s, sizeof(s),
-                  "src=%d cache=%d kind=%d search=%d H=%d D=%d Dv=%d N=%d B=%d T=%d Tpad=%d %s %s "
-                  "%s il4=%d/%d "
-                  "key_off=%lld key_stride=%lld page=%lld cache_off=%lld",
-                  int(p.source), int(p.cache), int(p.kind), int(p.scale_search), p.num_heads,
-                  p.head_k, p.head_v, p.block_size, p.num_blocks, p.tokens, p.tokens_padded,
-                  p.hnd ? "HND" : "NHD", p.fused ? "fused" : "split",
-                  p.per_head ? "per-head" : "per-tensor", int(p.interleave4_k),
-                  int(p.interleave4_v), (long long)key_offset, (long long)key_stride,
-                  (long long)pk.block_stride, (long long)pk.offset);
+    char s[360];
+    std::snprintf(
+        s, sizeof(s),
+        "src=%d cache=%d kind=%d search=%d H=%d D=%d Dv=%d N=%d B=%d T=%d Tpad=%d %s %s "
+        "%s il4=%d/%d "
+        "key_off=%lld key_stride=%lld page=%lld cache_off=%lld sinks=%d%s",
+        int(p.source), int(p.cache), int(p.kind), int(p.scale_search), p.num_heads, p.head_k,
+        p.head_v, p.block_size, p.num_blocks, p.tokens, p.tokens_padded, p.hnd ? "HND" : "NHD",
+        p.fused ? "fused" : "split", p.per_head ? "per-head" : "per-tensor", int(p.interleave4_k),
+        int(p.interleave4_v), (long long)key_offset, (long long)key_stride,
+        (long long)pk.block_stride, (long long)pk.offset, p.sink_rows, p.sink_hnd ? " HND" : "");
     return s;
   }
 
@@ -132,7 +136,8 @@ struct FlashTestProblem {
   // / scales, with the same layout as this problem's host images).
   ReshapeAndCacheParams params(uint8_t* cache_image, const uint8_t* key_image,
                                const uint8_t* value_image, const int64_t* slot_mapping,
-                               const float* k_scale_ptr, const float* v_scale_ptr) const {
+                               const float* k_scale_ptr, const float* v_scale_ptr,
+                               const float* sink_scale_ptr) const {
     const auto side = [&](const SidePlacement& pl, int head_size, const float* scale, bool il4) {
       CacheSide s{};
       s.data = cache_image + pl.offset;
@@ -161,6 +166,16 @@ struct FlashTestProblem {
     p.nvfp4_scale_search = shape.scale_search;
     p.key_cache = side(pk, shape.head_k, k_scale_ptr, shape.interleave4_k);
     p.value_cache = side(pv, shape.head_v, v_scale_ptr, shape.interleave4_v);
+    if (shape.sink_rows > 0) {
+      KeySinkRows& r = p.key_sinks;
+      r.data = cache_image + sinks.offset;
+      r.block_stride = sinks.block_stride;
+      r.token_stride = sinks.token_stride;
+      r.head_stride = sinks.head_stride;
+      r.rows = shape.sink_rows;
+      r.scale = sink_scale_ptr;
+      r.scale_per_head = shape.per_head;
+    }
     return p;
   }
 
@@ -190,6 +205,14 @@ struct FlashTestProblem {
       if (slot < 0 || slot >= num_slots) continue;
       const int64_t block = slot / p.block_size;
       const int64_t r = slot % p.block_size;
+      for (int h = 0; r < p.sink_rows && h < p.num_heads; ++h) {  // e4m3(x / scale)
+        uint8_t* row = out.data() + sinks.offset + block * sinks.block_stride +
+                       r * sinks.token_stride + h * sinks.head_stride;
+        for (int j = 0; j < p.head_k; ++j) {
+          const float x = source(key, key_offset, key_stride, i, int64_t(h) * p.head_k + j);
+          row[j] = float_to_e4m3_satfinite(x / sink_scale[p.per_head ? h : 0]);
+        }
+      }
       for (int side = 0; side < 2; ++side) {
         const SidePlacement& pl = side == 0 ? pk : pv;
         const int d = side == 0 ? p.head_k : p.head_v;
@@ -297,15 +320,24 @@ inline FlashTestProblem build_problem(const Shape& shape, std::mt19937_64& rng, 
   };
   strides(t.pk, f_k);
   strides(t.pv, f_v);
+  // Key sink rows after the K and V rows of a fused page, after the K rows of a split one.
+  const int64_t sink_bytes = int64_t(p.sink_rows) * p.num_heads * p.head_k;
+  const int64_t sink_elems = (sink_bytes + elem - 1) / elem;
+  t.sinks.token_stride = p.sink_hnd ? p.head_k : int64_t(p.num_heads) * p.head_k;
+  t.sinks.head_stride = p.sink_hnd ? int64_t(p.sink_rows) * p.head_k : p.head_k;
   int64_t cache_bytes;
   if (p.fused) {  // (B, 2, N, H, F) pages
-    const int64_t page = side_k + side_v + page_pad;
+    const int64_t page = side_k + side_v + sink_elems + page_pad;
     t.pk.block_stride = t.pv.block_stride = page;
     t.pk.offset = cache_base;
     t.pv.offset = cache_base + side_k * elem;
+    t.sinks.offset = t.pv.offset + side_v * elem;
+    t.sinks.block_stride = page * elem;
     cache_bytes = cache_base + page * p.num_blocks * elem + 64;
   } else {
-    t.pk.block_stride = side_k + page_pad;
+    t.pk.block_stride = side_k + sink_elems + page_pad;
+    t.sinks.offset = cache_base + side_k * elem;
+    t.sinks.block_stride = t.pk.block_stride * elem;
     t.pv.block_stride = side_v + page_pad;
     t.pk.offset = cache_base;
     t.pv.offset = cache_base + t.pk.block_stride * p.num_blocks * elem + v_gap;
@@ -347,6 +379,8 @@ inline FlashTestProblem build_problem(const Shape& shape, std::mt19937_64& rng, 
   t.v_scale.resize(t.k_scale.size());
   for (auto& s : t.k_scale) s = random_values ? random_scale(rng) : 0.05f;
   for (auto& s : t.v_scale) s = random_values ? random_scale(rng) : 0.05f;
+  t.sink_scale.resize(t.k_scale.size());
+  for (auto& s : t.sink_scale) s = random_values ? random_scale(rng) : 0.05f;
   return t;
 }
 
@@ -383,6 +417,8 @@ inline FlashTestProblem make_random_problem(std::mt19937_64& rng) {
   p.per_head = rng() % 2;
   p.interleave4_k = nvfp4 && p.block_size % 4 == 0 && (p.head_k / 16) % 4 == 0 && rng() % 2;
   p.interleave4_v = nvfp4 && p.block_size % 4 == 0 && (p.head_v / 16) % 4 == 0 && rng() % 2;
+  p.sink_rows = rng() % 3 == 0 ? 1 + int(rng() % p.block_size) : 0;
+  p.sink_hnd = p.sink_rows > 0 && rng() % 2;
   const int num_slots = p.num_blocks * p.block_size;
   p.tokens = int(rng() % (num_slots + 6));
   p.tokens_padded = p.tokens + int(rng() % 3);

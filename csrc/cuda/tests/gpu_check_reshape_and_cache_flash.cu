@@ -1,7 +1,7 @@
 // Runs the CUDA reshape_and_cache_flash kernels on a GPU without torch:
-//   1. random problems (flash_test_problem.h) launched through launch_reshape_and_cache_flash and
-//      compared byte for byte (whole cache image, guard bytes included) with the scalar
-//      reference of flash_test_problem.h;
+//   1. random problems (flash_test_problem.h, a third with key sink rows) launched through
+//      launch_reshape_and_cache_flash and compared byte for byte (whole cache image, guard bytes
+//      and sink rows included) with the scalar reference of flash_test_problem.h;
 //   2. with --bench: dense serving-shaped writes (H=8, D=128, block 16, consecutive slots) for the
 //      unquantized, FP8-e4m3 and NVFP4 kinds, timed with CUDA events, against a device-to-device
 //      cudaMemcpy roofline measured in the same run.
@@ -58,19 +58,21 @@ class DeviceBuffer {
 };
 
 struct DeviceProblem {
-  DeviceBuffer key, value, cache, slots, k_scale, v_scale;
+  DeviceBuffer key, value, cache, slots, k_scale, v_scale, sink_scale;
   explicit DeviceProblem(const test::FlashTestProblem& t)
       : key(t.key.data(), t.key.size()),
         value(t.value.data(), t.value.size()),
         cache(t.cache.data(), t.cache.size()),
         slots(t.slots.data(), t.slots.size() * sizeof(int64_t)),
         k_scale(t.k_scale.data(), t.k_scale.size() * sizeof(float)),
-        v_scale(t.v_scale.data(), t.v_scale.size() * sizeof(float)) {}
+        v_scale(t.v_scale.data(), t.v_scale.size() * sizeof(float)),
+        sink_scale(t.sink_scale.data(), t.sink_scale.size() * sizeof(float)) {}
   ReshapeAndCacheParams params(const test::FlashTestProblem& t) const {
     return t.params(cache.data(), key.data(), value.data(),
                     reinterpret_cast<const int64_t*>(slots.data()),
                     reinterpret_cast<const float*>(k_scale.data()),
-                    reinterpret_cast<const float*>(v_scale.data()));
+                    reinterpret_cast<const float*>(v_scale.data()),
+                    reinterpret_cast<const float*>(sink_scale.data()));
   }
 };
 

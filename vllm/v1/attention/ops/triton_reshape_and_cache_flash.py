@@ -6,8 +6,9 @@
 (fp32 / fp16 / bf16, K/V of any float dtype rounded to the cache dtype), FP8 e4m3 / e5m2 with
 per-tensor or per-head scales, per-token-head INT8 / FP8 rows with their inline fp32 scale, and
 NVFP4 (``nvfp4`` and the block-scale search of ``nvfp4_mse``) with linear or interleave4
-block-scale layouts; NHD and HND pages. Its arguments go through the compiled op's own checks
-first (a zero-token call: the same errors, nothing written). Upstream's
+block-scale layouts; NHD and HND pages; and, in the same program as a token's K rows, the
+optional key sink rows (e4m3 copies of the first S keys of each page). Its arguments go through
+the compiled op's own checks first (a zero-token call: the same errors, nothing written). Upstream's
 :func:`triton_reshape_and_cache_flash_per_token_head_quant` (separate fp32 scale caches) and
 :func:`triton_reshape_and_cache_flash_diffkv` (K and V in one row) share the kernel.
 
@@ -24,7 +25,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from vllm.kv_quant.formats import NVFP4_GROUP_SIZE, KVCacheFormat, KVQuantMode, lookup
+from vllm.kv_quant.formats import (
+    NVFP4_GROUP_SIZE,
+    CacheKind,
+    KVCacheFormat,
+    KVQuantMode,
+    format_of_kind,
+    lookup,
+)
 from vllm.kv_quant.kv_scale import kv_scale_as_1d
 from vllm.kv_quant.per_token_head import PER_TOKEN_HEAD_SCALE_FLOOR, per_token_head_qmax
 from vllm.kv_quant.scale_layout import ScaleLayout
@@ -49,13 +57,13 @@ __all__ = [
     "triton_reshape_and_cache_flash_per_token_head_quant",
 ]
 
-# What a side's kernel writes (constexpr KIND).
-KIND_PLAIN = 0
-KIND_FP8_E4M3 = 1
-KIND_FP8_E5M2 = 2
-KIND_NVFP4 = 3
-KIND_INT8_PTH = 4
-KIND_FP8_PTH = 5
+# What a side's kernel writes (constexpr KIND): the registry's row encoding, by name.
+KIND_PLAIN = tl.constexpr(CacheKind.UNQUANTIZED.value)
+KIND_FP8_E4M3 = tl.constexpr(CacheKind.FP8_E4M3.value)
+KIND_FP8_E5M2 = tl.constexpr(CacheKind.FP8_E5M2.value)
+KIND_NVFP4 = tl.constexpr(CacheKind.NVFP4.value)
+KIND_INT8_PTH = tl.constexpr(CacheKind.INT8_PER_TOKEN_HEAD.value)
+KIND_FP8_PTH = tl.constexpr(CacheKind.FP8_PER_TOKEN_HEAD.value)
 
 
 WRITER_TILE_ELEMENTS = 1024
@@ -89,8 +97,7 @@ def _write_side(src_ptr, src_off, dst_ptr, block, tok, head0, num_heads, block_s
     cache side; ``src_off`` is the token's first source element (its ``[H, D]`` is dense).
     Strides are in cache elements; NVFP4's token and head strides count entries (rows of D/2
     data or D/16 scale bytes), and its ``D_PAD`` pads the D/16 groups."""
-    # KIND: KIND_PLAIN 0, KIND_FP8_E4M3 1, KIND_FP8_E5M2 2, KIND_NVFP4 3, per-token-head 4 / 5.
-    if KIND == 3:
+    if KIND == KIND_NVFP4:
         G: tl.constexpr = D // 16
         QUARTER: tl.constexpr = G // 4
         r = tl.arange(0, HEADS * D_PAD)  # one row per 16-element group
@@ -115,15 +122,16 @@ def _write_side(src_ptr, src_off, dst_ptr, block, tok, head0, num_heads, block_s
         ok = head < num_heads
         rows = src_off + head * D
         entry = block * block_stride + tok * token_stride + head * head_stride
-        if KIND == 0:
+        if KIND == KIND_PLAIN:
             write_plain_rows(src_ptr, rows, dst_ptr, entry, ok, D, D_PAD, SRC, DST)
-        elif KIND == 1 or KIND == 2:
+        elif KIND == KIND_FP8_E4M3 or KIND == KIND_FP8_E5M2:  # noqa: SIM109 (Triton: no `in`)
             scale = tl.load(scale_ptr + (head if SCALE_PER_HEAD else head * 0), mask=ok, other=1.0)
-            write_fp8_rows(src_ptr, rows, dst_ptr, entry, ok, scale, D, D_PAD, SRC, KIND == 2)
+            write_fp8_rows(src_ptr, rows, dst_ptr, entry, ok, scale, D, D_PAD, SRC,
+                           KIND == KIND_FP8_E5M2)  # fmt: skip
         else:
             aux = block * aux_block_stride + tok * aux_token_stride + head * aux_head_stride
             write_per_token_head_rows(src_ptr, rows, dst_ptr, entry, ok, scale_ptr, aux, D, D_PAD,
-                                      SRC, KIND == 5, QMAX, FLOOR, SCALE_INLINE,
+                                      SRC, KIND == KIND_FP8_PTH, QMAX, FLOOR, SCALE_INLINE,
                                       ROW_ALIGN)  # fmt: skip
 
 
@@ -136,17 +144,20 @@ def reshape_and_cache_flash_kernel(
     ks_block_stride, ks_token_stride, ks_head_stride,
     vs_block_stride, vs_token_stride, vs_head_stride,
     k_scale_region_off, v_scale_region_off, block_size, num_slots, num_heads,
+    sinks_ptr, sink_scale_ptr, sink_block_stride, sink_token_stride, sink_head_stride, sink_rows,
     D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, PAD_V: tl.constexpr,
     HEADS: tl.constexpr, KIND: tl.constexpr, SRC: tl.constexpr, DST: tl.constexpr,
     K_PER_HEAD: tl.constexpr, V_PER_HEAD: tl.constexpr,
     K_INTERLEAVE4: tl.constexpr, V_INTERLEAVE4: tl.constexpr, SEARCH: tl.constexpr,
     QMAX: tl.constexpr, FLOOR: tl.constexpr, SCALE_INLINE: tl.constexpr, ROW_ALIGN: tl.constexpr,
+    SINKS: tl.constexpr, SINK_PER_HEAD: tl.constexpr, PAD_SINK: tl.constexpr,
 ):  # fmt: skip
     """Grid (num_tokens, cdiv(num_heads, HEADS)): writes K then V of ``HEADS`` heads of one
     token. Slots < 0 (padding) and >= num_slots are skipped. PAD_*: next power of 2 of the row
     (NVFP4: of D / 16 groups). ``k_scale_ptr`` / ``v_scale_ptr``: the fp32 dequantization scale
     ([1] or [H]) of FP8 / NVFP4, or an int32 view of a per-token-head scale cache (strides
-    ``ks_*`` / ``vs_*``)."""
+    ``ks_*`` / ``vs_*``). SINKS: a token at page row ``< sink_rows`` also gets its key's e4m3
+    sink rows (byte strides ``sink_*``, fp32 scale ``sink_scale_ptr``, [1] or [H])."""
     tok_idx = tl.program_id(0).to(tl.int64)  # source offsets may pass 2^31 elements
     head0 = tl.program_id(1) * HEADS
     slot = tl.load(slot_mapping_ptr + tok_idx).to(tl.int64)
@@ -159,6 +170,15 @@ def reshape_and_cache_flash_kernel(
                 ks_token_stride, ks_head_stride, k_scale_region_off, D_K, PAD_K, HEADS, KIND, SRC,
                 DST, K_PER_HEAD, K_INTERLEAVE4, SEARCH, QMAX, FLOOR, SCALE_INLINE,
                 ROW_ALIGN)  # fmt: skip
+    if SINKS:  # noqa: SIM102 - a constexpr: kernels without sinks hold none of this
+        if tok < sink_rows:
+            head = head0 + tl.arange(0, HEADS)
+            ok = head < num_heads
+            scale = tl.load(sink_scale_ptr + (head if SINK_PER_HEAD else head * 0), mask=ok,
+                            other=1.0)  # fmt: skip
+            sink = block * sink_block_stride + tok * sink_token_stride + head * sink_head_stride
+            write_fp8_rows(key_ptr, tok_idx * key_stride + head * D_K, sinks_ptr, sink, ok, scale,
+                           D_K, PAD_SINK, SRC, False)  # fmt: skip
     _write_side(value_ptr, tok_idx * value_stride, value_cache_ptr, block, tok, head0, num_heads,
                 v_block_stride, v_token_stride, v_head_stride, v_scale_ptr, vs_block_stride,
                 vs_token_stride, vs_head_stride, v_scale_region_off, D_V, PAD_V, HEADS, KIND, SRC,
@@ -175,14 +195,9 @@ _BITS_VIEW: dict[torch.dtype, tuple[int, torch.dtype]] = {
 
 
 def _kind_of(fmt: KVCacheFormat) -> int:
-    mode = fmt.quant_mode
-    if mode == KVQuantMode.NONE:
-        return KIND_PLAIN
-    if mode == KVQuantMode.FP8_PER_TENSOR:
-        return KIND_FP8_E5M2 if fmt.fp8_variant == "e5m2" else KIND_FP8_E4M3
-    if mode == KVQuantMode.NVFP4:
-        return KIND_NVFP4
-    return KIND_INT8_PTH if mode == KVQuantMode.INT8_PER_TOKEN_HEAD else KIND_FP8_PTH
+    """The kernel's ``KIND``: the format's row encoding."""
+    assert fmt.cache_kind is not None
+    return fmt.cache_kind.value
 
 
 def _ops() -> ModuleType:
@@ -322,34 +337,41 @@ def _plan(
     search: bool = False,
     qmax: float = 1.0,
     scale_inline: bool = True,
+    sinks: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> WriterLaunch:
     """The writer's launch over (tokens, head blocks); an empty grid for empty input. ``sides``
     are the K / V cache tensors already viewed as the dtype the kernel stores (int bits or
-    uint8)."""
+    uint8); ``sinks``: the key sink rows and their scale, if any."""
     num_tokens = slot_mapping.shape[0]
     heads, d_k, d_v = key.shape[1], key.shape[2], value.shape[2]
     src, bits_dtype = _BITS_VIEW[key.dtype]
-    nvfp4 = kind == KIND_NVFP4
+    nvfp4 = kind == CacheKind.NVFP4
     pads = [next_power_of_2(d // NVFP4_GROUP_SIZE if nvfp4 else d) for d in (d_k, d_v)]
     row_elements = max(pads) * (NVFP4_GROUP_SIZE if nvfp4 else 1)
     per_program = heads_per_program(heads, row_elements)
     region = [block_size * heads * (d // 2) if nvfp4 else 0 for d in (d_k, d_v)]
     row_align = 1  # read by the per-token-head rows alone (a constexpr: one compile for others)
-    if kind in (KIND_INT8_PTH, KIND_FP8_PTH):
+    if kind in (CacheKind.INT8_PER_TOKEN_HEAD, CacheKind.FP8_PER_TOKEN_HEAD):
         row_align = row_alignment(sides[0].data_ptr(), sides[1].data_ptr(), *strides[0],
                                   *strides[1], d_k, d_v)  # fmt: skip
     empty = num_tokens == 0 or heads == 0 or d_k == 0 or d_v == 0
     grid = (0 if empty else num_tokens, cdiv(heads, per_program))
+    sink_args = (sides[0], scales[0], 0, 0, 0, 0)  # unread without sinks
+    if sinks is not None:
+        sink_args = (sinks[0], sinks[1].reshape(-1), *sinks[0].stride()[:3], sinks[0].shape[1])
     args = (
         key.view(bits_dtype), value.view(bits_dtype), sides[0], sides[1], scales[0], scales[1],
         slot_mapping, key.stride(0), value.stride(0), *strides[0], *strides[1],
         *scale_strides[0], *scale_strides[1], region[0], region[1], block_size, num_slots, heads,
+        *sink_args,
     )  # fmt: skip
     constexprs = dict(
         D_K=d_k, D_V=d_v, PAD_K=pads[0], PAD_V=pads[1], HEADS=per_program, KIND=kind, SRC=src,
         DST=dst, K_PER_HEAD=per_head[0], V_PER_HEAD=per_head[1], K_INTERLEAVE4=interleave4[0],
         V_INTERLEAVE4=interleave4[1], SEARCH=search, QMAX=qmax,
         FLOOR=PER_TOKEN_HEAD_SCALE_FLOOR, SCALE_INLINE=scale_inline, ROW_ALIGN=row_align,
+        SINKS=sinks is not None, SINK_PER_HEAD=sinks is not None and sinks[1].numel() > 1,
+        PAD_SINK=next_power_of_2(d_k),
     )  # fmt: skip
     return WriterLaunch(grid, args, constexprs, writer_num_warps(per_program * row_elements))
 
@@ -365,6 +387,8 @@ def triton_reshape_and_cache_flash(
     v_scale: torch.Tensor,
     k_scale_layout: ScaleLayout | str | None = None,
     v_scale_layout: ScaleLayout | str | None = None,
+    key_sinks: torch.Tensor | None = None,
+    key_sink_scale: torch.Tensor | None = None,
 ) -> None:
     """:func:`vllm._custom_ops.reshape_and_cache_flash` in Triton, same arguments and bytes.
 
@@ -372,19 +396,21 @@ def triton_reshape_and_cache_flash(
     ``slot_mapping[i]`` (< 0: skipped) of the paged caches (logical ``[B, N, H, D']``, NHD or
     HND), quantized for ``kv_cache_dtype``. ``k_scale`` / ``v_scale``: fp32 dequantization
     scales, one value (0-d, [1]) or [H]; NVFP4 block-scale layouts as the op's (``None``: the
-    default for the geometry; V follows a named K)."""
+    default for the geometry; V follows a named K). ``key_sinks`` (uint8 ``[B, S, H, D]``) with
+    ``key_sink_scale``: a token at page row ``t < S`` also gets ``key_sinks[page, t] =
+    e4m3(key / key_sink_scale)``, whatever the format."""
     if isinstance(slot_mapping, torch.Tensor) and slot_mapping.dim() == 1:
-        # The compiled op's checks (shapes, strides, dtypes, scales, layouts, overlap), with its
-        # messages: a zero-token call validates and writes nothing.
+        # The compiled op's checks (shapes, strides, dtypes, scales, layouts, overlap, key
+        # sinks), with its messages: a zero-token call validates and writes nothing.
         _ops().reshape_and_cache_flash(
             key, value, key_cache, value_cache, slot_mapping[:0], kv_cache_dtype, k_scale,
-            v_scale, k_scale_layout, v_scale_layout,
+            v_scale, k_scale_layout, v_scale_layout, key_sinks, key_sink_scale,
         )  # fmt: skip
     num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
     _check_slot_mapping(slot_mapping, key.shape[0], num_blocks * block_size)
     plan_reshape_and_cache_flash(
         key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
-        k_scale_layout, v_scale_layout,
+        k_scale_layout, v_scale_layout, key_sinks, key_sink_scale,
     )()  # fmt: skip
 
 
@@ -399,9 +425,12 @@ def plan_reshape_and_cache_flash(
     v_scale: torch.Tensor,
     k_scale_layout: ScaleLayout | str | None = None,
     v_scale_layout: ScaleLayout | str | None = None,
+    key_sinks: torch.Tensor | None = None,
+    key_sink_scale: torch.Tensor | None = None,
 ) -> WriterLaunch:
     """The launch of :func:`triton_reshape_and_cache_flash` for arguments it has checked
     (nothing runs until the result is called)."""
+    sinks = None if key_sinks is None else (key_sinks, key_sink_scale)
     num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
     fmt = lookup(kv_cache_dtype)
     kind = _kind_of(fmt)
@@ -410,19 +439,20 @@ def plan_reshape_and_cache_flash(
     caches = (key_cache, value_cache)
     strides = tuple(_page_strides(c, f) for c, f in zip(caches, last, strict=True))
     no_aux = ((0, 0, 0), (0, 0, 0))
-    if kind == KIND_PLAIN:
+    if kind == CacheKind.UNQUANTIZED:
         dst, bits = _BITS_VIEW[key_cache.dtype]
         sides = (key_cache.view(bits), value_cache.view(bits))
         return _plan(key, value, sides, strides, (k_scale, v_scale), no_aux, slot_mapping,
-                     num_blocks * block_size, block_size, kind=kind, dst=dst)  # fmt: skip
+                     num_blocks * block_size, block_size, kind=kind, dst=dst,
+                     sinks=sinks)  # fmt: skip
     sides = (key_cache.view(torch.uint8), value_cache.view(torch.uint8))
     if fmt.is_per_token_head:
         return _plan(key, value, sides, strides, sides, no_aux, slot_mapping,
                      num_blocks * block_size, block_size, kind=kind,
-                     qmax=per_token_head_qmax(fmt))  # fmt: skip
+                     qmax=per_token_head_qmax(fmt), sinks=sinks)  # fmt: skip
     per_head = (k_scale.numel() > 1, v_scale.numel() > 1)
     interleave4 = (False, False)
-    if kind == KIND_NVFP4:
+    if kind == CacheKind.NVFP4:
         k_layout = ScaleLayout.resolve(k_scale_layout, block_size, d_k)
         if v_scale_layout is not None:
             v_layout = ScaleLayout.parse(v_scale_layout)
@@ -435,8 +465,8 @@ def plan_reshape_and_cache_flash(
         strides = tuple((b, t // f, h // f) for (b, t, h), f in zip(strides, last, strict=True))
     return _plan(key, value, sides, strides, (k_scale.reshape(-1), v_scale.reshape(-1)),
                  no_aux, slot_mapping, num_blocks * block_size, block_size, kind=kind,
-                 per_head=per_head, interleave4=interleave4,
-                 search=fmt.scale_search)  # fmt: skip
+                 per_head=per_head, interleave4=interleave4, search=fmt.scale_search,
+                 sinks=sinks)  # fmt: skip
 
 
 def _check_paged(cache: torch.Tensor, name: str, lead: list[int], last: int) -> None:
@@ -503,7 +533,7 @@ def plan_per_token_head_quant(
     """The launch of :func:`triton_reshape_and_cache_flash_per_token_head_quant` for arguments
     it has checked (nothing runs until the result is called)."""
     fp8 = key_cache.dtype in (torch.float8_e4m3fn, torch.uint8)
-    fmt = lookup("fp8_per_token_head" if fp8 else "int8_per_token_head")
+    fmt = format_of_kind(CacheKind.FP8_PER_TOKEN_HEAD if fp8 else CacheKind.INT8_PER_TOKEN_HEAD)
     sides = (key_cache.view(torch.uint8), value_cache.view(torch.uint8))
     scales = (k_scale_cache.view(torch.int32), v_scale_cache.view(torch.int32))
     return _plan(key, value, sides, tuple(tuple(c.stride()[:3]) for c in sides), scales,
@@ -552,7 +582,9 @@ def triton_reshape_and_cache_flash_diffkv(
     num_slots = lead[0] * lead[1]
     _check_slot_mapping(slot_mapping, key.shape[0], num_slots)
     kind = _kind_of(fmt)
-    dst, bits = _BITS_VIEW[kv_cache.dtype] if kind == KIND_PLAIN else (SRC_FP32, torch.uint8)
+    dst, bits = (
+        _BITS_VIEW[kv_cache.dtype] if kind == CacheKind.UNQUANTIZED else (SRC_FP32, torch.uint8)
+    )
     view = kv_cache.view(bits)
     stride = tuple(view.stride()[:3])
     _plan(key, value, (view[..., :d_k], view[..., d_k:]), (stride, stride), (k_scale, v_scale),
