@@ -481,7 +481,7 @@ def test_per_token_head_rows_off_4_byte_boundaries(cache_dtype: str) -> None:
     outs = []
     for cache, align in ((aligned, 4), (odd, 1)):
         key_cache, value_cache = cache.view(storage).unbind(0)
-        side = _side(key_cache, kernel_format(fmt, storage), d, ScaleLayout.LINEAR, None)
+        side = _side(key_cache, kernel_format(fmt), d, ScaleLayout.LINEAR, None)
         assert side.row_align == align
         out = torch.empty_like(query)
         seq_lens = torch.tensor([37, 9], dtype=torch.int32)

@@ -95,6 +95,7 @@ def _rebuild_tile_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     FORMAT: tl.constexpr,
+    BF16_PAGES: tl.constexpr,
     K_INTERLEAVE4: tl.constexpr,
     ROW_ALIGN: tl.constexpr,
     USE_ROPE: tl.constexpr,
@@ -137,6 +138,7 @@ def _rebuild_tile_kernel(
         HEAD_SIZE,
         HEAD_SIZE,
         FORMAT,
+        BF16_PAGES,
         K_INTERLEAVE4,
         True,
         ROW_ALIGN,
@@ -215,14 +217,15 @@ def _run_tile_check(fmt: str, model_dtype: torch.dtype, layout: str | None, opti
     k_scale = kv_scale_as_1d(cache.k_scale, "k_scale", H).to(DEVICE, torch.float32)
     k_layout = ScaleLayout.resolve(cache.impl.k_scale_layout, BLOCK, D)
     pages = cache.key_cache[table.long()]
-    rows = cache.impl._dequantize(pages, k_scale, D, k_layout).reshape(-1, H, D)[:tokens].cpu()
+    rows = cache.encoding.codec.read(pages, k_scale, D, k_layout, torch.float32)
+    rows = rows.reshape(-1, H, D)[:tokens].cpu()
 
     inputs = _transform_inputs(gen, 1, options)
     positions = torch.arange(tokens)
     sinks = inputs["sinks"]
     expected = _rebuilt(rows, positions, inputs["rope"], inputs["offset"],
                         None if sinks is None else sinks[0], inputs["hadamard"])  # fmt: skip
-    code = kernel_format(cache.impl.kv_cache_format, cache.key_cache.dtype)
+    code = kernel_format(cache.impl.kv_cache_format)
     side = _side(cache.key_cache, code, D, k_layout, None)
     rebuild = key_rebuild_args(
         **_kernel_kwargs(inputs), num_seqs=1, num_kv_heads=H, head_size=D,
@@ -234,7 +237,8 @@ def _run_tile_check(fmt: str, model_dtype: torch.dtype, layout: str | None, opti
     _rebuild_tile_kernel[(triton.cdiv(tokens, 16), H, 1)](
         got, side.data, side.aux, *rebuild.kernel_args(k_scale), table, k_scale,
         int(k_scale.numel() > 1), tokens, *side.strides, *side.aux_strides, HEAD_SIZE=D,
-        NUM_KV_HEADS=H, BLOCK_SIZE=BLOCK, TILE_N=16, FORMAT=code,
+        NUM_KV_HEADS=H, BLOCK_SIZE=BLOCK, TILE_N=16, FORMAT=code.value,
+        BF16_PAGES=cache.key_cache.dtype == torch.bfloat16,
         K_INTERLEAVE4=side.interleave4, ROW_ALIGN=side.row_align, **constexprs,
         enable_fp_fusion=False,  # as the attention kernel is launched: products rounded alone
     )  # fmt: skip
@@ -414,7 +418,7 @@ def test_triton_attn_reads_like_the_reference(
         caches.append(cache)
     assert torch.equal(caches[0].key_cache, caches[1].key_cache)
     if sinks:
-        assert torch.equal(caches[0].layer.key_sinks, caches[1].layer.key_sinks)
+        assert torch.equal(caches[0].key_sinks, caches[1].key_sinks)
     tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[model_dtype]
     torch.testing.assert_close(outs[0], outs[1], atol=tol, rtol=tol)
 
@@ -486,7 +490,7 @@ def test_sequences_past_the_rope_table_are_refused_before_writing() -> None:
         x.to(DEVICE) for x in (_keys(gen, 17), torch.randn(17, H, D), torch.randn(17, HQ, D))
     )
     meta = cache.metadata([17], [17], torch.tensor([[3, 4]], dtype=torch.int32))
-    before, sinks = cache.kv_cache.clone(), cache.layer.key_sinks.clone()
+    before, sinks = cache.kv_cache.clone(), cache.key_sinks.clone()
     with pytest.raises(ValueError, match="seq_lens: expected at most 16 tokens"):
         cache.impl.forward(cache.layer, q, k, v, cache.kv_cache, meta)
-    assert torch.equal(cache.kv_cache, before) and torch.equal(cache.layer.key_sinks, sinks)
+    assert torch.equal(cache.kv_cache, before) and torch.equal(cache.key_sinks, sinks)

@@ -187,9 +187,10 @@ def test_argument_errors(change: dict, message: str) -> None:
 
 def test_compile_cases_cover_every_reader_and_feature() -> None:
     """triton_compile_cases() (compiled for sm_80/90/100 by tools/compile_triton_kernels.py)
-    holds every kernel FORMAT, both NVFP4 scale layouts, both per-token-head scale sources,
+    holds every row encoding of the registry (bf16 pages too), both NVFP4 scale layouts,
+    both per-token-head scale sources,
     split and unsplit, each feature flag on, every query dtype, and the merge kernel."""
-    from vllm.v1.attention.ops import triton_kv_decode as dec
+    from vllm.kv_quant.formats import CacheKind
     from vllm.v1.attention.ops.triton_attention_cases import triton_compile_cases
     from vllm.v1.attention.ops.triton_paged_attention import (
         merge_splits_kernel,
@@ -198,17 +199,17 @@ def test_compile_cases_cover_every_reader_and_feature() -> None:
 
     cases = triton_compile_cases()
     attention = [c for c in cases if c.kernel is paged_attention_kernel]
-    formats = {c.constexprs["FORMAT"] for c in attention}
-    assert formats == {getattr(dec, n) for n in dir(dec) if n.startswith("FMT_")}
-    assert {c.constexprs["K_INTERLEAVE4"] for c in attention if c.constexprs["FORMAT"] == 6} == {
-        True,
-        False,
+    kinds = {(c.constexprs["FORMAT"], c.constexprs["BF16_PAGES"]) for c in attention}
+    assert kinds == {(k.value, False) for k in CacheKind} | {(CacheKind.UNQUANTIZED.value, True)}
+    nvfp4 = [c for c in attention if c.constexprs["FORMAT"] == CacheKind.NVFP4]
+    assert {c.constexprs["K_INTERLEAVE4"] for c in nvfp4} == {True, False}
+    per_token_head = (CacheKind.INT8_PER_TOKEN_HEAD, CacheKind.FP8_PER_TOKEN_HEAD)
+    for kind in per_token_head:
+        inline = {c.constexprs["SCALE_INLINE"] for c in attention if c.constexprs["FORMAT"] == kind}
+        assert inline == {True, False}, kind
+    row_aligns = {
+        c.constexprs["ROW_ALIGN"] for c in attention if c.constexprs["FORMAT"] in per_token_head
     }
-    assert {c.constexprs["SCALE_INLINE"] for c in attention if c.constexprs["FORMAT"] == 5} == {
-        True,
-        False,
-    }
-    row_aligns = {c.constexprs["ROW_ALIGN"] for c in attention if c.constexprs["FORMAT"] in (4, 5)}
     assert row_aligns == {1, 4}  # per-token-head rows: 4-byte loads and the byte-load fallback
     for flag in ("CAUSAL", "USE_WINDOW", "USE_SOFT_CAP", "USE_SINKS", "FP32_DOT"):
         assert {c.constexprs[flag] for c in attention} == {True, False}, flag

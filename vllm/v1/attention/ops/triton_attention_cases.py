@@ -6,10 +6,12 @@ and the split merge per output dtype (design.md §11.4)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from vllm.kv_quant import ScaleLayout
-from vllm.kv_quant.formats import lookup
+from vllm.kv_quant.formats import CacheKind, formats, lookup
 from vllm.triton_utils.aot import TritonCompileCase
 from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
 from vllm.v1.attention.backends.abstract import kv_cache_dim
@@ -44,10 +46,9 @@ def side_divisibility(
     dtype = STR_DTYPE_TO_TORCH_DTYPE[kv_cache_dtype]
     cache = torch.zeros(2, block_size, num_kv_heads, kv_cache_dim(head_size, kv_cache_dtype))
     cache = cache.to(dtype)  # zeros of any storage dtype; the base is 64-byte aligned
-    code = kernel_format(fmt, dtype)
     scales = torch.zeros(2, block_size, num_kv_heads) if scale_cache else None
     layout = ScaleLayout.resolve(scale_layout, block_size, head_size)
-    kernel_side = _side(cache, code, head_size, layout, scales)
+    kernel_side = _side(cache, kernel_format(fmt), head_size, layout, scales)
     base = cache.data_ptr()
     aux_base = scales.data_ptr() if scales is not None else base
     hints = {
@@ -62,20 +63,61 @@ def side_divisibility(
     return hints
 
 
-# (case name, FORMAT, cache pointer type, aux pointer type, inline scales, K / V interleave4,
-# kv_cache_dtype of the launch it stands for)
-_FORMAT_CASES: tuple[tuple[str, int, str, str, bool, bool, str], ...] = (
-    ("fp16", 0, "*fp16", "*fp16", True, False, "float16"),
-    ("fp32", 0, "*fp32", "*fp32", True, False, "float32"),
-    ("bf16", 1, "*i16", "*bf16", True, False, "bfloat16"),
-    ("fp8_e4m3", 2, "*u8", "*u8", True, False, "fp8_e4m3"),
-    ("fp8_e5m2", 3, "*u8", "*u8", True, False, "fp8_e5m2"),
-    ("int8_per_token_head", 4, "*u8", "*u8", True, False, "int8_per_token_head"),
-    ("fp8_per_token_head", 5, "*u8", "*u8", True, False, "fp8_per_token_head"),
-    ("fp8_per_token_head/scale_cache", 5, "*u8", "*fp32", False, False, "fp8_per_token_head"),
-    ("nvfp4/linear", 6, "*u8", "*u8", True, False, "nvfp4"),
-    ("nvfp4/interleave4", 6, "*u8", "*u8", True, True, "nvfp4"),
-)
+class _FormatCase(NamedTuple):
+    """One cache format as the kernels see it: case name, ``FORMAT`` (the row encoding),
+    bf16 pages, cache / aux pointer types, inline scales, K / V interleave4, and the
+    ``kv_cache_dtype`` of the launch it stands for."""
+
+    name: str
+    kind: CacheKind
+    bf16_pages: bool
+    cache_type: str
+    aux_type: str
+    inline: bool
+    interleave4: bool
+    kv_cache_dtype: str
+
+
+_POINTER_TYPES = {torch.float16: "*fp16", torch.float32: "*fp32", torch.bfloat16: "*bf16"}
+
+
+def _format_cases() -> list[_FormatCase]:
+    """Every row encoding the registry's kernel formats use, once (a writer-only variant such
+    as ``nvfp4_mse`` reads as its kind): unquantized pages per float storage dtype (bf16 read
+    as int16 bits), each quantized kind with its scales inline, per-token-head rows also with
+    upstream's separate fp32 scale cache, NVFP4 per block-scale layout."""
+    cases: list[_FormatCase] = []
+    seen: set[tuple[CacheKind, torch.dtype | None]] = set()
+    for fmt in formats():
+        kind, storage = fmt.cache_kind, fmt.storage_dtype
+        if kind is None or not fmt.has_kernel or fmt.mla_only or (kind, storage) in seen:
+            continue
+        if kind is CacheKind.UNQUANTIZED and storage is None:
+            continue  # auto: one of the float storage dtypes
+        seen.add((kind, storage))
+        if kind is CacheKind.UNQUANTIZED:
+            assert storage is not None
+            bf16 = storage == torch.bfloat16
+            ptr = "*i16" if bf16 else _POINTER_TYPES[storage]
+            cases.append(
+                _FormatCase(fmt.label, kind, bf16, ptr, _POINTER_TYPES[storage], True, False,
+                            fmt.name)
+            )  # fmt: skip
+        elif fmt.scale_layouts:
+            for layout in fmt.scale_layouts:
+                cases.append(
+                    _FormatCase(f"{fmt.name}/{layout}", kind, False, "*u8", "*u8", True,
+                                layout == ScaleLayout.INTERLEAVE4.value, fmt.name)
+                )  # fmt: skip
+        else:
+            cases.append(_FormatCase(fmt.name, kind, False, "*u8", "*u8", True, False, fmt.name))
+            if fmt.is_per_token_head:
+                cases.append(
+                    _FormatCase(f"{fmt.name}/scale_cache", kind, False, "*u8", "*fp32", False,
+                                False, fmt.name)
+                )  # fmt: skip
+    return cases
+
 
 # (case name, query dtype, longest query (1: decode), NUM_SPLITS, causal, window, soft cap,
 # sinks); the tiling is choose_tiling's, as launched
@@ -164,7 +206,7 @@ def _attention_hints(
 
 
 def _attention_constexprs(
-    fmt: int, inline: bool, interleave4: bool, q_type: str, tiling: Tiling, splits: int
+    fmt: _FormatCase, q_type: str, tiling: Tiling, splits: int
 ) -> dict[str, object]:
     """The compile cases' constexprs (GQA group 4, head sizes 128 / 64, pages of 16 tokens),
     keys read as stored."""
@@ -178,10 +220,11 @@ def _attention_constexprs(
         "GROUP_PAD": 4,
         "BLOCK_M": tiling.block_m,
         "TILE_N": tiling.tile_n,
-        "FORMAT": fmt,
-        "K_INTERLEAVE4": interleave4,
-        "V_INTERLEAVE4": interleave4,
-        "SCALE_INLINE": inline,
+        "FORMAT": fmt.kind.value,
+        "BF16_PAGES": fmt.bf16_pages,
+        "K_INTERLEAVE4": fmt.interleave4,
+        "V_INTERLEAVE4": fmt.interleave4,
+        "SCALE_INLINE": fmt.inline,
         "ROW_ALIGN": 4,
         "FP32_DOT": q_type == "fp32",
         "CAUSAL": True,
@@ -227,21 +270,20 @@ def triton_compile_cases() -> list[TritonCompileCase]:
     :func:`paged_attention_kernel` (:func:`_attention_constexprs`), and
     :func:`merge_splits_kernel` per output dtype."""
     cases = []
-    for fmt_name, fmt, cache_type, aux_type, inline, interleave4, dtype in _FORMAT_CASES:
-        hints = _attention_hints(dtype, inline, interleave4)
+    for fmt in _format_cases():
+        hints = _attention_hints(fmt.kv_cache_dtype, fmt.inline, fmt.interleave4)
+        types = (fmt.cache_type, fmt.aux_type)
         for feat_name, q_type, query_len, splits, causal, window, soft_cap, sinks in _FEATURE_CASES:
             tiling = choose_tiling(4, query_len, exact=q_type == "fp32")
-            constexprs = _attention_constexprs(fmt, inline, interleave4, q_type, tiling, splits)
+            constexprs = _attention_constexprs(fmt, q_type, tiling, splits)
             constexprs.update(
                 CAUSAL=causal, USE_WINDOW=window, USE_SOFT_CAP=soft_cap, USE_SINKS=sinks
             )
-            name = f"paged_attention/{fmt_name}/{feat_name}"
-            cases.append(
-                _attention_case(name, q_type, cache_type, aux_type, constexprs, tiling, hints)
-            )
+            name = f"paged_attention/{fmt.name}/{feat_name}"
+            cases.append(_attention_case(name, q_type, *types, constexprs, tiling, hints))
         for feat_name, q_type, query_len, splits, neox, hadamard in _REBUILD_CASES:
             tiling = choose_tiling(4, query_len, exact=True)
-            constexprs = _attention_constexprs(fmt, inline, interleave4, q_type, tiling, splits)
+            constexprs = _attention_constexprs(fmt, q_type, tiling, splits)
             constexprs.update(
                 REBUILD_KEYS=True,
                 USE_ROPE=True,
@@ -250,22 +292,22 @@ def triton_compile_cases() -> list[TritonCompileCase]:
                 USE_KEY_OFFSET=True,
                 USE_SINK_KEYS=True,
             )
-            name = f"paged_attention_rebuild/{fmt_name}/{feat_name}"
+            name = f"paged_attention_rebuild/{fmt.name}/{feat_name}"
             # as launched: the rebuild's products rounded one by one (no FMA contraction)
             case = _attention_case(
-                name, q_type, cache_type, aux_type, constexprs, tiling, hints,
-                enable_fp_fusion=False,
-            )  # fmt: skip
+                name, q_type, *types, constexprs, tiling, hints, enable_fp_fusion=False
+            )
             cases.append(case)
     # Per-token-head rows off 4-byte boundaries (a cache view one byte off): byte loads, and
     # no cache pointer or stride known to be a multiple of 16.
-    for fmt_name, fmt in (("int8", 4), ("fp8", 5)):
-        tiling = choose_tiling(4, 1, exact=False)
-        constexprs = _attention_constexprs(fmt, True, False, "bf16", tiling, 1)
-        constexprs.update(ROW_ALIGN=1)
-        hints = _attention_hints(f"{fmt_name}_per_token_head", True, False, False)
-        name = f"paged_attention/{fmt_name}_per_token_head/unaligned_rows/decode/bf16"
-        cases.append(_attention_case(name, "bf16", "*u8", "*u8", constexprs, tiling, hints))
+    for fmt in _format_cases():
+        if fmt.kind.name.endswith("PER_TOKEN_HEAD") and fmt.inline:
+            tiling = choose_tiling(4, 1, exact=False)
+            constexprs = _attention_constexprs(fmt, "bf16", tiling, 1)
+            constexprs.update(ROW_ALIGN=1)
+            hints = _attention_hints(fmt.kv_cache_dtype, True, False, False)
+            name = f"paged_attention/{fmt.name}/unaligned_rows/decode/bf16"
+            cases.append(_attention_case(name, "bf16", "*u8", "*u8", constexprs, tiling, hints))
     for q_type in ("fp16", "bf16", "fp32"):
         cases.append(
             TritonCompileCase(

@@ -23,6 +23,11 @@ import torch
 from vllm.kv_quant.hadamard import check_hadamard_head_size
 from vllm.triton_utils import tl, triton
 from vllm.v1.attention.ops.triton_kv_decode import (
+    KIND_FP8_E4M3,
+    KIND_FP8_PER_TOKEN_HEAD,
+    KIND_INT8_PER_TOKEN_HEAD,
+    KIND_NVFP4,
+    KIND_UNQUANTIZED,
     NVFP4_UNIT,
     load_kv_tile,
     load_row_scale,
@@ -102,6 +107,7 @@ def rebuilt_key_tile(
     HEAD_SIZE: tl.constexpr,
     D_PAD: tl.constexpr,
     FORMAT: tl.constexpr,
+    BF16_PAGES: tl.constexpr,
     K_INTERLEAVE4: tl.constexpr,
     SCALE_INLINE: tl.constexpr,
     ROW_ALIGN: tl.constexpr,
@@ -115,7 +121,7 @@ def rebuilt_key_tile(
     sequence ``seq``, KV head ``kv_head64``, in real units (module docstring); masked keys and
     padding channels are 0. ``k_scale``: the head's FP8 / NVFP4 global scale."""
     d_ok = d < HEAD_SIZE
-    if FORMAT == 6:  # (E2M1 * sf) * gs, rounded once (dequantize_nvfp4)
+    if FORMAT == KIND_NVFP4:  # (E2M1 * sf) * gs, rounded once (dequantize_nvfp4)
         x = nvfp4_tile(
             k_ptr,
             k_aux_ptr,
@@ -147,16 +153,19 @@ def rebuilt_key_tile(
             stride_k_tok,
             stride_k_head,
             FORMAT,
+            BF16_PAGES,
             tl.float32,
             ROW_ALIGN,
         ).to(tl.float32)
         # e4m3 units are value * 2^-8: units * (scale * 2^8) is value * scale, rounded once
-        unit = 256.0 if FORMAT == 2 or FORMAT == 5 else 1.0
-        if FORMAT == 4 or FORMAT == 5:  # value * the row's scale, rounded once
+        e4m3 = FORMAT == KIND_FP8_E4M3 or FORMAT == KIND_FP8_PER_TOKEN_HEAD  # noqa: SIM109 (Triton compiles no `in`)
+        unit = 256.0 if e4m3 else 1.0
+        if FORMAT == KIND_INT8_PER_TOKEN_HEAD or FORMAT == KIND_FP8_PER_TOKEN_HEAD:  # noqa: SIM109 (Triton compiles no `in`)
+            # value * the row's scale, rounded once
             k_aux = page * stride_ka_page + tok * stride_ka_tok + kv_head64 * stride_ka_head
             k_row = load_row_scale(k_aux_ptr, k_aux, key_ok, SCALE_INLINE, ROW_ALIGN)
             x = x * (k_row * unit)[:, None]
-        elif FORMAT == 2 or FORMAT == 3:
+        elif FORMAT != KIND_UNQUANTIZED:  # FP8: the tensor or head scale
             x = x * (k_scale * unit)
     if USE_SINK_KEYS:
         is_sink = key_ok & (keys < num_sink_keys)

@@ -26,20 +26,22 @@ reference codec's value of :mod:`vllm.kv_quant`, bit for bit:
 
 from __future__ import annotations
 
+from vllm.kv_quant.formats import CacheKind
 from vllm.triton_utils import tl, triton
 from vllm.v1.attention.ops.triton_kv_encode import from_bits, source_to_f32_bits
 
 NVFP4_UNIT = tl.constexpr(16384.0)
 """:func:`nvfp4_tile` gives ``E2M1[q] * sf`` times ``1 / NVFP4_UNIT``."""
 
-# Cache formats as the kernels see them (constexpr values).
-FMT_FLOAT = 0  # fp16 / fp32 pages, read in their own dtype
-FMT_BF16 = 1  # bf16 pages, read as int16 bits
-FMT_FP8_E4M3 = 2
-FMT_FP8_E5M2 = 3
-FMT_INT8_PER_TOKEN_HEAD = 4
-FMT_FP8_PER_TOKEN_HEAD = 5
-FMT_NVFP4 = 6
+# The kernels' FORMAT: the registry's row encoding (CacheKind, the values the C++ kernels and
+# the writer use), by name. Unquantized pages are read in their own dtype, bf16 ones as int16
+# bits (BF16_PAGES).
+KIND_UNQUANTIZED = tl.constexpr(CacheKind.UNQUANTIZED.value)
+KIND_FP8_E4M3 = tl.constexpr(CacheKind.FP8_E4M3.value)
+KIND_FP8_E5M2 = tl.constexpr(CacheKind.FP8_E5M2.value)
+KIND_NVFP4 = tl.constexpr(CacheKind.NVFP4.value)
+KIND_INT8_PER_TOKEN_HEAD = tl.constexpr(CacheKind.INT8_PER_TOKEN_HEAD.value)
+KIND_FP8_PER_TOKEN_HEAD = tl.constexpr(CacheKind.FP8_PER_TOKEN_HEAD.value)
 
 
 @triton.jit
@@ -178,6 +180,7 @@ def load_kv_tile(
     stride_tok,
     stride_head,
     FORMAT: tl.constexpr,
+    BF16_PAGES: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     ROW_ALIGN: tl.constexpr,
 ):
@@ -198,17 +201,21 @@ def load_kv_tile(
     """
     mask = key_mask & dim_mask
     row = page * stride_page + tok * stride_tok + head * stride_head
-    if (FORMAT == 4 or FORMAT == 5) and ROW_ALIGN % 4 == 0:
+    INT8_ROWS: tl.constexpr = FORMAT == KIND_INT8_PER_TOKEN_HEAD
+    PTH_ROWS: tl.constexpr = INT8_ROWS or FORMAT == KIND_FP8_PER_TOKEN_HEAD
+    if PTH_ROWS and ROW_ALIGN % 4 == 0:
         row = tl.multiple_of(row, [4, 4])
-    if FORMAT == 4 and DOT_DTYPE.is_fp16():  # int8 v: fp16 1024 + (v + 128), minus 1152
+    if INT8_ROWS and DOT_DTYPE.is_fp16():  # int8 v: fp16 1024 + (v + 128), minus 1152
         byte = tl.load(cache_ptr + row + dim, mask=mask, other=0).to(tl.uint16)
         value = (byte ^ 0x6480).to(tl.float16, bitcast=True) - 1152.0
-    elif FORMAT == 4:  # int8 v: fp32 2^23 + (v + 128), minus 2^23 + 128 (exact; exact in bf16)
+    elif INT8_ROWS:  # int8 v: fp32 2^23 + (v + 128), minus 2^23 + 128 (exact; exact in bf16)
         byte = tl.load(cache_ptr + row + dim, mask=mask, other=0).to(tl.uint32)
         value = (byte ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
-    elif FORMAT == 2 or FORMAT == 3 or FORMAT == 5:  # FP8: unscaled fp16 units (fp8_units)
-        value = fp8_units(tl.load(cache_ptr + row + dim, mask=mask, other=0), FORMAT == 3)
-    elif FORMAT == 1:
+    elif FORMAT != KIND_UNQUANTIZED:  # FP8 (per-token-head too): unscaled fp16 units
+        value = fp8_units(
+            tl.load(cache_ptr + row + dim, mask=mask, other=0), FORMAT == KIND_FP8_E5M2
+        )
+    elif BF16_PAGES:
         bits = tl.load(cache_ptr + row + dim, mask=mask, other=0)
         if DOT_DTYPE.is_bf16():  # the bits as they are (no widening and rounding back)
             value = bits.to(tl.bfloat16, bitcast=True)

@@ -25,6 +25,11 @@ from typing import NamedTuple
 from vllm.triton_utils import LOG2E, tl, triton
 from vllm.v1.attention.ops.triton_key_rebuild import rebuilt_key_tile
 from vllm.v1.attention.ops.triton_kv_decode import (
+    KIND_FP8_E4M3,
+    KIND_FP8_PER_TOKEN_HEAD,
+    KIND_INT8_PER_TOKEN_HEAD,
+    KIND_NVFP4,
+    KIND_UNQUANTIZED,
     NVFP4_UNIT,
     load_kv_tile,
     load_row_scale,
@@ -135,6 +140,7 @@ def paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr,
     FORMAT: tl.constexpr,
+    BF16_PAGES: tl.constexpr,
     K_INTERLEAVE4: tl.constexpr,
     V_INTERLEAVE4: tl.constexpr,
     SCALE_INLINE: tl.constexpr,
@@ -163,8 +169,12 @@ def paged_attention_kernel(
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     # What the decoders leave out of the values: e4m3 units are value * 2^-8, NVFP4 tiles
     # E2M1 * sf / NVFP4_UNIT.
-    E4M3_UNITS: tl.constexpr = FORMAT == 2 or FORMAT == 5
-    UNIT: tl.constexpr = NVFP4_UNIT if FORMAT == 6 else (256.0 if E4M3_UNITS else 1.0)
+    E4M3_UNITS: tl.constexpr = FORMAT == KIND_FP8_E4M3 or FORMAT == KIND_FP8_PER_TOKEN_HEAD  # noqa: SIM109 (Triton compiles no `in`)
+    NVFP4: tl.constexpr = FORMAT == KIND_NVFP4
+    ROW_SCALES: tl.constexpr = (
+        FORMAT == KIND_INT8_PER_TOKEN_HEAD or FORMAT == KIND_FP8_PER_TOKEN_HEAD  # noqa: SIM109 (Triton compiles no `in`)
+    )
+    UNIT: tl.constexpr = NVFP4_UNIT if NVFP4 else (256.0 if E4M3_UNITS else 1.0)
     DOT_DTYPE: tl.constexpr = tl.float32 if FP32_DOT else q_ptr.dtype.element_ty
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -266,6 +276,7 @@ def paged_attention_kernel(
                 HEAD_SIZE,
                 D_PAD,
                 FORMAT,
+                BF16_PAGES,
                 K_INTERLEAVE4,
                 SCALE_INLINE,
                 ROW_ALIGN,
@@ -277,7 +288,7 @@ def paged_attention_kernel(
             )
             s = tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee")
         else:
-            if FORMAT == 6:  # NVFP4: E2M1 * block scale, exact in the dot dtype; rows loaded
+            if NVFP4:  # E2M1 * block scale, exact in the dot dtype; rows loaded
                 k = nvfp4_tile(
                     k_ptr,
                     k_aux_ptr,
@@ -309,6 +320,7 @@ def paged_attention_kernel(
                     stride_k_tok,
                     stride_k_head,
                     FORMAT,
+                    BF16_PAGES,
                     DOT_DTYPE,
                     ROW_ALIGN,
                 )
@@ -316,11 +328,11 @@ def paged_attention_kernel(
                 s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
             else:
                 s = tl.dot(q, _dot_operand(k, q.dtype))
-            if FORMAT == 4 or FORMAT == 5:  # per-token-head: each key's row scale, once
+            if ROW_SCALES:  # per-token-head: each key's row scale, once
                 k_aux = page * stride_ka_page + tok * stride_ka_tok + kv_head64 * stride_ka_head
                 k_row = load_row_scale(k_aux_ptr, k_aux, key_ok, SCALE_INLINE, ROW_ALIGN)
                 s = s * (k_row * UNIT)[None, :]
-            elif FORMAT >= 2:  # FP8 (units) / NVFP4: the tensor or head scale, once
+            elif FORMAT != KIND_UNQUANTIZED:  # FP8 (units) / NVFP4: the tensor or head scale
                 s = s * (k_scale * UNIT)
         s = s * softmax_scale
         if USE_SOFT_CAP:
@@ -339,7 +351,7 @@ def paged_attention_kernel(
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if FORMAT == 6:
+        if NVFP4:
             v = nvfp4_tile(
                 v_ptr,
                 v_aux_ptr,
@@ -370,10 +382,11 @@ def paged_attention_kernel(
                 stride_v_tok,
                 stride_v_head,
                 FORMAT,
+                BF16_PAGES,
                 DOT_DTYPE,
                 ROW_ALIGN,
             )
-        if FORMAT == 4 or FORMAT == 5:  # per-token-head: each value row's scale
+        if ROW_SCALES:  # per-token-head: each value row's scale
             v_aux = page * stride_va_page + tok * stride_va_tok + kv_head64 * stride_va_head
             v_row = load_row_scale(v_aux_ptr, v_aux, key_ok, SCALE_INLINE, ROW_ALIGN) * UNIT
             if q.dtype == tl.float16:  # p * scale could fall into fp16's subnormals
@@ -387,7 +400,7 @@ def paged_attention_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    if FORMAT == 2 or FORMAT == 3 or FORMAT == 6:  # the tensor or head scale, once
+    if FORMAT != KIND_UNQUANTIZED and not ROW_SCALES:  # the tensor or head scale, once
         acc = acc * (v_scale * UNIT)
     if NUM_SPLITS == 1:
         out = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # padding rows: no 0 / 0

@@ -17,10 +17,17 @@ from typing import Any, NamedTuple
 import torch
 
 from vllm.kv_quant import ScaleLayout, kv_scale_as_1d
-from vllm.kv_quant.formats import KVCacheFormat, KVQuantMode, lookup
+from vllm.kv_quant.formats import (
+    AUTO,
+    CacheKind,
+    KVCacheFormat,
+    KVQuantMode,
+    format_for_storage,
+    format_of_kind,
+    lookup,
+)
 from vllm.triton_utils import row_alignment, triton, triton_interpreted
 from vllm.utils.torch_utils import nvfp4_split_data_scale
-from vllm.v1.attention.ops import triton_kv_decode as dec
 from vllm.v1.attention.ops.triton_key_rebuild import key_rebuild_args
 from vllm.v1.attention.ops.triton_paged_attention import (
     PIPELINE_STAGES,
@@ -57,29 +64,24 @@ class _Side(NamedTuple):
         return row_alignment(self.data.data_ptr(), self.aux.data_ptr(), *self.strides)
 
 
-def kernel_format(fmt: KVCacheFormat, cache_dtype: torch.dtype) -> int:
-    """The kernels' ``FORMAT`` constant for a cache of ``fmt`` stored as ``cache_dtype``."""
-    if fmt.is_nvfp4:
-        return dec.FMT_NVFP4
-    if fmt.quant_mode == KVQuantMode.INT8_PER_TOKEN_HEAD:
-        return dec.FMT_INT8_PER_TOKEN_HEAD
-    if fmt.quant_mode == KVQuantMode.FP8_PER_TOKEN_HEAD:
-        return dec.FMT_FP8_PER_TOKEN_HEAD
-    if fmt.is_fp8:
-        return dec.FMT_FP8_E5M2 if fmt.fp8_variant == "e5m2" else dec.FMT_FP8_E4M3
-    return dec.FMT_BF16 if cache_dtype == torch.bfloat16 else dec.FMT_FLOAT
+def kernel_format(fmt: KVCacheFormat) -> CacheKind:
+    """The kernels' ``FORMAT`` constant for a cache of ``fmt``: its row encoding."""
+    if fmt.cache_kind is None:
+        raise ValueError(f"kv_cache_dtype: expected a format TRITON_ATTN reads, got {fmt.name!r}")
+    return fmt.cache_kind
 
 
 def _side(
     side: torch.Tensor,
-    fmt: int,
+    kind: CacheKind,
     head_size: int,
     layout: ScaleLayout,
     scale_cache: torch.Tensor | None,
 ) -> _Side:
-    """Kernel arguments of ``side (B, N, H, D')`` in kernel format ``fmt``."""
+    """Kernel arguments of ``side (B, N, H, D')`` of row encoding ``kind`` (bf16 pages are
+    read as their int16 bits)."""
     strides = (side.stride(0), side.stride(1), side.stride(2))
-    if fmt == dec.FMT_NVFP4:
+    if kind is CacheKind.NVFP4:
         data, scale = nvfp4_split_data_scale(side)
         scale = scale.view(torch.uint8)
         return _Side(
@@ -89,15 +91,15 @@ def _side(
             (scale.stride(0), scale.stride(1), scale.stride(2)),
             layout is ScaleLayout.INTERLEAVE4,
         )
-    if fmt in (dec.FMT_INT8_PER_TOKEN_HEAD, dec.FMT_FP8_PER_TOKEN_HEAD):
+    if kind in (CacheKind.INT8_PER_TOKEN_HEAD, CacheKind.FP8_PER_TOKEN_HEAD):
         raw = side.view(torch.uint8)
         if scale_cache is None:  # inline: 4 scale bytes after each row's values
             return _Side(raw, strides, raw[..., head_size:], strides, False)
         aux = (scale_cache.stride(0), scale_cache.stride(1), scale_cache.stride(2))
         return _Side(raw, strides, scale_cache, aux, False)
-    if fmt == dec.FMT_BF16:
+    if side.dtype == torch.bfloat16:
         return _Side(side.view(torch.int16), strides, side, (0, 0, 0), False)
-    if fmt in (dec.FMT_FP8_E4M3, dec.FMT_FP8_E5M2):
+    if kind in (CacheKind.FP8_E4M3, CacheKind.FP8_E5M2):
         return _Side(side.view(torch.uint8), strides, side, (0, 0, 0), False)
     return _Side(side, strides, side, (0, 0, 0), False)
 
@@ -265,7 +267,7 @@ def plan_paged_attention(
     if num_tokens == 0 or num_seqs == 0:
         return PagedAttentionLaunch((0, 0, 1), [], {}, None, [], {})
     device = query.device
-    code = kernel_format(fmt, key_cache.dtype)
+    code = kernel_format(fmt)
     k_layout = ScaleLayout.resolve(k_scale_layout, block_size, head_size)
     v_layout = ScaleLayout.resolve(v_scale_layout, block_size, head_size_v)
     k_side = _side(key_cache, code, head_size, k_layout, k_scale_cache)
@@ -348,7 +350,8 @@ def plan_paged_attention(
         GROUP_PAD=group_pad,
         BLOCK_M=tiling.block_m,
         TILE_N=tiling.tile_n,
-        FORMAT=code,
+        FORMAT=code.value,
+        BF16_PAGES=key_cache.dtype == torch.bfloat16,
         K_INTERLEAVE4=k_side.interleave4,
         V_INTERLEAVE4=v_side.interleave4,
         SCALE_INLINE=k_scale_cache is None,
@@ -390,25 +393,21 @@ def plan_paged_attention(
 
 
 def _upstream_format(k: torch.Tensor, kv_quant_mode: KVQuantMode) -> str:
-    """The ``kv_cache_dtype`` of upstream-style arguments: the cache's torch dtype and
-    ``kv_quant_mode``."""
+    """The ``kv_cache_dtype`` of upstream-style arguments: the registry's format of
+    ``kv_quant_mode`` stored as the cache's torch dtype (one-byte caches without a mode are
+    FP8, the float8 dtype naming the variant)."""
     mode = KVQuantMode(kv_quant_mode)
-    if mode == KVQuantMode.INT8_PER_TOKEN_HEAD:
-        return "int8_per_token_head"
-    if mode == KVQuantMode.FP8_PER_TOKEN_HEAD:
-        return "fp8_per_token_head"
-    if mode == KVQuantMode.NVFP4:
-        return "nvfp4"
+    if k.dtype in _QUERY_DTYPES and not mode.is_quantized:
+        return AUTO.name
+    if k.dtype.itemsize != 1:
+        raise ValueError(
+            f"k: expected a float16 / bfloat16 / float32 / float8 / uint8 cache for "
+            f"kv_quant_mode={mode.name}, got {k.dtype}"
+        )
     if k.dtype == torch.float8_e5m2:
-        return "fp8_e5m2"
-    if k.dtype in (torch.float8_e4m3fn, torch.uint8):
-        return "fp8_e4m3"
-    if k.dtype in _QUERY_DTYPES:
-        return "auto"
-    raise ValueError(
-        f"k: expected a float16 / bfloat16 / float32 / float8 / uint8 cache for kv_quant_mode="
-        f"{mode.name}, got {k.dtype}"
-    )
+        return format_of_kind(CacheKind.FP8_E5M2).name
+    fp8 = KVQuantMode.FP8_PER_TENSOR
+    return format_for_storage(mode if mode.is_quantized else fp8, k.dtype).name
 
 
 def _descale(x: torch.Tensor | None, name: str, num_kv_heads: int) -> torch.Tensor:
