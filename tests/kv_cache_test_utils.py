@@ -8,6 +8,8 @@ from typing import Any
 import pytest
 import torch
 
+from vllm.kv_quant.codecs import codec_for
+from vllm.kv_quant.formats import formats
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -26,6 +28,33 @@ DEVICES = [
     ),
 ]
 """``device`` parameters: CPU, and CUDA (skipped without a GPU)."""
+
+PER_TOKEN_HEAD_DTYPES: list[str] = [
+    f.name for f in formats() if f.is_per_token_head and f.cache_kind is not None and f.has_kernel
+]
+"""The registry's per-token-head formats that the kernels write (``int8_per_token_head``,
+``fp8_per_token_head``)."""
+
+SCALED_DTYPES: list[str] = [
+    name
+    for f in formats()
+    if f.has_kernel and f.cache_kind is not None and codec_for(f).reads_kv_scale
+    for name in f.accepted_names
+]
+"""Every accepted name of the formats whose bytes depend on ``k_scale`` / ``v_scale`` (FP8 and
+NVFP4: ``fp8``, ``fp8_e4m3``, ``fp8_e5m2``, ``nvfp4``, ``nvfp4_mse``), aliases included."""
+
+LLAMA_LIKE: dict[str, Any] = {
+    "model_type": "llama",
+    "num_hidden_layers": 2,
+    "hidden_size": 1024,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "torch_dtype": "bfloat16",
+    "max_position_embeddings": 4096,
+}
+"""A two-layer Llama config (8 KV heads of 128) for the planner's spec builder."""
 
 
 def dsv4_spec(ratio: int) -> MLAAttentionSpec:

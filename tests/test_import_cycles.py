@@ -147,10 +147,13 @@ def test_lower_layers_never_climb_back_up() -> None:
     )
     assert climbing == []
     # The codecs are the bottom: vllm.kv_quant imports nothing else of vllm.
-    assert sorted(
-        f"{module} -> {target}"
-        for module, targets in graph.items()
-        if _in(module, ("vllm.kv_quant",))
-        for target in targets
-        if not _in(target, ("vllm.kv_quant",))
-    ) == []
+    assert (
+        sorted(
+            f"{module} -> {target}"
+            for module, targets in graph.items()
+            if _in(module, ("vllm.kv_quant",))
+            for target in targets
+            if not _in(target, ("vllm.kv_quant",))
+        )
+        == []
+    )

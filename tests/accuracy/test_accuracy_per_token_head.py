@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kv_cache_test_utils import PER_TOKEN_HEAD_DTYPES
 
 from vllm.accuracy.cache_io import make_reader, write_cache
 from vllm.accuracy.formats import TOKEN_HEAD, compute_scales, parse_format
@@ -17,7 +18,7 @@ from vllm.kv_quant.per_token_head import (
     quantize_per_token_head,
 )
 
-PER_TOKEN_HEAD = ("int8_per_token_head", "fp8_per_token_head")
+PER_TOKEN_HEAD = tuple(PER_TOKEN_HEAD_DTYPES)
 
 
 @pytest.mark.parametrize(("name", "qmax"), [(PER_TOKEN_HEAD[0], "127"), (PER_TOKEN_HEAD[1], "448")])

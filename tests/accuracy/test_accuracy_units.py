@@ -28,7 +28,6 @@ from vllm.accuracy.samples import KVSample
         ("nvfp4/head@interleave4", "nvfp4", True, "interleave4", "nvfp4/head@interleave4"),
         (" nvfp4@linear ", "nvfp4", False, "linear", "nvfp4@linear"),
         ("int8_per_token_head", "int8_per_token_head", False, None, "int8_per_token_head"),
-        ("fp8_per_token_head/tensor", "fp8_per_token_head", False, None, "fp8_per_token_head"),
     ],
 )
 def test_parse_format(text: str, dtype: str, per_head: bool, layout: str | None, name: str) -> None:
@@ -49,14 +48,15 @@ def test_format_scale_layout_defaults_per_geometry() -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("int8", "unknown format"),
-        ("fp8/channel", "unknown format"),
-        ("bf16/head", "no scale"),
+        ("int8", "unknown KV-cache dtype"),
+        ("fp8/channel", "unknown KV-cache encoding"),
+        ("bf16/head", "needs a format with a k_scale / v_scale"),
         ("fp8_e4m3@interleave4", "only NVFP4"),
         ("nvfp4@zigzag", "expected one of"),
-        ("int8_per_token_head/head", "per_head: expected False for int8_per_token_head"),
+        ("int8_per_token_head/head", "granularity: /head needs a format with a k_scale"),
+        ("fp8_per_token_head/tensor", "granularity: /tensor needs a format with a k_scale"),
         ("fp8_per_token_head@linear", "only NVFP4"),
-        ("fp8_ds_mla", "unknown format"),
+        ("fp8_ds_mla", "unknown KV-cache dtype"),
     ],
 )
 def test_parse_format_errors(text: str, message: str) -> None:
@@ -130,18 +130,16 @@ def test_format_ids_with_key_options() -> None:
     # SmolLM2's geometry: 3 heads of 64, 16-token pages; one FP8 sink key row per page
     plain = parse_format("nvfp4").bytes_per_token(3, 64, 64)
     assert pre.bytes_per_token(3, 64, 64) == plain + 3 * 64 // 16
-    assert pre.page_bytes(3, 64, 64) == parse_format("nvfp4").page_bytes(3, 64, 64) == 3456
-    assert (pre.sink_bytes_per_page(3, 64), parse_format("nvfp4").sink_bytes_per_page(3, 64)) == (
-        192,
-        0,
-    )
+    # the page holds its sink rows: 3456 bytes of K and V, then 3 * 64 of sink rows
+    assert parse_format("nvfp4").page_bytes(3, 64, 64) == 3456
+    assert pre.page_bytes(3, 64, 64) == 3456 + 192
     for bad, message in (
-        ("bf16+hadamard", "kv_cache_dtype: expected a quantized format"),
-        ("fp8+rotate", "unknown format"),
-        ("fp8+offset+offset", "unknown format"),
-        ("bf16+prerope", "kv_cache_dtype: expected a quantized format"),
-        ("int8_per_token_head+sink", "expected an FP8 or NVFP4 format with \\+sink"),
-        ("fp8+sink+sink", "unknown format"),
+        ("bf16+hadamard", "key_rotation: expected a quantized cache format"),
+        ("fp8+rotate", "unknown KV-cache encoding"),
+        ("fp8+offset+offset", "unknown KV-cache encoding"),
+        ("bf16+prerope", "key_rope: expected a quantized cache format"),
+        ("int8_per_token_head+sink", "key_sink_tokens: expected an FP8 or NVFP4 cache"),
+        ("fp8+sink+sink", "unknown KV-cache encoding"),
     ):
         with pytest.raises(ValueError, match=message):
             parse_format(bad)

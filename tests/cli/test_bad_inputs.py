@@ -114,7 +114,7 @@ CASES = [
     case("plan", ["--max-num-batched-tokens", "-1"], "--max-num-batched-tokens: expected a"),
     case("plan", ["--block-size", str(2**21)], "--block-size: expected a positive integer"),
     case("plan", ["--model", "deepseek-v4-flash", "--block-size", "16"], "--block-size: "),
-    case("plan", ["--kv-cache-dtype", "int8"], "--kv-cache-dtype: expected one of"),
+    case("plan", ["--kv-cache-dtype", "int8"], "--kv-cache-dtype: unknown KV-cache dtype 'int8'"),
     case("plan", ["--skip-layers", "nonsense"], "--skip-layers: 'nonsense' is neither"),
     # plan: outputs
     case("plan", ["--json", ""], "--json: expected a file path, got ''"),
@@ -129,7 +129,7 @@ CASES = [
     case("check", ["--device", "cpu:0"], "--device: expected cpu or cuda[:N], got 'cpu:0'"),
     case("check", ["--seed", str(10**23)], "--seed: expected an integer from 0 to 2**63-1"),
     case("check", ["--seed", "-1"], "--seed: expected an integer from 0 to 2**63-1, got '-1'"),
-    case("check", ["--formats", "int4"], "--formats: unknown format 'int4'"),
+    case("check", ["--formats", "int4"], "--formats: unknown KV-cache dtype 'int4'"),
     case("check", ["--writer", "nope"], "--writer: expected one of 'auto', 'op', 'reference'"),
     case("check", ["--layout", "XYZ"], "--layout: expected one of 'NHD', 'HND', got 'XYZ'"),
     case("check", ["--json", "/proc/x.json"], "--json: expected a path in a writable directory"),

@@ -72,9 +72,9 @@ def test_per_token_head_json(capsys: pytest.CaptureFixture) -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--formats", "int4"], "unknown format 'int4'"),
-        (["--formats", "fp8@interleave4"], "only NVFP4 has block scales"),
-        (["--formats", "int8_per_token_head/head"], "per_head: expected False"),
+        (["--formats", "int4"], "unknown KV-cache dtype 'int4'"),
+        (["--formats", "fp8@interleave4"], "only NVFP4 formats have block scales"),
+        (["--formats", "int8_per_token_head/head"], "granularity: /head needs a format with a"),
         (["--device", "nonsense"], "--device: expected cpu or cuda[:N], got 'nonsense'"),
     ],
 )

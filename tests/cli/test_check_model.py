@@ -123,37 +123,43 @@ def test_recorder_calibrates_key_options() -> None:
     gen = torch.Generator().manual_seed(0)
     recorder = KVRecorder(num_layers=2)
     keys = [torch.randn(10, 3, 16, generator=gen) + 5 * i for i in range(2)]
-    values = [torch.randn(10, 3, 16, generator=gen) for _ in range(2)]
+    values_of = [torch.randn(10, 3, 16, generator=gen) for _ in range(2)]
     for layer in range(2):
-        recorder.observe(layer, keys[layer][:6], values[layer][:6], torch.arange(6))
-        recorder.observe(layer, keys[layer][6:], values[layer][6:], torch.arange(6, 10))
+        recorder.observe(layer, keys[layer][:6], values_of[layer][:6], torch.arange(6))
+        recorder.observe(layer, keys[layer][6:], values_of[layer][6:], torch.arange(6, 10))
     fmt = parse_format("fp8/head+hadamard+offset")
-    transforms, scales = recorder.calibrate(fmt)
-    for layer, (transform, (k_scale, v_scale)) in enumerate(zip(transforms, scales, strict=True)):
-        assert transform.rotation == "hadamard" and transform.offset is not None
-        torch.testing.assert_close(transform.offset, keys[layer].mean(0))
-        stored = hadamard_rotate(keys[layer] - transform.offset)
-        want_k, want_v = compute_scales(stored, values[layer], fmt)
-        torch.testing.assert_close(k_scale, want_k)
-        assert torch.equal(v_scale, want_v)
-    plain, _ = recorder.calibrate(parse_format("fp8"))
-    assert all(t.is_identity for t in plain)
+    calibration = recorder.calibrate(fmt)
+    assert calibration.encoding.id == "fp8_e4m3/head+hadamard+offset"
+    for layer in range(2):
+        values = calibration.layers[str(layer)]
+        assert values.key_offset is not None
+        torch.testing.assert_close(values.key_offset, keys[layer].mean(0))
+        stored = hadamard_rotate(keys[layer] - values.key_offset)
+        want_k, want_v = compute_scales(stored, values_of[layer], fmt)
+        torch.testing.assert_close(values.k_scale, want_k)
+        assert torch.equal(values.v_scale, want_v)
+    plain = recorder.calibrate(parse_format("fp8"))
+    assert all(v.key_offset is None for v in plain.layers.values())
+    assert plain.encoding.key.is_identity
     # +prerope: the offset is the mean of the keys with RoPE undone at their positions
     from vllm.kv_quant import KeyRope
+    from vllm.kv_quant.encoding import RopeIdentity
 
     rope = KeyRope.from_base(16, 12)
     pre = parse_format("nvfp4+hadamard+offset+prerope+sink")
     with pytest.raises(ValueError, match="rope: expected the model's RoPE for nvfp4"):
         recorder.calibrate(pre)
-    transforms, scales = recorder.calibrate(pre, rope)
+    calibration = recorder.calibrate(pre, rope)
+    assert calibration.encoding.key.rope == RopeIdentity.of(rope)
+    assert calibration.encoding.key.sink_tokens == 1
     positions = torch.arange(10)
-    for layer, (transform, (k_scale, _)) in enumerate(zip(transforms, scales, strict=True)):
-        assert transform.rope is rope and transform.sink_tokens == 1
+    for layer in range(2):
+        values = calibration.layers[str(layer)]
         unroped = rope.unrotate(keys[layer], positions)
-        assert transform.offset is not None
-        torch.testing.assert_close(transform.offset, unroped.mean(0))
-        stored = hadamard_rotate(unroped - transform.offset)
-        torch.testing.assert_close(k_scale, compute_scales(stored, values[layer], pre)[0])
+        assert values.key_offset is not None
+        torch.testing.assert_close(values.key_offset, unroped.mean(0))
+        stored = hadamard_rotate(unroped - values.key_offset)
+        torch.testing.assert_close(values.k_scale, compute_scales(stored, values_of[layer], pre)[0])
 
 
 @pytest.mark.parametrize(

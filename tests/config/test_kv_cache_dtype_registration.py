@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from kv_cache_test_utils import LLAMA_LIKE
 
 from vllm.config.cache import (
     KV_CACHE_DTYPES,
@@ -30,17 +31,6 @@ from vllm.v1.kv_cache_interface import (
     is_quantized_kv_cache,
     kv_cache_uses_per_token_head_scales,
 )
-
-LLAMA_LIKE = {
-    "model_type": "llama",
-    "num_hidden_layers": 2,
-    "hidden_size": 1024,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "torch_dtype": "bfloat16",
-    "max_position_embeddings": 4096,
-}
 
 
 class CustomInt8:

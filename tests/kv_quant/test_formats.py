@@ -256,3 +256,24 @@ def test_scale_layout_names_are_the_codecs_layouts() -> None:
 
     named = {layout for fmt in registry.formats() for layout in fmt.scale_layouts}
     assert named == {layout.value for layout in ScaleLayout}
+
+
+def test_few_modules_spell_the_dtype_list() -> None:
+    """The list of quantized dtype names is written in at most three modules of ``vllm``: the
+    registry, upstream's ``CacheDType`` literal, and one more; everything else asks the
+    registry (a string literal naming two or more quantized formats counts as a spelling)."""
+    import ast
+
+    quantized = {n for f in registry.formats() if f.is_quantized for n in f.accepted_names}
+    spelling = []
+    for path in sorted((REPO / "vllm").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        named = {
+            node.value
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and node.value in quantized
+        }
+        if len(named) >= 2:
+            spelling.append(str(path.relative_to(REPO)))
+    assert "vllm/kv_quant/formats.py" in spelling and "vllm/config/cache.py" in spelling
+    assert len(spelling) <= 3, spelling

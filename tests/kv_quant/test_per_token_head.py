@@ -7,6 +7,7 @@ import struct
 
 import pytest
 import torch
+from kv_cache_test_utils import PER_TOKEN_HEAD_DTYPES
 
 from vllm.kv_quant import (
     INT8_PER_TOKEN_HEAD_MAX,
@@ -25,7 +26,7 @@ from vllm.v1.kv_cache_interface import (
     kv_cache_uses_per_token_head_scales,
 )
 
-KINDS = ["int8_per_token_head", "fp8_per_token_head"]
+KINDS = PER_TOKEN_HEAD_DTYPES
 QMAX = {"int8_per_token_head": 127.0, "fp8_per_token_head": 448.0}
 
 

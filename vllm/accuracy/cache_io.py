@@ -20,6 +20,8 @@ layouts), so a test can corrupt the bytes or those fields between writing and re
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from vllm.accuracy.backend_reader import BackendReader, backend_status
@@ -27,10 +29,6 @@ from vllm.accuracy.codec_reader import CodecReader, dequantize_side
 from vllm.accuracy.formats import CacheFormat
 from vllm.accuracy.paged_cache import CacheReader, PagedCache
 from vllm.accuracy.samples import KVSample
-from vllm.kv_quant.fp8 import fp8_format_from_cache_dtype
-from vllm.kv_quant.fp8_cache import fp8_write_cache
-from vllm.kv_quant.nvfp4_cache import nvfp4_write_cache
-from vllm.kv_quant.per_token_head import per_token_head_write_cache
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
@@ -99,7 +97,8 @@ def allocate_cache(
     device: torch.device | str = "cpu",
     seed: int = 0,
 ) -> torch.Tensor:
-    """A logical ``(B, 2, N, H, D')`` cache in ``layout`` (``NHD`` or ``HND``) order filled with
+    """A logical ``(B, 2, N, H, D')`` cache in ``layout`` (``NHD`` or ``HND``) order over whole
+    pages of the format's encoding (key sink rows after each page's K and V rows), filled with
     seeded random bytes."""
     shape = _cache_shape(fmt, num_blocks, block_size, num_kv_heads, head_size)
     if layout == "NHD":
@@ -109,16 +108,17 @@ def allocate_cache(
     else:
         raise ValueError(f"layout: expected 'NHD' or 'HND', got {layout!r}")
     physical = tuple(shape[i] for i in order)
+    itemsize = 1 if fmt.is_quantized else 2
+    page = fmt.page_bytes(num_kv_heads, head_size, head_size, block_size)
     gen = torch.Generator().manual_seed(seed + 1)
-    nbytes = 1
-    for s in physical:
-        nbytes *= s
-    nbytes *= 1 if fmt.is_quantized else 2
-    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+    raw = torch.randint(0, 256, (num_blocks * page,), dtype=torch.uint8, generator=gen)
     if not fmt.is_quantized:
         # Random bf16 bits would include NaN/Inf; keep garbage finite but conspicuous.
-        raw = (torch.randn(nbytes // 2, generator=gen) * 1e3).to(torch.bfloat16).view(torch.uint8)
-    buf = raw.to(device).view(fmt.storage_dtype).view(physical)
+        raw = (torch.randn(raw.numel() // 2, generator=gen) * 1e3).to(torch.bfloat16)
+        raw = raw.view(torch.uint8)
+    pages = raw.to(device).view(fmt.storage_dtype).view(num_blocks, page // itemsize)
+    rows = math.prod(physical[1:])
+    buf = pages[:, :rows].view(physical)
     inverse = [order.index(i) for i in range(5)]
     return buf.permute(*inverse)
 
@@ -195,26 +195,11 @@ def _write_with_codecs(
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
 ) -> None:
-    """Write with the pure-torch reference codecs of :mod:`vllm.kv_quant`."""
-    key, value = sample.key, sample.value
-    if fmt.is_nvfp4:
-        scale_layout = fmt.scale_layout_for(key_cache.shape[1], sample.head_size)
-        search = fmt.format.scale_search
-        nvfp4_write_cache(key, key_cache, slot_mapping, k_scale, scale_layout, scale_search=search)
-        nvfp4_write_cache(
-            value, value_cache, slot_mapping, v_scale, scale_layout, scale_search=search
-        )
-    elif fmt.is_fp8:
-        fp8 = fp8_format_from_cache_dtype(fmt.kv_cache_dtype)
-        fp8_write_cache(key, key_cache, slot_mapping, k_scale, fp8)
-        fp8_write_cache(value, value_cache, slot_mapping, v_scale, fp8)
-    elif fmt.is_per_token_head:  # scales computed per row; k_scale / v_scale unused
-        per_token_head_write_cache(key, key_cache, slot_mapping, fmt.format)
-        per_token_head_write_cache(value, value_cache, slot_mapping, fmt.format)
-    else:  # the op's bytes: x.to(cache dtype), round to nearest even (docs/design.md §6)
-        n = key_cache.shape[1]
-        key_cache[slot_mapping // n, slot_mapping % n] = key.to(key_cache.dtype)
-        value_cache[slot_mapping // n, slot_mapping % n] = value.to(value_cache.dtype)
+    """Write with the format's pure-torch reference codec (:mod:`vllm.kv_quant.codecs`)."""
+    codec = fmt.encoding.codec
+    layout = fmt.scale_layout_for(key_cache.shape[1], sample.head_size)
+    codec.write(sample.key, key_cache, slot_mapping, k_scale, layout)
+    codec.write(sample.value, value_cache, slot_mapping, v_scale, layout)
 
 
 def write_cache(

@@ -10,10 +10,6 @@ import torch
 
 from vllm.accuracy.attention import attention_output
 from vllm.accuracy.paged_cache import PagedCache
-from vllm.kv_quant.fp8 import fp8_format_from_cache_dtype
-from vllm.kv_quant.fp8_cache import fp8_read_cache
-from vllm.kv_quant.nvfp4_cache import nvfp4_read_cache
-from vllm.kv_quant.per_token_head import per_token_head_read_cache
 from vllm.kv_quant.scale_layout import ScaleLayout
 
 __all__ = ["CodecReader", "dequantize_side"]
@@ -22,17 +18,10 @@ __all__ = ["CodecReader", "dequantize_side"]
 def dequantize_side(
     cache: PagedCache, side: torch.Tensor, scale: torch.Tensor, layout: ScaleLayout, head_size: int
 ) -> torch.Tensor:
-    """Whole side ``(B, N, H, D')`` dequantized to fp32 ``(B, N, H, D)`` by the reference
-    codecs, trusting ``scale`` and ``layout`` (per-token-head rows: their inline scales)."""
-    fmt = cache.fmt
-    if fmt.is_per_token_head:
-        return per_token_head_read_cache(side, fmt.format)
-    if fmt.is_nvfp4:
-        return nvfp4_read_cache(side, scale, head_size, layout)
-    if fmt.is_fp8:
-        fp8 = fp8_format_from_cache_dtype(fmt.kv_cache_dtype)
-        return fp8_read_cache(side, scale, fp8)
-    return side.to(torch.float32)
+    """Whole side ``(B, N, H, D')`` dequantized to fp32 ``(B, N, H, D)`` by the format's
+    reference codec, trusting ``scale`` and ``layout`` (per-token-head rows: their inline
+    scales)."""
+    return cache.fmt.encoding.codec.read(side, scale, head_size, layout, torch.float32)
 
 
 class CodecReader:

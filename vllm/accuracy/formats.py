@@ -1,35 +1,30 @@
 """The KV-cache formats that ``vllm-kv check`` measures, and their data-derived scales.
 
-A format is a ``kv_cache_dtype`` string (docs/design.md §3) plus how its dequantization scale is
-chosen: one fp32 scale per tensor (``[1]``) or one per KV head (``[H]``), and for NVFP4 where
-the block scales live in a page (:class:`~vllm.kv_quant.scale_layout.ScaleLayout`). The
-per-token-head formats (docs/design.md §5.4) choose no scale here: their writer computes one per
-token and head and stores it inline, so the check hands it unit ``k_scale`` / ``v_scale``.
-
-Format ids, as the CLI's ``--formats`` takes them::
+A format under test is a KV-cache encoding (:class:`~vllm.kv_quant.encoding.KVCacheEncoding`:
+a ``kv_cache_dtype`` plus its scale granularity, NVFP4 block-scale layout and key options),
+named by an encoding id, as the CLI's ``--formats`` takes them (the grammar is the encoding's,
+docs/design.md §3)::
 
     bf16                              unquantized bfloat16 (the reference)
     fp8_e4m3 | fp8_e5m2 | nvfp4       per-tensor scale ("fp8" is an alias of fp8_e4m3)
-    nvfp4_mse                         nvfp4 whose writer searches each block scale (§5.3);
-                                      takes every nvfp4 option below
+    nvfp4_mse                         nvfp4 whose writer searches each block scale (§5.3)
     <quantized>/head                  per-head scale, e.g. fp8_e4m3/head
     nvfp4[/head]@interleave4          NVFP4 with 4-token-interleaved block scales
-    <quantized>...+hadamard+offset    keys rotated and/or offset before writing (docs/design.md
-                                      §5.5; ``vllm-kv check --model`` only)
-    <quantized>...+prerope+sink       keys stored before RoPE (rebuilt by the reader) and the
-                                      first key of each page kept in FP8 (FP8 / NVFP4;
-                                      §5.5; ``vllm-kv check --model`` only)
     nvfp4[/head]@linear               NVFP4 with linear block scales (plain nvfp4 uses the
                                       op's default: interleave4 where the geometry fits)
+    <quantized>...+hadamard+offset    keys rotated and/or offset before writing (§5.5;
+                                      ``vllm-kv check --model`` only)
+    <quantized>...+prerope+sink       keys stored before RoPE (rebuilt by the reader) and the
+                                      first key of each page kept in FP8 (FP8 / NVFP4; §5.6;
+                                      ``vllm-kv check --model`` only)
     int8_per_token_head               int8 / FP8 e4m3 rows with their own inline fp32 scale
     fp8_per_token_head                (per token and head; no /head, no /tensor)
 
-Scales come from the data: ``scale = amax(|x|) / MAX`` with ``MAX = 448`` for FP8 e4m3,
-``57344`` for FP8 e5m2 and ``448 * 6 = 2688`` for the NVFP4 global scale
-(:data:`~vllm.kv_quant.nvfp4.NVFP4_SCALE_MAX`, docs/design.md §5.3); ``amax`` over the whole
-tensor, or over each head for a per-head scale. Per-token-head rows: ``amax(|row|) / 127``
-(int8) or ``/ 448`` (e4m3) per token and head, computed by the writer
-(:mod:`vllm.kv_quant.per_token_head`).
+Scales come from the data: ``scale = amax(|x|) / MAX`` with ``MAX`` the codec's scale maximum
+(448 for FP8 e4m3, 57344 for e5m2, ``448 * 6 = 2688`` for the NVFP4 global scale,
+docs/design.md §5.3); ``amax`` over the whole tensor, or over each head for a per-head scale.
+Per-token-head rows: ``amax(|row|) / 127`` (int8) or ``/ 448`` (e4m3) per token and head,
+computed by the writer (:mod:`vllm.kv_quant.per_token_head`).
 """
 
 from __future__ import annotations
@@ -38,50 +33,43 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm.kv_quant.calibration import kv_scale_max, scale_from_amax
+from vllm.kv_quant.calibration import scale_from_amax
+from vllm.kv_quant.encoding import KeySpec, KVCacheEncoding, ScaleGranularity
 from vllm.kv_quant.formats import BFLOAT16, KVCacheFormat, formats, lookup
 from vllm.kv_quant.fp8 import FP8_E4M3_MAX
-from vllm.kv_quant.hadamard import HADAMARD
-from vllm.kv_quant.key_transform import KeyTransform
 from vllm.kv_quant.nvfp4 import E2M1_MAX
-from vllm.kv_quant.per_token_head import per_token_head_qmax
 from vllm.kv_quant.scale_layout import ScaleLayout
-from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 MEASURED_FORMATS: tuple[KVCacheFormat, ...] = (
     BFLOAT16,
-    *(f for f in formats() if f.is_quantized and not f.mla_only),
+    *(f for f in formats() if f.is_quantized and not f.mla_only and f.cache_kind is not None),
 )
 """The registry formats ``vllm-kv check`` can measure: the reference (bf16) and every quantized
-format a user can select (the registry's, in its order; MLA-only record layouts excluded)."""
+format a user can select that a reference codec reads (the registry's, in its order; MLA-only
+record layouts excluded)."""
 
 TOKEN_HEAD = "token+head"
 """The scale granularity of the per-token-head formats (one inline scale per row)."""
 
-_SHORT_NAMES: dict[str, str] = {
-    f.name: f.name if f.is_quantized else f.label for f in MEASURED_FORMATS
-}
-"""Canonical dtype → format id (``bf16`` for the unquantized reference)."""
 
-_DTYPE_ALIASES: dict[str, str] = {
-    **{short: name for name, short in _SHORT_NAMES.items()},
-    **{name: f.name for f in MEASURED_FORMATS for name in f.accepted_names},
-}
-"""Every name a format id may start with (its id, e.g. ``bf16``, and the registry's names and
-aliases) → its canonical dtype."""
+def _default_formats() -> tuple[str, ...]:
+    """The reference, then every measured format of the registry but the writer-only variants
+    (``nvfp4_mse``: measured on request), each with its scale per tensor and, where it has one,
+    per head."""
+    ids = [BFLOAT16.label]
+    for fmt in MEASURED_FORMATS[1:]:
+        if fmt.scale_search:
+            continue
+        encoding = KVCacheEncoding(fmt)
+        ids.append(encoding.id)
+        if encoding.granularity is ScaleGranularity.TENSOR:
+            ids.append(KVCacheEncoding(fmt, ScaleGranularity.HEAD).id)
+    return tuple(ids)
 
-DEFAULT_FORMATS: tuple[str, ...] = (
-    "bf16",
-    "fp8_e4m3",
-    "fp8_e4m3/head",
-    "fp8_e5m2",
-    "fp8_e5m2/head",
-    "nvfp4",
-    "nvfp4/head",
-    "int8_per_token_head",
-    "fp8_per_token_head",
-)
-"""The formats ``vllm-kv check`` measures when ``--formats`` is not given."""
+
+DEFAULT_FORMATS: tuple[str, ...] = _default_formats()
+"""The formats ``vllm-kv check`` measures when ``--formats`` is not given (bf16, fp8_e4m3,
+fp8_e4m3/head, fp8_e5m2, fp8_e5m2/head, nvfp4, nvfp4/head and the per-token-head formats)."""
 
 MODEL_DEFAULT_FORMATS: tuple[str, ...] = (
     *DEFAULT_FORMATS,
@@ -94,94 +82,73 @@ best FP8 and NVFP4 key options measured on the model (docs/accuracy.md)."""
 
 @dataclass(frozen=True)
 class CacheFormat:
-    """One KV-cache format under test.
+    """One KV-cache format under test: an encoding (:attr:`encoding`) described by the fields
+    the harness reads, checked by the encoding's rules when built.
 
     Attributes:
         kv_cache_dtype: canonical dtype string of a :data:`MEASURED_FORMATS` entry
             (``bfloat16``, ``fp8_e4m3``, ``nvfp4``, ``int8_per_token_head``, ...).
         per_head: one scale per KV head (``[H]``) instead of one per tensor (``[1]``).
-            Always False for ``bfloat16`` and the per-token-head formats.
-        scale_layout: NVFP4 block-scale layout in the page (K and V alike); ``None`` (the
-            only value for other dtypes) is the op's default for the cache geometry
-            (:meth:`scale_layout_for`).
+        scale_layout: NVFP4 block-scale layout in the page (K and V alike); ``None`` is the
+            op's default for the cache geometry (:meth:`scale_layout_for`).
+        key_rotation, key_offset, key_prerope, key_sink_tokens: the encoding's key spec
+            (docs/design.md §5.5-5.6).
     """
 
     kv_cache_dtype: str
     per_head: bool = False
     scale_layout: ScaleLayout | None = None
     key_rotation: str | None = None
-    """``"hadamard"``: keys stored rotated, queries rotated alike (docs/design.md §5.5)."""
     key_offset: bool = False
-    """Keys stored minus their calibrated mean per head and channel (docs/design.md §5.5)."""
     key_prerope: bool = False
-    """Keys stored before RoPE, the reader applying it (docs/design.md §5.5)."""
     key_sink_tokens: int = 0
-    """The first keys of each page kept again in FP8 beside the pages (docs/design.md §5.5)."""
 
     def __post_init__(self) -> None:
-        if self.kv_cache_dtype not in _SHORT_NAMES:
+        measured = {f.name for f in MEASURED_FORMATS}
+        if self.kv_cache_dtype not in measured:
             raise ValueError(
-                f"kv_cache_dtype: expected one of {', '.join(_SHORT_NAMES)}, "
+                f"kv_cache_dtype: expected one of {', '.join(measured)}, "
                 f"got {self.kv_cache_dtype!r}"
             )
-        if not self.is_quantized and self.per_head:
-            raise ValueError(
-                f"per_head: {_SHORT_NAMES[self.kv_cache_dtype]} has no scale, so no per-head scale"
-            )
-        if self.is_per_token_head and self.per_head:
-            raise ValueError(
-                f"per_head: expected False for {self.kv_cache_dtype} (one inline scale per "
-                "token and head), got True"
-            )
-        KeyTransform(self.key_rotation)  # checks the rotation's name
-        if self.has_key_options and not self.is_quantized:
-            raise ValueError(
-                f"kv_cache_dtype: expected a quantized format with +{HADAMARD} / +offset / "
-                f"+prerope / +sink (they only reduce quantization error), got "
-                f"{self.kv_cache_dtype}"
-            )
-        if self.key_sink_tokens and self.is_per_token_head:
-            raise ValueError(
-                "kv_cache_dtype: expected an FP8 or NVFP4 format with +sink (the sink rows use "
-                f"its K scale), got {self.kv_cache_dtype}"
-            )
-        if (
-            self.scale_layout is not None
-            and self.scale_layout.value not in self.format.scale_layouts
-        ):
-            raise ValueError(
-                f"scale_layout: only NVFP4 has block scales, got {self.scale_layout.value!r} "
-                f"for {self.kv_cache_dtype}"
-            )
+        self.encoding  # the encoding's rules  # noqa: B018
+
+    @classmethod
+    def of(cls, encoding: KVCacheEncoding) -> CacheFormat:
+        """The format under test of ``encoding`` (its RoPE identity aside)."""
+        key = encoding.key
+        return cls(
+            encoding.format.name,
+            encoding.per_head_scales,
+            encoding.k_scale_layout,
+            key.rotation,
+            key.offset,
+            key.prerope,
+            key.sink_tokens,
+        )
+
+    @property
+    def encoding(self) -> KVCacheEncoding:
+        """The encoding under test (``ValueError`` where the fields do not go together)."""
+        granularity = ScaleGranularity.HEAD if self.per_head else None
+        return KVCacheEncoding(
+            lookup(self.kv_cache_dtype),
+            granularity,
+            self.scale_layout,
+            self.scale_layout,
+            KeySpec(self.key_rotation, self.key_offset, self.key_prerope, self.key_sink_tokens),
+        )
 
     @property
     def name(self) -> str:
-        """The format id (see the module docstring), e.g. ``nvfp4/head``."""
-        out = _SHORT_NAMES[self.kv_cache_dtype]
-        if self.per_head:
-            out += "/head"
-        if self.scale_layout is not None:
-            out += f"@{self.scale_layout.value}"
-        if self.key_rotation is not None:
-            out += f"+{self.key_rotation}"
-        if self.key_offset:
-            out += "+offset"
-        if self.key_prerope:
-            out += "+prerope"
-        if self.key_sink_tokens:
-            out += "+sink"
-        return out
+        """The format id: the encoding's (e.g. ``nvfp4/head``), ``bf16`` for the unquantized
+        reference."""
+        return self.encoding.id if self.is_quantized else self.format.label
 
     @property
     def has_key_options(self) -> bool:
         """A key rotation, offset, pre-RoPE storage or key sinks are set (measured by the
         model report only)."""
-        return (
-            self.key_rotation is not None
-            or self.key_offset
-            or self.key_prerope
-            or self.key_sink_tokens > 0
-        )
+        return not self.encoding.key.is_identity
 
     def scale_layout_for(self, block_size: int, head_size: int) -> ScaleLayout:
         """The NVFP4 block-scale layout of a cache of this format with pages of ``block_size``
@@ -218,12 +185,9 @@ class CacheFormat:
 
     @property
     def scale_max(self) -> float:
-        """``MAX`` in ``scale = amax / MAX``: the FP8 variant's largest value (448 for e4m3,
-        57344 for e5m2), 448 × 6 for NVFP4 (the largest block scale times the largest E2M1
-        value), 127 or 448 for the per-token-head rows (int8, e4m3)."""
-        if self.is_per_token_head:
-            return per_token_head_qmax(self.format)
-        scale_max = kv_scale_max(self.kv_cache_dtype)
+        """``MAX`` in ``scale = amax / MAX``: the codec's (448 for e4m3, 57344 for e5m2, 448 × 6
+        for NVFP4, 127 or 448 for the per-token-head rows, int8 or e4m3)."""
+        scale_max = self.encoding.codec.scale_max
         if scale_max is None:
             raise ValueError(f"format: expected a quantized format, got {self.name!r}")
         return scale_max
@@ -238,11 +202,12 @@ class CacheFormat:
     @property
     def granularity(self) -> str:
         """``-`` (no scale), ``tensor``, ``head`` or ``token+head`` (inline per-row scales)."""
-        if not self.is_quantized:
+        granularity = self.encoding.granularity
+        if granularity is ScaleGranularity.NONE:
             return "-"
-        if self.is_per_token_head:
+        if granularity is ScaleGranularity.TOKEN_HEAD:
             return TOKEN_HEAD
-        return "head" if self.per_head else "tensor"
+        return granularity.value  # type: ignore[union-attr]
 
     @property
     def scale_method(self) -> str:
@@ -262,70 +227,27 @@ class CacheFormat:
     def page_bytes(
         self, num_kv_heads: int, head_size: int, head_size_v: int, block_size: int = 16
     ) -> int:
-        """Bytes of one page of ``block_size`` tokens of one layer (K and V, block and inline
-        scales): the spec's page size, what a plan allocates per page. The key sink rows are
-        not in it (:meth:`sink_bytes_per_page`)."""
-        spec = FullAttentionSpec(
-            block_size=block_size,
-            num_kv_heads=num_kv_heads,
-            head_size=head_size,
-            head_size_v=head_size_v,
-            dtype=self.storage_dtype,
-            kv_quant_mode=self.format.quant_mode,
-        )
-        return spec.real_page_size_bytes
-
-    def sink_bytes_per_page(self, num_kv_heads: int, head_size: int) -> int:
-        """Bytes of the FP8 key sink rows kept beside each page of one layer (0 without
-        ``+sink``)."""
-        return self.key_sink_tokens * num_kv_heads * head_size
+        """Every byte of one page of ``block_size`` tokens of one layer (K and V, block and
+        inline scales, key sink rows): the encoding's page, what a plan allocates per page."""
+        return self.encoding.page_bytes(block_size, num_kv_heads, head_size, head_size_v)
 
     def bytes_per_token(self, num_kv_heads: int, head_size: int, head_size_v: int) -> int:
         """K plus V cache bytes of one token of one layer (all KV heads) at 16-token pages:
-        the page (global scales, a few bytes per layer, are not counted) plus its key sink
-        rows, shared by its tokens (rounded up)."""
+        the page (global scales, a few bytes per layer, are not counted; key sink rows are)
+        shared by its tokens (rounded up)."""
         block_size = 16
-        page = self.page_bytes(num_kv_heads, head_size, head_size_v, block_size)
-        sinks = self.sink_bytes_per_page(num_kv_heads, head_size)
-        return -(-(page + sinks) // block_size)
+        return -(-self.page_bytes(num_kv_heads, head_size, head_size_v, block_size) // block_size)
 
 
 def parse_format(text: str) -> CacheFormat:
     """The :class:`CacheFormat` named by a format id such as ``fp8_e5m2/head`` or
-    ``nvfp4@interleave4``; ``ValueError`` naming the accepted ids otherwise."""
-    raw = text.strip()
-    body, *options = raw.split("+")
-    body, _, layout = body.partition("@")
-    dtype, _, granularity = body.partition("/")
-    per_token_head = ", ".join(f.name for f in MEASURED_FORMATS if f.is_per_token_head)
-    accepted = (
-        "bf16, fp8 (= fp8_e4m3), fp8_e4m3, fp8_e5m2, nvfp4, nvfp4_mse, optionally followed by "
-        "/tensor or /head, and for nvfp4 / nvfp4_mse by @linear or @interleave4; or "
-        f"{per_token_head}; then "
-        f"optionally +{HADAMARD}, +offset, +prerope and/or +sink"
-    )
-    known_options = {HADAMARD, "offset", "prerope", "sink"}
-    if (
-        dtype not in _DTYPE_ALIASES
-        or granularity not in ("", "tensor", "head")
-        or not set(options) <= known_options
-        or len(set(options)) != len(options)
-    ):
-        raise ValueError(f"formats: unknown format {raw!r}; expected {accepted}")
-    kv_cache_dtype = _DTYPE_ALIASES[dtype]
+    ``nvfp4@interleave4`` (the encoding grammar); ``ValueError`` naming ``formats``
+    otherwise."""
+    encoding = KVCacheEncoding.parse(text, "formats", include_mla_only=False)
     try:
-        scale_layout = ScaleLayout.parse(layout) if layout else None
-        return CacheFormat(
-            kv_cache_dtype,
-            granularity == "head",
-            scale_layout,
-            key_rotation=HADAMARD if HADAMARD in options else None,
-            key_offset="offset" in options,
-            key_prerope="prerope" in options,
-            key_sink_tokens=1 if "sink" in options else 0,
-        )
+        return CacheFormat.of(encoding)
     except ValueError as e:
-        raise ValueError(f"formats: invalid format {raw!r}: {e}") from None
+        raise ValueError(f"formats: invalid format {text.strip()!r}: {e}") from None
 
 
 def parse_formats(text: str | None) -> list[CacheFormat]:

@@ -22,7 +22,8 @@ from vllm.cli.output import deliver
 from vllm.cli.plan_model import check_tp_fits_heads, load_model_argument, planner_usage_error
 from vllm.cli.plan_report import REFERENCE_DTYPE, plan_report
 from vllm.cli.plan_text import render_text
-from vllm.kv_quant.formats import BFLOAT16, cache_dtype_names, quant_mode_formats
+from vllm.kv_quant.encoding import ENCODING_GRAMMAR, KVCacheEncoding
+from vllm.kv_quant.formats import BFLOAT16, quant_mode_formats
 from vllm.model_presets import DEFAULT_PRESET, available_presets, load_preset
 from vllm.v1.core.cache_dtype_comparison import compare_cache_dtypes
 from vllm.v1.core.kv_bytes import kv_footprint
@@ -90,6 +91,15 @@ def _memory_arg(text: str) -> int:
     return size
 
 
+def _encoding_arg(text: str) -> str:
+    """A dtype string or encoding id (the encoding's grammar), returned as given."""
+    try:
+        KVCacheEncoding.parse(text, include_mla_only=False)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("kv_cache_dtype: ")) from exc
+    return text
+
+
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``plan`` subcommand."""
     parser = subparsers.add_parser(
@@ -122,8 +132,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--kv-cache-dtype",
-        choices=cache_dtype_names(),
-        help=f"plan only this dtype (default: {', '.join(DEFAULT_COLUMNS)} side by side)",
+        type=_encoding_arg,
+        help=f"plan only this dtype or encoding ({ENCODING_GRAMMAR}, e.g. "
+        f"nvfp4_mse+offset+prerope+sink; default: {', '.join(DEFAULT_COLUMNS)} side by side)",
     )
     parser.add_argument(
         "--block-size",

@@ -10,13 +10,13 @@ from typing import Literal, Protocol, TypeVar, get_args, overload, runtime_check
 
 import torch
 
+from vllm.kv_quant.encoding import ENCODING_GRAMMAR, ENCODING_OPTION, KVCacheEncoding
 from vllm.kv_quant.formats import (
     KVCacheFormat,
     KVQuantMode,
     cache_dtype_names,
     find_format,
     format_for_storage,
-    lookup,
     register_format,
     unregister_format,
 )
@@ -195,9 +195,11 @@ MAMBA_CACHE_MODES: tuple[str, ...] = get_args(MambaCacheMode)
 
 
 def validate_cache_dtype(cache_dtype: str, arg_name: str = "cache_dtype") -> str:
-    """Return ``cache_dtype`` unchanged, or raise the registry's ``ValueError`` listing the
-    accepted strings (MLA-only record layouts are not user-selectable)."""
-    lookup(cache_dtype, arg_name, include_mla_only=False)
+    """Return ``cache_dtype`` (a dtype string or, beyond upstream, an encoding id such as
+    ``nvfp4_mse+offset+prerope+sink``) unchanged, or raise the ``ValueError`` of the registry
+    (an unknown dtype, listing the accepted strings; MLA-only record layouts are not
+    user-selectable) or of the encoding grammar."""
+    KVCacheEncoding.parse(cache_dtype, arg_name, include_mla_only=False)
     return cache_dtype
 
 
@@ -205,7 +207,9 @@ def validate_cache_dtype(cache_dtype: str, arg_name: str = "cache_dtype") -> str
 class CacheConfig:
     """User-facing KV-cache settings.
 
-    ``block_size`` is in tokens per page. ``kv_cache_dtype_skip_layers`` names layer kinds
+    ``block_size`` is in tokens per page. ``cache_dtype`` is an accepted ``kv_cache_dtype``
+    string or, beyond upstream, an encoding id (:mod:`vllm.kv_quant.encoding`), which the
+    planner gives every quantized layer. ``kv_cache_dtype_skip_layers`` names layer kinds
     (``"sliding_window"``, ``"full_attention"``, ``"mla"``, ...) or layer names that stay
     unquantized when ``cache_dtype`` is a quantized dtype.
     """
@@ -232,10 +236,14 @@ class CacheConfig:
             raise ValueError(
                 f"block_size: expected a positive int (tokens per page), got {self.block_size}"
             )
-        if not is_known_kv_cache_dtype(self.cache_dtype):
+        if is_known_kv_cache_dtype(self.cache_dtype):
+            pass
+        elif isinstance(self.cache_dtype, str) and ENCODING_OPTION.search(self.cache_dtype):
+            validate_cache_dtype(self.cache_dtype)  # an encoding id: the grammar's error
+        else:
             raise ValueError(
                 f"cache_dtype: Invalid kv_cache_dtype: {self.cache_dtype!r}; expected one of "
-                f"{', '.join(KV_CACHE_DTYPES)}"
+                f"{', '.join(KV_CACHE_DTYPES)} (or an encoding id, {ENCODING_GRAMMAR})"
             )
         for name in ("num_gpu_blocks_override", "hash_block_size"):
             value = getattr(self, name)

@@ -23,23 +23,21 @@ from __future__ import annotations
 
 import torch
 
+from vllm.kv_quant.codecs import codec_for
 from vllm.kv_quant.formats import lookup
-from vllm.kv_quant.fp8 import Fp8Format
-from vllm.kv_quant.nvfp4 import NVFP4_SCALE_MAX
 
 __all__ = ["KVScaleObserver", "kv_scale_max", "kv_scales_from_amax", "scale_from_amax"]
 
 
 def kv_scale_max(kv_cache_dtype: str) -> float | None:
-    """``MAX`` in ``scale = amax / MAX`` for ``kv_cache_dtype`` (asked of the format registry):
-    the FP8 variant's largest value, :data:`NVFP4_SCALE_MAX` for NVFP4, ``None`` for formats
-    whose writers and readers ignore ``k_scale`` / ``v_scale`` (unquantized, per-token-head)."""
+    """``MAX`` in ``scale = amax / MAX`` for ``kv_cache_dtype``: its codec's ``scale_max`` (the
+    FP8 variant's largest value, ``448 * 6`` for NVFP4), ``None`` for formats whose writers and
+    readers ignore ``k_scale`` / ``v_scale`` (unquantized, per-token-head)."""
     fmt = lookup(kv_cache_dtype, include_mla_only=False)
-    if fmt.is_nvfp4:
-        return NVFP4_SCALE_MAX
-    if fmt.is_fp8 and fmt.fp8_variant is not None:
-        return Fp8Format(fmt.fp8_variant).max
-    return None
+    if fmt.cache_kind is None:
+        return None
+    codec = codec_for(fmt)
+    return codec.scale_max if codec.reads_kv_scale else None
 
 
 def kv_scales_from_amax(amax: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:

@@ -47,6 +47,7 @@ __all__ = [
     "RopeIdentity",
     "ScaleGranularity",
     "ENCODING_GRAMMAR",
+    "ENCODING_OPTION",
 ]
 
 ENCODING_GRAMMAR = (
@@ -116,14 +117,21 @@ class KeySpec:
 
 _SINK_OPTION = re.compile(r"sink(\d*)")
 
+ENCODING_OPTION = re.compile(r"[/@+]")
+"""What sets an encoding id apart from a plain dtype string (a granularity, layout or key
+option)."""
 
-def _dtype_names() -> dict[str, KVCacheFormat]:
+
+def _dtype_names(include_mla_only: bool) -> dict[str, KVCacheFormat]:
     """Every name the grammar's ``<dtype>`` takes: the registry's names and the unquantized
     formats' labels (``bf16``)."""
     names: dict[str, KVCacheFormat] = {
         f.label: f for f in formats() if not f.is_quantized and not f.mla_only
     }
-    names.update({n: f for n in cache_dtype_names(include_mla_only=True) if (f := find_format(n))})
+    for name in cache_dtype_names(include_mla_only=include_mla_only):
+        fmt = find_format(name)
+        assert fmt is not None
+        names[name] = fmt
     return names
 
 
@@ -150,18 +158,26 @@ class KVCacheEncoding:
     # ------------------------------------------------------------------------------ build
 
     @classmethod
-    def parse(cls, text: str, arg_name: str = "kv_cache_dtype") -> KVCacheEncoding:
+    def parse(
+        cls, text: str, arg_name: str = "kv_cache_dtype", *, include_mla_only: bool = True
+    ) -> KVCacheEncoding:
         """The encoding an id names (module docstring); ``ValueError`` naming ``arg_name``. A
-        plain dtype string gets the registry's unknown-dtype error."""
+        plain dtype string that names no format gets the registry's unknown-dtype error;
+        ``include_mla_only=False`` rejects MLA-only record layouts as the registry does."""
         if not isinstance(text, str):
             raise ValueError(f"{arg_name}: expected an encoding id, got {text!r}")
         raw = text.strip()
         body, *options = raw.split("+")
         body, _, layout = body.partition("@")
         dtype, _, granularity = body.partition("/")
-        if dtype == raw:
-            return cls(lookup(dtype, arg_name))
-        fmt = _dtype_names().get(dtype)
+        names = _dtype_names(include_mla_only)
+        fmt = names.get(dtype)
+        if fmt is None:
+            if dtype == raw:
+                lookup(dtype, arg_name, include_mla_only=include_mla_only)  # its error
+            fmt = None
+        elif dtype == raw:
+            return cls(fmt)
         sinks = [m for o in options if (m := _SINK_OPTION.fullmatch(o))]
         known = {HADAMARD, "offset", "prerope"}
         plain = [o for o in options if not _SINK_OPTION.fullmatch(o)]
@@ -171,11 +187,11 @@ class KVCacheEncoding:
             or not set(plain) <= known
             or len(set(plain)) != len(plain)
             or len(sinks) > 1
-            or (sinks and sinks[0].group(1) in ("0",))
+            or (sinks and int(sinks[0].group(1) or 1) == 0)
         ):
             raise ValueError(
                 f"{arg_name}: unknown KV-cache encoding {raw!r}; expected {ENCODING_GRAMMAR} "
-                f"with <dtype> one of {', '.join(_dtype_names())}"
+                f"with <dtype> one of {', '.join(names)}"
             )
         sink_tokens = int(sinks[0].group(1) or 1) if sinks else 0
         try:
@@ -197,14 +213,22 @@ class KVCacheEncoding:
 
     @classmethod
     def of(
-        cls, value: KVCacheEncoding | KVCacheFormat | str, arg_name: str = "kv_cache_dtype"
+        cls,
+        value: KVCacheEncoding | KVCacheFormat | str,
+        arg_name: str = "kv_cache_dtype",
+        *,
+        include_mla_only: bool = True,
     ) -> KVCacheEncoding:
         """``value`` as an encoding: itself, a format with defaults, or a parsed id."""
         if isinstance(value, KVCacheEncoding):
-            return value
-        if isinstance(value, KVCacheFormat):
-            return cls(value)
-        return cls.parse(value, arg_name)
+            encoding = value
+        elif isinstance(value, KVCacheFormat):
+            encoding = cls(value)
+        else:
+            return cls.parse(value, arg_name, include_mla_only=include_mla_only)
+        if encoding.format.mla_only and not include_mla_only:
+            lookup(encoding.format.name, arg_name, include_mla_only=False)  # its error
+        return encoding
 
     def with_key(self, **changes: Any) -> KVCacheEncoding:
         """The same encoding with key-spec fields changed (checked again)."""
@@ -240,8 +264,9 @@ class KVCacheEncoding:
             if layout is not None and (
                 not isinstance(layout, ScaleLayout) or layout.value not in fmt.scale_layouts
             ):
+                got = layout.value if isinstance(layout, ScaleLayout) else repr(layout)
                 raise ValueError(
-                    f"{name}: only NVFP4 formats have block scales, got {layout!r} for {fmt.name!r}"
+                    f"{name}: only NVFP4 formats have block scales, got {got} for {fmt.name!r}"
                 )
         if key.rotation not in (None, HADAMARD):
             raise ValueError(f"key_rotation: expected None or {HADAMARD!r}, got {key.rotation!r}")
@@ -268,12 +293,17 @@ class KVCacheEncoding:
             )
 
     def check_geometry(
-        self, block_size: int, num_kv_heads: int, head_size: int, head_size_v: int | None = None
+        self,
+        block_size: int | None,
+        num_kv_heads: int,
+        head_size: int,
+        head_size_v: int | None = None,
     ) -> None:
         """``ValueError`` unless pages of ``block_size`` tokens of ``num_kv_heads`` heads of
         ``head_size`` (``head_size_v``) can hold this encoding: the format's head-size rule,
-        the rotation's power-of-two head size, the key sinks within a page, the named
-        block-scale layouts fitting the page."""
+        the rotation's power-of-two head size, RoPE within the head, the key sinks within a
+        page, the named block-scale layouts fitting the page (``block_size=None``: the rules
+        of the heads only)."""
         head_size_v = head_size if head_size_v is None else head_size_v
         for size in (head_size, head_size_v):
             self.format.last_dim(size)
@@ -284,6 +314,8 @@ class KVCacheEncoding:
             raise ValueError(
                 f"key_rope: expected rotary_dim <= head_size={head_size}, got {key.rope.rotary_dim}"
             )
+        if block_size is None:
+            return
         if key.sink_tokens > block_size:
             raise ValueError(
                 f"key_sink_tokens: expected at most block_size={block_size}, got {key.sink_tokens}"
@@ -299,15 +331,18 @@ class KVCacheEncoding:
                     f"elements), got {layout.value}"
                 )
 
-    def check_attention(self, logits_soft_cap: float | None, has_logit_sinks: bool) -> None:
-        """``ValueError`` when a key offset would change the attention: it moves every score
-        of a query by ``q . offset``, which only plain softmax ignores (not a soft cap, not
-        per-head logit sinks), unless the reader adds it back (keys stored before RoPE)."""
+    def check_attention(
+        self, logits_soft_cap: float | None, has_logit_sinks: bool, arg_name: str = "key_offset"
+    ) -> None:
+        """``ValueError`` (naming ``arg_name``) when a key offset would change the attention:
+        it moves every score of a query by ``q . offset``, which only plain softmax ignores
+        (not a soft cap, not per-head logit sinks), unless the reader adds it back (keys stored
+        before RoPE)."""
         if not self.key.offset or self.key.prerope:
             return
         if logits_soft_cap is not None or has_logit_sinks:
             raise ValueError(
-                "key_offset: expected an attention without sinks or logits_soft_cap (a key "
+                f"{arg_name}: expected an attention without sinks or logits_soft_cap (a key "
                 "offset shifts scores, which only plain softmax ignores), got one with them"
             )
 
@@ -315,10 +350,10 @@ class KVCacheEncoding:
 
     @property
     def id(self) -> str:
-        """The canonical id (module docstring): ``parse(enc.id)`` is ``enc`` up to the RoPE
-        identity and per-side layouts."""
-        fmt = self.format
-        out = fmt.name if fmt.is_quantized else fmt.label
+        """The canonical id (module docstring; the dtype by its canonical name, so an id is
+        also a ``kv_cache_dtype`` string): ``parse(enc.id)`` is ``enc`` up to the RoPE identity
+        and per-side layouts."""
+        out = self.format.name
         if self.granularity is ScaleGranularity.HEAD:
             out += "/head"
         if self.k_scale_layout is not None and self.k_scale_layout == self.v_scale_layout:

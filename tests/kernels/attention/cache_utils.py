@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from kv_cache_test_utils import SCALED_DTYPES
 
 from vllm import _custom_ops as ops
 from vllm.kv_quant import (
@@ -24,7 +25,7 @@ EXPLICIT_UNQUANTIZED = {
     "bfloat16": torch.bfloat16,
     "float32": torch.float32,
 }
-QUANTIZED = ["fp8", "fp8_e4m3", "fp8_e5m2", "nvfp4", "nvfp4_mse"]
+QUANTIZED = SCALED_DTYPES
 # (kv_cache_dtype, source dtype) pairs of the same-dtype tests: an explicit unquantized string
 # with its own dtype (other source dtypes are cast: test_cache_cast.py).
 KIND_AND_DTYPE = (

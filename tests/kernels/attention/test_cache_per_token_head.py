@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kv_cache_test_utils import DEVICES
+from kv_cache_test_utils import DEVICES, PER_TOKEN_HEAD_DTYPES
 
 from vllm import _custom_ops as ops
 from vllm.kv_quant import dequantize_per_token_head, unpack_rows
 
 from .cache_utils import SOURCE_DTYPES, _id, check_against_reference, make_case
 
-KINDS = ["int8_per_token_head", "fp8_per_token_head"]
+KINDS = PER_TOKEN_HEAD_DTYPES
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
+from kv_cache_test_utils import PER_TOKEN_HEAD_DTYPES
 
 from vllm import _custom_ops as ops
 from vllm.kv_quant.formats import lookup
@@ -60,7 +61,7 @@ TRITON_DEVICES = [
         marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     ),
 ]
-PER_TOKEN_HEAD = ["int8_per_token_head", "fp8_per_token_head"]
+PER_TOKEN_HEAD = PER_TOKEN_HEAD_DTYPES
 ALL_KINDS = [*(k for k, _ in KIND_AND_DTYPE), *PER_TOKEN_HEAD]
 # Small pages: the interpreter costs ~1 ms per program (a token's heads), nvfp4_mse ~0.5 s.
 SMALL = dict(num_blocks=3, block_size=4, num_heads=2, num_tokens=6, padding=2, skip_every=4)

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from kv_cache_test_utils import DEVICES
+from kv_cache_test_utils import DEVICES, PER_TOKEN_HEAD_DTYPES
 
 from vllm.accuracy.cache_io import extension_status
 from vllm.kv_quant import dequantize_per_token_head, quantize_per_token_head
@@ -31,7 +31,7 @@ from vllm.v1.worker.gpu.attn_utils import init_kv_cache
 
 pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
 
-KINDS = ["int8_per_token_head", "fp8_per_token_head"]
+KINDS = PER_TOKEN_HEAD_DTYPES
 
 
 def readers(device: str, **impl_args: object) -> list[tuple[str, ReferenceAttentionImpl]]:

@@ -1,13 +1,15 @@
 """Which cache format each layer gets for a requested ``kv_cache_dtype`` (the fallback policy).
 
-Attention layers use ``kv_cache_dtype_str_to_dtype(cache_dtype, model dtype)``
-and ``get_kv_quant_mode(cache_dtype)``. Mamba / linear-attention states always use the model
-dtype (the KV-cache dtype does not apply to them). NVFP4 is not a format for MLA latents: for
-``nvfp4`` requests V3 MLA layers fall back to the model dtype (plain fp8 MLA needs a calibrated
-per-tensor fp8 scale that an NVFP4 checkpoint does not carry) and DeepSeek-V4 layers fall back to
-``fp8_ds_mla`` (its 584-byte record carries its own scales); the indexer falls back to its fp8
-entry (132 bytes). Every fallback is recorded in the specs' notes
-(:attr:`~vllm.v1.core.model_specs.ModelKVSpecs.notes`).
+The request is a dtype string or an encoding id (:mod:`vllm.kv_quant.encoding`). K/V attention
+layers get its encoding: the format's storage dtype and quant mode, and the whole encoding
+(key options, key sink rows, layouts) in the spec when it is more than the default of that mode
+and dtype. MLA latents take the format only (key options are K/V page options; a note says so).
+Mamba / linear-attention states always use the model dtype (the KV-cache dtype does not apply
+to them). NVFP4 is not a format for MLA latents: for ``nvfp4`` requests V3 MLA layers fall back
+to the model dtype (plain fp8 MLA needs a calibrated per-tensor fp8 scale that an NVFP4
+checkpoint does not carry) and DeepSeek-V4 layers fall back to ``fp8_ds_mla`` (its 584-byte
+record carries its own scales); the indexer falls back to its fp8 entry (132 bytes). Every
+fallback is recorded in the specs' notes (:attr:`~vllm.v1.core.model_specs.ModelKVSpecs.notes`).
 
 :func:`layer_spec` is the one place that applies it: one layer, one requested dtype (already
 resolved for ``kv_cache_dtype_skip_layers``) → its spec, the dtype string it got and the note
@@ -18,7 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm.kv_quant.formats import AUTO, FP8_DS_MLA, FP8_E4M3, lookup
+from vllm.kv_quant.encoding import KVCacheEncoding
+from vllm.kv_quant.formats import AUTO, FP8_DS_MLA, FP8_E4M3, format_for_storage
 from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 from vllm.v1.core.model_layout import STATE_KINDS, LayerDesc
 from vllm.v1.kv_cache_interface import (
@@ -51,7 +54,8 @@ the 132-byte entry of rtp-llm's ``fp8_indexer_entry``."""
 def _attention_kwargs(
     layer: LayerDesc, block_size: int, cache_dtype: str, model_dtype: str
 ) -> dict[str, Any]:
-    """Page, head and dtype fields of an attention spec of ``layer`` cached as ``cache_dtype``."""
+    """Page, head and dtype fields of an attention spec of ``layer`` cached as ``cache_dtype``
+    (a dtype string: the format of an encoding id)."""
     return dict(
         block_size=block_size,
         num_kv_heads=layer.num_kv_heads,
@@ -61,12 +65,25 @@ def _attention_kwargs(
     )
 
 
+def _kv_page_kwargs(
+    layer: LayerDesc, block_size: int, encoding: KVCacheEncoding, model_dtype: str
+) -> dict[str, Any]:
+    """:func:`_attention_kwargs` of the encoding's format, with the encoding itself when it says
+    more than the default of that quant mode and dtype (so a plain dtype gives upstream's spec)."""
+    kwargs = _attention_kwargs(layer, block_size, encoding.format.name, model_dtype)
+    default = format_for_storage(kwargs["kv_quant_mode"], kwargs["dtype"])
+    if encoding != KVCacheEncoding(default):
+        kwargs["encoding"] = encoding
+    return kwargs
+
+
 def layer_spec(
     layer: LayerDesc, cache_dtype: str, model_dtype: str, block_size: int
 ) -> tuple[KVCacheSpec, str, str | None]:
-    """Spec of ``layer`` for ``cache_dtype`` (already skip-resolved): (spec, effective dtype
-    string, fallback note or None)."""
-    mode = get_kv_quant_mode(cache_dtype)
+    """Spec of ``layer`` for ``cache_dtype`` (a dtype string or encoding id, already
+    skip-resolved): (spec, effective dtype string or encoding id, fallback note or None)."""
+    encoding = KVCacheEncoding.parse(cache_dtype, "cache_dtype", include_mla_only=False)
+    mode = encoding.format.quant_mode
     kind = layer.kind
     if kind in STATE_KINDS:
         dtype = kv_cache_dtype_str_to_dtype(AUTO.name, model_dtype)
@@ -84,13 +101,20 @@ def layer_spec(
         )
         return spec, AUTO.name, note
     if kind in ("full_attention", "sliding_window"):
-        common = _attention_kwargs(layer, block_size, cache_dtype, model_dtype)
+        common = _kv_page_kwargs(layer, block_size, encoding, model_dtype)
         if kind == "full_attention":
             return FullAttentionSpec(**common), cache_dtype, None
         assert layer.sliding_window is not None
         return SlidingWindowSpec(sliding_window=layer.sliding_window, **common), cache_dtype, None
+    key_note = None
+    if not encoding.key.is_identity:
+        key_note = (
+            f"{kind} layers: the key options of {encoding.id} apply to K/V pages; the latent "
+            f"cache is stored as {encoding.format.name}"
+        )
+        cache_dtype = encoding.format.name
     if kind == "mla":
-        note = None
+        note = key_note
         effective = cache_dtype
         if mode.is_nvfp4:
             effective = AUTO.name
@@ -104,9 +128,9 @@ def layer_spec(
         )
         return spec, effective, note
     # DeepSeek-V4 kinds: quantized requests use the self-scaled fp8 formats.
-    note = None
+    note = key_note
     if mode.is_quantized:
-        if lookup(cache_dtype) is not FP8_E4M3:
+        if encoding.format is not FP8_E4M3:
             note = (
                 f"deepseek_v4: {cache_dtype} is not a DeepSeek-V4 cache format; latent caches "
                 "use fp8_ds_mla (584 B per slot) and indexer keys the fp8 entry (128 values + "
@@ -150,5 +174,6 @@ def layer_spec(
     plain = _attention_kwargs(layer, block_size, cache_dtype, model_dtype)
     if kind == "sliding_window_mla":
         assert layer.sliding_window is not None
-        return SlidingWindowMLASpec(sliding_window=layer.sliding_window, **plain), cache_dtype, None
-    return MLAAttentionSpec(compress_ratio=layer.compress_ratio, **plain), cache_dtype, None
+        spec = SlidingWindowMLASpec(sliding_window=layer.sliding_window, **plain)
+        return spec, cache_dtype, key_note
+    return MLAAttentionSpec(compress_ratio=layer.compress_ratio, **plain), cache_dtype, key_note

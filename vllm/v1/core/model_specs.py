@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.config.cache import validate_cache_dtype
+from vllm.kv_quant.encoding import KVCacheEncoding
 from vllm.kv_quant.formats import AUTO
 from vllm.v1.core.cache_format_policy import (
     DSV4_INDEXER_FP8_SCALE_GROUP,
@@ -54,7 +55,7 @@ from vllm.v1.core.model_layout import (
     ModelLayout,
 )
 from vllm.v1.core.spec_display import describe_spec
-from vllm.v1.kv_cache_interface import KVCacheSpec, get_kv_quant_mode
+from vllm.v1.kv_cache_interface import KVCacheSpec
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
@@ -137,8 +138,8 @@ def build_kv_cache_specs(
     block_size: int | None = None,
     skip_layers: Iterable[str] = (),
 ) -> ModelKVSpecs:
-    """Per-layer specs of ``layout`` for ``cache_dtype`` with pages of ``block_size`` tokens
-    (default: ``layout.default_block_size``).
+    """Per-layer specs of ``layout`` for ``cache_dtype`` (a dtype string or an encoding id) with
+    pages of ``block_size`` tokens (default: ``layout.default_block_size``).
 
     ``skip_layers`` entries are layer kinds/tags (see :data:`LAYER_KINDS`) or layer names (a
     name also covers its sub-caches, e.g. ``model.layers.3.self_attn`` covers ``.swa``);
@@ -173,7 +174,7 @@ def build_kv_cache_specs(
         effective[layer.name] = eff
         if note and note not in notes:
             notes.append(note)
-    if num_skipped and get_kv_quant_mode(cache_dtype).is_quantized:
+    if num_skipped and KVCacheEncoding.parse(cache_dtype).is_quantized:
         notes.append(
             f"kv_cache_dtype_skip_layers: {num_skipped} layer(s) kept in the model dtype "
             f"({layout.model_dtype})"

@@ -18,9 +18,10 @@ must have one size P. The policy:
   of the requested block size with a page of exactly P. E.g. GPT-OSS nvfp4 with bf16
   sliding-window layers (H=8, D=64): 32768 B and 9216 B per 16 tokens, L = 294912 B, so
   sliding block 144 and full block 512 (not full 112 padded to 65536 B);
-- only pages no backend splits are padded up to P: Mamba states (one view per page) and
-  latent (MLA) pages, whose backend's kernel block is the whole block. A latent spec takes
-  the largest block multiple whose page fits in P;
+- only pages no backend splits are padded up to P: Mamba states (one view per page), latent
+  (MLA) pages, whose backend's kernel block is the whole block, and K/V pages holding key
+  sink rows (their page is not proportional to the block size, and their sink rows belong to
+  the whole page). Such a spec takes the largest block multiple whose page fits in P;
 - P is the candidate with the least padding (to 0.1 %), then the smallest; candidates are
   the multiples of L (without plain attention: the latent page sizes) from the largest base
   page B up to ``max_page_growth`` × B, or just the first multiple of L ≥ B when that lies
@@ -32,7 +33,8 @@ Waste bound: plain attention pages carry 0 padding bytes. P ≤ max(``max_page_g
 and no block grows by more than 64 × B / (its base page). The page padding share of the
 chosen P is at most that of the smallest candidate P₀ (+0.1 %, the rounding), where every
 padded page of P₀ is short of P₀ by less than one step (L for Mamba, one block multiple for
-latent pages). Larger blocks cost at most one partly filled block per group per request.
+the other padded pages). Larger blocks cost at most one partly filled block per group per
+request.
 """
 
 from __future__ import annotations
@@ -76,8 +78,13 @@ def _unpadded(spec: KVCacheSpec, block_size: int) -> KVCacheSpec:
 
 
 def _is_plain_attention(spec: KVCacheSpec) -> bool:
-    """K/V attention pages that a backend may split into kernel blocks (not latent, not state)."""
-    return not _is_state(spec) and not isinstance(spec, LatentPageSpec)
+    """K/V attention pages that a backend may split into kernel blocks (not latent, not state,
+    no key sink rows: a page's sink rows make its size no multiple of a smaller page's)."""
+    return (
+        not _is_state(spec)
+        and not isinstance(spec, LatentPageSpec)
+        and getattr(spec, "sink_bytes_per_page", 0) == 0
+    )
 
 
 def unify_kv_cache_spec_page_size(
