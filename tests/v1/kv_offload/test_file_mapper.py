@@ -11,6 +11,8 @@ from tiering_test_utils import StubSpec
 
 from vllm.config import CacheConfig, ModelConfig, ParallelConfig, VllmConfig
 from vllm.config.kv_transfer import KVTransferConfig
+from vllm.kv_quant.encoding import KVCacheEncoding
+from vllm.v1.attention.backends.utils import kv_cache_layout
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -19,6 +21,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_offload.base import make_offload_key
 from vllm.v1.kv_offload.file_mapper import FileMapper
+from vllm.v1.kv_offload.page_format import KVPageFormat
 
 
 def mapper(root: str = "/r", **kw: object) -> FileMapper:
@@ -88,6 +91,9 @@ def test_from_offloading_spec_reads_the_engine_config() -> None:
     )
     m = FileMapper.from_offloading_spec("/x", StubSpec(vllm_config, kv_cache_config), 2)
     assert m.rank == 1
+    page_format = KVPageFormat.from_kv_cache_config(
+        kv_cache_config, model="org/m", kv_cache_dtype="fp8_e4m3", block_size_factor=2
+    )
     assert m.get_run_config() == {
         "model_name": "org/m",
         "hash_block_size": 16,
@@ -99,8 +105,47 @@ def test_from_offloading_spec_reads_the_engine_config() -> None:
         "dtype": "fp8_e4m3",
         "kv_cache_groups": [{"block_size": 16, "layer_names": ["l0", "l1"]}],
         "inference_engine": "vllm",
+        "page_format": page_format.fingerprint,
     }
     assert m.base_path.startswith("/x/org_m_")
+
+
+def test_the_folder_differs_whenever_the_pages_would() -> None:
+    """Two runs share files only when their pages hold the same bytes: the layers' encodings
+    (key options of one page size), NHD vs HND, head geometry and block size all change the
+    folder, which a run of the same settings finds again."""
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(model="org/m"),
+        cache_config=CacheConfig(block_size=16, cache_dtype="fp8_e4m3"),
+        kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both"),
+    )
+
+    def folder(encoding: str = "fp8", heads: int = 2, block: int = 16, layout: str = "NHD") -> str:
+        enc = KVCacheEncoding.parse(encoding)
+        spec = FullAttentionSpec(
+            block_size=block, num_kv_heads=heads, head_size=64, dtype=torch.uint8,
+            kv_quant_mode=enc.format.quant_mode, encoding=enc,
+        )  # fmt: skip
+        config = KVCacheConfig(
+            num_blocks=4,
+            kv_cache_tensors=[KVCacheTensor(size=4 * spec.page_size_bytes, shared_by=["l0"])],
+            kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)],
+        )
+        with kv_cache_layout(layout):
+            return FileMapper.from_offloading_spec("/x", StubSpec(vllm_config, config)).base_path
+
+    base = folder()
+    assert folder() == base
+    others = [
+        folder("fp8+hadamard"),  # same page size, other bytes
+        folder("fp8+offset"),
+        folder("fp8+sink"),
+        folder("fp8_e5m2"),
+        folder(layout="HND"),
+        folder(heads=4),
+        folder(block=32),
+    ]
+    assert base not in others and len(set(others)) == len(others)
 
 
 def test_parallel_config_rank_is_non_negative() -> None:

@@ -4,11 +4,17 @@ checked field by field before any byte is trusted."""
 from __future__ import annotations
 
 import struct
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
+from vllm.kv_quant.calibrated import KVCacheCalibration, LayerCalibration
+from vllm.kv_quant.encoding import KVCacheEncoding
+from vllm.v1.attention.backends.utils import kv_cache_layout
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -138,3 +144,69 @@ def test_describe_difference_names_the_field() -> None:
     other = fmt(kv_cache_config=config(head_size=128))
     assert fmt().describe_difference(other).startswith("page_sizes_bytes")
     assert replace(fmt(), model="z").describe_difference(fmt()) == "model: 'z' vs 'm'"
+
+
+def _encoded(encoding: str, num_blocks: int = 4) -> KVCacheConfig:
+    enc = KVCacheEncoding.parse(encoding)
+    attn = FullAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.uint8,
+        kv_quant_mode=enc.format.quant_mode, encoding=enc,
+    )  # fmt: skip
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[KVCacheTensor(size=num_blocks * attn.page_size_bytes, shared_by=["a"])],
+        kv_cache_groups=[KVCacheGroupSpec(["a"], attn)],
+    )
+
+
+def test_the_whole_encoding_the_page_order_and_the_calibration_are_in_it() -> None:
+    """Pages of different encodings (also of one page size), of NHD and HND caches and of other
+    calibrated values never share a fingerprint; the same inputs always do."""
+
+    def of(encoding: str = "nvfp4", layout: str = "NHD", **kw) -> str:
+        return fmt(kv_cache_config=_encoded(encoding), kv_cache_layout=layout, **kw).fingerprint
+
+    base = of()
+    assert of() == base
+    with kv_cache_layout("HND"):  # the layout in effect is the default
+        assert fmt(kv_cache_config=_encoded("nvfp4")).fingerprint == of(layout="HND")
+    variants = [
+        of("nvfp4_mse"),
+        of("nvfp4+hadamard"),
+        of("nvfp4+offset"),
+        of("nvfp4+sink"),
+        of("nvfp4@linear"),  # the default at 16 tokens x 64 is interleave4
+        of("nvfp4/head"),
+        of(layout="HND"),
+    ]
+    assert base not in variants and len(set(variants)) == len(variants)
+    # explicit layouts are what the encoding resolves to: the same bytes, the same fingerprint
+    assert of("nvfp4@interleave4") != base  # (the spec's encoding names it: a different spec)
+    assert fmt(kv_cache_config=_encoded("nvfp4")).scale_layouts == (
+        ("a", "interleave4", "interleave4"),
+    )
+    enc = KVCacheEncoding.parse("nvfp4+offset")
+    calibrated = KVCacheCalibration(
+        enc, {"a": LayerCalibration(torch.tensor(0.5), torch.tensor(0.25), torch.zeros(2, 64))}
+    )
+    other = KVCacheCalibration(
+        enc, {"a": LayerCalibration(torch.tensor(0.5), torch.tensor(0.25), torch.ones(2, 64))}
+    )
+    assert len({of("nvfp4+offset"), of("nvfp4+offset", calibration=calibrated),
+                of("nvfp4+offset", calibration=other)}) == 3  # fmt: skip
+
+
+def test_the_fingerprint_is_the_same_in_another_process() -> None:
+    """Every field goes in by value (an encoding by its byte-deciding facts, never an object's
+    address), so two processes agree."""
+    here = fmt(kv_cache_config=_encoded("nvfp4_mse+offset+sink")).fingerprint
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); "
+        "from test_page_format import fmt, _encoded; "
+        "print(fmt(kv_cache_config=_encoded('nvfp4_mse+offset+sink')).fingerprint)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(Path(__file__).parent)],
+        capture_output=True, text=True, check=True, timeout=120,
+    )  # fmt: skip
+    assert out.stdout.strip() == here

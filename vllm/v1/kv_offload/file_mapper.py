@@ -1,9 +1,11 @@
 """File names for offloaded blocks (upstream v0.22's ``kv_offload.file_mapper``).
 
 Every setting that decides a block's bytes (model, hash block size, GPU blocks per file,
-parallel sizes, cache dtype, KV-cache groups, engine) goes into one folder name: the model name
-with ``/`` as ``_``, then the first 12 hex digits of the SHA-256 of those settings as compact
-sorted-key JSON. Runs that would write different bytes therefore never share files, while
+parallel sizes, cache dtype, KV-cache groups, engine, and from an offloading spec the page
+format's fingerprint: every layer's encoding, NHD / HND, block size, head geometry, scale
+layouts, :class:`~vllm.v1.kv_offload.page_format.KVPageFormat`) goes into one folder name: the
+model name with ``/`` as ``_``, then the first 12 hex digits of the SHA-256 of those settings as
+compact sorted-key JSON. Runs that would write different bytes therefore never share files, while
 workers of one run share the folder and its ``config.json``. A block's file is::
 
     <folder>_r<rank>/<hex[0:3]>/<hex[3:5]>_g<group>/<hex>.bin
@@ -23,6 +25,7 @@ from vllm.v1.kv_offload.base import (
     get_offload_block_hash,
     get_offload_group_idx,
 )
+from vllm.v1.kv_offload.page_format import KVPageFormat
 
 _DIGEST_HEX_CHARS = 12
 _CONFIG_FILENAME = "config.json"
@@ -50,6 +53,7 @@ class FileMapper:
         kv_cache_groups: list[dict] | None = None,
         inference_engine: str = "vllm",
         parallel_agnostic: bool = False,
+        page_format: str | None = None,
     ):
         if parallel_agnostic:
             tp_size, pp_size, pcp_size, dcp_size, rank = 1, 1, 1, 1, 0
@@ -66,6 +70,8 @@ class FileMapper:
             "kv_cache_groups": list(kv_cache_groups or []),
             "inference_engine": inference_engine,
         }
+        if page_format is not None:
+            self.fields["page_format"] = page_format
         self.base_path: str = self._compute_base_path(root_dir, self.fields)
 
     @classmethod
@@ -76,7 +82,8 @@ class FileMapper:
         gpu_blocks_per_file: int = 1,
         parallel_agnostic: bool = False,
     ) -> FileMapper:
-        """The mapper for the run ``offloading_spec`` was built for."""
+        """The mapper for the run ``offloading_spec`` was built for (its page format's
+        fingerprint in the folder name)."""
         config = offloading_spec.vllm_config
         parallel = config.parallel_config
         groups = [
@@ -96,6 +103,12 @@ class FileMapper:
             dtype=str(config.cache_config.cache_dtype).removeprefix("torch."),
             kv_cache_groups=groups,
             parallel_agnostic=parallel_agnostic,
+            page_format=KVPageFormat.from_kv_cache_config(
+                offloading_spec.kv_cache_config,
+                model=config.model_config.model,
+                kv_cache_dtype=str(config.cache_config.cache_dtype),
+                block_size_factor=gpu_blocks_per_file,
+            ).fingerprint,
         )
 
     def get_file_name(self, key: OffloadKey) -> str:

@@ -2,10 +2,13 @@
 
 Pages leave a worker as raw bytes (:mod:`vllm.v1.kv_offload.worker.page_views`); another
 instance may only read them into its own cache when everything that decides those bytes is the
-same: the model, the layers of each KV-cache buffer and their specs (format, heads, head size,
-block size, padding), the cache dtype string (``fp8_e4m3`` vs ``fp8_e5m2`` share a spec), the
-NVFP4 block-scale layout of each layer, the fp8 per-tensor scale values, the tensor-parallel
-rank, and the page geometry (page size of each buffer, pages per offloaded block).
+same: the model, the layers of each KV-cache buffer and their specs (heads, head size, block
+size, padding, and the whole encoding: format, scale granularity and layouts, key transform
+and the RoPE it undoes, key sink rows), the cache dtype string, the physical order of the
+pages (NHD or HND), the NVFP4 block-scale layout of each layer as the caches hold it, the
+calibrated values (fp8 per-tensor scales, or a whole calibration: scales and key offsets), the
+tensor-parallel rank, and the page geometry (page size of each buffer, pages per offloaded
+block).
 :class:`KVPageFormat` holds all of it; :attr:`KVPageFormat.fingerprint` digests it and goes
 into every key, and :meth:`KVPageFormat.header` is stored beside each block so that a reader
 checks the format and the page sizes before any byte reaches its cache.
@@ -17,11 +20,14 @@ import hashlib
 import json
 import struct
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from enum import Enum
 from typing import Any
 
+from vllm.kv_quant.calibrated import KVCacheCalibration
+from vllm.kv_quant.encoding import KVCacheEncoding
 from vllm.utils import check_positive_int
+from vllm.v1.attention.backends.utils import get_kv_cache_layout, validate_kv_cache_layout
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from vllm.v1.kv_offload.worker.page_views import (
     get_layer_kv_cache_specs,
@@ -39,12 +45,17 @@ HEADER_ALIGN_BYTES = 64
 
 
 def _spec_description(spec: KVCacheSpec) -> dict[str, Any]:
-    """Every field of ``spec`` as JSON-able values (dtypes and enums by name)."""
+    """Every field of ``spec`` as JSON-able values (dtypes and enums by name, an encoding by
+    its byte-deciding fields), the same in every process."""
     out: dict[str, Any] = {"type": type(spec).__name__}
-    for key, value in asdict(spec).items():
-        if isinstance(value, Enum):
-            value = value.name
-        out[key] = _jsonable(value)
+    for item in fields(spec):
+        value = getattr(spec, item.name)
+        if isinstance(value, KVCacheEncoding):
+            out[item.name] = value.describe()
+        elif is_dataclass(value) and not isinstance(value, type):
+            out[item.name] = _jsonable(asdict(value))
+        else:
+            out[item.name] = _jsonable(value)
     return out
 
 
@@ -91,6 +102,10 @@ class KVPageFormat:
     """(layer, K layout, V layout) of each NVFP4 layer, sorted by layer."""
     kv_scales: tuple[tuple[str, float, float], ...] = field(default=())
     """(layer, k_scale, v_scale) of each fp8 per-tensor layer, sorted by layer."""
+    kv_cache_layout: str = "NHD"
+    """Physical order of each page side: ``NHD`` or ``HND``."""
+    calibration: str = ""
+    """Fingerprint of the calibrated values (:class:`KVCacheCalibration`), "" without one."""
 
     @classmethod
     def from_kv_cache_config(
@@ -104,13 +119,18 @@ class KVPageFormat:
         scale_layouts: Mapping[str, Sequence[Any]] | None = None,
         kv_scales: Mapping[str, Sequence[float]] | None = None,
         num_workers: int = 1,
+        kv_cache_layout: str | None = None,
+        calibration: KVCacheCalibration | None = None,
     ) -> KVPageFormat:
         """The format of ``kv_cache_config``'s buffers as the worker holds them (with
         ``num_workers`` > 1: the rows of every worker's cells, ``tp_rank`` then 0).
 
         ``scale_layouts`` maps NVFP4 layers to their (K, V) block-scale layouts (e.g. what
-        :func:`~vllm.v1.worker.gpu.attn_utils.get_kv_cache_scale_layouts` returns);
-        ``kv_scales`` maps fp8 layers to their (k_scale, v_scale) values.
+        :func:`~vllm.v1.worker.gpu.attn_utils.get_kv_cache_scale_layouts` returns; a layer not
+        named has its encoding's, resolved for its geometry); ``kv_scales`` maps fp8 layers to
+        their (k_scale, v_scale) values; ``kv_cache_layout`` is ``NHD`` or ``HND`` (default:
+        the layout in effect, :func:`~vllm.v1.attention.backends.utils.get_kv_cache_layout`);
+        ``calibration`` the calibrated values of the layers (scales and key offsets).
         """
         if not isinstance(model, str) or not model:
             raise ValueError(f"model: expected a non-empty model name, got {model!r}")
@@ -131,12 +151,16 @@ class KVPageFormat:
             )
             for tensor, page_size in zip(kv_cache_config.kv_cache_tensors, page_sizes, strict=True)
         )
-        layouts = tuple(
-            sorted(
-                (name, *(str(getattr(x, "value", x)) for x in pair))
-                for name, pair in (scale_layouts or {}).items()
-            )
-        )
+        named = {
+            name: tuple(str(getattr(x, "value", x)) for x in pair)
+            for name, pair in (scale_layouts or {}).items()
+        }
+        for name, spec in specs.items():
+            encoding = getattr(spec, "encoding", None)
+            if name not in named and encoding is not None and encoding.format.is_nvfp4:
+                pair = encoding.scale_layouts(spec.block_size, spec.head_size, spec.head_size_v)
+                named[name] = tuple(layout.value for layout in pair)
+        layouts = tuple(sorted((name, *pair) for name, pair in named.items()))
         scales = tuple(
             sorted((name, *(float(x) for x in pair)) for name, pair in (kv_scales or {}).items())
         )
@@ -155,6 +179,11 @@ class KVPageFormat:
             num_workers=num_workers,
             scale_layouts=layouts,  # type: ignore[arg-type]
             kv_scales=scales,  # type: ignore[arg-type]
+            kv_cache_layout=validate_kv_cache_layout(
+                get_kv_cache_layout() if kv_cache_layout is None else kv_cache_layout,
+                "kv_cache_layout",
+            ),
+            calibration="" if calibration is None else calibration.fingerprint,
         )
 
     @property
@@ -222,8 +251,8 @@ class KVPageFormat:
         if digest != self.digest:
             raise ValueError(
                 f"{where}: expected format fingerprint {self.fingerprint}, got "
-                f"{digest[:16].hex()} (a different model, format, scale layout, scales or TP "
-                "rank)"
+                f"{digest[:16].hex()} (a different model, encoding, page layout, scale layout, "
+                "calibration or TP rank)"
             )
         raise ValueError(f"{where}: header bytes differ from the expected header")
 
@@ -239,6 +268,8 @@ class KVPageFormat:
             "buffers",
             "scale_layouts",
             "kv_scales",
+            "kv_cache_layout",
+            "calibration",
         ):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
@@ -275,6 +306,8 @@ class KVPageFormat:
                 num_workers=int(data.get("num_workers", 1)),
                 scale_layouts=tuple(tuple(x) for x in data["scale_layouts"]),  # type: ignore[misc]
                 kv_scales=tuple(tuple(x) for x in data["kv_scales"]),  # type: ignore[misc]
+                kv_cache_layout=str(data.get("kv_cache_layout", "NHD")),
+                calibration=str(data.get("calibration", "")),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"page format: malformed JSON description ({e!r})") from e

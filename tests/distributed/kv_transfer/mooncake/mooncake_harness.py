@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.config import master_binary
+from vllm.kv_quant.encoding import KVCacheEncoding
 from vllm.kv_quant.formats import lookup
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -52,8 +53,23 @@ START_TIMEOUT_S = 20.0
 COMMAND_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
 
-FORMATS = ("bf16", "fp8", "nvfp4", "int8_per_token_head", "fp8_per_token_head", "hybrid")
+FORMATS = (
+    "bf16",
+    "fp8",
+    "nvfp4",
+    "int8_per_token_head",
+    "fp8_per_token_head",
+    "hybrid",
+    "nvfp4_sinks",
+)
 """KV-cache formats the instances build (see :func:`make_kv_cache_config`)."""
+
+ENCODED = {
+    "fp8_hadamard": "fp8_e4m3+hadamard",
+    "nvfp4_sinks": "nvfp4_mse+offset+prerope+sink",
+}
+"""Formats whose layers carry an encoding beyond their dtype: ``fp8_hadamard`` has fp8's page
+size (other bytes), ``nvfp4_sinks`` a key sink row per page after its K and V rows."""
 
 
 @dataclass(frozen=True)
@@ -89,12 +105,22 @@ def make_kv_cache_config(fmt: str, num_blocks: int) -> CacheFormat:
     ``bf16``, ``fp8`` (e4m3, per-tensor scales), ``nvfp4`` (E2M1 data + e4m3 block scales in
     one page, interleave4 scale layout), ``int8_per_token_head`` and ``fp8_per_token_head``
     (one fp32 scale inline per row): two full-attention layers of 2 heads × 64.
+    ``fp8_hadamard`` and ``nvfp4_sinks``: two layers of :data:`ENCODED`'s encodings.
     ``hybrid``: an NVFP4 full-attention layer, a bf16 sliding-window layer of head size 128
     and a Mamba state layer: three buffers with three different page sizes. ``large``: three
     bf16 layers with 2 MiB pages (6 MiB blocks); ``huge``: nine of them (18 MiB blocks, larger
     than the smallest, 16 MiB, segment).
     """
-    if fmt == "bf16":
+    if fmt in ENCODED:
+        encoding = KVCacheEncoding.parse(ENCODED[fmt])
+        spec = FullAttentionSpec(
+            block_size=16, num_kv_heads=2, head_size=64, dtype=torch.uint8,
+            kv_quant_mode=encoding.format.quant_mode, encoding=encoding,
+        )  # fmt: skip
+        parts = [_attention(f"layers.{i}.attn", num_blocks, spec) for i in range(2)]
+        dtype, layouts = ENCODED[fmt], {}
+        scales = {f"layers.{i}.attn": (0.05 * (i + 1), 0.03 * (i + 1)) for i in range(2)}
+    elif fmt == "bf16":
         spec = _small_attention(KVQuantMode.NONE)
         parts = [_attention(f"layers.{i}.attn", num_blocks, spec) for i in range(2)]
         dtype, layouts, scales = "auto", {}, {}
@@ -135,7 +161,9 @@ def make_kv_cache_config(fmt: str, num_blocks: int) -> CacheFormat:
         parts = [_attention(f"layers.{i}.attn", num_blocks, spec) for i in range(layers)]
         dtype, layouts, scales = "auto", {}, {}
     else:
-        raise ValueError(f"fmt: expected one of {FORMATS} or 'large', 'huge', got {fmt!r}")
+        raise ValueError(
+            f"fmt: expected one of {FORMATS}, {tuple(ENCODED)} or 'large', 'huge', got {fmt!r}"
+        )
     config = KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[t for t, _ in parts],

@@ -155,15 +155,18 @@ class InstanceState:
         model: str = "test-model",
         max_blocks_per_batch: int = 64,
         block_size_factor: int = 1,
+        layout: str = "NHD",
     ) -> dict[str, Any]:
         """Offloading for ``cache``: a CPU primary tier of ``num_blocks`` offloaded blocks and
-        a Mooncake tier at ``master`` lending ``segment_size`` bytes."""
+        a Mooncake tier at ``master`` lending ``segment_size`` bytes, for pages in ``layout``
+        order."""
         entry = self.caches.setdefault(cache, Cache(fmt, num_blocks))
         if entry.store is not None:
             raise RuntimeError(f"init_store: cache {cache!r} has a store already")
         tier = {
             "type": "mooncake",
             **entry.format_options(model),
+            "kv_cache_layout": layout,
             "max_blocks_per_batch": max_blocks_per_batch,
             "retry_after_s": 2.0,
             "mooncake": {

@@ -41,6 +41,36 @@ def test_two_instances_share_pages_byte_exact(shared_master, shared_instances, f
     assert reader.call("digest", cache=fmt, blocks=dst_blocks) == expected
 
 
+@pytest.mark.parametrize(
+    ("reader_fmt", "reader_layout"),
+    [("fp8_hadamard", "NHD"), ("fp8", "HND")],
+    ids=["other_encoding_same_page_size", "HND_pages"],
+)
+def test_instances_whose_pages_differ_miss(
+    shared_master, shared_instances, reader_fmt: str, reader_layout: str
+) -> None:
+    """An instance storing rotated keys (fp8's page size, other bytes) or HND pages never
+    reads an NHD fp8 instance's blocks as its own: other keys, a miss; its own blocks it finds."""
+    writer, reader = shared_instances
+    address = shared_master.address
+    cache = f"{reader_fmt}-{reader_layout}"
+    fp_w = writer.call(
+        "init_store", cache=cache, fmt="fp8", num_blocks=6, master=address, segment_size=SEGMENT
+    )
+    fp_r = reader.call(
+        "init_store", cache=cache, fmt=reader_fmt, num_blocks=6, master=address,
+        segment_size=SEGMENT, layout=reader_layout,
+    )  # fmt: skip
+    assert fp_w["fingerprint"] != fp_r["fingerprint"]
+    hashes = block_hashes(f"mismatch-{cache}", 3)
+    writer.call("fill", cache=cache, seed=3, blocks=[0, 1, 2])
+    assert writer.call("offload", cache=cache, hashes=hashes, blocks=[0, 1, 2])["success"]
+    assert reader.call("lookup", cache=cache, hashes=hashes)["count"] == 0
+    reader.call("fill", cache=cache, seed=4, blocks=[3, 4])
+    assert reader.call("offload", cache=cache, hashes=hashes[:2], blocks=[3, 4])["success"]
+    assert reader.call("lookup", cache=cache, hashes=hashes)["count"] == 2
+
+
 def test_offloaded_blocks_of_several_pages(shared_master, shared_instances) -> None:
     """block_size_factor 2: one store object holds two GPU pages of every buffer, in order; a
     batch larger than max_blocks_per_batch is split."""

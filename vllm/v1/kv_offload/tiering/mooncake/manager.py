@@ -28,6 +28,7 @@ import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.config import MooncakeConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import MooncakeStoreClient
+from vllm.kv_quant.calibrated import KVCacheCalibration
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.page_format import KVPageFormat
 from vllm.v1.kv_offload.tiering.base import JobId, JobMetadata, JobResult, SecondaryTierManager
@@ -69,10 +70,13 @@ def row_page_format(
     kv_cache_dtype: str | None = None,
     scale_layouts: Mapping[str, Sequence[Any]] | None = None,
     kv_scales: Mapping[str, Sequence[float]] | None = None,
+    kv_cache_layout: str | None = None,
+    calibration: str | None = None,
 ) -> KVPageFormat:
     """The format of one primary row of ``offloading_spec``'s engine: every worker's cells
     (``block_size_factor`` pages of each KV-cache tensor); ``model`` and ``kv_cache_dtype``
-    default to the engine's."""
+    default to the engine's, ``kv_cache_layout`` to the layout in effect; ``calibration`` is
+    the path of the layers' calibration file (:class:`~vllm.kv_quant.KVCacheCalibration`)."""
     engine = offloading_spec.vllm_config
     return KVPageFormat.from_kv_cache_config(
         offloading_spec.kv_cache_config,
@@ -84,6 +88,8 @@ def row_page_format(
         num_workers=engine.parallel_config.world_size,
         scale_layouts=scale_layouts,
         kv_scales=kv_scales,
+        kv_cache_layout=kv_cache_layout,
+        calibration=None if calibration is None else KVCacheCalibration.load(calibration),
     )
 
 
@@ -96,9 +102,11 @@ class MooncakeTierManager(SecondaryTierManager):
     ``"vllm-kv"``); ``"max_blocks_per_batch"`` (default 256); ``"retry_after_s"`` (default
     5.0); and what besides the KV-cache config decides the bytes: ``"model"`` (default the
     engine's model), ``"kv_cache_dtype"`` (default the engine's cache dtype),
-    ``"scale_layouts"`` and ``"kv_scales"`` (see
-    :meth:`~vllm.v1.kv_offload.page_format.KVPageFormat.from_kv_cache_config`). Those make the
-    format fingerprint in every key, so instances share exactly the blocks they can read.
+    ``"scale_layouts"``, ``"kv_scales"``, ``"kv_cache_layout"`` (default the layout in effect)
+    and ``"calibration"`` (a calibration file's path; see
+    :meth:`~vllm.v1.kv_offload.page_format.KVPageFormat.from_kv_cache_config`). Those and the
+    layers' specs (their encodings) make the format fingerprint in every key, so instances
+    share exactly the blocks they can read.
 
     The client connects at construction: an unreachable master is a ``MooncakeStoreError``
     here, in seconds.
@@ -117,13 +125,21 @@ class MooncakeTierManager(SecondaryTierManager):
         kv_cache_dtype: str | None = None,
         scale_layouts: Mapping[str, Sequence[Any]] | None = None,
         kv_scales: Mapping[str, Sequence[float]] | None = None,
+        kv_cache_layout: str | None = None,
+        calibration: str | None = None,
     ):
         super().__init__(offloading_spec, primary_kv_view, tier_type)
         number = isinstance(retry_after_s, (int, float)) and not isinstance(retry_after_s, bool)
         if not number or not retry_after_s >= 0:
             raise ValueError(f"retry_after_s: expected seconds ≥ 0, got {retry_after_s!r}")
         self.page_format: KVPageFormat = row_page_format(
-            offloading_spec, model, kv_cache_dtype, scale_layouts, kv_scales
+            offloading_spec,
+            model,
+            kv_cache_dtype,
+            scale_layouts,
+            kv_scales,
+            kv_cache_layout,
+            calibration,
         )
         rows = primary_rows(primary_kv_view)
         check_row_store_args(rows, self.page_format, key_prefix, max_blocks_per_batch)
