@@ -201,21 +201,20 @@ def _make_run(
 ) -> PagedKVRun:
     """A run of ``fmt`` on data set ``key``: recording it (the bf16 run) or scaled from what the
     bf16 run recorded on it."""
-    recorder, scales, transforms = None, None, None
+    recorder, calibration = None, None
     if base.calibrating:
         recorder = base.recorders[key] = KVRecorder(lm.num_layers)
-    else:
-        transforms, scales = base.recorders[key].calibrate(fmt, lm.key_rope())
+    elif fmt.is_quantized:
+        calibration = base.recorders[key].calibrate(fmt, lm.key_rope())
     return PagedKVRun(
         lm,
         fmt,
         capacities,
-        scales,
+        calibration,
         recorder,
         settings.backend,
         settings.layout,
         settings.seed,
-        key_transforms=transforms,
     )
 
 

@@ -30,6 +30,7 @@ from real_kv_samples.smollm2 import LoadedModel
 from vllm.accuracy.cache_io import allocate_cache
 from vllm.accuracy.formats import CacheFormat, compute_scales
 from vllm.kv_quant import KeyRope, KeyTransform, KVScaleObserver
+from vllm.kv_quant.calibrated import KVCacheCalibration, LayerCalibration
 from vllm.utils import check_positive_int
 from vllm.v1.attention.backends.abstract import AttentionLayerScales
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionImpl, CPUAttentionMetadata
@@ -44,9 +45,6 @@ BLOCK_SIZE = 16
 BACKENDS: tuple[str, ...] = ("CPU_ATTN", "REFERENCE")
 """Attention backends a run can read the cache with: the compiled one, or the reference
 backend (fp32 throughout: ``CPU_ATTN`` weights values by softmax weights rounded to bf16)."""
-
-LayerScales = tuple[torch.Tensor, torch.Tensor]
-"""``(k_scale, v_scale)`` of one layer: fp32 ``[1]`` or ``[H]``."""
 
 
 class KVRecorder:
@@ -66,48 +64,43 @@ class KVRecorder:
         self._values[layer].append(value.detach().to(torch.float32).clone())
         self._positions[layer].append(positions.detach().to(torch.int64).clone())
 
-    def calibrate(
-        self, fmt: CacheFormat, rope: KeyRope | None = None
-    ) -> tuple[list[KeyTransform], list[LayerScales]]:
-        """Each layer's key transform and scales for ``fmt`` from everything observed: with
-        ``+prerope`` keys are stored before ``rope`` (the model's); the key offset (with
-        ``+offset``) is the mean key (pre-RoPE with ``+prerope``) per head and channel
-        (:meth:`~vllm.kv_quant.KVScaleObserver.key_mean`), and the scales follow the check's
-        rule (:func:`~vllm.accuracy.formats.compute_scales`: ``amax / MAX`` per tensor or per
-        head) on the keys as the writer receives them (offset and rotated)."""
+    def calibrate(self, fmt: CacheFormat, rope: KeyRope | None = None) -> KVCacheCalibration:
+        """``fmt``'s calibration (layers ``"0"``, ``"1"``, ...) from everything observed: with
+        ``+prerope`` keys are stored before ``rope`` (the model's, bound into the encoding);
+        the key offset (with ``+offset``) is the mean key (pre-RoPE with ``+prerope``) per
+        head and channel (:meth:`~vllm.kv_quant.KVScaleObserver.key_mean`), and the scales
+        follow the check's rule (:func:`~vllm.accuracy.formats.compute_scales`: ``amax / MAX``
+        per tensor or per head) on the keys as the writer receives them (offset and rotated)."""
         if fmt.key_prerope and rope is None:
             raise ValueError(f"rope: expected the model's RoPE for {fmt.name}, got None")
+        encoding = fmt.encoding.with_rope(rope if fmt.key_prerope else None)
         layers = zip(self._keys, self._values, self._positions, strict=True)
-        transforms, scales = [], []
-        for keys, values, positions in layers:
+        calibrated = {}
+        for index, (keys, values, positions) in enumerate(layers):
             if not keys:
                 raise ValueError("recorder: expected K/V observed for every layer, got none")
             key, value, position = torch.cat(keys), torch.cat(values), torch.cat(positions)
-            transform = KeyTransform(
-                fmt.key_rotation,
-                rope=rope if fmt.key_prerope else None,
-                sink_tokens=fmt.key_sink_tokens,
-            )
+            transform = KeyTransform.bind(encoding.key, rope if fmt.key_prerope else None)
             if fmt.key_offset:
                 observer = KVScaleObserver()
                 unroped = transform.rope.unrotate(key, position) if transform.rope else key
                 observer.observe(unroped, value)
                 transform = dataclasses.replace(transform, offset=observer.key_mean())
-            transforms.append(transform)
-            scales.append(compute_scales(transform.stored_key(key, position), value, fmt))
-        return transforms, scales
+            k_scale, v_scale = compute_scales(transform.stored_key(key, position), value, fmt)
+            calibrated[str(index)] = LayerCalibration(k_scale, v_scale, transform.offset)
+        return KVCacheCalibration(encoding, calibrated)
 
 
 class PagedKVRun:
-    """One run of the model on paged caches of one format: a cache per layer, one block table
-    shared by the layers, and the sequences' lengths so far.
+    """One run of the model on paged caches of one format: a cache and an attention impl per
+    layer, one block table shared by the layers, and the sequences' lengths so far.
 
-    ``capacities`` is the most tokens each sequence will hold; ``scales`` one
-    :data:`LayerScales` per layer (None: unit scales, for bf16 and the per-token-head formats);
-    ``key_transforms`` one :class:`~vllm.kv_quant.KeyTransform` per layer (None: keys as they
-    are);
-    ``recorder`` sees every K/V written; ``backend`` is one of :data:`BACKENDS`. Unwritten
-    cache bytes are seeded garbage, so a read of a wrong slot shows up.
+    ``capacities`` is the most tokens each sequence will hold; ``calibration`` the format's
+    calibrated values per layer (layers ``"0"``, ``"1"``, ...; None: unit scales and no key
+    offset, for bf16 and the per-token-head formats); ``recorder`` sees every K/V written;
+    ``backend`` is one of :data:`BACKENDS`. Each layer's impl applies the encoding's key
+    transform itself (keys stored before RoPE take the model's RoPE). Unwritten cache bytes
+    are seeded garbage, so a read of a wrong slot shows up.
 
     ``num_blocks`` (None: exactly the pages ``capacities`` need, handed out by a seeded random
     permutation) sizes each layer's cache in pages instead; then every ``block_table`` entry
@@ -120,28 +113,23 @@ class PagedKVRun:
         lm: LoadedModel,
         fmt: CacheFormat,
         capacities: Sequence[int],
-        scales: Sequence[LayerScales] | None = None,
+        calibration: KVCacheCalibration | None = None,
         recorder: KVRecorder | None = None,
         backend: str = "CPU_ATTN",
         layout: str = "NHD",
         seed: int = 0,
-        key_transforms: Sequence[KeyTransform] | None = None,
         num_blocks: int | None = None,
     ) -> None:
-        if scales is not None and len(scales) != lm.num_layers:
-            raise ValueError(
-                f"scales: expected {lm.num_layers} entries (one per layer), got {len(scales)}"
-            )
         if backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
-        if key_transforms is not None and len(key_transforms) != lm.num_layers:
+        names = [str(i) for i in range(lm.num_layers)]
+        if calibration is not None and sorted(calibration.layers) != sorted(names):
             raise ValueError(
-                f"key_transforms: expected {lm.num_layers} entries (one per layer), got "
-                f"{len(key_transforms)}"
+                f"calibration: expected layers {names[0]}..{names[-1]} (one per layer), got "
+                f"{sorted(calibration.layers)}"
             )
         self.lm = lm
         self.fmt = fmt
-        self.key_transforms = list(key_transforms or [KeyTransform()] * lm.num_layers)
         self.recorder = recorder
         self.seq_lens = [0] * len(capacities)
         self.capacities = list(capacities)
@@ -159,24 +147,29 @@ class PagedKVRun:
             )
             for i in range(lm.num_layers)
         ]
-        unit = torch.ones(1, dtype=torch.float32)
-        self.layers = [
-            AttentionLayerScales(*(scales[i] if scales is not None else (unit, unit)))
-            for i in range(lm.num_layers)
-        ]
-        for layer, transform in zip(self.layers, self.key_transforms, strict=True):
-            layer.set_key_transform(transform, num_blocks, lm.num_kv_heads, lm.head_size)
+        encoding = fmt.encoding if calibration is None else calibration.encoding
+        rope = lm.key_rope() if encoding.key.prerope else None
         layout_of = fmt.scale_layout_for(BLOCK_SIZE, lm.head_size)
         impl_cls = CPUAttentionImpl if backend == "CPU_ATTN" else ReferenceAttentionImpl
-        self.impl = impl_cls(
-            num_heads=lm.num_heads,
-            head_size=lm.head_size,
-            scale=lm.head_size**-0.5,  # the Llama attention's scaling
-            num_kv_heads=lm.num_kv_heads,
-            kv_cache_dtype=fmt.kv_cache_dtype,
-            k_scale_layout=layout_of,
-            v_scale_layout=layout_of,
-        )
+        self.layers, self.impls = [], []
+        for name in names:
+            impl = impl_cls(
+                num_heads=lm.num_heads,
+                head_size=lm.head_size,
+                scale=lm.head_size**-0.5,  # the Llama attention's scaling
+                num_kv_heads=lm.num_kv_heads,
+                kv_cache_dtype=encoding,
+                k_scale_layout=layout_of,
+                v_scale_layout=layout_of,
+                key_rope=rope,
+            )
+            layer = AttentionLayerScales()
+            if calibration is not None:
+                values = calibration.layers[name]
+                layer.set_kv_scales(values.k_scale, values.v_scale)
+                impl.set_key_offset(values.key_offset)
+            self.layers.append(layer)
+            self.impls.append(impl)
         self._metadata: CPUAttentionMetadata | None = None
         self._positions: torch.Tensor | None = None
 
@@ -218,9 +211,8 @@ class PagedKVRun:
         v = value[0].transpose(0, 1).contiguous()
         if self.recorder is not None:
             self.recorder.observe(layer, k, v, self._positions)
-        transform = self.key_transforms[layer]
-        q, k = transform.reader_query(q), transform.stored_key(k, self._positions)
-        out = self.impl.forward(self.layers[layer], q, k, v, self.caches[layer], self._metadata)
+        impl, cache = self.impls[layer], self.caches[layer]
+        out = impl.forward(self.layers[layer], q, k, v, cache, self._metadata)
         self.kv_slots_written += int(self._metadata.slot_mapping.numel())
         return out[None]
 
@@ -250,8 +242,9 @@ def _attention_function(
 ) -> tuple[torch.Tensor, None]:
     """The ``transformers`` attention interface, routed to the run passed as ``kv_run``."""
     run: PagedKVRun = kwargs["kv_run"]
-    if scaling != run.impl.scale:
-        raise ValueError(f"scaling: expected {run.impl.scale} (head_size**-0.5), got {scaling}")
+    expected = run.impls[module.layer_idx].scale
+    if scaling != expected:
+        raise ValueError(f"scaling: expected {expected} (head_size**-0.5), got {scaling}")
     return run.attend(module.layer_idx, query, key, value), None
 
 

@@ -22,11 +22,11 @@ from dataclasses import asdict, dataclass
 import torch
 
 from real_kv_samples import smollm2
-from real_kv_samples.paged_llama import BLOCK_SIZE, KVRecorder, LayerScales, PagedKVRun
+from real_kv_samples.paged_llama import BLOCK_SIZE, KVRecorder, PagedKVRun
 from real_kv_samples.smollm2 import LoadedModel
 from vllm.accuracy.formats import CacheFormat, parse_format
 from vllm.config.cache import CacheConfig
-from vllm.kv_quant import KeyTransform
+from vllm.kv_quant.calibrated import KVCacheCalibration
 from vllm.sampling_params import SamplingParams
 from vllm.utils import check_positive_int
 from vllm.utils.hashing import sha256
@@ -42,9 +42,8 @@ SHARED_PREFIX = (
 """The shared start of the default prompts (written for this project; two whole pages and
 part of a third in SmolLM2's tokens)."""
 
-Calibration = tuple[Sequence[KeyTransform] | None, Sequence[LayerScales] | None]
-"""Per-layer key transforms and scales of a format (None, None: keys as they are, unit
-scales)."""
+Calibration = KVCacheCalibration | None
+"""A format's calibrated values per layer (None: unit scales, no key offset)."""
 
 
 @dataclass(frozen=True)
@@ -74,8 +73,8 @@ class ManagedKVRun:
     ``num_blocks`` pages (tokens: ``num_blocks * BLOCK_SIZE``) are planned for the format's
     ``kv_cache_dtype``; at most ``max_seqs`` requests of at most ``max_model_len`` tokens run
     at once, each in a slot of the underlying run. ``enable_caching`` turns prefix caching on
-    or off; ``backend``, ``seed`` (the cache's seeded garbage) and ``calibration`` (key
-    transforms and scales, see :func:`calibrate`) go to :class:`PagedKVRun`."""
+    or off; ``backend``, ``seed`` (the cache's seeded garbage) and ``calibration`` (the
+    calibrated values per layer, see :func:`calibrate`) go to :class:`PagedKVRun`."""
 
     def __init__(
         self,
@@ -87,15 +86,15 @@ class ManagedKVRun:
         enable_caching: bool = True,
         backend: str = "CPU_ATTN",
         seed: int = 0,
-        calibration: Calibration = (None, None),
+        calibration: Calibration = None,
     ) -> None:
         check_positive_int("num_blocks", num_blocks)
         check_positive_int("max_model_len", max_model_len)
         check_positive_int("max_seqs", max_seqs)
         model_config = lm.model.config.to_dict()
-        cache_config = CacheConfig(block_size=BLOCK_SIZE, cache_dtype=fmt.kv_cache_dtype)  # type: ignore[arg-type]
+        cache_config = CacheConfig(block_size=BLOCK_SIZE, cache_dtype=fmt.encoding.id)  # type: ignore[arg-type]
         # The plan's page must be the format's (else block ids would not index the caches the
-        # run allocates); key sink rows, if any, are kept beside the pages, outside the plan.
+        # run allocates): its encoding's, key sink rows included.
         page_bytes = fmt.page_bytes(lm.num_kv_heads, lm.head_size, lm.head_size, BLOCK_SIZE)
         block_bytes = page_bytes * lm.num_layers
         self.plan = kcu.plan_kv_cache(
@@ -111,7 +110,7 @@ class ManagedKVRun:
         if (self.plan.bytes_per_block, config.num_blocks) != (block_bytes, num_blocks):
             raise ValueError(
                 f"fmt: expected the plan to give {num_blocks} pages of {block_bytes} bytes for "
-                f"{fmt.kv_cache_dtype}, got {config.num_blocks} of {self.plan.bytes_per_block}"
+                f"{fmt.name}, got {config.num_blocks} of {self.plan.bytes_per_block}"
             )
         self.manager = KVCacheManager(
             kcu.generate_scheduler_kv_cache_config([config]),
@@ -123,10 +122,9 @@ class ManagedKVRun:
             lm,
             fmt,
             [max_model_len] * max_seqs,
-            scales=calibration[1],
+            calibration=calibration,
             backend=backend,
             seed=seed,
-            key_transforms=calibration[0],
             num_blocks=config.num_blocks,
         )
         if not hasattr(kcu, "NONE_HASH"):
@@ -269,11 +267,11 @@ def shared_prefix_len(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 def calibrate(lm: LoadedModel, fmt: CacheFormat, prompts: Sequence[torch.Tensor]) -> Calibration:
-    """``fmt``'s key transforms and scales from the K/V of a bf16 pass over ``prompts`` (as the
-    model report calibrates, :meth:`~real_kv_samples.paged_llama.KVRecorder.calibrate`);
-    (None, None) for the unquantized cache."""
+    """``fmt``'s calibrated values from the K/V of a bf16 pass over ``prompts`` (as the model
+    report calibrates, :meth:`~real_kv_samples.paged_llama.KVRecorder.calibrate`); None for the
+    unquantized cache."""
     if not fmt.is_quantized:
-        return None, None
+        return None
     recorder = KVRecorder(lm.num_layers)
     run = PagedKVRun(lm, parse_format("bf16"), [p.numel() for p in prompts], recorder=recorder)
     run.step(list(prompts))
@@ -295,11 +293,11 @@ def prefix_reuse_report(
     first: torch.Tensor,
     second: torch.Tensor,
     new_tokens: int = 4,
-    calibration: Calibration = (None, None),
+    calibration: Calibration = None,
 ) -> PrefixReuseReport:
     """Prefill ``first`` then ``second`` (int64 token ids) on one managed run, and ``second``
     alone on a run without prefix caching; greedy-decode ``new_tokens`` of each second.
-    ``calibration``: the format's key transforms and scales (see :func:`calibrate`)."""
+    ``calibration``: the format's calibrated values (see :func:`calibrate`)."""
     max_model_len = max(first.numel(), second.numel()) + new_tokens
     pages = 2 * -(-max_model_len // BLOCK_SIZE) + 1  # both requests, plus the null page
     results = []

@@ -36,4 +36,8 @@ def test_readme_engine_loop_runs() -> None:
     out, cache = namespace["out"], namespace["cache"]
     assert isinstance(out, torch.Tensor) and out.shape == (1, 9, 64)
     assert torch.isfinite(out).all() and cache.key_transform.rebuilds_keys
-    assert cache.layer.key_sinks is not None and cache.layer.key_sinks.any()
+    assert cache.key_sinks is not None and cache.key_sinks.any()
+    assert cache.spec.page_size_bytes == 3648
+    serving = namespace["serving"]
+    assert torch.equal(serving.key_offset, cache.key_offset)
+    assert torch.equal(serving.k_scale, cache.k_scale) and serving.encoding == cache.encoding

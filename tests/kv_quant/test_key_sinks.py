@@ -1,4 +1,4 @@
-"""Key sinks: the first keys of each page kept in FP8 beside the pages."""
+"""Key sinks: the first keys of each page kept again in FP8 (the rows' codec)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,15 @@ import torch
 
 from vllm.kv_quant import (
     E2M1_MAX,
+    FP8_E4M3_MAX,
+    FP8_E5M2_MAX,
     dequantize_fp8,
     key_sink_scale,
     quantize_fp8,
     read_key_sinks,
     write_key_sinks,
 )
+from vllm.kv_quant.encoding import KVCacheEncoding
 
 
 def test_rows_among_the_first_s_of_their_page_are_written_in_fp8() -> None:
@@ -39,9 +42,16 @@ def test_rows_among_the_first_s_of_their_page_are_written_in_fp8() -> None:
 
 
 def test_sink_scale_spans_the_formats_amax() -> None:
+    """The rows' e4m3 scale is the K scale times ``scale_max / 448``: the FP8 rows span the
+    amax the K scale was calibrated on (e4m3 1, NVFP4 6, e5m2 128)."""
     k_scale = torch.tensor([0.5])
-    assert torch.equal(key_sink_scale(k_scale, is_nvfp4=False), k_scale)
-    assert torch.equal(key_sink_scale(k_scale, is_nvfp4=True), k_scale * E2M1_MAX)
+    multipliers = {}
+    for name in ("fp8_e4m3", "nvfp4", "nvfp4_mse", "fp8_e5m2"):
+        multipliers[name] = KVCacheEncoding.parse(name + "+sink").sink_scale_multiplier
+    assert multipliers == {"fp8_e4m3": 1.0, "nvfp4": E2M1_MAX, "nvfp4_mse": E2M1_MAX,
+                           "fp8_e5m2": FP8_E5M2_MAX / FP8_E4M3_MAX}  # fmt: skip
+    assert torch.equal(key_sink_scale(k_scale, 1.0), k_scale)
+    assert torch.equal(key_sink_scale(k_scale, E2M1_MAX), k_scale * E2M1_MAX)
 
 
 def test_bad_arguments_are_refused_before_writing() -> None:

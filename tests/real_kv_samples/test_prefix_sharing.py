@@ -170,7 +170,7 @@ def test_prefix_reuse_report(lm: smollm2.LoadedModel, prompts: Prompts) -> None:
     assert report.with_reuse.seconds > 0 and report.without_reuse.seconds > 0
     assert report.same_logits and report.max_abs_logit_diff == 0.0
     assert report.same_greedy_tokens
-    assert calibrate(lm, parse_format("bf16"), prompts) == (None, None)
+    assert calibrate(lm, parse_format("bf16"), prompts) is None
 
 
 def test_script_prints_the_report(
@@ -200,10 +200,10 @@ def test_reuse_is_bit_identical_in_quantized_formats(
     from vllm.accuracy.formats import parse_format
 
     fmt = parse_format(name)
-    transforms, scales = calibrate(lm, fmt, prompts)
-    assert transforms is not None and scales is not None and len(scales) == lm.num_layers
+    calibration = calibrate(lm, fmt, prompts)
+    assert calibration is not None and len(calibration.layers) == lm.num_layers
     with torch.inference_mode():
-        report = prefix_reuse_report(lm, fmt, *prompts, NEW_TOKENS, (transforms, scales))
+        report = prefix_reuse_report(lm, fmt, *prompts, NEW_TOKENS, calibration)
     assert report.same_logits and report.same_greedy_tokens
     per_token = fmt.bytes_per_token(lm.num_kv_heads, lm.head_size, lm.head_size) * lm.num_layers
     saved = report.without_reuse.kv_bytes_written - report.with_reuse.kv_bytes_written

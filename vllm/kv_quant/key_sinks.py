@@ -1,4 +1,4 @@
-"""Key sinks: the first keys of each page kept again in FP8 beside the pages.
+"""Key sinks: the first keys of each page kept again in FP8, inside the page.
 
 Most heads put much of their attention on the first token of a sequence (the attention sink), so
 its score is the largest and an error in its key moves every other weight. 4-bit codes give it
@@ -7,13 +7,14 @@ Measured on SmolLM2-135M with pre-RoPE NVFP4 keys (:mod:`vllm.kv_quant.key_rope`
 rotation, offset, scale search; fp32 reader): +3.4% / +4.1% perplexity without, +1.0% / +2.5%
 with the first key in FP8 (docs/accuracy.md). A simulation found FP8 as good as an exact key.
 
-The store is ``[num_blocks, S, H, D]`` FP8 E4M3 bytes: page ``b``'s first ``S`` keys, in the
+The rows are ``[num_blocks, S, H, D]`` FP8 E4M3 bytes: page ``b``'s first ``S`` keys, in the
 form the page holds them (offset, pre-RoPE), at the FP8 scale of the page's own K scale
-(:func:`key_sink_scale`). Every page keeps them, so that a sequence's first page carries its
-sinks wherever the page goes (prefix caching shares it with the sink rows); the reader uses
-them only for positions ``< S`` of a sequence, i.e. from the sequence's first page. Cost:
-``S * H * D`` bytes per page, ``S / block_size`` FP8 bytes per key value (0.5 bit per K value
-at 16-token pages and ``S = 1``).
+(:func:`key_sink_scale`). They sit in the page after its K and V rows (docs/formats.md §5), so a
+sequence's first page carries its sinks wherever the page goes (prefix caching, ``swap_blocks``,
+offload tiers, transfers); the reader uses them only for positions ``< S`` of a sequence, i.e.
+from the sequence's first page. Cost: ``S * H * D`` bytes per page, ``S / block_size`` FP8 bytes
+per key value (0.5 bit per K value at 16-token pages and ``S = 1``). The functions here take the
+rows as a ``[num_blocks, S, H, D]`` tensor (in a cache, a strided view into its pages).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from __future__ import annotations
 import torch
 
 from vllm.kv_quant.fp8 import Fp8Format, dequantize_fp8, quantize_fp8
-from vllm.kv_quant.nvfp4 import E2M1_MAX
 from vllm.kv_quant.nvfp4_cache import check_slot_mapping
 
 __all__ = ["key_sink_scale", "read_key_sinks", "write_key_sinks"]
@@ -29,14 +29,16 @@ __all__ = ["key_sink_scale", "read_key_sinks", "write_key_sinks"]
 _E4M3 = Fp8Format("e4m3")
 
 
-def key_sink_scale(k_scale: torch.Tensor, is_nvfp4: bool) -> torch.Tensor:
-    """The FP8 scale of the sink rows of a cache whose K scale is ``k_scale``: ``k_scale``
-    itself for an FP8 cache, ``E2M1_MAX * k_scale`` for NVFP4 (whose global scale is
-    ``amax / (448 * 6)``, so that the FP8 rows span the same ``amax``)."""
-    return k_scale.to(torch.float32) * E2M1_MAX if is_nvfp4 else k_scale.to(torch.float32)
+def key_sink_scale(k_scale: torch.Tensor, multiplier: float) -> torch.Tensor:
+    """The FP8 e4m3 scale of the sink rows of a cache whose K scale is ``k_scale``:
+    ``k_scale * multiplier`` in fp32, the multiplier being the format's scale maximum over
+    448 (:attr:`~vllm.kv_quant.encoding.KVCacheEncoding.sink_scale_multiplier`: 1 for FP8 e4m3,
+    6 for NVFP4, whose global scale is ``amax / (448 * 6)``), so that the rows span the amax
+    the K scale was calibrated on."""
+    return k_scale.to(torch.float32) * multiplier
 
 
-def _check_store(sinks: torch.Tensor) -> None:
+def _check_rows(sinks: torch.Tensor) -> None:
     if not isinstance(sinks, torch.Tensor) or sinks.dim() != 4 or sinks.dtype != torch.uint8:
         got = f"{sinks.dtype} {list(sinks.shape)}" if isinstance(sinks, torch.Tensor) else sinks
         raise ValueError(f"key_sinks: expected a uint8 [num_blocks, S, H, D] tensor, got {got}")
@@ -52,7 +54,7 @@ def write_key_sinks(
     """Store the keys ``key [T_pad, H, D]`` (as written to the pages) of the slots of
     ``slot_mapping [T]`` that are among the first ``S`` of their page into ``sinks``, FP8 E4M3
     at ``scale`` (:func:`key_sink_scale`). Negative slots are skipped."""
-    _check_store(sinks)
+    _check_rows(sinks)
     num_blocks, rows, heads, head_size = sinks.shape
     if key.dim() != 3 or tuple(key.shape[1:]) != (heads, head_size):
         raise ValueError(
@@ -73,6 +75,6 @@ def read_key_sinks(
 ) -> torch.Tensor:
     """fp32 ``[num_seqs, S, H, D]``: the sink rows of the pages ``first_pages [num_seqs]`` (each
     sequence's first page), dequantized at ``scale``."""
-    _check_store(sinks)
+    _check_rows(sinks)
     pages = first_pages.to(device=sinks.device, dtype=torch.int64)
     return dequantize_fp8(sinks[pages], scale, _E4M3, torch.float32)

@@ -1,6 +1,8 @@
 """What a cache does to keys before writing them and to queries before reading: an optional
 RoPE undone, an optional key offset, an optional Hadamard rotation and optional FP8 key sinks
-(docs/design.md §5.5), one definition for every user.
+(docs/design.md §5.5), one definition for every user. The encoding's key spec
+(:class:`~vllm.kv_quant.encoding.KeySpec`) says which; :meth:`KeyTransform.bind` adds the
+calibrated offset and the model's RoPE table, and the attention impl applies the result.
 
 The writer receives ``round_to_key_dtype(rotate(unrope(fp32(key)) - offset))``. Without RoPE
 the reader rotates the query alike: scores are kept by the rotation and moved by
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm.kv_quant.encoding import KeySpec, RopeIdentity
 from vllm.kv_quant.hadamard import HADAMARD, check_hadamard_head_size, hadamard_rotate
 from vllm.kv_quant.key_rope import KeyRope
 
@@ -31,7 +34,7 @@ class KeyTransform:
     subtracted from every key (e.g. :meth:`vllm.kv_quant.KVScaleObserver.key_mean`; with
     ``rope``, of the pre-RoPE keys); ``rope``: ``None`` or the model's RoPE, undone before the
     keys are stored; ``sink_tokens``: keys of the first positions of each page kept in FP8
-    beside the pages (0: none)."""
+    in each page (0: none)."""
 
     rotation: str | None = None
     offset: torch.Tensor | None = None
@@ -59,6 +62,33 @@ class KeyTransform:
             object.__setattr__(self, "offset", offset.to(torch.float32))
             if self.rotation is not None:
                 check_hadamard_head_size(offset.shape[1])
+
+    @classmethod
+    def bind(
+        cls, key: KeySpec, rope: KeyRope | None = None, offset: torch.Tensor | None = None
+    ) -> KeyTransform:
+        """The transform of an encoding's key spec with its runtime parts: the model's RoPE
+        (needed exactly when keys are stored before RoPE, and the table the spec names when it
+        names one) and the calibrated offset (``None``: none yet, i.e. zero; only with
+        ``+offset``). ``ValueError`` naming the part otherwise."""
+        if key.prerope and rope is None:
+            raise ValueError(
+                "key_rope: expected the model's KeyRope (the encoding stores keys before RoPE), "
+                "got None"
+            )
+        if rope is not None:
+            if not key.prerope:
+                raise ValueError(
+                    "key_rope: expected None (the encoding stores keys after RoPE), got a KeyRope"
+                )
+            if key.rope is not None and RopeIdentity.of(rope) != key.rope:
+                raise ValueError(
+                    f"key_rope: expected the RoPE table the encoding names ({key.rope}), got "
+                    f"{RopeIdentity.of(rope)}"
+                )
+        if offset is not None and not key.offset:
+            raise ValueError("offset: expected None (the encoding has no +offset), got a tensor")
+        return cls(key.rotation, offset, rope, key.sink_tokens)
 
     @property
     def is_identity(self) -> bool:

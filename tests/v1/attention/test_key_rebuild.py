@@ -73,7 +73,7 @@ def _compare_readers(
         outs.append(torch.cat(parts))
         caches.append(cache)
     assert torch.equal(caches[0].kv_cache, caches[1].kv_cache)
-    sinks = [c.layer.key_sinks for c in caches]
+    sinks = [c.key_sinks for c in caches]
     assert sinks[0] is not None and sinks[1] is not None and torch.equal(sinks[0], sinks[1])
     torch.testing.assert_close(outs[0], outs[1], atol=tolerance, rtol=tolerance)
 
@@ -119,12 +119,13 @@ def test_sink_rows_are_the_fp8_first_keys_of_each_page() -> None:
     positions = torch.arange(tokens)
     cache.write(k, v, meta.slot_mapping, positions)
     stored = cache.stored_key(k, positions)
-    scale = key_sink_scale(cache.k_scale, is_nvfp4=True)
-    sinks = cache.layer.key_sinks
+    scale = key_sink_scale(cache.k_scale, cache.encoding.sink_scale_multiplier)
+    assert cache.encoding.sink_scale_multiplier == 6.0  # NVFP4: amax / (448 * 6)
+    sinks = cache.key_sinks
     assert sinks is not None
     for page, first in ((3, 0), (4, 16), (1, 32)):  # every page keeps its first two keys
         assert torch.equal(sinks[page], quantize_fp8(stored[first : first + 2], scale))
-    rebuild = KeyRebuild.of(cache.layer, table, 1, cache.k_scale, is_nvfp4=True)
+    rebuild = KeyRebuild.of(cache.key_transform, sinks, table, 1, scale)
     assert rebuild is not None and rebuild.sinks is not None
     assert torch.equal(rebuild.sinks[0], dequantize_fp8(sinks[3], scale))
     # the rebuilt first key: its FP8 copy rotated back, offset added, RoPE at position 0

@@ -142,12 +142,14 @@ def test_scales_are_public_and_checked() -> None:
         ({"scale_layouts": ("swizzle", "linear")}, "scale_layout: expected one of"),
         (
             {"block_size": 6, "scale_layouts": ("interleave4", "linear")},
-            r"scale_layouts: expected layouts that fit pages of 6 tokens and heads of 64 "
-            r"\(interleave4 needs multiples of 4 tokens and of 64 elements\), got interleave4",
+            r"scale_layouts: k_scale_layout: expected a layout that fits pages of 6 tokens and "
+            r"heads of 64 \(interleave4 needs multiples of 4 tokens and of 64 elements\), got "
+            r"interleave4",
         ),
         (
             {"block_size": 8, "scale_layouts": ("linear", "interleave4"), "head_size_v": 32},
-            "scale_layouts: expected layouts that fit pages of 8 tokens and heads of 32",
+            "scale_layouts: v_scale_layout: expected a layout that fits pages of 8 tokens and "
+            "heads of 32",
         ),
         ({"sliding_window": 0}, "sliding_window: expected None or a positive int"),
     ],
@@ -182,7 +184,8 @@ def test_spec_errors() -> None:
         kv_quant_mode=KVQuantMode.NVFP4,
     )
     with pytest.raises(
-        ValueError, match="kv_cache_dtype: expected a name of the spec's format 'nvfp4', got 'fp8'"
+        ValueError,
+        match="kv_cache_dtype: expected a name of the spec's encoding 'nvfp4', got 'fp8'",
     ):
         AttentionKVCache.from_spec(nvfp4, 4, kv_cache_dtype="fp8")
 
@@ -286,7 +289,7 @@ def test_key_offset_checks() -> None:
     with pytest.raises(ValueError, match="offset: expected finite values"):
         cache.set_key_offset(torch.full((H, D), float("nan")))
     capped = AttentionKVCache.create("fp8", 8, 16, H, D, num_heads=HQ, logits_soft_cap=30.0)
-    with pytest.raises(ValueError, match="offset: expected an impl without sinks"):
+    with pytest.raises(ValueError, match="offset: expected an attention without sinks"):
         capped.set_key_offset(torch.zeros(H, D))
     cache.set_key_offset(torch.ones(H, D))
     cache.set_key_offset(None)
@@ -326,12 +329,12 @@ def test_pre_rope_keys_need_positions_and_keep_rope_and_sinks_with_an_offset() -
     meta = cache.metadata([40], [40], TABLE)
     with pytest.raises(ValueError, match="positions: expected each key's position"):
         cache.write(k, v, meta.slot_mapping)
-    sinks = cache.layer.key_sinks
+    sinks = cache.key_sinks
     assert sinks is not None and not sinks.any()  # nothing written
     # the reader adds the offset back: allowed with a soft cap, RoPE and sinks kept
     cache.set_key_offset(torch.ones(H, D))
     assert cache.key_transform.rope is ROPE and cache.key_transform.sink_tokens == 1
-    assert cache.layer.key_sinks is sinks
+    assert cache.key_sinks.data_ptr() == sinks.data_ptr()  # the same rows, in the pages
     positions = meta.token_positions()
     assert torch.equal(positions, torch.arange(40))
     expected = ROPE.unrotate(k.float(), positions) - 1.0
@@ -363,6 +366,6 @@ def test_a_bad_value_writes_neither_pages_nor_sink_rows() -> None:
     before = cache.kv_cache.clone()
     with pytest.raises((ValueError, RuntimeError), match="value"):
         cache.write(k, v[:, :1], meta.slot_mapping)  # one KV head instead of two
-    sinks = cache.layer.key_sinks
+    sinks = cache.key_sinks
     assert sinks is not None and not sinks.any()
     assert torch.equal(cache.kv_cache, before)

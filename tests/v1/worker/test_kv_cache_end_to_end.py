@@ -481,9 +481,9 @@ def test_reference_write_path_matches_op(monkeypatch: pytest.MonkeyPatch) -> Non
         k_scale_layout="interleave4",
         v_scale_layout="linear",
     )
-    assert reference._copy_op() is not None
+    assert reference.compiled_writer() is not None
     impl.do_kv_cache_update(layer, k, v, a.caches["full.0"], slots)
-    monkeypatch.setattr(reference, "_copy_op", lambda: None)
+    monkeypatch.setattr(reference, "compiled_writer", lambda: None)
     impl.do_kv_cache_update(layer, k, v, b.caches["full.0"], slots)
     assert torch.equal(a.caches["full.0"], b.caches["full.0"])
     assert a.caches["full.0"].any()

@@ -1,6 +1,8 @@
 """One attention layer's paged K/V cache for an engine: allocate, write, read, one object.
 
-:class:`AttentionKVCache` is a thin layer over the worker and backend code: it allocates through
+:class:`AttentionKVCache` is a thin layer over the worker and backend code: the layer's
+encoding (:class:`~vllm.kv_quant.encoding.KVCacheEncoding`) is the spec's, the impl applies it
+(key transform on write and read, sink rows in the pages), and the cache allocates through
 :func:`~vllm.v1.worker.gpu.attn_utils.init_kv_cache` (the backend's shape and stride order),
 takes the NVFP4 scale layouts from
 :func:`~vllm.v1.worker.gpu.attn_utils.get_kv_cache_scale_layouts` (``ScaleLayout.default_for``
@@ -20,8 +22,8 @@ from typing import Any
 
 import torch
 
-from vllm.kv_quant.formats import lookup
-from vllm.kv_quant.hadamard import check_hadamard_head_size
+from vllm.kv_quant.calibrated import KVCacheCalibration
+from vllm.kv_quant.encoding import KVCacheEncoding
 from vllm.kv_quant.key_rope import KeyRope
 from vllm.kv_quant.key_transform import KeyTransform
 from vllm.kv_quant.kv_scale import kv_scale_as_1d
@@ -33,6 +35,7 @@ from vllm.v1.attention.backends.abstract import (
     KVCacheScaleLayouts,
     get_device_capability,
 )
+from vllm.v1.attention.backends.key_rebuild import key_sink_rows
 from vllm.v1.attention.backends.reference import (
     ReferenceAttentionBackend,
     ReferenceAttentionImpl,
@@ -89,83 +92,74 @@ def _select_backend(
     )
 
 
-def _check_cache_dtype(spec: AttentionSpec, kv_cache_dtype: str | None) -> None:
-    """``ValueError`` when ``kv_cache_dtype`` names a format of another quantization than the
-    spec's (it may only pick the FP8 variant)."""
-    if kv_cache_dtype is None:
-        return
-    named = lookup(kv_cache_dtype, include_mla_only=False)
-    fmt = spec.kv_cache_format
-    if named.quant_mode != fmt.quant_mode:
-        raise ValueError(
-            f"kv_cache_dtype: expected a name of the spec's format {fmt.name!r}, "
-            f"got {kv_cache_dtype!r}"
-        )
-
-
-def _check_scale_layouts(spec: AttentionSpec, layouts: KVCacheScaleLayouts) -> None:
-    """``ValueError`` naming ``scale_layouts`` when a layout cannot hold the spec's block
-    scales (only NVFP4 has any)."""
-    if not spec.kv_quant_mode.is_nvfp4:
-        return
-    for layout, head_size in (
-        (layouts.k_scale_layout, spec.head_size),
-        (layouts.v_scale_layout, spec.head_size_v),
+def _encoding(
+    spec: AttentionSpec,
+    kv_cache_dtype: str | None,
+    scale_layouts: tuple[ScaleLayout | str, ScaleLayout | str] | None,
+    key_rotation: str | None,
+    key_rope: KeyRope | None,
+    key_sink_tokens: int,
+) -> KVCacheEncoding:
+    """The cache's encoding: the spec's, refined by ``kv_cache_dtype`` (a dtype string or an
+    encoding id of the spec's quantization, e.g. ``fp8_e5m2`` or ``nvfp4_mse+offset+sink``;
+    only where the spec's encoding has defaults), the named scale layouts and the key
+    options of :meth:`AttentionKVCache.from_spec`. ``ValueError`` naming the argument that
+    does not fit (the rules themselves are the encoding's)."""
+    encoding = spec.kv_cache_encoding
+    if kv_cache_dtype is not None:
+        named = KVCacheEncoding.parse(kv_cache_dtype, include_mla_only=False)
+        defaults = KVCacheEncoding(encoding.format)
+        if named.format.quant_mode != encoding.format.quant_mode or (
+            encoding != defaults and named != encoding
+        ):
+            raise ValueError(
+                f"kv_cache_dtype: expected a name of the spec's encoding {encoding.id!r}, "
+                f"got {kv_cache_dtype!r}"
+            )
+        encoding = named
+    geometry = (spec.block_size, spec.num_kv_heads, spec.head_size, spec.head_size_v)
+    if scale_layouts is not None:
+        k_layout, v_layout = (ScaleLayout.parse(x) for x in scale_layouts)
+        if encoding.format.block_scale_group is not None:
+            encoding = dataclasses.replace(
+                encoding, k_scale_layout=k_layout, v_scale_layout=v_layout
+            )
+            try:
+                encoding.check_geometry(*geometry)
+            except ValueError as e:
+                raise ValueError(f"scale_layouts: {e}") from None
+    if key_rope is not None and not isinstance(key_rope, KeyRope):
+        raise ValueError(f"key_rope: expected None or a KeyRope, got {type(key_rope).__name__}")
+    key = encoding.key
+    for name, given, current, default in (
+        ("key_rotation", key_rotation, key.rotation, None),
+        ("key_sink_tokens", key_sink_tokens, key.sink_tokens, 0),
     ):
-        if not layout.fits(spec.block_size, head_size):
-            raise ValueError(
-                f"scale_layouts: expected layouts that fit pages of {spec.block_size} tokens "
-                f"and heads of {head_size} ({layout.value} needs multiples of 4 tokens and of "
-                f"64 elements), got {layout.value}"
-            )
-
-
-def _key_transform(
-    spec: AttentionSpec, key_rotation: str | None, key_rope: KeyRope | None, sink_tokens: int
-) -> KeyTransform:
-    """The cache's key transform, or ``ValueError``: each option on a quantized format only
-    (they only reduce quantization error), the rotation on a power-of-two head size, RoPE
-    within the head, sinks on an FP8 or NVFP4 format and within a page."""
-    transform = KeyTransform(key_rotation, rope=key_rope, sink_tokens=sink_tokens)
-    fmt = spec.kv_cache_format
-    for name, used in (
-        ("key_rotation", transform.rotation is not None),
-        ("key_rope", key_rope is not None),
-        ("key_sink_tokens", sink_tokens > 0),
-    ):
-        if used and not spec.kv_quant_mode.is_quantized:
-            raise ValueError(
-                f"{name}: expected a quantized cache format (it only reduces quantization "
-                f"error), got {fmt.name!r}"
-            )
-    if transform.rotation is not None:
-        check_hadamard_head_size(spec.head_size)
-    if key_rope is not None and key_rope.rotary_dim > spec.head_size:
-        raise ValueError(
-            f"key_rope: expected rotary_dim <= head_size={spec.head_size}, got "
-            f"{key_rope.rotary_dim}"
-        )
-    if sink_tokens > 0:
-        if spec.kv_quant_mode.is_per_token_head:
-            raise ValueError(
-                "key_sink_tokens: expected an FP8 or NVFP4 cache (the sink rows use its K "
-                f"scale), got {fmt.name!r}"
-            )
-        if sink_tokens > spec.block_size:
-            raise ValueError(
-                f"key_sink_tokens: expected at most block_size={spec.block_size}, got {sink_tokens}"
-            )
-    return transform
+        if given != default and current != default and given != current:
+            raise ValueError(f"{name}: expected the encoding's {current!r}, got {given!r}")
+    if key_rotation is not None:
+        encoding = encoding.with_key(rotation=key_rotation)
+    if key_sink_tokens:
+        encoding = encoding.with_key(sink_tokens=key_sink_tokens)
+    if key_rope is not None:
+        KeyTransform.bind(dataclasses.replace(encoding.key, prerope=True), key_rope)
+        if encoding.key.rope is None:
+            encoding = encoding.with_rope(key_rope)
+    encoding.check_geometry(*geometry)
+    return encoding
 
 
 class AttentionKVCache:
     """A layer's paged cache ``kv_cache`` (``(B, 2, N, H, D')``, or the ``(key_cache,
-    value_cache)`` pair when ``head_size_v != head_size``), its scales (:attr:`k_scale`,
-    :attr:`v_scale`, set with :meth:`set_kv_scales`), its NVFP4 :attr:`scale_layouts`, the
-    :attr:`backend` that shaped it and the :attr:`impl` that writes and reads it.
+    value_cache)`` pair when ``head_size_v != head_size``; key sink rows after each page's K
+    and V rows), its scales (:attr:`k_scale`, :attr:`v_scale`, set with
+    :meth:`set_kv_scales`), its NVFP4 :attr:`scale_layouts`, the :attr:`backend` that shaped
+    it and the :attr:`impl` that writes and reads it with the layer's encoding
+    (:attr:`spec`'s).
 
     Build it with :meth:`create` or :meth:`from_spec`. Block tables and slots count pages of
     :attr:`block_size` tokens (the spec's, unless the backend splits pages into kernel blocks).
+    ``num_blocks * spec.page_size_bytes`` is what the cache allocates.
     """
 
     def __init__(
@@ -174,31 +168,24 @@ class AttentionKVCache:
         kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
         impl: ReferenceAttentionImpl,
         scale_layouts: KVCacheScaleLayouts,
-        key_transform: KeyTransform | None = None,
+        spec: AttentionSpec,
     ) -> None:
         key_cache, _ = split_kv_cache(kv_cache)
         self.backend = backend
         self.kv_cache = kv_cache
         self.impl = impl
         self.scale_layouts = scale_layouts
+        self._spec = spec
         self.layer = AttentionLayerScales(
             torch.ones((), dtype=torch.float32, device=key_cache.device),
             torch.ones((), dtype=torch.float32, device=key_cache.device),
         )
-        """What the impl reads the scales from (upstream's ``_k_scale`` / ``_v_scale``), and
-        the key transform and sink rows."""
-        self.layer.set_key_transform(
-            key_transform or KeyTransform(),
-            key_cache.shape[0],
-            impl.num_kv_heads,
-            impl.head_size,
-            key_cache.device,
-        )
+        """What the impl reads the scales from (upstream's ``_k_scale`` / ``_v_scale``)."""
 
     @classmethod
     def create(
         cls,
-        kv_cache_dtype: str,
+        kv_cache_dtype: str | KVCacheEncoding,
         num_blocks: int,
         block_size: int,
         num_kv_heads: int,
@@ -210,8 +197,9 @@ class AttentionKVCache:
     ) -> AttentionKVCache:
         """A full-attention cache of ``num_blocks`` pages of ``block_size`` tokens for
         ``num_kv_heads`` heads of ``head_size`` (``head_size_v``) in ``kv_cache_dtype`` (any
-        name or alias of the format registry); ``options`` as for :meth:`from_spec`."""
-        fmt = lookup(kv_cache_dtype, include_mla_only=False)
+        name or alias of the format registry, or an encoding id such as
+        ``nvfp4_mse+offset+prerope+sink``); ``options`` as for :meth:`from_spec`."""
+        fmt = KVCacheEncoding.parse(kv_cache_dtype, include_mla_only=False).format
         spec = FullAttentionSpec(
             block_size=block_size,
             num_kv_heads=num_kv_heads,
@@ -244,27 +232,32 @@ class AttentionKVCache:
     ) -> AttentionKVCache:
         """Validate, allocate and wire the cache of a (non-MLA) attention ``spec``.
 
-        ``kv_cache_dtype`` names the FP8 variant (``fp8_e5m2``; default: the spec's format);
-        ``num_heads`` query heads (default ``num_kv_heads``); ``backend`` a class, a registry
-        name or ``None`` (:func:`get_attn_backend` for ``device``); ``layout`` ``NHD`` / ``HND``
-        (default: the current setting); ``scale_layouts`` ``(K, V)`` NVFP4 layouts (default:
-        the backend's); ``key_rotation`` ``"hadamard"`` stores keys rotated by the fixed
-        Hadamard rotation (quantized formats, power-of-two head sizes; the scores are
-        unchanged, the quantization error of keys spread over all channels; calibrate
-        :attr:`k_scale` on :meth:`stored_key`); ``key_rope`` (the model's RoPE) stores keys
-        before RoPE, the reader rebuilding them at their positions, and ``key_sink_tokens`` S
-        keeps the first S keys of each page again in FP8 (FP8 / NVFP4 caches;
-        :mod:`vllm.kv_quant.key_sinks`), read by every backend's reader (docs/design.md §5.6);
-        ``impl_options`` go to the impl
-        (``scale``, ``sliding_window``, ``logits_soft_cap``, ``sinks``). The backend, the
-        impl's arguments and the cache views are checked before memory is allocated, the
-        scale layouts against the pages (an empty write) before the cache is returned.
+        The cache's encoding is the spec's (:attr:`AttentionSpec.encoding`), which these
+        arguments may refine (``ValueError`` where they contradict it): ``kv_cache_dtype`` a
+        dtype string or encoding id of the spec's quantization (``fp8_e5m2``,
+        ``nvfp4_mse+offset+prerope+sink``); ``scale_layouts`` ``(K, V)`` NVFP4 layouts
+        (default: the encoding's, else the backend's); ``key_rotation`` ``"hadamard"`` stores
+        keys rotated by the fixed Hadamard rotation (quantized formats, power-of-two head
+        sizes; the scores are unchanged, the quantization error of keys spread over all
+        channels; calibrate :attr:`k_scale` on :meth:`stored_key`); ``key_rope`` (the model's
+        RoPE) stores keys before RoPE, the reader rebuilding them at their positions (the
+        encoding's ``+prerope`` needs it); ``key_sink_tokens`` S keeps the first S keys of each
+        page again in FP8 inside the page (FP8 / NVFP4 formats; :mod:`vllm.kv_quant.key_sinks`),
+        read by every backend's reader (docs/design.md §5.6). ``num_heads`` query heads
+        (default ``num_kv_heads``); ``backend`` a class, a registry name or ``None``
+        (:func:`get_attn_backend` for ``device``); ``layout`` ``NHD`` / ``HND`` (default: the
+        current setting); ``impl_options`` go to the impl (``scale``, ``sliding_window``,
+        ``logits_soft_cap``, ``sinks``). The backend, the impl's arguments and the cache views
+        are checked before memory is allocated, the scale layouts against the pages (an empty
+        write) before the cache is returned.
         """
         if not isinstance(spec, AttentionSpec) or isinstance(spec, LatentPageSpec):
             raise ValueError(f"spec: expected a non-MLA attention spec, got {type(spec).__name__}")
         check_positive_int("num_blocks", num_blocks)
-        _check_cache_dtype(spec, kv_cache_dtype)
-        transform = _key_transform(spec, key_rotation, key_rope, key_sink_tokens)
+        encoding = _encoding(
+            spec, kv_cache_dtype, scale_layouts, key_rotation, key_rope, key_sink_tokens
+        )
+        spec = dataclasses.replace(spec, encoding=encoding)
         cache_dtype = spec_cache_dtype_str(spec, kv_cache_dtype)
         device = torch.device(device)
         config = KVCacheConfig(
@@ -276,23 +269,23 @@ class AttentionKVCache:
         with context:
             chosen = _select_backend(spec, cache_dtype, model_dtype, device, backend)
             layouts = get_kv_cache_scale_layouts(config, [chosen])[_LAYER]
-            if scale_layouts is not None:
-                layouts = KVCacheScaleLayouts(*(ScaleLayout.parse(s) for s in scale_layouts))
-                _check_scale_layouts(spec, layouts)
+            if encoding.k_scale_layout is not None:
+                layouts = KVCacheScaleLayouts(encoding.k_scale_layout, encoding.v_scale_layout)
             impl = _reader_backend(chosen).get_impl_cls()(
                 spec.num_kv_heads if num_heads is None else num_heads,
                 spec.head_size,
                 num_kv_heads=spec.num_kv_heads,
-                kv_cache_dtype=cache_dtype,
+                kv_cache_dtype=encoding,
                 head_size_v=spec.head_size_v,
                 k_scale_layout=layouts.k_scale_layout,
                 v_scale_layout=layouts.v_scale_layout,
+                key_rope=key_rope,
                 **impl_options,
             )
             kv_cache = init_kv_cache(
                 config, [chosen], device, model_dtype=model_dtype, cache_dtype=cache_dtype
             )[_LAYER]
-        cache = cls(chosen, kv_cache, impl, layouts, transform)
+        cache = cls(chosen, kv_cache, impl, layouts, spec)
         cache.write(*cache._empty_batch(model_dtype))  # the impl's checks (layouts fit), no-op
         return cache
 
@@ -379,10 +372,34 @@ class AttentionKVCache:
         )
 
     @property
+    def spec(self) -> AttentionSpec:
+        """The spec the cache was built from, with the encoding it holds now (a key offset
+        set or dropped changes its ``+offset``): ``num_blocks * spec.page_size_bytes`` bytes
+        are allocated."""
+        return dataclasses.replace(self._spec, encoding=self.impl.kv_cache_encoding)
+
+    @property
+    def encoding(self) -> KVCacheEncoding:
+        """The layer's encoding (:class:`~vllm.kv_quant.encoding.KVCacheEncoding`)."""
+        return self.impl.kv_cache_encoding
+
+    @property
+    def key_sinks(self) -> torch.Tensor | None:
+        """uint8 ``[num_blocks, S, H, D]`` view of the key sink rows inside the pages (FP8 e4m3
+        copies of each page's first S stored keys, :mod:`vllm.kv_quant.key_sinks`), or None
+        when the encoding keeps none."""
+        sink_tokens = self.encoding.key.sink_tokens
+        if not sink_tokens:
+            return None
+        return key_sink_rows(
+            self.kv_cache, sink_tokens, self.impl.num_kv_heads, self.impl.head_size
+        )
+
+    @property
     def key_transform(self) -> KeyTransform:
-        """What the cache does to keys (:class:`~vllm.kv_quant.KeyTransform`): offset
+        """What the impl does to keys (:class:`~vllm.kv_quant.KeyTransform`): offset
         (:meth:`set_key_offset`), rotation, RoPE undone and sink rows."""
-        return self.layer.key_transform
+        return self.impl.key_transform
 
     @property
     def key_rotation(self) -> str | None:
@@ -397,36 +414,46 @@ class AttentionKVCache:
     def set_key_offset(self, offset: torch.Tensor | None) -> None:
         """Subtract ``offset`` (``[num_kv_heads, head_size]``, finite; e.g.
         :meth:`vllm.kv_quant.KVScaleObserver.key_mean`) from every key before it is written, or
-        stop (``None``). Every score of a query then moves by the same ``q . offset``, which
-        softmax ignores: the attention is unchanged while the keys' common part no longer
-        takes the format's range. Refused for an impl with ``sinks`` or ``logits_soft_cap``
-        (their scores are not shift-free) unless keys are stored before RoPE (the reader then
-        adds the offset back). With RoPE it is the mean of the pre-RoPE keys. Set it before the
-        first write and calibrate :attr:`k_scale` on :meth:`stored_key` afterwards."""
-        if offset is not None:
-            shape = [self.impl.num_kv_heads, self.impl.head_size]
-            if not isinstance(offset, torch.Tensor) or list(offset.shape) != shape:
-                got = list(offset.shape) if isinstance(offset, torch.Tensor) else offset
-                raise ValueError(f"offset: expected a tensor of shape {shape}, got {got}")
-            shift_free = self.impl.sinks is None and self.impl.logits_soft_cap is None
-            if not (shift_free or self.key_transform.rebuilds_keys):
-                raise ValueError(
-                    "offset: expected an impl without sinks or logits_soft_cap (a key offset "
-                    "shifts scores, which only plain softmax ignores), got one with them"
-                )
+        stop (``None``): :meth:`ReferenceAttentionImpl.set_key_offset` on the cache's device.
+        Every score of a query then moves by the same ``q . offset``, which softmax ignores:
+        the attention is unchanged while the keys' common part no longer takes the format's
+        range. Refused for an impl with ``sinks`` or ``logits_soft_cap`` (their scores are not
+        shift-free) unless keys are stored before RoPE (the reader then adds the offset back).
+        With RoPE it is the mean of the pre-RoPE keys. Set it before the first write and
+        calibrate :attr:`k_scale` on :meth:`stored_key` afterwards."""
+        if isinstance(offset, torch.Tensor):
             offset = offset.to(device=self.device)
-        transform = dataclasses.replace(self.key_transform, offset=offset)
-        self.layer.key_transform = transform  # (same sink rows: set_key_transform not needed)
+        self.impl.set_key_offset(offset)
+
+    def load_calibration(self, calibration: KVCacheCalibration, layer: str) -> None:
+        """Use layer ``layer``'s calibrated values of ``calibration`` (scales, and the key
+        offset of a ``+offset`` encoding): ``ValueError`` unless the calibration's encoding is
+        this cache's (the same fingerprint) and names the layer. Both checked before anything
+        changes."""
+        encoding = self.encoding
+        if calibration.encoding.key.offset and not encoding.key.offset:
+            encoding = encoding.with_key(offset=True)
+        if calibration.encoding.fingerprint != encoding.fingerprint:
+            raise ValueError(
+                f"calibration: expected one of encoding {encoding.id!r} (fingerprint "
+                f"{encoding.fingerprint}), got {calibration.encoding.id!r} (fingerprint "
+                f"{calibration.encoding.fingerprint})"
+            )
+        if layer not in calibration.layers:
+            raise ValueError(
+                f"layer: expected one of {', '.join(calibration.layers)}, got {layer!r}"
+            )
+        values = calibration.layers[layer]
+        for name, scale in (("k_scale", values.k_scale), ("v_scale", values.v_scale)):
+            kv_scale_as_1d(scale, name, self.impl.num_kv_heads)
+        self.set_key_offset(values.key_offset)
+        self.set_kv_scales(values.k_scale, values.v_scale)
 
     def stored_key(self, key: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """The keys as the writer receives them (:meth:`KeyTransform.stored_key
         <vllm.kv_quant.KeyTransform.stored_key>`; ``positions [T]`` needed with RoPE).
         Observe these to calibrate :attr:`k_scale`."""
         return self.key_transform.stored_key(key, positions)
-
-    def _reader_query(self, query: torch.Tensor) -> torch.Tensor:
-        """The query the impl reads with: rotated like the keys, in the query's dtype."""
-        return self.key_transform.reader_query(query)
 
     def write(
         self,
@@ -437,9 +464,10 @@ class AttentionKVCache:
     ) -> None:
         """Write ``key [T, H, D]`` / ``value [T, H, Dv]`` at ``slot_mapping [T]`` (int64;
         negative slots skipped) with the cache's scales and scale layouts; ``positions [T]``
-        (each token's position in its sequence) are needed when keys are stored before RoPE."""
+        (each token's position in its sequence) are needed when keys are stored before RoPE
+        (the impl's :meth:`~ReferenceAttentionImpl.do_kv_cache_update`)."""
         self.impl.do_kv_cache_update(
-            self.layer, self.stored_key(key, positions), value, self.kv_cache, slot_mapping
+            self.layer, key, value, self.kv_cache, slot_mapping, positions=positions
         )
 
     def attend(
@@ -451,7 +479,7 @@ class AttentionKVCache:
         """Paged attention of ``query [T, num_heads, D]`` over the cache:
         ``[T, num_heads, Dv]`` in the query's dtype."""
         return self.impl.forward(
-            self.layer, self._reader_query(query), None, None, self.kv_cache, attn_metadata, output
+            self.layer, query, None, None, self.kv_cache, attn_metadata, output
         )
 
     def forward(
@@ -463,19 +491,7 @@ class AttentionKVCache:
         output: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write the new ``key`` / ``value`` at ``attn_metadata.slot_mapping``, then attend
-        (every argument is checked before anything is written)."""
-        positions = None
-        if self.key_transform.rebuilds_keys:
-            positions = attn_metadata.token_positions()
-            padding = key.shape[0] - positions.shape[0]  # rows past num_actual_tokens: unwritten
-            if padding > 0:
-                positions = torch.cat([positions, positions.new_zeros(padding)])
+        (every argument is checked before anything is written): the impl's ``forward``."""
         return self.impl.forward(
-            self.layer,
-            self._reader_query(query),
-            self.stored_key(key, positions),
-            value,
-            self.kv_cache,
-            attn_metadata,
-            output,
+            self.layer, query, key, value, self.kv_cache, attn_metadata, output
         )

@@ -22,7 +22,6 @@ from vllm.kv_quant.formats import (
     find_format,
     lookup,
 )
-from vllm.kv_quant.key_transform import KeyTransform
 from vllm.kv_quant.kv_scale import kv_scale_as_1d
 from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backends.utils import get_kv_cache_layout, validate_kv_cache_layout
@@ -91,44 +90,14 @@ class AttentionLayerScales:
     The impls read upstream's private ``_k_scale`` / ``_v_scale``; an engine reads
     :attr:`k_scale` / :attr:`v_scale` and sets both with :meth:`set_kv_scales` (e.g. from
     :meth:`vllm.kv_quant.KVScaleObserver.scales`). The constructor stores what it is given
-    unchecked (the impls check at each call).
-
-    Beyond upstream, a layer may carry :attr:`key_transform` and :attr:`key_sinks` (set with
-    :meth:`set_key_transform`): the readers then rebuild pre-RoPE keys and use the sink rows,
-    and the writers fill the sink rows."""
+    unchecked (the impls check at each call). Everything else an encoding needs (key offset,
+    RoPE, sink rows) is the impl's or the pages'."""
 
     def __init__(
         self, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None
     ) -> None:
         self._k_scale = torch.ones(1, dtype=torch.float32) if k_scale is None else k_scale
         self._v_scale = torch.ones(1, dtype=torch.float32) if v_scale is None else v_scale
-        self.key_transform = KeyTransform()
-        """What the cache does to keys (:class:`~vllm.kv_quant.KeyTransform`); the impls read
-        its RoPE, offset and rotation when it :attr:`~vllm.kv_quant.KeyTransform.rebuilds_keys`."""
-        self.key_sinks: torch.Tensor | None = None
-        """uint8 ``[num_blocks, S, H, D]`` FP8 sink rows (:mod:`vllm.kv_quant.key_sinks`), or
-        None."""
-
-    def set_key_transform(
-        self,
-        transform: KeyTransform,
-        num_blocks: int,
-        num_kv_heads: int,
-        head_size: int,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        """Use ``transform`` (its offset and RoPE table moved to ``device``) from now on; with
-        ``sink_tokens`` S, a zeroed sink store on ``device`` for a cache of ``num_blocks`` pages
-        of ``num_kv_heads`` heads of ``head_size`` (kept when it already has that shape)."""
-        if not isinstance(transform, KeyTransform):
-            raise ValueError(f"transform: expected a KeyTransform, got {type(transform).__name__}")
-        shape = (num_blocks, transform.sink_tokens, num_kv_heads, head_size)
-        sinks = self.key_sinks
-        if transform.sink_tokens == 0:
-            sinks = None
-        elif sinks is None or tuple(sinks.shape) != shape:
-            sinks = torch.zeros(shape, dtype=torch.uint8, device=device)
-        self.key_transform, self.key_sinks = transform.to(device), sinks
 
     @property
     def k_scale(self) -> torch.Tensor:

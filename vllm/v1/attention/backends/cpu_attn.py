@@ -20,7 +20,6 @@ from typing import ClassVar
 import torch
 
 from vllm.v1.attention.backends.abstract import AttentionLayer, DeviceCapability
-from vllm.v1.attention.backends.key_rebuild import KeyRebuild
 from vllm.v1.attention.backends.reference import (
     ReferenceAttentionBackend,
     ReferenceAttentionImpl,
@@ -156,9 +155,7 @@ class CPUAttentionImpl(ReferenceAttentionImpl):
         sinks = None
         if self.sinks is not None:
             sinks = self.sinks.to(device=query.device, dtype=torch.float32).contiguous()
-        rebuild = KeyRebuild.of(
-            layer, attn_metadata.block_table, len(checked.seq_lens), checked.k_scale, self._is_nvfp4
-        )
+        rebuild = self._key_rebuild(checked, attn_metadata.block_table)
         ops.paged_attention(
             target,
             query,

@@ -1,16 +1,19 @@
-"""What a reader needs to rebuild a layer's keys: pre-RoPE storage and FP8 key sinks.
+"""What the attention impls need for an encoding's key transform: the key sink rows inside the
+pages, and the keys a reader rebuilds (docs/design.md §5.6).
 
-A layer whose :class:`~vllm.kv_quant.KeyTransform` stores keys before RoPE, or that keeps key
-sinks (:mod:`vllm.kv_quant.key_sinks`), cannot be read by dotting the query with the
-dequantized page rows: the key at position ``p`` of a sequence is
+A layer whose encoding stores keys before RoPE, or keeps key sink rows
+(:mod:`vllm.kv_quant.key_sinks`), cannot be read by dotting the query with the dequantized page
+rows: the key at position ``p`` of a sequence is
 
-1. the sequence's FP8 sink row ``p`` when ``p < S``, else the dequantized page row;
+1. the sequence's FP8 sink row ``p`` when ``p < S`` (from the sink rows of its first page,
+   ``block_table[:, 0]``), else the dequantized page row;
 2. when the keys are stored before RoPE: rotated back (Hadamard), plus the offset, turned by
    RoPE at ``p`` (:meth:`~vllm.kv_quant.KeyTransform.rebuild_key`).
 
-:class:`KeyRebuild` gathers this per call; the reference reader applies it in torch
-(:meth:`KeyRebuild.keys`); ``CPU_ATTN`` and ``TRITON_ATTN`` hand its tensors to their kernels,
-which do the same in fp32.
+:func:`key_sink_rows` views a cache's sink rows where they live, after each page's K and V rows
+(docs/formats.md §5); :class:`KeyRebuild` gathers what one call needs; the reference reader
+applies it in torch (:meth:`KeyRebuild.keys`), ``CPU_ATTN`` and ``TRITON_ATTN`` hand its
+tensors to their kernels, which do the same in fp32.
 """
 
 from __future__ import annotations
@@ -20,60 +23,73 @@ from typing import Any
 
 import torch
 
-from vllm.kv_quant.formats import KVCacheFormat
-from vllm.kv_quant.key_sinks import key_sink_scale, read_key_sinks, write_key_sinks
+from vllm.kv_quant.key_sinks import read_key_sinks
 from vllm.kv_quant.key_transform import KeyTransform
+from vllm.v1.attention.backends.utils import split_kv_cache
 
-__all__ = ["KeyRebuild", "check_key_sinks", "write_layer_key_sinks"]
-
-
-def _layer_parts(layer: Any) -> tuple[KeyTransform, torch.Tensor | None]:
-    transform = getattr(layer, "key_transform", None) or KeyTransform()
-    return transform, getattr(layer, "key_sinks", None)
+__all__ = ["KeyRebuild", "key_positions", "key_sink_rows"]
 
 
-def check_key_sinks(
-    layer: Any,
-    num_blocks: int,
-    block_size: int,
+def key_sink_rows(
+    kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    sink_tokens: int,
     num_kv_heads: int,
     head_size: int,
-    fmt: KVCacheFormat,
-) -> None:
-    """``ValueError`` unless the layer's sink store (if any) fits a cache of format ``fmt``
-    (FP8 or NVFP4: one with a K scale) of ``num_blocks`` pages of ``block_size`` tokens,
-    ``num_kv_heads`` heads of ``head_size``."""
-    _, sinks = _layer_parts(layer)
-    if sinks is None:
-        return
-    if not fmt.is_quantized or fmt.is_per_token_head:
+) -> torch.Tensor:
+    """uint8 ``[num_blocks, S, H, D]`` view of the key sink rows of every page of ``kv_cache``
+    (a ``(B, 2, N, H, D')`` cache or its ``(key_cache, value_cache)`` pair; one-byte storage):
+    they start right after the page's K and V rows, in ``[S][H][D]`` order, and each page
+    steps by the cache's page stride. ``ValueError`` when the pages are too small to hold them
+    (a cache allocated without its sink rows)."""
+    key_cache, value_cache = split_kv_cache(kv_cache)
+    if key_cache.element_size() != 1:
         raise ValueError(
-            f"key_sinks: expected an FP8 or NVFP4 cache (the sink rows use its K scale), got "
-            f"{fmt.name!r}"
+            f"kv_cache: expected one-byte storage for key sink rows, got {key_cache.dtype}"
         )
-    if sinks.dim() != 4 or sinks.dtype != torch.uint8:
+    num_blocks = key_cache.shape[0]
+    kv_bytes = key_cache[0].numel() + value_cache[0].numel() if num_blocks else 0
+    sink_bytes = sink_tokens * num_kv_heads * head_size
+    page_stride = key_cache.stride(0)
+    if num_blocks > 1 and page_stride < kv_bytes + sink_bytes:
         raise ValueError(
-            f"key_sinks: expected a uint8 [num_blocks, S, H, D] tensor, got {sinks.dtype} "
-            f"{list(sinks.shape)}"
+            f"kv_cache: expected pages of at least {kv_bytes + sink_bytes} bytes ({kv_bytes} of "
+            f"K and V rows, then {sink_bytes} of key sink rows), got a page stride of "
+            f"{page_stride} bytes"
         )
-    rows = sinks.shape[1]
-    expected = (num_blocks, rows, num_kv_heads, head_size)
-    if tuple(sinks.shape) != expected or not 1 <= rows <= block_size:
+    storage = key_cache.view(torch.uint8) if key_cache.dtype != torch.uint8 else key_cache
+    end = storage.storage_offset() + (num_blocks - 1) * page_stride + kv_bytes + sink_bytes
+    if num_blocks and end > storage.untyped_storage().nbytes():
         raise ValueError(
-            f"key_sinks: expected shape {list(expected)} with 1 <= S <= block_size="
-            f"{block_size}, got {list(sinks.shape)}"
+            f"kv_cache: expected storage for {sink_bytes} bytes of key sink rows after the last "
+            f"page's K and V rows, got {storage.untyped_storage().nbytes()} bytes in all"
         )
+    return storage.as_strided(
+        (num_blocks, sink_tokens, num_kv_heads, head_size),
+        (page_stride, num_kv_heads * head_size, head_size, 1),
+        storage.storage_offset() + kv_bytes,
+    )
 
 
-def write_layer_key_sinks(
-    layer: Any, key: torch.Tensor, slot_mapping: torch.Tensor, block_size: int, is_nvfp4: bool
-) -> None:
-    """Fill the layer's sink rows (if any) from the keys a writer stores: the slots among the
-    first ``S`` of their page, at the FP8 scale of the layer's K scale."""
-    _, sinks = _layer_parts(layer)
-    if sinks is not None:
-        scale = key_sink_scale(layer._k_scale, is_nvfp4)
-        write_key_sinks(sinks, key, slot_mapping, block_size, scale)
+def key_positions(
+    key: torch.Tensor, positions: torch.Tensor | None, encoding_id: str
+) -> torch.Tensor:
+    """Each row's position for keys stored before RoPE (encoding ``encoding_id``):
+    ``positions [T]`` (``T`` at most the rows of ``key``; rows past ``T`` are padding, never
+    written, given position 0), on ``key``'s device."""
+    if positions is None:
+        raise ValueError(
+            f"positions: expected each key's position in its sequence (the encoding "
+            f"{encoding_id!r} stores keys before RoPE), got None"
+        )
+    if positions.dim() != 1 or positions.shape[0] > key.shape[0]:
+        raise ValueError(
+            f"positions: expected [T] with T <= {key.shape[0]} (the rows of key), got "
+            f"{list(positions.shape)}"
+        )
+    padding = key.shape[0] - positions.shape[0]
+    if padding:
+        positions = torch.cat([positions, positions.new_zeros(padding)])
+    return positions.to(key.device)
 
 
 @dataclass(frozen=True)
@@ -87,21 +103,22 @@ class KeyRebuild:
     @classmethod
     def of(
         cls,
-        layer: Any,
+        transform: KeyTransform,
+        sink_rows: torch.Tensor | None,
         block_table: torch.Tensor,
         num_seqs: int,
-        k_scale: torch.Tensor,
-        is_nvfp4: bool,
+        sink_scale: torch.Tensor | None,
     ) -> KeyRebuild | None:
-        """The rebuild for one call (None when keys are read as stored): sink rows of each
-        sequence's first page (``block_table[:num_seqs, 0]``) at the FP8 scale of ``k_scale``."""
-        transform, store = _layer_parts(layer)
-        if not transform.rebuilds_keys and store is None:
+        """The rebuild for one call (None when keys are read as stored): the sink rows
+        ``sink_rows`` (:func:`key_sink_rows`) of each sequence's first page
+        (``block_table[:num_seqs, 0]``), dequantized at ``sink_scale``
+        (:func:`~vllm.kv_quant.key_sink_scale`)."""
+        if not transform.rebuilds_keys and sink_rows is None:
             return None
         sinks = None
-        if store is not None:
-            first_pages = block_table[:num_seqs, 0]
-            sinks = read_key_sinks(store, first_pages, key_sink_scale(k_scale, is_nvfp4))
+        if sink_rows is not None:
+            assert sink_scale is not None
+            sinks = read_key_sinks(sink_rows, block_table[:num_seqs, 0], sink_scale)
         return cls(transform, sinks)
 
     def kernel_args(self) -> dict[str, Any]:

@@ -1,30 +1,26 @@
-"""Reference attention backend: pure torch, any device, every cache format.
+"""Reference attention backend: pure torch, any device, every cache format and encoding.
 
 Same cache layout and shapes as :class:`~vllm.v1.attention.backends.flashinfer.FlashInferBackend`
 (``(B, 2, N, H, D')``, NHD or HND, ``D' = F(D)`` for NVFP4), plus separate K / V regions when
-``head_size_v != head_size``. The impl computes paged attention straight from the cache:
-per sequence it gathers the pages it needs, dequantizes them with the reference codecs of
-:mod:`vllm.kv_quant` (unquantized, FP8 e4m3 / e5m2 with per-tensor or ``[H]`` scales, NVFP4 with
-linear or interleave4 block scales, K and V layouts independent), then attends in fp32.
+``head_size_v != head_size``, and the key sink rows of an encoding that keeps them after each
+page's K and V rows. The impl computes paged attention straight from the cache: per sequence it
+gathers the pages it needs, dequantizes them with the encoding's reference codec
+(:mod:`vllm.kv_quant.codecs`: unquantized, FP8 e4m3 / e5m2 with per-tensor or ``[H]`` scales,
+NVFP4 with linear or interleave4 block scales, K and V layouts independent, per-token-head
+rows), rebuilds keys as the encoding's key transform says, then attends in fp32.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
-from vllm.kv_quant import (
-    Fp8Format,
-    ScaleLayout,
-    fp8_read_cache,
-    interleave4_index,
-    kv_scale_as_1d,
-    nvfp4_read_cache,
-    per_token_head_read_cache,
-)
-from vllm.kv_quant.formats import cache_dtype_names, lookup
+from vllm.kv_quant import KeyRope, KeyTransform, ScaleLayout, interleave4_index, kv_scale_as_1d
+from vllm.kv_quant.encoding import KVCacheEncoding
+from vllm.kv_quant.formats import cache_dtype_names, find_format
+from vllm.kv_quant.key_sinks import key_sink_scale, write_key_sinks
 from vllm.utils import check_positive_int
 from vllm.v1.attention.backends.abstract import (
     AttentionBackend,
@@ -34,11 +30,8 @@ from vllm.v1.attention.backends.abstract import (
     MultipleOf,
     paged_kv_cache_shape,
 )
-from vllm.v1.attention.backends.key_rebuild import (
-    KeyRebuild,
-    check_key_sinks,
-    write_layer_key_sinks,
-)
+from vllm.v1.attention.backends.key_rebuild import KeyRebuild, key_positions, key_sink_rows
+from vllm.v1.attention.backends.reference_attend import attend_fp32, compiled_writer, gather_pages
 from vllm.v1.attention.backends.reference_metadata import (
     CheckedForward,
     ReferenceAttentionMetadata,
@@ -88,33 +81,21 @@ class ReferenceAttentionBackend(AttentionBackend):
         return ReferenceAttentionMetadata
 
 
-def _gather_pages(side: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-    """Copy pages ``pages`` of a cache side ``(B, N, H, F)`` into a new ``(p, N, H, F)`` tensor
-    whose pages keep the side's byte order within a page (NHD or HND), so that the NVFP4
-    ``[data | scales]`` split still applies."""
-    inner = sorted(range(1, 4), key=lambda d: (side.shape[d] != 1, side.stride(d)), reverse=True)
-    perm = [0, *inner]
-    gathered = side.permute(perm).index_select(0, pages)
-    return gathered.permute([perm.index(d) for d in range(4)])
-
-
-def _copy_op() -> Any | None:
-    """``vllm._custom_ops.reshape_and_cache_flash`` when the extension is built, else None."""
-    try:
-        from vllm import _custom_ops as ops
-
-        fn = getattr(ops, "reshape_and_cache_flash", None)
-        if fn is None:
-            return None
-        if getattr(ops, "is_available", None) is not None and not ops.is_available():
-            return None
-        return fn
-    except (ImportError, OSError, RuntimeError):
-        return None
-
-
 _UNIT_SCALE = torch.ones(1, dtype=torch.float32)
 """The scale that an unquantized cache's reads and writes ignore (never written to)."""
+
+
+def _one_layout(
+    name: str, given: ScaleLayout | str | None, encoded: ScaleLayout | None
+) -> ScaleLayout | None:
+    """A side's block-scale layout from the constructor argument and the encoding (either may
+    name it; ``ValueError`` when both do, differently)."""
+    layout = None if given is None else ScaleLayout.parse(given)
+    if layout is not None and encoded is not None and layout is not encoded:
+        raise ValueError(
+            f"{name}: expected the encoding's {encoded.value} (or None), got {layout.value}"
+        )
+    return layout if layout is not None else encoded
 
 
 class ReferenceAttentionImpl(AttentionImpl):
@@ -127,8 +108,16 @@ class ReferenceAttentionImpl(AttentionImpl):
     ``k_scale_layout`` / ``v_scale_layout`` name the NVFP4 block-scale layout of each side, for
     the write (:meth:`do_kv_cache_update`) and the read (:meth:`forward`): pass the layouts
     recorded with the cache (``get_kv_cache_scale_layouts``). Defaults (:meth:`scale_layouts`):
-    the op's default for the cache's geometry; ``v_scale_layout=None`` means K's when
-    ``k_scale_layout`` is given.
+    the encoding's, else the op's default for the cache's geometry; ``v_scale_layout=None``
+    means K's when ``k_scale_layout`` is given.
+
+    ``kv_cache_dtype`` is a dtype string or, beyond upstream, an encoding id or
+    :class:`~vllm.kv_quant.encoding.KVCacheEncoding` (``"nvfp4_mse+offset+prerope+sink"``):
+    the impl applies its key transform itself, the write half (RoPE undone, offset, rotation,
+    sink rows) in :meth:`do_kv_cache_update` and the read half in :meth:`forward`, so an
+    engine driving the impl directly stores and reads what the encoding says. ``key_rope``
+    is the model's RoPE for an encoding that stores keys before it; the key offset is
+    calibrated state (:meth:`set_key_offset`), the scales are the layer's.
     """
 
     cache_device_type: ClassVar[str | None] = None
@@ -141,13 +130,14 @@ class ReferenceAttentionImpl(AttentionImpl):
         scale: float | None = None,
         num_kv_heads: int | None = None,
         sliding_window: int | None = None,
-        kv_cache_dtype: str = "auto",
+        kv_cache_dtype: str | KVCacheEncoding = "auto",
         logits_soft_cap: float | None = None,
         sinks: torch.Tensor | None = None,
         *,
         head_size_v: int | None = None,
         k_scale_layout: ScaleLayout | str | None = None,
         v_scale_layout: ScaleLayout | str | None = None,
+        key_rope: KeyRope | None = None,
     ) -> None:
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         head_size_v = head_size if head_size_v is None else head_size_v
@@ -171,7 +161,8 @@ class ReferenceAttentionImpl(AttentionImpl):
             raise ValueError(
                 f"sliding_window: expected None or a positive int (tokens), got {sliding_window!r}"
             )
-        fmt = lookup(kv_cache_dtype, include_mla_only=False)
+        encoding = KVCacheEncoding.of(kv_cache_dtype, include_mla_only=False)
+        fmt = encoding.format
         group = fmt.block_scale_group
         if group is not None:
             for name, value in (("head_size", head_size), ("head_size_v", head_size_v)):
@@ -180,6 +171,10 @@ class ReferenceAttentionImpl(AttentionImpl):
                         f"{name}: {fmt.label.upper()} KV cache needs a multiple of {group}, "
                         f"got {value}"
                     )
+        encoding.check_geometry(None, num_kv_heads, head_size, head_size_v)
+        transform = KeyTransform.bind(encoding.key, key_rope)
+        if key_rope is not None and encoding.key.rope is None:
+            encoding = encoding.with_rope(key_rope)
         if logits_soft_cap is not None and not logits_soft_cap > 0:
             raise ValueError(
                 f"logits_soft_cap: expected None or a positive float, got {logits_soft_cap!r}"
@@ -188,6 +183,7 @@ class ReferenceAttentionImpl(AttentionImpl):
             raise ValueError(
                 f"sinks: expected shape [num_heads] = [{num_heads}], got {list(sinks.shape)}"
             )
+        encoding.check_attention(logits_soft_cap, sinks is not None)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.num_queries_per_kv = num_heads // num_kv_heads
@@ -195,19 +191,41 @@ class ReferenceAttentionImpl(AttentionImpl):
         self.head_size_v = head_size_v
         self.scale = 1.0 / math.sqrt(head_size) if scale is None else float(scale)
         self.sliding_window = sliding_window
-        self.kv_cache_dtype = kv_cache_dtype
+        # The dtype string kernels and backends take: the one given, else the format's.
+        named = isinstance(kv_cache_dtype, str) and find_format(kv_cache_dtype) is not None
+        self.kv_cache_dtype = kv_cache_dtype if named else fmt.name
+        self.kv_cache_encoding = encoding
         self.kv_cache_format = fmt
+        self.key_transform = transform
+        """The encoding's key transform with the model's RoPE and the calibrated offset."""
         self._cache_dims = {h: fmt.last_dim(h) for h in (head_size, head_size_v)}  # D -> D'
         self.logits_soft_cap = logits_soft_cap
         self.sinks = sinks
         # None: the backend's default for the cache's geometry, known at the first cache.
-        self.k_scale_layout = None if k_scale_layout is None else ScaleLayout.parse(k_scale_layout)
-        self.v_scale_layout = (
-            ScaleLayout.parse(v_scale_layout) if v_scale_layout is not None else self.k_scale_layout
-        )
+        self.k_scale_layout = _one_layout("k_scale_layout", k_scale_layout, encoding.k_scale_layout)
+        v_given = v_scale_layout
+        if v_given is None and k_scale_layout is not None:
+            v_given = self.k_scale_layout
+        self.v_scale_layout = _one_layout("v_scale_layout", v_given, encoding.v_scale_layout)
         # Block size -> scale_layouts() checked to fit its pages; the layouts and head sizes
         # are fixed here, so an entry never goes stale.
         self._fitting_layouts: dict[int, KVCacheScaleLayouts] = {}
+
+    def set_key_offset(self, offset: torch.Tensor | None) -> None:
+        """Subtract ``offset`` (``[num_kv_heads, head_size]``, finite; calibrated state, e.g.
+        :meth:`vllm.kv_quant.KVScaleObserver.key_mean`) from every key before it is written,
+        or stop (``None``); the encoding then says ``+offset`` or not. Refused where the shift
+        would change the attention (:meth:`KVCacheEncoding.check_attention`). Pages written
+        before are read with the new offset."""
+        if offset is not None:
+            shape = [self.num_kv_heads, self.head_size]
+            if not isinstance(offset, torch.Tensor) or list(offset.shape) != shape:
+                got = list(offset.shape) if isinstance(offset, torch.Tensor) else offset
+                raise ValueError(f"offset: expected a tensor of shape {shape}, got {got}")
+        encoding = self.kv_cache_encoding.with_key(offset=offset is not None)
+        encoding.check_attention(self.logits_soft_cap, self.sinks is not None, "offset")
+        transform = KeyTransform.bind(encoding.key, self.key_transform.rope, offset)
+        self.kv_cache_encoding, self.key_transform = encoding, transform
 
     def scale_layouts(self, block_size: int) -> KVCacheScaleLayouts:
         """NVFP4 scale layouts (K, V) of this impl's caches with pages of ``block_size``
@@ -222,19 +240,6 @@ class ReferenceAttentionImpl(AttentionImpl):
         )
 
     # ----------------------------------------------------------------------------- checks
-
-    @property
-    def _is_nvfp4(self) -> bool:
-        return self.kv_cache_format.is_nvfp4
-
-    @property
-    def _is_fp8(self) -> bool:
-        return self.kv_cache_format.is_fp8
-
-    @property
-    def _fp8_format(self) -> Fp8Format:
-        assert self.kv_cache_format.fp8_variant is not None
-        return Fp8Format(self.kv_cache_format.fp8_variant)
 
     def _check_side(self, side: torch.Tensor, name: str, head_size: int) -> None:
         expected_dim = self._cache_dims[head_size]
@@ -265,6 +270,25 @@ class ReferenceAttentionImpl(AttentionImpl):
             raise ValueError(f"{name}: a quantized KV cache needs finite scales > 0, got {values}")
         return scale
 
+    def _cache_views(
+        self, kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The checked cache sides and the key sink rows of their pages (None without sinks);
+        the layouts and the encoding checked against the pages."""
+        key_cache, value_cache = split_kv_cache(kv_cache)
+        self._check_side(key_cache, "key_cache", self.head_size)
+        self._check_side(value_cache, "value_cache", self.head_size_v)
+        self._fitting_scale_layouts(key_cache.shape[1])
+        sink_tokens = self.kv_cache_encoding.key.sink_tokens
+        if not sink_tokens:
+            return key_cache, value_cache, None
+        rows = key_sink_rows(kv_cache, sink_tokens, self.num_kv_heads, self.head_size)
+        return key_cache, value_cache, rows
+
+    def _sink_scale(self, k_scale: torch.Tensor) -> torch.Tensor:
+        """The sink rows' FP8 scale for the layer's K scale."""
+        return key_sink_scale(k_scale, self.kv_cache_encoding.sink_scale_multiplier)
+
     # ------------------------------------------------------------------------------ write
 
     def do_kv_cache_update(
@@ -274,18 +298,19 @@ class ReferenceAttentionImpl(AttentionImpl):
         value: torch.Tensor,
         kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
         slot_mapping: torch.Tensor,
+        positions: torch.Tensor | None = None,
     ) -> None:
         """Write ``key [T_pad, H, D]`` / ``value [T_pad, H, Dv]`` into the cache at
-        ``slot_mapping [T]`` (negative slots skipped), quantizing on the way.
+        ``slot_mapping [T]`` (negative slots skipped), as the encoding stores them: keys
+        through its key transform (RoPE undone at ``positions [T]``, each token's position in
+        its sequence, needed when keys are stored before RoPE; offset; rotation), quantized,
+        and the key sink rows of the pages written in the same pass.
 
         Uses the compiled ``reshape_and_cache_flash`` when the extension is built, else the
         reference codecs of :mod:`vllm.kv_quant` (the same bytes by contract).
         """
-        key_cache, value_cache = split_kv_cache(kv_cache)
-        self._check_side(key_cache, "key_cache", self.head_size)
-        self._check_side(value_cache, "value_cache", self.head_size_v)
-        check_key_sinks(layer, *key_cache.shape[:3], self.head_size, self.kv_cache_format)
-        self._write(layer, key, value, key_cache, value_cache, slot_mapping)
+        key_cache, value_cache, rows = self._cache_views(kv_cache)
+        self._write(layer, key, value, key_cache, value_cache, slot_mapping, positions, rows)
 
     def _write(
         self,
@@ -295,13 +320,20 @@ class ReferenceAttentionImpl(AttentionImpl):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        positions: torch.Tensor | None,
+        sink_rows: torch.Tensor | None,
     ) -> None:
-        """:meth:`do_kv_cache_update` on cache sides that passed :meth:`_check_side`, then the
-        layer's key sinks (:mod:`vllm.kv_quant.key_sinks`): the page writer checks every
-        argument first, so the sink rows are written only once the pages are."""
+        """:meth:`do_kv_cache_update` on checked cache views."""
+        transform = self.key_transform
+        if transform.rebuilds_keys:
+            positions = key_positions(key, positions, self.kv_cache_encoding.id)
+        key = transform.stored_key(key, positions)
         k_layout, v_layout = self._fitting_scale_layouts(key_cache.shape[1])
-        op = _copy_op()
-        if op is not None:
+        sink_scale = None
+        if sink_rows is not None:
+            sink_scale = self._sink_scale(layer._k_scale).to(sink_rows.device)
+        op = compiled_writer()
+        if op is not None:  # pages and sink rows in one pass
             op(
                 key,
                 value,
@@ -313,54 +345,19 @@ class ReferenceAttentionImpl(AttentionImpl):
                 layer._v_scale,
                 k_scale_layout=k_layout.value,
                 v_scale_layout=v_layout.value,
+                key_sinks=sink_rows,
+                key_sink_scale=sink_scale,
             )
-        else:  # the reference codecs (no extension built)
-            from vllm.kv_quant import fp8_write_cache, nvfp4_write_cache, per_token_head_write_cache
-            from vllm.kv_quant.nvfp4_cache import check_slot_mapping
-
-            for x, side, scale, layout in (
-                (key, key_cache, layer._k_scale, k_layout),
-                (value, value_cache, layer._v_scale, v_layout),
-            ):
-                if self._is_nvfp4:
-                    nvfp4_write_cache(
-                        x,
-                        side,
-                        slot_mapping,
-                        scale.to(side.device),
-                        layout,
-                        scale_search=self.kv_cache_format.scale_search,
-                    )
-                elif self.kv_cache_format.is_per_token_head:  # scales computed per row, not read
-                    per_token_head_write_cache(x, side, slot_mapping, self.kv_cache_format)
-                elif self._is_fp8:
-                    fp8_write_cache(x, side, slot_mapping, scale.to(side.device), self._fp8_format)
-                else:
-                    num_slots = side.shape[0] * side.shape[1]
-                    check_slot_mapping(slot_mapping, x.shape[0], num_slots, side.device)
-                    keep = slot_mapping >= 0
-                    slots = slot_mapping[keep]
-                    rows = x[: slot_mapping.shape[0]][keep].to(side.dtype)
-                    side[slots // side.shape[1], slots % side.shape[1]] = rows
-        write_layer_key_sinks(layer, key, slot_mapping, key_cache.shape[1], self._is_nvfp4)
+            return
+        # The reference codecs (no extension built).
+        codec = self.kv_cache_encoding.codec
+        codec.write(key, key_cache, slot_mapping, layer._k_scale, k_layout)
+        codec.write(value, value_cache, slot_mapping, layer._v_scale, v_layout)
+        if sink_rows is not None:
+            assert sink_scale is not None
+            write_key_sinks(sink_rows, key, slot_mapping, key_cache.shape[1], sink_scale)
 
     # ------------------------------------------------------------------------------- read
-
-    def _dequantize(
-        self,
-        pages: torch.Tensor,
-        scale: torch.Tensor,
-        head_size: int,
-        layout: ScaleLayout,
-    ) -> torch.Tensor:
-        """fp32 ``(p, N, H, D)`` values of gathered cache pages."""
-        if self._is_nvfp4:
-            return nvfp4_read_cache(pages, scale, head_size, layout, torch.float32)
-        if self._is_fp8:
-            return fp8_read_cache(pages, scale, self._fp8_format, torch.float32)
-        if self.kv_cache_format.is_per_token_head:  # each row's own scale
-            return per_token_head_read_cache(pages, self.kv_cache_format, torch.float32)
-        return pages.to(torch.float32)
 
     def _check_forward(
         self,
@@ -373,8 +370,9 @@ class ReferenceAttentionImpl(AttentionImpl):
         output: torch.Tensor | None,
     ) -> CheckedForward:
         """Validate every argument of :meth:`forward` (nothing is written here) and return the
-        normalised inputs (``output`` allocated when ``None``). ``key`` / ``value`` themselves
-        are checked by the writer, before it writes anything."""
+        normalised inputs (``output`` allocated when ``None``; the query as the reader takes
+        it). ``key`` / ``value`` themselves are checked by the writer, before it writes
+        anything."""
         if (key is None) != (value is None):
             raise ValueError("key, value: pass both (to write them first) or neither")
         if query.dim() == 2:
@@ -389,17 +387,13 @@ class ReferenceAttentionImpl(AttentionImpl):
             raise ValueError(
                 f"query: expected one of {', '.join(map(str, supported))}, got {query.dtype}"
             )
-        key_cache, value_cache = split_kv_cache(kv_cache)
-        self._check_side(key_cache, "key_cache", self.head_size)
-        self._check_side(value_cache, "value_cache", self.head_size_v)
+        key_cache, value_cache, sink_rows = self._cache_views(kv_cache)
         if key_cache.shape[:2] != value_cache.shape[:2]:
             raise ValueError(
                 f"value_cache: expected {list(key_cache.shape[:2])} pages x tokens like "
                 f"key_cache, got {list(value_cache.shape[:2])}"
             )
         num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
-        self._fitting_scale_layouts(block_size)
-        check_key_sinks(layer, *key_cache.shape[:3], self.head_size, self.kv_cache_format)
         device = key_cache.device
         wanted = self.cache_device_type
         if wanted is not None and device.type != wanted:
@@ -407,8 +401,7 @@ class ReferenceAttentionImpl(AttentionImpl):
         if query.device != device:
             raise ValueError(f"query: expected device {device} (the cache's), got {query.device}")
         k_scale = v_scale = _UNIT_SCALE
-        fmt = self.kv_cache_format
-        if fmt.is_quantized and not fmt.is_per_token_head:  # per-token-head: scales unread
+        if self.kv_cache_encoding.codec.reads_kv_scale:  # per-token-head: scales unread
             k_scale = self._check_scale(layer._k_scale, "k_scale").to(device)
             v_scale = self._check_scale(layer._v_scale, "v_scale").to(device)
 
@@ -438,8 +431,16 @@ class ReferenceAttentionImpl(AttentionImpl):
                 f"got {list(block_table.shape)}"
             )
         check_sequences(qsl, seq_lens, block_table, block_size, num_blocks, self.sliding_window)
+        rope = self.key_transform.rope
+        longest = max(seq_lens, default=0)
+        if rope is not None and longest > rope.max_positions:
+            raise ValueError(
+                f"seq_lens: expected at most {rope.max_positions} tokens (the rows of the "
+                f"encoding's RoPE table), got {longest}"
+            )
+        query = self.key_transform.reader_query(query)
         return CheckedForward(
-            query, key_cache, value_cache, output, k_scale, v_scale, qsl, seq_lens
+            query, key_cache, value_cache, output, k_scale, v_scale, qsl, seq_lens, sink_rows
         )
 
     def _check_output(self, output: torch.Tensor, query: torch.Tensor, num_tokens: int) -> None:
@@ -461,9 +462,13 @@ class ReferenceAttentionImpl(AttentionImpl):
 
     def _fitting_scale_layouts(self, block_size: int) -> KVCacheScaleLayouts:
         """:meth:`scale_layouts`, checked (NVFP4) to fit pages of ``block_size`` tokens
-        (interleave4's needs: ``ValueError``); computed once per block size."""
+        (interleave4's needs: ``ValueError``) with the encoding's page rules (key sinks within
+        a page); computed once per block size."""
         layouts = self._fitting_layouts.get(block_size)
         if layouts is None:
+            self.kv_cache_encoding.check_geometry(
+                block_size, self.num_kv_heads, self.head_size, self.head_size_v
+            )
             layouts = self.scale_layouts(block_size)
             group = self.kv_cache_format.block_scale_group
             for layout, head_size in zip(layouts, (self.head_size, self.head_size_v), strict=True):
@@ -483,9 +488,13 @@ class ReferenceAttentionImpl(AttentionImpl):
         output: torch.Tensor | None,
     ) -> CheckedForward:
         """:meth:`_check_forward`, then (only once every argument has passed) the write of
-        ``key`` / ``value`` at ``attn_metadata.slot_mapping`` when given."""
+        ``key`` / ``value`` at ``attn_metadata.slot_mapping`` when given, at the metadata's
+        token positions."""
         checked = self._check_forward(layer, query, key, value, kv_cache, attn_metadata, output)
         if key is not None and value is not None:
+            positions = None
+            if self.key_transform.rebuilds_keys:
+                positions = attn_metadata.token_positions()
             self._write(
                 layer,
                 key,
@@ -493,8 +502,16 @@ class ReferenceAttentionImpl(AttentionImpl):
                 checked.key_cache,
                 checked.value_cache,
                 attn_metadata.slot_mapping,
+                positions,
+                checked.sink_rows,
             )
         return checked
+
+    def _key_rebuild(self, checked: CheckedForward, block_table: torch.Tensor) -> KeyRebuild | None:
+        """What the reader needs to rebuild this call's keys (None: keys read as stored)."""
+        rows = checked.sink_rows
+        scale = None if rows is None else self._sink_scale(checked.k_scale)
+        return KeyRebuild.of(self.key_transform, rows, block_table, len(checked.seq_lens), scale)
 
     @staticmethod
     def _kernel_io(checked: CheckedForward) -> tuple[torch.Tensor, torch.Tensor]:
@@ -521,8 +538,9 @@ class ReferenceAttentionImpl(AttentionImpl):
         """Attention of ``query [T, num_heads, D]`` (or ``[T, num_heads*D]``) over the cache.
 
         When ``key`` / ``value`` are given they are first written at
-        ``attn_metadata.slot_mapping``. Returns ``[T, num_heads, head_size_v]`` in the query
-        dtype (written into ``output`` when given; rows past ``num_actual_tokens`` untouched).
+        ``attn_metadata.slot_mapping`` (:meth:`do_kv_cache_update` at the metadata's token
+        positions). Returns ``[T, num_heads, head_size_v]`` in the query dtype (written into
+        ``output`` when given; rows past ``num_actual_tokens`` untouched).
         """
         checked = self._begin_forward(layer, query, key, value, kv_cache, attn_metadata, output)
         query, key_cache, value_cache, output = (
@@ -533,12 +551,12 @@ class ReferenceAttentionImpl(AttentionImpl):
         )
         k_scale, v_scale = checked.k_scale, checked.v_scale
         qsl, seq_lens = checked.query_start_loc, checked.seq_lens
-        block_table = attn_metadata.block_table
         device = key_cache.device
         block_size = key_cache.shape[1]
         k_layout, v_layout = self._fitting_scale_layouts(block_size)
-        block_table = block_table.to(device=device, dtype=torch.int64)
-        rebuild = KeyRebuild.of(layer, block_table, len(seq_lens), k_scale, self._is_nvfp4)
+        block_table = attn_metadata.block_table.to(device=device, dtype=torch.int64)
+        rebuild = self._key_rebuild(checked, block_table)
+        codec = self.kv_cache_encoding.codec
 
         for i, seq_len in enumerate(seq_lens):
             q_start, q_end = qsl[i], qsl[i + 1]
@@ -551,49 +569,27 @@ class ReferenceAttentionImpl(AttentionImpl):
             pages = block_table[i, p0 : p1 + 1]
             start = first_key - p0 * block_size
             stop = last_key + 1 - p0 * block_size
-            k = self._dequantize(_gather_pages(key_cache, pages), k_scale, self.head_size, k_layout)
-            v = self._dequantize(
-                _gather_pages(value_cache, pages), v_scale, self.head_size_v, v_layout
-            )
+            k_pages = gather_pages(key_cache, pages)
+            v_pages = gather_pages(value_cache, pages)
+            k = codec.read(k_pages, k_scale, self.head_size, k_layout, torch.float32)
+            v = codec.read(v_pages, v_scale, self.head_size_v, v_layout, torch.float32)
             k = k.reshape(-1, self.num_kv_heads, self.head_size)[start:stop]
             v = v.reshape(-1, self.num_kv_heads, self.head_size_v)[start:stop]
             key_pos = torch.arange(first_key, last_key + 1, device=device)
             if rebuild is not None:
                 k = rebuild.keys(k, i, key_pos)
             q_pos = torch.arange(first_q, seq_len, device=device)
-            out = self._attend(query[q_start:q_end], k, v, q_pos, key_pos, attn_metadata.causal)
+            out = attend_fp32(
+                query[q_start:q_end],
+                k,
+                v,
+                q_pos,
+                key_pos,
+                scale=self.scale,
+                causal=attn_metadata.causal,
+                sliding_window=self.sliding_window,
+                logits_soft_cap=self.logits_soft_cap,
+                sinks=self.sinks,
+            )
             output[q_start:q_end] = out.to(output.dtype)
         return output
-
-    def _attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        q_pos: torch.Tensor,
-        key_pos: torch.Tensor,
-        causal: bool,
-    ) -> torch.Tensor:
-        """fp32 attention of ``q [q, Hq, D]`` over ``k [k, Hkv, D]``, ``v [k, Hkv, Dv]``."""
-        group = self.num_queries_per_kv
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q.to(torch.float32), k) * self.scale
-        if self.logits_soft_cap is not None:
-            scores = self.logits_soft_cap * torch.tanh(scores / self.logits_soft_cap)
-        delta = q_pos[:, None] - key_pos[None, :]  # query position - key position
-        allowed = torch.ones_like(delta, dtype=torch.bool)
-        if causal:
-            allowed &= delta >= 0
-        if self.sliding_window is not None:
-            allowed &= delta < self.sliding_window
-            if not causal:
-                allowed &= delta > -self.sliding_window
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        if self.sinks is not None:
-            sink = self.sinks.to(device=scores.device, dtype=torch.float32)
-            sink = sink[:, None, None].expand(-1, scores.shape[1], 1)
-            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-        else:
-            probs = torch.softmax(scores, dim=-1)
-        return torch.einsum("hqk,khd->qhd", probs, v)

@@ -110,9 +110,10 @@ def _positions(seq_lens: Sequence[int], query_lens: Sequence[int]) -> torch.Tens
 
 
 class CheckedForward(NamedTuple):
-    """The validated inputs of a forward call: ``query [T, Hq, D]``, the cache sides, the output
-    ``[T, Hq, Dv]``, fp32 scales (``[1]`` or ``[Hkv]``) and the metadata as int lists (a
-    NamedTuple: built on every forward, ~3x cheaper than a frozen dataclass)."""
+    """The validated inputs of a forward call: ``query [T, Hq, D]`` (as the reader takes it:
+    rotated like the keys), the cache sides, the output ``[T, Hq, Dv]``, fp32 scales (``[1]``
+    or ``[Hkv]``), the metadata as int lists and the key sink rows (a NamedTuple: built on
+    every forward, ~3x cheaper than a frozen dataclass)."""
 
     query: torch.Tensor
     key_cache: torch.Tensor
@@ -122,3 +123,5 @@ class CheckedForward(NamedTuple):
     v_scale: torch.Tensor
     query_start_loc: list[int]
     seq_lens: list[int]
+    sink_rows: torch.Tensor | None = None
+    """The key sink rows of the cache's pages (``[B, S, Hkv, D]`` uint8 view), or None."""

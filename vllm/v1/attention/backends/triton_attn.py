@@ -21,7 +21,6 @@ import torch
 
 from vllm.triton_utils import HAS_TRITON, triton_interpreted
 from vllm.v1.attention.backends.abstract import AttentionLayer, DeviceCapability
-from vllm.v1.attention.backends.key_rebuild import KeyRebuild
 from vllm.v1.attention.backends.reference import (
     ReferenceAttentionBackend,
     ReferenceAttentionImpl,
@@ -107,9 +106,8 @@ class TritonAttentionImpl(ReferenceAttentionImpl):
         attn_metadata: ReferenceAttentionMetadata,
         output: torch.Tensor | None,
     ) -> CheckedForward:
-        """The reference impl's checks, plus a CUDA cache (any device under the interpreter),
-        a valid :attr:`num_splits` and, for keys stored before RoPE, a RoPE table that covers
-        every sequence (checked before anything is written)."""
+        """The reference impl's checks, plus a CUDA cache (any device under the interpreter)
+        and a valid :attr:`num_splits` (checked before anything is written)."""
         from vllm.v1.attention.ops.triton_unified_attention import MAX_SPLITS
 
         splits = self.num_splits
@@ -120,14 +118,6 @@ class TritonAttentionImpl(ReferenceAttentionImpl):
                 f"num_splits: expected None or an int in 1..{MAX_SPLITS}, got {splits!r}"
             )
         checked = super()._check_forward(layer, query, key, value, kv_cache, attn_metadata, output)
-        transform = getattr(layer, "key_transform", None)
-        rope = None if transform is None else transform.rope
-        longest = max(checked.seq_lens, default=0)
-        if rope is not None and longest > rope.max_positions:
-            raise ValueError(
-                f"seq_lens: expected at most {rope.max_positions} tokens (the layer's RoPE table "
-                f"rows), got {longest}"
-            )
         device = checked.key_cache.device
         if device.type != "cuda" and not triton_interpreted():
             raise ValueError(
@@ -154,9 +144,7 @@ class TritonAttentionImpl(ReferenceAttentionImpl):
         output = checked.output
         rows = attn_metadata.num_actual_tokens
         k_layout, v_layout = self._fitting_scale_layouts(checked.key_cache.shape[1])
-        rebuild = KeyRebuild.of(
-            layer, attn_metadata.block_table, len(checked.seq_lens), checked.k_scale, self._is_nvfp4
-        )
+        rebuild = self._key_rebuild(checked, attn_metadata.block_table)
         plan_paged_attention(
             target[:rows],
             query[:rows],

@@ -24,7 +24,8 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from vllm.config.cache import validate_cache_dtype
-from vllm.kv_quant.formats import AUTO, lookup
+from vllm.kv_quant.encoding import KVCacheEncoding
+from vllm.kv_quant.formats import AUTO, find_format, format_for_storage
 from vllm.utils.torch_utils import get_dtype_size
 from vllm.v1.attention.backends.abstract import (
     AttentionBackend,
@@ -66,10 +67,11 @@ def spec_cache_dtype_str(spec: KVCacheSpec, cache_dtype: str | None = None) -> s
     """The ``cache_dtype_str`` a backend gets for ``spec``.
 
     The spec is the per-layer truth (layers kept unquantized by ``kv_cache_dtype_skip_layers``
-    say so in their spec), read through its registry format (``spec.kv_cache_format``): NVFP4 →
-    ``"nvfp4"``, FP8 → ``cache_dtype`` when it names an FP8 variant else ``"fp8"``,
-    unquantized → ``"auto"``; MLA specs with ``cache_dtype_str`` (e.g. ``"fp8_ds_mla"``) → that
-    string.
+    say so in their spec), read through its encoding's format (``spec.kv_cache_format``): a
+    format the encoding names beyond ``(kv_quant_mode, dtype)`` → its name (``fp8_e5m2``,
+    ``nvfp4_mse``); else the format of ``cache_dtype`` (a dtype string or encoding id) when it
+    has the spec's quantization, else the primary name (``"fp8"``, ``"nvfp4"``); unquantized →
+    ``"auto"``; MLA specs with ``cache_dtype_str`` (e.g. ``"fp8_ds_mla"``) → that string.
     """
     mla_str = getattr(spec, "cache_dtype_str", None)
     if mla_str is not None:
@@ -77,8 +79,12 @@ def spec_cache_dtype_str(spec: KVCacheSpec, cache_dtype: str | None = None) -> s
     if not isinstance(spec, AttentionSpec) or not spec.kv_cache_format.is_quantized:
         return AUTO.name
     fmt = spec.kv_cache_format
-    if cache_dtype is not None and lookup(cache_dtype).quant_mode == fmt.quant_mode:
-        return cache_dtype  # the variant the request named (a spec does not record it)
+    if fmt is not format_for_storage(fmt.quant_mode, spec.dtype):
+        return fmt.name  # the spec's encoding names its format (fp8_e5m2, nvfp4_mse)
+    if cache_dtype is not None:
+        named = KVCacheEncoding.parse(cache_dtype, "cache_dtype").format
+        if named.quant_mode == fmt.quant_mode:  # the variant the request named
+            return cache_dtype if find_format(cache_dtype) is named else named.name
     return fmt.accepted_names[0]  # the format's primary name: "fp8" for FP8
 
 
@@ -266,7 +272,8 @@ def _attention_view(
     cache_dtype: str | None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     page_bytes = spec.page_size_bytes
-    real_bytes = spec.real_page_size_bytes
+    sink_bytes = spec.sink_bytes_per_page
+    real_bytes = spec.real_page_size_bytes - sink_bytes  # the K and V rows
     storage = spec.storage_block_size
     num_blocks = raw.numel() // page_bytes
     blocks_per_kv_block = storage // kernel_block_size
@@ -277,7 +284,13 @@ def _attention_view(
     itemsize = get_dtype_size(dtype)
     what = f"layer {layer_name!r}"
 
-    if page_bytes != real_bytes and blocks_per_kv_block > 1:
+    if sink_bytes and blocks_per_kv_block > 1:
+        raise ValueError(
+            f"{what}: a page with {sink_bytes} bytes of key sink rows cannot be split into "
+            f"{blocks_per_kv_block} kernel blocks of {kernel_block_size} slots (the rows belong "
+            "to the whole page). Use a kernel block size equal to the block size"
+        )
+    if page_bytes != real_bytes + sink_bytes and blocks_per_kv_block > 1:
         raise ValueError(
             f"{what}: a padded page ({page_bytes} bytes for {real_bytes} bytes of data) cannot "
             f"be split into {blocks_per_kv_block} kernel blocks of {kernel_block_size} slots "

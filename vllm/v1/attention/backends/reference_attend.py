@@ -1,0 +1,77 @@
+"""The reference backend's torch pieces: the compiled writer when it is built, gathering a
+sequence's pages, and fp32 attention over gathered keys and values."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["attend_fp32", "compiled_writer", "gather_pages"]
+
+
+def gather_pages(side: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """Copy pages ``pages`` of a cache side ``(B, N, H, F)`` into a new ``(p, N, H, F)`` tensor
+    whose pages keep the side's byte order within a page (NHD or HND), so that the NVFP4
+    ``[data | scales]`` split still applies."""
+    inner = sorted(range(1, 4), key=lambda d: (side.shape[d] != 1, side.stride(d)), reverse=True)
+    perm = [0, *inner]
+    gathered = side.permute(perm).index_select(0, pages)
+    return gathered.permute([perm.index(d) for d in range(4)])
+
+
+def compiled_writer() -> Any | None:
+    """``vllm._custom_ops.reshape_and_cache_flash`` when the extension is built, else None."""
+    try:
+        from vllm import _custom_ops as ops
+
+        fn = getattr(ops, "reshape_and_cache_flash", None)
+        if fn is None:
+            return None
+        if getattr(ops, "is_available", None) is not None and not ops.is_available():
+            return None
+        return fn
+    except (ImportError, OSError, RuntimeError):
+        return None
+
+
+def attend_fp32(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    key_pos: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool,
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """fp32 attention of ``q [q, Hq, D]`` at positions ``q_pos`` over ``k [k, Hkv, D]``,
+    ``v [k, Hkv, Dv]`` at ``key_pos``: GQA (query head ``h`` reads KV head
+    ``h // (Hq // Hkv)``), causal and sliding-window masks (the query at ``p`` sees keys in
+    ``(p - W, p]``), a logits soft cap, and per-head logit ``sinks`` added to each softmax
+    denominator. Returns ``[q, Hq, Dv]`` fp32."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.to(torch.float32), k) * scale
+    if logits_soft_cap is not None:
+        scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+    delta = q_pos[:, None] - key_pos[None, :]  # query position - key position
+    allowed = torch.ones_like(delta, dtype=torch.bool)
+    if causal:
+        allowed &= delta >= 0
+    if sliding_window is not None:
+        allowed &= delta < sliding_window
+        if not causal:
+            allowed &= delta > -sliding_window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(device=scores.device, dtype=torch.float32)
+        sink = sink[:, None, None].expand(-1, scores.shape[1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
