@@ -19,6 +19,8 @@ from vllm.kv_quant import (
 from vllm.kv_quant.formats import lookup
 
 HAS_CUDA = torch.cuda.is_available()
+# One launch of a Triton kernel as a spy records it: (grid, arguments, keyword arguments).
+Launch = tuple[tuple[int, ...], tuple, dict]
 SOURCE_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 EXPLICIT_UNQUANTIZED = {
     "float16": torch.float16,

@@ -30,6 +30,7 @@ from .cache_utils import (
     KIND_AND_DTYPE,
     SOURCE_DTYPES,
     Case,
+    Launch,
     _id,
     _rebased,
     assert_bytes_equal,
@@ -262,31 +263,18 @@ def test_triton_special_values(device: str, kind: str, sink_scale: list[float]) 
 
 @triton_only
 @pytest.mark.parametrize("kind", ["nvfp4", "int8_per_token_head"])
-def test_compile_case_is_the_launch(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compile_case_is_the_launch(kind: str, launches: list[Launch]) -> None:
     """A ``key_sinks`` AOT compile case (tools/compile_triton_kernels.py) compiles what a launch
     into a cache of its geometry with one sink row per page after the K and V rows runs."""
     if not INTERPRETED:
         pytest.skip("launches CPU tensors through Triton's interpreter")
-    seen = []
-    kernel = writer.reshape_and_cache_flash_kernel
-
-    class Spy:
-        def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
-            def launch(*args: object, **kwargs: object) -> None:
-                seen.append((grid, args, kwargs))
-                kernel[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(writer, "reshape_and_cache_flash_kernel", Spy())
     sc = make_sink_case("cpu", kind, torch.bfloat16, num_blocks=2, block_size=cases.CASE_BLOCK_SIZE,
                         num_heads=cases.CASE_HEADS, head_size=cases.CASE_HEAD_SIZE,
                         sink_rows=cases.CASE_SINK_ROWS, num_tokens=1, padding=0, skip_every=0,
                         row_padding=0)  # fmt: skip
     sc.case.k_scale_layout = "interleave4"
     run_triton(sc)
-    monkeypatch.undo()
-    [(grid, args, kwargs)] = seen
+    [(grid, args, kwargs)] = launches
     constexprs = {k: v for k, v in kwargs.items() if k not in ("num_warps", "enable_fp_fusion")}
     name = f"key_sinks/{kind}/interleave4" if kind == "nvfp4" else f"key_sinks/{kind}"
     launched = cases._case(name, writer.WriterLaunch(grid, args, constexprs, kwargs["num_warps"]))

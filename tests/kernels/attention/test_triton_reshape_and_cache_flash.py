@@ -34,6 +34,7 @@ from .cache_utils import (
     KIND_AND_DTYPE,
     SOURCE_DTYPES,
     Case,
+    Launch,
     _id,
     _rebased,
     assert_bytes_equal,
@@ -260,27 +261,6 @@ def test_odd_shapes(
         row_padding=7, hnd=block_size == 3,
     )  # fmt: skip
     check_triton(case)
-
-
-Launch = tuple[tuple[int, ...], tuple, dict]
-
-
-@pytest.fixture
-def launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
-    """The writer kernel's launches (grid, arguments, keyword arguments) while the test runs."""
-    seen: list[Launch] = []
-    kernel = writer.reshape_and_cache_flash_kernel
-
-    class Spy:
-        def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
-            def launch(*args: object, **kwargs: object) -> None:
-                seen.append((grid, args, kwargs))
-                kernel[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(writer, "reshape_and_cache_flash_kernel", Spy())
-    return seen
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
