@@ -317,8 +317,8 @@ def reshape_and_cache_flash(
     (:func:`vllm.kv_quant.key_sinks.write_key_sinks`'s bytes).
 
     ``debug_checks`` (default: env ``VLLM_KV_DEBUG_CHECKS=1``) checks on the host that the
-    scales of a quantized cache are finite and > 0 before the op runs; on CUDA this syncs
-    (per-token-head caches store their own scales and ignore these).
+    scales of a quantized cache (per-token-head caches store their own and ignore these) and
+    ``key_sink_scale`` are finite and > 0 before the op runs; on CUDA this syncs.
     """
     check_kernel_support(kv_cache_dtype)
     if debug_checks is None:
@@ -327,6 +327,8 @@ def reshape_and_cache_flash(
     if debug_checks and fmt is not None and fmt.is_quantized and not fmt.is_per_token_head:
         _check_scale_values("k_scale", k_scale, kv_cache_dtype)
         _check_scale_values("v_scale", v_scale, kv_cache_dtype)
+    if debug_checks and key_sink_scale is not None:
+        _check_scale_values("key_sink_scale", key_sink_scale, kv_cache_dtype)
     torch.ops._C_cache_ops.reshape_and_cache_flash(
         key,
         value,

@@ -38,6 +38,9 @@ void reshape_and_cache_flash_cpu(const at::Tensor& key, const at::Tensor& value,
     check_scale_values(k_scale, "k_scale", kv_cache_dtype);
     check_scale_values(v_scale, "v_scale", kv_cache_dtype);
   }
+  if (key_sink_scale.has_value()) {  // the sink rows divide by it whatever the format
+    check_scale_values(*key_sink_scale, "key_sink_scale", kv_cache_dtype);
+  }
   cpu::reshape_and_cache_flash(p, [](int64_t begin, int64_t end, int64_t grain, const auto& fn) {
     dynamic_parallel_for(begin, end, grain, fn);
   });

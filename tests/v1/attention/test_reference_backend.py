@@ -237,6 +237,46 @@ def test_sinks_soft_cap_scale_output_buffer_and_write_path() -> None:
     torch.testing.assert_close(output[:13].double(), ref, rtol=1e-5, atol=1e-6)
 
 
+BAD_CODEC_WRITES = [
+    ("value_heads", "value", lambda x: x[:, :1], r"value: expected shape \[T_pad = 5, 2, 16\]"),
+    ("value_tokens", "value", lambda x: x[:4], r"value: expected shape \[T_pad = 5, 2, 16\]"),
+    ("value_dtype", "value", lambda x: x.double(), "value: expected dtype float32, float16 or"),
+    ("v_scale", "v_scale", lambda s: torch.ones(3), "v_scale"),
+]
+
+
+CODEC_WRITE_CASES = [
+    pytest.param(dtype, *case[1:], id=f"{dtype}-{case[0]}")
+    for dtype in ("float32", "fp8_e4m3", "nvfp4")
+    for case in BAD_CODEC_WRITES
+    if not (dtype == "float32" and case[1] == "v_scale")  # an unquantized cache reads none
+]
+
+
+@pytest.mark.parametrize(("cache_dtype", "field", "make", "message"), CODEC_WRITE_CASES)
+def test_reference_codec_write_checks_both_sides_before_writing(
+    cache_dtype: str, field: str, make, message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the extension the impl writes through the reference codecs, K then V: a bad
+    ``value`` or ``v_scale`` is refused before the keys are written."""
+    from vllm.v1.attention.backends import reference
+
+    monkeypatch.setattr(reference, "compiled_writer", lambda: None)
+    g = torch.Generator().manual_seed(5)
+    cache = make_cache("cpu", cache_dtype, 2, 16, block_size=4, num_blocks=3)
+    impl = ReferenceAttentionImpl(2, 16, num_kv_heads=2, kv_cache_dtype=cache_dtype)
+    key, value = torch.randn(2, 5, 2, 16, generator=g)
+    layer = AttentionLayerScales(torch.tensor(0.05), torch.tensor(0.05))
+    if field == "value":
+        value = make(value)
+    else:
+        layer = AttentionLayerScales(layer._k_scale, make(layer._v_scale))
+    before = cache.clone()
+    with pytest.raises(ValueError, match=message):
+        impl.do_kv_cache_update(layer, key, value, cache, torch.arange(5))
+    assert torch.equal(cache, before)
+
+
 def test_default_scale_and_non_causal() -> None:
     g = torch.Generator().manual_seed(6)
     cache = make_cache("cpu", "float32", 1, 16, block_size=4, num_blocks=3)

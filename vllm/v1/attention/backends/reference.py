@@ -31,7 +31,12 @@ from vllm.v1.attention.backends.abstract import (
     paged_kv_cache_shape,
 )
 from vllm.v1.attention.backends.key_rebuild import KeyRebuild, key_positions, key_sink_rows
-from vllm.v1.attention.backends.reference_attend import attend_fp32, compiled_writer, gather_pages
+from vllm.v1.attention.backends.reference_attend import (
+    attend_fp32,
+    check_codec_write,
+    compiled_writer,
+    gather_pages,
+)
 from vllm.v1.attention.backends.reference_metadata import (
     CheckedForward,
     ReferenceAttentionMetadata,
@@ -349,8 +354,10 @@ class ReferenceAttentionImpl(AttentionImpl):
                 key_sink_scale=sink_scale,
             )
             return
-        # The reference codecs (no extension built).
+        # The reference codecs (no extension built), each side checked before the first writes.
         codec = self.kv_cache_encoding.codec
+        sizes, scales = (self.head_size, self.head_size_v), (layer._k_scale, layer._v_scale)
+        check_codec_write(key, value, sizes, key_cache, scales if codec.reads_kv_scale else None)
         codec.write(key, key_cache, slot_mapping, layer._k_scale, k_layout)
         codec.write(value, value_cache, slot_mapping, layer._v_scale, v_layout)
         if sink_rows is not None:
@@ -543,12 +550,8 @@ class ReferenceAttentionImpl(AttentionImpl):
         ``output`` when given; rows past ``num_actual_tokens`` untouched).
         """
         checked = self._begin_forward(layer, query, key, value, kv_cache, attn_metadata, output)
-        query, key_cache, value_cache, output = (
-            checked.query,
-            checked.key_cache,
-            checked.value_cache,
-            checked.output,
-        )
+        query, output = checked.query, checked.output
+        key_cache, value_cache = checked.key_cache, checked.value_cache
         k_scale, v_scale = checked.k_scale, checked.v_scale
         qsl, seq_lens = checked.query_start_loc, checked.seq_lens
         device = key_cache.device

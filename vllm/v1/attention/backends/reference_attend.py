@@ -7,7 +7,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["attend_fp32", "compiled_writer", "gather_pages"]
+from vllm.kv_quant.kv_scale import kv_scale_as_1d
+
+__all__ = ["attend_fp32", "check_codec_write", "compiled_writer", "gather_pages"]
+
+_SOURCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def gather_pages(side: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
@@ -33,6 +37,35 @@ def compiled_writer() -> Any | None:
         return fn
     except (ImportError, OSError, RuntimeError):
         return None
+
+
+def check_codec_write(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    head_sizes: tuple[int, int],
+    cache: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None,
+) -> None:
+    """What the reference codecs would find only after writing the keys, checked before any
+    byte (the compiled writer checks everything first itself): ``key [T_pad, H, D]`` and
+    ``value [T_pad, H, Dv]`` in one float dtype on the cache's device, ``H`` the cache's
+    heads; ``scales`` (``k_scale``, ``v_scale``; None where the format reads none) by the
+    scale rule."""
+    heads = cache.shape[2]
+    for name, x, size in (("key", key, head_sizes[0]), ("value", value, head_sizes[1])):
+        tokens = "T_pad" if name == "key" else f"T_pad = {key.shape[0]}"
+        if list(x.shape[1:]) != [heads, size] or x.shape[0] != key.shape[0]:
+            raise ValueError(f"{name}: expected shape [{tokens}, {heads}, {size}], got "
+                             f"{list(x.shape)}")  # fmt: skip
+        if x.dtype not in _SOURCE_DTYPES or x.dtype != key.dtype:
+            raise ValueError(
+                f"{name}: expected dtype float32, float16 or bfloat16 (the key's), got {x.dtype}"
+            )
+        if x.device != cache.device:
+            raise ValueError(f"{name}: expected device {cache.device} (the cache's), got "
+                             f"{x.device}")  # fmt: skip
+    for name, scale in zip(("k_scale", "v_scale"), scales or (), strict=False):
+        kv_scale_as_1d(scale, name, heads)
 
 
 def attend_fp32(
