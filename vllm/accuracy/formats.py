@@ -30,6 +30,7 @@ computed by the writer (:mod:`vllm.kv_quant.per_token_head`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -114,7 +115,8 @@ class CacheFormat:
 
     @classmethod
     def of(cls, encoding: KVCacheEncoding) -> CacheFormat:
-        """The format under test of ``encoding`` (its RoPE identity aside)."""
+        """The format under test of ``encoding`` (its RoPE identity aside; the harness writes
+        one NVFP4 block-scale layout for K and V, the encoding's K layout)."""
         key = encoding.key
         return cls(
             encoding.format.name,
@@ -126,9 +128,10 @@ class CacheFormat:
             key.sink_tokens,
         )
 
-    @property
+    @cached_property
     def encoding(self) -> KVCacheEncoding:
-        """The encoding under test (``ValueError`` where the fields do not go together)."""
+        """The encoding under test (``ValueError`` where the fields do not go together); built
+        once."""
         granularity = ScaleGranularity.HEAD if self.per_head else None
         return KVCacheEncoding(
             lookup(self.kv_cache_dtype),

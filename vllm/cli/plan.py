@@ -22,7 +22,8 @@ from vllm.cli.output import deliver
 from vllm.cli.plan_model import check_tp_fits_heads, load_model_argument, planner_usage_error
 from vllm.cli.plan_report import REFERENCE_DTYPE, plan_report
 from vllm.cli.plan_text import render_text
-from vllm.kv_quant.encoding import ENCODING_GRAMMAR, KVCacheEncoding
+from vllm.config.cache import validate_cache_dtype
+from vllm.kv_quant.encoding import ENCODING_GRAMMAR
 from vllm.kv_quant.formats import BFLOAT16, quant_mode_formats
 from vllm.model_presets import DEFAULT_PRESET, available_presets, load_preset
 from vllm.v1.core.cache_dtype_comparison import compare_cache_dtypes
@@ -94,10 +95,9 @@ def _memory_arg(text: str) -> int:
 def _encoding_arg(text: str) -> str:
     """A dtype string or encoding id (the encoding's grammar), returned as given."""
     try:
-        KVCacheEncoding.parse(text, include_mla_only=False)
+        return validate_cache_dtype(text, "kv_cache_dtype")
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("kv_cache_dtype: ")) from exc
-    return text
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, TypeVar, get_args, overload, runtime_checkable
+from typing import Any, Literal, Protocol, TypeVar, get_args, overload, runtime_checkable
 
 import torch
 
@@ -110,14 +110,15 @@ def _handler_format(name: str, handler: KVCacheDTypeHandler) -> KVCacheFormat:
             template = format_for_storage(mode, dtype)
         except ValueError:
             template = None
-    if template is None:
-        return KVCacheFormat(
-            name=name,
-            accepted_names=(name,),
-            storage_dtype=dtype,
-            quant_mode=mode,
-            label=name,
-            has_kernel=False,
+    # A handler of a built-in mode and dtype stores that format's rows (no scale search).
+    layout: dict[str, Any] = {}
+    if template is not None:
+        layout = dict(
+            row_dim=template.row_dim,
+            fp8_variant=template.fp8_variant,
+            block_scale_group=template.block_scale_group,
+            scale_layouts=template.scale_layouts,
+            cache_kind=template.cache_kind,
         )
     return KVCacheFormat(
         name=name,
@@ -125,11 +126,7 @@ def _handler_format(name: str, handler: KVCacheDTypeHandler) -> KVCacheFormat:
         storage_dtype=dtype,
         quant_mode=mode,
         label=name,
-        row_dim=template.row_dim,
-        fp8_variant=template.fp8_variant,
-        block_scale_group=template.block_scale_group,
-        scale_layouts=template.scale_layouts,
-        cache_kind=template.cache_kind,
+        **layout,
         has_kernel=False,
     )
 

@@ -24,7 +24,6 @@ fingerprint (so a file is never read for another encoding) and every value (fini
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from typing import Any
 
 import torch
 
-from vllm.kv_quant.encoding import KVCacheEncoding, RopeIdentity
+from vllm.kv_quant.encoding import KVCacheEncoding, RopeIdentity, canonical_sha256
 
 __all__ = ["CALIBRATION_FILE_FORMAT", "KVCacheCalibration", "LayerCalibration"]
 
@@ -160,8 +159,7 @@ class KVCacheCalibration:
     def fingerprint(self) -> str:
         """Hex of the first 16 bytes of the SHA-256 of the file's canonical JSON: equal exactly
         when the encoding and every calibrated value are."""
-        text = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(text.encode()).hexdigest()[:32]
+        return canonical_sha256(self.to_json()).hex()[:32]
 
     def save(self, path: str | Path) -> None:
         """Write the file (module docstring); the parent directory must exist."""

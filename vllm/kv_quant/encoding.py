@@ -32,8 +32,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-import torch
-
 from vllm.kv_quant.codecs import KVCodec, codec_for
 from vllm.kv_quant.formats import KVCacheFormat, cache_dtype_names, find_format, formats, lookup
 from vllm.kv_quant.fp8 import FP8_E4M3_MAX
@@ -47,6 +45,7 @@ __all__ = [
     "RopeIdentity",
     "ScaleGranularity",
     "ENCODING_GRAMMAR",
+    "canonical_sha256",
     "ENCODING_OPTION",
 ]
 
@@ -77,13 +76,11 @@ class RopeIdentity:
     rotary_dim: int
     is_neox_style: bool
     table_digest: str
-    """Hex SHA-256 (first 16 bytes) of the table's fp32 bytes, row-major."""
+    """:attr:`KeyRope.table_digest`."""
 
     @classmethod
     def of(cls, rope: KeyRope) -> RopeIdentity:
-        table = rope.cos_sin.detach().to("cpu", torch.float32).contiguous()
-        digest = hashlib.sha256(table.numpy().tobytes()).hexdigest()[:32]
-        return cls(rope.rotary_dim, rope.is_neox_style, digest)
+        return cls(rope.rotary_dim, rope.is_neox_style, rope.table_digest)
 
 
 @dataclass(frozen=True)
@@ -175,7 +172,6 @@ class KVCacheEncoding:
         if fmt is None:
             if dtype == raw:
                 lookup(dtype, arg_name, include_mla_only=include_mla_only)  # its error
-            fmt = None
         elif dtype == raw:
             return cls(fmt)
         sinks = [m for o in options if (m := _SINK_OPTION.fullmatch(o))]
@@ -378,10 +374,6 @@ class KVCacheEncoding:
         return self.granularity is ScaleGranularity.HEAD
 
     @property
-    def has_key_sinks(self) -> bool:
-        return self.key.sink_tokens > 0
-
-    @property
     def sink_scale_multiplier(self) -> float:
         """The sink rows' FP8 e4m3 scale over the layer's K scale: ``scale_max / 448`` (1 for
         FP8 e4m3, 6 for NVFP4, 128 for e5m2), so that the rows span the amax the K scale was
@@ -456,8 +448,14 @@ class KVCacheEncoding:
     def fingerprint(self) -> str:
         """Hex of the first 16 bytes of the SHA-256 of :meth:`describe`'s canonical JSON: equal
         exactly when two encodings write the same bytes for the same inputs."""
-        canonical = json.dumps(self.describe(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(canonical.encode()).hexdigest()[:32]
+        return canonical_sha256(self.describe()).hex()[:32]
+
+
+def canonical_sha256(value: Any) -> bytes:
+    """SHA-256 (32 bytes) of ``value``'s canonical JSON (sorted keys, no spaces): the same in
+    every process for equal JSON-able values, the digest behind every fingerprint here."""
+    canonical = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).digest()
 
 
 def _default_granularity(fmt: KVCacheFormat) -> ScaleGranularity:

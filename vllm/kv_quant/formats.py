@@ -15,9 +15,10 @@ The compiled op parses ``kv_cache_dtype`` strings itself (upstream engines call
 ``tests/kv_quant/test_formats.py`` pins the two tables equal, and :func:`kernel_cache_kind`
 is the one check that rejects a registered format the kernels do not write.
 
-This module sits at the bottom of the dependency graph: it imports torch and nothing from vllm.
-How a layer encodes its cache beyond the dtype (scales, layouts, key transforms, sinks) is
-:class:`vllm.kv_quant.encoding.KVCacheEncoding`, built on these entries.
+This module sits at the bottom of the dependency graph: it imports torch and, from vllm, only
+the enums of :mod:`vllm.kv_quant.modes`. How a layer encodes its cache beyond the dtype
+(scales, layouts, key transforms, sinks) is :class:`vllm.kv_quant.encoding.KVCacheEncoding`,
+built on these entries.
 """
 
 from __future__ import annotations

@@ -4,9 +4,8 @@ A key's post-RoPE value rotates its channel pairs by angles that grow with the t
 so a channel whose mean is large before RoPE spins around zero after it: the per-channel key
 offset of docs/design.md §5.5 then removes only what does not spin. Stored before RoPE (offset
 subtracted, quantized), a key is rebuilt by the reader as ``rope(p)(dequantized + offset)`` at
-its position ``p`` in the sequence. On SmolLM2-135M this, with the first key of each sequence
-kept in FP8 (:mod:`vllm.kv_quant.key_sinks`), takes NVFP4 (offset, scale search) from +4.6% /
-+2.9% perplexity over the bf16 cache to +0.8% / +1.9% on the two texts of docs/accuracy.md.
+its position ``p`` in the sequence (with FP8 key sinks, :mod:`vllm.kv_quant.key_sinks`, what
+brings NVFP4 within 2% of bf16 perplexity in docs/accuracy.md).
 
 The table follows the usual ``cos_sin_cache`` layout: row ``p`` holds ``cos(p f_i)`` for the
 ``rotary_dim / 2`` frequencies ``f_i``, then ``sin(p f_i)``. Neox style pairs channels
@@ -18,7 +17,9 @@ or subtract, no fused multiply-add) from the same table.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -71,6 +72,13 @@ class KeyRope:
         if self.cos_sin.device == torch.device(device):
             return self
         return KeyRope(self.cos_sin.to(device), self.is_neox_style)
+
+    @cached_property
+    def table_digest(self) -> str:
+        """Hex SHA-256 (first 16 bytes) of the table's fp32 bytes, row-major: computed once
+        per instance (the table is fixed), as encodings compare RoPE identities often."""
+        table = self.cos_sin.detach().to("cpu").contiguous()
+        return hashlib.sha256(table.numpy().tobytes()).hexdigest()[:32]
 
     @property
     def rotary_dim(self) -> int:

@@ -1,6 +1,6 @@
 """What a cache does to keys before writing them and to queries before reading: an optional
-RoPE undone, an optional key offset, an optional Hadamard rotation and optional FP8 key sinks
-(docs/design.md §5.5), one definition for every user. The encoding's key spec
+RoPE undone, an optional key offset and an optional Hadamard rotation (docs/design.md §5.5),
+one definition for every user. The encoding's key spec
 (:class:`~vllm.kv_quant.encoding.KeySpec`) says which; :meth:`KeyTransform.bind` adds the
 calibrated offset and the model's RoPE table, and the attention impl applies the result.
 
@@ -9,14 +9,13 @@ the reader rotates the query alike: scores are kept by the rotation and moved by
 ``q . offset`` per query by the offset, which softmax ignores. With RoPE (keys stored before
 it, :mod:`vllm.kv_quant.key_rope`) the reader rebuilds each key instead
 (:meth:`KeyTransform.rebuild_key`): rotated back, offset added, RoPE applied at the key's
-position. Key sinks (:mod:`vllm.kv_quant.key_sinks`) replace the first ``sink_tokens`` stored
-keys of each sequence by their FP8 copies before that. The page bytes stay in the format's own
-encoding.
+position. The page bytes stay in the format's own encoding; key sinks (the encoding's
+``sink_tokens``, :mod:`vllm.kv_quant.key_sinks`) are FP8 copies of stored keys, so they are not
+part of the transform.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -33,13 +32,11 @@ class KeyTransform:
     """``rotation``: ``None`` or ``"hadamard"``; ``offset``: ``None`` or fp32 ``[H, D]``
     subtracted from every key (e.g. :meth:`vllm.kv_quant.KVScaleObserver.key_mean`; with
     ``rope``, of the pre-RoPE keys); ``rope``: ``None`` or the model's RoPE, undone before the
-    keys are stored; ``sink_tokens``: keys of the first positions of each page kept in FP8
-    in each page (0: none)."""
+    keys are stored."""
 
     rotation: str | None = None
     offset: torch.Tensor | None = None
     rope: KeyRope | None = None
-    sink_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.rotation not in (None, HADAMARD):
@@ -47,9 +44,6 @@ class KeyTransform:
         if self.rope is not None and not isinstance(self.rope, KeyRope):
             got = type(self.rope).__name__
             raise ValueError(f"key_rope: expected None or a KeyRope, got {got}")
-        sinks = self.sink_tokens
-        if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
-            raise ValueError(f"key_sink_tokens: expected an int >= 0, got {sinks!r}")
         offset = self.offset
         if offset is not None:
             if not isinstance(offset, torch.Tensor) or offset.dim() != 2:
@@ -88,24 +82,12 @@ class KeyTransform:
                 )
         if offset is not None and not key.offset:
             raise ValueError("offset: expected None (the encoding has no +offset), got a tensor")
-        return cls(key.rotation, offset, rope, key.sink_tokens)
+        return cls(key.rotation, offset, rope)
 
     @property
     def is_identity(self) -> bool:
         """Keys and queries pass unchanged."""
-        return (
-            self.rotation is None
-            and self.offset is None
-            and self.rope is None
-            and self.sink_tokens == 0
-        )
-
-    def to(self, device: torch.device | str) -> KeyTransform:
-        """The same transform with its offset and RoPE table on ``device``, so that readers
-        there use them without a copy per call."""
-        offset = None if self.offset is None else self.offset.to(device)
-        rope = None if self.rope is None else self.rope.to(device)
-        return dataclasses.replace(self, offset=offset, rope=rope)
+        return self.rotation is None and self.offset is None and self.rope is None
 
     @property
     def rebuilds_keys(self) -> bool:

@@ -129,9 +129,7 @@ class AttentionSpec(KVCacheSpec):
     @property
     def kv_cache_format(self) -> KVCacheFormat:
         """The registry's format of this cache: its encoding's."""
-        if self.encoding is not None:
-            return self.encoding.format
-        return self._default_format()
+        return self.kv_cache_encoding.format
 
     @property
     def kv_cache_encoding(self) -> KVCacheEncoding:
@@ -142,10 +140,9 @@ class AttentionSpec(KVCacheSpec):
     @property
     def head_bytes_per_token(self) -> int:
         """K plus V bytes of one token of one head."""
-        assert self.head_size_v is not None
-        fmt = self.kv_cache_format
-        row_elements = fmt.last_dim(self.head_size) + fmt.last_dim(self.head_size_v)
-        return row_elements * get_dtype_size(self.dtype)
+        return self.kv_cache_encoding.kv_bytes_per_page(
+            1, 1, self.head_size, self.head_size_v, get_dtype_size(self.dtype)
+        )
 
     @property
     def sink_bytes_per_page(self) -> int:
@@ -155,8 +152,13 @@ class AttentionSpec(KVCacheSpec):
     @property
     def real_page_size_bytes(self) -> int:
         """Bytes of one page without padding: K and V rows, then the key sink rows."""
-        rows = self.block_size * self.num_kv_heads * self.head_bytes_per_token
-        return rows + self.sink_bytes_per_page
+        return self.kv_cache_encoding.page_bytes(
+            self.block_size,
+            self.num_kv_heads,
+            self.head_size,
+            self.head_size_v,
+            get_dtype_size(self.dtype),
+        )
 
     @property
     def page_size_bytes(self) -> int:

@@ -201,6 +201,17 @@ def test_on_a_gpu(kv_cache_dtype: str) -> None:
     assert out.shape == (40, HQ, D) and torch.isfinite(out).all()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cpu_rope_table_moves_to_the_cache_once() -> None:
+    """A model's RoPE table built on the CPU is moved to the cache's device when the cache is
+    built, not copied on every write and read."""
+    cache = AttentionKVCache.create(
+        "nvfp4_mse+offset+prerope+sink", 8, 16, H, D, num_heads=HQ, key_rope=ROPE, device="cuda"
+    )
+    assert cache.key_transform.rope is not None
+    assert cache.key_transform.rope.cos_sin.device.type == "cuda"
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "nvfp4", "fp8_per_token_head"])
 def test_hadamard_key_rotation_keeps_the_attention(kv_cache_dtype: str) -> None:
     k, v, q = _kvq(1)
@@ -333,7 +344,7 @@ def test_pre_rope_keys_need_positions_and_keep_rope_and_sinks_with_an_offset() -
     assert sinks is not None and not sinks.any()  # nothing written
     # the reader adds the offset back: allowed with a soft cap, RoPE and sinks kept
     cache.set_key_offset(torch.ones(H, D))
-    assert cache.key_transform.rope is ROPE and cache.key_transform.sink_tokens == 1
+    assert cache.key_transform.rope is ROPE and cache.encoding.key.sink_tokens == 1
     assert cache.key_sinks.data_ptr() == sinks.data_ptr()  # the same rows, in the pages
     positions = meta.token_positions()
     assert torch.equal(positions, torch.arange(40))

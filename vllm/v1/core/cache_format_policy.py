@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm.kv_quant.encoding import KVCacheEncoding
-from vllm.kv_quant.formats import AUTO, FP8_DS_MLA, FP8_E4M3, format_for_storage
+from vllm.kv_quant.formats import AUTO, FP8_DS_MLA, FP8_E4M3
 from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 from vllm.v1.core.model_layout import STATE_KINDS, LayerDesc
 from vllm.v1.kv_cache_interface import (
@@ -68,13 +68,10 @@ def _attention_kwargs(
 def _kv_page_kwargs(
     layer: LayerDesc, block_size: int, encoding: KVCacheEncoding, model_dtype: str
 ) -> dict[str, Any]:
-    """:func:`_attention_kwargs` of the encoding's format, with the encoding itself when it says
-    more than the default of that quant mode and dtype (so a plain dtype gives upstream's spec)."""
+    """:func:`_attention_kwargs` of the encoding's format, with the encoding itself (a spec
+    equals upstream's when the encoding is its quant mode and dtype's default)."""
     kwargs = _attention_kwargs(layer, block_size, encoding.format.name, model_dtype)
-    default = format_for_storage(kwargs["kv_quant_mode"], kwargs["dtype"])
-    if encoding != KVCacheEncoding(default):
-        kwargs["encoding"] = encoding
-    return kwargs
+    return {**kwargs, "encoding": encoding}
 
 
 def layer_spec(

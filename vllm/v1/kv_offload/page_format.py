@@ -16,16 +16,15 @@ checks the format and the page sizes before any byte reaches its cache.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any
 
 from vllm.kv_quant.calibrated import KVCacheCalibration
-from vllm.kv_quant.encoding import KVCacheEncoding
+from vllm.kv_quant.encoding import KVCacheEncoding, canonical_sha256
 from vllm.utils import check_positive_int
 from vllm.v1.attention.backends.utils import get_kv_cache_layout, validate_kv_cache_layout
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
@@ -52,8 +51,6 @@ def _spec_description(spec: KVCacheSpec) -> dict[str, Any]:
         value = getattr(spec, item.name)
         if isinstance(value, KVCacheEncoding):
             out[item.name] = value.describe()
-        elif is_dataclass(value) and not isinstance(value, type):
-            out[item.name] = _jsonable(asdict(value))
         else:
             out[item.name] = _jsonable(value)
     return out
@@ -200,8 +197,7 @@ class KVPageFormat:
     @property
     def digest(self) -> bytes:
         """SHA-256 (32 bytes) of the canonical JSON of every field."""
-        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(canonical.encode()).digest()
+        return canonical_sha256(asdict(self))
 
     @property
     def fingerprint(self) -> str:

@@ -260,6 +260,8 @@ class AttentionKVCache:
         spec = dataclasses.replace(spec, encoding=encoding)
         cache_dtype = spec_cache_dtype_str(spec, kv_cache_dtype)
         device = torch.device(device)
+        if key_rope is not None:  # once here, not a table copy per write and read
+            key_rope = key_rope.to(device)
         config = KVCacheConfig(
             num_blocks=num_blocks,
             kv_cache_tensors=[KVCacheTensor(num_blocks * spec.page_size_bytes, [_LAYER])],
