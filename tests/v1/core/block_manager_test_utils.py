@@ -102,33 +102,76 @@ class ManagerSim:
         # The last prefix lookup: (pages per group, tokens).
         self.last_hit: tuple[KVCacheBlocks, int] | None = None
 
-    def schedule(self, request: Request, next_token: int = 0, lookahead: int = 0) -> bool:
+    def schedule(
+        self, request: Request, next_token: int = 0, lookahead: int = 0, external: int = 0
+    ) -> bool:
         """One step of ``request`` (prefix lookup first when it is not running): up to
         ``chunk`` tokens are computed (with ``lookahead`` extra speculative slots), and a
-        sampled ``next_token`` is appended once the prompt is done. False (and nothing
-        computed) when the pool is short."""
-        hit_tokens, hit_blocks = 0, None
+        sampled ``next_token`` is appended once the prompt is done. A request that is not
+        running may also get up to ``external`` tokens after its prefix hit from a connector
+        (their K/V arrive computed). False when the pool is short: then nothing was taken (see
+        :meth:`check_nothing_taken`)."""
+        hit_tokens, hit_blocks, num_external = 0, None, 0
         if request.request_id not in self.running:
             hit_blocks, hit_tokens = self.manager.get_computed_blocks(request)
             self.check_hit(request, hit_blocks, hit_tokens)
             self.last_hit = (hit_blocks, hit_tokens)
+            num_external = min(external, request.num_tokens - hit_tokens)
         start = request.num_computed_tokens + hit_tokens
-        num_new = min(self.chunk, request.num_tokens - start)
+        num_new = min(self.chunk, request.num_tokens - start - num_external)
+        before = self.snapshot(request.request_id)
         if (
             self.manager.allocate_slots(
-                request, num_new, hit_tokens, hit_blocks, num_lookahead_tokens=lookahead
+                request,
+                num_new,
+                hit_tokens,
+                hit_blocks,
+                num_lookahead_tokens=lookahead,
+                num_external_computed_tokens=num_external,
             )
             is None
         ):
+            self.check_nothing_taken(request.request_id, before)
             return False
         self.running[request.request_id] = request
         self.num_hit_tokens += hit_tokens
-        self.last_start[request.request_id] = start
-        self._compute(request, start, start + num_new)
-        request.num_computed_tokens = start + num_new
+        end = start + num_external + num_new
+        self.last_start[request.request_id] = start + num_external
+        self._compute(request, start, end)
+        request.num_computed_tokens = end
         if request.num_computed_tokens == request.num_tokens:
             request.append_output_token_ids(next_token)
         return True
+
+    def snapshot(self, request_id: str) -> tuple[int, dict[int, int], list[list[int]]]:
+        """The free count, every page's reference count and the request's block tables."""
+        pool = self.manager.block_pool
+        tables = [
+            [b.block_id for b in single.req_to_blocks.get(request_id, ())]
+            for single in self.manager.coordinator.single_type_managers
+        ]
+        return pool.get_num_free_blocks(), {b.block_id: b.ref_cnt for b in pool.blocks}, tables
+
+    def check_nothing_taken(
+        self, request_id: str, before: tuple[int, dict[int, int], list[list[int]]]
+    ) -> None:
+        """A refused allocation took no page: the request's tables only lost pages that left
+        its window (replaced by the null page, freed before the check), no other page's
+        reference count changed, and the free count did not fall."""
+        free_before, refs_before, tables_before = before
+        free_after, refs_after, tables_after = self.snapshot(request_id)
+        assert free_after >= free_before, "a refused allocation took free pages"
+        null_id = self.manager.block_pool.null_block.block_id
+        left_window = set()
+        for old, new in zip(tables_before, tables_after, strict=True):
+            assert len(new) == len(old), "a refused allocation changed a block table's length"
+            for old_id, new_id in zip(old, new, strict=True):
+                assert new_id in (old_id, null_id), "a refused allocation replaced a page"
+                if new_id != old_id:
+                    left_window.add(old_id)
+        for block_id, ref_cnt in refs_before.items():
+            if block_id not in left_window and block_id != null_id:
+                assert refs_after[block_id] == ref_cnt, f"page {block_id} changed owners"
 
     def _compute(self, request: Request, start: int, end: int) -> None:
         tokens = tuple(request.all_token_ids)

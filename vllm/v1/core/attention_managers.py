@@ -115,7 +115,7 @@ class SinkFullAttentionManager(FullAttentionManager):
                 f"sink_len: expected a positive multiple of block_size={self.block_size} "
                 f"(tokens), got {sink_len}"
             )
-        self.sink_blocks = block_pool.free_block_queue.popleft_n(sink_len // self.block_size)
+        self.sink_blocks = block_pool.reserve_blocks(sink_len // self.block_size)
 
 
 class CrossAttentionManager(SingleTypeKVCacheManager):
@@ -123,7 +123,7 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
     the encoder token count. Encoder outputs are unique per request, so nothing is shared or
     published in the prefix cache; engines run these models with prefix caching disabled."""
 
-    def allocate_new_computed_blocks(
+    def add_local_computed_blocks(
         self,
         request_id: str,
         new_computed_blocks: Sequence[KVCacheBlock],
@@ -135,6 +135,11 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
                 "new_computed_blocks: cross-attention expected no prefix hits, got "
                 f"{len(new_computed_blocks)} pages"
             )
+
+    def allocate_external_computed_blocks(
+        self, request_id: str, num_local_computed_tokens: int, num_external_computed_tokens: int
+    ) -> None:
+        """Connector tokens are decoder tokens; the encoder's pages come with the first step."""
 
     def cache_blocks(
         self, request: Request, num_tokens: int, alignment_tokens: int | None = None

@@ -124,6 +124,8 @@ class BlockPool:
         # Block 0 is taken out for good; its ref_cnt is not maintained.
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
+        # Pages out of circulation for good without a request holding them (attention sinks).
+        self.num_reserved_blocks = 0
         self.enable_kv_cache_events = enable_kv_cache_events
         self.kv_event_queue: list[KVCacheEvent] = []
         self.metrics_collector = metrics_collector
@@ -239,6 +241,22 @@ class BlockPool:
             )
         )
 
+    def reserve_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take ``num_blocks`` pages out of the pool for good, for data every request shares
+        (attention-sink tokens). No request holds them, so :meth:`reset_prefix_cache` does not
+        count them as in use. ValueError when too few are free."""
+        if num_blocks > self.free_block_queue.num_free_blocks:
+            raise ValueError(
+                f"num_blocks: expected at most the {self.free_block_queue.num_free_blocks} free "
+                f"pages, got {num_blocks}"
+            )
+        reserved = self.free_block_queue.popleft_n(num_blocks)
+        for block in reserved:
+            if block.block_hash is not None:
+                self._maybe_evict_cached_block(block)
+        self.num_reserved_blocks += num_blocks
+        return reserved
+
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take ``num_blocks`` blocks from the front of the free queue (ref_cnt 1 each),
         evicting any cached hash they still carry. ValueError when too few are free."""
@@ -316,8 +334,10 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash, if no block is in use (False, with a warning, if some
-        are)."""
-        num_used = self.num_gpu_blocks - self.get_num_free_blocks() - 1  # minus the null block
+        are). The null page and reserved pages are not in use."""
+        num_used = (
+            self.num_gpu_blocks - self.get_num_free_blocks() - 1 - self.num_reserved_blocks
+        )
         if num_used != 0:
             logger.warning(
                 "Failed to reset prefix cache because some blocks (%d) are not freed yet",

@@ -141,10 +141,21 @@ class KVCacheCoordinator(ABC):
         num_local_computed_tokens: int,
         num_external_computed_tokens: int,
     ) -> None:
-        """Hand each group its prefix-hit pages (and pages for connector tokens)."""
-        for manager, blocks in zip(self.single_type_managers, new_computed_blocks, strict=True):
-            manager.allocate_new_computed_blocks(
+        """Hand each group its prefix-hit pages, then pages for connector tokens. Every
+        group's hits are referenced before any group takes fresh pages: a fresh page may be an
+        unreferenced cached one, and evicting another group's hit would put one page in two
+        groups."""
+        managers = self.single_type_managers
+        if any(request_id in manager.num_cached_block for manager in managers):
+            assert not any(new_computed_blocks), "a running request cannot take new prefix hits"
+            return
+        for manager, blocks in zip(managers, new_computed_blocks, strict=True):
+            manager.add_local_computed_blocks(
                 request_id, blocks, num_local_computed_tokens, num_external_computed_tokens
+            )
+        for manager in managers:
+            manager.allocate_external_computed_blocks(
+                request_id, num_local_computed_tokens, num_external_computed_tokens
             )
 
     def allocate_new_blocks(

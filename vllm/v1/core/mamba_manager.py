@@ -124,10 +124,16 @@ class MambaManager(SingleTypeKVCacheManager):
         num_required = cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks
         num_held = len(self.req_to_blocks.get(request_id, ()))
         num_new = 0
+        if num_held == 0:
+            # A new request first gets a page for the state after the connector's tokens
+            # (allocate_external_computed_blocks), past its hit and the skipped tokens.
+            num_skipped_blocks = max(total_computed_tokens - 1, 0) // self.block_size
+            num_covered = max(num_skipped_blocks, len(new_computed_blocks))
+            num_new = max(cdiv(total_computed_tokens, self.block_size) - num_covered, 0)
         if num_required > len(new_computed_blocks) + num_held:
             # A running request reuses its speculative pages and needs one new state page; a
             # new one needs the state page and the speculative pages.
-            num_new = 1
+            num_new += 1
             if request_id not in self._allocated_block_reqs:
                 num_new += self.num_speculative_blocks
         return num_new + self._get_num_evictable_blocks(new_computed_blocks)

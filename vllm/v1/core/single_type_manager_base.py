@@ -150,23 +150,33 @@ class SingleTypeKVCacheManager(ABC):
         num_local_computed_tokens: int,
         num_external_computed_tokens: int,
     ) -> None:
-        """Give a new request its prefix-hit pages (referenced so they are not evicted), with
-        null pages for hits outside the attention window, and fresh pages for the connector's
-        ``num_external_computed_tokens`` tokens that the window still needs."""
+        """Give a new request its prefix-hit pages, then fresh pages for the connector's
+        tokens (both halves below). With several groups the coordinator runs the halves in two
+        passes, every group's hits first."""
         if request_id in self.num_cached_block:
             assert not new_computed_blocks, "a running request cannot take new prefix hits"
             return
+        self.add_local_computed_blocks(
+            request_id, new_computed_blocks, num_local_computed_tokens, num_external_computed_tokens
+        )
+        self.allocate_external_computed_blocks(
+            request_id, num_local_computed_tokens, num_external_computed_tokens
+        )
+
+    def add_local_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None:
+        """Give a new request its prefix-hit pages (referenced, so no allocation can evict
+        them), with null pages for hits outside the attention window."""
         req_blocks = self.req_to_blocks.setdefault(request_id, [])
         assert not req_blocks, f"request {request_id!r} holds pages but is not running"
         num_total = num_local_computed_tokens + num_external_computed_tokens
-        num_skipped = max(self.get_num_skipped_tokens(num_total), 0)
-        num_skipped_blocks = num_skipped // self.block_size
-        if num_skipped_blocks > 0:
-            new_computed_blocks = new_computed_blocks[num_skipped_blocks:]
-            # The window may also start inside the connector's tokens.
-            num_external_computed_tokens = min(
-                num_total - num_skipped, num_external_computed_tokens
-            )
+        num_skipped_blocks = max(self.get_num_skipped_tokens(num_total), 0) // self.block_size
+        new_computed_blocks = new_computed_blocks[num_skipped_blocks:]
         if self.enable_caching:
             self.block_pool.touch(new_computed_blocks)
         elif any(not b.is_null for b in new_computed_blocks):
@@ -178,13 +188,26 @@ class SingleTypeKVCacheManager(ABC):
         req_blocks.extend(new_computed_blocks)
         # Hits (and the nulls before them) are published already: never re-publish them.
         self.num_cached_block[request_id] = len(req_blocks)
-        if num_external_computed_tokens > 0:
-            fresh = self.block_pool.get_new_blocks(
-                cdiv(num_total, self.block_size) - len(req_blocks)
-            )
-            req_blocks.extend(fresh)
-            if self._records_new_blocks():
-                self.new_block_ids.extend(b.block_id for b in fresh)
+
+    def allocate_external_computed_blocks(
+        self, request_id: str, num_local_computed_tokens: int, num_external_computed_tokens: int
+    ) -> None:
+        """Fresh pages for the connector's ``num_external_computed_tokens`` tokens that the
+        window still reads, after the hits :meth:`add_local_computed_blocks` gave. Taking them
+        may evict any unreferenced cached page, so every group's hits must be taken first."""
+        num_total = num_local_computed_tokens + num_external_computed_tokens
+        # The window may start inside the connector's tokens, or after all of them.
+        num_skipped = max(self.get_num_skipped_tokens(num_total), 0)
+        if min(num_total - num_skipped, num_external_computed_tokens) <= 0:
+            return
+        req_blocks = self.req_to_blocks[request_id]
+        num_new = cdiv(num_total, self.block_size) - len(req_blocks)
+        if num_new <= 0:
+            return
+        fresh = self.block_pool.get_new_blocks(num_new)
+        req_blocks.extend(fresh)
+        if self._records_new_blocks():
+            self.new_block_ids.extend(b.block_id for b in fresh)
 
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_tokens_main_model: int
