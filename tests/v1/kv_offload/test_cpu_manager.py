@@ -105,3 +105,21 @@ def test_arc_ghost_lists_bounded_and_failed_evict_changes_nothing() -> None:
     assert list(policy.b1) == keys(2)  # trimmed to cache_capacity
     policy.touch(keys(2))
     assert policy.target_t1_size == 1.0
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_duplicate_keys_in_one_store_take_one_slot(policy: str) -> None:
+    """A key offered twice in one call is stored once (order kept); repeated, the tier keeps
+    its whole capacity instead of leaking a slot per duplicate."""
+    manager = CPUOffloadingManager(num_blocks=2, cache_policy=policy)  # type: ignore[arg-type]
+    out = manager.prepare_store(keys(1, 2, 1), CTX)
+    assert out is not None and out.keys_to_store == keys(1, 2)
+    assert out.store_spec.block_ids.tolist() == [0, 1]  # type: ignore[attr-defined]
+    manager.complete_store(keys(1, 2, 1), CTX)
+    for i in range(3, 13):
+        out = manager.prepare_store(keys(i, i), CTX)
+        assert out is not None and out.keys_to_store == keys(i)
+        manager.complete_store(out.keys_to_store, CTX)
+    # Both slots are still usable: two new keys fit at once, evicting the last two stored.
+    assert sorted(store(manager, 20, 21)) == [0, 1]
+    assert [manager.lookup(k, CTX) for k in keys(20, 21)] == [True, True]

@@ -44,8 +44,8 @@ def test_path_layout_and_folder_digest() -> None:
     m = mapper(rank=5)
     fields = m.get_run_config()
     text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
-    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
-    assert m.base_path == f"/r/org_model_{digest}"
+    assert m.fingerprint == hashlib.sha256(text.encode()).digest()  # in block file headers
+    assert m.base_path == f"/r/org_model_{m.fingerprint.hex()[:12]}"
     assert m.get_config_file_path() == f"{m.base_path}/config.json"
     key = make_offload_key(bytes.fromhex("abcdef0123456789"), 7)
     assert m.get_file_name(key) == f"{m.base_path}_r5/abc/de_g7/abcdef0123456789.bin"

@@ -14,10 +14,12 @@ import pytest
 import torch
 from tiering_test_utils import FORMATS, region, stub_spec, wait_until, worker_pages
 
+from vllm.v1.attention.backends.utils import kv_cache_layout
 from vllm.v1.kv_offload.base import ReqContext, make_offload_key
 from vllm.v1.kv_offload.tiering import factory
 from vllm.v1.kv_offload.tiering.base import JobMetadata
 from vllm.v1.kv_offload.tiering.fs import io
+from vllm.v1.kv_offload.tiering.fs.block_file import HEADER_BYTES, BlockFileHeader
 from vllm.v1.kv_offload.tiering.fs.io import load_block, store_block
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 from vllm.v1.kv_offload.tiering.manager import (
@@ -63,7 +65,7 @@ def test_block_files_config_and_byte_exact_load(tier) -> None:
     want = rows[:2].clone()
     fs.submit_store(job(1, [7, 8], [0, 1]))
     assert finished(fs, 1) == {1: True}
-    assert os.path.getsize(fs.file_mapper.get_file_name(key(7))) == 4096
+    assert os.path.getsize(fs.file_mapper.get_file_name(key(7))) == HEADER_BYTES + 4096
     assert fs.lookup(key(7), CTX) and not fs.lookup(key(9), CTX)
     fs.submit_load(job(2, [8, 7], [2, 3], promotion=True))
     assert finished(fs, 1) == {2: True}
@@ -82,7 +84,7 @@ def test_existing_file_is_kept_and_no_temp_files_stay(tier) -> None:
     fs.submit_store(job(2, [1], [0]))
     finished(fs, 1)
     path = fs.file_mapper.get_file_name(key(1))
-    assert Path(path).read_bytes() == bytes([1]) * 4096
+    assert Path(path).read_bytes()[HEADER_BYTES:] == bytes([1]) * 4096
     assert os.listdir(os.path.dirname(path)) == [os.path.basename(path)]
 
 
@@ -97,6 +99,32 @@ def test_truncated_or_missing_file_fails_the_job_and_is_removed(tier) -> None:
     fs.submit_load(job(2, [1, 2, 3], [2, 3, 0], promotion=True))
     assert finished(fs, 1) == {2: False}
     assert not os.path.exists(path) and fs.lookup(key(1), CTX)
+
+
+def test_nhd_and_hnd_caches_never_share_block_files(tmp_path) -> None:
+    """Tiers of an NHD and an HND cache of one config under one root: other folders, so the
+    NHD block is a miss for the HND tier and its promotion fails; an HND block is found by HND."""
+    nhd_rows = torch.zeros((2, 4096), dtype=torch.uint8)
+    hnd_rows = torch.zeros((2, 4096), dtype=torch.uint8)
+    nhd = FileSystemTierManager(stub_spec(), memoryview(nhd_rows.numpy()), "fs", str(tmp_path))
+    with kv_cache_layout("HND"):
+        hnd = FileSystemTierManager(stub_spec(), memoryview(hnd_rows.numpy()), "fs", str(tmp_path))
+    try:
+        assert nhd.file_mapper.base_path != hnd.file_mapper.base_path
+        assert nhd.file_mapper.get_file_name(key(1)) != hnd.file_mapper.get_file_name(key(1))
+        nhd_rows[0] = 7
+        nhd.submit_store(job(1, [1], [0]))
+        assert finished(nhd, 1) == {1: True}
+        assert not hnd.lookup(key(1), CTX)
+        hnd.submit_load(job(2, [1], [1], promotion=True))
+        assert finished(hnd, 1) == {2: False}
+        hnd_rows[0] = 9
+        hnd.submit_store(job(3, [2], [0]))
+        assert finished(hnd, 1) == {3: True}
+        assert hnd.lookup(key(2), CTX) and not nhd.lookup(key(2), CTX)
+    finally:
+        nhd.shutdown()
+        hnd.shutdown()
 
 
 def test_unwritable_root_fails_at_construction() -> None:
@@ -120,13 +148,14 @@ def test_direct_io_falls_back_when_the_file_system_refuses_it(monkeypatch, tmp_p
     monkeypatch.setattr(io.os, "open", refusing_open)
     src = bytearray(os.urandom(8192))
     dest = str(tmp_path / "a" / "b.bin")
-    store_block(dest, memoryview(src), 4096, 4096)
+    header = BlockFileHeader(bytes(32), key(1))
+    store_block(dest, memoryview(src), 4096, 4096, header)
     out = bytearray(8192)
-    load_block(dest, memoryview(out), 0, 4096)
+    load_block(dest, memoryview(out), 0, 4096, header)
     assert out[:4096] == src[4096:] and out[4096:] == bytes(4096)
     assert [bool(f & 0x4000_0000) for f in calls] == [True, False, True, False]
     with pytest.raises(ValueError, match="outside the 8192-byte buffer"):
-        store_block(str(tmp_path / "c.bin"), memoryview(src), 8000, 4096)
+        store_block(str(tmp_path / "c.bin"), memoryview(src), 8000, 4096, header)
 
 
 def test_factory_creates_the_tier(tmp_path) -> None:

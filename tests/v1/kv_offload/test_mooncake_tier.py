@@ -18,6 +18,7 @@ from tiering_test_utils import stub_spec, wait_until
 
 from vllm.config import ParallelConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import OBJECT_TOO_LARGE
+from vllm.v1.attention.backends.utils import kv_cache_layout
 from vllm.v1.kv_offload.base import ReqContext, make_offload_key
 from vllm.v1.kv_offload.tiering.base import JobMetadata
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
@@ -163,6 +164,35 @@ def test_cascade_and_promotion_are_byte_exact_across_instances() -> None:
     assert not r_rows[[0, 2, 4]].any()
     writer.shutdown()
     reader.shutdown()
+
+
+@pytest.mark.parametrize("by_option", [True, False])
+def test_nhd_and_hnd_instances_never_share_blocks(by_option: bool) -> None:
+    """An HND cache's tier (by the tier option, or as the layout in effect) keys its blocks
+    apart from an NHD cache's of the same config: the NHD block is a miss, its promotion writes
+    nothing; the HND block of an HND writer is found again."""
+    nhd, _ = make_tier()
+    if by_option:
+        hnd, hnd_rows = make_tier(kv_cache_layout="HND")
+        other_hnd, other_rows = make_tier(kv_cache_layout="HND")
+    else:
+        with kv_cache_layout("HND"):
+            hnd, hnd_rows = make_tier()
+            other_hnd, other_rows = make_tier()
+    assert (nhd.page_format.kv_cache_layout, hnd.page_format.kv_cache_layout) == ("NHD", "HND")
+    assert nhd.page_format.fingerprint != hnd.page_format.fingerprint
+    name = offload_key_name(keys("n")[0])
+    assert nhd.rows.data_key(name) != hnd.rows.data_key(name)
+    assert nhd.rows.header_key(name) != hnd.rows.header_key(name)
+    assert run(nhd, 0, keys("n"), [0], promotion=False)
+    assert hnd.lookup(keys("n")[0], CTX) is False
+    assert not run(hnd, 1, keys("n"), [1], promotion=True) and not hnd_rows.any()
+    other_rows[2] = 3
+    assert run(other_hnd, 2, keys("h"), [2], promotion=False)
+    assert hnd.lookup(keys("h")[0], CTX) is True and nhd.lookup(keys("h")[0], CTX) is False
+    assert run(hnd, 3, keys("h"), [4], promotion=True) and (hnd_rows[4] == 3).all()
+    for tier in (nhd, hnd, other_hnd):
+        tier.shutdown()
 
 
 def test_a_corrupt_block_fails_its_promotion_writes_no_row_and_stays_a_miss(fake_client) -> None:

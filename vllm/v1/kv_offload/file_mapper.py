@@ -72,7 +72,11 @@ class FileMapper:
         }
         if page_format is not None:
             self.fields["page_format"] = page_format
-        self.base_path: str = self._compute_base_path(root_dir, self.fields)
+        text = json.dumps(self.fields, sort_keys=True, separators=(",", ":"))
+        self.fingerprint: bytes = hashlib.sha256(text.encode()).digest()
+        """SHA-256 of the settings: the folder name's digest, and in every block file's header."""
+        digits = self.fingerprint.hex()[:_DIGEST_HEX_CHARS]
+        self.base_path: str = f"{root_dir}/{model_name.replace('/', '_')}_{digits}"
 
     @classmethod
     def from_offloading_spec(
@@ -123,9 +127,3 @@ class FileMapper:
 
     def get_config_file_path(self) -> str:
         return f"{self.base_path}/{_CONFIG_FILENAME}"
-
-    @staticmethod
-    def _compute_base_path(root_dir: str, fields: dict[str, Any]) -> str:
-        text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
-        digest = hashlib.sha256(text.encode()).hexdigest()[:_DIGEST_HEX_CHARS]
-        return f"{root_dir}/{fields['model_name'].replace('/', '_')}_{digest}"

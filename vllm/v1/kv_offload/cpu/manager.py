@@ -122,6 +122,8 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
+        # One slot per key: a key offered twice would take two slots and free one.
+        keys = list(dict.fromkeys(keys))
         if self.counts is not None:
             counts = self.counts
             keys = [key for key in keys if counts.get(key, 0) >= self.store_threshold]

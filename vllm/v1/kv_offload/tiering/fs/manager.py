@@ -1,8 +1,10 @@
 """The file-system secondary tier (upstream v0.22's ``tiering.fs.manager``).
 
 Each offloaded block is one file named by :class:`~vllm.v1.kv_offload.file_mapper.FileMapper`
-under ``root_dir``, holding the block's primary row (every worker's pages of the block) byte
-for byte. A block is present when its file exists; files are never evicted by the tier.
+under ``root_dir``, holding a header (the folder's settings fingerprint, the key, a CRC-32; see
+:mod:`.block_file`) and the block's primary row (every worker's pages of the block) byte for
+byte. A block is present when a file of the right size is at its path; a load verifies the
+header and the CRC, and a file that fails is removed. Files are never evicted by the tier.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import TYPE_CHECKING
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult, SecondaryTierManager
-from vllm.v1.kv_offload.tiering.fs.io import load_block, store_block
+from vllm.v1.kv_offload.tiering.fs.block_file import BlockFileHeader
+from vllm.v1.kv_offload.tiering.fs.io import block_file_present, load_block, store_block
 from vllm.v1.kv_offload.tiering.fs.thread_pool import DualQueueThreadPool, Task
 
 if TYPE_CHECKING:
@@ -63,7 +66,9 @@ class FileSystemTierManager(SecondaryTierManager):
         os.replace(tmp, path)
 
     def _tasks(
-        self, job: JobMetadata, io: Callable[[str, memoryview, int, int], None]
+        self,
+        job: JobMetadata,
+        io: Callable[[str, memoryview, int, int, BlockFileHeader], None],
     ) -> Iterator[Task]:
         for key, block_id in zip(job.keys, job.block_ids, strict=True):
             yield functools.partial(
@@ -72,10 +77,11 @@ class FileSystemTierManager(SecondaryTierManager):
                 self._primary_kv_view,
                 int(block_id) * self._block_size,
                 self._block_size,
+                BlockFileHeader(self.file_mapper.fingerprint, key),
             )
 
     def lookup(self, key: OffloadKey, req_context: ReqContext | None = None) -> bool | None:
-        return os.path.exists(self.file_mapper.get_file_name(key))
+        return block_file_present(self.file_mapper.get_file_name(key), self._block_size)
 
     def submit_store(self, job_metadata: JobMetadata) -> None:
         n = len(job_metadata.keys)
