@@ -335,9 +335,7 @@ class BlockPool:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash, if no block is in use (False, with a warning, if some
         are). The null page and reserved pages are not in use."""
-        num_used = (
-            self.num_gpu_blocks - self.get_num_free_blocks() - 1 - self.num_reserved_blocks
-        )
+        num_used = self.num_gpu_blocks - self.get_num_free_blocks() - 1 - self.num_reserved_blocks
         if num_used != 0:
             logger.warning(
                 "Failed to reset prefix cache because some blocks (%d) are not freed yet",
