@@ -105,6 +105,10 @@ def _reshape_and_cache_flash_fake(
     # Same dtype and scale rules as the compiled op, so that tracing rejects what it would.
     check_kernel_support(kv_cache_dtype)
     check_kv_dtypes(key, value, key_cache, value_cache, kv_cache_dtype)
+    if slot_mapping.dtype != torch.int64:
+        raise RuntimeError(
+            f"slot_mapping: expected dtype int64, got {_dtype_name(slot_mapping.dtype)}"
+        )
     kv_scale_as_1d(k_scale, "k_scale", key.shape[1])
     kv_scale_as_1d(v_scale, "v_scale", key.shape[1])
     check_key_sinks(key_sinks, key_sink_scale, key, key_cache)

@@ -23,6 +23,8 @@ from functools import cached_property
 
 import torch
 
+from vllm.kv_quant.index_tensor import check_integer_tensor
+
 __all__ = ["KeyRope"]
 
 
@@ -122,6 +124,7 @@ class KeyRope:
                 f"key: expected [T, H, D] with D >= rotary_dim={self.rotary_dim}, got "
                 f"{list(x.shape)}"
             )
+        check_integer_tensor("positions", positions)
         if positions.dim() != 1 or positions.shape[0] != x.shape[0]:
             raise ValueError(
                 f"positions: expected [{x.shape[0]}] (one per token), got {list(positions.shape)}"

@@ -22,6 +22,7 @@ import torch
 
 from vllm.kv_quant.encoding import KeySpec, RopeIdentity
 from vllm.kv_quant.hadamard import HADAMARD, check_hadamard_head_size, hadamard_rotate
+from vllm.kv_quant.index_tensor import check_integer_tensor
 from vllm.kv_quant.key_rope import KeyRope
 
 __all__ = ["KeyTransform"]
@@ -99,6 +100,8 @@ class KeyTransform:
         """``key [..., H, D]`` as the writer receives it (``key`` itself when
         :attr:`is_identity`); ``positions`` (int ``[T]``, each key's position in its sequence)
         are needed with :attr:`rope`."""
+        if positions is not None:  # refused even where unread: a caller's bug either way
+            check_integer_tensor("positions", positions)
         if self.is_identity:
             return key
         stored = key.to(torch.float32)

@@ -191,6 +191,12 @@ def _mutations():
          r"key_cache: expected dtype float16 for kv_cache_dtype 'float16', got bfloat16"),
         ("fp8_cache_dtype", "fp8", lambda c: setattr(c, "key_cache", c.key_cache.view(torch.int8)),
          r"key_cache: expected dtype uint8 for kv_cache_dtype 'fp8', got int8"),
+        ("slot_mapping_float", "auto",
+         lambda c: setattr(c, "slot_mapping", c.slot_mapping.float() + 0.7),
+         r"slot_mapping: expected dtype int64, got float32"),
+        ("slot_mapping_int32", "nvfp4",
+         lambda c: setattr(c, "slot_mapping", c.slot_mapping.int()),
+         r"slot_mapping: expected dtype int64, got int32"),
     ]  # fmt: skip
 
 

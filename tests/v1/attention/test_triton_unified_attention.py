@@ -158,6 +158,8 @@ def test_choose_num_splits() -> None:
         ({"window_size": (3, 2)}, r"window_size: expected \(-1, -1\) or \(W - 1, 0\)"),
         ({"block_table": "int64"}, "block_table: expected an int32"),
         ({"cu_seqlens_q": "short"}, r"cu_seqlens_q: expected shape \[4\]"),
+        ({"cu_seqlens_q": "float"}, "cu_seqlens_q: expected an integer tensor, got torch.float32"),
+        ({"seqused_k": "float"}, "seqused_k: expected an integer tensor, got torch.float32"),
         ({"out": "fp32"}, "out: expected"),
         ({"k": "int16"}, "k: expected a float16 / bfloat16 / float32 / float8 / uint8 cache"),
     ],
@@ -172,6 +174,8 @@ def test_argument_errors(change: dict, message: str) -> None:
             args[name] = args[name].long()
         elif value == "short":
             args[name] = args[name][:2]
+        elif value == "float":
+            args[name] = args[name] + 0.5
         elif value == "fp32":
             tensors[name] = out.float()
         elif value == "int16":

@@ -224,8 +224,26 @@ def kv_cache_memory_for_blocks(
     layout ``get_kv_cache_groups`` gives these specs, so that
     ``get_kv_cache_configs(vllm_config, [kv_cache_specs], [that], policy=policy)`` has
     ``num_blocks`` (upstream's other way: ``cache_config.num_gpu_blocks_override``). 0 for an
-    attention-free model; the caller's dict is not modified."""
+    attention-free model; the caller's dict is not modified. ``ValueError`` naming
+    ``num_blocks`` (not a positive int) or ``kv_cache_specs`` (not a dict of layer names to
+    specs)."""
     check_positive_int("num_blocks", num_blocks)
+    if not isinstance(kv_cache_specs, dict):
+        raise ValueError(
+            "kv_cache_specs: expected a dict of layer name -> KVCacheSpec, got "
+            f"{kv_cache_specs!r} ({type(kv_cache_specs).__name__})"
+        )
+    for name, spec in kv_cache_specs.items():
+        if not isinstance(name, str):
+            raise ValueError(
+                f"kv_cache_specs: expected layer names (str) as keys, got {name!r} "
+                f"({type(name).__name__})"
+            )
+        if not isinstance(spec, KVCacheSpec):
+            raise ValueError(
+                f"kv_cache_specs[{name!r}]: expected a KVCacheSpec, got {spec!r} "
+                f"({type(spec).__name__})"
+            )
     groups = get_kv_cache_groups(vllm_config, dict(kv_cache_specs), policy=policy)
     return num_blocks * _pool_bytes_per_block(groups) if groups else 0
 

@@ -28,7 +28,7 @@ from vllm.kv_quant.key_rope import KeyRope
 from vllm.kv_quant.key_transform import KeyTransform
 from vllm.kv_quant.kv_scale import kv_scale_as_1d
 from vllm.kv_quant.scale_layout import ScaleLayout
-from vllm.utils import check_positive_int
+from vllm.utils import check_device, check_positive_int
 from vllm.v1.attention.backends.abstract import (
     AttentionBackend,
     AttentionLayerScales,
@@ -259,7 +259,7 @@ class AttentionKVCache:
         )
         spec = dataclasses.replace(spec, encoding=encoding)
         cache_dtype = spec_cache_dtype_str(spec, kv_cache_dtype)
-        device = torch.device(device)
+        device = check_device("device", device)
         if key_rope is not None:  # once here, not a table copy per write and read
             key_rope = key_rope.to(device)
         config = KVCacheConfig(

@@ -7,6 +7,8 @@ cache's storage dtype (bytes for FP8 / NVFP4 caches, which are uint8).
 
 from __future__ import annotations
 
+import math
+import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
@@ -24,6 +26,7 @@ from vllm.kv_quant.formats import (
 )
 from vllm.kv_quant.kv_scale import kv_scale_as_1d
 from vllm.platforms.interface import DeviceCapability
+from vllm.utils import check_device
 from vllm.v1.attention.backends.utils import get_kv_cache_layout, validate_kv_cache_layout
 
 if TYPE_CHECKING:
@@ -48,8 +51,9 @@ def as_device_capability(
 
 
 def get_device_capability(device: torch.device | str) -> DeviceCapability | None:
-    """Compute capability of a CUDA ``device``; ``None`` for any other device type."""
-    device = torch.device(device)
+    """Compute capability of a CUDA ``device``; ``None`` for any other device type.
+    ``ValueError`` for a device this torch cannot use (:func:`~vllm.utils.check_device`)."""
+    device = check_device("device", device)
     if device.type != "cuda":
         return None
     return DeviceCapability(*torch.cuda.get_device_capability(device))
@@ -380,6 +384,20 @@ class AttentionImpl(ABC):
         output: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention output ``[num_tokens, num_heads, head_size_v]``."""
+
+
+def softmax_scale(scale: float | None, head_size: int) -> float:
+    """An impl's softmax scale: ``1/sqrt(head_size)`` for ``None``, else ``scale`` as a float.
+    Any finite value is taken, as upstream's impls take it (``float(scale)``); ``ValueError``
+    for anything else: a NaN or infinite scale turns every output into NaN, and the compiled
+    kernels would refuse it only after the new K/V were written."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_size)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+        raise ValueError(
+            f"scale: expected None or a finite float (the softmax scale), got {scale!r}"
+        )
+    return float(scale)
 
 
 def kv_cache_dim(head_size: int, cache_dtype_str: str) -> int:

@@ -29,6 +29,7 @@ from vllm.v1.attention.backends.abstract import (
     KVCacheScaleLayouts,
     MultipleOf,
     paged_kv_cache_shape,
+    softmax_scale,
 )
 from vllm.v1.attention.backends.key_rebuild import KeyRebuild, key_positions, key_sink_rows
 from vllm.v1.attention.backends.reference_attend import (
@@ -194,7 +195,7 @@ class ReferenceAttentionImpl(AttentionImpl):
         self.num_queries_per_kv = num_heads // num_kv_heads
         self.head_size = head_size
         self.head_size_v = head_size_v
-        self.scale = 1.0 / math.sqrt(head_size) if scale is None else float(scale)
+        self.scale = softmax_scale(scale, head_size)
         self.sliding_window = sliding_window
         # The dtype string kernels and backends take: the one given, else the format's.
         named = isinstance(kv_cache_dtype, str) and find_format(kv_cache_dtype) is not None

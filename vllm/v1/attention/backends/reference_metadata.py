@@ -3,21 +3,29 @@ a forward call."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
+from vllm.kv_quant.index_tensor import check_integer_tensor
 from vllm.v1.attention.backends.utils import compute_slot_mapping
 
 
 def as_int_list(values: Sequence[int] | torch.Tensor, name: str) -> list[int]:
+    """``values`` (a 1-D integer tensor or a sequence of ints) as a list; ``ValueError`` naming
+    ``name`` for anything else (``int()`` would truncate 6.5 to 6 without a word)."""
     if isinstance(values, torch.Tensor):
+        check_integer_tensor(name, values)
         if values.dim() != 1:
             raise ValueError(f"{name}: expected a 1-D tensor, got shape {list(values.shape)}")
-        return [int(v) for v in values.tolist()]
-    return [int(v) for v in values]
+        return values.tolist()
+    try:
+        return [operator.index(v) for v in values]
+    except TypeError:
+        raise ValueError(f"{name}: expected ints, got {values!r}") from None
 
 
 @dataclass

@@ -13,6 +13,8 @@ from typing import Literal, get_args
 
 import torch
 
+from vllm.kv_quant.index_tensor import check_integer_tensor
+
 KVCacheLayoutType = Literal["NHD", "HND"]
 """Physical order of one page side: ``NHD`` = token-major ``[N][H][D]``, ``HND`` = head-major."""
 
@@ -76,6 +78,7 @@ def map_to_kernel_blocks(block_table: torch.Tensor, blocks_per_kv_block: int) ->
     ``b*k .. b*k + k-1``, so ``block_table [..., M]`` becomes ``[..., M*k]``. Slot numbers are
     unchanged: ``b*block_size + o == (b*k + o//kb)*kb + o%kb``.
     """
+    check_integer_tensor("block_table", block_table)
     if blocks_per_kv_block < 1:
         raise ValueError(f"blocks_per_kv_block: expected a positive int, got {blocks_per_kv_block}")
     if blocks_per_kv_block == 1:
@@ -92,6 +95,10 @@ def _gather_pages(
     req_indices: torch.Tensor | None,
 ) -> torch.Tensor:
     """Page id of each position (int64 ``[T]``), with checks on every argument."""
+    check_integer_tensor("block_table", block_table)
+    check_integer_tensor("positions", positions)
+    if req_indices is not None:
+        check_integer_tensor("req_indices", req_indices)
     if block_size <= 0:
         raise ValueError(f"block_size: expected a positive int (tokens per page), got {block_size}")
     if positions.dim() != 1:
@@ -221,8 +228,10 @@ def check_sequences(
     sliding_window: int | None,
 ) -> None:
     """Per-sequence checks of paged-attention metadata, before anything is written or read:
-    ``0 <= query_len <= seq_len``, a table column for every page a sequence reads, and page ids
-    in ``[0, num_blocks)`` wherever a sequence reads (``ValueError`` naming the argument)."""
+    an integer ``block_table``, ``0 <= query_len <= seq_len``, a table column for every page
+    a sequence reads, and page ids in ``[0, num_blocks)`` wherever a sequence reads
+    (``ValueError`` naming the argument)."""
+    check_integer_tensor("block_table", block_table)
     columns = block_table.shape[1]
     last_pages = [-1] * len(seq_lens)  # -1: the sequence reads no page
     for i, (seq_len, start, end) in enumerate(

@@ -26,6 +26,7 @@ from vllm.kv_quant.formats import (
     format_of_kind,
     lookup,
 )
+from vllm.kv_quant.index_tensor import check_integer_tensor
 from vllm.triton_utils import row_alignment, triton, triton_interpreted
 from vllm.utils.torch_utils import nvfp4_split_data_scale
 from vllm.v1.attention.ops.triton_key_rebuild import key_rebuild_args
@@ -517,6 +518,8 @@ def unified_attention(
             f"block_table: expected an int32 [num_seqs, max_pages] tensor, got "
             f"{block_table.dtype} of shape {list(block_table.shape)}"
         )
+    check_integer_tensor("cu_seqlens_q", cu_seqlens_q)
+    check_integer_tensor("seqused_k", seqused_k)
     num_seqs = seqused_k.shape[0]
     if cu_seqlens_q.shape != (num_seqs + 1,):
         raise ValueError(
