@@ -13,7 +13,6 @@ manager's ``get_computed_blocks`` finds the pages an earlier request published.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from collections.abc import Sequence
@@ -25,6 +24,8 @@ from real_kv_samples import smollm2
 from real_kv_samples.paged_llama import BLOCK_SIZE, KVRecorder, PagedKVRun
 from real_kv_samples.smollm2 import LoadedModel
 from vllm.accuracy.formats import CacheFormat, parse_format
+from vllm.cli import args as cli_args
+from vllm.cli.main import OneLineErrorParser
 from vllm.config.cache import CacheConfig
 from vllm.kv_quant.calibrated import KVCacheCalibration
 from vllm.sampling_params import SamplingParams
@@ -41,6 +42,9 @@ SHARED_PREFIX = (
 )
 """The shared start of the default prompts (written for this project; two whole pages and
 part of a third in SmolLM2's tokens)."""
+
+MAX_NEW_TOKENS = 512
+"""Largest ``--new-tokens`` (as ``vllm-kv check --model``'s): the run stays short."""
 
 Calibration = KVCacheCalibration | None
 """A format's calibrated values per layer (None: unit scales, no key offset)."""
@@ -324,12 +328,30 @@ def prefix_reuse_report(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m real_kv_samples.prefix_sharing [--format F] [--new-tokens N]``: the report of
-    :func:`prefix_reuse_report` on :func:`shared_prefix_prompts`, as JSON on stdout."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--format", default="bf16", help="cache format (default bf16)")
-    parser.add_argument("--new-tokens", type=int, default=4, help="greedy tokens (default 4)")
+    :func:`prefix_reuse_report` on :func:`shared_prefix_prompts`, as JSON on stdout. A bad
+    argument or a missing model package is one line on stderr, exit status 2, before the model
+    is loaded (the rule of ``vllm-kv``, whose parser and argument types this uses)."""
+    parser = OneLineErrorParser(
+        prog="python -m real_kv_samples.prefix_sharing", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--format",
+        type=cli_args.parsed_by(parse_format, "formats"),
+        default="bf16",
+        help="cache format, a format id of vllm-kv check (default bf16)",
+    )
+    parser.add_argument(
+        "--new-tokens",
+        type=cli_args.int_in_range(1, MAX_NEW_TOKENS, f"an integer from 1 to {MAX_NEW_TOKENS}"),
+        default=4,
+        help="greedy tokens (default 4)",
+    )
     args = parser.parse_args(argv)
-    fmt = parse_format(args.format)
+    fmt: CacheFormat = args.format
+    try:
+        smollm2.model_file()
+    except smollm2.MissingModelError as exc:
+        parser.error(f"the model {exc}")
     lm = smollm2.load_model()
     with torch.inference_mode():
         prompts = shared_prefix_prompts(lm)

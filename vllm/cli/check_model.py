@@ -38,6 +38,17 @@ MAX_TEXT_TOKENS = 2048
 
 PLOT_HINT = 'pip install "vllm-kvcache[plot]"  (or: pip install matplotlib)'
 
+MODEL_ONLY_OPTIONS: tuple[str, ...] = (
+    "--max-tokens",
+    "--new-tokens",
+    "--prompts",
+    "--attention",
+    "--threads",
+    "--plot",
+)
+"""Options of the model report alone: ``None`` unless given, so that ``check`` without
+``--model`` can refuse them (their defaults are :func:`run_model_report`'s)."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``--model`` options of ``vllm-kv check``."""
@@ -52,25 +63,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--max-tokens",
         type=cli_args.int_in_range(16, MAX_TEXT_TOKENS, f"an integer from 16 to {MAX_TEXT_TOKENS}"),
-        default=1536,
         help="tokens of each text scored (default 1536)",
     )
     group.add_argument(
         "--new-tokens",
         type=cli_args.int_in_range(2, 512, "an integer from 2 to 512"),
-        default=48,
         help="greedy tokens per prompt (default 48)",
     )
     group.add_argument(
         "--prompts",
         type=cli_args.int_in_range(1, 4, "an integer from 1 to 4"),
-        default=4,
         help="prompts decoded as one batch (default 4)",
     )
     group.add_argument(
         "--attention",
         choices=ATTENTION_BACKENDS,
-        default="CPU_ATTN",
         help="backend reading the cache (default CPU_ATTN; REFERENCE computes in fp32 "
         "throughout, slower)",
     )
@@ -91,8 +98,9 @@ def check_arguments(args: argparse.Namespace) -> None:
     """``--model``'s checks before any work: flags that need it or conflict with it, the
     extension, matplotlib for ``--plot`` and the model extra; :class:`UsageError` otherwise."""
     if args.model is None:
-        if args.plot is not None:
-            raise UsageError("--plot", "expected --model with it (it plots the model report)")
+        for flag in MODEL_ONLY_OPTIONS:
+            if getattr(args, flag.removeprefix("--").replace("-", "_")) is not None:
+                raise UsageError(flag, "expected --model with it (an option of the model report)")
         keyed = [f.name for f in args.formats or () if f.has_key_options]
         if keyed:
             raise UsageError(
@@ -145,15 +153,18 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     formats = args.formats or parse_formats(",".join(MODEL_DEFAULT_FORMATS))
+    given = {
+        "max_tokens": args.max_tokens,
+        "new_tokens": args.new_tokens,
+        "prompts": args.prompts,
+        "backend": args.attention,
+    }
     report = run_model_report(
         formats,
-        max_tokens=args.max_tokens,
-        new_tokens=args.new_tokens,
-        prompts=args.prompts,
-        backend=args.attention,
         layout=args.layout,
         seed=args.seed,
         progress=_progress,
+        **{name: value for name, value in given.items() if value is not None},
     )
 
     def json_text() -> str:

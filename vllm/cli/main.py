@@ -36,9 +36,10 @@ EXIT_INTERRUPTED = 130
 EXIT_CLOSED_PIPE = 141
 
 
-class _OneLineErrorParser(argparse.ArgumentParser):
+class OneLineErrorParser(argparse.ArgumentParser):
     """Reports bad arguments as one line, ``vllm-kv plan: error: --memory: expected ...``,
-    exit status 2 (the subcommands' parsers inherit this class)."""
+    exit status 2 (the subcommands' parsers inherit this class; other command-line scripts of
+    the repository use it for the same rule)."""
 
     def error(self, message: str) -> NoReturn:
         message = message.removeprefix("argument ")
@@ -69,7 +70,7 @@ def subcommand_modules() -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``vllm-kv`` parser with every discovered subcommand registered."""
-    parser = _OneLineErrorParser(
+    parser = OneLineErrorParser(
         prog=PROG, description="KV-cache tools: page sizes, memory plans and checks."
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {vllm.__version__}")
