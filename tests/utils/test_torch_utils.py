@@ -1,5 +1,8 @@
+import inspect
+import logging
 import random
-import threading
+from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -9,28 +12,39 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import vllm.utils.torch_utils as torch_utils
+from vllm.config.model import ModelConfig
 from vllm.kv_quant import dequantize_fp8
 from vllm.utils.torch_utils import (
     MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP,
     STR_DTYPE_TO_TORCH_DTYPE,
+    TORCH_DTYPE_TO_NUMPY_DTYPE,
     canonicalize_singleton_dim_strides,
     common_broadcastable_dtype,
     create_kv_caches_with_random,
     create_kv_caches_with_random_flash,
-    current_stream,
     get_dtype_size,
+    get_kv_cache_quant_algo_string,
     get_kv_cache_torch_dtype,
     is_lossless_cast,
+    is_meta_module,
+    is_non_overlapping_and_dense,
     is_quantized_kv_cache,
+    is_strictly_contiguous,
     kv_cache_dtype_str_to_dtype,
+    make_ndarray_with_pad,
+    make_tensor_with_pad,
     nvfp4_kv_cache_full_dim,
     nvfp4_kv_cache_split_views,
     nvfp4_split_data_scale,
+    resolve_kv_cache_dtype_string,
+    set_default_torch_dtype,
     set_random_seed,
 )
 
 
 def test_dtype_maps() -> None:
+    for torch_dtype, np_dtype in TORCH_DTYPE_TO_NUMPY_DTYPE.items():
+        assert torch.from_numpy(np.zeros(1, dtype=np_dtype)).dtype == torch_dtype
     assert STR_DTYPE_TO_TORCH_DTYPE["bfloat16"] is torch.bfloat16
     assert STR_DTYPE_TO_TORCH_DTYPE["half"] is torch.float16
     assert STR_DTYPE_TO_TORCH_DTYPE["float"] is torch.float32
@@ -57,8 +71,93 @@ def test_kv_cache_dtype_str_to_dtype() -> None:
     assert kv_cache_dtype_str_to_dtype("float32", torch.bfloat16) is torch.float32
     with pytest.raises(ValueError, match="kv_cache_dtype: unknown KV-cache dtype 'int4'"):
         kv_cache_dtype_str_to_dtype("int4", torch.bfloat16)
-    with pytest.raises(ValueError, match="model_dtype"):
+    with pytest.raises(ValueError, match="model_config: kv_cache_dtype='auto' needs .* 'bf17'"):
         kv_cache_dtype_str_to_dtype("auto", "bf17")
+
+
+def test_kv_cache_dtype_str_to_dtype_takes_upstreams_model_config() -> None:
+    """Upstream passes its ``ModelConfig`` (``dtype`` read) or, in tests, None (float16)."""
+    assert kv_cache_dtype_str_to_dtype("auto", None) is torch.float16
+    assert kv_cache_dtype_str_to_dtype("fp8", None) is torch.uint8
+    assert kv_cache_dtype_str_to_dtype("auto", ModelConfig(dtype="bfloat16")) is torch.bfloat16
+    resolved = SimpleNamespace(dtype=torch.float32)  # upstream's, dtype already resolved
+    assert kv_cache_dtype_str_to_dtype("auto", resolved) is torch.float32
+    with pytest.raises(ValueError, match="model_config: .* got 'auto'"):
+        kv_cache_dtype_str_to_dtype("auto", ModelConfig())
+    with pytest.raises(ValueError, match="model_config: .* got None"):
+        kv_cache_dtype_str_to_dtype("auto", object())
+    # get_kv_cache_torch_dtype keeps upstream's stricter rule: "auto" needs a model dtype.
+    with pytest.raises(ValueError, match="model_dtype: kv_cache_dtype='auto' needs"):
+        get_kv_cache_torch_dtype("auto")
+
+
+def _modelopt(**fields: Any) -> dict[str, Any]:
+    return {"quant_method": "modelopt", **fields}
+
+
+STATIC_FP8 = {"type": "float", "num_bits": 8, "dynamic": False}
+
+
+@pytest.mark.parametrize(
+    ("quant_cfg", "expected"),
+    [
+        ({"quant_method": "fp8", "kv_cache_quant_algo": "FP8"}, None),  # not ModelOpt's
+        ({"kv_cache_quant_algo": "FP8"}, None),
+        (_modelopt(), None),
+        (_modelopt(kv_cache_quant_algo=None), None),
+        (_modelopt(kv_cache_quant_algo=8), None),  # neither a name nor a scheme
+        (_modelopt(kv_cache_quant_algo="FP8"), "fp8_e4m3"),
+        (_modelopt(kv_cache_quant_algo="nvfp4"), "nvfp4"),
+        ({"quant_method": "modelopt_fp4", "kv_cache_quant_algo": "NVFP4"}, "nvfp4"),
+        (_modelopt(quantization={"kv_cache_quant_algo": "FP8"}), "fp8_e4m3"),
+        (_modelopt(kv_cache_scheme=STATIC_FP8), "fp8_e4m3"),
+        (_modelopt(kv_cache_scheme={"type": "float", "num_bits": 4}), "nvfp4"),
+        # Precedence: nested scheme, top scheme, nested algo, top algo.
+        (
+            _modelopt(quantization={"kv_cache_quant_algo": "FP8"}, kv_cache_quant_algo="NVFP4"),
+            "fp8_e4m3",
+        ),
+        (
+            _modelopt(quantization={"kv_cache_quant_algo": "NVFP4"}, kv_cache_scheme=STATIC_FP8),
+            "fp8_e4m3",
+        ),
+        (_modelopt(quantization={"kv_cache_scheme": STATIC_FP8}, kv_cache_scheme={}), "fp8_e4m3"),
+    ],
+    ids=str,
+)
+def test_get_kv_cache_quant_algo_string(quant_cfg: dict[str, Any], expected: str | None) -> None:
+    assert get_kv_cache_quant_algo_string(quant_cfg) == expected
+
+
+@pytest.mark.parametrize(
+    "algo",
+    ["int8", {"type": "float", "num_bits": 8, "dynamic": True}, {"type": "int", "num_bits": 4}],
+    ids=str,
+)
+def test_unknown_modelopt_kv_algo_falls_back_to_auto(
+    algo: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    key = "kv_cache_scheme" if isinstance(algo, dict) else "kv_cache_quant_algo"
+    with caplog.at_level(logging.WARNING, logger=torch_utils.__name__):
+        assert get_kv_cache_quant_algo_string(_modelopt(**{key: algo})) == "auto"
+    assert f"Unknown kv_cache_quant_algo {algo!r}" in caplog.text
+    with pytest.raises(ValueError, match="quant_cfg: expected a quantization_config mapping"):
+        get_kv_cache_quant_algo_string([("quant_method", "modelopt")])  # type: ignore[arg-type]
+
+
+def test_resolve_kv_cache_dtype_string() -> None:
+    def model(quant_cfg: Any) -> SimpleNamespace:
+        return SimpleNamespace(hf_config=SimpleNamespace(quantization_config=quant_cfg))
+
+    fp8_checkpoint = model(_modelopt(kv_cache_quant_algo="FP8"))
+    assert resolve_kv_cache_dtype_string("auto", fp8_checkpoint) == "fp8_e4m3"
+    assert resolve_kv_cache_dtype_string("bfloat16", fp8_checkpoint) == "bfloat16"  # user's
+    assert resolve_kv_cache_dtype_string("auto", model(_modelopt())) == "auto"
+    assert resolve_kv_cache_dtype_string("auto", model(None)) == "auto"
+    assert resolve_kv_cache_dtype_string("auto", ModelConfig()) == "auto"  # no hf_config
+    assert resolve_kv_cache_dtype_string("auto", None) == "auto"
+    with pytest.raises(ValueError, match="kv_cache_dtype: expected a str, got None"):
+        resolve_kv_cache_dtype_string(None, fp8_checkpoint)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("head_size", "full_dim"), [(16, 9), (64, 36), (128, 72), (256, 144)])
@@ -202,6 +301,42 @@ def test_get_kv_cache_torch_dtype_and_set_random_seed() -> None:
     assert (random.random(), np.random.rand(), torch.rand(1)) == first
 
 
+def _draws(*seed_args: Any) -> tuple[float, list[int], list[float]]:
+    set_random_seed(*seed_args)
+    return random.random(), np.random.randint(2**31, size=3).tolist(), torch.rand(3).tolist()
+
+
+def test_set_random_seed_per_data_parallel_index() -> None:
+    """Index 0 seeds with the seed itself; other indices with the value upstream derives from
+    (seed, index) by SeedSequence, so that each DP engine's stream matches upstream's."""
+    assert _draws(42, 0) == _draws(42) == _draws(42, 0)
+    derived = int(np.random.SeedSequence((42, 3)).generate_state(1)[0])
+    assert _draws(42, 3) == _draws(derived)
+    assert len({str(_draws(42, index)) for index in range(5)}) == 5
+    assert _draws(7, 1) != _draws(8, 1)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((-1,), "seed: expected None or an int in \\[0, 2\\*\\*32 - 1\\], got -1"),
+        ((2**32,), "seed: expected None or an int"),
+        ((True,), "seed: expected None or an int"),
+        (("7",), "seed: expected None or an int"),
+        ((7, -1), "data_parallel_index: expected a non-negative int, got -1"),
+        ((None, 1.0), "data_parallel_index: expected a non-negative int, got 1.0"),
+    ],
+    ids=str,
+)
+def test_set_random_seed_rejects_bad_input_before_seeding(args: Any, message: str) -> None:
+    state = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
+    with pytest.raises(ValueError, match=message):
+        set_random_seed(*args)
+    assert random.getstate() == state[0]
+    assert (np.random.get_state()[1] == state[1]).all()
+    assert torch.equal(torch.get_rng_state(), state[2])
+
+
 @pytest.mark.parametrize("kind", ["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "nvfp4"])
 @pytest.mark.parametrize("layout", ["NHD", "HND", "NHC", "HNC"])
 def test_create_kv_caches_with_random_flash(kind: str, layout: str) -> None:
@@ -331,6 +466,9 @@ def test_canonicalize_singleton_dim_strides(shape: list[int], junk: list[int], o
     assert fixed.data_ptr() == t.data_ptr() and fixed.storage_offset() == t.storage_offset()
     assert torch.equal(fixed, t)
     assert (fixed is t) == (fixed.stride() == t.stride())
+    # A size-1 dim's stride: is_contiguous() ignores it, is_strictly_contiguous() does not.
+    assert t.is_contiguous() and is_non_overlapping_and_dense(t)
+    assert is_strictly_contiguous(fixed) and is_strictly_contiguous(t) == (fixed is t)
 
 
 def test_canonicalize_keeps_outer_strides_and_returns_canonical_tensors() -> None:
@@ -346,50 +484,80 @@ def test_canonicalize_keeps_outer_strides_and_returns_canonical_tensors() -> Non
     assert canonicalize_singleton_dim_strides(scalar) is scalar
 
 
-def _in_new_thread(fn: Any) -> Any:
-    result: list[Any] = []
-    thread = threading.Thread(target=lambda: result.append(fn()))
-    thread.start()
-    thread.join(timeout=10)
-    return result[0]
+def test_stride_predicates_on_permuted_sliced_and_expanded_tensors() -> None:
+    base = torch.zeros(2, 3, 4)
+    cases = [  # tensor, strictly contiguous, non-overlapping and dense
+        (base, True, True),
+        (base.permute(2, 0, 1), False, True),  # a permutation of a dense tensor
+        (base.transpose(0, 1)[:, :1], False, True),
+        (base[:, :, ::2], False, False),  # gaps
+        (base[:, :2], False, False),
+        (torch.zeros(3, 1).expand(3, 4), False, False),  # stride 0: overlapping
+        (torch.zeros(()), True, True),
+    ]
+    for t, strict, dense in cases:
+        assert (is_strictly_contiguous(t), is_non_overlapping_and_dense(t)) == (strict, dense)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU platform's placeholder")
-def test_current_stream_on_cpu_is_a_per_thread_placeholder() -> None:
-    stream = current_stream()
-    assert current_stream() is stream
-    assert stream.synchronize() is None
-    assert _in_new_thread(current_stream) is not stream
+def test_is_meta_module() -> None:
+    assert not is_meta_module(torch.nn.Linear(2, 2))
+    assert is_meta_module(torch.nn.Linear(2, 2, device="meta"))
+    with_meta_buffer = torch.nn.BatchNorm1d(2)
+    with_meta_buffer.register_buffer("extra", torch.empty(1, device="meta"))
+    assert is_meta_module(torch.nn.Sequential(torch.nn.ReLU(), with_meta_buffer))
 
 
-def test_set_stream_records_the_stream_per_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    """torch.cuda.set_stream (patched at import, as upstream does) records the stream that
-    current_stream returns, in the calling thread only; None stays a no-op."""
-    calls: list[object] = []
-    monkeypatch.setattr(torch_utils, "_torch_set_stream", calls.append)
-    stream = object()
-
-    def set_and_read() -> tuple[object, object]:
-        torch.cuda.set_stream(stream)  # type: ignore[arg-type]
-        first = current_stream()
-        torch.cuda.set_stream(None)  # type: ignore[arg-type]
-        return first, current_stream()
-
-    assert _in_new_thread(set_and_read) == (stream, stream)
-    assert calls == [stream, None]
-    assert current_stream() is not stream
-    assert torch.cuda.set_stream._torch_set_stream is not torch.cuda.set_stream  # type: ignore
+def test_set_default_torch_dtype_restores_and_rejects_non_float_dtypes() -> None:
+    before = torch.get_default_dtype()
+    with set_default_torch_dtype(torch.float64):
+        assert torch.get_default_dtype() == torch.float64 and torch.zeros(1).dtype == torch.float64
+    assert torch.get_default_dtype() == before
+    with pytest.raises(KeyError), set_default_torch_dtype(torch.float16):
+        raise KeyError("inside")
+    assert torch.get_default_dtype() == before
+    with (
+        pytest.raises(ValueError, match="dtype: expected one of .*, got torch.int32"),
+        set_default_torch_dtype(torch.int32),
+    ):
+        pass
+    assert torch.get_default_dtype() == before
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_current_stream_on_cuda_is_dedicated_and_follows_the_context() -> None:
-    def check() -> None:
-        stream = current_stream()
-        assert stream.cuda_stream != 0  # not the default stream: CUDA graphs can capture
-        assert current_stream() is stream and torch.cuda.current_stream() == stream
-        other = torch.cuda.Stream()
-        with torch.cuda.stream(other):
-            assert current_stream() == other
-        assert current_stream() == stream
+def test_make_ndarray_and_tensor_with_pad() -> None:
+    rows = [[1, 2, 3], [], [4]]
+    expected = [[1, 2, 3], [0, 0, 0], [4, 0, 0]]
+    padded = make_ndarray_with_pad(rows, 0, np.int32)
+    assert padded.dtype == np.int32 and padded.tolist() == expected
+    assert make_ndarray_with_pad(rows, -1, np.int64, max_len=4)[1].tolist() == [-1] * 4
+    assert make_ndarray_with_pad([], 0, np.int32).shape == (0, 0)
+    tensor = make_tensor_with_pad(rows, 0, torch.int64, device="cpu")
+    assert tensor.dtype == torch.int64 and tensor.tolist() == expected
+    assert make_tensor_with_pad([[0.5]], 1.0, torch.float16, max_len=2).tolist() == [[0.5, 1.0]]
+    with pytest.raises(ValueError, match="x: row 0 has 3 items, more than max_len=2"):
+        make_ndarray_with_pad(rows, 0, np.int32, max_len=2)
+    with pytest.raises(ValueError, match="max_len: expected None or a non-negative int, got -1"):
+        make_ndarray_with_pad(rows, 0, np.int32, max_len=-1)
+    with pytest.raises(ValueError, match="dtype: expected one of .*, got torch.bfloat16"):
+        make_tensor_with_pad(rows, 0, torch.bfloat16)
 
-    _in_new_thread(check)
+
+UPSTREAM_SIGNATURES: dict[str, list[str]] = {
+    "async_tensor_h2d": ["data", "device", "dtype", "out"],
+    "available_cpu_count": [],
+    "get_kv_cache_quant_algo_string": ["quant_cfg"],
+    "get_kv_cache_torch_dtype": ["cache_dtype", "model_dtype"],
+    "kv_cache_dtype_str_to_dtype": ["kv_cache_dtype", "model_config"],
+    "make_ndarray_with_pad": ["x", "pad", "dtype", "max_len"],
+    "make_tensor_with_pad": ["x", "pad", "dtype", "max_len", "device", "pin_memory"],
+    "resolve_kv_cache_dtype_string": ["kv_cache_dtype", "model_config"],
+    "set_default_torch_num_threads": ["num_threads"],
+    "set_random_seed": ["seed", "data_parallel_index"],
+    "startup_omp_num_threads": ["num_local_procs"],
+}
+"""Parameter names of upstream v0.33's helpers that callers pass by keyword."""
+
+
+@pytest.mark.parametrize("name", UPSTREAM_SIGNATURES)
+def test_upstream_parameter_names(name: str) -> None:
+    function: Callable[..., Any] = getattr(torch_utils, name)
+    assert list(inspect.signature(function).parameters) == UPSTREAM_SIGNATURES[name]

@@ -1,13 +1,20 @@
-"""Torch dtype maps, NVFP4 cache-layout utilities, upstream vLLM's test-cache helpers and its
-generic torch helpers (lossless casts, singleton-dim strides, the current stream)."""
+"""Torch dtype maps, KV-cache dtype resolution, NVFP4 cache-layout utilities, upstream vLLM's
+test-cache helpers and its generic torch helpers (lossless casts, strides, padding, seeding).
+
+The runtime helpers (thread counts, host-to-device copies, streams) live in
+:mod:`vllm.utils.torch_runtime` and are re-exported here, upstream's home of them.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import random
-import threading
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
+from typing import Any, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from vllm.kv_quant.formats import (
@@ -18,6 +25,21 @@ from vllm.kv_quant.formats import (
 )
 from vllm.kv_quant.fp8 import Fp8Format, quantize_fp8
 from vllm.kv_quant.nvfp4_cache import nvfp4_split_data_scale
+from vllm.utils.torch_runtime import (  # noqa: F401  (upstream's path of these names)
+    OMP_NUM_THREADS_SET_BY_VLLM,
+    PIN_MEMORY,
+    async_tensor_h2d,
+    aux_stream,
+    available_cpu_count,
+    current_stream,
+    guard_cuda_initialization,
+    np_to_pinned_tensor,
+    set_default_torch_num_threads,
+    set_torch_threads_for_runtime,
+    startup_omp_num_threads,
+)
+
+logger = logging.getLogger(__name__)
 
 
 class _StorageDtypes(Mapping[str, torch.dtype]):
@@ -45,6 +67,18 @@ MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP: dict[str, str] = {
     algo: lookup(algo).name for algo in ("fp8", "nvfp4")
 }
 """ModelOpt ``kv_cache_quant_algo`` names (lower-cased) to our ``kv_cache_dtype`` strings."""
+
+TORCH_DTYPE_TO_NUMPY_DTYPE: dict[torch.dtype, type[np.generic]] = {
+    torch.float16: np.float16,
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.uint8: np.uint8,
+    torch.int32: np.int32,
+    torch.int64: np.int64,
+}
+"""The torch dtypes :func:`make_tensor_with_pad` builds, with their NumPy twins (upstream's)."""
+
+T = TypeVar("T")
 
 
 def get_dtype_size(dtype: torch.dtype) -> int:
@@ -97,6 +131,39 @@ def common_broadcastable_dtype(dtypes: Collection[torch.dtype]) -> torch.dtype:
     return best
 
 
+def is_meta_module(module: torch.nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` (recursively) is on the meta device."""
+    tensors = (*module.parameters(), *module.buffers())
+    return any(t.is_meta for t in tensors)
+
+
+def is_strictly_contiguous(t: torch.Tensor) -> bool:
+    """Whether ``t`` is contiguous with every stride canonical, size-1 dims included (each
+    stride the span of the dims inside it): ``is_contiguous()`` ignores a size-1 dim's stride,
+    which some kernels still compute with; :func:`canonicalize_singleton_dim_strides` fixes it.
+    """
+    span = 1
+    for size, stride in zip(reversed(t.shape), reversed(t.stride()), strict=True):
+        if stride != span:
+            return False
+        span *= size
+    return True
+
+
+def is_non_overlapping_and_dense(t: torch.Tensor) -> bool:
+    """Whether the elements of ``t`` fill one gap-free, non-overlapping span of memory in some
+    dim order (a permutation of a contiguous tensor), where ``is_contiguous()`` also asks for
+    row-major order. Size-1 dims, whatever their stride, do not count."""
+    span = 1
+    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda dim: dim[1]):
+        if size == 1:
+            continue
+        if stride != span:
+            return False
+        span *= size
+    return True
+
+
 def canonicalize_singleton_dim_strides(t: torch.Tensor) -> torch.Tensor:
     """``t`` with every size-1 dim given its canonical stride, the span of the dims inside it
     (a zero-copy ``as_strided`` view); ``t`` itself when nothing changes.
@@ -117,55 +184,68 @@ def canonicalize_singleton_dim_strides(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided(t.shape, strides)
 
 
-class _HostStream:
-    """:func:`current_stream` on a platform without streams (CPU): work there is synchronous,
-    so waiting for it is a no-op."""
-
-    def synchronize(self) -> None:
-        return None
+_DEFAULT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+"""The dtypes torch takes as its default dtype."""
 
 
-_current_stream = threading.local()
-"""Per thread: the stream last set through ``torch.cuda.set_stream`` (``value``)."""
-
-# torch's own set_stream, also when this module is reloaded (set_stream is then our wrapper).
-_torch_set_stream: Callable[[torch.cuda.Stream], None] = getattr(
-    torch.cuda.set_stream, "_torch_set_stream", torch.cuda.set_stream
-)
-
-
-def _set_stream_and_remember(stream: torch.cuda.Stream) -> None:
-    # torch.cuda.set_stream (and the torch.cuda.stream context manager, which calls it) records
-    # the stream for current_stream, as upstream does; None stays a no-op, as in torch.
-    if stream is not None:
-        _current_stream.value = stream
-    _torch_set_stream(stream)
-
-
-_set_stream_and_remember._torch_set_stream = _torch_set_stream  # type: ignore[attr-defined]
-torch.cuda.set_stream = _set_stream_and_remember
+@contextlib.contextmanager
+def set_default_torch_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Run the block with ``dtype`` as torch's default floating-point dtype, restoring the
+    previous one afterwards, also on an exception."""
+    if not isinstance(dtype, torch.dtype) or dtype not in _DEFAULT_DTYPES:
+        raise ValueError(
+            f"dtype: expected one of {', '.join(map(str, _DEFAULT_DTYPES))}, got {dtype!r}"
+        )
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
-def current_stream() -> torch.cuda.Stream | _HostStream:
-    """The calling thread's current stream, without building a new ``torch.cuda.Stream`` on
-    every call as ``torch.cuda.current_stream()`` does (upstream's helper).
+def make_ndarray_with_pad(
+    x: list[list[T]],
+    pad: T,
+    dtype: npt.DTypeLike,
+    *,
+    max_len: int | None = None,
+) -> npt.NDArray[Any]:
+    """The rows of ``x`` as a ``(len(x), max_len)`` array, each row padded at its end with
+    ``pad``; ``max_len`` defaults to the longest row (0 when there is none)."""
+    if max_len is None:
+        max_len = max(map(len, x), default=0)
+    elif isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 0:
+        raise ValueError(f"max_len: expected None or a non-negative int, got {max_len!r}")
+    for i, row in enumerate(x):
+        if len(row) > max_len:
+            raise ValueError(f"x: row {i} has {len(row)} items, more than max_len={max_len}")
+    padded = np.full((len(x), max_len), pad, dtype=dtype)
+    for i, row in enumerate(x):
+        padded[i, : len(row)] = row
+    return padded
 
-    It is the stream last set in this thread through ``torch.cuda.set_stream`` or the
-    ``torch.cuda.stream`` context (streams set from C++ are not seen). On CUDA, a thread that
-    has set none gets a dedicated stream of its own, set as current, rather than the default
-    stream, on which CUDA graphs cannot be captured. On CPU it is a placeholder whose
-    ``synchronize()`` does nothing.
+
+def make_tensor_with_pad(
+    x: list[list[T]],
+    pad: T,
+    dtype: torch.dtype,
+    *,
+    max_len: int | None = None,
+    device: str | torch.device | None = None,
+    pin_memory: bool = False,
+) -> torch.Tensor:
+    """:func:`make_ndarray_with_pad` as a ``dtype`` tensor (a key of
+    :data:`TORCH_DTYPE_TO_NUMPY_DTYPE`) on ``device`` (default: CPU), pinned if ``pin_memory``.
     """
-    stream = getattr(_current_stream, "value", None)
-    if stream is None:
-        from vllm.platforms import current_platform
-
-        if current_platform.is_cuda():
-            torch.cuda.set_stream(torch.cuda.Stream())
-        else:
-            _current_stream.value = _HostStream()
-        stream = _current_stream.value
-    return stream
+    if dtype not in TORCH_DTYPE_TO_NUMPY_DTYPE:
+        raise ValueError(
+            f"dtype: expected one of {', '.join(map(str, TORCH_DTYPE_TO_NUMPY_DTYPE))}, "
+            f"got {dtype!r}"
+        )
+    padded = make_ndarray_with_pad(x, pad, TORCH_DTYPE_TO_NUMPY_DTYPE[dtype], max_len=max_len)
+    tensor = torch.from_numpy(padded).to(device)
+    return tensor.pin_memory() if pin_memory else tensor
 
 
 def is_quantized_kv_cache(kv_cache_dtype: str) -> bool:
@@ -183,11 +263,9 @@ def kv_cache_uses_per_token_head_scales(kv_cache_dtype: str) -> bool:
     return fmt is not None and fmt.is_per_token_head
 
 
-def kv_cache_dtype_str_to_dtype(
-    kv_cache_dtype: str, model_dtype: str | torch.dtype | None
-) -> torch.dtype:
-    """Storage dtype for ``kv_cache_dtype``; ``auto`` resolves to ``model_dtype``. A torch dtype
-    name that is not a cache dtype (``half``) is taken as that dtype, as upstream does."""
+def _storage_dtype(kv_cache_dtype: str, model_dtype: object, arg_name: str) -> torch.dtype:
+    """Storage dtype for ``kv_cache_dtype``, ``auto`` resolving to ``model_dtype`` (a torch
+    dtype or its name; the argument ``arg_name`` of the caller)."""
     names = torch_dtype_names()
     if kv_cache_dtype in names:
         return names[kv_cache_dtype]
@@ -197,9 +275,27 @@ def kv_cache_dtype_str_to_dtype(
     if isinstance(model_dtype, str) and model_dtype in names:
         return fmt.resolve_storage_dtype(names[model_dtype])
     raise ValueError(
-        f"model_dtype: kv_cache_dtype='auto' needs the model dtype as a torch.dtype or one "
+        f"{arg_name}: kv_cache_dtype='auto' needs the model dtype as a torch.dtype or one "
         f"of {', '.join(names)}, got {model_dtype!r}"
     )
+
+
+def kv_cache_dtype_str_to_dtype(kv_cache_dtype: str, model_config: Any) -> torch.dtype:
+    """Storage dtype for ``kv_cache_dtype``; ``auto`` resolves to the model's dtype.
+
+    ``model_config`` is what upstream passes, a ``ModelConfig`` (its ``dtype`` is read), or the
+    model dtype itself (a torch dtype or its name); ``None`` means float16, upstream's default
+    for tests that have no model. A torch dtype name that is not a cache dtype (``half``) is
+    taken as that dtype, as upstream does.
+    """
+    model_dtype: object
+    if model_config is None:
+        model_dtype = torch.float16
+    elif isinstance(model_config, torch.dtype | str):
+        model_dtype = model_config
+    else:
+        model_dtype = getattr(model_config, "dtype", None)
+    return _storage_dtype(kv_cache_dtype, model_dtype, "model_config")
 
 
 def get_kv_cache_torch_dtype(
@@ -208,22 +304,107 @@ def get_kv_cache_torch_dtype(
 ) -> torch.dtype:
     """Storage dtype of a KV cache (upstream's name and signature).
 
-    A string goes through :func:`kv_cache_dtype_str_to_dtype` (``auto`` resolves to
-    ``model_dtype``); a ``torch.dtype`` is returned as is; anything else raises ``ValueError``.
+    A string is resolved as by :func:`kv_cache_dtype_str_to_dtype`, except that ``auto`` needs
+    ``model_dtype`` (as upstream, no float16 default); a ``torch.dtype`` is returned as is;
+    anything else raises ``ValueError``.
     """
     if isinstance(cache_dtype, torch.dtype):
         return cache_dtype
     if isinstance(cache_dtype, str):
-        return kv_cache_dtype_str_to_dtype(cache_dtype, model_dtype)
+        return _storage_dtype(cache_dtype, model_dtype, "model_dtype")
     raise ValueError(
         f"cache_dtype: expected a kv_cache_dtype string or a torch.dtype, got {cache_dtype!r}"
     )
 
 
-def set_random_seed(seed: int | None) -> None:
-    """Seed Python's ``random``, NumPy and torch (every device); ``None`` leaves them alone."""
+def _modelopt_scheme_algo(scheme: Mapping[str, Any]) -> str | None:
+    """The ModelOpt algorithm a ``kv_cache_scheme`` dict describes (static 8-bit floats: fp8,
+    4-bit floats: nvfp4), None for any other."""
+    if scheme.get("type") != "float":
+        return None
+    if scheme.get("num_bits") == 8 and scheme.get("dynamic") is False:
+        return "fp8"
+    return "nvfp4" if scheme.get("num_bits") == 4 else None
+
+
+def get_kv_cache_quant_algo_string(quant_cfg: Mapping[str, Any]) -> str | None:
+    """The ``kv_cache_dtype`` a checkpoint's ``quantization_config`` asks for.
+
+    Only ModelOpt configs (``quant_method`` starting with ``modelopt``) name one, as a
+    ``kv_cache_scheme`` dict or a ``kv_cache_quant_algo`` string, in the nested
+    ``quantization`` section or at the top level (the first set of: nested scheme, top scheme,
+    nested algo, top algo). Returns the :data:`MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP` entry of a
+    known algorithm (case-insensitive), ``"auto"`` with a warning for an unknown one, and
+    ``None`` when nothing is set or the config is not ModelOpt's.
+    """
+    if not isinstance(quant_cfg, Mapping):
+        raise ValueError(
+            f"quant_cfg: expected a quantization_config mapping, got {type(quant_cfg).__name__}"
+        )
+    method = quant_cfg.get("quant_method")
+    if not (isinstance(method, str) and method.startswith("modelopt")):
+        return None
+    nested = quant_cfg.get("quantization")
+    inner = nested if isinstance(nested, Mapping) else quant_cfg
+    algo = (
+        inner.get("kv_cache_scheme")
+        or quant_cfg.get("kv_cache_scheme")
+        or inner.get("kv_cache_quant_algo")
+        or quant_cfg.get("kv_cache_quant_algo")
+    )
+    if isinstance(algo, Mapping):
+        name = _modelopt_scheme_algo(algo)
+    elif isinstance(algo, str):
+        name = algo.lower()
+    else:
+        return None
+    if name in MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP:
+        return MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP[name]
+    logger.warning(
+        "Unknown kv_cache_quant_algo %r in the model's quantization config (known: %s); "
+        "using kv_cache_dtype 'auto'",
+        algo,
+        ", ".join(MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP),
+    )
+    return "auto"
+
+
+def resolve_kv_cache_dtype_string(kv_cache_dtype: str, model_config: Any) -> str:
+    """``kv_cache_dtype`` itself, or for ``auto`` the dtype the checkpoint's quantization config
+    asks for (:func:`get_kv_cache_quant_algo_string` of ``model_config.hf_config``'s
+    ``quantization_config``), ``auto`` when it asks for none or there is no such config."""
+    if not isinstance(kv_cache_dtype, str):
+        raise ValueError(f"kv_cache_dtype: expected a str, got {kv_cache_dtype!r}")
+    if kv_cache_dtype != "auto":
+        return kv_cache_dtype
+    hf_config = getattr(model_config, "hf_config", None)
+    quant_cfg = getattr(hf_config, "quantization_config", None)
+    if quant_cfg is not None:
+        return get_kv_cache_quant_algo_string(quant_cfg) or "auto"
+    return "auto"
+
+
+_MAX_SEED = 2**32 - 1
+"""NumPy's global generator takes 32-bit seeds."""
+
+
+def set_random_seed(seed: int | None, data_parallel_index: int = 0) -> None:
+    """Seed Python's ``random``, NumPy and torch (every device); ``None`` leaves them alone.
+
+    Data-parallel engines share the engine seed yet must not draw alike for requests without a
+    seed of their own: a ``data_parallel_index`` above 0 seeds with a 32-bit value derived from
+    ``(seed, data_parallel_index)`` by NumPy's ``SeedSequence`` (the value upstream derives,
+    so the streams match upstream's); index 0 seeds with ``seed`` itself.
+    """
+    index = data_parallel_index
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise ValueError(f"data_parallel_index: expected a non-negative int, got {index!r}")
     if seed is None:
         return
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _MAX_SEED:
+        raise ValueError(f"seed: expected None or an int in [0, 2**32 - 1], got {seed!r}")
+    if index:
+        seed = int(np.random.SeedSequence((seed, index)).generate_state(1)[0])
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device
