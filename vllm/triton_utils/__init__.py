@@ -1,5 +1,6 @@
 """Triton under upstream vLLM's import path (``vllm.triton_utils``): ``triton`` and ``tl`` are the
-real modules when Triton is installed, placeholders otherwise (:data:`HAS_TRITON` says which).
+real modules when Triton is installed, placeholders otherwise (:data:`TRITON_INSTALLED` says
+which); :data:`HAS_TRITON` says whether Triton can also launch kernels in this process.
 
 Kernel modules import them from here so that the library imports without Triton. Every module
 holding Triton kernels also defines ``triton_compile_cases()`` (see :mod:`vllm.triton_utils.aot`):
@@ -9,16 +10,18 @@ GPU.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 from vllm.triton_utils.importing import (
     HAS_TRITON,
+    TRITON_INSTALLED,
     TritonLanguagePlaceholder,
     TritonPlaceholder,
+    triton_interpreted,
 )
 
-if TYPE_CHECKING or HAS_TRITON:
+# The real modules even where no kernel can launch: ahead-of-time compiles need only them.
+if TYPE_CHECKING or TRITON_INSTALLED:
     import triton
     import triton.language as tl
 else:
@@ -27,11 +30,6 @@ else:
 
 LOG2E = 1.4426950408889634
 LOGE2 = 0.6931471805599453
-
-
-def triton_interpreted() -> bool:
-    """Whether Triton kernels run under the interpreter (``TRITON_INTERPRET`` set, not 0)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def row_alignment(*places: int) -> int:
@@ -46,6 +44,7 @@ __all__ = [
     "HAS_TRITON",
     "LOG2E",
     "LOGE2",
+    "TRITON_INSTALLED",
     "row_alignment",
     "tl",
     "triton",

@@ -15,7 +15,7 @@ soft cap, ``head_size_v``).
 from __future__ import annotations
 
 import functools
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -54,6 +54,7 @@ class CPUAttentionBackend(ReferenceAttentionBackend):
         head_size_v: int | None = None,
         use_mla: bool = False,
         kv_cache_layout: str | None = None,
+        **features: Any,
     ) -> list[str]:
         """The reference backend's reasons, plus one when the compiled kernel is not loadable
         (so that the selector falls back to REFERENCE instead of failing at the first call)."""
@@ -66,6 +67,7 @@ class CPUAttentionBackend(ReferenceAttentionBackend):
             head_size_v=head_size_v,
             use_mla=use_mla,
             kv_cache_layout=kv_cache_layout,
+            **features,
         )
         missing = _kernel_missing()
         return reasons if missing is None else [*reasons, f"CPU_ATTN needs {missing}"]

@@ -19,7 +19,7 @@ Rules (``validate_configuration``):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -115,6 +115,7 @@ class FlashInferBackend(AttentionBackend):
         head_size_v: int | None = None,
         use_mla: bool = False,
         kv_cache_layout: str | None = None,
+        **features: Any,
     ) -> list[str]:
         capability = as_device_capability(device_capability)
         if capability is None:
@@ -134,6 +135,7 @@ class FlashInferBackend(AttentionBackend):
             head_size_v=head_size_v,
             use_mla=use_mla,
             kv_cache_layout=kv_cache_layout,
+            **features,
         )
         if not cls.supports_compute_capability(capability):
             # Replace the generic message with one that names the supported range.

@@ -27,7 +27,6 @@ from vllm.v1.attention.backends.abstract import (
     AttentionImpl,
     AttentionLayer,
     KVCacheScaleLayouts,
-    MultipleOf,
     paged_kv_cache_shape,
     softmax_scale,
 )
@@ -51,9 +50,10 @@ class ReferenceAttentionBackend(AttentionBackend):
 
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
     supported_kv_cache_dtypes: ClassVar[list[str]] = list(cache_dtype_names())
-    supported_head_sizes: ClassVar[list[int]] = []
-    supported_kernel_block_sizes: ClassVar[list[int | MultipleOf]] = [MultipleOf(1)]
     supports_head_size_v: ClassVar[bool] = True
+    supported_features: ClassVar[frozenset[str]] = AttentionBackend.supported_features.union(
+        ("has_sink", "has_sliding_window", "use_non_causal", "use_per_head_quant_scales")
+    )
 
     @staticmethod
     def get_name() -> str:

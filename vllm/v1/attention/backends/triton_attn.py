@@ -60,6 +60,7 @@ class TritonAttentionBackend(ReferenceAttentionBackend):
         head_size_v: int | None = None,
         use_mla: bool = False,
         kv_cache_layout: str | None = None,
+        **features: Any,
     ) -> list[str]:
         """The reference backend's reasons, plus one when Triton is not installed."""
         reasons = super().validate_configuration(
@@ -71,6 +72,7 @@ class TritonAttentionBackend(ReferenceAttentionBackend):
             head_size_v=head_size_v,
             use_mla=use_mla,
             kv_cache_layout=kv_cache_layout,
+            **features,
         )
         return reasons if HAS_TRITON else [*reasons, "TRITON_ATTN needs Triton (not installed)"]
 
