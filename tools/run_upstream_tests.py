@@ -1,0 +1,195 @@
+"""Run upstream vLLM's own tests for the modules this library ships against the library.
+
+    python tools/run_upstream_tests.py --sdist PATH/vllm-0.33.0.tar.gz [--json OUT] [FILE ...]
+
+The test tree of the source distribution is unpacked into a temporary directory (outside this
+repository, so that upstream's ``vllm/`` never shadows ours) and each test file of
+:data:`SUITE` (or each ``FILE`` given, a path under ``tests/``) runs in its own pytest process
+with this repository first on ``PYTHONPATH`` and Triton under its interpreter. Upstream's root
+``conftest.py`` starts engine machinery this library does not have, so it is replaced by
+:data:`ROOT_CONFTEST`, which supplies the few fixtures the suite's files use. The copies are
+run unchanged. A file that does not collect counts as one error.
+
+The report is a table, one row per file: passed, failed, errors, skipped (upstream's own skips,
+CUDA-only cases among them) and the total; ``--json`` writes the same rows. The exit status is
+0 whatever the counts (this is a measurement), 2 for a bad argument.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import xml.etree.ElementTree as ET
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+SUITE: tuple[str, ...] = (
+    "tests/v1/core/test_kv_cache_utils.py",
+    "tests/v1/core/test_prefix_caching.py",
+    "tests/v1/core/test_single_type_kv_cache_manager.py",
+    "tests/v1/kv_offload",
+    "tests/utils_/test_torch_utils.py",
+    "tests/test_triton_utils.py",
+    "tests/test_attention_backend_registry.py",
+    "tests/config/test_kv_cache_dtype.py",
+    "tests/quantization/test_per_token_kv_cache.py",
+    "tests/kernels/attention/test_cpu_attn.py",
+)
+"""Upstream test files (or folders) of the modules the library ships at upstream's paths."""
+
+ROOT_CONFTEST = '''"""Upstream's root conftest, replaced by tools/run_upstream_tests.py."""
+import pytest
+
+
+@pytest.fixture
+def caplog_vllm(caplog):
+    return caplog
+'''
+
+TIMEOUT_S = 1800
+"""Per test file: a hung file is reported as one error, the run goes on."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One test file's outcome (test counts)."""
+
+    file: str
+    passed: int
+    failed: int
+    errors: int
+    skipped: int
+    first_problem: str = ""
+    """The message of the first failure or error (why a file does not collect, say)."""
+
+    @property
+    def total(self) -> int:
+        return self.passed + self.failed + self.errors + self.skipped
+
+
+def unpack_tests(sdist: Path, into: Path) -> Path:
+    """The sdist's ``tests/`` tree under ``into`` (returned: the directory holding ``tests``),
+    with :data:`ROOT_CONFTEST` in place of upstream's root conftest."""
+    with tarfile.open(sdist) as tar:
+        found = 0
+        for member in tar.getmembers():
+            # An sdist holds one top folder (vllm-X.Y.Z/); its tests/ is the suite.
+            parts = member.name.split("/", 1)
+            name = parts[1] if len(parts) == 2 and parts[0] != "tests" else member.name
+            if not (member.isfile() and name.startswith("tests/")):
+                continue
+            found += 1
+            target = into / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            source = tar.extractfile(member)
+            assert source is not None  # a regular file
+            target.write_bytes(source.read())
+    if not found:
+        raise ValueError(f"--sdist: expected a source distribution with tests/, got {sdist}")
+    (into / "tests" / "conftest.py").write_text(ROOT_CONFTEST)
+    return into
+
+
+def _counts(junit: Path) -> tuple[int, int, int, int, str]:
+    """(passed, failed, errors, skipped, first problem) of a pytest JUnit XML report."""
+    suites = ET.parse(junit).getroot()
+    totals = [0, 0, 0, 0]  # tests, failures, errors, skipped
+    for suite in suites.iter("testsuite"):
+        for i, key in enumerate(("tests", "failures", "errors", "skipped")):
+            totals[i] += int(suite.get(key, 0))
+    problem = next((_message(p) for p in suites.iter() if p.tag in ("failure", "error")), "")
+    tests, failed, errors, skipped = totals
+    return tests - failed - errors - skipped, failed, errors, skipped, problem
+
+
+def _message(problem: ET.Element) -> str:
+    """A failure's message; for a collection error, the last line of its traceback (the
+    exception), since pytest's message then only says that collection failed."""
+    lines = [line.strip() for line in (problem.text or "").splitlines() if line.strip()]
+    if problem.get("message", "").startswith("collection failure") and lines:
+        return lines[-1]
+    return problem.get("message", "")
+
+
+def run_file(root: Path, file: str) -> Row:
+    """Run one upstream test file (or folder) from ``root`` against this repository."""
+    if not (root / file).exists():
+        raise ValueError(f"FILE: expected a test file or folder of the sdist, got {file!r}")
+    junit = root / f".{file.replace('/', '_')}.xml"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "TRITON_INTERPRET": "1",
+    }
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", file]
+    try:
+        done = subprocess.run(
+            [*command, f"--junitxml={junit}"],
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return Row(file, 0, 0, 1, 0, f"timed out after {TIMEOUT_S} s")
+    if not junit.exists():  # pytest stopped before collecting (a conftest that fails to load)
+        output = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+        errors = [line for line in output if "Error" in line]
+        return Row(file, 0, 0, 1, 0, (errors or output or ["pytest wrote no report"])[-1])
+    return Row(file, *_counts(junit))
+
+
+def format_table(rows: list[Row]) -> str:
+    """The report: one line per file and a total."""
+    header = f"{'upstream test file':<56} {'passed':>6} {'failed':>6} {'errors':>6} {'skipped':>7}"
+    lines = [header, "-" * len(header)]
+    for row in [*rows, _total(rows)]:
+        lines.append(
+            f"{row.file:<56} {row.passed:>6} {row.failed:>6} {row.errors:>6} {row.skipped:>7}"
+            f"  of {row.total}"
+        )
+    lines += [f"{row.file}: {row.first_problem[:300]}" for row in rows if row.first_problem]
+    return "\n".join(lines)
+
+
+def _total(rows: list[Row]) -> Row:
+    return Row(
+        "all",
+        sum(r.passed for r in rows),
+        sum(r.failed for r in rows),
+        sum(r.errors for r in rows),
+        sum(r.skipped for r in rows),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sdist", type=Path, required=True, help="upstream vLLM's .tar.gz")
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON")
+    parser.add_argument("files", nargs="*", help="test files under tests/ (default: the suite)")
+    args = parser.parse_args(argv)
+    if not args.sdist.is_file():
+        parser.error(f"--sdist: expected a .tar.gz file, got {str(args.sdist)!r}")
+    with tempfile.TemporaryDirectory(prefix="upstream-tests-") as tmp:
+        try:
+            root = unpack_tests(args.sdist, Path(tmp))
+            rows = [run_file(root, file) for file in args.files or SUITE]
+        except (ValueError, tarfile.TarError) as exc:
+            parser.error(str(exc))
+    print(format_table(rows))
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
