@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def check_positive_int(name: str, value: Any) -> int:
@@ -18,6 +19,8 @@ def check_device(name: str, device: Any) -> torch.device:
     """``device`` as a :class:`torch.device` when this torch can use it; else ``ValueError``
     naming ``name``: a string that names no device, or a CUDA device that torch does not see
     (torch's own error comes later, an ``AssertionError`` from its lazy CUDA init)."""
+    import torch  # here: ``vllm.utils`` itself stays importable without loading torch
+
     try:
         checked = torch.device(device)
     except (RuntimeError, TypeError):
