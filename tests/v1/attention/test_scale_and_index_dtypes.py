@@ -47,7 +47,9 @@ def _float_error(name: str) -> str:
 
 
 @pytest.mark.parametrize("impl_cls", IMPLS, ids=lambda c: c.__name__)
-@pytest.mark.parametrize("scale", [math.nan, math.inf, -math.inf, "0.125", True])
+@pytest.mark.parametrize(
+    "scale", [math.nan, math.inf, -math.inf, "0.125", True, 10**400, torch.tensor([1.0, 2.0])]
+)
 def test_a_scale_that_is_not_a_finite_number_is_refused(
     impl_cls: type[ReferenceAttentionImpl], scale: object
 ) -> None:
@@ -62,8 +64,8 @@ def test_finite_scales_are_kept_as_upstream_keeps_them(
 ) -> None:
     """Upstream takes any finite scale (``float(scale)``): zero and negative ones included."""
     assert impl_cls(HQ, D, num_kv_heads=H).scale == 1 / math.sqrt(D)
-    for scale in (0.125, 2, 0.0, -0.5):
-        impl = impl_cls(HQ, D, scale=scale, num_kv_heads=H)
+    for scale in (0.125, 2, 0.0, -0.5, torch.tensor(0.25)):
+        impl = impl_cls(HQ, D, scale=scale, num_kv_heads=H)  # type: ignore[arg-type]
         assert impl.scale == float(scale) and type(impl.scale) is float
 
 
@@ -163,8 +165,12 @@ def test_float_metadata_is_refused_before_the_write(
             lambda: ([6], [2.5], torch.tensor([[1, 2]])),
             re.escape("query_lens: expected ints, got [2.5]"),
         ),
+        (
+            lambda: ([True], [1], torch.tensor([[1, 2]])),
+            re.escape("seq_lens: expected ints, got [True]"),
+        ),
     ],
-    ids=["block_table", "seq_lens", "query_lens", "seq_lens_list", "query_lens_list"],
+    ids=["block_table", "seq_lens", "query_lens", "seq_lens_list", "query_lens_list", "bools"],
 )
 def test_metadata_build_refuses_non_integer_input(
     build: Callable[[], tuple[object, object, torch.Tensor]], message: str

@@ -17,7 +17,7 @@ from tests.v1.core.block_manager_test_utils import (
     sliding,
 )
 from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.kv_cache_interface import SinkFullAttentionSpec
 
 
@@ -62,6 +62,68 @@ def test_mamba_align_with_connector_tokens_fits_or_takes_nothing(num_blocks: int
     sim.free_all_and_check_no_leak()
 
 
+def _mamba_align_admission(
+    num_blocks: int, hit: bool, external: int, new: int, spec: int
+) -> tuple[int, KVCacheBlocks | None, int] | None:
+    """(free pages before, the answer, pages taken) of one admission on full + Mamba align
+    (``spec`` speculative pages), after an earlier request cached 8 tokens when ``hit``; None
+    when the pool is too small for that earlier request."""
+    state = mamba(4, "align")
+    state = type(state)(
+        block_size=4,
+        shapes=state.shapes,
+        dtypes=state.dtypes,
+        mamba_cache_mode="align",
+        num_speculative_blocks=spec,
+    )
+    manager = KVCacheManager(
+        config_of(num_blocks, full(4), state), max_model_len=64, hash_block_size=4
+    )
+    if hit:
+        sim = ManagerSim(manager, chunk=8)
+        first = make_request("a", list(range(9)), 4)
+        if not sim.schedule(first):
+            return None
+        sim.finish(first)
+        manager.new_step_starts()
+    request = make_request("b", list(range(8)) + [50] * 12, 4)
+    blocks, num_hit = manager.get_computed_blocks(request)
+    assert num_hit == (8 if hit else 0)
+    free = manager.block_pool.get_num_free_blocks()
+    answer = manager.allocate_slots(
+        request, new, num_hit, blocks, num_external_computed_tokens=external
+    )
+    return free, answer, free - manager.block_pool.get_num_free_blocks()
+
+
+@pytest.mark.parametrize(
+    "hit, external, new, spec",
+    [
+        (False, 8, 8, 0),  # connector tokens end on a page boundary
+        (False, 1, 1, 0),  # ... inside a page that the new tokens do not leave
+        (False, 1, 0, 1),  # only connector tokens, one speculative page
+        (True, 1, 8, 0),  # a cached state that the connector's tokens pass (not taken)
+        (True, 4, 4, 2),
+        (True, 0, 8, 1),  # a plain hit
+    ],
+)
+def test_mamba_align_counts_exactly_the_pages_it_takes(
+    hit: bool, external: int, new: int, spec: int
+) -> None:
+    """The free-page check of align mode asks for exactly the pages the allocation takes: the
+    smallest pool that admits the request has no page to spare, one page less answers None."""
+    for num_blocks in range(3, 30):
+        outcome = _mamba_align_admission(num_blocks, hit, external, new, spec)
+        if outcome is None:
+            continue
+        free, answer, taken = outcome
+        if answer is not None:
+            assert taken == free, f"admitted with {free} free pages but took {taken}"
+            return
+        assert taken == 0
+    raise AssertionError("never admitted")
+
+
 def test_reset_prefix_cache_succeeds_with_sink_pages() -> None:
     """Sink pages are reserved for all requests, not in use by one: once every request has
     finished, a reset succeeds and the old prefix no longer hits."""
@@ -85,4 +147,8 @@ def test_reserving_more_pages_than_are_free_is_refused_whole() -> None:
     pool = BlockPool(num_gpu_blocks=4, enable_caching=True, hash_block_size=4)
     with pytest.raises(ValueError, match="num_blocks: expected at most the 3 free pages, got 4"):
         pool.reserve_blocks(4)
+    assert pool.get_num_free_blocks() == 3 and pool.num_reserved_blocks == 0
+    for bad in (-1, True, 1.0):
+        with pytest.raises(ValueError, match="num_blocks: expected a non-negative int"):
+            pool.reserve_blocks(bad)  # type: ignore[arg-type]
     assert pool.get_num_free_blocks() == 3 and pool.num_reserved_blocks == 0

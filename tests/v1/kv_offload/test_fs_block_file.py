@@ -220,3 +220,23 @@ def test_a_read_error_fails_the_load_but_keeps_the_file(tier, monkeypatch) -> No
     monkeypatch.setattr(fs_io.os, "readv", failing_readv)
     assert not tier.load(1)
     assert tier.lookup(1) and loads_exactly(tier, 1)
+
+
+def test_a_failed_load_never_removes_a_good_file_stored_meanwhile(tier, monkeypatch) -> None:
+    """A load that finds the file bad removes that file only: when a store renamed a good
+    file into its place while the load was reading, the good file stays and loads."""
+    assert tier.store(1)
+    flip(tier.path(1), 2000)
+    read = fs_io._read_file
+
+    def read_then_race(path: str, *args) -> None:
+        try:
+            read(path, *args)
+        finally:
+            # A store of the same key replaces the damaged file before the load removes it.
+            header = BlockFileHeader(tier.fs.file_mapper.fingerprint, key(1))
+            fs_io.store_block(path, memoryview(tier.rows.numpy()), 0, ROW, header)
+
+    monkeypatch.setattr(fs_io, "_read_file", read_then_race)
+    assert not tier.load(1)
+    assert tier.lookup(1) and loads_exactly(tier, 1)

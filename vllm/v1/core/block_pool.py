@@ -245,6 +245,8 @@ class BlockPool:
         """Take ``num_blocks`` pages out of the pool for good, for data every request shares
         (attention-sink tokens). No request holds them, so :meth:`reset_prefix_cache` does not
         count them as in use. ValueError when too few are free."""
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
+            raise ValueError(f"num_blocks: expected a non-negative int, got {num_blocks!r}")
         if num_blocks > self.free_block_queue.num_free_blocks:
             raise ValueError(
                 f"num_blocks: expected at most the {self.free_block_queue.num_free_blocks} free "

@@ -121,22 +121,26 @@ class MambaManager(SingleTypeKVCacheManager):
                 apply_admission_cap=apply_admission_cap,
             )
         # Lookahead tokens would break the page alignment (draft models have no Mamba layers).
-        num_required = cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks
+        num_spec = self.num_speculative_blocks
+        num_required = cdiv(num_tokens_main_model, self.block_size) + num_spec
         num_held = len(self.req_to_blocks.get(request_id, ()))
-        num_new = 0
-        if num_held == 0:
-            # A new request first gets a page for the state after the connector's tokens
-            # (allocate_external_computed_blocks), past its hit and the skipped tokens.
-            num_skipped_blocks = max(total_computed_tokens - 1, 0) // self.block_size
-            num_covered = max(num_skipped_blocks, len(new_computed_blocks))
-            num_new = max(cdiv(total_computed_tokens, self.block_size) - num_covered, 0)
-        if num_required > len(new_computed_blocks) + num_held:
-            # A running request reuses its speculative pages and needs one new state page; a
-            # new one needs the state page and the speculative pages.
-            num_new += 1
-            if request_id not in self._allocated_block_reqs:
-                num_new += self.num_speculative_blocks
-        return num_new + self._get_num_evictable_blocks(new_computed_blocks)
+        if num_held > 0:
+            # A running request reuses its speculative pages and needs one new state page.
+            if num_required <= num_held:
+                return 0
+            return 1 if request_id in self._allocated_block_reqs else 1 + num_spec
+        # A new request, page for page as add_local_computed_blocks,
+        # allocate_external_computed_blocks and allocate_new_blocks take them: the hit's state
+        # page unless the connector's tokens pass it, a state page after the connector's
+        # tokens, then the running state and the speculative pages.
+        num_skipped_blocks = max(total_computed_tokens - 1, 0) // self.block_size
+        num_after_hits = max(num_skipped_blocks, len(new_computed_blocks))
+        num_after_external = max(cdiv(total_computed_tokens, self.block_size), num_after_hits)
+        num_new = num_after_external - num_after_hits
+        if num_required > num_after_external:
+            num_new += num_required - max(num_after_external, num_required - num_spec - 1)
+        kept_hits = new_computed_blocks[num_skipped_blocks:]
+        return num_new + self._get_num_evictable_blocks(kept_hits)
 
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_tokens_main_model: int

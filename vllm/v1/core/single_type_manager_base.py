@@ -139,7 +139,7 @@ class SingleTypeKVCacheManager(ABC):
         # the skipped region and the pages the request already has (held + hits).
         num_covered = max(num_skipped_blocks, num_held + len(new_computed_blocks))
         num_new = max(num_required - num_covered, 0)
-        # Hits falling in the skipped region are not touched (see allocate_new_computed_blocks).
+        # Hits falling in the skipped region are not touched (see add_local_computed_blocks).
         first_kept_hit = max(0, num_skipped_blocks - num_held)
         return num_new + self._get_num_evictable_blocks(new_computed_blocks[first_kept_hit:])
 

@@ -8,6 +8,7 @@ scale, and the paged K/V cache shape that most backends return.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 
@@ -90,11 +91,17 @@ def softmax_scale(scale: float | None, head_size: int) -> float:
     kernels would refuse it only after the new K/V were written."""
     if scale is None:
         return 1.0 / math.sqrt(head_size)
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+    # A real number or a one-element tensor, as float(scale) takes them; not str or bool.
+    value = math.nan
+    if isinstance(scale, numbers.Real | torch.Tensor) and not isinstance(scale, bool):
+        # 10**400 overflows; a tensor of several values has no float.
+        with contextlib.suppress(OverflowError, RuntimeError, ValueError):
+            value = float(scale)
+    if not math.isfinite(value):
         raise ValueError(
             f"scale: expected None or a finite float (the softmax scale), got {scale!r}"
         )
-    return float(scale)
+    return value
 
 
 def kv_cache_dim(head_size: int, cache_dtype_str: str) -> int:

@@ -22,6 +22,8 @@ def as_int_list(values: Sequence[int] | torch.Tensor, name: str) -> list[int]:
         if values.dim() != 1:
             raise ValueError(f"{name}: expected a 1-D tensor, got shape {list(values.shape)}")
         return values.tolist()
+    if any(isinstance(v, bool) for v in values):  # bool tensors are refused too
+        raise ValueError(f"{name}: expected ints, got {values!r}")
     try:
         return [operator.index(v) for v in values]
     except TypeError:

@@ -38,7 +38,10 @@ _FINGERPRINT_BYTES = 32
 
 
 class BadBlockFile(ValueError):
-    """A block file that is damaged, truncated, or written for another key or format: a miss."""
+    """A block file that is damaged, truncated, or written for another key or format: a miss.
+    ``file_identity`` is the ``(st_dev, st_ino)`` of the file that was read, when known."""
+
+    file_identity: tuple[int, int] | None = None
 
 
 def payload_checksum(payload: memoryview | bytes, start: int = 0) -> int:

@@ -132,15 +132,22 @@ def _read_fully(fd: int, path: str, into: memoryview) -> None:
 def _read_file(path: str, flags: int, header: BlockFileHeader, target: memoryview) -> None:
     fd = os.open(path, os.O_RDONLY | flags)
     try:
-        _check_size(path, os.fstat(fd), len(target))
-        raw = _header_buffer()
-        _read_fully(fd, path, raw)
-        checksum = header.check(raw.tobytes(), len(target), path)
-        _read_fully(fd, path, target)
+        st = os.fstat(fd)
+        try:
+            _check_size(path, st, len(target))
+            raw = _header_buffer()
+            _read_fully(fd, path, raw)
+            checksum = header.check(raw.tobytes(), len(target), path)
+            _read_fully(fd, path, target)
+            if (actual := payload_checksum(target)) != checksum:
+                raise BadBlockFile(
+                    f"{path}: expected payload CRC-32 {checksum:#010x}, got {actual:#010x}"
+                )
+        except BadBlockFile as exc:
+            exc.file_identity = (st.st_dev, st.st_ino)
+            raise
     finally:
         os.close(fd)
-    if (actual := payload_checksum(target)) != checksum:
-        raise BadBlockFile(f"{path}: expected payload CRC-32 {checksum:#010x}, got {actual:#010x}")
 
 
 def _verifies(path: str, header: BlockFileHeader, block_size: int) -> bool:
@@ -192,10 +199,20 @@ def load_block(
     target = _byte_slice(view, offset, block_size)
     try:
         _with_direct_io(lambda flags: _read_file(source_path, flags, header, target), target)
-    except BadBlockFile:
-        if os.path.isfile(source_path):  # never a directory in the way
-            _remove(source_path)
+    except BadBlockFile as exc:
+        _remove_bad_file(source_path, exc.file_identity)
         raise
+
+
+def _remove_bad_file(path: str, identity: tuple[int, int] | None) -> None:
+    """Remove the bad file a load read: never a directory in the way, nor the good file a
+    concurrent store renamed into its place meanwhile (another inode)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return
+    if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) == identity:
+        _remove(path)
 
 
 def _remove(path: str) -> None:
