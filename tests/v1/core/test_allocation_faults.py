@@ -152,3 +152,22 @@ def test_reserving_more_pages_than_are_free_is_refused_whole() -> None:
         with pytest.raises(ValueError, match="num_blocks: expected a non-negative int"):
             pool.reserve_blocks(bad)  # type: ignore[arg-type]
     assert pool.get_num_free_blocks() == 3 and pool.num_reserved_blocks == 0
+
+
+def test_an_eagle_hit_covers_the_same_tokens_in_every_group() -> None:
+    """With EAGLE, full attention drops its extra page while Mamba (which reads one state)
+    does not: a hybrid hit must still be the length every group's pages cover."""
+    manager = KVCacheManager(
+        config_of(20, full(4), mamba(4, "all")),
+        max_model_len=64,
+        hash_block_size=4,
+        use_eagle=True,
+    )
+    sim = ManagerSim(manager, chunk=16)
+    first = make_request("a", list(range(13)), 4)
+    assert sim.schedule(first)
+    sim.finish(first)
+    manager.new_step_starts()
+    second = make_request("b", list(range(12)) + [7] * 3, 4)
+    blocks, num_tokens = manager.get_computed_blocks(second)
+    assert num_tokens == 8 and [len(b) for b in blocks.blocks] == [2, 2]

@@ -41,6 +41,7 @@ class Case:
     scale: int = 1
     pool_sizes: tuple[int, ...] = (12, 20, 40)
     caching: bool = True
+    eagle: bool = False
 
 
 def hand_built(*specs: KVCacheSpec) -> Callable[[int], KVCacheConfig]:
@@ -63,6 +64,9 @@ CASES: dict[str, Case] = {
     ),
     "full+mamba(align)": Case(hand_built(full(4), mamba(4, "align")), 4, 8),
     "full+chunked local": Case(hand_built(full(4), chunked(4, 8)), 4, 6),
+    # EAGLE: every group looks one page further and drops it (Mamba keeps its state page).
+    "full+mamba (eagle)": Case(hand_built(full(4), mamba(4, "all")), 4, 6, eagle=True),
+    "full+sliding (eagle)": Case(hand_built(full(4), sliding(4, 6)), 4, 5, eagle=True),
     "no prefix cache": Case(hand_built(full(4), sliding(4, 6)), 4, 5, caching=False),
     # The planner's groups for real hybrid models: sliding window 128 + full attention, and
     # four sliding-window groups beside a full one.
@@ -106,6 +110,7 @@ def make_sim(name: str, num_blocks: int) -> ManagerSim:
         max_model_len=(MAX_REQUEST_TOKENS + 8) * case.scale,
         hash_block_size=case.hash_block_size,
         enable_caching=case.caching,
+        use_eagle=case.eagle,
     )
     return ManagerSim(manager, case.chunk)
 

@@ -352,6 +352,25 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             return block_hashes
         return BlockHashListWithBlockSize(block_hashes, self.hash_block_size, spec.block_size)
 
+    def _lookup(
+        self,
+        bundle: AttentionGroup,
+        block_hashes: list[BlockHash],
+        max_length: int,
+        use_eagle: bool,
+    ) -> tuple[list[KVCacheBlock], ...]:
+        """One bundle's hit pages, at most ``max_length`` tokens (before EAGLE's drop)."""
+        spec, group_ids, manager_cls = bundle
+        return manager_cls.find_longest_cache_hit(
+            block_hashes=self._hashes_for(block_hashes, spec),
+            max_length=max_length,
+            kv_cache_group_ids=group_ids,
+            block_pool=self.block_pool,
+            kv_cache_spec=spec,
+            use_eagle=use_eagle,
+            alignment_tokens=self.lcm_block_size,
+        )
+
     def find_longest_cache_hit(
         self, block_hashes: list[BlockHash], max_cache_hit_length: int
     ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
@@ -368,7 +387,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         hit_length = max_cache_hit_length
         while True:
             candidate = hit_length
-            for idx, (spec, group_ids, manager_cls) in enumerate(self.attention_groups):
+            for idx, bundle in enumerate(self.attention_groups):
+                spec, group_ids, _ = bundle
                 if isinstance(spec, FullAttentionSpec) and hits[group_ids[0]] is not None:
                     candidate = candidate // spec.block_size * spec.block_size
                     continue
@@ -379,16 +399,14 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                     if use_eagle
                     else candidate
                 )
-                found = manager_cls.find_longest_cache_hit(
-                    block_hashes=self._hashes_for(block_hashes, spec),
-                    max_length=max_length,
-                    kv_cache_group_ids=group_ids,
-                    block_pool=self.block_pool,
-                    kv_cache_spec=spec,
-                    use_eagle=use_eagle,
-                    alignment_tokens=self.lcm_block_size,
-                )
+                found = self._lookup(bundle, block_hashes, max_length, use_eagle)
                 found_length = len(found[0]) * spec.block_size
+                if found_length > candidate:
+                    # A kind that keeps EAGLE's extra page (Mamba reads one state and drops
+                    # nothing) answered past the candidate, which the groups looked up before
+                    # do not cover: look again, up to the candidate.
+                    found = self._lookup(bundle, block_hashes, candidate, False)
+                    found_length = len(found[0]) * spec.block_size
                 if use_eagle:
                     eagle_done.add(idx)
                 elif found_length < candidate:
