@@ -462,7 +462,17 @@ class AttentionBackend(ABC):
                 f"the current layout is {layout} (set VLLM_KV_CACHE_LAYOUT={required} or "
                 "call set_kv_cache_layout)"
             )
-        return reasons + cls._unserved_features(use_sparse, attn_type, features)
+        return (
+            reasons
+            + cls._unserved_features(use_sparse, attn_type, features)
+            + (cls._runtime_reasons())
+        )
+
+    @classmethod
+    def _runtime_reasons(cls) -> list[str]:
+        """What this process lacks to run the backend at all (a compiled kernel, a package),
+        so that the selector falls back instead of failing at the first call; none here."""
+        return []
 
     @classmethod
     def _unserved_features(

@@ -15,7 +15,7 @@ soft cap, ``head_size_v``).
 from __future__ import annotations
 
 import functools
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
@@ -43,34 +43,10 @@ class CPUAttentionBackend(ReferenceAttentionBackend):
         return capability is None
 
     @classmethod
-    def validate_configuration(
-        cls,
-        head_size: int,
-        dtype: torch.dtype,
-        kv_cache_dtype: str,
-        block_size: int,
-        device_capability: DeviceCapability | tuple[int, int] | None,
-        *,
-        head_size_v: int | None = None,
-        use_mla: bool = False,
-        kv_cache_layout: str | None = None,
-        **features: Any,
-    ) -> list[str]:
-        """The reference backend's reasons, plus one when the compiled kernel is not loadable
-        (so that the selector falls back to REFERENCE instead of failing at the first call)."""
-        reasons = super().validate_configuration(
-            head_size,
-            dtype,
-            kv_cache_dtype,
-            block_size,
-            device_capability,
-            head_size_v=head_size_v,
-            use_mla=use_mla,
-            kv_cache_layout=kv_cache_layout,
-            **features,
-        )
+    def _runtime_reasons(cls) -> list[str]:
+        """The compiled kernel, when it is not loadable."""
         missing = _kernel_missing()
-        return reasons if missing is None else [*reasons, f"CPU_ATTN needs {missing}"]
+        return [] if missing is None else [f"CPU_ATTN needs {missing}"]
 
     @staticmethod
     def get_impl_cls() -> type[CPUAttentionImpl]:

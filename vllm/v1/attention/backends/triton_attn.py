@@ -49,32 +49,9 @@ class TritonAttentionBackend(ReferenceAttentionBackend):
         return (capability.major, capability.minor) >= MIN_CAPABILITY
 
     @classmethod
-    def validate_configuration(
-        cls,
-        head_size: int,
-        dtype: torch.dtype,
-        kv_cache_dtype: str,
-        block_size: int,
-        device_capability: DeviceCapability | tuple[int, int] | None,
-        *,
-        head_size_v: int | None = None,
-        use_mla: bool = False,
-        kv_cache_layout: str | None = None,
-        **features: Any,
-    ) -> list[str]:
-        """The reference backend's reasons, plus one when Triton is not installed."""
-        reasons = super().validate_configuration(
-            head_size,
-            dtype,
-            kv_cache_dtype,
-            block_size,
-            device_capability,
-            head_size_v=head_size_v,
-            use_mla=use_mla,
-            kv_cache_layout=kv_cache_layout,
-            **features,
-        )
-        return reasons if HAS_TRITON else [*reasons, "TRITON_ATTN needs Triton (not installed)"]
+    def _runtime_reasons(cls) -> list[str]:
+        """Triton, when it is not installed."""
+        return [] if HAS_TRITON else ["TRITON_ATTN needs Triton (not installed)"]
 
     @staticmethod
     def get_impl_cls() -> type[TritonAttentionImpl]:
