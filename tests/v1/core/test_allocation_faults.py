@@ -171,3 +171,15 @@ def test_an_eagle_hit_covers_the_same_tokens_in_every_group() -> None:
     second = make_request("b", list(range(12)) + [7] * 3, 4)
     blocks, num_tokens = manager.get_computed_blocks(second)
     assert num_tokens == 8 and [len(b) for b in blocks.blocks] == [2, 2]
+
+
+def test_connector_pages_are_listed_for_zeroing_unless_a_load_writes_them() -> None:
+    """Upstream v0.33's two halves of taking a new request's pages, called on one manager:
+    the connector's fresh pages are listed for zeroing unless ``record_for_zeroing=False``."""
+    for record, expected in ((True, 2), (False, 0)):
+        manager = KVCacheManager(config_of(8, full(4)), max_model_len=64, hash_block_size=4)
+        single = manager.coordinator.single_type_managers[0]
+        single.add_local_computed_blocks("r", [], 0, 8)
+        single.allocate_external_computed_blocks("r", 0, 8, record_for_zeroing=record)
+        assert len(single.req_to_blocks["r"]) == 2
+        assert len(manager.take_new_block_ids()) == expected

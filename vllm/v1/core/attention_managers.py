@@ -137,7 +137,11 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
             )
 
     def allocate_external_computed_blocks(
-        self, request_id: str, num_local_computed_tokens: int, num_external_computed_tokens: int
+        self,
+        request_id: str,
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+        record_for_zeroing: bool = True,
     ) -> None:
         """Connector tokens are decoder tokens; the encoder's pages come with the first step."""
 

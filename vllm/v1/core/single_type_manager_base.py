@@ -190,11 +190,17 @@ class SingleTypeKVCacheManager(ABC):
         self.num_cached_block[request_id] = len(req_blocks)
 
     def allocate_external_computed_blocks(
-        self, request_id: str, num_local_computed_tokens: int, num_external_computed_tokens: int
+        self,
+        request_id: str,
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+        record_for_zeroing: bool = True,
     ) -> None:
         """Fresh pages for the connector's ``num_external_computed_tokens`` tokens that the
         window still reads, after the hits :meth:`add_local_computed_blocks` gave. Taking them
-        may evict any unreferenced cached page, so every group's hits must be taken first."""
+        may evict any unreferenced cached page, so every group's hits must be taken first.
+        ``record_for_zeroing=False``: the pages are not listed for zeroing (a load writes them
+        after this step, which zeroing would race)."""
         num_total = num_local_computed_tokens + num_external_computed_tokens
         # The window may start inside the connector's tokens, or after all of them.
         num_skipped = max(self.get_num_skipped_tokens(num_total), 0)
@@ -206,7 +212,7 @@ class SingleTypeKVCacheManager(ABC):
             return
         fresh = self.block_pool.get_new_blocks(num_new)
         req_blocks.extend(fresh)
-        if self._records_new_blocks():
+        if record_for_zeroing and self._records_new_blocks():
             self.new_block_ids.extend(b.block_id for b in fresh)
 
     def allocate_new_blocks(
