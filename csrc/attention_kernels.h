@@ -43,6 +43,12 @@ struct PagedAttentionParams {
   float logits_soft_cap;  // 0 = none
   const float* sinks;     // fp32 [num_heads] logits, or nullptr
   bool causal;
+  // Per-sequence override of `causal` (nonzero: causal), or nullptr: every sequence is `causal`.
+  const int32_t* seq_causal;
+  // ALiBi: score += alibi_slopes[head] * (key position - query position); nullptr = none.
+  const float* alibi_slopes;
+  // Whether the planner may split one item's key range across threads (then merge partials).
+  bool key_split;
   // Keys stored before RoPE (optional, each nullptr when absent). The key at position t of
   // sequence s, KV head h is sink_keys[s][t][h] for t < num_sink_keys, else the cache's; then
   // rotated back by the fixed Hadamard rotation when key_hadamard (c * H x, c = 1/sqrt(D), the

@@ -63,7 +63,9 @@ PagedAttentionParams prepare_paged_attention(
     const std::optional<std::string>& k_scale_layout,
     const std::optional<std::string>& v_scale_layout, const std::optional<at::Tensor>& rope_cos_sin,
     bool rope_is_neox, const std::optional<at::Tensor>& key_offset,
-    const std::optional<at::Tensor>& sink_keys, bool key_hadamard) {
+    const std::optional<at::Tensor>& sink_keys, bool key_hadamard,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& seq_causal,
+    bool key_split) {
   const CacheKind kind = get_cache_kind(kv_cache_dtype);
   for (const auto& [t, name] :
        {std::pair{&out, "out"}, std::pair{&query, "query"}, std::pair{&value_cache, "value_cache"},
@@ -74,7 +76,8 @@ PagedAttentionParams prepare_paged_attention(
   }
   for (const auto& [t, name] :
        {std::pair{&sinks, "sinks"}, std::pair{&rope_cos_sin, "rope_cos_sin"},
-        std::pair{&key_offset, "key_offset"}, std::pair{&sink_keys, "sink_keys"}}) {
+        std::pair{&key_offset, "key_offset"}, std::pair{&sink_keys, "sink_keys"},
+        std::pair{&alibi_slopes, "alibi_slopes"}, std::pair{&seq_causal, "seq_causal"}}) {
     if (*t) check_same_device(**t, name, key_cache);
   }
 
@@ -165,6 +168,21 @@ PagedAttentionParams prepare_paged_attention(
                 dtype_str(sinks->scalar_type()), " of shape ", shape_str(*sinks));
   }
 
+  if (alibi_slopes) {
+    TORCH_CHECK(alibi_slopes->scalar_type() == at::kFloat && alibi_slopes->dim() == 1 &&
+                    alibi_slopes->size(0) == heads && alibi_slopes->is_contiguous(),
+                "alibi_slopes: expected a contiguous float32 tensor [num_heads] = [", heads,
+                "], got ", dtype_str(alibi_slopes->scalar_type()), " of shape ",
+                shape_str(*alibi_slopes));
+  }
+  if (seq_causal) {
+    TORCH_CHECK(seq_causal->scalar_type() == at::kInt && seq_causal->dim() == 1 &&
+                    seq_causal->size(0) == seq_lens.size(0) && seq_causal->is_contiguous(),
+                "seq_causal: expected a contiguous int32 tensor [num_seqs] = [", seq_lens.size(0),
+                "], got ", dtype_str(seq_causal->scalar_type()), " of shape ",
+                shape_str(*seq_causal));
+  }
+
   check_key_transform(rope_cos_sin, key_offset, sink_keys, num_seqs, kv_heads, head_size);
   TORCH_CHECK(!key_hadamard || (head_size & (head_size - 1)) == 0,
               "key_hadamard: expected a power-of-two head size, got ", head_size);
@@ -179,9 +197,9 @@ PagedAttentionParams prepare_paged_attention(
   p.io_type = io_type;
   p.cache_kind = kind;
   p.cache_type = quantized ? SourceType::kFloat32 : source_type_of(key_cache, "key_cache");
-  p.key_cache = make_side(key_cache, "key_cache", head_size, cache_last_dim(kind, head_size),
+  p.key_cache = make_side(key_cache, "key_cache", kind, head_size, cache_last_dim(kind, head_size),
                           k_scale, k_per_head, k_layout);
-  p.value_cache = make_side(value_cache, "value_cache", head_size_v,
+  p.value_cache = make_side(value_cache, "value_cache", kind, head_size_v,
                             cache_last_dim(kind, head_size_v), v_scale, v_per_head, v_layout);
   p.block_table = block_table.data_ptr<int32_t>();
   p.block_table_stride = block_table.stride(0);
@@ -196,6 +214,9 @@ PagedAttentionParams prepare_paged_attention(
   p.logits_soft_cap = float(logits_soft_cap);
   p.sinks = sinks ? sinks->data_ptr<float>() : nullptr;
   p.causal = causal;
+  p.seq_causal = seq_causal ? seq_causal->data_ptr<int32_t>() : nullptr;
+  p.alibi_slopes = alibi_slopes ? alibi_slopes->data_ptr<float>() : nullptr;
+  p.key_split = key_split;
   p.rope_cos_sin = rope_cos_sin ? rope_cos_sin->data_ptr<float>() : nullptr;
   p.rotary_dim = rope_cos_sin ? int(rope_cos_sin->size(1)) : 0;
   p.rope_is_neox = rope_is_neox;

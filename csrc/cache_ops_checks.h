@@ -35,9 +35,10 @@ void check_head_size(CacheKind kind, const std::string& kv_cache_dtype, int64_t 
                      const char* name);
 
 // One side of a paged cache, logical [B, N, H, last_dim], each page's region dense in NHD or HND
-// order.
-CacheSide make_side(const at::Tensor& cache, const char* name, int64_t head_size, int64_t last_dim,
-                    const at::Tensor& scale, bool scale_per_head, ScaleLayout layout);
+// order (HND heads of a non-NVFP4 kind may be spaced further apart).
+CacheSide make_side(const at::Tensor& cache, const char* name, CacheKind kind, int64_t head_size,
+                    int64_t last_dim, const at::Tensor& scale, bool scale_per_head,
+                    ScaleLayout layout);
 
 // The (K, V) scale layouts of a call: named ones parsed, an unnamed V following a named K, the
 // geometry's default otherwise; NVFP4 sides checked against interleave4's needs.

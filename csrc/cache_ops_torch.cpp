@@ -154,31 +154,41 @@ void check_source(const at::Tensor& x, const char* name) {
 }  // namespace
 
 // Side of a paged cache, logical [B, N, H, last_dim]; each page's [N, H, last_dim] region must be
-// dense in NHD or HND order. Size-1 dims get the canonical stride of the detected order.
-CacheSide make_side(const at::Tensor& cache, const char* name, int64_t head_size, int64_t last_dim,
-                    const at::Tensor& scale, bool scale_per_head, ScaleLayout layout) {
+// dense in NHD or HND order, except that HND heads may lie further apart than N*D' (a side of
+// upstream's CPU cache, whose pages interleave each head's K and V regions) for every kind but
+// NVFP4, whose scale region sits after a dense data region. Size-1 dims get the canonical stride
+// of the detected order.
+CacheSide make_side(const at::Tensor& cache, const char* name, CacheKind kind, int64_t head_size,
+                    int64_t last_dim, const at::Tensor& scale, bool scale_per_head,
+                    ScaleLayout layout) {
   const int64_t num_blocks = cache.size(0);
   const int64_t block_size = cache.size(1);
   const int64_t heads = cache.size(2);
+  const int64_t head_region = block_size * last_dim;
   const bool last_ok = last_dim <= 1 || cache.stride(3) == 1;
   const bool nhd = (block_size <= 1 || cache.stride(1) == heads * last_dim) &&
                    (heads <= 1 || cache.stride(2) == last_dim);
+  const bool spaced_heads = kind != CacheKind::kNvfp4 && cache.stride(2) > head_region;
   const bool hnd = (block_size <= 1 || cache.stride(1) == last_dim) &&
-                   (heads <= 1 || cache.stride(2) == block_size * last_dim);
+                   (heads <= 1 || cache.stride(2) == head_region || spaced_heads);
   TORCH_CHECK(last_ok && (nhd || hnd), name,
               ": expected each page's region dense in NHD order (strides [*, H*D', D', 1] = [*, ",
               heads * last_dim, ", ", last_dim,
-              ", 1]) or HND order (strides [*, D', N*D', 1] = [*, ", last_dim, ", ",
-              block_size * last_dim, ", 1]), got strides ", cache.strides());
-  const int64_t page_elements = block_size * heads * last_dim;
+              ", 1]) or HND order (strides [*, D', N*D', 1] = [*, ", last_dim, ", ", head_region,
+              ", 1]), got strides ", cache.strides());
+  const int64_t head_stride = nhd ? last_dim : heads <= 1 ? head_region : cache.stride(2);
+  const bool spaced = !nhd && head_stride != head_region;
+  const int64_t page_elements =
+      spaced ? (heads - 1) * head_stride + head_region : block_size * heads * last_dim;
   TORCH_CHECK(num_blocks <= 1 || cache.stride(0) >= page_elements, name,
-              ": expected a page stride of at least N*H*D' = ", page_elements,
+              ": expected a page stride of at least ",
+              spaced ? "(H-1)*head_stride + N*D' = " : "N*H*D' = ", page_elements,
               " elements so that pages do not overlap, got ", cache.stride(0));
   CacheSide side{};
   side.data = cache.data_ptr();
   side.block_stride = num_blocks <= 1 ? page_elements : cache.stride(0);
   side.token_stride = nhd ? heads * last_dim : last_dim;
-  side.head_stride = nhd ? last_dim : block_size * last_dim;
+  side.head_stride = head_stride;
   side.head_size = int(head_size);
   side.scale = scale.data_ptr<float>();
   side.scale_per_head = scale_per_head;
@@ -237,34 +247,62 @@ bool check_scale(const at::Tensor& scale, const char* name, int64_t heads) {
 
 namespace {
 
-// Pages (b of key_cache, b' of value_cache) that share a byte, if any. Each side's pages are dense
-// regions (make_side) of N*H*D' elements, page_stride bytes apart. Exact when both sides have the
-// same page stride (one buffer split into K and V, as upstream's kv_cache[:, 0] / kv_cache[:, 1],
-// or two buffers); otherwise only the same start address is found.
+// Where a side's bytes lie: pages `page_stride` bytes apart, each `regions` runs of
+// `region_bytes` bytes `region_stride` apart (one run when the page is dense, one per head when
+// HND heads are spaced, make_side).
+struct SideExtent {
+  int64_t page_stride;
+  int64_t regions;
+  int64_t region_stride;
+  int64_t region_bytes;
+
+  explicit SideExtent(const at::Tensor& t) {
+    const int64_t element = int64_t(t.element_size());
+    const int64_t heads = t.size(2);
+    const int64_t head_region = t.size(1) * t.size(3);
+    const bool spaced = heads > 1 && t.stride(2) > head_region && t.stride(1) == t.size(3);
+    regions = spaced ? heads : 1;
+    region_bytes = (spaced ? head_region : heads * head_region) * element;
+    region_stride = spaced ? t.stride(2) * element : region_bytes;
+    const int64_t page_bytes = (regions - 1) * region_stride + region_bytes;
+    page_stride = t.size(0) <= 1 ? page_bytes : t.stride(0) * element;
+  }
+
+  bool operator==(const SideExtent& o) const {
+    return page_stride == o.page_stride && regions == o.regions &&
+           region_stride == o.region_stride && region_bytes == o.region_bytes;
+  }
+};
+
+// Pages (b of key_cache, b' of value_cache) that share a byte, if any. Exact when both sides have
+// the same extent (one buffer split into K and V, as upstream's kv_cache[:, 0] / kv_cache[:, 1]
+// or its CPU cache's per-head K and V halves, or two buffers); otherwise only the same start
+// address is found.
 std::optional<std::pair<int64_t, int64_t>> overlapping_pages(const at::Tensor& key_cache,
                                                              const at::Tensor& value_cache) {
   if (key_cache.numel() == 0 || value_cache.numel() == 0) return std::nullopt;
-  const auto page_bytes = [](const at::Tensor& t) {
-    return t.size(1) * t.size(2) * t.size(3) * int64_t(t.element_size());
-  };
-  const auto page_stride = [&](const at::Tensor& t) {
-    return t.size(0) <= 1 ? page_bytes(t) : t.stride(0) * int64_t(t.element_size());
-  };
   // value_cache's start minus key_cache's, in bytes.
   const int64_t d = int64_t(reinterpret_cast<intptr_t>(value_cache.data_ptr()) -
                             reinterpret_cast<intptr_t>(key_cache.data_ptr()));
   if (d == 0) return std::pair<int64_t, int64_t>{0, 0};
-  const int64_t stride = page_stride(key_cache);
+  const SideExtent k(key_cache);
+  const SideExtent v(value_cache);
   const int64_t blocks = key_cache.size(0);
-  if (stride != page_stride(value_cache) && blocks > 1) return std::nullopt;
-  // Page b of K and b' of V overlap iff m = b - b' has m * stride in (d - Pk, d + Pv).
-  const int64_t low = d - page_bytes(key_cache);
-  int64_t m = low / stride;
-  if (low % stride != 0 && low < 0) --m;  // floor
-  m = std::max<int64_t>(m + 1, 1 - blocks);
-  if (m > blocks - 1 || m * stride >= d + page_bytes(value_cache)) return std::nullopt;
-  const int64_t value_page = std::max<int64_t>(0, -m);
-  return std::pair<int64_t, int64_t>{value_page + m, value_page};
+  if (!(k == v) && blocks > 1) return std::nullopt;
+  const int64_t stride = k.page_stride;
+  // Region h of page b of K and region h + j of page b' of V overlap iff m = b - b' has
+  // m * stride in (e - Rk, e + Rv), e = d + j * region_stride.
+  for (int64_t j = 1 - k.regions; j < k.regions; ++j) {
+    const int64_t e = d + j * k.region_stride;
+    const int64_t low = e - k.region_bytes;
+    int64_t m = low / stride;
+    if (low % stride != 0 && low < 0) --m;  // floor
+    m = std::max<int64_t>(m + 1, 1 - blocks);
+    if (m > blocks - 1 || m * stride >= e + v.region_bytes) continue;
+    const int64_t value_page = std::max<int64_t>(0, -m);
+    return std::pair<int64_t, int64_t>{value_page + m, value_page};
+  }
+  return std::nullopt;
 }
 
 }  // namespace
@@ -424,9 +462,9 @@ ReshapeAndCacheParams prepare_reshape_and_cache_flash(
   p.cache_type = cache_type;
   p.cache_kind = kind;
   p.nvfp4_scale_search = nvfp4_scale_search(kv_cache_dtype);
-  p.key_cache = make_side(key_cache, "key_cache", head_size, cache_last_dim(kind, head_size),
+  p.key_cache = make_side(key_cache, "key_cache", kind, head_size, cache_last_dim(kind, head_size),
                           k_scale, k_per_head, k_layout);
-  p.value_cache = make_side(value_cache, "value_cache", head_size_v,
+  p.value_cache = make_side(value_cache, "value_cache", kind, head_size_v,
                             cache_last_dim(kind, head_size_v), v_scale, v_per_head, v_layout);
   p.key_sinks = sink_rows;
   if (const auto pages = overlapping_pages(key_cache, value_cache)) {

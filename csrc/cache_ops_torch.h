@@ -43,9 +43,9 @@ ReshapeAndCacheParams prepare_reshape_and_cache_flash(
 
 // Validates the arguments of paged_attention (dtypes, devices, shapes, strides, GQA, head sizes,
 // NVFP4 and interleave4 divisibility, scale and metadata shapes, the optional pre-RoPE key
-// tensors rope_cos_sin / key_offset / sink_keys) and returns the kernel parameter block pointing
-// into the given tensors. Does not read tensor values: the per-sequence checks (lengths, page
-// ids, seq_len <= max_positions of rope_cos_sin) are the device op's.
+// tensors rope_cos_sin / key_offset / sink_keys, alibi_slopes, seq_causal) and returns the kernel
+// parameter block pointing into the given tensors. Does not read tensor values: the per-sequence
+// checks (lengths, page ids, seq_len <= max_positions of rope_cos_sin) are the device op's.
 PagedAttentionParams prepare_paged_attention(
     const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
     const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
@@ -55,7 +55,9 @@ PagedAttentionParams prepare_paged_attention(
     const std::optional<std::string>& k_scale_layout,
     const std::optional<std::string>& v_scale_layout, const std::optional<at::Tensor>& rope_cos_sin,
     bool rope_is_neox, const std::optional<at::Tensor>& key_offset,
-    const std::optional<at::Tensor>& sink_keys, bool key_hadamard);
+    const std::optional<at::Tensor>& sink_keys, bool key_hadamard,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& seq_causal,
+    bool key_split);
 
 // Validates the arguments of swap_blocks: block_mapping is an int64 CPU [n, 2] tensor of
 // (src page, dst page) ids, block_size_in_bytes > 0, and every id addresses a whole page inside

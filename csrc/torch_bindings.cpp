@@ -15,13 +15,16 @@ TORCH_LIBRARY(_C_cache_ops, m) {
   m.def("convert_fp8(Tensor! dst_cache, Tensor src_cache, float scale, str kv_cache_dtype) -> ()");
   // Paged attention over a cache written by reshape_and_cache_flash (every format); simd picks
   // the CPU kernels' instruction set ("auto": the widest compiled). rope_cos_sin, key_offset,
-  // sink_keys and key_hadamard rebuild keys stored before RoPE (csrc/attention_kernels.h).
+  // sink_keys and key_hadamard rebuild keys stored before RoPE; alibi_slopes, per-sequence
+  // seq_causal and key_split (may one item's keys be split across threads) as in
+  // csrc/attention_kernels.h.
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_table, Tensor seq_lens, Tensor query_start_loc, str kv_cache_dtype, "
       "Tensor k_scale, Tensor v_scale, float scale, int sliding_window, float logits_soft_cap, "
       "Tensor? sinks, bool causal, str? k_scale_layout=None, str? v_scale_layout=None, "
       "str simd=\"auto\", Tensor? rope_cos_sin=None, bool rope_is_neox=True, "
-      "Tensor? key_offset=None, Tensor? sink_keys=None, bool key_hadamard=False) -> ()");
+      "Tensor? key_offset=None, Tensor? sink_keys=None, bool key_hadamard=False, "
+      "Tensor? alibi_slopes=None, Tensor? seq_causal=None, bool key_split=True) -> ()");
   m.def("paged_attention_simd_levels() -> str[]");
 }

@@ -13,6 +13,10 @@ from pathlib import Path
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from vllm import _cpu_attn_args as cpu_attn_args
+from vllm._cpu_attn_args import (  # upstream's name, re-exported
+    cpu_attn_get_scheduler_metadata as cpu_attn_get_scheduler_metadata,
+)
 from vllm.kv_quant.formats import find_format, kernel_cache_kind
 from vllm.kv_quant.kv_scale import kv_scale_as_1d
 from vllm.kv_quant.scale_layout import ScaleLayout
@@ -158,6 +162,9 @@ def _paged_attention_fake(
     key_offset: torch.Tensor | None = None,
     sink_keys: torch.Tensor | None = None,
     key_hadamard: bool = False,
+    alibi_slopes: torch.Tensor | None = None,
+    seq_causal: torch.Tensor | None = None,
+    key_split: bool = True,
 ) -> None:
     _reject_real_and_meta(
         dict(
@@ -174,6 +181,8 @@ def _paged_attention_fake(
             rope_cos_sin=rope_cos_sin,
             key_offset=key_offset,
             sink_keys=sink_keys,
+            alibi_slopes=alibi_slopes,
+            seq_causal=seq_causal,
         ),
         "key_cache",
     )
@@ -397,6 +406,9 @@ def paged_attention(
     key_offset: torch.Tensor | None = None,
     sink_keys: torch.Tensor | None = None,
     key_hadamard: bool = False,
+    alibi_slopes: torch.Tensor | None = None,
+    seq_causal: torch.Tensor | None = None,
+    key_split: bool = True,
 ) -> None:
     """Paged attention of ``query [T, Hq, D]`` over the cache sides ``key_cache`` /
     ``value_cache`` (logical ``[B, N, Hkv, D']``, NHD or HND, any format
@@ -422,6 +434,11 @@ def paged_attention(
     rotates channel pairs ``(i, i + rotary_dim / 2)``, else ``(2i, 2i + 1)``; channels past
     ``rotary_dim`` are unchanged. Values are never transformed. Any of the three takes the
     kernels' slower decode-into-tile path.
+
+    ``alibi_slopes`` (fp32 ``[Hq]``) adds ``slope * (key position - query position)`` to each
+    score, after the soft cap. ``seq_causal`` (int32 ``[num_seqs]``, nonzero: causal) overrides
+    ``causal`` per sequence. ``key_split=False`` keeps each (sequence, KV head, query block) on
+    one thread instead of splitting its keys and merging the partial results.
     """
     torch.ops._C_cache_ops.paged_attention(
         out,
@@ -447,6 +464,9 @@ def paged_attention(
         key_offset,
         sink_keys,
         key_hadamard,
+        alibi_slopes,
+        seq_causal,
+        key_split,
     )
 
 
@@ -454,3 +474,108 @@ def paged_attention_simd_levels() -> list[str]:
     """Instruction-set levels of the CPU attention kernels in this build, widest first
     (``avx512``, ``avx2``, ``generic``; which exist depends on the compile target)."""
     return list(torch.ops._C_cache_ops.paged_attention_simd_levels())
+
+
+# Upstream's CPU attention ops, on the kernels above (their arguments: vllm/_cpu_attn_args.py).
+
+
+def cpu_attn_reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    isa: str,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    kv_cache_dtype: str = "auto",
+) -> None:
+    """Write ``key`` / ``value`` ``[T, num_kv_heads, head_size]`` token ``i`` into slot
+    ``slot_mapping[i]`` (negative: skipped) of ``key_cache`` / ``value_cache``
+    (``[num_blocks, num_kv_heads, block_size, head_size]``), quantizing for ``kv_cache_dtype``
+    with the per-tensor ``k_scale`` / ``v_scale`` (FP8: uint8 caches, ``value / scale`` rounded
+    to nearest even)."""
+    cpu_attn_args.check_isa(isa)
+    reshape_and_cache_flash(
+        key,
+        value,
+        cpu_attn_args.cache_view(key_cache, "key_cache"),
+        cpu_attn_args.cache_view(value_cache, "value_cache"),
+        slot_mapping,
+        kv_cache_dtype,
+        cpu_attn_args.scale_arg(k_scale),
+        cpu_attn_args.scale_arg(v_scale),
+    )
+
+
+def cpu_attention_with_kv_cache(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    output: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    causal: bool,
+    alibi_slopes: torch.Tensor | None,
+    sliding_window: int,
+    block_table: torch.Tensor,
+    softcap: float,
+    scheduler_metadata: torch.Tensor,
+    s_aux: torch.Tensor | None,
+    dynamic_causal: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    kv_cache_dtype: str = "auto",
+) -> None:
+    """Paged attention of ``query [T, num_heads, head_size]`` over the caches of
+    :func:`cpu_attn_reshape_and_cache` into ``output`` (same shape and dtype). Sequence ``i``
+    has ``seq_lens[i]`` tokens, its queries are its last ones (rows ``query_start_loc[i]`` ..
+    ``query_start_loc[i + 1] - 1``); ``block_table [num_reqs, max_blocks]`` names its pages.
+    ``causal`` (or per sequence, ``dynamic_causal``: nonzero is causal), ``sliding_window``
+    (``-1``: none; without causality the window reaches both ways), ``softcap`` (``0``: none),
+    ``alibi_slopes [num_heads]`` (score ``+= slope * (key position - query position)``) and
+    the sink logits ``s_aux [num_heads]`` as upstream defines them; ``k_scale`` / ``v_scale``
+    dequantize an FP8 cache."""
+    num_reqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    if query.dim() != 3:
+        raise ValueError(
+            f"query: expected a 3-D tensor [T, num_heads, head_size], got shape "
+            f"{tuple(query.shape)}"
+        )
+    fields = cpu_attn_args.check_metadata(
+        scheduler_metadata,
+        {
+            "num_reqs": num_reqs,
+            "num_heads": query.shape[1],
+            "num_kv_heads": key_cache.shape[1] if key_cache.dim() == 4 else -1,
+            "head_dim": query.shape[2],
+            "causal": int(causal),
+            "sliding_window": sliding_window,
+            "dynamic_causal": int(dynamic_causal is not None),
+        },
+    )
+    if softcap < 0:
+        raise ValueError(f"softcap: expected a cap > 0 or 0 (none), got {softcap}")
+    sinks = None if s_aux is None else s_aux.to(torch.float32).contiguous()
+    slopes = None if alibi_slopes is None else alibi_slopes.to(torch.float32).contiguous()
+    paged_attention(
+        output,
+        query,
+        cpu_attn_args.cache_view(key_cache, "key_cache"),
+        cpu_attn_args.cache_view(value_cache, "value_cache"),
+        block_table,
+        seq_lens,
+        query_start_loc,
+        kv_cache_dtype,
+        cpu_attn_args.scale_arg(k_scale),
+        cpu_attn_args.scale_arg(v_scale),
+        scale,
+        sliding_window=cpu_attn_args.window_arg("sliding_window", sliding_window),
+        logits_soft_cap=float(softcap) if softcap > 0 else None,
+        sinks=sinks,
+        causal=causal,
+        alibi_slopes=slopes,
+        seq_causal=cpu_attn_args.dynamic_causal_arg(dynamic_causal, num_reqs),
+        key_split=bool(fields["enable_kv_split"]),
+    )

@@ -78,7 +78,7 @@ void check_sequences(const PagedAttentionParams& p, int64_t query_rows, int64_t 
     TORCH_CHECK(max_positions < 0 || seq_len <= max_positions, "rope_cos_sin: expected at least ",
                 seq_len, " rows (sequence ", seq, "'s seq_len), got ", max_positions);
     if (q_len == 0) continue;
-    const int first_key = cpu::attention::key_range(p, int(seq_len), int(q_len), 0).first;
+    const int first_key = cpu::attention::key_range(p, seq, int(seq_len), int(q_len), 0).first;
     const int64_t first_page = first_key / p.block_size;
     const int64_t last_page = (seq_len - 1) / p.block_size;
     TORCH_CHECK(last_page < max_blocks, "block_table: sequence ", seq, " of ", seq_len,
@@ -107,13 +107,16 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
                          const std::optional<std::string>& v_scale_layout, const std::string& simd,
                          const std::optional<at::Tensor>& rope_cos_sin, bool rope_is_neox,
                          const std::optional<at::Tensor>& key_offset,
-                         const std::optional<at::Tensor>& sink_keys, bool key_hadamard) {
+                         const std::optional<at::Tensor>& sink_keys, bool key_hadamard,
+                         const std::optional<at::Tensor>& alibi_slopes,
+                         const std::optional<at::Tensor>& seq_causal, bool key_split) {
   check_cpu(key_cache, "key_cache");
   const SimdLevel level = parse_simd_level(simd);
   const PagedAttentionParams p = prepare_paged_attention(
       out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, kv_cache_dtype,
       k_scale, v_scale, scale, sliding_window, logits_soft_cap, sinks, causal, k_scale_layout,
-      v_scale_layout, rope_cos_sin, rope_is_neox, key_offset, sink_keys, key_hadamard);
+      v_scale_layout, rope_cos_sin, rope_is_neox, key_offset, sink_keys, key_hadamard, alibi_slopes,
+      seq_causal, key_split);
   check_sequences(p, query.size(0), out.size(0), key_cache.size(0), block_table.size(1),
                   rope_cos_sin ? rope_cos_sin->size(0) : -1);
   if (reads_kv_scale(p.cache_kind)) {

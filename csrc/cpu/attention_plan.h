@@ -67,16 +67,23 @@ inline int query_len(const PagedAttentionParams& p, int seq) {
   return p.query_start_loc[seq + 1] - p.query_start_loc[seq];
 }
 
-// Key positions [begin, end) that query token j (of q_len) of a sequence of seq_len tokens sees.
-inline std::pair<int, int> key_range(const PagedAttentionParams& p, int seq_len, int q_len, int j) {
+inline bool is_causal(const PagedAttentionParams& p, int seq) {
+  return p.seq_causal == nullptr ? p.causal : p.seq_causal[seq] != 0;
+}
+
+// Key positions [begin, end) that query token j (of q_len) of sequence `seq` (seq_len tokens)
+// sees.
+inline std::pair<int, int> key_range(const PagedAttentionParams& p, int seq, int seq_len, int q_len,
+                                     int j) {
+  const bool causal = is_causal(p, seq);
   const int pos = seq_len - q_len + j;
   int begin = 0;
   int end = seq_len;
   if (p.sliding_window > 0) {
     begin = std::max(0, pos - p.sliding_window + 1);
-    if (!p.causal) end = std::min(seq_len, pos + p.sliding_window);
+    if (!causal) end = std::min(seq_len, pos + p.sliding_window);
   }
-  if (p.causal) end = pos + 1;
+  if (causal) end = pos + 1;
   return {begin, end};
 }
 
@@ -113,11 +120,14 @@ inline AttentionPlan plan_attention(const PagedAttentionParams& p, int num_threa
     const int q_len = query_len(p, seq);
     for (int q_begin = 0; q_begin < q_len; q_begin += geo.query_block) {
       const int q_end = std::min(q_len, q_begin + geo.query_block);
-      const int key_begin = key_range(p, seq_len, q_len, q_begin).first;
-      const int key_end = key_range(p, seq_len, q_len, q_end - 1).second;
+      const int key_begin = key_range(p, seq, seq_len, q_len, q_begin).first;
+      const int key_end = key_range(p, seq, seq_len, q_len, q_end - 1).second;
       const int span = key_end - key_begin;
-      const int splits = int(std::max<int64_t>(
-          1, std::min<int64_t>(splits_wanted, span / std::max(kMinSplitKeys, p.block_size))));
+      const int splits =
+          p.key_split ? int(std::max<int64_t>(
+                            1, std::min<int64_t>(splits_wanted,
+                                                 span / std::max(kMinSplitKeys, p.block_size))))
+                      : 1;
       const int heads = kv_heads_per_item(p, geo, q_end - q_begin);
       for (int kv_begin = 0; kv_begin < p.num_kv_heads; kv_begin += heads) {
         const int kv_end = kv_begin + heads;

@@ -89,6 +89,8 @@ class PagedAttention {
   void run(const WorkItem& item, float* scratch) const {
     const int q_len = query_len(p_, item.seq);
     const int seq_len = p_.seq_lens[item.seq];
+    // Position (in its sequence) of the item's first query token.
+    const int first_q_pos = seq_len - q_len + item.q_begin;
     const int tokens = item.q_end - item.q_begin;
     const int heads = item.kv_end - item.kv_begin;
     const int head_rows = tokens * geo_.group;  // rows per KV head
@@ -117,7 +119,7 @@ class PagedAttention {
     // Key range of each query token, within the item's.
     std::vector<std::pair<int, int>> ranges(tokens);
     for (int jt = 0; jt < tokens; ++jt) {
-      const auto [begin, end] = key_range(p_, seq_len, q_len, item.q_begin + jt);
+      const auto [begin, end] = key_range(p_, item.seq, seq_len, q_len, item.q_begin + jt);
       ranges[jt] = {std::max(begin, item.key_begin), std::min(end, item.key_end)};
     }
     // Query rows, pre-multiplied by the softmax scale and the K dequantization scale (unless
@@ -200,7 +202,7 @@ class PagedAttention {
               if (std::max(page_start + t0, lo) >= std::min(page_start + t0 + kChunkKeys, hi)) {
                 continue;
               }
-              attend_nvfp4_chunk(block, page_start, t0, kv_head, ranges, lo, hi,
+              attend_nvfp4_chunk(block, page_start, t0, kv_head, ranges, first_q_pos, lo, hi,
                                  q_bf16 + int64_t(h0) * dim_k_, q_scale,
                                  scores + int64_t(h0) * tokens_, m + h0, l + h0,
                                  acc + int64_t(h0) * dim_v_);
@@ -228,6 +230,8 @@ class PagedAttention {
                      scores + int64_t(r0) * tokens_,
                      bf16_dot ? q_bf16 + int64_t(r0) * dim_k_ : nullptr,
                      p_.scale * query_key_scale(kv_head));
+          finish_scores(scores + int64_t(r0) * tokens_, b, e, kv_head, first_q_pos + jt,
+                        page_start);
           for (int g = 0; g < geo_.group; ++g) {
             softmax_step(scores + int64_t(r0 + g) * tokens_, b, e, m[r0 + g], l[r0 + g],
                          acc + int64_t(r0 + g) * dim_v_);
@@ -318,7 +322,8 @@ class PagedAttention {
   // Pages prefetched ahead of the one being attended when items take some heads of a page.
   static constexpr int kPrefetchPages = 2;
 
-  // Bytes of one page of a side (all heads; pages are dense in NHD and HND alike).
+  // Bytes of one page of a side (all heads; pages are dense in NHD and HND alike, unless HND heads
+  // are spaced: prefetches then cover the first heads only, a hint that costs nothing more).
   int64_t page_bytes(int head_size) const {
     const int64_t last_dim = K == CacheKind::kNvfp4 ? head_size / 2 + head_size / kNvfp4GroupSize
                              : is_per_token_head(K) ? int64_t(head_size) + kPerTokenHeadScaleBytes
@@ -449,7 +454,7 @@ class PagedAttention {
     }
   }
 
-  // scores[g][t] = q_g . k_t for the group's rows g and tokens [b, e), then the soft cap. K rows
+  // scores[g][t] = q_g . k_t for the group's rows g and tokens [b, e). K rows
   // come from the decoded tile, or (fused_) are decoded in registers from the cache.
   // q_bf16 (non-null only on the bf16 dot path): the group's query rows in bf16, unscaled;
   // q_scale: what q holds them multiplied by.
@@ -474,16 +479,23 @@ class PagedAttention {
     for (; g + 4 <= geo_.group; g += 4)
       score_chunk<4>(q, k_tile, k_rows, k_scales, b, e, scores, g);
     for (; g < geo_.group; ++g) score_chunk<1>(q, k_tile, k_rows, k_scales, b, e, scores, g);
-    soft_cap(scores, geo_.group, b, e);
   }
 
-  // The logits soft cap (if any) on scores [b, e) of `rows` rows.
-  void soft_cap(float* scores, int rows, int b, int e) const {
-    if (p_.logits_soft_cap <= 0.0f) return;
-    const float cap = p_.logits_soft_cap;
-    for (int r = 0; r < rows; ++r) {
-      float* s = scores + int64_t(r) * tokens_;
-      for (int t = b; t < e; ++t) s[t] = cap * std::tanh(s[t] / cap);
+  // The logits soft cap, then the ALiBi bias (each if any), on scores [b, e) (page offsets: keys
+  // at positions page_start + t) of the group's rows of the query token at position q_pos.
+  void finish_scores(float* scores, int b, int e, int kv_head, int q_pos, int page_start) const {
+    if (p_.logits_soft_cap > 0.0f) {
+      const float cap = p_.logits_soft_cap;
+      for (int g = 0; g < geo_.group; ++g) {
+        float* s = scores + int64_t(g) * tokens_;
+        for (int t = b; t < e; ++t) s[t] = cap * std::tanh(s[t] / cap);
+      }
+    }
+    if (p_.alibi_slopes == nullptr) return;
+    for (int g = 0; g < geo_.group; ++g) {
+      const float slope = p_.alibi_slopes[kv_head * geo_.group + g];
+      float* s = scores + int64_t(g) * tokens_;
+      for (int t = b; t < e; ++t) s[t] += slope * float(page_start + t - q_pos);
     }
   }
 
@@ -998,9 +1010,9 @@ class PagedAttention {
   // One chunk (page tokens [t0, t0 + kChunkKeys)) of one KV head for the item's rows of that head:
   // scores, online softmax, values. q / scores / m / l / acc: the head's first row.
   void attend_nvfp4_chunk(int64_t block, int page_start, int t0, int kv_head,
-                          const std::vector<std::pair<int, int>>& ranges, int lo, int hi,
-                          const uint16_t* q, float q_scale, float* scores, float* m, float* l,
-                          float* acc) const {
+                          const std::vector<std::pair<int, int>>& ranges, int first_q_pos, int lo,
+                          int hi, const uint16_t* q, float q_scale, float* scores, float* m,
+                          float* l, float* acc) const {
     const int rows = int(ranges.size()) * geo_.group;
     __m512 scale[kChunkGroups];
     const Nvfp4Chunk keys = chunk_at(p_.key_cache, k_layout_, block, t0, kv_head);
@@ -1024,7 +1036,9 @@ class PagedAttention {
       const __mmask16 mask =
           b < e ? __mmask16(((1u << (e - t0)) - 1) & ~((1u << (b - t0)) - 1)) : __mmask16(0);
       for (int g = 0; g < geo_.group; ++g) valid[r0 + g] = mask;
-      if (b < e) soft_cap(scores + int64_t(r0) * tokens_, geo_.group, b, e);
+      if (b < e) {
+        finish_scores(scores + int64_t(r0) * tokens_, b, e, kv_head, first_q_pos + jt, page_start);
+      }
     }
     const Nvfp4Chunk values = chunk_at(p_.value_cache, v_layout_, block, t0, kv_head);
     chunk_scales(values, v_scale_rows_, v_scale_select_, scale);

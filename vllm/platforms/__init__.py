@@ -7,7 +7,7 @@ import torch
 
 from vllm.platforms.cpu import CpuPlatform
 from vllm.platforms.cuda import CudaPlatform
-from vllm.platforms.interface import DeviceCapability, Platform
+from vllm.platforms.interface import CpuArchEnum, DeviceCapability, Platform
 
 
 def _detect() -> Platform:
@@ -16,4 +16,11 @@ def _detect() -> Platform:
 
 current_platform: Platform = _detect()
 
-__all__ = ["CpuPlatform", "CudaPlatform", "DeviceCapability", "Platform", "current_platform"]
+__all__ = [
+    "CpuArchEnum",
+    "CpuPlatform",
+    "CudaPlatform",
+    "DeviceCapability",
+    "Platform",
+    "current_platform",
+]

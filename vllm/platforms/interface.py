@@ -1,14 +1,45 @@
 """The platform contract that upstream vLLM's kernel tests ask of ``current_platform``.
 
 Only what those tests and our backends use: the device kind (``device_type``, :meth:`is_cuda`,
-:meth:`is_cpu`), the CUDA compute capability, and the FP8 dtype of the platform.
+:meth:`is_cpu`, :meth:`is_rocm`, :meth:`is_zen_cpu`), the host's CPU architecture, the CUDA
+compute capability, and the FP8 dtype of the platform.
 """
 
 from __future__ import annotations
 
+import enum
+import platform
 from typing import ClassVar, NamedTuple
 
 import torch
+
+
+class CpuArchEnum(enum.Enum):
+    """The host's CPU architecture family (from the machine name the OS reports)."""
+
+    X86 = enum.auto()
+    ARM = enum.auto()
+    POWERPC = enum.auto()
+    S390X = enum.auto()
+    RISCV = enum.auto()
+    OTHER = enum.auto()
+    UNKNOWN = enum.auto()
+
+
+def _cpu_architecture(machine: str) -> CpuArchEnum:
+    """The family of an OS machine name (``platform.machine()``); ``UNKNOWN`` when empty."""
+    machine = machine.lower()
+    if machine in ("x86_64", "amd64", "i386", "i686"):
+        return CpuArchEnum.X86
+    if machine.startswith(("arm", "aarch")):
+        return CpuArchEnum.ARM
+    if machine.startswith("ppc"):
+        return CpuArchEnum.POWERPC
+    if machine == "s390x":
+        return CpuArchEnum.S390X
+    if machine.startswith("riscv"):
+        return CpuArchEnum.RISCV
+    return CpuArchEnum.OTHER if machine else CpuArchEnum.UNKNOWN
 
 
 class DeviceCapability(NamedTuple):
@@ -40,6 +71,21 @@ class Platform:
     @classmethod
     def is_cpu(cls) -> bool:
         return cls.device_type == "cpu"
+
+    @classmethod
+    def is_rocm(cls) -> bool:
+        """ROCm devices are not a platform of this library: always False."""
+        return False
+
+    @classmethod
+    def is_zen_cpu(cls) -> bool:
+        """Whether this is the CPU platform on an AMD Zen host with zentorch (CPU only)."""
+        return False
+
+    @classmethod
+    def get_cpu_architecture(cls) -> CpuArchEnum:
+        """The host's CPU architecture family."""
+        return _cpu_architecture(platform.machine())
 
     @classmethod
     def get_device_capability(cls, device_id: int = 0) -> DeviceCapability | None:

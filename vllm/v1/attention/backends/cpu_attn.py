@@ -66,6 +66,33 @@ def _int32(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device=device, dtype=torch.int32).contiguous()
 
 
+def _get_attn_isa(
+    dtype: torch.dtype,
+    block_size: int,
+    head_size: int | None = None,
+    kv_cache_dtype: str | None = None,
+) -> str:
+    """The name upstream's CPU attention ops give this host's instruction set for a layer
+    (``amx``, ``neon``, ``rvv``, ``vxe``, ``vsx``, ``vec``, or ``vec16`` for head sizes and
+    pages that are multiples of 16 but not of 32), as their ``isa`` argument. This library's
+    kernels read every name on every host (:mod:`vllm._cpu_attn_args`), FP8 caches included,
+    so unlike upstream no combination is refused; ``kv_cache_dtype`` does not change the name."""
+    from vllm.platforms import CpuArchEnum, current_platform
+
+    if head_size is not None and head_size % 32 != 0 and head_size % 16 == 0:
+        return "vec16"
+    arch = current_platform.get_cpu_architecture()
+    if torch.cpu._is_amx_tile_supported() and dtype == torch.bfloat16 and block_size % 32 == 0:
+        return "amx"
+    if arch == CpuArchEnum.ARM:
+        return "neon"
+    if block_size % 32 != 0:
+        return "vec16"
+    return {CpuArchEnum.RISCV: "rvv", CpuArchEnum.S390X: "vxe", CpuArchEnum.POWERPC: "vsx"}.get(
+        arch, "vec"
+    )
+
+
 @functools.cache
 def _kernel_missing() -> str | None:
     """Why ``vllm._custom_ops.paged_attention`` cannot run here, or ``None`` when it can."""
