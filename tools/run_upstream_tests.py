@@ -1,6 +1,7 @@
 """Run upstream vLLM's own tests for the modules this library ships against the library.
 
-    python tools/run_upstream_tests.py --sdist PATH/vllm-0.33.0.tar.gz [--json OUT] [FILE ...]
+    python tools/run_upstream_tests.py --sdist PATH/vllm-0.33.0.tar.gz [--json OUT] [-k EXPR]
+        [--strict] [FILE ...]
 
 The test tree of the source distribution is unpacked into a temporary directory (outside this
 repository, so that upstream's ``vllm/`` never shadows ours) and each test file of
@@ -11,8 +12,10 @@ with this repository first on ``PYTHONPATH`` and Triton under its interpreter. U
 run unchanged. A file that does not collect counts as one error.
 
 The report is a table, one row per file: passed, failed, errors, skipped (upstream's own skips,
-CUDA-only cases among them) and the total; ``--json`` writes the same rows. The exit status is
-0 whatever the counts (this is a measurement), 2 for a bad argument.
+CUDA-only cases among them, and with ``-k EXPR`` the cases pytest's ``-k`` deselects are not
+counted) and the total; ``--json`` writes the same rows. The exit status is 0 whatever the
+counts (this is a measurement), or with ``--strict`` (CI's subset) 1 when any file has a failure
+or an error; 2 for a bad argument.
 """
 
 from __future__ import annotations
@@ -118,8 +121,9 @@ def _message(problem: ET.Element) -> str:
     return problem.get("message", "")
 
 
-def run_file(root: Path, file: str) -> Row:
-    """Run one upstream test file (or folder) from ``root`` against this repository."""
+def run_file(root: Path, file: str, keyword: str | None = None) -> Row:
+    """Run one upstream test file (or folder) from ``root`` against this repository, only the
+    cases that pytest's ``-k keyword`` selects when given."""
     if not (root / file).exists():
         raise ValueError(f"FILE: expected a test file or folder of the sdist, got {file!r}")
     junit = root / f".{file.replace('/', '_')}.xml"
@@ -129,6 +133,8 @@ def run_file(root: Path, file: str) -> Row:
         "TRITON_INTERPRET": "1",
     }
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", file]
+    if keyword is not None:
+        command += ["-k", keyword]
     try:
         done = subprocess.run(
             [*command, f"--junitxml={junit}"],
@@ -175,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sdist", type=Path, required=True, help="upstream vLLM's .tar.gz")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
+    parser.add_argument("-k", dest="keyword", help="only the cases pytest's -k EXPR selects")
+    parser.add_argument(
+        "--strict", action="store_true", help="exit 1 when any file has a failure or an error"
+    )
     parser.add_argument("files", nargs="*", help="test files under tests/ (default: the suite)")
     args = parser.parse_args(argv)
     if not args.sdist.is_file():
@@ -182,13 +192,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="upstream-tests-") as tmp:
         try:
             root = unpack_tests(args.sdist, Path(tmp))
-            rows = [run_file(root, file) for file in args.files or SUITE]
+            rows = [run_file(root, file, args.keyword) for file in args.files or SUITE]
         except (ValueError, tarfile.TarError) as exc:
             parser.error(str(exc))
     print(format_table(rows))
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
-    return 0
+    return 1 if args.strict and any(r.failed or r.errors for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -77,3 +77,16 @@ def test_bad_arguments_are_one_line_errors(tmp_path: Path, capsys) -> None:
     assert "FILE: expected a test file or folder of the sdist, got 'tests/nope.py'" in (
         capsys.readouterr().err
     )
+
+
+def test_keyword_selects_cases_and_strict_fails_on_a_failure(tmp_path: Path, capsys) -> None:
+    sdist = str(fake_sdist(tmp_path))
+    out = tmp_path / "rows.json"
+    args = ["--sdist", sdist, "--json", str(out), "--strict", "tests/test_mixed.py"]
+    assert tool.main([*args, "-k", "not fail"]) == 0
+    (row,) = json.loads(out.read_text())
+    assert (row["passed"], row["failed"], row["skipped"]) == (1, 0, 1)
+    assert tool.main(args) == 1
+    assert tool.main(["--sdist", sdist, "tests/test_mixed.py"]) == 0  # a measurement by default
+    assert tool.main([*args[:-1], "tests/sub"]) == 1  # a file that does not collect
+    capsys.readouterr()
