@@ -37,6 +37,7 @@ SUITE: tuple[str, ...] = (
     "tests/v1/core/test_kv_cache_utils.py",
     "tests/v1/core/test_prefix_caching.py",
     "tests/v1/core/test_single_type_kv_cache_manager.py",
+    "tests/v1/core/test_kv_sharing.py",
     "tests/v1/kv_offload",
     "tests/utils_/test_torch_utils.py",
     "tests/test_triton_utils.py",

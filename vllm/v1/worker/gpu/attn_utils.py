@@ -18,8 +18,9 @@ A layer's cache is returned as:
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 
@@ -43,9 +44,11 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.worker.gpu.kv_cache_buffers import (
     _allocate_kv_cache,
+    buffer_layers,
     check_buffer_pages,
     group_layers,
 )
+from vllm.v1.worker.utils import check_kv_sharing
 
 LayerKVCache = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | list[torch.Tensor]
 """One layer's cache view(s); see the module docstring."""
@@ -522,6 +525,15 @@ def validate_kv_cache_backends(
         raise ValueError("KV-cache backends cannot serve this model: " + " | ".join(failures))
 
 
+def _without_layers(kv_cache_config: KVCacheConfig, names: Collection[str]) -> KVCacheConfig:
+    """``kv_cache_config`` with ``names`` left out of its groups."""
+    groups = [
+        dataclasses.replace(g, layer_names=[n for n in g.layer_names if n not in names])
+        for g in kv_cache_config.kv_cache_groups
+    ]
+    return dataclasses.replace(kv_cache_config, kv_cache_groups=groups)
+
+
 def init_kv_cache(
     kv_cache_config: KVCacheConfig,
     attn_backends: AttnBackends,
@@ -530,14 +542,25 @@ def init_kv_cache(
     model_dtype: torch.dtype = torch.bfloat16,
     cache_dtype: str | None = None,
     kernel_block_sizes: Sequence[int] | None = None,
+    shared_kv_cache_layers: Mapping[str, str] | None = None,
 ) -> dict[str, LayerKVCache]:
     """Validate backends, dry-run the views on the meta device, then allocate on ``device``
     and return each layer's cache view. Nothing real is allocated unless all checks pass.
 
+    ``shared_kv_cache_layers`` (layer -> target, :mod:`vllm.v1.worker.utils`): each sharing
+    layer gets its target's view, the same tensor; sharing layers own no buffer and may be
+    listed in their target's group already.
+
     The NVFP4 scale layouts that go with these caches (to pass to writers and readers) are
     :func:`get_kv_cache_scale_layouts` of the same ``attn_backends``."""
-    validate_kv_cache_backends(kv_cache_config, attn_backends, device, model_dtype, cache_dtype)
-    meta = _allocate_kv_cache(kv_cache_config, "meta")
-    _reshape_kv_cache(kv_cache_config, meta, attn_backends, cache_dtype, kernel_block_sizes)
-    raw = _allocate_kv_cache(kv_cache_config, device)
-    return _reshape_kv_cache(kv_cache_config, raw, attn_backends, cache_dtype, kernel_block_sizes)
+    shared = dict(shared_kv_cache_layers or {})
+    check_kv_sharing(shared, buffer_layers(kv_cache_config))
+    config = _without_layers(kv_cache_config, shared) if shared else kv_cache_config
+    validate_kv_cache_backends(config, attn_backends, device, model_dtype, cache_dtype)
+    meta = _allocate_kv_cache(config, "meta")
+    _reshape_kv_cache(config, meta, attn_backends, cache_dtype, kernel_block_sizes)
+    raw = _allocate_kv_cache(config, device)
+    kv_caches = _reshape_kv_cache(config, raw, attn_backends, cache_dtype, kernel_block_sizes)
+    for layer, target in shared.items():
+        kv_caches[layer] = kv_caches[target]
+    return kv_caches

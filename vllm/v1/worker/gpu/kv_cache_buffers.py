@@ -84,6 +84,11 @@ def check_kv_cache_tensors(kv_cache_config: KVCacheConfig) -> None:
         check_buffer_pages(what, size, layer_name, spec, kv_cache_config.num_blocks)
 
 
+def buffer_layers(kv_cache_config: KVCacheConfig) -> set[str]:
+    """The layers that own a buffer (those some ``KVCacheTensor`` names)."""
+    return {name for tensor in kv_cache_config.kv_cache_tensors for name in tensor.shared_by}
+
+
 def _allocate_kv_cache(
     kv_cache_config: KVCacheConfig, device: torch.device | str
 ) -> dict[str, torch.Tensor]:
