@@ -1,8 +1,8 @@
 """The platform contract that upstream vLLM's kernel tests ask of ``current_platform``.
 
 Only what those tests and our backends use: the device kind (``device_type``, :meth:`is_cuda`,
-:meth:`is_cpu`, :meth:`is_rocm`, :meth:`is_zen_cpu`), the host's CPU architecture, the CUDA
-compute capability, and the FP8 dtype of the platform.
+:meth:`is_cpu`, :meth:`is_rocm`, :meth:`is_xpu`, :meth:`is_cuda_alike`, :meth:`is_zen_cpu`),
+the host's CPU architecture, the CUDA compute capability, and the FP8 dtype of the platform.
 """
 
 from __future__ import annotations
@@ -76,6 +76,16 @@ class Platform:
     def is_rocm(cls) -> bool:
         """ROCm devices are not a platform of this library: always False."""
         return False
+
+    @classmethod
+    def is_xpu(cls) -> bool:
+        """Intel XPUs are not a platform of this library: always False."""
+        return False
+
+    @classmethod
+    def is_cuda_alike(cls) -> bool:
+        """CUDA or ROCm (the devices that take CUDA-style code)."""
+        return cls.is_cuda() or cls.is_rocm()
 
     @classmethod
     def is_zen_cpu(cls) -> bool:

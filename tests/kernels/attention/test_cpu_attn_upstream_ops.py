@@ -337,3 +337,10 @@ def test_spaced_heads_whose_pages_overlap_are_refused() -> None:
     message = r"key_cache: expected a page stride of at least \(H-1\)\*head_stride \+ N\*D' = 3072"
     with pytest.raises(RuntimeError, match=message):
         ops.cpu_attn_reshape_and_cache(key, key, key_cache, value_cache, torch.tensor([0]), "vec")
+
+
+def test_platform_kinds() -> None:
+    from vllm.platforms.cuda import CudaPlatform
+
+    assert CpuPlatform.is_cpu() and not CpuPlatform.is_cuda_alike() and not CpuPlatform.is_xpu()
+    assert CudaPlatform.is_cuda_alike() and not CudaPlatform.is_rocm()
