@@ -8,8 +8,10 @@ repository, so that upstream's ``vllm/`` never shadows ours) and each test file 
 :data:`SUITE` (or each ``FILE`` given, a path under ``tests/``) runs in its own pytest process
 with this repository first on ``PYTHONPATH`` and Triton under its interpreter. Upstream's root
 ``conftest.py`` starts engine machinery this library does not have, so it is replaced by
-:data:`ROOT_CONFTEST`, which supplies the few fixtures the suite's files use. The copies are
-run unchanged. A file that does not collect counts as one error.
+:data:`ROOT_CONFTEST`, which supplies the few fixtures the suite's files use, and so is the
+helper module ``tests/v1/core/utils.py`` by :data:`CORE_UTILS`, its spec factories without its
+engine helpers (:data:`REPLACED`). The test files are run unchanged. A file that does not
+collect counts as one error.
 
 The report is a table, one row per file: passed, failed, errors, skipped (upstream's own skips,
 CUDA-only cases among them, and with ``-k EXPR`` the cases pytest's ``-k`` deselects are not
@@ -57,6 +59,62 @@ def caplog_vllm(caplog):
     return caplog
 '''
 
+CORE_UTILS = '''"""Upstream's tests/v1/core/utils.py, replaced by tools/run_upstream_tests.py:
+its spec factories and planning call (same names, arguments and defaults); its scheduler,
+request and connector helpers, which import the engine, are left out."""
+import torch
+
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVQuantMode,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+
+
+def new_kv_cache_spec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32,
+                      page_size_padded=None, sliding_window=None, attention_chunk_size=None,
+                      kv_quant_mode=KVQuantMode.NONE):
+    return FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads,
+                             head_size=head_size, dtype=dtype, page_size_padded=page_size_padded,
+                             sliding_window=sliding_window,
+                             attention_chunk_size=attention_chunk_size,
+                             kv_quant_mode=kv_quant_mode)
+
+
+def new_sliding_window_spec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32,
+                            page_size_padded=None, sliding_window=1):
+    return SlidingWindowSpec(block_size=block_size, num_kv_heads=num_kv_heads,
+                             head_size=head_size, dtype=dtype, page_size_padded=page_size_padded,
+                             sliding_window=sliding_window)
+
+
+def new_mamba_spec(block_size=16, shapes=((2, 512), (3, 32, 32)),
+                   dtypes=(torch.float32, torch.float32), num_speculative_blocks=2,
+                   mamba_cache_mode="none", page_size_padded=None):
+    return MambaSpec(block_size=block_size, shapes=shapes, dtypes=dtypes,
+                     page_size_padded=page_size_padded, mamba_cache_mode=mamba_cache_mode,
+                     num_speculative_blocks=num_speculative_blocks)
+
+
+def new_mla_spec(cache_dtype_str=None, block_size=16):
+    # DeepSeek's latent: kv_lora_rank 512 + qk_rope_head_dim 64.
+    return MLAAttentionSpec(block_size=block_size, num_kv_heads=1, max_tp_shards=1,
+                            head_size=576, dtype=torch.float32, cache_dtype_str=cache_dtype_str)
+
+
+def get_kv_cache_configs(vllm_config, kv_cache_specs, available_memory):
+    from vllm.v1.core import kv_cache_planning
+
+    return kv_cache_planning.get_kv_cache_configs(
+        vllm_config, kv_cache_specs, available_memory,
+        kv_cache_planning.get_global_kv_cache_groups(vllm_config, kv_cache_specs))
+'''
+
+REPLACED = {"tests/conftest.py": ROOT_CONFTEST, "tests/v1/core/utils.py": CORE_UTILS}
+"""Upstream test-tree files that import the engine, by what replaces them."""
+
 TIMEOUT_S = 1800
 """Per test file: a hung file is reported as one error, the run goes on."""
 
@@ -80,7 +138,7 @@ class Row:
 
 def unpack_tests(sdist: Path, into: Path) -> Path:
     """The sdist's ``tests/`` tree under ``into`` (returned: the directory holding ``tests``),
-    with :data:`ROOT_CONFTEST` in place of upstream's root conftest."""
+    with the files of :data:`REPLACED` in place of upstream's."""
     with tarfile.open(sdist) as tar:
         found = 0
         for member in tar.getmembers():
@@ -97,7 +155,9 @@ def unpack_tests(sdist: Path, into: Path) -> Path:
             target.write_bytes(source.read())
     if not found:
         raise ValueError(f"--sdist: expected a source distribution with tests/, got {sdist}")
-    (into / "tests" / "conftest.py").write_text(ROOT_CONFTEST)
+    for name, text in REPLACED.items():
+        (into / name).parent.mkdir(parents=True, exist_ok=True)
+        (into / name).write_text(text)
     return into
 
 
