@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm.v1.kv_offload.base import OffloadKey, ReqContext, make_offload_key
+from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, make_offload_key
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy
@@ -42,16 +42,16 @@ def test_slots_fresh_then_reused_and_groups_are_distinct_keys(policy: str) -> No
     assert out is not None and out.keys_to_store == keys(1, group=1)
     assert out.store_spec.block_ids.tolist() == [2]  # type: ignore[attr-defined]
     manager.complete_store(out.keys_to_store, CTX, success=False)
-    assert manager.lookup(keys(1, group=1)[0], CTX) is False
+    assert manager.lookup(keys(1, group=1)[0], CTX) is LookupResult.MISS
     # The failed store's slot is free again.
     assert store(manager, 3) == [2]
 
 
-def test_in_flight_store_is_retry_and_loads_pin_blocks() -> None:
+def test_in_flight_store_is_pending_and_loads_pin_blocks() -> None:
     manager = CPUOffloadingManager(num_blocks=2, enable_events=True)
     out = manager.prepare_store(keys(1, 2), CTX)
     assert out is not None
-    assert manager.lookup(keys(1)[0], CTX) is None
+    assert manager.lookup(keys(1)[0], CTX) is LookupResult.HIT_PENDING
     with pytest.raises(ValueError, match="store has not completed"):
         manager.prepare_load(keys(1), CTX)
     manager.complete_store(keys(1, 2), CTX)
@@ -75,7 +75,7 @@ def test_reset_cache_forgets_everything() -> None:
     manager = CPUOffloadingManager(num_blocks=2)
     store(manager, 1, 2)
     manager.reset_cache()
-    assert manager.lookup(keys(1)[0], CTX) is False
+    assert manager.lookup(keys(1)[0], CTX) is LookupResult.MISS
     assert store(manager, 3, 4) == [0, 1]
 
 
@@ -122,4 +122,4 @@ def test_duplicate_keys_in_one_store_take_one_slot(policy: str) -> None:
         manager.complete_store(out.keys_to_store, CTX)
     # Both slots are still usable: two new keys fit at once, evicting the last two stored.
     assert sorted(store(manager, 20, 21)) == [0, 1]
-    assert [manager.lookup(k, CTX) for k in keys(20, 21)] == [True, True]
+    assert [manager.lookup(k, CTX) for k in keys(20, 21)] == [LookupResult.HIT] * 2

@@ -27,8 +27,8 @@ from vllm.v1.kv_offload.page_format import KVPageFormat
 def mapper(root: str = "/r", **kw: object) -> FileMapper:
     args: dict = dict(
         model_name="org/model",
-        hash_block_size=16,
-        gpu_blocks_per_file=1,
+        tokens_per_hash=16,
+        blocks_per_file=1,
         tp_size=1,
         pp_size=1,
         pcp_size=1,
@@ -59,9 +59,11 @@ def test_path_layout_and_folder_digest() -> None:
     [
         {"dtype": "fp8"},
         {"tp_size": 2},
-        {"hash_block_size": 32},
-        {"gpu_blocks_per_file": 4},
-        {"kv_cache_groups": [{"block_size": 16, "layer_names": ["a"]}]},
+        {"tokens_per_hash": 32},
+        {"blocks_per_file": 4},
+        {"kv_cache_groups": [{"tokens_per_block": 16, "layer_names": ["a"]}]},
+        {"replicated_layout": True},
+        {"canonical_format": "v1-nhd"},
         {"inference_engine": "other"},
         {"model_name": "org/other"},
     ],
@@ -73,7 +75,19 @@ def test_every_byte_deciding_setting_changes_the_folder(change: dict) -> None:
 def test_rank_is_outside_the_folder_digest_and_parallel_agnostic_collapses() -> None:
     assert mapper(rank=0).base_path == mapper(rank=3).base_path
     a = mapper(tp_size=4, pp_size=2, dcp_size=2, rank=6, parallel_agnostic=True)
-    assert a.base_path == mapper().base_path and a.rank == 0
+    assert a.base_path == mapper(parallel_agnostic=True).base_path and a.rank == 0
+    # v0.33: parallel-agnostic bytes live apart from layout-specific ones.
+    assert a.base_path != mapper().base_path
+    assert "parallel_agnostic" not in a.fields and mapper().fields["parallel_agnostic"] is False
+
+
+def test_v022_argument_names_are_aliases() -> None:
+    old = FileMapper("/r", "org/model", hash_block_size=16, gpu_blocks_per_file=1)
+    assert old.base_path == FileMapper("/r", "org/model", 16, 1).base_path
+    with pytest.raises(TypeError, match="tokens_per_hash: expected it once"):
+        FileMapper("/r", "org/model", 16, 1, hash_block_size=16)
+    with pytest.raises(TypeError, match="blocks_per_file: expected an int, got None"):
+        FileMapper("/r", "org/model", 16)
 
 
 def test_from_offloading_spec_reads_the_engine_config() -> None:
@@ -96,15 +110,16 @@ def test_from_offloading_spec_reads_the_engine_config() -> None:
     )
     assert m.get_run_config() == {
         "model_name": "org/m",
-        "hash_block_size": 16,
-        "gpu_blocks_per_file": 2,
+        "tokens_per_hash": 16,
+        "blocks_per_file": 2,
         "tp_size": 2,
         "pp_size": 1,
         "pcp_size": 1,
         "dcp_size": 1,
         "dtype": "fp8_e4m3",
-        "kv_cache_groups": [{"block_size": 16, "layer_names": ["l0", "l1"]}],
+        "kv_cache_groups": [{"tokens_per_block": 16, "layer_names": ["l0", "l1"]}],
         "inference_engine": "vllm",
+        "parallel_agnostic": False,
         "page_format": page_format.fingerprint,
     }
     assert m.base_path.startswith("/x/org_m_")

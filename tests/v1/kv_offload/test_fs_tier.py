@@ -15,7 +15,7 @@ import torch
 from tiering_test_utils import FORMATS, region, stub_spec, wait_until, worker_pages
 
 from vllm.v1.attention.backends.utils import kv_cache_layout
-from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
 from vllm.v1.kv_offload.tiering import factory
 from vllm.v1.kv_offload.tiering.base import JobMetadata
 from vllm.v1.kv_offload.tiering.fs import io
@@ -220,11 +220,11 @@ def test_every_format_round_trips_byte_exact_through_the_fs_tier(cache_dtype, tm
         manager.complete_store(other.keys_to_store, CTX, success=False)
         fill(cells, -1)
         wanted = [key(2), key(0)]
-        assert [manager.lookup(k, CTX) for k in wanted] == [None, None]
+        assert [manager.lookup(k, CTX) for k in wanted] == [LookupResult.HIT_PENDING] * 2
 
         def promoted() -> bool:
             list(manager.take_events())
-            return all(manager.lookup(k, CTX) for k in wanted)
+            return all(manager.lookup(k, CTX) is LookupResult.HIT for k in wanted)
 
         wait_until(promoted)
         rows = manager.prepare_load(wanted, CTX).block_ids

@@ -287,8 +287,8 @@ def test_bad_options_are_clear_errors_before_connecting(monkeypatch, options, me
 def test_rows_must_match_the_format_and_be_writable() -> None:
     spec = stub_spec()
     row_bytes = row_page_format(spec).block_bytes
-    with pytest.raises(ValueError, match=f"expected rows of {row_bytes} bytes"):
-        make_tier(rows=np.zeros((2, row_bytes + 1), dtype=np.uint8))
+    with pytest.raises(ValueError, match=f"expected rows of at least {row_bytes} bytes"):
+        make_tier(rows=np.zeros((2, row_bytes - 1), dtype=np.uint8))
     read_only = memoryview(bytes(2 * row_bytes)).cast("B", (2, row_bytes))
     with pytest.raises(ValueError, match="expected writable rows"):
         primary_rows(read_only)
@@ -297,6 +297,13 @@ def test_rows_must_match_the_format_and_be_writable() -> None:
     rows = np.zeros((2, 4), dtype=np.uint8)
     primary_rows(memoryview(rows))[1, 2] = 9  # a view, not a copy
     assert rows[1, 2] == 9
+
+
+def test_rows_need_a_spec_that_knows_the_kv_cache() -> None:
+    spec = stub_spec()
+    spec.kv_cache_config = None  # as a spec built from an OffloadingConfig
+    with pytest.raises(ValueError, match="expected a spec built from \\(vllm_config"):
+        row_page_format(spec)
 
 
 def test_key_names() -> None:

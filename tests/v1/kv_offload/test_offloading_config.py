@@ -69,8 +69,8 @@ def test_a_config_keeps_its_fields_and_is_frozen() -> None:
         (lambda: OffloadingCacheConfig(16, 0), "blocks_per_chunk: expected a positive int"),
         (lambda: OffloadingCacheConfig(True, 1), "tokens_per_hash: expected a positive int"),
         (
-            lambda: OffloadingParallelConfig(**{**PARALLEL, "rank": 2}),
-            "rank: expected a worker index below world_size=2, got 2",
+            lambda: OffloadingParallelConfig(**{**PARALLEL, "rank": -1}),
+            "rank: expected an int >= 0",
         ),
         (
             lambda: OffloadingParallelConfig(**{**PARALLEL, "data_parallel_index": 1}),
@@ -81,7 +81,7 @@ def test_a_config_keeps_its_fields_and_is_frozen() -> None:
             "tp_size: expected a positive int",
         ),
         (lambda: config(groups=[]), "groups: expected a tuple of OffloadingGroupConfig"),
-        (lambda: config(worker_kv_bytes_per_block=0), "worker_kv_bytes_per_block: expected"),
+        (lambda: config(worker_kv_bytes_per_block=-1), "worker_kv_bytes_per_block: expected"),
         (lambda: config(extra_config=None), "extra_config: expected a mapping"),
         (lambda: config(engine_id=""), "engine_id: expected a non-empty str"),
         (lambda: config(cache=None), "cache: expected an OffloadingCacheConfig"),

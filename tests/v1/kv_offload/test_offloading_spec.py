@@ -79,7 +79,7 @@ def config_of(*groups: KVCacheSpec, num_blocks: int = 8, shared: bool = True) ->
 
 def alignment_message(gpu_block_size: int, hash_block_size: int) -> str:
     return (
-        f"gpu_block_size={gpu_block_size} not divisible by hash_block_size={hash_block_size}. "
+        f"tokens_per_block={gpu_block_size} not divisible by tokens_per_hash={hash_block_size}. "
         "Hybrid models (e.g. Mamba+Attention) need --enable-prefix-caching to align block sizes."
     )
 
@@ -119,23 +119,24 @@ def test_offloaded_block_size_options() -> None:
     config = config_of(attn(16))
     assert _Spec(vllm_config({"block_size": 64}), config).block_size_factor == 4
     assert _Spec(vllm_config({"block_size_factor": 3}), config).offloaded_block_size == 48
+    spec = _Spec(vllm_config({"blocks_per_chunk": 2}), config)
+    assert spec.blocks_per_chunk == 2 and spec.config.cache.blocks_per_chunk == 2
     both = {"block_size": 32, "block_size_factor": 2}
-    assert _Spec(vllm_config(both), config).block_size_factor == 2
-    with pytest.raises(ValueError, match="disagrees with block_size_factor=4"):
-        _Spec(vllm_config({"block_size": 32, "block_size_factor": 4}), config)
-    with pytest.raises(ValueError, match="40 tokens is not a multiple of the GPU block size 16"):
+    with pytest.raises(ValueError, match="expected at most one of"):
+        _Spec(vllm_config(both), config)
+    with pytest.raises(ValueError, match="multiple of the GPU block size 16 tokens, got 40"):
         _Spec(vllm_config({"block_size": 40}), config)
     with pytest.raises(ValueError, match="block_size_factor'\\]: expected a positive int"):
         _Spec(vllm_config({"block_size_factor": 0}), config)
-    # Mixed GPU block sizes: an offloaded block mirrors one GPU block id (factor 1), and an
-    # offloaded block size cannot be asked for.
+    # Mixed GPU block sizes: a chunk is GPU block ids (factor 1 by default); a chunk size in
+    # tokens cannot be asked for, a factor can.
     mixed = config_of(attn(16), attn(32, head_size=32), shared=False)
     spec = _Spec(vllm_config(), mixed)
     assert spec.gpu_block_size == (16, 32) and spec.hash_block_size == 16
     assert spec.offloaded_block_size == 32 and spec.block_size_factor == 1
-    for extra in ({"block_size": 32}, {"block_size_factor": 2}):
-        with pytest.raises(ValueError, match="one GPU block size for all groups"):
-            _Spec(vllm_config(extra), mixed)
+    assert _Spec(vllm_config({"blocks_per_chunk": 2}), mixed).offloaded_block_size == 64
+    with pytest.raises(ValueError, match="one block size for all KV-cache groups"):
+        _Spec(vllm_config({"block_size": 32}), mixed)
 
 
 def test_cpu_spec_num_blocks_from_byte_budget() -> None:
@@ -160,10 +161,13 @@ def test_cpu_spec_num_blocks_from_byte_budget() -> None:
     # Shared buffers (Mamba + attention, padded pages) count once.
     hybrid = config_of(attn(16), mamba(16, padded=attn(16).page_size_bytes))
     assert CPUOffloadingSpec(vllm_config({"cpu_bytes_to_use": 8192 * 5}), hybrid).num_blocks == 5
-    with pytest.raises(ValueError, match="hold no offloaded block of 49152 bytes"):
-        CPUOffloadingSpec(vllm_config({"block_size": 32, "cpu_bytes_to_use": 1000}), config)
-    with pytest.raises(ValueError, match="exactly one of 'cpu_bytes_to_use'"):
+    # v0.33: a budget below one chunk gives an empty tier, not an error.
+    small = CPUOffloadingSpec(vllm_config({"block_size": 32, "cpu_bytes_to_use": 1000}), config)
+    assert small.num_chunks == 0 and small.kv_bytes_per_chunk == per_block
+    with pytest.raises(ValueError, match="cpu_bytes_to_use must be specified"):
         CPUOffloadingSpec(vllm_config(), config)
+    with pytest.raises(ValueError, match="expected one of 'cpu_bytes_to_use' and"):
+        CPUOffloadingSpec(vllm_config({"num_cpu_blocks": 3, "cpu_bytes_to_use": 10}), config)
     with pytest.raises(ValueError, match=r"num_cpu_blocks'\]: expected a positive int"):
         CPUOffloadingSpec(vllm_config({"num_cpu_blocks": 0}), config)
 

@@ -28,6 +28,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_offload.base import (
     GPULoadStoreSpec,
+    LookupResult,
     OffloadingManager,
     ReqContext,
     get_offload_block_hash,
@@ -271,7 +272,10 @@ def test_another_instance_finds_the_prefix_in_mooncake_by_hash(
 
         def promoted() -> bool:
             list(reader.manager.take_events())
-            return all(reader.manager.lookup(k, CTX_B) for k in request_offload_keys(b, 0))
+            return all(
+                reader.manager.lookup(k, CTX_B) is LookupResult.HIT
+                for k in request_offload_keys(b, 0)
+            )
 
         wait_until(promoted)
         load = reader.offloader.plan_load(b, 0)

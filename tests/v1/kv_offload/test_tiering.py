@@ -4,13 +4,14 @@ failures leave the primary tier consistent."""
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Iterator
 
 import pytest
 import torch
 from tiering_test_utils import region, stub_spec
 
-from vllm.v1.kv_offload.base import OffloadKey, ReqContext, make_offload_key
+from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, make_offload_key
 from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult
 from vllm.v1.kv_offload.tiering.example.manager import ExampleSecondaryTierManager
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
@@ -20,7 +21,7 @@ from vllm.v1.kv_offload.tiering.manager import (
 )
 
 A, B = ReqContext(req_id="a"), ReqContext(req_id="b")
-ROW = 64
+ROW = mmap.PAGESIZE  # primary rows are whole pages
 
 
 def keys(*ids: int) -> list[OffloadKey]:
@@ -96,7 +97,7 @@ def test_failed_store_is_not_cascaded(setup) -> None:
     out = manager.prepare_store(keys(1), A)
     assert out is not None
     manager.complete_store(out.keys_to_store, A, success=False)
-    assert tier.jobs == [] and manager.lookup(keys(1)[0], A) is False
+    assert tier.jobs == [] and manager.lookup(keys(1)[0], A) is LookupResult.MISS
 
 
 def test_promotions_batched_per_request_and_bytes_restored(setup) -> None:
@@ -108,10 +109,11 @@ def test_promotions_batched_per_request_and_bytes_restored(setup) -> None:
     tier.release()
     end_step(manager)
     rows.zero_()
-    assert manager.lookup(keys(1)[0], A) is None
-    assert manager.lookup(keys(2)[0], A) is None
-    assert manager.lookup(keys(1)[0], A) is None  # in flight: not promoted twice
-    assert manager.lookup(keys(3)[0], B) is None
+    assert manager.lookup(keys(1)[0], A) is LookupResult.HIT_PENDING
+    assert manager.lookup(keys(2)[0], A) is LookupResult.HIT_PENDING
+    # In flight: not promoted twice.
+    assert manager.lookup(keys(1)[0], A) is LookupResult.HIT_PENDING
+    assert manager.lookup(keys(3)[0], B) is LookupResult.HIT_PENDING
     assert len(tier.jobs) == 2  # nothing submitted before the end of the step
     end_step(manager)
     promotions = tier.jobs[2:]
@@ -119,10 +121,10 @@ def test_promotions_batched_per_request_and_bytes_restored(setup) -> None:
         (2, "a", True),
         (1, "b", True),
     ]
-    assert manager.lookup(keys(1)[0], A) is None  # not yet reported
+    assert manager.lookup(keys(1)[0], A) is LookupResult.HIT_PENDING  # not yet reported
     tier.release()
     end_step(manager)
-    assert [manager.lookup(k, A) for k in keys(1, 2, 3)] == [True, True, True]
+    assert [manager.lookup(k, A) for k in keys(1, 2, 3)] == [LookupResult.HIT] * 3
     spec = manager.prepare_load(keys(1, 2, 3), A)
     for i, row in zip([1, 2, 3], spec.block_ids, strict=True):
         assert rows[row].tolist() == [i] * ROW
@@ -133,18 +135,18 @@ def test_failed_promotion_frees_the_row_and_full_primary_is_a_miss(setup) -> Non
     manager, tier, rows = setup
     tier.blocks[keys(9)[0]] = True  # held without bytes
     tier.blocks[keys(8)[0]] = True
-    assert manager.lookup(keys(9)[0], A) is None
+    assert manager.lookup(keys(9)[0], A) is LookupResult.HIT_PENDING
     end_step(manager)
     del tier.blocks[keys(9)[0]]
     tier.jobs[-1].keys = list(tier.jobs[-1].keys)
     tier.held = [JobResult(tier.jobs[-1].job_id, False)]
     tier.release()
     end_step(manager)
-    assert manager.lookup(keys(9)[0], A) is False
+    assert manager.lookup(keys(9)[0], A) is LookupResult.MISS
     # Four stores pinned by their cascade fill the primary tier: a promotion finds no room.
     store(manager, rows, [1, 2, 3, 4])
     end_step(manager)
-    assert manager.lookup(keys(8)[0], A) is False
+    assert manager.lookup(keys(8)[0], A) is LookupResult.MISS
 
 
 def test_touch_events_and_unknown_jobs(setup) -> None:
@@ -167,7 +169,8 @@ def test_without_secondary_tiers() -> None:
     out = manager.prepare_store(keys(1, 2), A)
     assert out is not None
     manager.complete_store(out.keys_to_store, A)
-    assert manager.lookup(keys(2)[0], A) is True and manager.lookup(keys(3)[0], A) is False
+    assert manager.lookup(keys(2)[0], A) is LookupResult.HIT
+    assert manager.lookup(keys(3)[0], A) is LookupResult.MISS
     end_step(manager)
     manager.shutdown()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
@@ -25,13 +25,13 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 
 class StubSpec(OffloadingSpec):
-    """An offloading spec with no manager or handlers of its own (tiers read its configs)."""
+    """An offloading spec with no manager or worker of its own (tiers read its configs)."""
 
     def get_manager(self):  # type: ignore[override]
         raise NotImplementedError
 
-    def get_handlers(self, kv_caches) -> Iterator:  # type: ignore[override]
-        yield from ()
+    def get_worker(self, kv_caches):  # type: ignore[override]
+        raise NotImplementedError
 
 
 def stub_spec(
@@ -57,13 +57,14 @@ def stub_spec(
 
 
 def region(num_blocks: int, cpu_page_size: int, rank: int | None, workers: int = 1, name=""):
-    """A shared offload region (``name`` joins an existing one; empty: a fresh one)."""
+    """A shared offload region (``name`` joins an existing one; empty: a fresh one) whose rows
+    hold ``workers`` cells of ``cpu_page_size`` bytes, padded to whole pages."""
+    page = SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT
     return SharedOffloadRegion(
-        instance_id=name or f"test_{uuid.uuid4().hex}",
-        total_size_bytes=num_blocks * cpu_page_size * workers,
-        num_blocks=num_blocks,
+        engine_id=name or f"test_{uuid.uuid4().hex}",
+        num_chunks=num_blocks,
         rank=rank,
-        num_workers=workers,
+        kv_bytes_per_chunk=-(-cpu_page_size * workers // page) * page,
         cpu_page_size=cpu_page_size,
     )
 

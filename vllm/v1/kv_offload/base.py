@@ -1,25 +1,29 @@
-"""The medium-independent types of KV-cache offloading (upstream v0.22's ``kv_offload.base``).
+"""The medium-independent types of KV-cache offloading (upstream v0.33's ``kv_offload.base``).
 
 - Keys: an :data:`OffloadKey` names one offloaded block, a block hash plus its KV-cache group.
+- Requests: :class:`ReqContext` (with per-request state and key positions),
+  :class:`LookupResult`, :class:`RequestOffloadingContext`.
 - Load/store specs: where a transfer reads or writes (:class:`LoadStoreSpec`; GPU pages are a
   :class:`GPULoadStoreSpec` of per-group block ids).
-- :class:`OffloadingManager`: the scheduler-side bookkeeping of offloaded blocks.
-- :class:`CanonicalKVCaches`: the worker's KV cache as byte pages, what handlers copy.
-- :class:`OffloadingHandler`: moves blocks between two media asynchronously (jobs).
-- :class:`OffloadingSpec`: one offloading medium: its manager and its handlers.
+- :class:`OffloadingManager`: the scheduler-side bookkeeping of offloaded chunks.
+- :class:`CanonicalKVCaches` (from :mod:`.canonical`): the worker's KV cache as byte pages.
+- :class:`OffloadingWorker`: a medium's worker-side transfers; v0.22's
+  :class:`OffloadingHandler` moves blocks between two media (jobs).
+- :class:`OffloadingSpec`: one offloading medium: its manager and its worker.
+- Metric and config-info records (from :mod:`.metrics`).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NewType
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from typing import TYPE_CHECKING, Any, NamedTuple, NewType, TypeVar
 
 import numpy as np
-import torch
 
-from vllm.utils import check_positive_int
 from vllm.v1.core.block_hashing import (
     BlockHash,
     BlockHashWithGroupId,
@@ -27,7 +31,24 @@ from vllm.v1.core.block_hashing import (
     get_group_id,
     make_block_hash_with_group_id,
 )
-from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+from vllm.v1.kv_offload.canonical import (
+    CanonicalKVCacheRef,  # noqa: F401
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,  # noqa: F401
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+
+# Re-exported: upstream v0.33 defines these here.
+from vllm.v1.kv_offload.metrics import (
+    ConfigInfo,  # noqa: F401
+    ConfigInfoMapping,  # noqa: F401
+    OffloadingConnectorStats,  # noqa: F401
+    OffloadingCounterMetadata,  # noqa: F401
+    OffloadingGaugeMetadata,  # noqa: F401
+    OffloadingHistogramMetadata,  # noqa: F401
+    OffloadingKVEventsConfig,  # noqa: F401
+    OffloadingMetricMetadata,  # noqa: F401
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -55,12 +76,88 @@ def get_offload_group_idx(key: OffloadKey) -> int:
     return get_group_id(BlockHashWithGroupId(key))
 
 
+_T = TypeVar("_T")
+
+
+class Medium(str, Enum):
+    """Where an offloading tier keeps blocks (equal to its name, as v0.22's plain strings)."""
+
+    CPU = "CPU"
+    STORAGE = "STORAGE"
+
+
+class Locality(str, Enum):
+    """Whether a tier's storage is this instance's own or shared with others."""
+
+    LOCAL = "LOCAL"
+    REMOTE = "REMOTE"
+
+
 @dataclass
 class ReqContext:
-    """What a manager may know of the request a call is made for."""
+    """What a manager may know of the request a call is made for.
+
+    Managers may keep per-request scratch state here, one value per type
+    (:meth:`set_state` / :meth:`get_state`), and the scheduler records each key's end-token
+    position (:meth:`set_offload_key_position`) so a manager can recover prefix order even
+    when stores arrive out of order.
+    """
 
     req_id: str
     kv_transfer_params: dict[str, Any] | None = None
+    kv_hints: Any = None
+    _state: dict[type, Any] = field(default_factory=dict, repr=False, init=False)
+    _offload_key_positions: dict[OffloadKey, int] = field(
+        default_factory=dict, repr=False, init=False
+    )
+
+    def set_state(self, value: Any) -> None:
+        """Keep ``value`` as this request's state of its type (replacing an older one)."""
+        self._state[type(value)] = value
+
+    def get_state(self, cls: type[_T]) -> _T | None:
+        """This request's state of type ``cls``, or None."""
+        return self._state.get(cls)
+
+    def set_offload_key_position(self, key: OffloadKey, end_token: int) -> None:
+        """Record that ``key``'s block ends at token ``end_token`` of the request."""
+        self._offload_key_positions[key] = end_token
+
+    def get_offload_key_position(self, key: OffloadKey) -> int | None:
+        """The end-token position recorded for ``key``, or None."""
+        return self._offload_key_positions.get(key)
+
+
+class LookupResult(Enum):
+    """What :meth:`OffloadingManager.lookup` found: ``HIT`` (loadable now), ``MISS``,
+    ``HIT_PENDING`` (held, its store still in flight) or ``RETRY`` (ask again later)."""
+
+    MISS = auto()
+    HIT = auto()
+    HIT_PENDING = auto()
+    RETRY = auto()
+
+
+class OffloadPolicy(Enum):
+    """Which of a request's chunks are offloaded: only newly computed ones (``CHUNK_LEVEL``)
+    or all of them, prefix hits included (``REQUEST_LEVEL``)."""
+
+    CHUNK_LEVEL = "chunk_level"
+    REQUEST_LEVEL = "request_level"
+
+
+@dataclass
+class RequestOffloadingContext:
+    """A manager's answer to :meth:`OffloadingManager.on_new_request`."""
+
+    policy: OffloadPolicy = OffloadPolicy.CHUNK_LEVEL
+
+
+class ScheduleEndContext(NamedTuple):
+    """One scheduler step's new and preempted request ids."""
+
+    new_req_ids: Collection[str]
+    preempted_req_ids: Collection[str]
 
 
 class LoadStoreSpec(ABC):
@@ -84,11 +181,20 @@ class PrepareStoreOutput:
 
 @dataclass
 class OffloadingEvent:
-    """Keys that became loadable (``removed=False``) or were dropped from ``medium``."""
+    """Keys that became loadable (``removed=False``) or were dropped from ``medium``.
+
+    ``metadata_only`` marks the release of keys whose store failed (never announced as
+    stored, so no public eviction); ``ownership`` names the secondary tier that emitted it
+    (None: the primary tier).
+    """
 
     keys: list[OffloadKey]
-    medium: str
+    medium: Medium | str
     removed: bool
+    locality: Locality | None = None
+    ownership: str | None = None
+    removal_expected: bool = False
+    metadata_only: bool = False
 
 
 class OffloadingManager(ABC):
@@ -96,12 +202,19 @@ class OffloadingManager(ABC):
 
     A block is loadable after :meth:`complete_store`; blocks passed to :meth:`prepare_load`
     or :meth:`prepare_store` are protected from eviction until the matching ``complete_*``.
+    Callers hold :attr:`lock` around every call but :meth:`shutdown` (across a ``lookup``
+    hit and the ``prepare_load`` that pins it, say).
     """
 
+    @property
+    def lock(self) -> AbstractContextManager[Any]:
+        """Exclusive access to this manager's state; a no-op for managers entered from one
+        thread only. Not reentrant in general."""
+        return nullcontext()
+
     @abstractmethod
-    def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
-        """True when ``key`` is offloaded and loadable, False when not, None to ask again
-        later (the scheduler then delays the request)."""
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """Whether ``key`` is offloaded and loadable (see :class:`LookupResult`)."""
 
     @abstractmethod
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
@@ -128,16 +241,44 @@ class OffloadingManager(ABC):
         """Make stored ``keys`` loadable; with ``success=False`` drop those not yet stored."""
         return
 
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        """A request is first seen; says how its chunks are offloaded."""
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        """No more ``prepare_*`` calls come for this request (completions still may)."""
+        return
+
     def take_events(self) -> Iterable[OffloadingEvent]:
         """Events since the last call."""
         return ()
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        """The last call of a scheduler step (deferred work may be flushed here)."""
+        return
+
+    def has_pending_work(self) -> bool:
+        """True while the engine must keep stepping for this manager."""
+        return False
 
     def reset_cache(self) -> None:
         """Forget every tracked block."""
         return
 
+    def on_reset_flushed(self) -> None:
+        """Workers finished every job in flight at the last :meth:`reset_cache`."""
+        return
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """Observations since the last call, or None when not collected."""
+        return None
+
+    def config_info(self) -> Sequence[ConfigInfoMapping]:
+        """The info-metric labels, one mapping per series (see :class:`ConfigInfo`)."""
+        return [{}]
+
     def shutdown(self) -> None:
-        """Release resources."""
+        """Release resources (called without :attr:`lock`)."""
         return
 
 
@@ -189,33 +330,6 @@ class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
         return "GPU"
 
 
-@dataclass
-class CanonicalKVCacheTensor:
-    """One KV-cache buffer as ``(num_blocks, ...)`` pages of ``page_size_bytes`` (padding
-    included) each."""
-
-    tensor: torch.Tensor
-    page_size_bytes: int
-
-
-@dataclass
-class CanonicalKVCacheRef:
-    """A group's use of ``tensors[tensor_idx]``; ``page_size_bytes`` is the layers' own
-    (unpadded) page size."""
-
-    tensor_idx: int
-    page_size_bytes: int
-
-
-@dataclass
-class CanonicalKVCaches:
-    """A worker's KV cache as distinct page tensors, and per KV-cache group the tensors its
-    layers live in."""
-
-    tensors: list[CanonicalKVCacheTensor]
-    group_data_refs: list[list[CanonicalKVCacheRef]]
-
-
 TransferSpec = tuple[LoadStoreSpec, LoadStoreSpec]
 """(source, destination) of one transfer job."""
 
@@ -259,91 +373,133 @@ class OffloadingHandler(ABC):
         return
 
 
+class OffloadingWorker(ABC):
+    """Worker-side transfers of one offloading medium, the direction given by the call:
+    :meth:`submit_store` (GPU -> medium) or :meth:`submit_load` (medium -> GPU)."""
+
+    @abstractmethod
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
+        """Start copying GPU pages out; True when submitted (never waits for the copy)."""
+
+    @abstractmethod
+    def submit_load(
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
+        expedited: bool = False,
+    ) -> bool:
+        """Start copying into GPU pages; True when submitted. An ``expedited`` load is waited
+        for within the step, so it should not queue behind other loads."""
+
+    @abstractmethod
+    def get_finished(self) -> list[TransferResult]:
+        """Jobs that finished since the last call (each reported once)."""
+
+    @abstractmethod
+    def wait(self, job_ids: set[int]) -> None:
+        """Block until ``job_ids`` have finished."""
+
+    def shutdown(self) -> None:
+        """Release resources."""
+        return
+
+
 class OffloadingSpec(ABC):
-    """How a worker's KV cache is offloaded: the scheduler-side manager and the worker-side
-    handlers of one offloading medium.
+    """One offloading medium: the scheduler-side manager and the worker-side transfers.
 
-    Reads ``vllm_config.kv_transfer_config.kv_connector_extra_config`` (any object with that
-    mapping, e.g. :class:`~vllm.config.kv_transfer.KVTransferConfig`), the context-parallel
-    sizes of ``vllm_config.parallel_config`` and ``vllm_config.cache_config``.
+    Built from an :class:`~vllm.v1.kv_offload.config.OffloadingConfig` (upstream v0.33), or
+    the v0.22 way from ``(vllm_config, kv_cache_config)``, whose config is then derived by
+    :func:`~vllm.v1.kv_offload.engine_config.offloading_config_from_engine` (those two stay
+    readable as attributes; None for a config-built spec).
 
-    - ``gpu_block_size``: per KV-cache group, its block size × dcp × pcp (tokens).
-    - ``hash_block_size``: the tokens per request block hash, from
-      :func:`~vllm.v1.core.kv_cache_utils.resolve_kv_cache_block_sizes`; every GPU block size
-      must be a multiple (else ``ValueError``: ``gpu_block_size=<b> not divisible by
-      hash_block_size=<h>``; hybrid models need ``--enable-prefix-caching``).
-    - ``block_size_factor``: GPU blocks per offloaded block. ``extra_config["block_size"]``
-      (tokens; needs one GPU block size, of which it is a multiple) or, ours,
-      ``extra_config["block_size_factor"]``; default 1.
-    - ``offloaded_block_size`` (ours): tokens per offloaded block, the largest GPU block size
-      times the factor.
-
-    One GPU block id indexes one page of every KV-cache tensor, whatever the group's block
-    size, so with mixed GPU block sizes an offloaded block mirrors one GPU block id.
+    - ``tokens_per_block`` (v0.22: ``gpu_block_size``): per cache group, tokens per GPU block
+      across context-parallel ranks.
+    - ``tokens_per_hash`` (v0.22: ``hash_block_size``): tokens per request block hash.
+    - ``blocks_per_chunk`` (v0.22: ``block_size_factor``): GPU blocks per offloaded chunk.
+    - ``offloaded_block_size`` (ours): tokens per chunk, of the largest GPU block size.
+    - ``offload_prompt_only``: only prompt chunks are offloaded (``extra_config``, default on).
     """
 
-    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig):
-        self.vllm_config = vllm_config
-        self.kv_cache_config = kv_cache_config
-        transfer = vllm_config.kv_transfer_config
-        if transfer is None:
-            raise ValueError("vllm_config.kv_transfer_config: offloading needs one, got None")
-        self.extra_config: dict[str, Any] = dict(transfer.kv_connector_extra_config or {})
-        parallel = vllm_config.parallel_config
-        cp = parallel.decode_context_parallel_size * parallel.prefill_context_parallel_size
-        self.gpu_block_size: tuple[int, ...] = tuple(
-            group.kv_cache_spec.block_size * cp for group in kv_cache_config.kv_cache_groups
-        )
-        _, self.hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
-        for size in self.gpu_block_size:
-            if size % self.hash_block_size:
-                raise ValueError(
-                    f"gpu_block_size={size} not divisible by "
-                    f"hash_block_size={self.hash_block_size}. Hybrid models (e.g. "
-                    "Mamba+Attention) need --enable-prefix-caching to align block sizes."
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        """The metrics this spec's manager reports, by name."""
+        return {}
+
+    @classmethod
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        """The info-metric label names the manager fills (see :class:`ConfigInfo`)."""
+        return ()
+
+    def __init__(
+        self,
+        config: OffloadingConfig | VllmConfig,
+        kv_cache_config: KVCacheConfig | None = None,
+    ):
+        # Imported here: the engine derivation reads page views, which import this module.
+        from vllm.v1.kv_offload.engine_config import offloading_config_from_engine
+
+        self.vllm_config: VllmConfig | None = None
+        self.kv_cache_config: KVCacheConfig | None = kv_cache_config
+        if isinstance(config, OffloadingConfig):
+            if kv_cache_config is not None:
+                raise TypeError(
+                    "kv_cache_config: expected None with an OffloadingConfig, got a "
+                    f"{type(kv_cache_config).__name__}"
                 )
-        self.block_size_factor: int = self._block_size_factor()
-        self.offloaded_block_size: int = self.block_size_factor * max(
-            self.gpu_block_size, default=self.hash_block_size
+        elif kv_cache_config is None:
+            raise TypeError(
+                "kv_cache_config: expected a KVCacheConfig with a VllmConfig (v0.22 "
+                f"construction), got None and a {type(config).__name__}"
+            )
+        else:
+            self.vllm_config = config
+            config = offloading_config_from_engine(config, kv_cache_config)
+        self.config: OffloadingConfig = config
+        self.extra_config: dict[str, Any] = dict(config.extra_config)
+        self.replicated_layout: bool = False
+        self.kv_events_config = OffloadingKVEventsConfig(
+            enable_kv_cache_events=config.enable_kv_cache_events,
+            self_describing_kv_events=bool(self.extra_config.get("self_describing_kv_events")),
+        )
+        self.offload_prompt_only: bool = bool(self.extra_config.get("offload_prompt_only", True))
+        self.tokens_per_block: tuple[int, ...] = tuple(g.tokens_per_block for g in config.groups)
+        self.tokens_per_hash: int = config.cache.tokens_per_hash
+        self.blocks_per_chunk: int = config.cache.blocks_per_chunk
+        self.offloaded_block_size: int = self.blocks_per_chunk * max(
+            self.tokens_per_block, default=self.tokens_per_hash
         )
 
-    def _block_size_factor(self) -> int:
-        size = self.extra_config.get("block_size")
-        factor = self.extra_config.get("block_size_factor")
-        if size is None and factor is None:
-            return 1
-        sizes = set(self.gpu_block_size)
-        if len(sizes) != 1:
-            raise ValueError(
-                "extra_config: 'block_size' / 'block_size_factor' need at least one KV-cache "
-                f"group and one GPU block size for all groups, got {list(self.gpu_block_size)}"
-            )
-        (gpu,) = sizes
-        if factor is not None:
-            factor = check_positive_int("extra_config['block_size_factor']", int(factor))
-        if size is not None:
-            size = check_positive_int("extra_config['block_size']", int(size))
-            if size % gpu:
-                raise ValueError(
-                    f"extra_config['block_size']: {size} tokens is not a multiple of the GPU "
-                    f"block size {gpu}"
-                )
-            if factor is not None and factor != size // gpu:
-                raise ValueError(
-                    f"extra_config: block_size={size} disagrees with "
-                    f"block_size_factor={factor} x GPU block size {gpu}"
-                )
-            factor = size // gpu
-        assert factor is not None
-        return factor
+    @property
+    def gpu_block_size(self) -> tuple[int, ...]:
+        """v0.22's name of :attr:`tokens_per_block`."""
+        return self.tokens_per_block
+
+    @property
+    def hash_block_size(self) -> int:
+        """v0.22's name of :attr:`tokens_per_hash`."""
+        return self.tokens_per_hash
+
+    @property
+    def block_size_factor(self) -> int:
+        """v0.22's name of :attr:`blocks_per_chunk`."""
+        return self.blocks_per_chunk
 
     @abstractmethod
     def get_manager(self) -> OffloadingManager:
-        """The scheduler-side manager of offloaded blocks (one per spec)."""
+        """The scheduler-side manager of offloaded chunks (one per spec)."""
 
-    @abstractmethod
     def get_handlers(
         self, kv_caches: CanonicalKVCaches
     ) -> Iterator[tuple[type[LoadStoreSpec], type[LoadStoreSpec], OffloadingHandler]]:
-        """(source spec class, destination spec class, handler) for each direction the
-        worker's ``kv_caches`` move in."""
+        """v0.22: (source spec class, destination spec class, handler) for each direction the
+        worker's ``kv_caches`` move in; none unless a spec offers them."""
+        yield from ()
+
+    @abstractmethod
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        """The worker-side transfers over ``kv_caches`` (one per spec)."""

@@ -83,7 +83,9 @@ class OffloadingParallelConfig:
     """Where this process sits in the engine's parallel layout."""
 
     rank: int
-    """Worker index in ``[0, world_size)``; 0 on the scheduler's side."""
+    """This worker's global index; 0 on the scheduler's side. Not bounded by ``world_size``:
+    a worker of a larger deployment may be described with a partial layout (names stay
+    rank-specific)."""
     world_size: int
     """Workers of the engine."""
     tp_size: int
@@ -106,10 +108,6 @@ class OffloadingParallelConfig:
             _int_at_least(name, getattr(self, name), 1)
         _int_at_least("data_parallel_size", self.data_parallel_size, 1)
         _int_at_least("rank", self.rank, 0)
-        if self.rank >= self.world_size:
-            raise ValueError(
-                f"rank: expected a worker index below world_size={self.world_size}, got {self.rank}"
-            )
         _int_at_least("data_parallel_index", self.data_parallel_index, 0)
         if self.data_parallel_index >= self.data_parallel_size:
             raise ValueError(
@@ -130,7 +128,7 @@ class OffloadingConfig:
 
     groups: tuple[OffloadingGroupConfig, ...]
     worker_kv_bytes_per_block: int
-    """Bytes of one block that one worker stores."""
+    """Bytes of one block that one worker stores; 0 for a worker with no KV cache."""
     enable_kv_cache_events: bool
     """The scheduler emits KV events, so the backend should emit its own too."""
     extra_config: Mapping[str, Any]
@@ -155,7 +153,7 @@ class OffloadingConfig:
             raise ValueError(
                 f"groups: expected a tuple of OffloadingGroupConfig, got {self.groups!r}"
             )
-        _int_at_least("worker_kv_bytes_per_block", self.worker_kv_bytes_per_block, 1)
+        _int_at_least("worker_kv_bytes_per_block", self.worker_kv_bytes_per_block, 0)
         if not isinstance(self.extra_config, Mapping):
             raise ValueError(f"extra_config: expected a mapping, got {self.extra_config!r}")
         if not isinstance(self.engine_id, str) or not self.engine_id:

@@ -1,4 +1,4 @@
-"""Offloading specs by name (upstream v0.22's ``kv_offload.factory``).
+"""Offloading specs by name (upstream v0.33's ``kv_offload.factory``).
 
 ``kv_connector_extra_config["spec_name"]`` (default ``"CPUOffloadingSpec"``) picks the spec: a
 registered name, or a class of that name in the module ``extra_config["spec_module_path"]``.
@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.kv_offload.base import OffloadingSpec
+from vllm.v1.kv_offload.config import OffloadingConfig
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -44,23 +45,36 @@ class OffloadingSpecFactory:
         cls._registry[name] = lambda: _load_class(module_path, class_name)
 
     @classmethod
-    def create_spec(cls, config: VllmConfig, kv_cache_config: KVCacheConfig) -> OffloadingSpec:
-        """The spec ``config.kv_transfer_config`` names, built for ``kv_cache_config``."""
-        transfer = config.kv_transfer_config
-        if transfer is None:
-            raise ValueError("kv_transfer_config: offloading needs one, got None")
-        extra = transfer.kv_connector_extra_config or {}
-        name = extra.get("spec_name", _DEFAULT_SPEC)
+    def get_spec_cls(cls, extra_config: Mapping[str, Any]) -> type[OffloadingSpec]:
+        """The spec class ``extra_config`` names (see the module docstring)."""
+        name = extra_config.get("spec_name", _DEFAULT_SPEC)
         loader = cls._registry.get(name)
         if loader is not None:
-            spec_cls = loader()
+            return loader()
+        module_path = extra_config.get("spec_module_path")
+        if module_path is None:
+            raise ValueError(f"Unsupported spec type: {name}")
+        logger.info("Loading out-of-tree offloading spec %r from %r", name, module_path)
+        return _load_class(module_path, name)
+
+    @classmethod
+    def create_spec(
+        cls, config: OffloadingConfig | VllmConfig, kv_cache_config: KVCacheConfig | None = None
+    ) -> OffloadingSpec:
+        """The spec ``config``'s options name, built from ``config`` (v0.33), or the v0.22
+        way from the engine's ``VllmConfig`` and ``kv_cache_config``."""
+        if isinstance(config, OffloadingConfig):
+            extra = config.extra_config
+            args: tuple[Any, ...] = (config,)
         else:
-            module_path = extra.get("spec_module_path")
-            if module_path is None:
-                raise ValueError(f"Unsupported spec type: {name}")
-            spec_cls = _load_class(module_path, name)
-        logger.info("Creating offloading spec %s", name)
-        return spec_cls(config, kv_cache_config)
+            transfer = config.kv_transfer_config
+            if transfer is None:
+                raise ValueError("kv_transfer_config: offloading needs one, got None")
+            extra = transfer.kv_connector_extra_config or {}
+            args = (config, kv_cache_config)
+        spec_cls = cls.get_spec_cls(extra)
+        logger.info("Creating offloading spec %s", spec_cls.__name__)
+        return spec_cls(*args)
 
 
 OffloadingSpecFactory.register_spec(

@@ -23,6 +23,7 @@ from vllm.v1.core.kv_cache_block import KVCacheBlock
 from vllm.v1.kv_offload.base import (
     GPULoadStoreSpec,
     LoadStoreSpec,
+    LookupResult,
     OffloadingManager,
     OffloadKey,
     ReqContext,
@@ -158,9 +159,9 @@ class PrefixCacheOffloader:
         deferred = False
         for key in keys:
             found = self.manager.lookup(key, context)
-            if found is False:
+            if found is LookupResult.MISS:
                 break
-            deferred = deferred or found is None
+            deferred = deferred or found is not LookupResult.HIT
             hits += 1
         hits = min(hits, self.block_pool.get_num_free_blocks())
         if deferred or hits == 0:

@@ -35,7 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.p2p import (
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
     OffloadingConnectorWorker,
 )
-from vllm.v1.kv_offload.base import OffloadKey, ReqContext, make_offload_key
+from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, make_offload_key
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm.v1.kv_offload.tiering.mooncake.blocks import offload_key_name
 from vllm.v1.kv_offload.tiering.mooncake.manager import MooncakeTierManager
@@ -325,13 +325,13 @@ class InstanceState:
         while True:
             found = [store.manager.lookup(key, store.context) for key in keys]
             list(store.manager.take_events())  # end of step: promotions are submitted
-            missing = [k for k, f in zip(keys, found, strict=True) if f is False]
+            missing = [k for k, f in zip(keys, found, strict=True) if f is LookupResult.MISS]
             if missing:
                 error = store.error_of(missing)
                 name = offload_key_name(missing[0])
                 error = error or f"miss: {len(missing)} blocks in no tier, first {name}"
                 return {"success": False, "error": error, "seconds": time.monotonic() - start}
-            if all(found):
+            if all(f is LookupResult.HIT for f in found):
                 break
             if time.monotonic() > deadline:
                 raise TimeoutError("load: the keys' promotions did not finish in time")

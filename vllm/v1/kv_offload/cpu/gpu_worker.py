@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import math
+import mmap
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -50,9 +51,13 @@ from vllm.v1.kv_offload.base import (
     CanonicalKVCacheRef,
     CanonicalKVCaches,
     GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
     TransferSpec,
     TransferType,
 )
+from vllm.v1.kv_offload.cpu.host_register import host_register, host_unregister
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.worker.page_views import canonical_page_tensor
 from vllm.v1.kv_offload.worker.transfer_stream import (
@@ -334,21 +339,49 @@ class SingleDirectionOffloadingHandler(StreamOffloadingHandler):
             self._mmap_region = None
 
 
-def pin_mmap_region(region: SharedOffloadRegion) -> None:
-    """Register the whole shared offload file as CUDA pinned host memory
-    (``cudaHostRegister``); on failure copies still work, unpinned and slower."""
-    base = region.create_kv_memoryview()
-    address = np.frombuffer(base, dtype=np.uint8).ctypes.data
-    result = torch.cuda.cudart().cudaHostRegister(address, region.total_size_bytes, 0)
-    if int(getattr(result, "value", result)) == 0:
-        region.is_pinned = True
-    else:
-        logger.warning(
-            "cudaHostRegister of the shared offload region (rank %s) failed: %s; copies to and "
-            "from it are unpinned",
-            region.rank,
-            result,
-        )
+MAX_HOST_REGISTER_CHUNK_BYTES = 64 * 1024**3
+"""Largest single host registration (bytes); a larger region registers in row-aligned
+chunks."""
+MIN_HOST_REGISTER_SAVED_BYTES = 3 * 1024**2
+"""Registering only this worker's slots (not whole rows) pays when it skips at least this
+many bytes of each row; else a few whole-region calls are cheaper."""
+
+
+def _registration_ranges(
+    region: SharedOffloadRegion, worker_slot_only: bool
+) -> list[tuple[int, int]]:
+    """(address, bytes) of each registration: this worker's page-rounded slot per row when
+    asked for and worth it, else the whole file in chunks that end on row boundaries (so no
+    chunk transfer straddles two registrations)."""
+    assert region._base is not None
+    base = region._base.data_ptr()
+    page = mmap.PAGESIZE
+    stride = region._row_stride
+    if worker_slot_only and region.rank is not None:
+        start = region.rank * region.cpu_page_size
+        first = start - start % page
+        span = -(-(start + region.cpu_page_size) // page) * page - first
+        if stride - span >= max(page, MIN_HOST_REGISTER_SAVED_BYTES):
+            return [(base + row * stride + first, span) for row in range(region.num_chunks)]
+    chunk = max(MAX_HOST_REGISTER_CHUNK_BYTES // stride, 1) * stride
+    total = region.total_size_bytes
+    return [(base + offset, min(chunk, total - offset)) for offset in range(0, total, chunk)]
+
+
+def pin_mmap_region(region: SharedOffloadRegion, worker_slot_only: bool = False) -> None:
+    """Page-lock the shared offload file (or only this worker's slots,
+    ``worker_slot_only``), all or nothing: when a registration fails, the earlier ones are
+    released and copies to and from the region stay unpinned (slower)."""
+    registered: list[int] = []
+    for address, size in _registration_ranges(region, worker_slot_only):
+        if not host_register(address, size):
+            for done in reversed(registered):
+                host_unregister(done)
+            region.pinned_addresses, region.is_pinned = [], False
+            logger.warning("the shared offload region (rank %s) stays pageable", region.rank)
+            return
+        registered.append(address)
+    region.pinned_addresses, region.is_pinned = registered, True
 
 
 class CpuGpuOffloadingHandlers:
@@ -446,3 +479,61 @@ class CpuGpuOffloadingHandlers:
         """Wait for jobs in flight and release both handlers' streams (and the region)."""
         self.cpu_to_gpu_handler.shutdown()
         self.gpu_to_cpu_handler.shutdown()
+
+
+class CPUOffloadingWorker(OffloadingWorker):
+    """The v0.33 worker of the CPU medium: :class:`CpuGpuOffloadingHandlers` behind
+    ``submit_store`` / ``submit_load``.
+
+    ``blocks_per_chunk`` GPU blocks per CPU chunk, ``num_cpu_chunks`` chunks; the CPU side is
+    ``mmap_region`` (this worker's cells; the worker owns it once built and cleans it up on
+    :meth:`shutdown`) or private tensors. Loads run in submission order behind earlier
+    stores, so an ``expedited`` load cannot jump a queue and runs like any other.
+    ``canonical_layout`` (parallelism-free host pages) is not offered by this library.
+    """
+
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        blocks_per_chunk: int,
+        num_cpu_chunks: int,
+        mmap_region: SharedOffloadRegion | None = None,
+        canonical_layout: bool = False,
+        *,
+        swap_blocks: SwapBlocksFn | None = None,
+    ):
+        if canonical_layout:
+            raise ValueError(
+                "canonical_layout: expected False (this library keeps each worker's own page "
+                "layout on the host), got True"
+            )
+        self.handlers = CpuGpuOffloadingHandlers(
+            kv_caches, blocks_per_chunk, num_cpu_chunks, mmap_region, swap_blocks=swap_blocks
+        )
+
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
+        return self.handlers.gpu_to_cpu_handler.transfer_async(job_id, (src_spec, dst_spec))
+
+    def submit_load(
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
+        expedited: bool = False,
+    ) -> bool:
+        return self.handlers.cpu_to_gpu_handler.transfer_async(job_id, (src_spec, dst_spec))
+
+    def get_finished(self) -> list[TransferResult]:
+        return (
+            self.handlers.gpu_to_cpu_handler.get_finished()
+            + self.handlers.cpu_to_gpu_handler.get_finished()
+        )
+
+    def wait(self, job_ids: set[int]) -> None:
+        self.handlers.gpu_to_cpu_handler.wait(job_ids)
+        self.handlers.cpu_to_gpu_handler.wait(job_ids)
+
+    def shutdown(self) -> None:
+        self.handlers.shutdown()

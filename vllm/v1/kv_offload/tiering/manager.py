@@ -14,20 +14,21 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 
 from vllm.v1.kv_offload.base import (
+    ConfigInfoMapping,
+    LookupResult,
     OffloadingEvent,
     OffloadingManager,
     OffloadKey,
     PrepareStoreOutput,
     ReqContext,
 )
-from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingInfo
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.base import JobId, JobMetadata, SecondaryTierManager
@@ -55,15 +56,14 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
 
     def __init__(
         self,
-        num_blocks: int,
+        num_chunks: int,
         mmap_region: SharedOffloadRegion,
-        cache_policy: Literal["lru", "arc"] | str = "lru",
+        cache_policy: str = "lru",
         enable_events: bool = False,
+        info: CPUOffloadingInfo | None = None,
     ):
         super().__init__(
-            num_blocks=num_blocks,
-            cache_policy=cache_policy,  # type: ignore[arg-type]
-            enable_events=enable_events,
+            num_chunks=num_chunks, cache_policy=cache_policy, enable_events=enable_events, info=info
         )
         self._mmap_region = mmap_region
         self.prepare_read = self.prepare_load
@@ -146,18 +146,23 @@ class TieringOffloadingManager(OffloadingManager):
         else:
             tier.submit_store(job)
 
-    def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """The primary tier's answer when it holds ``key``; else a secondary tier's hit starts
+        a promotion (``HIT_PENDING`` until it lands, ``MISS`` without a free primary row);
+        ``RETRY`` while a secondary tier cannot answer yet."""
         self._maybe_process_finished_jobs()
         hit = self.primary_tier.lookup(key, req_context)
-        if hit is not False:
+        if hit is not LookupResult.MISS:
             return hit
         busy = False
         for tier in self.secondary_tiers:
             found = tier.lookup(key, req_context)
             if found is True:
-                return None if self._initiate_promotion(tier, key, req_context) else False
+                if self._initiate_promotion(tier, key, req_context):
+                    return LookupResult.HIT_PENDING
+                return LookupResult.MISS
             busy = busy or found is None
-        return None if busy else False
+        return LookupResult.RETRY if busy else LookupResult.MISS
 
     def _initiate_promotion(
         self, tier: SecondaryTierManager, key: OffloadKey, req_context: ReqContext
@@ -226,6 +231,11 @@ class TieringOffloadingManager(OffloadingManager):
             events, self.events = self.events, []
             yield from events
         yield from self.primary_tier.take_events()
+
+    def config_info(self) -> Sequence[ConfigInfoMapping]:
+        """One series per tier, told apart by a ``tier`` label (``"<index>:<type>"``); the
+        primary tier's is its CPU facts."""
+        return [{"tier": "0:primary", **series} for series in self.primary_tier.config_info()]
 
     def shutdown(self) -> None:
         for tier in self.secondary_tiers:

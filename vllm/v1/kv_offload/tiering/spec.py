@@ -8,7 +8,7 @@ system, example, ...) copy blocks between the region's rows and their own storag
 touching GPU memory.
 
 ``extra_config``: the :class:`CPUOffloadingSpec` keys (``cpu_bytes_to_use`` or
-``num_cpu_blocks``, ``block_size``, ``eviction_policy``; ``store_threshold`` must stay below
+``num_cpu_blocks``, ``eviction_policy``; ``store_threshold`` must stay below
 2), and ``secondary_tiers``: a list of tier configs, each a dict with ``"type"`` (a
 :class:`SecondaryTierFactory` name) and the tier's own parameters.
 """
@@ -19,7 +19,12 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager
-from vllm.v1.kv_offload.cpu.gpu_worker import CpuGpuOffloadingHandlers, SwapBlocksFn
+from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.cpu.gpu_worker import (
+    CpuGpuOffloadingHandlers,
+    CPUOffloadingWorker,
+    SwapBlocksFn,
+)
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
@@ -38,19 +43,21 @@ logger = logging.getLogger(__name__)
 
 class TieringOffloadingSpec(CPUOffloadingSpec):
     """A :class:`TieringOffloadingManager` over a CPU primary tier in the engine's shared
-    offload region (named by ``vllm_config.instance_id``) and the configured secondary tiers.
+    offload region (named by the config's ``engine_id``) and the configured secondary tiers.
 
-    :meth:`get_manager` (scheduler side) maps the whole region (``rank=None``);
-    :meth:`create_handlers` (worker side) joins it with ``parallel_config.rank``'s cells.
+    :meth:`get_manager` (scheduler side) maps the whole region (``rank=None``); workers join
+    it with their cells (:meth:`create_worker`; v0.22: :meth:`create_handlers`), at cell 0 for
+    all with a replicated layout. The region is always used, so a replicated layout keeps one
+    copy of each chunk whatever the platform.
     """
 
     def __init__(
         self,
-        vllm_config: VllmConfig,
-        kv_cache_config: KVCacheConfig,
+        config: OffloadingConfig | VllmConfig,
+        kv_cache_config: KVCacheConfig | None = None,
         swap_blocks: SwapBlocksFn | None = None,
     ):
-        super().__init__(vllm_config, kv_cache_config, swap_blocks)
+        super().__init__(config, kv_cache_config, swap_blocks)
         tiers = self.extra_config.get("secondary_tiers", [])
         if not isinstance(tiers, list):
             raise ValueError(
@@ -62,26 +69,30 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
         self.secondary_tier_configs: list[dict[str, Any]] = tiers
         self._tiering_manager: TieringOffloadingManager | None = None
 
+    def _uses_shared_region(self) -> bool:
+        return True
+
+    def _worker_cell(self) -> int:
+        return 0 if self.replicated_layout else self.config.parallel.rank
+
     def _region(self, rank: int | None) -> SharedOffloadRegion:
-        workers = self.vllm_config.parallel_config.world_size
         return SharedOffloadRegion(
-            instance_id=self.vllm_config.instance_id,
-            total_size_bytes=self.cpu_page_size_per_worker * workers * self.num_blocks,
-            num_blocks=self.num_blocks,
+            engine_id=self.config.engine_id,
+            num_chunks=self.num_chunks,
             rank=rank,
-            num_workers=workers,
+            kv_bytes_per_chunk=self.kv_bytes_per_chunk,
             cpu_page_size=self.cpu_page_size_per_worker,
         )
 
     def get_manager(self) -> OffloadingManager:
         if self._tiering_manager is None:
-            events = self.vllm_config.kv_events_config
-            enable_events = events is not None and events.enable_kv_cache_events
+            enable_events = self.kv_events_config.enable_kv_cache_events
             primary = CPUPrimaryTierOffloadingManager(
-                num_blocks=self.num_blocks,
+                num_chunks=self.num_chunks,
                 mmap_region=self._region(None),
                 cache_policy=self.eviction_policy,
                 enable_events=enable_events,
+                info=self.cpu_info,
             )
             rows = primary.get_kv_memoryview()
             tiers: list[SecondaryTierManager] = []
@@ -97,13 +108,35 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
             self._tiering_manager = TieringOffloadingManager(primary, tiers, enable_events)
         return self._tiering_manager
 
+    def create_worker(self, kv_caches: CanonicalKVCaches) -> CPUOffloadingWorker:
+        """A worker whose CPU side is its cells of the shared region (the worker owns the
+        mapping and cleans it up on shutdown)."""
+        region = SharedOffloadRegion(
+            engine_id=self.config.engine_id,
+            num_chunks=self.num_chunks,
+            rank=self._worker_cell(),
+            kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+            cpu_page_size=self.cpu_page_size_per_worker,
+        )
+        try:
+            return CPUOffloadingWorker(
+                kv_caches=kv_caches,
+                blocks_per_chunk=self.blocks_per_chunk,
+                num_cpu_chunks=self.num_chunks,
+                mmap_region=region,
+                swap_blocks=self.swap_blocks,
+            )
+        except BaseException:
+            region.cleanup()
+            raise
+
     def create_handlers(self, kv_caches: CanonicalKVCaches) -> CpuGpuOffloadingHandlers:
-        """Handlers whose CPU side is this worker's cells of the shared region (the store
-        handler's shutdown cleans the worker's mapping up)."""
+        """v0.22: handlers whose CPU side is this worker's cells of the shared region (the
+        store handler's shutdown cleans the worker's mapping up)."""
         return CpuGpuOffloadingHandlers(
             kv_caches,
-            self.block_size_factor,
-            self.num_blocks,
-            self._region(self.vllm_config.parallel_config.rank),
+            self.blocks_per_chunk,
+            self.num_chunks,
+            self._region(self._worker_cell()),
             swap_blocks=self.swap_blocks,
         )

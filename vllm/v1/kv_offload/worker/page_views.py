@@ -25,7 +25,11 @@ from vllm.v1.kv_cache_interface import (
     KVCacheSpec,
     iter_layer_specs,
 )
-from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+from vllm.v1.kv_offload.canonical import (
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+)
 
 LayerKVCache = torch.Tensor | Sequence[torch.Tensor]
 """What the worker holds for one layer: an attention cache view, a raw byte buffer, or the

@@ -11,12 +11,14 @@ import logging
 from collections.abc import Iterable
 
 from vllm.v1.kv_offload.base import (
+    GPULoadStoreSpec,
     LoadStoreSpec,
     OffloadingHandler,
     TransferResult,
     TransferSpec,
     TransferType,
 )
+from vllm.v1.kv_offload.base import OffloadingWorker as MediumWorker
 
 __all__ = [
     "OffloadingHandler",
@@ -29,8 +31,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class OffloadingWorker:
-    """Routes transfer jobs to the handler registered for their media.
+class OffloadingWorker(MediumWorker):
+    """Routes transfer jobs to the handler registered for their media (v0.22's worker; as a
+    v0.33 :class:`~vllm.v1.kv_offload.base.OffloadingWorker`, stores and loads route the same
+    way).
 
     A handler that raises while submitting is logged and the job reported not submitted
     (``transfer_async`` returns False). :meth:`get_finished` passes every handler's results
@@ -74,6 +78,21 @@ class OffloadingWorker:
         if not submitted:
             logger.warning("%r transfer %d was not submitted", transfer_type, job_id)
         return submitted
+
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
+        return self.transfer_async(job_id, (src_spec, dst_spec))
+
+    def submit_load(
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
+        expedited: bool = False,
+    ) -> bool:
+        # Handlers run jobs in submission order per direction: nothing to jump ahead of.
+        return self.transfer_async(job_id, (src_spec, dst_spec))
 
     def get_finished(self) -> list[TransferResult]:
         """Jobs of every handler that finished since the last call."""

@@ -1,40 +1,49 @@
 """Adaptive replacement cache (ARC) eviction.
 
-``t1`` holds blocks used once, ``t2`` blocks used again (both least recent first); ``b1`` /
+``t1`` holds chunks used once, ``t2`` chunks used again (both least recent first); ``b1`` /
 ``b2`` remember keys recently evicted from them (ghosts, at most ``cache_capacity`` each).
-Evictions take from ``t1`` while it holds at least ``target_t1_size`` blocks, else from ``t2``.
-A touched ghost moves the target: a ``b1`` hit raises it (recency pays), a ``b2`` hit lowers
-it (frequency pays), by ``max(1, |other ghost| / |this ghost|)``, within ``[0, capacity]``.
+Evictions take from ``t1`` while it holds at least ``target_t1_size`` chunks, else from ``t2``,
+and from the other list when the preferred one has nothing evictable. A ghost hit moves the
+target: a ``b1`` hit raises it (recency pays), a ``b2`` hit lowers it (frequency pays), by
+``max(1, |other ghost| / |this ghost|)``, within ``[0, capacity]``.
+
+A request's accesses count once, when it finishes: a ready chunk it read moves to (the MRU end
+of) ``t2``; a chunk it only stored keeps its list and becomes its most recent entry. A store
+miss counts as a ghost hit once per request, before the insert clears the ghost.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 
-from vllm.v1.kv_offload.base import OffloadKey
-from vllm.v1.kv_offload.cpu.policies.base import BlockStatus, CachePolicy
+from vllm.v1.kv_offload.base import OffloadKey, ReqContext
+from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
+
+_Entries = Iterator[tuple[OffloadKey, ChunkStatus]]
 
 
 class ARCCachePolicy(CachePolicy):
-    """ARC over the CPU blocks; new blocks enter ``t1``, a touch of a stored one promotes it."""
+    """ARC over the CPU chunks; new chunks enter ``t1`` (see the module docstring)."""
 
     def __init__(self, cache_capacity: int) -> None:
-        self.cache_capacity: int = cache_capacity
+        super().__init__(cache_capacity)
         self.target_t1_size: float = 0.0
-        self.t1: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
-        self.t2: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
+        self.t1: OrderedDict[OffloadKey, ChunkStatus] = OrderedDict()
+        self.t2: OrderedDict[OffloadKey, ChunkStatus] = OrderedDict()
         self.b1: OrderedDict[OffloadKey, None] = OrderedDict()
         self.b2: OrderedDict[OffloadKey, None] = OrderedDict()
 
-    def get(self, key: OffloadKey) -> BlockStatus | None:
-        block = self.t1.get(key)
-        return block if block is not None else self.t2.get(key)
+    def get(self, key: OffloadKey) -> ChunkStatus | None:
+        chunk = self.t1.get(key)
+        return chunk if chunk is not None else self.t2.get(key)
 
-    def insert(self, key: OffloadKey, block: BlockStatus) -> None:
+    def insert(
+        self, key: OffloadKey, chunk: ChunkStatus, req_context: ReqContext | None = None
+    ) -> None:
         self.b1.pop(key, None)
         self.b2.pop(key, None)
-        self.t1[key] = block
+        self.t1[key] = chunk
 
     def remove(self, key: OffloadKey) -> None:
         if key in self.t1:
@@ -42,67 +51,98 @@ class ARCCachePolicy(CachePolicy):
         else:
             self.t2.pop(key, None)
 
-    def touch(self, keys: Iterable[OffloadKey]) -> None:
+    def _ghost_hit(self, key: OffloadKey) -> None:
+        if key in self.b1:
+            step = max(1.0, len(self.b2) / len(self.b1))
+            self.target_t1_size = min(self.target_t1_size + step, self.cache_capacity)
+            self.b1.move_to_end(key)
+        elif key in self.b2:
+            step = max(1.0, len(self.b1) / len(self.b2))
+            self.target_t1_size = max(self.target_t1_size - step, 0.0)
+            self.b2.move_to_end(key)
+
+    def on_store_miss(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        for key in reversed(list(keys)):
+            self._ghost_hit(key)
+
+    def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext | None = None) -> None:
         for key in reversed(list(keys)):
             if key in self.t1:
-                block = self.t1.pop(key)
-                # A block whose store is in flight was not used twice: stays in t1, now MRU.
-                (self.t2 if block.is_ready else self.t1)[key] = block
+                chunk = self.t1.pop(key)
+                # A chunk whose store is in flight was not used twice: stays in t1, now MRU.
+                (self.t2 if chunk.is_ready else self.t1)[key] = chunk
             elif key in self.t2:
                 self.t2.move_to_end(key)
-            elif key in self.b1:
-                step = max(1.0, len(self.b2) / len(self.b1))
-                self.target_t1_size = min(self.target_t1_size + step, self.cache_capacity)
-                self.b1.move_to_end(key)
-            elif key in self.b2:
-                step = max(1.0, len(self.b1) / len(self.b2))
-                self.target_t1_size = max(self.target_t1_size - step, 0.0)
-                self.b2.move_to_end(key)
+            else:
+                self._ghost_hit(key)
+
+    def on_request_finished(
+        self,
+        key_groups: Sequence[Sequence[OffloadKey]],
+        insertion_only_keys: set[OffloadKey],
+        reused_keys: set[OffloadKey],
+        req_context: ReqContext,
+    ) -> None:
+        for key in reversed(order_request_keys(key_groups, req_context)):
+            if key in insertion_only_keys:
+                for held in (self.t1, self.t2):
+                    if key in held:
+                        held.move_to_end(key)
+            elif key in reused_keys:
+                if key in self.t1:
+                    self.t2[key] = self.t1.pop(key)
+                elif key in self.t2:
+                    self.t2.move_to_end(key)
 
     @staticmethod
-    def _evictable(
-        blocks: OrderedDict[OffloadKey, BlockStatus],
-        protected: set[OffloadKey],
-        taken: set[OffloadKey],
-    ) -> OffloadKey | None:
-        for key, block in blocks.items():
-            if block.ref_cnt == 0 and key not in protected and key not in taken:
-                return key
+    def _next_evictable(
+        entries: _Entries, protected: set[OffloadKey]
+    ) -> tuple[OffloadKey, ChunkStatus] | None:
+        for key, chunk in entries:
+            if chunk.ref_cnt == 0 and key not in protected:
+                return key, chunk
         return None
 
     def evict(
         self, n: int, protected: set[OffloadKey]
-    ) -> list[tuple[OffloadKey, BlockStatus]] | None:
-        # Choose all n first (nothing changes on failure), then apply.
-        chosen: list[tuple[OffloadKey, bool]] = []  # (key, from t1)
-        taken: set[OffloadKey] = set()
+    ) -> list[tuple[OffloadKey, ChunkStatus]] | None:
+        if n <= 0:
+            return []
+        # One forward pass over each list (a rescan per pick would be quadratic); choose all n
+        # before changing anything, so a failure leaves the lists untouched.
+        t1_entries: _Entries = iter(self.t1.items())
+        t2_entries: _Entries = iter(self.t2.items())
         t1_left = len(self.t1)
+        chosen: list[tuple[OffloadKey, ChunkStatus, bool]] = []  # (key, chunk, from t1)
         for _ in range(n):
-            key = None
+            pick = None
             if t1_left >= int(self.target_t1_size):
-                key = self._evictable(self.t1, protected, taken)
-            from_t1 = key is not None
-            if key is None:
-                key = self._evictable(self.t2, protected, taken)
-                if key is None:
-                    return None
+                pick = self._next_evictable(t1_entries, protected)
+            from_t1 = pick is not None
+            if pick is None:
+                pick = self._next_evictable(t2_entries, protected)
+            if pick is None:
+                pick = self._next_evictable(t1_entries, protected)
+                from_t1 = True
+            if pick is None:
+                return None
             t1_left -= from_t1
-            taken.add(key)
-            chosen.append((key, from_t1))
-        evicted: list[tuple[OffloadKey, BlockStatus]] = []
-        for key, from_t1 in chosen:
+            chosen.append((*pick, from_t1))
+        evicted = []
+        for key, chunk, from_t1 in chosen:
             if from_t1:
-                evicted.append((key, self.t1.pop(key)))
+                del self.t1[key]
                 self.b1[key] = None
             else:
-                evicted.append((key, self.t2.pop(key)))
+                del self.t2[key]
                 self.b2[key] = None
+            evicted.append((key, chunk))
         for ghosts in (self.b1, self.b2):
             while len(ghosts) > self.cache_capacity:
                 ghosts.popitem(last=False)
         return evicted
 
     def clear(self) -> None:
-        for blocks in (self.t1, self.t2, self.b1, self.b2):
-            blocks.clear()
+        for entries in (self.t1, self.t2, self.b1, self.b2):
+            entries.clear()
         self.target_t1_size = 0.0

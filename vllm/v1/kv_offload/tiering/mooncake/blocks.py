@@ -81,10 +81,11 @@ def check_row_store_args(
             f"rows: expected a contiguous [num_rows, row bytes] uint8 tensor, got "
             f"{rows.dtype} of shape {tuple(rows.shape)}"
         )
-    if rows.shape[1] != page_format.block_bytes:
+    # A row may end in padding (rows are page-aligned); a block is the row's first bytes.
+    if rows.shape[1] < page_format.block_bytes:
         raise ValueError(
-            f"rows: expected rows of {page_format.block_bytes} bytes (the page format's block), "
-            f"got {rows.shape[1]}"
+            f"rows: expected rows of at least {page_format.block_bytes} bytes (the page "
+            f"format's block), got {rows.shape[1]}"
         )
     if not isinstance(key_prefix, str) or not key_prefix or "/" in key_prefix:
         raise ValueError(f"key_prefix: expected a non-empty name without '/', got {key_prefix!r}")
@@ -95,9 +96,9 @@ class MooncakeRowStore:
     """The primary tier's rows registered with a Mooncake store client.
 
     ``rows`` is the ``[num_rows, row bytes]`` uint8 tensor over the primary tier's memory (a
-    view, no copy); ``page_format`` describes one row (its ``block_bytes`` must be the row
-    size). ``max_blocks_per_batch`` bounds the blocks of one store call (and the registered
-    header staging buffer, ``max_blocks_per_batch × header_bytes``).
+    view, no copy); ``page_format`` describes one block, the first ``block_bytes`` of a row
+    (the rest is padding). ``max_blocks_per_batch`` bounds the blocks of one store call (and
+    the registered header staging buffer, ``max_blocks_per_batch × header_bytes``).
     """
 
     def __init__(

@@ -78,6 +78,12 @@ def row_page_format(
     default to the engine's, ``kv_cache_layout`` to the layout in effect; ``calibration`` is
     the path of the layers' calibration file (:class:`~vllm.kv_quant.KVCacheCalibration`)."""
     engine = offloading_spec.vllm_config
+    if engine is None or offloading_spec.kv_cache_config is None:
+        raise ValueError(
+            "offloading_spec: the Mooncake tier describes its rows from the engine's "
+            "KVCacheConfig; expected a spec built from (vllm_config, kv_cache_config), got one "
+            "built from an OffloadingConfig"
+        )
     return KVPageFormat.from_kv_cache_config(
         offloading_spec.kv_cache_config,
         model=model if model is not None else engine.model_config.model,
