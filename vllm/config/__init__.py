@@ -1,5 +1,6 @@
 """Upstream's config classes, reduced to the fields the KV-cache functions read."""
 
+from vllm.config.attention import AttentionConfig, HiSparseConfig
 from vllm.config.cache import CacheConfig
 from vllm.config.kv_events import KVEventsConfig
 from vllm.config.kv_transfer import KVTransferConfig
@@ -10,7 +11,9 @@ from vllm.config.speculative import SpeculativeConfig
 from vllm.config.vllm import VllmConfig
 
 __all__ = [
+    "AttentionConfig",
     "CacheConfig",
+    "HiSparseConfig",
     "KVEventsConfig",
     "KVTransferConfig",
     "ModelConfig",

@@ -25,6 +25,9 @@ class SchedulerConfig:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     enable_chunked_prefill: bool = True
     disable_hybrid_kv_cache_manager: bool | None = None
+    async_scheduling: bool = False
+    """Schedule the next step while the current one runs (two batches in flight); off here,
+    the library has no engine loop to overlap."""
     max_num_encoder_input_tokens: int = field(init=False)
     max_model_len: InitVar[int] = 8192
     is_encoder_decoder: InitVar[bool] = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
+from vllm.config.attention import AttentionConfig
 from vllm.config.cache import CacheConfig
 from vllm.config.kv_events import KVEventsConfig
 from vllm.config.kv_transfer import KVTransferConfig
@@ -29,6 +30,7 @@ class VllmConfig:
     speculative_config: SpeculativeConfig | None = None
     kv_transfer_config: KVTransferConfig | None = None
     kv_events_config: KVEventsConfig | None = None
+    attention_config: AttentionConfig = field(default_factory=AttentionConfig)
     instance_id: str = ""
     """This engine's id (names its shared offload region); empty: five random hex digits."""
 
@@ -47,3 +49,53 @@ class VllmConfig:
         if self.scheduler_config.disable_hybrid_kv_cache_manager is None:
             # Nothing this library models forces the single-group layout (KV events do not).
             self.scheduler_config.disable_hybrid_kv_cache_manager = False
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Batches in flight at once: one per pipeline stage, two with async scheduling on a
+        single stage."""
+        assert self.scheduler_config is not None  # set by __post_init__
+        stages = self.parallel_config.pipeline_parallel_size
+        if self.scheduler_config.async_scheduling and stages <= 1:
+            return 2
+        return stages
+
+    @property
+    def max_in_flight_tokens(self) -> int:
+        """Most tokens scheduled but not yet freed: a full batch (``max_num_batched_tokens``)
+        per concurrent batch."""
+        assert self.scheduler_config is not None  # set by __post_init__
+        return self.max_concurrent_batches * self.scheduler_config.max_num_batched_tokens
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Draft tokens per step (0 without speculative decoding)."""
+        spec = self.speculative_config
+        return 0 if spec is None else spec.num_speculative_tokens
+
+    @property
+    def num_prefill_lookahead_tokens(self) -> int:
+        """Prompt tokens past the computed range an EAGLE-family drafter reads mid-prefill:
+        one, or ``num_speculative_tokens`` for a chain of MTP modules; 0 otherwise."""
+        spec = self.speculative_config
+        if spec is None or not spec.use_eagle():
+            return 0
+        if spec.use_multi_module_mtp():
+            return self.num_speculative_tokens
+        return 1
+
+    @property
+    def num_hash_lookahead_tokens(self) -> int:
+        """Tokens after each block that its prefix-cache hash also covers (0: v0.22's hashes):
+        the drafter's lookahead when an EAGLE-style drafter would otherwise drop the trailing
+        block, prefix caching is on and no KV connector (which keeps the old hashes) is set."""
+        spec = self.speculative_config
+        if (
+            spec is None
+            or not spec.use_eagle_block_drop()
+            or spec.disable_lookahead_block_hashes
+            or not self.cache_config.enable_prefix_caching
+            or self.kv_transfer_config is not None
+        ):
+            return 0
+        return self.num_prefill_lookahead_tokens

@@ -4,7 +4,7 @@ prefix cache. No publisher runs here; consumers drain ``BlockPool.take_events()`
 
 Block hashes in events are ``ExternalBlockHash`` values (hash bytes, or their low 64 bits as an
 int when ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` is set); ``medium`` names the memory the page
-lives in (:data:`MEDIUM_GPU` for the device pool).
+lives in (:data:`MEDIUM_GPU` for the device pool, :data:`MEDIUM_CPU` for a host offload tier).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 from vllm.v1.core.block_hashing import ExternalBlockHash
 
 __all__ = [
+    "MEDIUM_CPU",
     "MEDIUM_GPU",
     "AllBlocksCleared",
     "BlockRemoved",
@@ -27,6 +28,7 @@ __all__ = [
 ]
 
 MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
 
 
 @dataclass

@@ -57,6 +57,10 @@ class AttentionSpec(KVCacheSpec):
     LATENT_PAGES: ClassVar[bool] = False
     """True for the latent (MLA-style) page math of ``LatentPageSpec``."""
 
+    dcp_sharded: bool = True
+    max_tp_shards: int | None = None
+    """Distinct shards this cache splits into across tensor parallelism (ranks beyond hold
+    replicas); None: unknown, taken as not replicated."""
     num_kv_heads: int
     head_size: int
     dtype: torch.dtype
@@ -68,7 +72,12 @@ class AttentionSpec(KVCacheSpec):
     def __post_init__(self) -> None:
         if self.head_size_v is None:
             object.__setattr__(self, "head_size_v", self.head_size)
-        _check_positive(self, "block_size", "num_kv_heads", "head_size", "head_size_v")
+        _check_positive(self, "block_size", "num_kv_heads", "head_size")
+        v = self.head_size_v
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            # 0: a key-only cache (upstream's latent and circular-buffer key pools).
+            raise ValueError(f"head_size_v: expected an int >= 0, got {v!r}")
+        _check_optional_positive(self, "max_tp_shards")
         _check_torch_dtype("dtype", self.dtype)
         if not isinstance(self.kv_quant_mode, KVQuantMode):
             raise ValueError(
@@ -150,6 +159,10 @@ class AttentionSpec(KVCacheSpec):
         return self.kv_cache_encoding.sink_bytes_per_page(self.num_kv_heads, self.head_size)
 
     @property
+    def num_heads(self) -> int:
+        return self.num_kv_heads
+
+    @property
     def real_page_size_bytes(self) -> int:
         """Bytes of one page without padding: K and V rows, then the key sink rows."""
         return self.kv_cache_encoding.page_bytes(
@@ -168,13 +181,19 @@ class AttentionSpec(KVCacheSpec):
 
     def max_memory_usage_bytes(self, vllm_config: VllmConfig) -> int:
         """Pages for every token: ``cdiv(max_model_len, block_size)``, the length first divided
-        among the decode x prefill context-parallel ranks (each keeps its share)."""
+        among the decode context-parallel ranks (each keeps its share) unless the cache is
+        replicated on them (``dcp_sharded=False``, a draft's), as upstream v0.33."""
         max_model_len = _max_model_len(vllm_config)
-        parallel = vllm_config.parallel_config
-        ranks = parallel.decode_context_parallel_size * parallel.prefill_context_parallel_size
-        if ranks > 1:
+        ranks = vllm_config.parallel_config.decode_context_parallel_size
+        if ranks > 1 and self.dcp_sharded:
             max_model_len = cdiv(max_model_len, ranks)
         return cdiv(max_model_len, self.block_size) * self.page_size_bytes
+
+    def max_num_blocks_per_req(self, vllm_config: VllmConfig, max_len: int) -> int:
+        """Block-table entries for ``max_len`` tokens; a DCP-sharded cache's page covers
+        ``block_size`` tokens on each of the decode context-parallel ranks."""
+        shards = vllm_config.parallel_config.decode_context_parallel_size if self.dcp_sharded else 1
+        return cdiv(max_len, self.block_size * shards)
 
 
 @dataclass(frozen=True, kw_only=True)

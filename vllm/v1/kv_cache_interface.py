@@ -10,7 +10,6 @@ Units: ``block_size`` is in tokens per page, every ``*_bytes`` quantity is in by
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, ClassVar
@@ -39,6 +38,18 @@ from vllm.v1.kv_cache_attention_spec import (
     SinkFullAttentionSpec,
     SlidingWindowSpec,
 )
+from vllm.v1.kv_cache_config_types import (  # noqa: F401  (re-exported: upstream's home)
+    KVCacheConfig,
+    KVCacheGroupRole,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    iter_layer_specs,
+)
+from vllm.v1.kv_cache_hisparse_spec import (  # noqa: F401  (re-exported: upstream's home)
+    HiSparseHotSpec,
+    HiSparseResidentSpec,
+    SparseCacheRole,
+)
 from vllm.v1.kv_cache_spec_base import (
     KVCacheSpec,
     MambaSpec,
@@ -46,6 +57,17 @@ from vllm.v1.kv_cache_spec_base import (
     _check_positive,
     cdiv,
     round_up,
+)
+from vllm.v1.kv_cache_views import (  # noqa: F401  (re-exported: upstream's home)
+    compute_layer_kv_cache_shape_bytes,
+    compute_layout_strides,
+    create_kv_cache_views,
+    group_kernel_blocks,
+    replace_as,
+)
+from vllm.v1.kv_cache_window_specs import (  # noqa: F401  (upstream's home of these specs)
+    CircularBufferSpec,
+    RSWASpec,
 )
 
 if TYPE_CHECKING:
@@ -168,7 +190,17 @@ class LatentPageSpec(AttentionSpec):
 @dataclass(frozen=True, kw_only=True)
 class MLAAttentionSpec(LatentPageSpec, FullAttentionSpec):
     """Multi-head latent attention: one latent of ``head_size`` per token (or per
-    ``compress_ratio`` tokens), shared by all heads; page math of :class:`LatentPageSpec`."""
+    ``compress_ratio`` tokens), shared by all heads; page math of :class:`LatentPageSpec`.
+
+    ``cache_role`` says whether a sparse-attention layer's cache holds the latents or its
+    indexer's keys; ``is_index_group_leader`` marks the layer whose indexer picks the pages
+    (HiSparse keeps that layer's history on host)."""
+
+    cache_role: SparseCacheRole = SparseCacheRole.SPARSE
+    is_index_group_leader: bool = False
+    topk_buffer_width: int | None = None
+    """Rows (tokens) the indexer picks per query for this layer; None: the model's
+    ``index_topk``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,9 +227,49 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
 
     kv_cache_specs: dict[str, KVCacheSpec]
 
+    def __post_init__(self) -> None:
+        if self.kv_cache_specs:
+            # The group is sharded across DCP ranks exactly when its layers are.
+            object.__setattr__(self, "dcp_sharded", self.first_spec.dcp_sharded)
+
+    @property
+    def first_spec(self) -> KVCacheSpec:
+        """The first layer's spec."""
+        return next(iter(self.kv_cache_specs.values()))
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return all(spec.prefix_cacheable for spec in self.kv_cache_specs.values())
+
+    @property
+    def prefix_replay_tokens(self) -> int:
+        return max(spec.prefix_replay_tokens for spec in self.kv_cache_specs.values())
+
+    @property
+    def block_table_token_alignment(self) -> int | None:
+        return self.first_spec.block_table_token_alignment
+
+    @property
+    def uses_slot_mapping(self) -> bool:
+        return self.first_spec.uses_slot_mapping
+
     @property
     def page_size_bytes(self) -> int:
         return sum(spec.page_size_bytes for spec in self.kv_cache_specs.values())
+
+    def max_num_blocks_per_req(self, vllm_config: VllmConfig, max_len: int) -> int:
+        """The block-table width its layers share (metadata builders size from a layer's spec);
+        ``ValueError`` when they differ."""
+        widths = {
+            spec.max_num_blocks_per_req(vllm_config, max_len)
+            for spec in self.kv_cache_specs.values()
+        }
+        if len(widths) != 1:
+            raise ValueError(
+                f"kv_cache_specs: layers of one group need one block-table width, got "
+                f"{sorted(widths)}"
+            )
+        return widths.pop()
 
     def max_memory_usage_pages(self, vllm_config: VllmConfig) -> int:
         """Pages (of every layer) one request needs: the most any layer needs."""
@@ -213,10 +285,12 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
         """The distinct page sizes (bytes) of the layers."""
         return list({spec.page_size_bytes for spec in self.kv_cache_specs.values()})
 
-    def get_num_layer_tuples(self) -> int:
+    def get_max_layers_per_page_size(self) -> int:
         """Layers of the most common page size (one "tuple" holds one layer of each size)."""
         sizes = Counter(spec.page_size_bytes for spec in self.kv_cache_specs.values())
         return sizes.most_common(1)[0][1]
+
+    get_num_layer_tuples = get_max_layers_per_page_size  # this library's earlier name
 
     @classmethod
     def is_uniform_type(cls, kv_cache_specs: dict[str, KVCacheSpec]) -> bool:
@@ -230,6 +304,8 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
         if not specs:
             return False
         if len({spec.block_size for spec in specs}) > 1:
+            return False
+        if len({spec.dcp_sharded for spec in specs}) > 1:
             return False
         first = specs[0]
         rule = next((r for r in _UNIFORM_TYPE_RULES if isinstance(first, r[0])), None)
@@ -250,6 +326,9 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
             return None
         block_size = next(iter(kv_cache_specs.values())).block_size
         return cls(block_size=block_size, kv_cache_specs=dict(kv_cache_specs))
+
+    def layer_specs(self) -> tuple[KVCacheSpec, ...]:
+        return tuple(self.kv_cache_specs.values())
 
     def copy_with_new_block_size(self, block_size: int) -> UniformTypeKVCacheSpecs:
         return UniformTypeKVCacheSpecs(
@@ -327,64 +406,9 @@ def get_kv_cache_spec_sliding_window(kv_cache_spec: KVCacheSpec) -> int | None:
     return None
 
 
-@dataclass
-class KVCacheTensor:
-    """One raw buffer of ``size`` bytes, shared by the layers in ``shared_by``."""
-
-    size: int
-    shared_by: list[str]
-
-
-@dataclass
-class KVCacheGroupSpec:
-    """Layers that share one block table, and the spec of their pages."""
-
-    layer_names: list[str]
-    kv_cache_spec: KVCacheSpec
-    is_eagle_group: bool = False
-    """True for the group holding EAGLE / MTP draft attention layers."""
-
-
-@dataclass
-class KVCacheConfig:
-    """How the KV cache is allocated: ``num_blocks`` pages per tensor, and the groups."""
-
-    num_blocks: int
-    kv_cache_tensors: list[KVCacheTensor]
-    kv_cache_groups: list[KVCacheGroupSpec]
-
-    def __post_init__(self) -> None:
-        n = self.num_blocks
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"num_blocks: expected an int >= 0 (pages per tensor), got {n!r}")
-
-    @property
-    def has_mamba_layers(self) -> bool:
-        """True when a group holds Mamba states."""
-        return any(isinstance(g.kv_cache_spec, MambaSpec) for g in self.kv_cache_groups)
-
-    @property
-    def needs_kv_cache_zeroing(self) -> bool:
-        """True when fresh pages must be zeroed before use (Mamba states are read first)."""
-        return self.has_mamba_layers
-
-
-def iter_layer_specs(config: KVCacheConfig) -> Iterator[tuple[str, KVCacheSpec]]:
-    """``(layer name, the layer's own spec)`` for every layer of ``config``, group by group.
-
-    A :class:`UniformTypeKVCacheSpecs` group is split per layer; ``ValueError`` when it has no
-    spec for one of its layers.
-    """
-    for group_idx, group in enumerate(config.kv_cache_groups):
-        group_spec = group.kv_cache_spec
-        for layer_name in group.layer_names:
-            if not isinstance(group_spec, UniformTypeKVCacheSpecs):
-                yield layer_name, group_spec
-            elif layer_name in group_spec.kv_cache_specs:
-                yield layer_name, group_spec.kv_cache_specs[layer_name]
-            else:
-                raise ValueError(
-                    f"kv_cache_config: layer {layer_name!r} of group {group_idx} has no "
-                    f"spec in its UniformTypeKVCacheSpecs (has: "
-                    f"{', '.join(group_spec.kv_cache_specs)})"
-                )
+def is_full_attention_spec(kv_cache_spec: KVCacheSpec) -> bool:
+    """True when ``kv_cache_spec`` is, or wraps only, full attention (any full-attention
+    subclass, MLA included); False for a wrapper without layers. A group holding a
+    sliding-window layer recycles its slots, so slot-keyed callers cannot use it."""
+    layer_specs = kv_cache_spec.layer_specs()
+    return bool(layer_specs) and all(isinstance(s, FullAttentionSpec) for s in layer_specs)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
+from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -76,11 +77,94 @@ class KVCacheSpec(ABC):
     """A layer's KV-cache page: ``block_size`` tokens."""
 
     block_size: int
+    dcp_sharded: bool = False
+    """True when decode context parallelism splits this cache's token positions across ranks
+    (each rank keeps 1/dcp of them)."""
+    is_draft: bool = field(default=False, compare=False)
+    """True for a draft model's layer; not part of the cache format, so never splits groups."""
 
     @property
     @abstractmethod
     def page_size_bytes(self) -> int:
         """Bytes of one page as allocated (padding included)."""
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        """True when this spec's group takes part in prefix caching."""
+        return True
+
+    @property
+    def prefix_replay_tokens(self) -> int:
+        """Tokens a prefix hit must recompute before the cached state is usable (0: none)."""
+        return 0
+
+    @property
+    def block_table_token_alignment(self) -> int | None:
+        """Tokens a block-table row's span is padded to (None: no padding)."""
+        return 128
+
+    @property
+    def has_layer_views(self) -> bool:
+        """True when allocation gives each layer a shaped view of the raw buffer; False for
+        specs that lay out their raw bytes themselves (and have no attention backend)."""
+        return True
+
+    @property
+    def uses_slot_mapping(self) -> bool:
+        """True when the worker computes a per-token slot mapping row for this spec."""
+        return True
+
+    def max_num_blocks_per_req(self, vllm_config: VllmConfig, max_len: int) -> int:
+        """Block-table entries one request of ``max_len`` tokens needs (a row's width)."""
+        return cdiv(max_len, self.block_size)
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        """Bytes of one page without padding (the page itself unless a spec pads)."""
+        return self.page_size_bytes
+
+    @property
+    def unpadded_page_size_bytes(self) -> int:
+        """Upstream v0.33's name of :attr:`real_page_size_bytes`."""
+        return self.real_page_size_bytes
+
+    @property
+    def num_heads(self) -> int:
+        """H of the page's logical ``[H, N, C]`` grid (1 unless a spec has heads)."""
+        return 1
+
+    @property
+    def tokens_per_state(self) -> int | Fraction:
+        """Tokens one stored state (an N row of the grid) covers: 1 for a plain cache,
+        the compression ratio for a compressed one."""
+        ratio = Fraction(self.block_size, self.storage_block_size)
+        return ratio.numerator if ratio.denominator == 1 else ratio
+
+    @property
+    def num_states(self) -> int:
+        """N of the page's grid: states stored per page."""
+        return self.get_num_kernel_states(self.block_size)
+
+    def get_num_kernel_states(self, kernel_block_size: int) -> int:
+        """States in a kernel block of ``kernel_block_size`` tokens."""
+        return int(kernel_block_size // self.tokens_per_state)
+
+    @property
+    def state_content_size_bytes(self) -> int:
+        """C of the page's grid: bytes per (head, state); ``ValueError`` when the unpadded
+        page is not ``H x N`` cells of equal size (an encoding with per-page extras)."""
+        cells = self.num_heads * self.num_states
+        page = self.real_page_size_bytes
+        if cells <= 0 or page % cells:
+            raise ValueError(
+                f"{type(self).__name__}: a page of {page} bytes is not {self.num_heads} heads x "
+                f"{self.num_states} states of equal bytes"
+            )
+        return page // cells
+
+    def layer_specs(self) -> tuple[KVCacheSpec, ...]:
+        """The per-layer specs this (group) spec covers: itself, unless it wraps several."""
+        return (self,)
 
     @abstractmethod
     def max_memory_usage_bytes(self, vllm_config: VllmConfig) -> int:
@@ -123,7 +207,7 @@ def _check_same_fields(
         )
     for f in fields(first if fields_of is None else fields_of):
         a, b = getattr(first, f.name), getattr(other, f.name)
-        if f.name not in skip and a != b:
+        if f.compare and f.name not in skip and a != b:
             raise KVCacheSpecMergeError(
                 f"specs: cannot merge {type(first).__name__}s that differ in "
                 f"{f.name}: {a!r} vs {b!r}"
@@ -213,3 +297,20 @@ class MambaSpec(KVCacheSpec):
         else:
             pages = 2 if mode == "align" else 1
         return (pages + self.num_speculative_blocks) * self.page_size_bytes
+
+    @property
+    def tokens_per_state(self) -> int | Fraction:
+        """One state per page: it covers the page's ``block_size`` tokens."""
+        return self.block_size
+
+    @property
+    def block_table_token_alignment(self) -> int | None:
+        return None
+
+    def max_num_blocks_per_req(self, vllm_config: VllmConfig, max_len: int) -> int:
+        """Block-table entries: states are replicated across context-parallel ranks, never
+        sharded. ``align`` mode indexes rows by position over the whole sequence (older states
+        are nulled), so a row spans ``max_len``; otherwise the pages a request holds."""
+        if vllm_config.cache_config.mamba_cache_mode == "align":
+            return cdiv(max_len, self.block_size) + self.num_speculative_blocks
+        return cdiv(self.max_memory_usage_bytes(vllm_config), self.page_size_bytes)

@@ -80,7 +80,9 @@ class Request:
     ``block_hasher`` (see ``get_request_block_hasher``) is called at creation and after every
     appended output token; it returns the hashes of newly completed blocks, which are appended
     to ``block_hashes``. ``pooling_params`` is any object with an optional
-    ``skip_reading_prefix_cache`` attribute.
+    ``skip_reading_prefix_cache`` attribute. ``session_id`` groups requests of one client
+    session (for routing and stats); it is not part of any block hash, so sessions share cached
+    prefixes.
     """
 
     def __init__(
@@ -100,6 +102,7 @@ class Request:
         trace_headers: Mapping[str, str] | None = None,
         block_hasher: Callable[[Request], list[bytes]] | None = None,
         resumable: bool = False,
+        session_id: str | None = None,
         abort_immediately: bool = False,
     ) -> None:
         if pooling_params is not None:
@@ -149,6 +152,7 @@ class Request:
         self.trace_headers = trace_headers
         self.num_preemptions = 0
         self.resumable = resumable
+        self.session_id = session_id
         self.abort_immediately = abort_immediately
         self.block_hashes: list[bytes] = []
         # Kept unbound (not a bound partial) so Request -> hasher -> Request is no cycle.

@@ -175,9 +175,13 @@ def test_an_eagle_hit_covers_the_same_tokens_in_every_group() -> None:
 
 def test_connector_pages_are_listed_for_zeroing_unless_a_load_writes_them() -> None:
     """Upstream v0.33's two halves of taking a new request's pages, called on one manager:
-    the connector's fresh pages are listed for zeroing unless ``record_for_zeroing=False``."""
-    for record, expected in ((True, 2), (False, 0)):
-        manager = KVCacheManager(config_of(8, full(4)), max_model_len=64, hash_block_size=4)
+    the connector's fresh pages are listed for zeroing unless ``record_for_zeroing=False``,
+    and only when the config needs zeroing (a Mamba group: v0.33's ``needs_kv_cache_zeroing``)."""
+    cases = ((True, True, 2), (False, True, 0), (True, False, 0))
+    for record, with_mamba, expected in cases:
+        specs = (full(4), mamba(4)) if with_mamba else (full(4),)
+        config = config_of(16, *specs)
+        manager = KVCacheManager(config, max_model_len=64, hash_block_size=4)
         single = manager.coordinator.single_type_managers[0]
         single.add_local_computed_blocks("r", [], 0, 8)
         single.allocate_external_computed_blocks("r", 0, 8, record_for_zeroing=record)

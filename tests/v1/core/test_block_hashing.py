@@ -162,12 +162,13 @@ def test_int_hashes_for_events(monkeypatch: pytest.MonkeyPatch) -> None:
     assert maybe_convert_block_hash(h) == int.from_bytes(h[-8:], "big")
 
 
-def test_block_hash_list_with_block_size_concatenates() -> None:
+def test_block_hash_list_with_block_size_takes_last_chained_hash() -> None:
+    # v0.33: a coarse block's hash is its last fine hash (which chains the whole prefix).
     fine = [bytes([i]) * 2 for i in range(7)]
     coarse = BlockHashListWithBlockSize(fine, 16, 48)
     assert len(coarse) == 2
-    assert coarse[0] == fine[0] + fine[1] + fine[2]
-    assert coarse[-1] == coarse[1] == fine[3] + fine[4] + fine[5]
+    assert coarse[0] == fine[2]
+    assert coarse[-1] == coarse[1] == fine[5]
     assert coarse[0:2] == list(coarse)
     with pytest.raises(TypeError, match="idx: expected int or slice"):
         coarse["0"]  # type: ignore[index]

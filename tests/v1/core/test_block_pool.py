@@ -131,13 +131,13 @@ def test_masked_and_null_blocks_are_not_cached() -> None:
         pool.cache_full_blocks(req, blocks, 2, 3, BS, 1, block_mask=[True, True])
 
 
-def test_larger_group_blocks_hash_concatenations() -> None:
+def test_larger_group_blocks_use_last_chained_hash() -> None:
     pool = BlockPool(8, True, hash_block_size=BS)
     req = _request(list(range(16)))
     blocks = pool.get_new_blocks(2)
     pool.cache_full_blocks(req, blocks, 0, 2, 2 * BS, 1)
-    joined = req.block_hashes[0] + req.block_hashes[1]
-    assert pool.get_cached_block(joined, [1]) == [blocks[0]]
+    assert pool.get_cached_block(req.block_hashes[1], [1]) == [blocks[0]]
+    assert pool.get_cached_block(req.block_hashes[3], [1]) == [blocks[1]]
 
 
 def test_duplicate_blocks_under_one_key() -> None:

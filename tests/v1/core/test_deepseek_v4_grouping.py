@@ -283,12 +283,13 @@ def test_tensors_blocks_and_memory(fp8: bool) -> None:
     needed = full_pages_needed + 2 * window_pages(FLASH["sliding_window"], 64)
     needed += window_pages(8, 4) + window_pages(128, 8)
     assert kcu._max_memory_usage_bytes_from_groups(config, groups) == per_block * needed
-    # Upstream's concurrency formula, by hand.
-    layers = max(len(g.layer_names) for g in groups)
-    request = layers * sum(g.kv_cache_spec.max_memory_usage_bytes(config) for g in groups)
-    block = groups[0].kv_cache_spec.page_size_bytes * layers
+    # Upstream v0.33's concurrency formula, by hand: every group's block ids, one pool.
+    request = sum(
+        -(-g.kv_cache_spec.max_memory_usage_bytes(config) // g.kv_cache_spec.page_size_bytes)
+        for g in groups
+    )
     concurrency = kcu.get_max_concurrency_for_kv_cache_config(config, out)
-    assert concurrency == out.num_blocks / -(-request // block)
+    assert concurrency == out.num_blocks / request
 
 
 def test_override_and_too_little_memory() -> None:

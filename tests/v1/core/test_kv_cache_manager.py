@@ -157,7 +157,7 @@ def test_external_tokens_get_pages_only_inside_the_window() -> None:
     m = manager(full(4), sliding(4, 8))
     request = make_request("a", list(range(24)), 4)
     free = m.block_pool.get_num_free_blocks()
-    predicted = m.coordinator.get_num_blocks_to_allocate("a", 24, ((), ()), 0, 16, 24)
+    predicted = m.coordinator.get_num_blocks_to_allocate("a", 24, ((), ()), 0, 16, 16, 24)
     blocks = m.allocate_slots(request, 8, num_external_computed_tokens=16, delay_cache_blocks=True)
     assert blocks is not None
     assert [len(g) for g in blocks.get_block_ids()] == [2, 2]  # the pages for the new tokens

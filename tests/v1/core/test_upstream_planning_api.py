@@ -238,7 +238,8 @@ def test_override_and_auto_fit() -> None:
     cfg.cache_config.num_gpu_blocks_override = 40
     cfg.model_config.original_max_model_len = -1
     (out,) = kcu.get_kv_cache_configs(cfg, [{"a": full()}], [GiB_bytes])
-    assert out.num_blocks == 40 and cfg.model_config.max_model_len == 40 * 32
+    # Upstream v0.33 plans the fit against the blocks left after the pool's null block.
+    assert out.num_blocks == 40 and cfg.model_config.max_model_len == 39 * 32
     assert kcu.may_override_num_blocks(cfg, 7) == 40
     cfg.cache_config.num_gpu_blocks_override = None
     assert kcu.get_num_blocks(cfg, 2, 10 * PAGE, PAGE) == 5

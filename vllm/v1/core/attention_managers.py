@@ -15,6 +15,7 @@ from itertools import islice
 from typing import Any
 
 from vllm.utils.math_utils import cdiv
+from vllm.v1.core.block_hashing import resolve_block_hashes
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import BlockHashList, KVCacheBlock
 from vllm.v1.core.single_type_manager_base import (
@@ -56,11 +57,11 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         kv_cache_group_ids: list[int],
         block_pool: BlockPool,
         kv_cache_spec: KVCacheSpec,
-        use_eagle: bool,
+        drop_eagle_block: bool,
         alignment_tokens: int,
         dcp_world_size: int = 1,
         pcp_world_size: int = 1,
-    ) -> tuple[list[KVCacheBlock], ...]:
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         """Leading pages found in the cache, left to right: a miss ends the prefix because the
         hash of a page chains the hashes of all pages before it."""
         expect_spec(kv_cache_spec, (FullAttentionSpec, ChunkedLocalAttentionSpec), cls.__name__)
@@ -72,10 +73,10 @@ class FullAttentionManager(SingleTypeKVCacheManager):
                 break
             for blocks, block in zip(computed, cached, strict=True):
                 blocks.append(block)
-        if use_eagle:
+        if drop_eagle_block:
             _drop_last(computed)
         trim_to_alignment(computed, block_size, alignment_tokens)
-        return computed
+        return computed, len(computed[0]) * block_size
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
         """Leading pages of ``running_request_id`` referenced by every request holding pages."""
@@ -98,17 +99,9 @@ class SinkFullAttentionManager(FullAttentionManager):
         block_pool: BlockPool,
         enable_caching: bool,
         kv_cache_group_id: int,
-        dcp_world_size: int = 1,
-        pcp_world_size: int = 1,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            kv_cache_spec,
-            block_pool,
-            enable_caching,
-            kv_cache_group_id,
-            dcp_world_size,
-            pcp_world_size,
-        )
+        super().__init__(kv_cache_spec, block_pool, enable_caching, kv_cache_group_id, **kwargs)
         sink_len = kv_cache_spec.sink_len
         if not sink_len or sink_len % self.block_size:
             raise ValueError(
@@ -146,7 +139,13 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         """Connector tokens are decoder tokens; the encoder's pages come with the first step."""
 
     def cache_blocks(
-        self, request: Request, num_tokens: int, alignment_tokens: int | None = None
+        self,
+        request: Request,
+        num_tokens: int,
+        retention_interval: int | None = None,
+        *,
+        replay_boundaries: Sequence[int] = (),
+        alignment_tokens: int | None = None,
     ) -> None:
         raise ValueError(
             "enable_caching: cross-attention pages are never published, expected prefix "
@@ -161,11 +160,11 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         kv_cache_group_ids: list[int],
         block_pool: BlockPool,
         kv_cache_spec: KVCacheSpec,
-        use_eagle: bool,
+        drop_eagle_block: bool,
         alignment_tokens: int,
         dcp_world_size: int = 1,
         pcp_world_size: int = 1,
-    ) -> tuple[list[KVCacheBlock], ...]:
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         expect_spec(kv_cache_spec, (CrossAttentionSpec,), cls.__name__)
         raise ValueError(
             "enable_caching: cross-attention has no reusable prefix, expected prefix caching "
@@ -188,11 +187,11 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         kv_cache_group_ids: list[int],
         block_pool: BlockPool,
         kv_cache_spec: KVCacheSpec,
-        use_eagle: bool,
+        drop_eagle_block: bool,
         alignment_tokens: int,
         dcp_world_size: int = 1,
         pcp_world_size: int = 1,
-    ) -> tuple[list[KVCacheBlock], ...]:
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         """The longest prefix whose last ``cdiv(sliding_window - 1, block_size)`` pages are all
         cached (one more with EAGLE, which then drops it), searched from the right; pages
         before that tail are null. A prefix shorter than the tail hits when all its pages are
@@ -201,7 +200,9 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         assert isinstance(kv_cache_spec, SlidingWindowSpec)
         expect_no_context_parallel(dcp_world_size, pcp_world_size, "sliding window")
         block_size = kv_cache_spec.block_size
-        num_tail = cdiv(kv_cache_spec.sliding_window - 1, block_size) + int(use_eagle)
+        # Finer hashes (one per hash_block_size tokens) are seen one per page.
+        block_hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size, block_size)
+        num_tail = cdiv(kv_cache_spec.sliding_window - 1, block_size) + int(drop_eagle_block)
         num_blocks = max_length // block_size
         computed = tuple(
             [block_pool.null_block] * num_blocks for _ in range(len(kv_cache_group_ids))
@@ -215,7 +216,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
                 continue
             if run == 0 and block_size != alignment_tokens:
                 # A hit may only end where the prefix (after the EAGLE drop) is aligned.
-                end = i if use_eagle else i + 1
+                end = i if drop_eagle_block else i + 1
                 if end * block_size % alignment_tokens:
                     continue
             for blocks, block in zip(computed, cached, strict=True):
@@ -231,22 +232,61 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             for blocks in computed:
                 del blocks[run:]
             trim_to_alignment(computed, block_size, alignment_tokens)
-        if use_eagle and computed[0]:
+        if drop_eagle_block and computed[0]:
             _drop_last(computed)
             trim_to_alignment(computed, block_size, alignment_tokens)
-        return computed
+        return computed, len(computed[0]) * block_size
 
-    def _cache_block_mask(
-        self, num_cached_blocks: int, num_full_blocks: int, alignment_tokens: int
+    @classmethod
+    def reachable_block_mask(
+        cls,
+        start_block: int,
+        end_block: int,
+        alignment_tokens: int | None,
+        kv_cache_spec: KVCacheSpec,
+        use_eagle: bool,
+        retention_interval: int | None = None,
+        reachable_boundaries: Sequence[int] = (),
+        dcp_world_size: int = 1,
+        final_segment_end_block: int | None = None,
     ) -> list[bool] | None:
-        """Hits end on ``alignment_tokens`` boundaries and read only the window's tail pages
-        before such a boundary: the other pages of each aligned segment are not published."""
-        per_segment = alignment_tokens // self.block_size
-        num_tail = cdiv(self.sliding_window - 1, self.block_size)
-        if num_tail >= per_segment:
+        """A hit ending on a boundary reads only the window's tail pages before it (with
+        EAGLE one more page, after it): the other pages of each segment are not published.
+        ``final_segment_end_block`` (exclusive): the request's last, possibly incomplete,
+        segment ends there, and without EAGLE its tail is reachable too. Alignments finer than
+        a page cannot be told apart per page: every page is reachable then."""
+        expect_spec(kv_cache_spec, (SlidingWindowSpec,), cls.__name__)
+        assert isinstance(kv_cache_spec, SlidingWindowSpec)
+        block_size = kv_cache_spec.block_size * dcp_world_size
+        if alignment_tokens is None or alignment_tokens % block_size:
             return None
-        first_used = per_segment - num_tail
-        return [i % per_segment >= first_used for i in range(num_cached_blocks, num_full_blocks)]
+        need = cdiv(kv_cache_spec.sliding_window - 1, block_size) + int(use_eagle)
+        # With EAGLE the run ends one page past the boundary.
+        shift = int(use_eagle)
+        mask = [False] * (end_block - start_block)
+
+        def keep(first: int, last: int) -> None:
+            for i in range(max(start_block, first), min(end_block, last)):
+                mask[i - start_block] = True
+
+        segment_tokens = alignment_tokens if retention_interval is None else retention_interval
+        if segment_tokens:
+            per_segment = segment_tokens // block_size
+            if need >= per_segment:
+                return None
+            for i in range(max(start_block, shift), end_block):
+                if (i - shift) % per_segment >= per_segment - need:
+                    mask[i - start_block] = True
+            final_size = (final_segment_end_block or 0) % per_segment
+            if final_segment_end_block is not None and not use_eagle and final_size:
+                first = max(final_segment_end_block - final_size, final_segment_end_block - need)
+                keep(first, final_segment_end_block)
+        if retention_interval is not None:
+            # Boundaries a replay or a shared prefix resumes at, which sparse segments miss.
+            for boundary in reachable_boundaries:
+                end = boundary // alignment_tokens * alignment_tokens // block_size + shift
+                keep(end - need, end)
+        return mask
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Tokens before the next token's window: with ``num_computed_tokens`` computed, the
@@ -269,17 +309,17 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         kv_cache_group_ids: list[int],
         block_pool: BlockPool,
         kv_cache_spec: KVCacheSpec,
-        use_eagle: bool,
+        drop_eagle_block: bool,
         alignment_tokens: int,
         dcp_world_size: int = 1,
         pcp_world_size: int = 1,
-    ) -> tuple[list[KVCacheBlock], ...]:
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         """Pages before the chunk holding token ``max_length`` count as computed (null pages:
         never read again); inside that chunk the cached pages extend the hit left to right."""
         expect_spec(kv_cache_spec, (ChunkedLocalAttentionSpec,), cls.__name__)
         assert isinstance(kv_cache_spec, ChunkedLocalAttentionSpec)
-        if use_eagle:
-            raise ValueError("use_eagle: chunked local attention expected False, got True")
+        if drop_eagle_block:
+            raise ValueError("drop_eagle_block: chunked local attention expected False, got True")
         expect_no_context_parallel(dcp_world_size, pcp_world_size, "chunked local attention")
         block_size = kv_cache_spec.block_size
         if block_size != alignment_tokens:
@@ -298,7 +338,7 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
                 break
             for blocks, block in zip(computed, cached, strict=True):
                 blocks.append(block)
-        return computed
+        return computed, len(computed[0]) * block_size
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Tokens of the chunks before the one the next token falls in."""

@@ -42,6 +42,7 @@ __all__ = [
     "make_block_hash_with_group_id",
     "maybe_convert_block_hash",
     "need_extra_keys",
+    "resolve_block_hashes",
     "tensor_data",
 ]
 
@@ -202,14 +203,30 @@ def hash_block_tokens(
 
 
 def get_request_block_hasher(
-    block_size: int, caching_hash_fn: Callable[[Any], bytes]
+    block_size: int,
+    caching_hash_fn: Callable[[Any], bytes],
+    num_hash_lookahead_tokens: int = 0,
 ) -> Callable[[Request], list[BlockHash]]:
     """A function giving the hashes of a request's full blocks not hashed yet (the request keeps
-    them in ``request.block_hashes``); ``block_size`` in tokens."""
+    them in ``request.block_hashes``); ``block_size`` in tokens.
+
+    ``num_hash_lookahead_tokens`` (L, tokens) > 0: a block's hash also covers the L tokens
+    after it (the drafter's K/V at the block's last position depends on them), so it exists
+    only once those tokens do. The hashed tokens stay the block's; its extra keys become
+    ``(E, *next L tokens)``, where ``E`` are the extra keys of the block and those tokens."""
+    if (
+        isinstance(num_hash_lookahead_tokens, bool)
+        or not isinstance(num_hash_lookahead_tokens, int)
+        or num_hash_lookahead_tokens < 0
+    ):
+        raise ValueError(
+            f"num_hash_lookahead_tokens: expected an int >= 0, got {num_hash_lookahead_tokens!r}"
+        )
+    lookahead = num_hash_lookahead_tokens
 
     def request_block_hasher(request: Request) -> list[BlockHash]:
         start = len(request.block_hashes) * block_size
-        num_tokens = request.num_tokens
+        num_tokens = request.num_tokens - lookahead
         if start + block_size > num_tokens:
             return []
         # Blocks completed later by generated tokens can only overlap the last MM item.
@@ -219,7 +236,15 @@ def get_request_block_hasher(
         new_hashes: list[BlockHash] = []
         while start + block_size <= num_tokens:
             end = start + block_size
-            extra_keys, mm_idx = generate_block_hash_extra_keys(request, start, end, mm_idx)
+            if lookahead:
+                extra, next_mm_idx = generate_block_hash_extra_keys(
+                    request, start, end + lookahead, mm_idx
+                )
+                # The next block's scan restarts at the items still open at this block's end.
+                mm_idx = _rewind_mm_idx(request, next_mm_idx, end)
+                extra_keys: tuple[Any, ...] | None = (extra, *token_ids[end : end + lookahead])
+            else:
+                extra_keys, mm_idx = generate_block_hash_extra_keys(request, start, end, mm_idx)
             parent = hash_block_tokens(caching_hash_fn, parent, token_ids[start:end], extra_keys)
             new_hashes.append(parent)
             start = end
@@ -228,10 +253,25 @@ def get_request_block_hasher(
     return request_block_hasher
 
 
+def _rewind_mm_idx(request: Request, mm_idx: int, end_token_idx: int) -> int:
+    """The first multimodal item (from ``mm_idx`` back) that still reaches past
+    ``end_token_idx``; a lookahead scan may have moved past items the next block overlaps."""
+    features = request.mm_features
+    if mm_idx < 0:
+        mm_idx += len(features)
+    while mm_idx > 0:
+        position = features[mm_idx - 1].mm_position
+        if position.offset + position.length <= end_token_idx:
+            break
+        mm_idx -= 1
+    return mm_idx
+
+
 class BlockHashListWithBlockSize:
     """Read-only view of block hashes computed every ``hash_block_size`` tokens as hashes of
-    ``target_block_size``-token blocks (a multiple): hash ``i`` is the concatenation of the
-    ``scale_factor`` fine hashes it covers, computed on access."""
+    ``target_block_size``-token blocks (a multiple): hash ``i`` is the last fine hash inside
+    block ``i``, which already chains the whole prefix up to the block's end (upstream v0.33;
+    v0.22 concatenated the fine hashes)."""
 
     def __init__(
         self, block_hashes: list[BlockHash], hash_block_size: int, target_block_size: int
@@ -266,8 +306,17 @@ class BlockHashListWithBlockSize:
         return (self._get_value_at(i) for i in range(len(self)))
 
     def _get_value_at(self, idx: int) -> BlockHash:
-        start = idx * self.scale_factor
-        return BlockHash(b"".join(self.block_hashes[start : start + self.scale_factor]))
+        return self.block_hashes[(idx + 1) * self.scale_factor - 1]
 
 
 BlockHashList: TypeAlias = "list[BlockHash] | BlockHashListWithBlockSize"
+
+
+def resolve_block_hashes(
+    block_hashes: BlockHashList, hash_block_size: int, block_size: int
+) -> BlockHashList:
+    """``block_hashes`` (one per ``hash_block_size`` tokens, or already a view) seen one per
+    ``block_size`` tokens (a multiple of ``hash_block_size``)."""
+    if block_size == hash_block_size or isinstance(block_hashes, BlockHashListWithBlockSize):
+        return block_hashes
+    return BlockHashListWithBlockSize(block_hashes, hash_block_size, block_size)

@@ -302,25 +302,35 @@ class BlockPool:
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Take a reference on each of ``blocks`` (a prefix hit), pulling free ones out of the
-        free queue so they cannot be evicted while used."""
+        free queue so they cannot be evicted while used. The null page is never pooled: it is
+        left alone."""
         remove = self.free_block_queue.remove
         collector = self.metrics_collector
         for block in blocks:
-            if block.ref_cnt == 0 and not block.is_null:
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:
                 remove(block)
             block.ref_cnt += 1
             if collector is not None:
                 collector.on_block_accessed(block)
 
+    def is_block_writable(self, block: KVCacheBlock) -> bool:
+        """True when ``block`` may be changed in place by its one owner: a real page held once
+        and not published under a hash."""
+        return not block.is_null and block.ref_cnt == 1 and block.block_hash is None
+
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop a reference on each block; those no longer used go to the tail of the free
-        queue in the given order (the first is evicted first)."""
+        queue in the given order (the first is evicted first). The null page is left alone."""
         released: list[KVCacheBlock] = []
         release = released.append
         for block in ordered_blocks:
+            if block.is_null:
+                continue
             block.ref_cnt -= 1
             # A block listed twice is released once, when its count reaches 0.
-            if block.ref_cnt == 0 and not block.is_null:
+            if block.ref_cnt == 0:
                 release(block)
         self.free_block_queue.append_n(released)
 

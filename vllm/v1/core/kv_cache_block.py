@@ -25,6 +25,8 @@ class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
     _block_hash: bytes | None = None
+    # Prefix tokens the hash covers (None: the block's own end, as for every full block).
+    _block_hash_num_tokens: int | None = None
     # Links of the free queue; only FreeKVCacheBlockQueue writes them.
     prev_free_block: KVCacheBlock | None = None
     next_free_block: KVCacheBlock | None = None
@@ -38,6 +40,17 @@ class KVCacheBlock:
 
     @block_hash.setter
     def block_hash(self, block_hash: bytes) -> None:
+        self.set_block_hash(block_hash)
+
+    @property
+    def block_hash_num_tokens(self) -> int | None:
+        """Prefix tokens (from the sequence start) the hash covers; None: up to the block's
+        end."""
+        return self._block_hash_num_tokens
+
+    def set_block_hash(self, block_hash: bytes, num_tokens: int | None = None) -> None:
+        """Record the ``BlockHashWithGroupId`` key this block is cached under, covering
+        ``num_tokens`` prefix tokens (None: the whole block)."""
         # A cached block keeps its key until evicted; overwriting it would orphan the
         # hash-map entry that still points at this block.
         if self._block_hash is not None:
@@ -45,10 +58,12 @@ class KVCacheBlock:
                 f"block {self.block_id}: expected no hash before caching, got {self._block_hash!r}"
             )
         self._block_hash = block_hash
+        self._block_hash_num_tokens = num_tokens
 
     def reset_hash(self) -> None:
         """Forget the hash (the block was evicted from the prefix cache)."""
         self._block_hash = None
+        self._block_hash_num_tokens = None
 
     def __repr__(self) -> str:
         # Neighbours by id only: printing them whole would recurse along the list.

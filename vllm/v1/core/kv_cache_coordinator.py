@@ -18,13 +18,10 @@ from collections.abc import Sequence
 from math import lcm
 from typing import TYPE_CHECKING, Any
 
+from vllm.v1.core.block_hashing import resolve_block_hashes
 from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.kv_cache_utils import (
-    BlockHash,
-    BlockHashList,
-    BlockHashListWithBlockSize,
-    KVCacheBlock,
-)
+from vllm.v1.core.kv_cache_utils import BlockHash, KVCacheBlock
+from vllm.v1.core.prefix_retention import check_config_retention_interval, replay_boundaries
 from vllm.v1.core.single_type_kv_cache_manager import (
     CrossAttentionManager,
     SingleTypeKVCacheManager,
@@ -40,14 +37,18 @@ if TYPE_CHECKING:
 class KVCacheCoordinator(ABC):
     """The block pool of ``kv_cache_config.num_blocks`` pages and the managers of its groups.
 
-    ``max_model_len`` / ``max_num_batched_tokens`` in tokens; ``hash_block_size``: the tokens per
-    block hash of requests (every group's block size is a multiple of it)."""
+    ``max_model_len`` / ``max_in_flight_tokens`` (tokens scheduled but not yet settled) in tokens;
+    ``hash_block_size``: the tokens per block hash of requests (every group's block size is a
+    multiple of it); ``scheduler_block_size``: the scheduling granularity (tokens, a multiple of
+    every group's block size; None: their LCM). ``num_prefill_lookahead`` (tokens; multi-module
+    MTP's speculative tokens): the last ``num_prefill_lookahead - 1`` computed tokens may be
+    re-prefilled, so they are never published."""
 
     def __init__(
         self,
         kv_cache_config: KVCacheConfig,
         max_model_len: int,
-        max_num_batched_tokens: int,
+        max_in_flight_tokens: int,
         use_eagle: bool,
         enable_caching: bool,
         enable_kv_cache_events: bool,
@@ -55,6 +56,8 @@ class KVCacheCoordinator(ABC):
         pcp_world_size: int,
         hash_block_size: int,
         metrics_collector: KVCacheMetricsCollector | None = None,
+        scheduler_block_size: int | None = None,
+        num_prefill_lookahead: int = 0,
     ) -> None:
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len
@@ -71,6 +74,18 @@ class KVCacheCoordinator(ABC):
             metrics_collector=metrics_collector,
         )
         groups = kv_cache_config.kv_cache_groups
+        self.scheduler_block_size = self._scheduler_block_size(scheduler_block_size)
+        if isinstance(num_prefill_lookahead, bool) or not isinstance(num_prefill_lookahead, int):
+            raise TypeError(
+                f"num_prefill_lookahead: expected an int (tokens), got {num_prefill_lookahead!r}"
+            )
+        self.num_reprefillable_tokens = max(0, num_prefill_lookahead - 1)
+        # See vllm.v1.core.prefix_retention (None: dense).
+        self.retention_interval = (
+            None
+            if self.scheduler_block_size is None
+            else check_config_retention_interval(kv_cache_config, self.scheduler_block_size)
+        )
         # Groups whose hits drop the last page for the EAGLE drafter; when the config marks
         # none but EAGLE is on, every group does (the safe choice).
         self.eagle_group_ids = {i for i, g in enumerate(groups) if g.is_eagle_group}
@@ -79,17 +94,51 @@ class KVCacheCoordinator(ABC):
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
             get_manager_for_kv_cache_spec(
                 kv_cache_spec=group.kv_cache_spec,
-                max_num_batched_tokens=max_num_batched_tokens,
+                max_in_flight_tokens=max_in_flight_tokens,
                 max_model_len=max_model_len,
                 block_pool=self.block_pool,
                 enable_caching=enable_caching,
                 kv_cache_group_id=i,
+                scheduler_block_size=self.scheduler_block_size,
                 dcp_world_size=dcp_world_size,
                 pcp_world_size=pcp_world_size,
+                needs_kv_cache_zeroing=kv_cache_config.needs_kv_cache_zeroing,
             )
             for i, group in enumerate(groups)
         )
+        for i, manager in enumerate(self.single_type_managers):
+            manager.use_eagle = i in self.eagle_group_ids
+        # With EAGLE the dropped hit tail must hold every prefill lookahead token, and hits
+        # end on scheduler-block boundaries.
+        if (
+            enable_caching
+            and self.eagle_group_ids
+            and self.scheduler_block_size is not None
+            and self.scheduler_block_size < num_prefill_lookahead
+        ):
+            raise ValueError(
+                f"scheduler_block_size: multi-module MTP with prefix caching expected >= "
+                f"num_prefill_lookahead {num_prefill_lookahead} (tokens), got "
+                f"{self.scheduler_block_size}"
+            )
         self._init_lookup()
+
+    def _scheduler_block_size(self, requested: int | None) -> int | None:
+        """``requested``, checked to be a multiple of every group's page (tokens, context
+        parallelism included); None: their LCM (None without groups)."""
+        groups = self.kv_cache_config.kv_cache_groups
+        if not groups:
+            return requested
+        scale = self.dcp_world_size * self.pcp_world_size
+        unit = lcm(*(g.kv_cache_spec.block_size for g in groups)) * scale
+        if requested is None:
+            return unit
+        if isinstance(requested, bool) or not isinstance(requested, int) or requested % unit:
+            raise ValueError(
+                f"scheduler_block_size: expected a multiple of {unit} (the groups' block sizes' "
+                f"LCM, tokens), got {requested!r}"
+            )
+        return requested
 
     def _check_config(self) -> None:
         """Refuse a config this coordinator cannot serve and note what its lookup reads (runs
@@ -107,8 +156,10 @@ class KVCacheCoordinator(ABC):
         new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
         num_encoder_tokens: int,
         total_computed_tokens: int,
+        num_local_computed_tokens: int,
         num_tokens_main_model: int,
         apply_admission_cap: bool = False,
+        prefill_end: int = 0,
     ) -> int:
         """Free pages all groups together would consume (see the managers' method);
         cross-attention groups size by ``num_encoder_tokens`` and take no hits."""
@@ -120,6 +171,7 @@ class KVCacheCoordinator(ABC):
                     num_encoder_tokens,
                     [],
                     0,
+                    0,
                     num_encoder_tokens,
                     apply_admission_cap=apply_admission_cap,
                 )
@@ -129,8 +181,10 @@ class KVCacheCoordinator(ABC):
                     num_tokens,
                     new_computed_blocks[i],
                     total_computed_tokens,
+                    num_local_computed_tokens,
                     num_tokens_main_model,
                     apply_admission_cap=apply_admission_cap,
+                    prefill_end=prefill_end,
                 )
         return total
 
@@ -176,10 +230,28 @@ class KVCacheCoordinator(ABC):
             for manager in self.single_type_managers
         )
 
+    def get_num_cacheable_tokens(self, num_computed_tokens: int, kv_cache_group_id: int) -> int:
+        """Leading tokens whose K/V is final in group ``kv_cache_group_id`` (those a
+        multi-module MTP step may re-prefill left out)."""
+        return max(0, num_computed_tokens - self.num_reprefillable_tokens)
+
+    def _replay_boundaries(self, request: Request) -> tuple[int, ...]:
+        assert self.scheduler_block_size is not None  # a manager exists, so a group does
+        return replay_boundaries(
+            request.num_prompt_tokens, self.scheduler_block_size, bool(self.eagle_group_ids)
+        )
+
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Publish the full pages among the first ``num_computed_tokens`` tokens."""
-        for manager in self.single_type_managers:
-            manager.cache_blocks(request, num_computed_tokens)
+        """Publish the full pages among the first ``num_computed_tokens`` tokens (sparsely
+        for sliding-window groups under a retention interval)."""
+        boundaries = self._replay_boundaries(request)
+        for i, manager in enumerate(self.single_type_managers):
+            manager.cache_blocks(
+                request,
+                self.get_num_cacheable_tokens(num_computed_tokens, i),
+                self.retention_interval,
+                replay_boundaries=boundaries,
+            )
 
     def free(self, request_id: str) -> None:
         """Release the request's pages in every group."""
@@ -192,10 +264,16 @@ class KVCacheCoordinator(ABC):
             m.get_num_common_prefix_blocks(running_request_id) for m in self.single_type_managers
         ]
 
-    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
-        """Free, in every group, the pages no later token reads."""
+    def remove_skipped_blocks(
+        self,
+        request_id: str,
+        processed_computed_tokens: int,
+        num_prompt_tokens: int | None = None,
+    ) -> None:
+        """Free, in every group, the pages no later token reads (``num_prompt_tokens``: for
+        kinds that free a middle range, R-SWA)."""
         for manager in self.single_type_managers:
-            manager.remove_skipped_blocks(request_id, total_computed_tokens)
+            manager.remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
 
     def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
         """The request's pages, per group (empty lists for an unknown request)."""
@@ -221,18 +299,20 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
         self,
         kv_cache_config: KVCacheConfig,
         max_model_len: int,
-        max_num_batched_tokens: int,
+        max_in_flight_tokens: int,
         use_eagle: bool,
         enable_kv_cache_events: bool,
         dcp_world_size: int,
         pcp_world_size: int,
         hash_block_size: int,
         metrics_collector: KVCacheMetricsCollector | None = None,
+        scheduler_block_size: int | None = None,
+        num_prefill_lookahead: int = 0,
     ) -> None:
         super().__init__(
             kv_cache_config,
             max_model_len,
-            max_num_batched_tokens,
+            max_in_flight_tokens,
             use_eagle,
             False,
             enable_kv_cache_events,
@@ -240,6 +320,8 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
             pcp_world_size=pcp_world_size,
             hash_block_size=hash_block_size,
             metrics_collector=metrics_collector,
+            scheduler_block_size=scheduler_block_size,
+            num_prefill_lookahead=num_prefill_lookahead,
         )
         self.num_single_type_manager = len(self.single_type_managers)
 
@@ -274,18 +356,17 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
     def find_longest_cache_hit(
         self, block_hashes: list[BlockHash], max_cache_hit_length: int
     ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
-        hit = self.single_type_managers[0].find_longest_cache_hit(
+        return self.single_type_managers[0].find_longest_cache_hit(
             block_hashes=block_hashes,
             max_length=max_cache_hit_length,
             kv_cache_group_ids=[0],
             block_pool=self.block_pool,
             kv_cache_spec=self.kv_cache_spec,
-            use_eagle=0 in self.eagle_group_ids,
+            drop_eagle_block=0 in self.eagle_group_ids,
             alignment_tokens=self.block_size,
             dcp_world_size=self.dcp_world_size,
             pcp_world_size=self.pcp_world_size,
         )
-        return hit, len(hit[0]) * self.block_size
 
 
 # One lookup unit of the hybrid coordinator: a spec, the groups sharing it, their manager class.
@@ -343,14 +424,17 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         # Hits are whole LCM segments, so publishing stops at the last segment boundary.
-        num_tokens = num_computed_tokens // self.lcm_block_size * self.lcm_block_size
+        num_tokens = self.get_num_cacheable_tokens(num_computed_tokens, 0)
+        num_tokens = num_tokens // self.lcm_block_size * self.lcm_block_size
+        boundaries = self._replay_boundaries(request)
         for manager in self.single_type_managers:
-            manager.cache_blocks(request, num_tokens, alignment_tokens=self.lcm_block_size)
-
-    def _hashes_for(self, block_hashes: list[BlockHash], spec: KVCacheSpec) -> BlockHashList:
-        if spec.block_size == self.hash_block_size:
-            return block_hashes
-        return BlockHashListWithBlockSize(block_hashes, self.hash_block_size, spec.block_size)
+            manager.cache_blocks(
+                request,
+                num_tokens,
+                self.retention_interval,
+                replay_boundaries=boundaries,
+                alignment_tokens=self.lcm_block_size,
+            )
 
     def _lookup(
         self,
@@ -361,15 +445,16 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
     ) -> tuple[list[KVCacheBlock], ...]:
         """One bundle's hit pages, at most ``max_length`` tokens (before EAGLE's drop)."""
         spec, group_ids, manager_cls = bundle
-        return manager_cls.find_longest_cache_hit(
-            block_hashes=self._hashes_for(block_hashes, spec),
+        hit, _ = manager_cls.find_longest_cache_hit(
+            block_hashes=resolve_block_hashes(block_hashes, self.hash_block_size, spec.block_size),
             max_length=max_length,
             kv_cache_group_ids=group_ids,
             block_pool=self.block_pool,
             kv_cache_spec=spec,
-            use_eagle=use_eagle,
+            drop_eagle_block=use_eagle,
             alignment_tokens=self.lcm_block_size,
         )
+        return hit
 
     def find_longest_cache_hit(
         self, block_hashes: list[BlockHash], max_cache_hit_length: int
@@ -432,7 +517,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
 def get_kv_cache_coordinator(
     kv_cache_config: KVCacheConfig,
     max_model_len: int,
-    max_num_batched_tokens: int,
+    max_in_flight_tokens: int,
     use_eagle: bool,
     enable_caching: bool,
     enable_kv_cache_events: bool,
@@ -440,6 +525,8 @@ def get_kv_cache_coordinator(
     pcp_world_size: int,
     hash_block_size: int,
     metrics_collector: KVCacheMetricsCollector | None = None,
+    scheduler_block_size: int | None = None,
+    num_prefill_lookahead: int = 0,
 ) -> KVCacheCoordinator:
     """The coordinator for ``kv_cache_config``: no-prefix-cache when caching is off, unitary
     for one group, hybrid otherwise."""
@@ -448,12 +535,14 @@ def get_kv_cache_coordinator(
         pcp_world_size=pcp_world_size,
         hash_block_size=hash_block_size,
         metrics_collector=metrics_collector,
+        scheduler_block_size=scheduler_block_size,
+        num_prefill_lookahead=num_prefill_lookahead,
     )
     if not enable_caching:
         return KVCacheCoordinatorNoPrefixCache(
             kv_cache_config,
             max_model_len,
-            max_num_batched_tokens,
+            max_in_flight_tokens,
             use_eagle,
             enable_kv_cache_events,
             **common,
@@ -466,7 +555,7 @@ def get_kv_cache_coordinator(
     return coordinator_cls(
         kv_cache_config,
         max_model_len,
-        max_num_batched_tokens,
+        max_in_flight_tokens,
         use_eagle,
         enable_caching,
         enable_kv_cache_events,

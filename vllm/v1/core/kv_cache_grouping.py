@@ -293,9 +293,14 @@ def get_kv_cache_groups(
 def generate_scheduler_kv_cache_config(kv_cache_configs: list[KVCacheConfig]) -> KVCacheConfig:
     """The scheduler's view of the workers' configs (which differ only in layer names): a copy
     of the first, each ``UniformTypeKVCacheSpecs`` group spec replaced by one of its layers'
-    specs (they need the same slots). ``AssertionError`` when ``num_blocks`` differ."""
+    specs (they need the same slots). ``AssertionError`` when ``num_blocks`` (or HiSparse's
+    host pages) differ."""
     num_blocks = {cfg.num_blocks for cfg in kv_cache_configs}
     assert len(num_blocks) == 1, f"kv_cache_configs: expected one num_blocks, got {num_blocks}"
+    host_blocks = {cfg.hisparse_host_num_blocks for cfg in kv_cache_configs}
+    assert len(host_blocks) == 1, (
+        f"kv_cache_configs: expected one hisparse_host_num_blocks, got {host_blocks}"
+    )
     cfg = copy.deepcopy(kv_cache_configs[0])
     for group in cfg.kv_cache_groups:
         if isinstance(group.kv_cache_spec, UniformTypeKVCacheSpecs):

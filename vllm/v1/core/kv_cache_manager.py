@@ -81,26 +81,44 @@ class KVCacheBlocks:
 class KVCacheManager:
     """Allocation, prefix caching and freeing of KV cache pages for a scheduler.
 
-    ``max_model_len`` / ``max_num_batched_tokens`` / ``hash_block_size`` are in tokens;
-    ``max_num_batched_tokens`` defaults to ``max_model_len`` (then the sliding-window admission
-    cap never binds). ``log_stats`` keeps :class:`PrefixCacheStats`; ``enable_kv_cache_events``
-    records BlockStored / BlockRemoved / AllBlocksCleared for :meth:`take_events`.
+    ``max_model_len`` / ``scheduler_block_size`` / ``hash_block_size`` /
+    ``max_in_flight_tokens`` are in tokens. ``scheduler_block_size`` (the scheduling
+    granularity, a multiple of every group's block size) defaults to the LCM of the groups'
+    block sizes. ``max_in_flight_tokens`` (tokens scheduled but not yet settled; v0.22 named it
+    ``max_num_batched_tokens``, still accepted) defaults to ``max_model_len`` (then the
+    sliding-window admission cap never binds). ``num_prefill_lookahead``: see
+    :class:`~vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator`. ``log_stats`` keeps
+    :class:`PrefixCacheStats`; ``enable_kv_cache_events`` records BlockStored / BlockRemoved /
+    AllBlocksCleared for :meth:`take_events`.
     """
 
     def __init__(
         self,
         kv_cache_config: KVCacheConfig,
         max_model_len: int,
-        hash_block_size: int,
-        max_num_batched_tokens: int | None = None,
+        scheduler_block_size: int | None = None,
+        hash_block_size: int | None = None,
+        max_in_flight_tokens: int | None = None,
         enable_caching: bool = True,
         use_eagle: bool = False,
+        num_prefill_lookahead: int = 0,
         log_stats: bool = False,
         enable_kv_cache_events: bool = False,
         dcp_world_size: int = 1,
         pcp_world_size: int = 1,
         metrics_collector: KVCacheMetricsCollector | None = None,
+        *,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
+        if hash_block_size is None:
+            raise TypeError("hash_block_size: expected tokens per block hash, got None")
+        if max_in_flight_tokens is not None and max_num_batched_tokens is not None:
+            raise TypeError(
+                "max_num_batched_tokens: expected only max_in_flight_tokens (its v0.33 name), "
+                "got both"
+            )
+        if max_in_flight_tokens is None:
+            max_in_flight_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.use_eagle = use_eagle
@@ -110,14 +128,16 @@ class KVCacheManager:
         self.coordinator = get_kv_cache_coordinator(
             kv_cache_config=kv_cache_config,
             max_model_len=max_model_len,
-            max_num_batched_tokens=(
-                max_model_len if max_num_batched_tokens is None else max_num_batched_tokens
+            max_in_flight_tokens=(
+                max_model_len if max_in_flight_tokens is None else max_in_flight_tokens
             ),
             use_eagle=use_eagle,
             enable_caching=enable_caching,
             enable_kv_cache_events=enable_kv_cache_events,
             dcp_world_size=dcp_world_size,
             pcp_world_size=pcp_world_size,
+            scheduler_block_size=scheduler_block_size,
+            num_prefill_lookahead=num_prefill_lookahead,
             hash_block_size=hash_block_size,
             metrics_collector=metrics_collector,
         )
@@ -211,6 +231,7 @@ class KVCacheManager:
                 new_computed_blocks=hit_blocks,
                 num_encoder_tokens=num_encoder_tokens,
                 total_computed_tokens=computed,
+                num_local_computed_tokens=num_local_computed,
                 num_tokens_main_model=main_model,
                 apply_admission_cap=cap,
             )

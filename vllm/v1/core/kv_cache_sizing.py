@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from functools import partial
 from typing import TYPE_CHECKING, cast
 
 from vllm.utils import check_positive_int
@@ -23,7 +22,6 @@ from vllm.v1.core.kv_cache_deepseek_v4 import layer_tuple_layout
 from vllm.v1.core.kv_cache_grouping import (
     UPSTREAM_LAYOUT,
     KVCacheLayoutPolicy,
-    _project_kv_cache_groups_to_worker,
     get_kv_cache_groups,
     get_uniform_page_size,
 )
@@ -45,7 +43,6 @@ __all__ = [
     "check_enough_kv_cache_memory",
     "estimate_max_model_len",
     "get_kv_cache_config_from_groups",
-    "get_kv_cache_configs",
     "get_max_concurrency_for_kv_cache_config",
     "get_num_blocks",
     "kv_cache_memory_for_blocks",
@@ -174,14 +171,30 @@ def check_enough_kv_cache_memory(
 def get_max_concurrency_for_kv_cache_config(
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
 ) -> float:
-    """Requests of ``max_model_len`` tokens the config's ``num_blocks`` hold at once."""
-    groups = kv_cache_config.kv_cache_groups
-    layers_per_group = max(len(group.layer_names) for group in groups)
-    per_request = layers_per_group * max_memory_usage_bytes(
-        vllm_config, (group.kv_cache_spec for group in groups)
-    )
-    per_block = groups[0].kv_cache_spec.page_size_bytes * layers_per_group
-    return kv_cache_config.num_blocks / cdiv(per_request, per_block)
+    """Requests of ``max_model_len`` tokens the config's pages hold at once.
+
+    A request takes ``cdiv(spec.max_memory_usage_bytes, spec.page_size_bytes)`` block ids of
+    each group, and the device groups draw them from one pool, so its cost is their sum (the
+    same for a worker's wrapping group spec and the scheduler's per-layer one). HiSparse's
+    host groups draw from the host pool; the smaller of the two limits applies.
+    """
+    device_blocks = host_blocks = 0
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        required = cdiv(spec.max_memory_usage_bytes(vllm_config), spec.page_size_bytes)
+        if group.host_resident:
+            host_blocks += required
+        else:
+            device_blocks += required
+    limits = [kv_cache_config.num_blocks / device_blocks]
+    if host_blocks:
+        if kv_cache_config.hisparse_host_num_blocks is None:
+            raise ValueError(
+                "kv_cache_config.hisparse_host_num_blocks: expected pages for its host "
+                "groups, got None"
+            )
+        limits.append(kv_cache_config.hisparse_host_num_blocks / host_blocks)
+    return min(limits)
 
 
 def may_override_num_blocks(vllm_config: VllmConfig, num_blocks: int) -> int:
@@ -385,64 +398,6 @@ def _auto_fit_max_model_len(
             "the memory budget (gpu_memory_utilization)"
         )
     vllm_config.model_config.max_model_len = fitted
-
-
-def get_kv_cache_configs(
-    vllm_config: VllmConfig,
-    kv_cache_specs: list[dict[str, KVCacheSpec]],
-    available_memory: list[int],
-    *,
-    policy: KVCacheLayoutPolicy = UPSTREAM_LAYOUT,
-) -> list[KVCacheConfig]:
-    """One config per worker, consistent across workers (one scheduler serves them all).
-
-    The workers' specs are merged (a layer on two workers must have one spec, else
-    ``AssertionError``) and grouped once for the whole model; each worker gets the groups
-    restricted to its layers (pipeline stages), is checked to hold one request of
-    ``max_model_len`` (fitting ``max_model_len`` first when ``original_max_model_len`` is -1;
-    ``num_gpu_blocks_override`` counts as the budget), and every worker takes the smallest
-    ``num_blocks``, its tensors shrunk to match.
-    """
-    merged: dict[str, KVCacheSpec] = {}
-    for worker_spec in kv_cache_specs:
-        for name, spec in worker_spec.items():
-            assert merged.setdefault(name, spec) == spec, (
-                f"kv_cache_specs: layer {name!r} has different specs on different workers"
-            )
-    groups = get_kv_cache_groups(vllm_config, merged, policy=policy)
-    projected = [_project_kv_cache_groups_to_worker(groups, spec) for spec in kv_cache_specs]
-    override = vllm_config.cache_config.num_gpu_blocks_override
-    if override is not None:
-        available_memory = [
-            override * _pool_bytes_per_block(g) if g else memory
-            for g, memory in zip(projected, available_memory, strict=True)
-        ]
-    assert vllm_config.model_config is not None
-    if vllm_config.model_config.original_max_model_len == -1:
-        _auto_fit_max_model_len(vllm_config, projected, available_memory)
-    for worker_groups, memory in zip(projected, available_memory, strict=True):
-        if worker_groups:
-            _check_enough_kv_cache_memory(
-                memory,
-                partial(_max_memory_usage_bytes_from_groups, vllm_config, worker_groups),
-                vllm_config.model_config.max_model_len or 0,
-                partial(_estimate_max_model_len_from_groups, vllm_config, worker_groups),
-            )
-    configs = []
-    for worker_groups, worker_spec, memory in zip(
-        projected, kv_cache_specs, available_memory, strict=True
-    ):
-        assert sum(len(g.layer_names) for g in worker_groups) == len(worker_spec), (
-            "kv_cache_specs: some layers are in no group"
-        )
-        configs.append(get_kv_cache_config_from_groups(vllm_config, worker_groups, memory))
-    min_blocks = min(cfg.num_blocks for cfg in configs)
-    for cfg in configs:
-        for tensor in cfg.kv_cache_tensors:
-            assert tensor.size % cfg.num_blocks == 0
-            tensor.size = tensor.size // cfg.num_blocks * min_blocks
-        cfg.num_blocks = min_blocks
-    return configs
 
 
 def resolve_kv_cache_block_sizes(

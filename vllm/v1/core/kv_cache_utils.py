@@ -1,10 +1,13 @@
-"""Upstream v0.22's KV-cache planning functions under their import path, and the planner:
-per-layer specs → groups → ``KVCacheConfig`` for a memory budget.
+"""Upstream's KV-cache utilities under their import path (v0.33's block-table, DCP, event and
+capacity helpers; v0.22's planning names, whose v0.33 home is
+:mod:`vllm.v1.core.kv_cache_planning`, kept as re-exports), and the planner: per-layer specs →
+groups → ``KVCacheConfig`` for a memory budget.
 
 Units: ``block_size`` is in tokens per page; memory, page sizes and every ``*_bytes`` quantity
 are in bytes; ``available_memory`` is the KV-cache budget of **one** tensor-parallel rank.
 
-The upstream names live in :mod:`vllm.v1.core.kv_cache_grouping` (layers → groups, page-size
+The planning names live in :mod:`vllm.v1.core.kv_cache_planning` (the cross-worker flow,
+HiSparse, the builder), :mod:`vllm.v1.core.kv_cache_grouping` (layers → groups, page-size
 unification through :mod:`vllm.v1.core.page_size_unification`),
 :mod:`vllm.v1.core.kv_cache_deepseek_v4` (DeepSeek-V4's layer-tuple groups) and
 :mod:`vllm.v1.core.kv_cache_sizing` (memory, blocks, per-worker configs) and are re-exported
@@ -24,8 +27,8 @@ from __future__ import annotations
 import os
 import sys
 import types
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
 
@@ -51,6 +54,7 @@ from vllm.v1.core.block_hashing import (
     make_block_hash_with_group_id,
     maybe_convert_block_hash,
     need_extra_keys,
+    resolve_block_hashes,
 )
 from vllm.v1.core.kv_bytes import kv_bytes_for_tokens, spec_bytes_per_token, total_state_bytes
 from vllm.v1.core.kv_cache_block import FreeKVCacheBlockQueue, KVCacheBlock
@@ -67,12 +71,18 @@ from vllm.v1.core.kv_cache_grouping import (
     _project_kv_cache_groups_to_worker,
     create_kv_cache_group_specs,
     generate_scheduler_kv_cache_config,
-    get_kv_cache_groups,
     get_uniform_page_size,
     is_kv_cache_page_size_uniform,
     is_kv_cache_spec_uniform,
     is_kv_cache_type_attention_free,
     unify_hybrid_kv_cache_specs,
+)
+from vllm.v1.core.kv_cache_planning import (
+    get_global_kv_cache_groups,
+    get_kv_cache_capacity,
+    get_kv_cache_config_from_groups,
+    get_kv_cache_configs,
+    get_kv_cache_groups,
 )
 from vllm.v1.core.kv_cache_sizing import (
     InsufficientKVCacheMemoryError,
@@ -84,8 +94,6 @@ from vllm.v1.core.kv_cache_sizing import (
     _pool_bytes_per_block,
     check_enough_kv_cache_memory,
     estimate_max_model_len,
-    get_kv_cache_config_from_groups,
-    get_kv_cache_configs,
     get_max_concurrency_for_kv_cache_config,
     get_num_blocks,
     kv_cache_memory_for_blocks,
@@ -106,11 +114,18 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
+    UniformTypeKVCacheSpecs,
     cdiv,
     iter_layer_specs,
 )
 
 __all__ = [
+    "resolve_block_hashes",
+    "trim_null_head",
+    "to_event_extra_keys",
+    "resolve_dcp_kv_cache_spec",
+    "resolve_dcp_kv_block_size",
+    "null_head_len",
     "BlockHash",
     "BlockHashList",
     "BlockHashListWithBlockSize",
@@ -153,6 +168,8 @@ __all__ = [
     "create_kv_cache_group_specs",
     "estimate_max_model_len",
     "generate_scheduler_kv_cache_config",
+    "get_global_kv_cache_groups",
+    "get_kv_cache_capacity",
     "get_kv_cache_config",
     "get_kv_cache_config_from_groups",
     "get_kv_cache_configs",
@@ -181,6 +198,68 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
 MAX_GROUP_PADDING = PLANNER_LAYOUT.max_group_padding
 """Largest fraction of empty group slots the planner's group-size choice accepts."""
+
+
+def null_head_len(blocks: Sequence[KVCacheBlock]) -> int:
+    """Leading null blocks of a block table (a sliding window's skipped prefix)."""
+    if not blocks or not blocks[0].is_null:
+        return 0
+    # Binary search for the first real block, then check that the run is all null: tables
+    # whose nulls are not one leading run fall back to a scan.
+    lo, hi = 1, len(blocks)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if blocks[mid].is_null:
+            lo = mid + 1
+        else:
+            hi = mid
+    if all(b.is_null for b in blocks[:lo]):
+        return lo
+    return next((i for i, b in enumerate(blocks) if not b.is_null), len(blocks))
+
+
+def trim_null_head(blocks: Sequence[KVCacheBlock]) -> Sequence[KVCacheBlock]:
+    """``blocks`` without its leading null blocks (``blocks`` itself when it has none)."""
+    head = null_head_len(blocks)
+    return blocks[head:] if head else blocks
+
+
+def to_event_extra_keys(
+    extra_keys: Iterable[tuple[Any, ...] | None] | None,
+) -> list[tuple[Any, ...] | None] | None:
+    """The per-block extra keys as KV events publish them (consumers parse v0.22's untagged
+    shapes): ``("mm", id, offset)`` → ``(id, offset)``, any other ``(tag, value, ...)`` →
+    ``value`` (a LoRA's name, a cache salt, a prompt-embeds digest). None for no blocks."""
+    if not extra_keys:
+        return None
+    return [
+        None if keys is None else tuple(k[1:] if k[0] == "mm" else k[1] for k in keys)
+        for keys in extra_keys
+    ]
+
+
+def resolve_dcp_kv_block_size(spec: KVCacheSpec, dcp_world_size: int) -> int:
+    """Tokens one block of ``spec`` spans under decode context parallelism: a sharded
+    cache's block holds ``block_size`` tokens on each of the ``dcp_world_size`` ranks."""
+    return spec.block_size * (dcp_world_size if spec.dcp_sharded else 1)
+
+
+def resolve_dcp_kv_cache_spec(spec: KVCacheSpec, dcp_world_size: int) -> KVCacheSpec:
+    """``spec`` with the block size :func:`resolve_dcp_kv_block_size` gives (its layers' too
+    for a wrapping spec); ``spec`` itself when that does not change it."""
+    block_size = resolve_dcp_kv_block_size(spec, dcp_world_size)
+    if block_size == spec.block_size:
+        return spec
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return replace(
+            spec,
+            block_size=block_size,
+            kv_cache_specs={
+                name: resolve_dcp_kv_cache_spec(layer, dcp_world_size)
+                for name, layer in spec.kv_cache_specs.items()
+            },
+        )
+    return replace(spec, block_size=block_size)
 
 
 def planner_vllm_config(

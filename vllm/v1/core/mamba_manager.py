@@ -43,6 +43,8 @@ class MambaManager(SingleTypeKVCacheManager):
         self.last_state_block_idx: dict[str, int] = {}
         # align mode: requests that got their running-state pages already.
         self._allocated_block_reqs: set[str] = set()
+        # align mode: request id -> pages before this index are retired (null or freed).
+        self._num_retired_blocks: dict[str, int] = {}
 
     @property
     def _align(self) -> bool:
@@ -56,11 +58,11 @@ class MambaManager(SingleTypeKVCacheManager):
         kv_cache_group_ids: list[int],
         block_pool: BlockPool,
         kv_cache_spec: KVCacheSpec,
-        use_eagle: bool,
+        drop_eagle_block: bool,
         alignment_tokens: int,
         dcp_world_size: int = 1,
         pcp_world_size: int = 1,
-    ) -> tuple[list[KVCacheBlock], ...]:
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         """The rightmost cached page ending on an ``alignment_tokens`` boundary, preceded by
         null pages; empty lists when none is cached."""
         expect_spec(kv_cache_spec, (MambaSpec,), cls.__name__)
@@ -77,12 +79,17 @@ class MambaManager(SingleTypeKVCacheManager):
                 blocks.extend([block_pool.null_block] * i)
                 blocks.append(block)
             break
-        return computed
+        return computed, len(computed[0]) * block_size
 
-    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
+    def remove_skipped_blocks(
+        self,
+        request_id: str,
+        processed_computed_tokens: int,
+        num_prompt_tokens: int | None = None,
+    ) -> None:
         # With async scheduling the count may include drafts that get rejected: assume they
         # all are, so no state that may still be needed is freed.
-        num_computed = max(0, total_computed_tokens - self.num_speculative_blocks)
+        num_computed = max(0, processed_computed_tokens - self.num_speculative_blocks)
         super().remove_skipped_blocks(request_id, num_computed)
         if not self._align:
             return
@@ -95,14 +102,46 @@ class MambaManager(SingleTypeKVCacheManager):
             self.block_pool.free_blocks([blocks[idx]])
             blocks[idx] = self._null_block
 
+    def _remove_blocks_in_range(self, request_id: str, first: int, last: int) -> None:
+        """Align mode leaves null gaps between the states still awaiting retirement, so the
+        walk crosses null pages instead of stopping at the first; it starts after the pages
+        retired by earlier calls."""
+        if not self._align:
+            super()._remove_blocks_in_range(request_id, first, last)
+            return
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        first = max(first, self._num_retired_blocks.get(request_id, 0))
+        last = min(last, len(blocks))
+        if first >= last:
+            return
+        removed = [blocks[i] for i in range(last - 1, first - 1, -1) if not blocks[i].is_null]
+        for i in range(first, last):
+            blocks[i] = self._null_block
+        self.block_pool.free_blocks(removed)
+        self._num_retired_blocks[request_id] = last
+
+    def _relocate_speculative_block(self, req_blocks: list[KVCacheBlock], block_idx: int) -> None:
+        """Move the speculative page at ``block_idx`` to the tail (reused by the next step),
+        leaving a null page behind. Only a page this request alone holds, unpublished, may
+        move: another holder or a hash would still point at its old position."""
+        assert self.block_pool.is_block_writable(req_blocks[block_idx]), (
+            "Speculative Mamba blocks must be exclusively owned and unhashed before relocation"
+        )
+        req_blocks.append(req_blocks[block_idx])
+        req_blocks[block_idx] = self._null_block
+
     def get_num_blocks_to_allocate(
         self,
         request_id: str,
         num_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock],
         total_computed_tokens: int,
+        num_local_computed_tokens: int,
         num_tokens_main_model: int,
         apply_admission_cap: bool = False,
+        prefill_end: int = 0,
     ) -> int:
         if (
             new_computed_blocks
@@ -117,6 +156,7 @@ class MambaManager(SingleTypeKVCacheManager):
                 num_tokens + self.block_size * self.num_speculative_blocks,
                 new_computed_blocks,
                 total_computed_tokens,
+                num_local_computed_tokens,
                 num_tokens_main_model,
                 apply_admission_cap=apply_admission_cap,
             )
@@ -173,28 +213,40 @@ class MambaManager(SingleTypeKVCacheManager):
         if running:
             # Move the previous step's speculative pages to the tail so they are reused.
             for idx in range(num_before - num_spec, min(num_before, num_null)):
-                req_blocks.append(req_blocks[idx])
-                req_blocks[idx] = self._null_block
+                self._relocate_speculative_block(req_blocks, idx)
         num_new = num_required - len(req_blocks)
         assert num_new <= (1 if running else 1 + num_spec), "align mode over-allocates"
         req_blocks.extend(self.block_pool.get_new_blocks(num_new))
         self._allocated_block_reqs.add(request_id)
         return req_blocks[num_before:]
 
-    def free(self, request_id: str) -> None:
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
         self._allocated_block_reqs.discard(request_id)
         self.last_state_block_idx.pop(request_id, None)
-        super().free(request_id)
+        self._num_retired_blocks.pop(request_id, None)
+        return super().pop_blocks_for_free(request_id)
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """All tokens but the last computed one: only the newest state is read."""
         return num_computed_tokens - 1
 
     def cache_blocks(
-        self, request: Request, num_tokens: int, alignment_tokens: int | None = None
+        self,
+        request: Request,
+        num_tokens: int,
+        retention_interval: int | None = None,
+        *,
+        replay_boundaries: Sequence[int] = (),
+        alignment_tokens: int | None = None,
     ) -> None:
         num_before = self.num_cached_block.get(request.request_id, 0)
-        super().cache_blocks(request, num_tokens, alignment_tokens=alignment_tokens)
+        super().cache_blocks(
+            request,
+            num_tokens,
+            retention_interval,
+            replay_boundaries=replay_boundaries,
+            alignment_tokens=alignment_tokens,
+        )
         num_after = self.num_cached_block.get(request.request_id, 0)
         if num_after <= num_before:
             return

@@ -2,7 +2,8 @@
 one serves each KV cache spec.
 
 The managers live in :mod:`~vllm.v1.core.single_type_manager_base` (the shared bookkeeping),
-:mod:`~vllm.v1.core.attention_managers` (full, sink, cross, sliding window, chunked local) and
+:mod:`~vllm.v1.core.attention_managers` (full, sink, cross, sliding window, chunked local),
+:mod:`~vllm.v1.core.window_managers` (R-SWA, circular buffer) and
 :mod:`~vllm.v1.core.mamba_manager`; this module keeps upstream's import path for all of them.
 """
 
@@ -19,14 +20,17 @@ from vllm.v1.core.attention_managers import (
 )
 from vllm.v1.core.mamba_manager import MambaManager
 from vllm.v1.core.single_type_manager_base import SingleTypeKVCacheManager
+from vllm.v1.core.window_managers import CircularBufferManager, RSWAManager
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
     HiddenStateCacheSpec,
     KVCacheSpec,
     MambaSpec,
     MLAAttentionSpec,
+    RSWASpec,
     SinkFullAttentionSpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
@@ -43,6 +47,8 @@ spec_manager_map: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
     MambaSpec: MambaManager,
     CrossAttentionSpec: CrossAttentionManager,
     SinkFullAttentionSpec: SinkFullAttentionManager,
+    RSWASpec: RSWAManager,
+    CircularBufferSpec: CircularBufferManager,
 }
 
 
@@ -63,27 +69,29 @@ def _manager_class(kv_cache_spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]
 
 def get_manager_for_kv_cache_spec(
     kv_cache_spec: KVCacheSpec,
-    max_num_batched_tokens: int,
+    max_in_flight_tokens: int,
     max_model_len: int,
     **kwargs: Any,
 ) -> SingleTypeKVCacheManager:
     """The manager of one KV cache group. Sliding-window and chunked-local groups get the
     per-request admission cap (pages) that the pool sizing assumed, from their spec and the
-    step size ``max_num_batched_tokens`` / ``max_model_len`` (tokens); ``kwargs`` go to the
+    tokens in flight ``max_in_flight_tokens`` / ``max_model_len`` (tokens); ``kwargs`` go to the
     manager (block_pool, enable_caching, kv_cache_group_id, ...)."""
     manager_class = _manager_class(kv_cache_spec)
     if isinstance(kv_cache_spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec)):
         kwargs["max_admission_blocks_per_request"] = kv_cache_spec.max_admission_blocks_per_request(
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len
+            max_num_batched_tokens=max_in_flight_tokens, max_model_len=max_model_len
         )
     return manager_class(kv_cache_spec, **kwargs)
 
 
 __all__ = [
     "ChunkedLocalAttentionManager",
+    "CircularBufferManager",
     "CrossAttentionManager",
     "FullAttentionManager",
     "MambaManager",
+    "RSWAManager",
     "SingleTypeKVCacheManager",
     "SinkFullAttentionManager",
     "SlidingWindowManager",

@@ -15,11 +15,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from math import gcd
+from typing import cast
 
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.kv_cache_utils import BlockHashList, KVCacheBlock
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
+from vllm.v1.core.kv_cache_utils import BlockHashList, KVCacheBlock, trim_null_head
+from vllm.v1.core.prefix_retention import check_retention_interval
+from vllm.v1.kv_cache_interface import AttentionSpec, CircularBufferSpec, KVCacheSpec
 from vllm.v1.request import Request
 
 
@@ -64,7 +66,10 @@ class SingleTypeKVCacheManager(ABC):
     """Block tables of one KV cache group, for one kind of attention layer.
 
     ``block_size`` is in tokens; with decode / prefill context parallelism one logical block
-    covers ``block_size * dcp_world_size * pcp_world_size`` tokens.
+    covers ``block_size * dcp_world_size * pcp_world_size`` tokens. ``scheduler_block_size``
+    (tokens, a multiple of ``block_size``; defaults to it) is the scheduling granularity of all
+    groups. ``needs_kv_cache_zeroing``: the worker zeroes fresh pages, so attention managers
+    list their ids (:meth:`take_new_block_ids`).
     ``max_admission_blocks_per_request`` (pages) caps what the admission check reserves for one
     request; only managers that recycle pages while a request runs (sliding window, chunked
     local) get one.
@@ -76,8 +81,10 @@ class SingleTypeKVCacheManager(ABC):
         block_pool: BlockPool,
         enable_caching: bool,
         kv_cache_group_id: int,
+        scheduler_block_size: int | None = None,
         dcp_world_size: int = 1,
         pcp_world_size: int = 1,
+        needs_kv_cache_zeroing: bool = False,
         max_admission_blocks_per_request: int | None = None,
     ) -> None:
         self.kv_cache_spec = kv_cache_spec
@@ -87,6 +94,23 @@ class SingleTypeKVCacheManager(ABC):
         self.dcp_world_size = dcp_world_size
         self.pcp_world_size = pcp_world_size
         self.block_size = kv_cache_spec.block_size * dcp_world_size * pcp_world_size
+        if scheduler_block_size is None:
+            scheduler_block_size = self.block_size
+        if scheduler_block_size <= 0 or scheduler_block_size % self.block_size:
+            raise ValueError(
+                f"scheduler_block_size: expected a positive multiple of block_size "
+                f"{self.block_size} (tokens), got {scheduler_block_size}"
+            )
+        self.scheduler_block_size = scheduler_block_size
+        # Pages of a ring are never read before their own request writes them.
+        self._record_new_block_ids = (
+            needs_kv_cache_zeroing
+            and isinstance(kv_cache_spec, AttentionSpec)
+            and not isinstance(kv_cache_spec, CircularBufferSpec)
+        )
+        # Whether this group's hits drop the last page for the EAGLE drafter (set by the
+        # coordinator).
+        self.use_eagle = False
         self._max_admission_blocks_per_request = max_admission_blocks_per_request
         self._null_block = block_pool.null_block
         # request id -> its pages, index i covering tokens [i * block_size, (i+1) * block_size).
@@ -98,14 +122,16 @@ class SingleTypeKVCacheManager(ABC):
         # engine can zero them before use.
         self.new_block_ids: list[int] = []
 
+    @property
+    def max_admission_blocks_per_request(self) -> int | None:
+        """The admission cap (pages) of one request; None: none."""
+        return self._max_admission_blocks_per_request
+
     @staticmethod
     def _get_num_evictable_blocks(blocks: Sequence[KVCacheBlock]) -> int:
         """Pages that sit in the free queue (cached, unreferenced): touching them takes them
         out of the free count just like a fresh allocation."""
         return sum(1 for b in blocks if b.ref_cnt == 0 and not b.is_null)
-
-    def _records_new_blocks(self) -> bool:
-        return type(self.kv_cache_spec) is FullAttentionSpec
 
     def get_num_blocks_to_allocate(
         self,
@@ -113,15 +139,19 @@ class SingleTypeKVCacheManager(ABC):
         num_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock],
         total_computed_tokens: int,
+        num_local_computed_tokens: int,
         num_tokens_main_model: int,
         apply_admission_cap: bool = False,
+        prefill_end: int = 0,
     ) -> int:
         """Free pages that allocating ``num_tokens`` token slots (already held ones included)
         would consume, counting prefix-hit pages that must leave the free queue.
 
-        ``total_computed_tokens`` counts local and connector (external) hits;
-        ``num_tokens_main_model`` excludes speculative lookahead tokens (unused here).
-        ``apply_admission_cap`` clamps the need at ``max_admission_blocks_per_request``."""
+        ``total_computed_tokens`` counts local and connector (external) hits,
+        ``num_local_computed_tokens`` the local ones; ``num_tokens_main_model`` excludes
+        speculative lookahead tokens and ``prefill_end`` is where the prompt's prefill ends
+        (both unused here). ``apply_admission_cap`` clamps the need at
+        ``max_admission_blocks_per_request``."""
         num_required = cdiv(num_tokens, self.block_size)
         cap = self._max_admission_blocks_per_request
         if apply_admission_cap and cap is not None:
@@ -212,7 +242,7 @@ class SingleTypeKVCacheManager(ABC):
             return
         fresh = self.block_pool.get_new_blocks(num_new)
         req_blocks.extend(fresh)
-        if record_for_zeroing and self._records_new_blocks():
+        if record_for_zeroing and self._record_new_block_ids:
             self.new_block_ids.extend(b.block_id for b in fresh)
 
     def allocate_new_blocks(
@@ -226,9 +256,14 @@ class SingleTypeKVCacheManager(ABC):
             return []
         fresh = self.block_pool.get_new_blocks(num_new)
         req_blocks.extend(fresh)
-        if self._records_new_blocks():
+        if self._record_new_block_ids:
             self.new_block_ids.extend(b.block_id for b in fresh)
         return fresh
+
+    @property
+    def records_new_block_ids(self) -> bool:
+        """True when this manager lists its fresh pages for the worker to zero."""
+        return self._record_new_block_ids
 
     def take_new_block_ids(self) -> list[int]:
         """The ids of the pages handed out since the last call (and forget them)."""
@@ -236,19 +271,39 @@ class SingleTypeKVCacheManager(ABC):
         return ids
 
     def cache_blocks(
-        self, request: Request, num_tokens: int, alignment_tokens: int | None = None
+        self,
+        request: Request,
+        num_tokens: int,
+        retention_interval: int | None = None,
+        *,
+        replay_boundaries: Sequence[int] = (),
+        alignment_tokens: int | None = None,
     ) -> None:
         """Publish the request's full pages among its first ``num_tokens`` tokens in the prefix
         cache. ``alignment_tokens``: the hit granularity of the coordinator (tokens); managers
-        whose hits use only some pages of each aligned segment publish only those."""
+        whose hits use only some pages of each aligned segment publish only those.
+        ``retention_interval`` (tokens, a multiple of ``scheduler_block_size``; None: dense)
+        and ``replay_boundaries`` (token positions a replay can resume at) are upstream's
+        sparse-checkpoint controls: every full page is published here, which is the dense
+        policy and a superset of the sparse one."""
+        check_retention_interval(retention_interval, self.scheduler_block_size)
+        if not self.kv_cache_spec.prefix_cacheable:
+            return
         request_id = request.request_id
         num_cached = self.num_cached_block.get(request_id, 0)
         num_full = num_tokens // self.block_size
         if num_full <= num_cached:
             return
-        block_mask = None
-        if alignment_tokens is not None and alignment_tokens > self.block_size:
-            block_mask = self._cache_block_mask(num_cached, num_full, alignment_tokens)
+        block_mask = self.reachable_block_mask(
+            start_block=num_cached,
+            end_block=num_full,
+            alignment_tokens=alignment_tokens or self.scheduler_block_size,
+            kv_cache_spec=self.kv_cache_spec,
+            use_eagle=self.use_eagle,
+            retention_interval=retention_interval,
+            reachable_boundaries=replay_boundaries,
+            dcp_world_size=self.dcp_world_size,
+        )
         self.block_pool.cache_full_blocks(
             request=request,
             blocks=self.req_to_blocks[request_id],
@@ -260,18 +315,37 @@ class SingleTypeKVCacheManager(ABC):
         )
         self.num_cached_block[request_id] = num_full
 
-    def _cache_block_mask(
-        self, num_cached_blocks: int, num_full_blocks: int, alignment_tokens: int
+    @classmethod
+    def reachable_block_mask(
+        cls,
+        start_block: int,
+        end_block: int,
+        alignment_tokens: int | None,
+        kv_cache_spec: KVCacheSpec,
+        use_eagle: bool,
+        retention_interval: int | None = None,
+        reachable_boundaries: Sequence[int] = (),
+        dcp_world_size: int = 1,
+        final_segment_end_block: int | None = None,
     ) -> list[bool] | None:
-        """Which of pages ``[num_cached_blocks, num_full_blocks)`` to publish; None: all."""
+        """Which of pages ``[start_block, end_block)`` a later hit can use, so only those are
+        published; None: all of them. Hits end on ``alignment_tokens`` boundaries (tokens);
+        ``retention_interval`` (tokens; None: every boundary, 0: none) thins them, and
+        ``reachable_boundaries`` (token positions) are kept anyway. Every page of a kind whose
+        hit reads the whole prefix is reachable (this default)."""
         return None
+
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        """Forget the request and return its pages, leading null pages left out, without
+        freeing them: the caller frees them, tail first (an unknown id gives [])."""
+        self.num_cached_block.pop(request_id, None)
+        # A list in, a list out (the table itself when it has no null head).
+        return cast(list[KVCacheBlock], trim_null_head(self.req_to_blocks.pop(request_id, [])))
 
     def free(self, request_id: str) -> None:
         """Release every page of the request (an unknown id is a no-op: aborted before any
         allocation). Tail pages go back first so they are evicted before the shared head."""
-        req_blocks = self.req_to_blocks.pop(request_id, [])
-        self.block_pool.free_blocks(reversed(req_blocks))
-        self.num_cached_block.pop(request_id, None)
+        self.block_pool.free_blocks(reversed(self.pop_blocks_for_free(request_id)))
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
         """Leading pages shared by every request holding pages (for cascade attention); 0 for
@@ -287,29 +361,41 @@ class SingleTypeKVCacheManager(ABC):
         kv_cache_group_ids: list[int],
         block_pool: BlockPool,
         kv_cache_spec: KVCacheSpec,
-        use_eagle: bool,
+        drop_eagle_block: bool,
         alignment_tokens: int,
         dcp_world_size: int = 1,
         pcp_world_size: int = 1,
-    ) -> tuple[list[KVCacheBlock], ...]:
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         """The cached pages of the longest usable prefix of at most ``max_length`` tokens whose
         length is a multiple of ``alignment_tokens``, one list per group of
         ``kv_cache_group_ids`` (all groups hit together), with null pages where the kind needs
-        no page. With ``use_eagle`` the last hit page is dropped so the drafter recomputes it."""
+        no page, and the hit length (tokens). With ``drop_eagle_block`` the last hit page is
+        dropped so the drafter recomputes it."""
 
-    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
-        """Return the pages no later token attends to (after ``total_computed_tokens`` local
-        and external tokens) to the pool, replacing them by null pages."""
-        num_skipped = self.get_num_skipped_tokens(total_computed_tokens)
+    def remove_skipped_blocks(
+        self,
+        request_id: str,
+        processed_computed_tokens: int,
+        num_prompt_tokens: int | None = None,
+    ) -> None:
+        """Return the pages no later token attends to (after ``processed_computed_tokens``
+        committed local and external tokens) to the pool, replacing them by null pages.
+        ``num_prompt_tokens`` is for kinds that free a middle range (R-SWA); unused here."""
+        num_skipped = self.get_num_skipped_tokens(processed_computed_tokens)
+        if num_skipped > 0:
+            self._remove_blocks_in_range(request_id, 0, num_skipped // self.block_size)
+
+    def _remove_blocks_in_range(self, request_id: str, first: int, last: int) -> None:
+        """Free pages ``[first, last)`` of the request, replacing them by null pages. Walks
+        back from ``last`` and stops at a null page: earlier calls nulled everything before it.
+        The range may reach past the pages allocated so far (connector tokens)."""
         blocks = self.req_to_blocks.get(request_id)
-        if num_skipped <= 0 or not blocks:
+        if not blocks:
             return
-        # The window may reach past the pages allocated so far (connector tokens).
-        num_skipped_blocks = min(num_skipped // self.block_size, len(blocks))
         removed: list[KVCacheBlock] = []
-        for i in range(num_skipped_blocks - 1, -1, -1):
+        for i in range(min(last, len(blocks)) - 1, first - 1, -1):
             if blocks[i].is_null:
-                break  # earlier calls already nulled everything before this page
+                break
             removed.append(blocks[i])
             blocks[i] = self._null_block
         self.block_pool.free_blocks(removed)

@@ -1,0 +1,1 @@
+"""HiSparse: sparse-MLA KV with its full history in a host pool (planning side)."""
