@@ -14,7 +14,6 @@ import torch
 
 import vllm.utils.torch_runtime as torch_runtime
 import vllm.utils.torch_utils as torch_utils
-from vllm.platforms import CudaPlatform
 from vllm.utils.torch_runtime import (
     OMP_NUM_THREADS_SET_BY_VLLM,
     PIN_MEMORY,
@@ -230,7 +229,7 @@ def test_guard_cuda_initialization_is_a_no_op_off_cuda() -> None:
 def test_guard_cuda_initialization_on_cuda(
     monkeypatch: pytest.MonkeyPatch, previous: str | None
 ) -> None:
-    monkeypatch.setattr(torch_runtime, "current_platform", CudaPlatform())
+    monkeypatch.setattr(torch_runtime, "on_cuda", lambda: True)
     if previous is None:
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:
@@ -386,7 +385,7 @@ def test_dedicated_stream_waits_for_the_replaced_one(monkeypatch: pytest.MonkeyP
     stream torch had as current (work queued there runs first) before it becomes current."""
     events: list[tuple[str, object]] = []
     previous = object()
-    monkeypatch.setattr(torch_runtime, "current_platform", CudaPlatform())
+    monkeypatch.setattr(torch_runtime, "on_cuda", lambda: True)
     monkeypatch.setattr(torch.cuda, "Stream", lambda: _FakeStream(events))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: previous)
     monkeypatch.setattr(torch_runtime, "_torch_set_stream", lambda s: events.append(("set", s)))

@@ -10,6 +10,7 @@ from typing import Any, Literal, Protocol, TypeVar, get_args, overload, runtime_
 
 import torch
 
+from vllm.config.kv_cache_layout import KVCacheLayout, layout_from_name
 from vllm.kv_quant.encoding import ENCODING_GRAMMAR, ENCODING_OPTION, KVCacheEncoding
 from vllm.kv_quant.formats import (
     KVCacheFormat,
@@ -222,6 +223,10 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     hash_block_size: int | None = None
     """Tokens per block hash when groups have different block sizes (None: their gcd)."""
+    kv_cache_layout: str | None = field(default=None, init=False)
+    """The resolved physical layout (a ``KVCacheLayout`` name; ``NHD`` / ``HND`` accepted), set
+    once by :func:`~vllm.v1.attention.backends.utils.resolve_kv_cache_layout` or by the user;
+    ``None`` until then."""
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int):
@@ -260,3 +265,12 @@ class CacheConfig:
                 "kv_cache_dtype_skip_layers: expected a list of layer kinds or names, "
                 f"got {self.kv_cache_dtype_skip_layers!r}"
             )
+
+    def get_resolved_kv_cache_layout(self) -> KVCacheLayout:
+        """The layout :attr:`kv_cache_layout` names; ``ValueError`` while it is unresolved."""
+        if self.kv_cache_layout is None:
+            raise ValueError(
+                "kv_cache_layout: expected a resolved layout (resolve_kv_cache_layout runs once "
+                "before the cache is planned, or set it), got None"
+            )
+        return layout_from_name(self.kv_cache_layout, "kv_cache_layout")

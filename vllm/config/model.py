@@ -6,7 +6,9 @@ Nothing here loads a model or reaches a hub: ``model`` is a name kept for displa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
 
 __all__ = ["ModelConfig"]
 
@@ -24,6 +26,9 @@ class ModelConfig:
     max_model_len: int | None = None
     original_max_model_len: int | None = None
     is_encoder_decoder: bool = False
+    hf_config: Any = field(default_factory=SimpleNamespace)
+    """The model's Hugging Face config values that planning reads (e.g. ``index_topk`` of
+    sparse MLA models), as attributes; upstream holds the whole loaded config here."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str):

@@ -3,15 +3,14 @@ CPU (chosen once, at import)."""
 
 from __future__ import annotations
 
-import torch
-
 from vllm.platforms.cpu import CpuPlatform
 from vllm.platforms.cuda import CudaPlatform
 from vllm.platforms.interface import CpuArchEnum, DeviceCapability, Platform
+from vllm.utils.torch_runtime import on_cuda
 
 
 def _detect() -> Platform:
-    return CudaPlatform() if torch.cuda.is_available() else CpuPlatform()
+    return CudaPlatform() if on_cuda() else CpuPlatform()
 
 
 current_platform: Platform = _detect()

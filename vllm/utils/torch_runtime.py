@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm.platforms import current_platform
 from vllm.utils import check_device, check_positive_int
 
 logger = logging.getLogger(__name__)
@@ -34,6 +33,12 @@ _PROC_SELF_CGROUP = Path("/proc/self/cgroup")
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 _logged: set[tuple[int, str, tuple[object, ...]]] = set()
+
+
+def on_cuda() -> bool:
+    """Whether this process runs on CUDA: torch sees a CUDA device (the one rule by which
+    :data:`vllm.platforms.current_platform` is chosen too)."""
+    return torch.cuda.is_available()
 
 
 def _log_once(level: int, msg: str, *args: object) -> None:
@@ -191,7 +196,7 @@ def guard_cuda_initialization() -> Iterator[None]:
     nothing. Like upstream's, it turns any error of the block into a ``RuntimeError`` (torch's
     "No CUDA GPUs are available" into "CUDA initialization is blocked."), chained to it.
     """
-    if not current_platform.is_cuda():
+    if not on_cuda():
         yield
         return
     previous = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -208,9 +213,7 @@ def guard_cuda_initialization() -> Iterator[None]:
             os.environ["CUDA_VISIBLE_DEVICES"] = previous
 
 
-PIN_MEMORY: bool = (
-    current_platform.is_cuda() and "microsoft" not in platform.uname().release.lower()
-)
+PIN_MEMORY: bool = on_cuda() and "microsoft" not in platform.uname().release.lower()
 """Whether host staging buffers are pinned: on CUDA, except under WSL, whose pinned memory
 upstream leaves off by default (the CPU platform has no pinned memory)."""
 
@@ -333,7 +336,7 @@ def current_stream() -> torch.cuda.Stream | _HostStream:
     """
     stream = getattr(_current_stream, "value", None)
     if stream is None:
-        if current_platform.is_cuda():
+        if on_cuda():
             dedicated = torch.cuda.Stream()
             # Work already queued on the stream torch has as current must run first.
             dedicated.wait_stream(torch.cuda.current_stream())
@@ -352,6 +355,6 @@ def aux_stream() -> torch.cuda.Stream | None:
     (upstream: MoE shared experts), created on first use; one for all callers keeps the stream
     count and profiles small. ``None`` on a platform without CUDA streams."""
     global _aux_stream
-    if _aux_stream is None and current_platform.is_cuda():
+    if _aux_stream is None and on_cuda():
         _aux_stream = torch.cuda.Stream()
     return _aux_stream

@@ -31,6 +31,8 @@ from vllm.utils import check_device
 if TYPE_CHECKING:
     from vllm.kv_quant.scale_layout import ScaleLayout
     from vllm.v1.attention.backends.utils import KVCacheLayoutType
+    from vllm.v1.kv_cache_interface import AttentionSpec
+    from vllm.v1.kv_cache_layout import KVCacheLayout
 
 __all__ = [
     "FEATURE_HOOKS",
@@ -332,6 +334,29 @@ class AttentionBackend(ABC):
     ) -> str | None:
         """The layout the backend needs on this device, or ``None`` when either works."""
         return None
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...] | None:
+        """The whole-cache layouts (upstream v0.33's ``KVCacheLayout``) the backend reads on
+        this host's device, most preferred first; ``None`` when any works. Derived from
+        :meth:`get_required_kv_cache_layout`: a required block interior keeps the block-compact
+        layouts that have it."""
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        required = cls.get_required_kv_cache_layout(get_device_capability(device))
+        if required is None:
+            return None
+        return tuple(
+            m for m in KVCacheLayout if m.is_block_compact and m.block_interior == required
+        )
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        """The layer's spec as this backend stores it (upstream v0.33's hook). Unchanged here:
+        a spec's encoding already sizes everything its pages hold (per-token-head scales, NVFP4
+        block scales, sink rows)."""
+        return spec
 
     @classmethod
     def get_nvfp4_scale_layout(cls, block_size: int, head_size: int) -> ScaleLayout:

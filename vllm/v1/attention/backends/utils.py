@@ -8,12 +8,26 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
-from typing import Literal, get_args
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Literal, Protocol, get_args
 
 import torch
 
 from vllm.kv_quant.index_tensor import check_integer_tensor
+from vllm.v1.kv_cache_layout import KVCacheLayout, layout_from_name
+
+if TYPE_CHECKING:
+    from vllm.config import CacheConfig, VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheSpec
+
+
+class DeclaresLayouts(Protocol):
+    """What :func:`get_supported_kv_cache_layouts` asks of a backend class."""
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> Sequence[KVCacheLayout] | None: ...
+
 
 KVCacheLayoutType = Literal["NHD", "HND"]
 """Physical order of one page side: ``NHD`` = token-major ``[N][H][D]``, ``HND`` = head-major."""
@@ -42,13 +56,17 @@ def get_kv_cache_layout() -> KVCacheLayoutType:
     """The KV-cache layout in effect.
 
     Order of precedence: :func:`set_kv_cache_layout` / :func:`kv_cache_layout` (code), then the
-    ``VLLM_KV_CACHE_LAYOUT`` environment variable (read on every call), then ``"NHD"``.
+    ``VLLM_KV_CACHE_LAYOUT`` environment variable (read on every call; a v0.33 layout name
+    gives its block interior, :func:`get_flashinfer_layout_string`), then ``"NHD"``.
     """
     if _layout_override is not None:
         return _layout_override
     env = os.environ.get(KV_CACHE_LAYOUT_ENV)
     if env:
-        return validate_kv_cache_layout(env, KV_CACHE_LAYOUT_ENV)
+        # v0.33's names (LBHNC, ...) name the whole layout; a page side's order is its interior.
+        return validate_kv_cache_layout(
+            layout_from_name(env, KV_CACHE_LAYOUT_ENV).block_interior, KV_CACHE_LAYOUT_ENV
+        )
     return DEFAULT_KV_CACHE_LAYOUT
 
 
@@ -69,6 +87,115 @@ def kv_cache_layout(layout: str) -> Iterator[KVCacheLayoutType]:
         yield new
     finally:
         _layout_override = previous
+
+
+DEFAULT_LAYOUT_PREFERENCE = (
+    KVCacheLayout.LBNHC,
+    KVCacheLayout.LBHNC,
+    KVCacheLayout.BLNHC,
+    KVCacheLayout.BLHNC,
+    KVCacheLayout.BHLNC,
+    KVCacheLayout.LHBNC,
+)
+"""The layouts of a worker whose backends declare none, most preferred first (NHD first)."""
+
+
+def get_flashinfer_layout_string(layout: KVCacheLayout) -> str:
+    """``layout``'s block interior in FlashInfer's names (``"NHD"`` / ``"HND"``)."""
+    return layout.block_interior
+
+
+def get_supported_kv_cache_layouts(
+    backends: Iterable[type[DeclaresLayouts]],
+) -> list[KVCacheLayout]:
+    """The layouts every backend of a worker supports, most preferred first: a backend's
+    ``supported_kv_cache_layouts()`` (``None``: any) in its order when all that declare agree,
+    else those in every declaration, by how many put each first (ties in enum order);
+    :data:`DEFAULT_LAYOUT_PREFERENCE` when none declares. ``ValueError`` when none is common."""
+    declared = [
+        layouts for backend in backends if (layouts := backend.supported_kv_cache_layouts())
+    ] or [DEFAULT_LAYOUT_PREFERENCE]
+    if all(tuple(layouts) == tuple(declared[0]) for layouts in declared):
+        return list(declared[0])
+    firsts = Counter(layouts[0] for layouts in declared)
+    common = set.intersection(*(set(layouts) for layouts in declared))
+    ranked = sorted((m for m in KVCacheLayout if m in common), key=lambda m: -firsts[m])
+    if not ranked:
+        names = [[m.name for m in layouts] for layouts in declared]
+        raise ValueError(f"backends: expected a KV-cache layout they all support, got {names}")
+    return ranked
+
+
+def record_kv_cache_layout(cache_config: CacheConfig, layout_name: str) -> None:
+    """Adopt a layout resolved elsewhere (the engine core); changing a resolved one raises."""
+    layout = layout_from_name(layout_name, "layout_name")
+    if cache_config.kv_cache_layout not in (None, layout.name):
+        raise ValueError(
+            f"layout_name: expected the resolved layout {cache_config.kv_cache_layout}, got "
+            f"{layout.name}"
+        )
+    cache_config.kv_cache_layout = layout.name
+
+
+def resolve_kv_cache_layout(
+    vllm_config: VllmConfig,
+    supported_layouts: list[list[str]],
+    kv_cache_specs: Iterable[KVCacheSpec] | None = None,
+) -> KVCacheLayout:
+    """The one layout of the model's caches, recorded on ``vllm_config.cache_config``.
+
+    A layout already there wins. Otherwise ``supported_layouts`` holds each worker's list
+    (:func:`get_supported_kv_cache_layouts` names, most preferred first; all workers must
+    report the same). Specs with per-layer views whose pages differ in heads, states or bytes
+    keep only block-compact layouts (each layer's page one run of bytes); sharded and
+    replicated attention caches of different page sizes (a DCP target and its draft) keep only
+    block-outermost ones. ``VLLM_KV_CACHE_LAYOUT`` (or :func:`set_kv_cache_layout`) must then
+    name a candidate; otherwise the first candidate is taken. Unlike upstream, no KV connector
+    here asks for a layout."""
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    cache_config = vllm_config.cache_config
+    if cache_config.kv_cache_layout is not None:
+        return cache_config.get_resolved_kv_cache_layout()
+    if not supported_layouts or not all(supported_layouts):
+        raise ValueError(
+            f"supported_layouts: expected each worker's non-empty list, got {supported_layouts}"
+        )
+    if any(names != supported_layouts[0] for names in supported_layouts):
+        raise ValueError(
+            f"supported_layouts: expected every worker to report the same layouts, got "
+            f"{supported_layouts}"
+        )
+    candidates = [layout_from_name(n, "supported_layouts") for n in supported_layouts[0]]
+    specs = [spec for spec in kv_cache_specs or () if spec.has_layer_views]
+    if len({(s.num_heads, s.num_states, s.page_size_bytes) for s in specs}) > 1:
+        candidates = [m for m in candidates if m.is_block_compact]
+        if not candidates:
+            raise ValueError(
+                "supported_layouts: specs whose pages differ need a block-compact layout, got "
+                f"{supported_layouts[0]}"
+            )
+    sharding = {
+        s.dcp_sharded for s in specs if isinstance(s, AttentionSpec) and s.uses_slot_mapping
+    }
+    if len(sharding) > 1 and len({s.page_size_bytes for s in specs}) > 1:
+        candidates = [m for m in candidates if m.is_block_outermost]
+        if not candidates:
+            raise ValueError(
+                "supported_layouts: sharded and replicated caches of different page sizes need "
+                f"a block-outermost layout, got {supported_layouts[0]}"
+            )
+    requested = _layout_override or os.environ.get(KV_CACHE_LAYOUT_ENV)
+    layout = candidates[0]
+    if requested:
+        layout = layout_from_name(requested, KV_CACHE_LAYOUT_ENV)
+        if layout not in candidates:
+            raise ValueError(
+                f"{KV_CACHE_LAYOUT_ENV}: expected one of {[m.name for m in candidates]}, got "
+                f"{requested}"
+            )
+    cache_config.kv_cache_layout = layout.name
+    return layout
 
 
 def map_to_kernel_blocks(block_table: torch.Tensor, blocks_per_kv_block: int) -> torch.Tensor:
