@@ -222,7 +222,8 @@ def test_cpu_worker_stores_and_loads_through_submit_calls() -> None:
             assert torch.equal(got[2 * page : 3 * page], want[2 * page : 3 * page])
     finally:
         worker.shutdown()
-    with pytest.raises(ValueError, match="canonical_layout: expected False"):
+    # The canonical host layout needs every data reference's canonical mapping.
+    with pytest.raises(ValueError, match="ref: expected a CanonicalKVCacheRef with a mapping"):
         CPUOffloadingWorker(kv, 1, 4, canonical_layout=True)
 
 

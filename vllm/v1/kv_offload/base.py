@@ -35,6 +35,8 @@ from vllm.v1.kv_offload.canonical import (
     CanonicalKVCacheRef,  # noqa: F401
     CanonicalKVCaches,
     CanonicalKVCacheTensor,  # noqa: F401
+    CanonicalPageMapping,  # noqa: F401
+    CopyRun,  # noqa: F401
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 

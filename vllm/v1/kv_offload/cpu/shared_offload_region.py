@@ -8,17 +8,20 @@ after the other (:meth:`SharedOffloadRegion.create_next_worker_view`). The first
 creates and sizes the file (``O_EXCL``); the others wait for its size, then map it. With a
 ``barrier`` (every worker of the engine reaches it), the creator unlinks the file once all
 have mapped it, so the memory goes back when the last mapping does, however workers exit.
+A large region may be split by rows into several files (``.1``, ``.2``, ... after the first
+one) mapped back to back into one contiguous range, so each file faults in on its own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import logging
 import mmap
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -28,6 +31,11 @@ logger = logging.getLogger(__name__)
 
 # madvise(MADV_POPULATE_WRITE) (Linux 5.14+): fault the pages in now, writable.
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_MAP_FIXED = getattr(mmap, "MAP_FIXED", 0x10)
+
+# Faulting one file in is bound by one kernel lock per file; a segment file of at least
+# this many bytes is worth its own file (pre-faulted in parallel by the workers).
+_MIN_SEGMENT_BYTES = 1 << 30
 
 
 class RegionOverflowError(ValueError, AssertionError):
@@ -98,8 +106,9 @@ class SharedOffloadRegion:
     count)`` pre-faults only the ``index``-th of ``count`` contiguous row ranges instead (every
     worker maps the same bytes, so they share the faulting); the barrier is then reached a
     second time, after pre-faulting. ``creator_memory_check(total bytes)`` runs in the
-    creating process before the file is sized (it may raise). ``num_segments`` is accepted as
-    upstream's: this library backs the region with a single file.
+    creating process before the file is sized (it may raise). ``num_segments`` splits the rows
+    over at most that many files of at least ``_MIN_SEGMENT_BYTES`` each (mapped back to back,
+    so the region stays one contiguous range); workers start pre-faulting on different files.
     """
 
     BLOCK_SIZE_ALIGNMENT: int = mmap.PAGESIZE
@@ -127,8 +136,14 @@ class SharedOffloadRegion:
         self._row_stride = kv_bytes_per_chunk
         self.total_size_bytes = num_chunks * kv_bytes_per_chunk
         self.mmap_path = f"/dev/shm/vllm_offload_{engine_id}.mmap"
+        self.page_size = mmap.PAGESIZE
+        self._segments = _plan_segments(
+            self.mmap_path, num_chunks, kv_bytes_per_chunk, num_segments
+        )
+        """``(path, byte offset in the region, length in bytes)`` of each backing file."""
         self._worker_offset = (rank or 0) * cpu_page_size  # next view's cell offset
         self._worker_area_end = self._worker_offset + cpu_page_size
+        self._canonical_offset = 0  # next canonical view's offset in every row
         self._creator = False
         self.fd: int | None = None
         self.mmap_obj: mmap.mmap | None = None
@@ -171,7 +186,8 @@ class SharedOffloadRegion:
             self.fd = os.open(self.mmap_path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         except FileExistsError:
             self.fd = os.open(self.mmap_path, os.O_RDWR)
-            _wait_for_file_size(self.fd, self.total_size_bytes)
+            # The creator sizes the first file last: the others are sized by then.
+            _wait_for_file_size(self.fd, self._segments[0][2])
         else:
             # Owned from here: a failure below unlinks it, so joiners do not wait on a stub.
             self._creator = True
@@ -181,20 +197,53 @@ class SharedOffloadRegion:
                 self.total_size_bytes,
                 allocation_name="CPU KV offload shared region in /dev/shm",
             )
-            os.ftruncate(self.fd, self.total_size_bytes)
+            for path, _, length in self._segments[1:]:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                try:
+                    os.ftruncate(fd, length)
+                finally:
+                    os.close(fd)
+            os.ftruncate(self.fd, self._segments[0][2])
+        single = len(self._segments) == 1
+        # Several files: reserve one private range, then map each file over its part.
         self.mmap_obj = mmap.mmap(
-            self.fd,
+            self.fd if single else -1,
             self.total_size_bytes,
-            flags=mmap.MAP_SHARED,
+            flags=mmap.MAP_SHARED if single else mmap.MAP_PRIVATE,
             prot=mmap.PROT_READ | mmap.PROT_WRITE,
         )
+        if not single:
+            self._map_segments()
+
+    def _map_segments(self) -> None:
+        """Map each segment file (``MAP_FIXED``) over its part of the reserved range."""
+        assert self.mmap_obj is not None and self.fd is not None
+        base = _buffer_address(self.mmap_obj)
+        libc_mmap = _libc_mmap()
+        for path, offset, length in self._segments:
+            fd = self.fd if offset == 0 else os.open(path, os.O_RDWR)
+            try:
+                address = libc_mmap(
+                    base + offset,
+                    length,
+                    mmap.PROT_READ | mmap.PROT_WRITE,
+                    mmap.MAP_SHARED | _MAP_FIXED,
+                    fd,
+                    0,
+                )
+            finally:
+                if fd != self.fd:
+                    os.close(fd)
+            if address != base + offset:
+                raise OSError(ctypes.get_errno(), f"mmap of segment file {path} failed")
 
     def _unlink(self) -> None:
         """Remove the file if this mapping created it (the mappings stay valid)."""
         if self._creator:
             self._creator = False
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.mmap_path)
+            for path, _, _ in self._segments:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
 
     def _prefault(self, populate_shard: tuple[int, int] | None) -> None:
         """Fault in this worker's part: a page-rounded contiguous share of the file with
@@ -213,10 +262,32 @@ class SharedOffloadRegion:
         if self.rank is None:
             populate(self.mmap_obj, 0, self.total_size_bytes)
             return
-        for row in range(self.num_chunks):
-            start = row * self._row_stride + self._worker_offset
+        for offset, length in self.iter_worker_slot_ranges():
+            populate(self.mmap_obj, offset, length)
+
+    def iter_worker_slot_ranges(self) -> Iterator[tuple[int, int]]:
+        """This worker's cell of every row as a page-aligned ``(offset, length)`` byte range.
+        With several segment files, workers start on different rows (spread over the files)
+        and wrap around, so they fault different files in at once."""
+        if self.rank is None:
+            raise ValueError("iter_worker_slot_ranges: needs a region opened with a rank")
+        page = self.page_size
+        cell = self.rank * self.cpu_page_size
+        first = 0
+        if len(self._segments) > 1:
+            first = self.rank * self.num_chunks // (self._row_stride // self.cpu_page_size)
+        for i in range(self.num_chunks):
+            start = (first + i) % self.num_chunks * self._row_stride + cell
             aligned = start - start % page
-            populate(self.mmap_obj, aligned, start + self.cpu_page_size - aligned)
+            end = -(-(start + self.cpu_page_size) // page) * page
+            yield aligned, end - aligned
+
+    @property
+    def base_tensor(self) -> torch.Tensor:
+        """The whole region as a flat ``int8`` tensor (bytes); ``RuntimeError`` once cleaned up."""
+        if self._base is None:
+            raise RuntimeError("base_tensor: the shared offload region is cleaned up")
+        return self._base
 
     def create_next_worker_view(self, tensor_page_size: int) -> torch.Tensor:
         """The next canonical tensor's pages in this worker's cells: an ``int8`` tensor
@@ -237,6 +308,30 @@ class SharedOffloadRegion:
             self._worker_offset,
         )
         self._worker_offset = end
+        self._views.append(view)
+        return view
+
+    def create_next_canonical_view(self, tensor_page_size: int) -> torch.Tensor:
+        """The next canonical tensor's pages, at the same bytes for every worker (the
+        canonical host layout: each worker writes its own fragments of them): an ``int8``
+        tensor ``[num_chunks, tensor_page_size]`` with strides ``(row stride, 1)``, placed
+        right after the previous canonical view's bytes from the start of each row (bytes).
+        Use instead of :meth:`create_next_worker_view`, not with it."""
+        if self._base is None:
+            raise ValueError("create_next_canonical_view: the region is cleaned up")
+        end = self._canonical_offset + tensor_page_size
+        if tensor_page_size < 0 or end > self._row_stride:
+            raise RegionOverflowError(
+                f"tensor_page_size: a canonical view ending at byte {end} exceeds the "
+                f"{self._row_stride}-byte row"
+            )
+        view = torch.as_strided(
+            self._base,
+            (self.num_chunks, tensor_page_size),
+            (self._row_stride, 1),
+            self._canonical_offset,
+        )
+        self._canonical_offset = end
         self._views.append(view)
         return view
 
@@ -276,6 +371,42 @@ class SharedOffloadRegion:
             os.close(self.fd)
             self.fd = None
         self._unlink()
+
+
+def _plan_segments(
+    path: str, num_chunks: int, row_bytes: int, num_segments: int
+) -> list[tuple[str, int, int]]:
+    """Split ``num_chunks`` rows of ``row_bytes`` over at most ``num_segments`` files of at
+    least ``_MIN_SEGMENT_BYTES`` (whole rows, equal shares, the last one shorter):
+    ``(path, offset, length)`` in bytes; the first file keeps ``path``, the others get
+    ``.1``, ``.2``, ... appended."""
+    total = num_chunks * row_bytes
+    count = max(1, min(num_segments, total // _MIN_SEGMENT_BYTES))
+    rows = -(-num_chunks // count)
+    return [
+        (f"{path}.{i}" if i else path, row * row_bytes, min(rows, num_chunks - row) * row_bytes)
+        for i, row in enumerate(range(0, num_chunks, rows))
+    ]
+
+
+def _libc_mmap() -> Callable[..., int | None]:
+    """libc's ``mmap`` (Python's cannot map at a fixed address)."""
+    fn = ctypes.CDLL(None, use_errno=True).mmap
+    fn.restype = ctypes.c_void_p
+    fn.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    return fn
+
+
+def _buffer_address(region: mmap.mmap) -> int:
+    """Start address of ``region`` (the temporary buffer export ends on return)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(region))
 
 
 def _check_layout(

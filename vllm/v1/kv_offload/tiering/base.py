@@ -13,14 +13,17 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from vllm.v1.kv_offload.base import OffloadKey, ReqContext
+from vllm.v1.kv_offload.base import Medium, OffloadKey, ReqContext
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
+
+_MEDIUM_HIT_SOURCE = {Medium.CPU: CacheHitSource.HOST, Medium.STORAGE: CacheHitSource.DISK}
 
 JobId = int
 """Identifies one asynchronous transfer between the primary tier and a secondary tier."""
@@ -51,7 +54,18 @@ class SecondaryTierManager(ABC):
 
     The primary rows of a submitted job stay reserved (not evicted, not reused) until the job
     is reported finished.
+
+    ``medium``: where the tier keeps blocks (``None``: unknown, e.g. a remote store); hits it
+    serves count as ``cache_hit_source``, derived from ``medium`` unless a subclass sets it.
     """
+
+    medium: ClassVar[Medium | None] = None
+    cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.EXTERNAL_UNSPECIFIED
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "cache_hit_source" not in cls.__dict__ and cls.medium is not None:
+            cls.cache_hit_source = _MEDIUM_HIT_SOURCE[cls.medium]
 
     def __init__(
         self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview, tier_type: str

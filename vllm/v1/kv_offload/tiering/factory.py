@@ -1,12 +1,14 @@
-"""Secondary tiers by type name (upstream v0.22's ``kv_offload.tiering.factory``).
+"""Secondary tiers by type name (upstream v0.33's ``kv_offload.tiering.factory``).
 
-A tier config is a dict with ``"type"`` (a registered name) and keyword arguments for the
-tier's constructor; registered modules are imported when a tier of their type is created.
+A tier config is a dict with ``"type"`` (a registered name, or with ``"module_path"`` the name
+of a tier class in that module: an out-of-tree tier needs no registration) and keyword
+arguments for the tier's constructor; tier modules are imported when a tier is looked up.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -15,9 +17,29 @@ from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
 
+logger = logging.getLogger(__name__)
+
+# v0.22's tier type names of tiers registered under v0.33's.
+_TIER_ALIASES = {"fs_python": "fs"}
+
+
+class TierClassError(TypeError, AssertionError):
+    """A tier name resolves to something that is not a ``SecondaryTierManager`` subclass
+    (an ``AssertionError`` too, as upstream raises)."""
+
+
+def _tier_class(module_path: str, class_name: str) -> type[SecondaryTierManager]:
+    tier_cls = getattr(importlib.import_module(module_path), class_name)
+    if not (isinstance(tier_cls, type) and issubclass(tier_cls, SecondaryTierManager)):
+        raise TierClassError(
+            f"{module_path}.{class_name}: expected a SecondaryTierManager subclass, got "
+            f"{tier_cls!r}"
+        )
+    return tier_cls
+
 
 class SecondaryTierFactory:
-    """Tier type → lazily imported :class:`SecondaryTierManager` subclass."""
+    """Tier type -> lazily imported :class:`SecondaryTierManager` subclass."""
 
     _registry: dict[str, Callable[[], type[SecondaryTierManager]]] = {}
 
@@ -26,33 +48,38 @@ class SecondaryTierFactory:
         """Register ``module_path.class_name`` as ``tier_type`` (once; else ``ValueError``)."""
         if tier_type in cls._registry:
             raise ValueError(f"Tier '{tier_type}' is already registered.")
+        cls._registry[tier_type] = lambda: _tier_class(module_path, class_name)
 
-        def load() -> type[SecondaryTierManager]:
-            tier_cls = getattr(importlib.import_module(module_path), class_name)
-            if not (isinstance(tier_cls, type) and issubclass(tier_cls, SecondaryTierManager)):
-                raise TypeError(
-                    f"{module_path}.{class_name}: expected a SecondaryTierManager subclass"
-                )
-            return tier_cls
-
-        cls._registry[tier_type] = load
+    @classmethod
+    def get_tier_class(cls, tier_config: dict) -> type[SecondaryTierManager]:
+        """The class of the tier ``tier_config`` names: its registered ``"type"``, else class
+        ``"type"`` of module ``"module_path"`` (``ValueError`` without either)."""
+        tier_type = tier_config.get("type")
+        if not tier_type:
+            raise ValueError("Secondary tier configuration must include 'type'")
+        load = cls._registry.get(_TIER_ALIASES.get(tier_type, tier_type))
+        if load is not None:
+            return load()
+        module_path = tier_config.get("module_path")
+        if module_path is None:
+            raise ValueError(
+                f"Unknown secondary tier type: {tier_type!r}. Supported types: "
+                f"{list(cls._registry)}. For an out-of-tree tier, also set 'module_path'."
+            )
+        logger.info("loading out-of-tree secondary tier %r from %r", tier_type, module_path)
+        return _tier_class(module_path, tier_type)
 
     @classmethod
     def create_secondary_tier(
         cls, tier_config: dict, primary_kv_view: memoryview, offloading_spec: OffloadingSpec
     ) -> SecondaryTierManager:
-        """The tier ``tier_config`` describes, over the primary rows ``primary_kv_view``."""
+        """The tier ``tier_config`` describes, over the primary rows ``primary_kv_view``
+        (``tier_config`` is left as it is)."""
+        tier_cls = cls.get_tier_class(tier_config)
         kwargs: dict[str, Any] = dict(tier_config)
-        tier_type = kwargs.pop("type", None)
-        if not tier_type:
-            raise ValueError("Secondary tier configuration must include 'type'")
-        load = cls._registry.get(tier_type)
-        if load is None:
-            raise ValueError(
-                f"Unknown secondary tier type: {tier_type!r}. "
-                f"Supported types: {list(cls._registry)}"
-            )
-        return load()(
+        tier_type = kwargs.pop("type")
+        kwargs.pop("module_path", None)
+        return tier_cls(
             offloading_spec=offloading_spec,
             primary_kv_view=primary_kv_view,
             tier_type=tier_type,
@@ -64,7 +91,7 @@ SecondaryTierFactory.register_tier(
     "example", "vllm.v1.kv_offload.tiering.example.manager", "ExampleSecondaryTierManager"
 )
 SecondaryTierFactory.register_tier(
-    "fs_python", "vllm.v1.kv_offload.tiering.fs.manager", "FileSystemTierManager"
+    "fs", "vllm.v1.kv_offload.tiering.fs.manager", "FileSystemTierManager"
 )
 SecondaryTierFactory.register_tier(
     "mooncake", "vllm.v1.kv_offload.tiering.mooncake.manager", "MooncakeTierManager"

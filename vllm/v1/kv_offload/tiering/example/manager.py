@@ -8,9 +8,9 @@ are held; a key marked held without bytes (as a test may do) is loaded as a no-o
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
-from vllm.v1.kv_offload.base import OffloadKey, ReqContext
+from vllm.v1.kv_offload.base import Medium, OffloadKey, ReqContext
 from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult, SecondaryTierManager
 
 if TYPE_CHECKING:
@@ -21,6 +21,8 @@ logger = logging.getLogger(__name__)
 
 class ExampleSecondaryTierManager(SecondaryTierManager):
     """Blocks in process memory; ``custom_param`` shows how a tier config passes options."""
+
+    medium: ClassVar[Medium | None] = Medium.CPU
 
     def __init__(
         self,

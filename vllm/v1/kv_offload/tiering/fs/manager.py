@@ -13,9 +13,9 @@ import functools
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
-from vllm.v1.kv_offload.base import OffloadKey, ReqContext
+from vllm.v1.kv_offload.base import Medium, OffloadKey, ReqContext
 from vllm.v1.kv_offload.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult, SecondaryTierManager
 from vllm.v1.kv_offload.tiering.fs.block_file import BlockFileHeader
@@ -30,6 +30,8 @@ class FileSystemTierManager(SecondaryTierManager):
     """Blocks as files under ``root_dir``, copied by ``n_read_threads`` load-first and
     ``n_write_threads`` store-first threads. The folder's ``config.json`` records the settings
     its name is derived from; a ``root_dir`` that cannot hold it fails here (``OSError``)."""
+
+    medium: ClassVar[Medium | None] = Medium.STORAGE
 
     def __init__(
         self,
