@@ -115,7 +115,8 @@ def test_fp8_cache_with_upstream_arguments(
 ) -> None:
     """float8-typed cache sides, descales expanded to ``[num_seqs, H]``, ``window_size =
     (W - 1, 0)``, ``softcap``, and upstream's 3D rule (``seq_threshold_3D`` 0: never split;
-    8 with ``max_seqlen_q == 1``: 4 splits) give the reference impl's result."""
+    8 with ``max_seqlen_q == 1`` and scratch buffers: 4 segments) give the reference impl's
+    result."""
     q, cache, layer, args, expected = _fp8_cache_and_reference(window, soft_cap)
     if threshold is not None:  # a decode-only batch: the split path applies at threshold 8
         args = {**args, "cu_seqlens_q": torch.arange(4, dtype=torch.int32, device=DEVICE)}
@@ -129,9 +130,11 @@ def test_fp8_cache_with_upstream_arguments(
     )
     out = torch.empty_like(q)
     fp8 = cache.view(torch.float8_e4m3fn)
+    scratch = [torch.empty(q.shape[0], HQ, 4, *d, device=DEVICE) for d in ((D,), (), ())]
     unified_attention(
         q, fp8[:, 0], fp8[:, 1], out, **args, seq_threshold_3D=threshold,
-        num_par_softmax_segments=4,
+        num_par_softmax_segments=4, softmax_segm_output=scratch[0],
+        softmax_segm_max=scratch[1], softmax_segm_expsum=scratch[2],
     )  # fmt: skip
     torch.testing.assert_close(out.float(), expected.float(), atol=TOL, rtol=TOL)
 
@@ -153,14 +156,18 @@ def test_choose_num_splits() -> None:
     ("change", "message"),
     [
         ({"alibi_slopes": torch.ones(HQ)}, r"alibi_slopes: expected None \(not supported\)"),
-        ({"q_descale": torch.ones(1)}, r"q_descale: expected None \(not supported\)"),
-        ({"use_td": True}, r"use_td: expected False \(not supported\), got True"),
+        ({"q_descale": torch.ones(2)}, r"q_descale: expected None or a one-element"),
+        ({"output_scale": torch.ones(2)}, r"output_scale: expected None or a one-element"),
+        ({"causal": "per_sequence"}, r"causal: expected a bool or a bool / integer tensor of"),
+        ({"mm_prefix_range": "ranges"}, r"mm_prefix_range: expected an integer \[3, R, 2\]"),
+        ({"chunk_lookback": 8, "window_size": (7, 0)}, r"chunk_lookback: expected -1 or less"),
+        ({"out": "e5m2"}, "out: expected"),
+        ({"softmax_segm_output": "small"}, r"softmax_segm_output: expected a contiguous float32"),
         ({"window_size": (3, 2)}, r"window_size: expected \(-1, -1\) or \(W - 1, 0\)"),
         ({"block_table": "int64"}, "block_table: expected an int32"),
         ({"cu_seqlens_q": "short"}, r"cu_seqlens_q: expected shape \[4\]"),
         ({"cu_seqlens_q": "float"}, "cu_seqlens_q: expected an integer tensor, got torch.float32"),
         ({"seqused_k": "float"}, "seqused_k: expected an integer tensor, got torch.float32"),
-        ({"out": "fp32"}, "out: expected"),
         ({"k": "int16"}, "k: expected a float16 / bfloat16 / float32 / float8 / uint8 cache"),
     ],
 )
@@ -176,10 +183,19 @@ def test_argument_errors(change: dict, message: str) -> None:
             args[name] = args[name][:2]
         elif value == "float":
             args[name] = args[name] + 0.5
-        elif value == "fp32":
-            tensors[name] = out.float()
         elif value == "int16":
             tensors[name] = k.view(torch.int16)
+        elif value == "e5m2":
+            tensors[name] = out.to(torch.float8_e5m2)
+        elif value == "per_sequence":
+            args[name] = torch.ones(3)  # floats
+        elif value == "ranges":
+            args[name] = torch.zeros(2, 1, 2, dtype=torch.int32)  # 2 sequences, not 3
+        elif value == "small":  # a split-K launch whose scratch has 2, not 4, segments
+            args.update(seq_threshold_3D=8, num_par_softmax_segments=4)
+            args["softmax_segm_max"] = torch.empty(3, HQ, 4)
+            args["softmax_segm_expsum"] = torch.empty(3, HQ, 4)
+            args[name] = torch.empty(3, HQ, 2, D)
         elif name in tensors:
             tensors[name] = value
         else:
@@ -193,13 +209,12 @@ def test_compile_cases_cover_every_reader_and_feature() -> None:
     """triton_compile_cases() (compiled for sm_80/90/100 by tools/compile_triton_kernels.py)
     holds every row encoding of the registry (bf16 pages too), both NVFP4 scale layouts,
     both per-token-head scale sources,
-    split and unsplit, each feature flag on, every query dtype, and the merge kernel."""
+    split and unsplit, each feature flag on (FP8 queries / output, tensor descriptors), every
+    query dtype, and the segment reduction per output dtype."""
     from vllm.kv_quant.formats import CacheKind
     from vllm.v1.attention.ops.triton_attention_cases import triton_compile_cases
-    from vllm.v1.attention.ops.triton_paged_attention import (
-        merge_splits_kernel,
-        paged_attention_kernel,
-    )
+    from vllm.v1.attention.ops.triton_attention_reduce import reduce_segments
+    from vllm.v1.attention.ops.triton_paged_attention import paged_attention_kernel
 
     cases = triton_compile_cases()
     attention = [c for c in cases if c.kernel is paged_attention_kernel]
@@ -215,10 +230,14 @@ def test_compile_cases_cover_every_reader_and_feature() -> None:
         c.constexprs["ROW_ALIGN"] for c in attention if c.constexprs["FORMAT"] in per_token_head
     }
     assert row_aligns == {1, 4}  # per-token-head rows: 4-byte loads and the byte-load fallback
-    for flag in ("CAUSAL", "USE_WINDOW", "USE_SOFT_CAP", "USE_SINKS", "FP32_DOT"):
+    flags = ("CAUSAL", "USE_WINDOW", "USE_SOFT_CAP", "USE_SINKS", "FP32_DOT", "IS_3D")
+    for flag in (*flags, "Q_FP8", "OUT_SCALE", "USE_TD", "PER_SEQ_CAUSAL"):
         assert {c.constexprs[flag] for c in attention} == {True, False}, flag
     assert {c.constexprs["NUM_SPLITS"] > 1 for c in attention} == {True, False}
-    assert {c.signature["q_ptr"] for c in attention} == {"*fp16", "*bf16", "*fp32"}
+    assert {c.signature["q_ptr"] for c in attention} == {"*fp16", "*bf16", "*fp32", "*u8"}
+    assert {c.signature["out_ptr"] for c in attention} == {"*fp16", "*bf16", "*fp32", "*u8"}
+    td_formats = {c.constexprs["FORMAT"] for c in attention if c.constexprs["USE_TD"]}
+    assert td_formats == {CacheKind.UNQUANTIZED, CacheKind.FP8_E4M3, CacheKind.FP8_E5M2}
     # What is compiled is what is launched: the same constexpr names, the same pipelining.
     _, num_blocks, q, args = _problem(4, [1], [40])
     cache = torch.zeros(num_blocks, N, H, D, dtype=QUERY_DTYPE, device=DEVICE)
@@ -228,14 +247,16 @@ def test_compile_cases_cover_every_reader_and_feature() -> None:
     )  # fmt: skip
     assert {tuple(sorted(c.constexprs)) for c in attention} == {tuple(sorted(launch.constexprs))}
     assert {c.constexprs["NUM_STAGES"] for c in attention} == {launch.constexprs["NUM_STAGES"]}
-    merges = [c for c in cases if c.kernel is merge_splits_kernel]
-    assert {c.signature["out_ptr"] for c in merges} == {"*fp16", "*bf16", "*fp32"}
+    reduces = [c for c in cases if c.kernel is reduce_segments]
+    assert {c.signature["output_ptr"] for c in reduces} == {"*fp16", "*bf16", "*fp32", "*u8"}
     assert len({c.name for c in cases}) == len(cases)
-    # ... and the same tiling: the exact paths at 16 x 16 with 8 warps, the others 4 warps.
+    # ... and the same tiling: the exact paths at 16 x 16 with 8 warps, the others 4 warps
+    # (tensor-descriptor tiles inside the 16-token pages).
     for c in attention:
         exact = c.constexprs["FP32_DOT"] or c.constexprs["REBUILD_KEYS"]
         shape = (c.constexprs["BLOCK_M"], c.constexprs["TILE_N"], c.num_warps)
-        assert shape == ((16, 16, 8) if exact else (shape[0], 32, 4)), c.name
+        td_tile = 16 if c.constexprs["USE_TD"] else 32  # tensor descriptors: in one page
+        assert shape == ((16, 16, 8) if exact else (shape[0], td_tile, 4)), c.name
 
 
 def test_tiling_exact_paths_small_tiles_more_warps() -> None:

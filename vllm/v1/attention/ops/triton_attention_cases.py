@@ -2,7 +2,8 @@
 every cache format x decode, split-K decode, prefill with window / soft cap / sinks, non-causal
 fp32 and the rebuilt-key variant, compiled as launches run them (the launch's tiling from
 :func:`~.triton_paged_attention.choose_tiling`, the divisibility hints of a real cache's views),
-and the split merge per output dtype (design.md §11.4)."""
+FP8 queries / output, tensor-descriptor loads, and the segment reduction per output dtype
+(design.md §11.4)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,14 @@ from vllm.kv_quant.formats import CacheKind, formats, lookup
 from vllm.triton_utils.aot import TritonCompileCase
 from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
 from vllm.v1.attention.backends.abstract import kv_cache_dim
+from vllm.v1.attention.ops.triton_attention_plan import _TD_KINDS, _side, _td_tiling, kernel_format
+from vllm.v1.attention.ops.triton_attention_reduce import reduce_segments
 from vllm.v1.attention.ops.triton_paged_attention import (
     PIPELINE_STAGES,
     Tiling,
     choose_tiling,
-    merge_splits_kernel,
     paged_attention_kernel,
 )
-from vllm.v1.attention.ops.triton_unified_attention import _side, kernel_format
 
 
 def side_divisibility(
@@ -119,14 +120,54 @@ def _format_cases() -> list[_FormatCase]:
     return cases
 
 
-# (case name, query dtype, longest query (1: decode), NUM_SPLITS, causal, window, soft cap,
-# sinks); the tiling is choose_tiling's, as launched
-_FEATURE_CASES: tuple[tuple[str, str, int, int, bool, bool, bool, bool], ...] = (
-    ("decode/bf16", "bf16", 1, 1, True, False, False, False),
-    ("decode_split4/fp16", "fp16", 1, 4, True, False, False, False),
-    ("prefill_window_softcap_sinks/bf16", "bf16", 64, 1, True, True, True, True),
-    ("noncausal_window/fp32", "fp32", 64, 1, False, True, False, False),
+class _Feature(NamedTuple):
+    """One launch shape: case name, query / output pointer types (``u8``: float8_e4m3fn seen as
+    bytes), longest query (1: decode), NUM_SPLITS (> 1: split-K), and the feature flags; the
+    tiling is choose_tiling's, as launched."""
+
+    name: str
+    q_type: str
+    out_type: str
+    query_len: int
+    splits: int
+    causal: bool = True
+    window: bool = False
+    soft_cap: bool = False
+    sinks: bool = False
+    out_scale: bool = False
+    td: bool = False
+    per_seq_causal: bool = False
+    chunks_and_prefix_ranges: bool = False
+
+
+_FEATURE_CASES: tuple[_Feature, ...] = (
+    _Feature("decode/bf16", "bf16", "bf16", 1, 1),
+    _Feature("decode_split4/fp16", "fp16", "fp16", 1, 4),
+    _Feature("prefill_window_softcap_sinks/bf16", "bf16", "bf16", 64, 1, True, True, True, True),
+    _Feature("noncausal_window/fp32", "fp32", "fp32", 64, 1, False, True),
+    # FP8 queries (dequantized in the kernel) and an FP8 output (rounded in integers)
+    _Feature("decode_split4_fp8q/bf16", "u8", "bf16", 1, 4),
+    _Feature("prefill_fp8out/fp16", "fp16", "u8", 64, 1, out_scale=True),
+    _Feature(
+        "prefill_per_seq_window/bf16", "bf16", "bf16", 64, 1, window=True, per_seq_causal=True
+    ),
+    # chunked attention (a 128-key window in 2 chunks) with 2 window-clamped prefix ranges
+    _Feature(
+        "prefill_chunks_mm_prefix/bf16",
+        "bf16",
+        "bf16",
+        64,
+        1,
+        window=True,
+        chunks_and_prefix_ranges=True,
+    ),  # fmt: skip
 )
+
+_TD_CASES: tuple[_Feature, ...] = (
+    _Feature("prefill_td/bf16", "bf16", "bf16", 64, 1, td=True),
+    _Feature("decode_split4_td_window/fp16", "fp16", "fp16", 1, 4, window=True, td=True),
+)
+"""Tensor-descriptor tile loads, for the formats they read (unquantized, FP8)."""
 
 # Keys rebuilt (REBUILD_KEYS, every transform on): (case name, query dtype, longest query,
 # NUM_SPLITS, neox RoPE, Hadamard rotation)
@@ -136,9 +177,11 @@ _REBUILD_CASES: tuple[tuple[str, str, int, int, bool, bool], ...] = (
 )
 
 
-def _attention_signature(q_type: str, cache_type: str, aux_type: str) -> dict[str, str]:
+def _attention_signature(
+    q_type: str, cache_type: str, aux_type: str, out_type: str | None = None
+) -> dict[str, str]:
     pointers = {
-        "out_ptr": q_type,
+        "out_ptr": out_type or q_type,
         "q_ptr": q_type,
         "k_ptr": cache_type,
         "v_ptr": cache_type,
@@ -152,8 +195,13 @@ def _attention_signature(q_type: str, cache_type: str, aux_type: str) -> dict[st
         "k_scale_ptr": "*fp32",
         "v_scale_ptr": "*fp32",
         "sinks_ptr": "*fp32",
-        "part_acc_ptr": "*fp32",
-        "part_ml_ptr": "*fp32",
+        "q_scale_ptr": "*fp32",
+        "out_scale_ptr": "*fp32",
+        "causal_ptr": "*i32",
+        "mm_prefix_ptr": "*i32",
+        "segm_output_ptr": "*fp32",
+        "segm_max_ptr": "*fp32",
+        "segm_expsum_ptr": "*fp32",
     }
     scalars = {"softmax_scale": "fp32", "soft_cap": "fp32", "window": "i32", "num_seqs": "i32"}
     rebuild = {
@@ -228,10 +276,19 @@ def _attention_constexprs(
         "ROW_ALIGN": 4,
         "FP32_DOT": q_type == "fp32",
         "CAUSAL": True,
+        "PER_SEQ_CAUSAL": False,
+        "CHUNK_LOOKBACK": -1,
+        "CHUNK_SIZE": -1,
+        "MAX_MM_RANGES": 0,
+        "MM_PREFIX_CLAMP": False,
         "USE_WINDOW": False,
         "USE_SOFT_CAP": False,
         "USE_SINKS": False,
         "NUM_SPLITS": splits,
+        "IS_3D": splits > 1,
+        "Q_FP8": q_type == "u8",
+        "OUT_SCALE": False,
+        "USE_TD": False,
         "NUM_STAGES": PIPELINE_STAGES,
         "REBUILD_KEYS": False,
         "USE_ROPE": False,
@@ -250,13 +307,14 @@ def _attention_case(
     constexprs: dict[str, object],
     tiling: Tiling,
     hints: tuple[str, ...],
+    out_type: str | None = None,
     **options: bool,
 ) -> TritonCompileCase:
     """One :func:`paged_attention_kernel` case, launched with ``tiling``'s warps."""
     return TritonCompileCase(
         name,
         paged_attention_kernel,
-        _attention_signature(f"*{q_type}", cache_type, aux_type),
+        _attention_signature(f"*{q_type}", cache_type, aux_type, f"*{out_type or q_type}"),
         constexprs,
         num_warps=tiling.num_warps,
         divisible_by_16=hints,
@@ -267,20 +325,39 @@ def _attention_case(
 def triton_compile_cases() -> list[TritonCompileCase]:
     """Every cache format x {decode, split-K decode, prefill with window / soft cap / sinks,
     non-causal fp32, and the rebuilt keys of :data:`_REBUILD_CASES`} of
-    :func:`paged_attention_kernel` (:func:`_attention_constexprs`), and
-    :func:`merge_splits_kernel` per output dtype."""
+    :func:`paged_attention_kernel` (:func:`_attention_constexprs`: FP8 queries / output and,
+    for unquantized / FP8 caches, tensor-descriptor loads among them), and
+    :func:`reduce_segments` per output dtype."""
     cases = []
     for fmt in _format_cases():
         hints = _attention_hints(fmt.kv_cache_dtype, fmt.inline, fmt.interleave4)
         types = (fmt.cache_type, fmt.aux_type)
-        for feat_name, q_type, query_len, splits, causal, window, soft_cap, sinks in _FEATURE_CASES:
-            tiling = choose_tiling(4, query_len, exact=q_type == "fp32")
-            constexprs = _attention_constexprs(fmt, q_type, tiling, splits)
+        td_cases = _TD_CASES if fmt.kind in _TD_KINDS else ()
+        for feat in (*_FEATURE_CASES, *td_cases):
+            fp32_dot = feat.q_type == "fp32" or (feat.q_type == "u8" and fmt.cache_type == "*fp32")
+            split_k = feat.splits > 1
+            tiling = choose_tiling(4, 1 if split_k else feat.query_len, exact=fp32_dot)
+            if feat.td:
+                tiling = _td_tiling(tiling, fmt.kind, 16, False)
+            constexprs = _attention_constexprs(fmt, feat.q_type, tiling, feat.splits)
             constexprs.update(
-                CAUSAL=causal, USE_WINDOW=window, USE_SOFT_CAP=soft_cap, USE_SINKS=sinks
+                CAUSAL=feat.causal,
+                USE_WINDOW=feat.window,
+                USE_SOFT_CAP=feat.soft_cap,
+                USE_SINKS=feat.sinks,
+                FP32_DOT=fp32_dot,
+                OUT_SCALE=feat.out_scale,
+                USE_TD=feat.td,
+                PER_SEQ_CAUSAL=feat.per_seq_causal,
             )
-            name = f"paged_attention/{fmt.name}/{feat_name}"
-            cases.append(_attention_case(name, q_type, *types, constexprs, tiling, hints))
+            if feat.chunks_and_prefix_ranges:
+                constexprs.update(
+                    CHUNK_LOOKBACK=1, CHUNK_SIZE=64, MAX_MM_RANGES=2, MM_PREFIX_CLAMP=True
+                )
+            name = f"paged_attention/{fmt.name}/{feat.name}"
+            cases.append(
+                _attention_case(name, feat.q_type, *types, constexprs, tiling, hints, feat.out_type)
+            )
         for feat_name, q_type, query_len, splits, neox, hadamard in _REBUILD_CASES:
             tiling = choose_tiling(4, query_len, exact=True)
             constexprs = _attention_constexprs(fmt, q_type, tiling, splits)
@@ -308,20 +385,33 @@ def triton_compile_cases() -> list[TritonCompileCase]:
             hints = _attention_hints(fmt.kv_cache_dtype, True, False, False)
             name = f"paged_attention/{fmt.name}/unaligned_rows/decode/bf16"
             cases.append(_attention_case(name, "bf16", "*u8", "*u8", constexprs, tiling, hints))
-    for q_type in ("fp16", "bf16", "fp32"):
+    for out_type in ("fp16", "bf16", "fp32", "u8"):
         cases.append(
             TritonCompileCase(
-                f"merge_splits/{q_type}",
-                merge_splits_kernel,
+                f"reduce_segments/{out_type}",
+                reduce_segments,
                 {
-                    "out_ptr": f"*{q_type}",
-                    "part_acc_ptr": "*fp32",
-                    "part_ml_ptr": "*fp32",
-                    "stride_o_tok": "i32",
-                    "stride_o_head": "i32",
-                    "num_heads": "i32",
+                    "output_ptr": f"*{out_type}",
+                    "segm_output_ptr": "*fp32",
+                    "segm_max_ptr": "*fp32",
+                    "segm_expsum_ptr": "*fp32",
+                    "seq_lens_ptr": "*i32",
+                    "num_seqs": "i32",
+                    "out_scale_inv": "*fp32",
+                    "output_stride_0": "i32",
+                    "output_stride_1": "i32",
+                    "block_table_stride": "i32",
+                    "query_start_len_ptr": "*i32",
                 },
-                {"HEAD_SIZE_V": 64, "DV_PAD": 64, "NUM_SPLITS": 4, "SPLITS_PAD": 4},
+                {
+                    "num_query_heads": 32,
+                    "TILE_SIZE": 32,
+                    "HEAD_SIZE": 64,
+                    "HEAD_SIZE_PADDED": 64,
+                    "BLOCK_Q": 4,
+                    "NUM_SEGMENTS_PER_SEQ": 16,
+                    "USE_FP8": out_type == "u8",
+                },
             )
         )
     return cases

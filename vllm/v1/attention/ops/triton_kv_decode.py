@@ -211,16 +211,23 @@ def load_kv_tile(
     elif INT8_ROWS:  # int8 v: fp32 2^23 + (v + 128), minus 2^23 + 128 (exact; exact in bf16)
         byte = tl.load(cache_ptr + row + dim, mask=mask, other=0).to(tl.uint32)
         value = (byte ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
-    elif FORMAT != KIND_UNQUANTIZED:  # FP8 (per-token-head too): unscaled fp16 units
-        value = fp8_units(
-            tl.load(cache_ptr + row + dim, mask=mask, other=0), FORMAT == KIND_FP8_E5M2
-        )
-    elif BF16_PAGES:
-        bits = tl.load(cache_ptr + row + dim, mask=mask, other=0)
-        if DOT_DTYPE.is_bf16():  # the bits as they are (no widening and rounding back)
-            value = bits.to(tl.bfloat16, bitcast=True)
-        else:
-            value = from_bits(source_to_f32_bits(bits, 2))  # 2: SRC_BF16
     else:
-        value = tl.load(cache_ptr + row + dim, mask=mask, other=0.0).to(tl.float32)
+        raw = tl.load(cache_ptr + row + dim, mask=mask, other=0)
+        value = decode_kv_values(raw, FORMAT, BF16_PAGES, DOT_DTYPE)
     return value  # masked loads gave 0 bits: 0 in every format
+
+
+@triton.jit
+def decode_kv_values(raw, FORMAT: tl.constexpr, BF16_PAGES: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Loaded elements of an unquantized or FP8 cache side (per-token-head FP8 too) as
+    :func:`load_kv_tile` returns them: FP8 as unscaled fp16 units, bf16 pages for bf16 dots as
+    their bits (no widening and rounding back), the rest in fp32."""
+    if FORMAT != KIND_UNQUANTIZED:
+        value = fp8_units(raw, FORMAT == KIND_FP8_E5M2)
+    elif BF16_PAGES and DOT_DTYPE.is_bf16():
+        value = raw.to(tl.bfloat16, bitcast=True)
+    elif BF16_PAGES:
+        value = from_bits(source_to_f32_bits(raw, 2))  # 2: SRC_BF16
+    else:
+        value = raw.to(tl.float32)
+    return value

@@ -3,14 +3,23 @@
 
 One program attends ``BLOCK_Q`` query tokens x the query heads of one KV head (``BLOCK_M``
 rows, the heads of a GQA group side by side) over the keys of one split of the key range, in
-tiles of ``TILE_N`` keys. Each key's page comes from the block table, so a tile may straddle
-pages; every tile is decoded WITHOUT its scales (:func:`~.triton_kv_decode.load_kv_tile`,
-:func:`~.triton_kv_decode.nvfp4_tile`: values exact in the query dtype), goes whole into one
+tiles of ``TILE_N`` keys (tile ``j``: keys ``j * TILE_N ..``). Each key's page comes from the
+block table, so a tile may straddle pages; every tile is decoded WITHOUT its scales
+(:func:`~.triton_kv_decode.load_kv_tile`, :func:`~.triton_kv_decode.nvfp4_tile`: values exact
+in the query dtype), goes whole into one
 ``tl.dot`` (fp32 queries: IEEE fp32 dots) with fp32 accumulation, and the scales multiply the
 scores, the probabilities (per-token-head values) or the output once; the scores are folded
-into an fp32 online softmax (base 2). With ``NUM_SPLITS == 1`` the program writes the output;
-otherwise it writes its unnormalised partial sums and running max / sum, which
-:func:`merge_splits_kernel` combines (split-K for long sequences).
+into an fp32 online softmax (:func:`~.triton_attention_helpers.softmax_step`). Without
+``IS_3D`` the program writes the output; with it (split-K, upstream's "3D" launch) segment ``s``
+of ``NUM_SPLITS`` takes the sequence's key tiles ``s * T .. (s + 1) * T - 1``, ``T =
+ceil(seq_len / (NUM_SPLITS * TILE_N))``, and writes its unnormalised partial sums and running
+max / sum, which :func:`~.triton_attention_reduce.reduce_segments` combines.
+
+FP8 e4m3 queries (``Q_FP8``, read as bytes) are decoded exactly into the dot dtype, their
+scale folded into the score scale; an output scale (``OUT_SCALE``) divides the output, which
+is clamped to e4m3's range and, for a byte output, rounded to e4m3 in integer arithmetic.
+``USE_TD`` loads the key / value tiles of unquantized and FP8 caches through tensor
+descriptors (TMA on sm_90+), each tile inside one page.
 
 With ``REBUILD_KEYS`` (layers that store keys before RoPE or keep key sinks) each key tile is
 instead rebuilt in fp32 real units (:func:`~.triton_key_rebuild.rebuilt_key_tile`: sink rows,
@@ -22,7 +31,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from vllm.triton_utils import LOG2E, tl, triton
+from vllm.triton_utils import tl, triton
+from vllm.v1.attention.ops.triton_attention_helpers import apply_softcap, cdiv_fn, softmax_step
+from vllm.v1.attention.ops.triton_attention_reduce import E4M3_MAX, store_output
 from vllm.v1.attention.ops.triton_key_rebuild import rebuilt_key_tile
 from vllm.v1.attention.ops.triton_kv_decode import (
     KIND_FP8_E4M3,
@@ -31,12 +42,12 @@ from vllm.v1.attention.ops.triton_kv_decode import (
     KIND_NVFP4,
     KIND_UNQUANTIZED,
     NVFP4_UNIT,
+    decode_kv_values,
+    fp8_units,
     load_kv_tile,
     load_row_scale,
     nvfp4_tile,
 )
-
-_LOG2E = tl.constexpr(LOG2E)
 
 PIPELINE_STAGES = 3
 """Software-pipelining depth of the key loop as launched (and compiled by the AOT cases)."""
@@ -67,12 +78,6 @@ def choose_tiling(group_pad: int, max_query_len: int, exact: bool) -> Tiling:
 
 
 @triton.jit
-def _tanh(x):
-    """tanh from exp (libdevice does not run under the interpreter); saturates to ±1."""
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
-
-
-@triton.jit
 def _dot_operand(x, dtype: tl.constexpr):
     """``x`` (exact in ``dtype``) as a dot operand of ``dtype``. fp16 goes to bf16 through fp32:
     the direct conversion is one slow instruction per element (a quarter of the integer
@@ -80,6 +85,36 @@ def _dot_operand(x, dtype: tl.constexpr):
     if x.dtype == tl.float16 and dtype == tl.bfloat16:
         return x.to(tl.float32).to(tl.bfloat16)
     return x.to(dtype)
+
+
+@triton.jit
+def _td_tile(
+    cache_ptr,
+    page,
+    kv_head,
+    first_tok,
+    stride_page,
+    stride_tok,
+    stride_head,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    D_PAD: tl.constexpr,
+    FORMAT: tl.constexpr,
+    BF16_PAGES: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """``[TILE_N, D_PAD]`` values of tokens ``first_tok ..`` of ``page`` (one page: the launch
+    keeps ``BLOCK_SIZE % TILE_N == 0``) through a tensor descriptor over the page's
+    ``(BLOCK_SIZE, HEAD_SIZE)`` rows of ``kv_head`` (padding columns read as 0), decoded as
+    :func:`~.triton_kv_decode.load_kv_tile` decodes an unquantized or FP8 tile."""
+    desc = tl.make_tensor_descriptor(
+        base=cache_ptr + page * stride_page + kv_head * stride_head,
+        shape=(BLOCK_SIZE, HEAD_SIZE),
+        strides=(stride_tok, 1),
+        block_shape=(TILE_N, D_PAD),
+    )
+    return decode_kv_values(desc.load([first_tok, 0]), FORMAT, BF16_PAGES, DOT_DTYPE)
 
 
 @triton.jit
@@ -98,8 +133,13 @@ def paged_attention_kernel(
     k_scale_ptr,
     v_scale_ptr,
     sinks_ptr,
-    part_acc_ptr,
-    part_ml_ptr,
+    q_scale_ptr,
+    out_scale_ptr,
+    causal_ptr,
+    mm_prefix_ptr,
+    segm_output_ptr,
+    segm_max_ptr,
+    segm_expsum_ptr,
     softmax_scale,
     soft_cap,
     window,
@@ -147,10 +187,19 @@ def paged_attention_kernel(
     ROW_ALIGN: tl.constexpr,
     FP32_DOT: tl.constexpr,
     CAUSAL: tl.constexpr,
+    PER_SEQ_CAUSAL: tl.constexpr,
+    CHUNK_LOOKBACK: tl.constexpr,
+    CHUNK_SIZE: tl.constexpr,
+    MAX_MM_RANGES: tl.constexpr,
+    MM_PREFIX_CLAMP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr,
     USE_SINKS: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    IS_3D: tl.constexpr,
+    Q_FP8: tl.constexpr,
+    OUT_SCALE: tl.constexpr,
+    USE_TD: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     REBUILD_KEYS: tl.constexpr,
     USE_ROPE: tl.constexpr,
@@ -162,10 +211,17 @@ def paged_attention_kernel(
     """Grid ``(query tiles, num_kv_heads, NUM_SPLITS)``. ``tile_seq[i]`` is the sequence of
     query tile ``i`` (``num_seqs`` past the last tile: the program does nothing) and
     ``tile_first[s]`` the first tile of sequence ``s``. ``window`` W: a query at ``p`` sees
-    keys in ``(p - W, p]`` (and ``[p, p + W)`` when not causal). Partial results:
-    ``part_acc [T, Hq, NUM_SPLITS, DV_PAD]`` fp32, ``part_ml [T, Hq, NUM_SPLITS, 2]``
-    (running max in log2 units, running sum). ``NUM_STAGES``: software-pipelining depth of
-    the key loop (1: none)."""
+    keys in ``(p - W, p]`` (and ``[p, p + W)`` when not causal; ``PER_SEQ_CAUSAL``: sequence
+    ``s`` is causal where ``causal[s] != 0``, int32 ``[num_seqs]``). ``CHUNK_LOOKBACK >= 0``:
+    chunks of ``CHUNK_SIZE`` keys, a query seeing its own and ``CHUNK_LOOKBACK`` earlier ones
+    (in place of the window). ``mm_prefix [num_seqs, MAX_MM_RANGES, 2]`` int32: bidirectional
+    ranges (inclusive ends; ``start >= end``: none) seen whatever the mask, within the window
+    with ``MM_PREFIX_CLAMP``. ``IS_3D`` partial results,
+    fp32 and contiguous: ``segm_output [T, Hq, NUM_SPLITS, DV_PAD]``, ``segm_max`` /
+    ``segm_expsum [T, Hq, NUM_SPLITS]`` (running max of the scaled scores, natural-log units,
+    and running sum). ``q_scale`` (``Q_FP8``) and ``out_scale`` (``OUT_SCALE``: the inverse
+    output scale) are fp32 ``[1]``. ``NUM_STAGES``: software-pipelining depth of the key loop
+    (1: none)."""
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     # What the decoders leave out of the values: e4m3 units are value * 2^-8, NVFP4 tiles
     # E2M1 * sf / NVFP4_UNIT.
@@ -175,7 +231,12 @@ def paged_attention_kernel(
         FORMAT == KIND_INT8_PER_TOKEN_HEAD or FORMAT == KIND_FP8_PER_TOKEN_HEAD  # noqa: SIM109 (Triton compiles no `in`)
     )
     UNIT: tl.constexpr = NVFP4_UNIT if NVFP4 else (256.0 if E4M3_UNITS else 1.0)
-    DOT_DTYPE: tl.constexpr = tl.float32 if FP32_DOT else q_ptr.dtype.element_ty
+    if FP32_DOT:
+        DOT_DTYPE: tl.constexpr = tl.float32
+    elif Q_FP8:  # exact for e4m3 units; bf16 beside bf16 pages, which it leaves unconverted
+        DOT_DTYPE: tl.constexpr = tl.bfloat16 if BF16_PAGES else tl.float16
+    else:
+        DOT_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -204,31 +265,55 @@ def paged_attention_kernel(
     q = tl.load(
         q_ptr + token[:, None] * stride_q_tok + head[:, None] * stride_q_head + d[None, :],
         mask=row_ok[:, None] & d_ok[None, :],
-        other=0.0,
+        other=0,
     )
+    qk_scale = softmax_scale
+    if Q_FP8:  # e4m3 bytes as fp16 units (value * 2^-8), exact in the dot dtype
+        q = fp8_units(q, False).to(tl.float32).to(DOT_DTYPE)
+        qk_scale = qk_scale * tl.load(q_scale_ptr) * 256.0
 
     # Keys this tile's queries can see; an empty range for a dead program or tile.
     first_q = context + q_tile * BLOCK_Q
     last_q = tl.minimum(first_q + BLOCK_Q - 1, seq_len - 1)
     key_lo = 0
+    open_hi = seq_len  # a bidirectional sequence's
     if USE_WINDOW:
         key_lo = tl.maximum(first_q - window + 1, 0)
-    if CAUSAL:
+        open_hi = tl.minimum(last_q + window, seq_len)
+    if PER_SEQ_CAUSAL:  # this sequence's flag (0: bidirectional)
+        causal_flag = tl.load(causal_ptr + seq)
+        seq_causal = causal_flag != 0
+        seq_open = causal_flag == 0
+        key_hi = tl.where(seq_causal, last_q + 1, open_hi)
+    elif CAUSAL:
         key_hi = last_q + 1
-    elif USE_WINDOW:
-        key_hi = tl.minimum(last_q + window, seq_len)
     else:
+        key_hi = open_hi
+    if CHUNK_LOOKBACK >= 0:  # chunked attention replaces the window's left edge
+        key_lo = tl.maximum((first_q // CHUNK_SIZE - CHUNK_LOOKBACK) * CHUNK_SIZE, 0)
+    mm_base = mm_prefix_ptr + seq * (MAX_MM_RANGES * 2)
+    if MAX_MM_RANGES > 0 and not MM_PREFIX_CLAMP:  # ranges override the window: every key
+        key_lo = 0
         key_hi = seq_len
+    for i in tl.static_range(MAX_MM_RANGES if MM_PREFIX_CLAMP else 0):  # ranges meeting the
+        start = tl.load(mm_base + 2 * i)  # tile widen the range, within the window
+        end = tl.load(mm_base + 2 * i + 1)
+        meets = (start < end) & (start <= last_q) & (end >= first_q)
+        lo = tl.maximum(start, first_q - window + 1) if USE_WINDOW else start
+        key_lo = tl.where(meets, tl.minimum(key_lo, tl.maximum(lo, 0)), key_lo)
+        key_hi = tl.where(meets, tl.maximum(key_hi, tl.minimum(end + 1, seq_len)), key_hi)
     key_hi = tl.where(live & (q_tile * BLOCK_Q < q_len), key_hi, key_lo)
-    num_tiles = tl.cdiv(key_hi - key_lo, TILE_N)
-    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_begin = split * per_split
-    tile_end = tl.minimum(tile_begin + per_split, num_tiles)
+    tile_begin = key_lo // TILE_N
+    tile_end = tl.where(key_hi > key_lo, cdiv_fn(key_hi, TILE_N), tile_begin)
+    if IS_3D:  # this segment's share of the sequence's tiles (reduce_segments' rule)
+        per_split = cdiv_fn(seq_len, NUM_SPLITS * TILE_N)
+        tile_begin = tl.maximum(tile_begin, split * per_split)
+        tile_end = tl.minimum(tile_end, (split + 1) * per_split)
 
     k_scale = tl.load(k_scale_ptr + kv_head * k_scale_stride)
     v_scale = tl.load(v_scale_ptr + kv_head * v_scale_stride)
     if USE_SINKS and split == 0:
-        m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * _LOG2E
+        m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
         l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -242,12 +327,15 @@ def paged_attention_kernel(
     # (sm_86 / sm_89 have 99 KB), 48 KB without.
     STAGES: tl.constexpr = 1 if REBUILD_KEYS else NUM_STAGES
     for t in tl.range(tile_begin, tile_end, num_stages=STAGES):
-        keys = key_lo + t * TILE_N + tl.arange(0, TILE_N)
-        key_ok = keys < key_hi
+        keys = t * TILE_N + tl.arange(0, TILE_N)
+        key_ok = (keys >= key_lo) & (keys < key_hi)  # aligned tiles: the window's left edge too
         page = tl.load(
             block_table_ptr + seq * stride_bt + keys // BLOCK_SIZE, mask=key_ok, other=0
         ).to(tl.int64)
         tok = keys % BLOCK_SIZE
+        if USE_TD:  # the tile lies in one page: its entry, once
+            td_page = tl.load(block_table_ptr + seq * stride_bt + t * TILE_N // BLOCK_SIZE)
+            td_page = td_page.to(tl.int64)
         if REBUILD_KEYS:  # fp32 keys in real units, rebuilt (triton_key_rebuild), fp32 dot
             k = rebuilt_key_tile(
                 k_ptr,
@@ -307,6 +395,24 @@ def paged_attention_kernel(
                     D_PAD,
                 )
                 k = tl.trans(k)
+            elif USE_TD:  # keys past the sequence may hold anything (NaN): zeroed
+                k = _td_tile(
+                    k_ptr,
+                    td_page,
+                    kv_head64,
+                    t * TILE_N % BLOCK_SIZE,
+                    stride_k_page,
+                    stride_k_tok,
+                    stride_k_head,
+                    BLOCK_SIZE,
+                    TILE_N,
+                    HEAD_SIZE,
+                    D_PAD,
+                    FORMAT,
+                    BF16_PAGES,
+                    DOT_DTYPE,
+                )
+                k = tl.trans(tl.where(key_ok[:, None], k, 0.0).to(k.dtype))
             else:
                 k = load_kv_tile(
                     k_ptr,
@@ -334,23 +440,34 @@ def paged_attention_kernel(
                 s = s * (k_row * UNIT)[None, :]
             elif FORMAT != KIND_UNQUANTIZED:  # FP8 (units) / NVFP4: the tensor or head scale
                 s = s * (k_scale * UNIT)
-        s = s * softmax_scale
+        s = s * qk_scale
         if USE_SOFT_CAP:
-            s = soft_cap * _tanh(s / soft_cap)
-        allowed = row_ok[:, None] & key_ok[None, :]
-        if CAUSAL:
-            allowed &= keys[None, :] <= q_pos[:, None]
-        if USE_WINDOW:
-            allowed &= q_pos[:, None] - keys[None, :] < window
-            if not CAUSAL:
-                allowed &= keys[None, :] - q_pos[:, None] < window
-        s = tl.where(allowed, s * _LOG2E, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: keep exp2 finite
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+            s = apply_softcap(s, soft_cap)
+        dist = q_pos[:, None] - keys[None, :]  # query minus key position
+        seen = tl.full([BLOCK_M, TILE_N], 1, tl.int1)
+        if PER_SEQ_CAUSAL:
+            seen &= (dist >= 0) | seq_open
+        elif CAUSAL:
+            seen &= dist >= 0
+        if CHUNK_LOOKBACK >= 0:  # (causal and chunks) or prefix ranges
+            seen &= q_pos[:, None] // CHUNK_SIZE - keys[None, :] // CHUNK_SIZE <= CHUNK_LOOKBACK
+        elif USE_WINDOW:  # (causal and window) or prefix ranges
+            seen &= dist < window
+            if PER_SEQ_CAUSAL:
+                seen &= (-dist < window) | seq_causal
+            elif not CAUSAL:
+                seen &= -dist < window
+        for i in tl.static_range(MAX_MM_RANGES):  # bidirectional prefix-LM ranges, inclusive
+            start = tl.load(mm_base + 2 * i)
+            end = tl.load(mm_base + 2 * i + 1)
+            q_in = (q_pos >= start) & (q_pos <= end) & (start < end)
+            k_in = (keys >= start) & (keys <= end)
+            in_range = q_in[:, None] & k_in[None, :]
+            if MM_PREFIX_CLAMP and USE_WINDOW:
+                in_range &= dist < window
+            seen |= in_range
+        s = tl.where(row_ok[:, None] & key_ok[None, :] & seen, s, float("-inf"))
+        m_i, l_i, p, alpha = softmax_step(s, m_i, l_i)
         if NVFP4:
             v = nvfp4_tile(
                 v_ptr,
@@ -369,6 +486,24 @@ def paged_attention_kernel(
                 HEAD_SIZE_V,
                 DV_PAD,
             )
+        elif USE_TD:
+            v = _td_tile(
+                v_ptr,
+                td_page,
+                kv_head64,
+                t * TILE_N % BLOCK_SIZE,
+                stride_v_page,
+                stride_v_tok,
+                stride_v_head,
+                BLOCK_SIZE,
+                TILE_N,
+                HEAD_SIZE_V,
+                DV_PAD,
+                FORMAT,
+                BF16_PAGES,
+                DOT_DTYPE,
+            )
+            v = tl.where(key_ok[:, None], v, 0.0).to(v.dtype)
         else:
             v = load_kv_tile(
                 v_ptr,
@@ -398,63 +533,18 @@ def paged_attention_kernel(
         else:
             pv = tl.dot(p.to(q.dtype), _dot_operand(v, q.dtype))
         acc = acc * alpha[:, None] + pv
-        m_i = m_new
 
     if FORMAT != KIND_UNQUANTIZED and not ROW_SCALES:  # the tensor or head scale, once
         acc = acc * (v_scale * UNIT)
-    if NUM_SPLITS == 1:
-        out = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # padding rows: no 0 / 0
-        tl.store(
-            out_ptr + token[:, None] * stride_o_tok + head[:, None] * stride_o_head + dv[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=row_ok[:, None] & dv_ok[None, :],
-        )
-    else:
+    if IS_3D:
         part = (token * num_heads + head) * NUM_SPLITS + split
-        acc_ptrs = part_acc_ptr + part[:, None] * DV_PAD + dv[None, :]
-        tl.store(acc_ptrs, acc, mask=row_ok[:, None])
-        ml = part * 2
-        tl.store(part_ml_ptr + ml, m_i, mask=row_ok)
-        tl.store(part_ml_ptr + ml + 1, l_i, mask=row_ok)
-
-
-@triton.jit
-def merge_splits_kernel(
-    out_ptr,
-    part_acc_ptr,
-    part_ml_ptr,
-    stride_o_tok,
-    stride_o_head,
-    num_heads,
-    HEAD_SIZE_V: tl.constexpr,
-    DV_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-):
-    """Grid ``(tokens, num_heads)``: ``out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M)``,
-    ``M = max_s m_s``, over the partial results of :func:`paged_attention_kernel`
-    (``part_acc`` contiguous ``[T, num_heads, NUM_SPLITS, DV_PAD]``, ``part_ml`` contiguous
-    ``[T, num_heads, NUM_SPLITS, 2]``)."""
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    splits = tl.arange(0, SPLITS_PAD)
-    split_ok = splits < NUM_SPLITS
-    row = token * num_heads + head
-    ml = part_ml_ptr + (row * NUM_SPLITS + splits) * 2
-    m = tl.load(ml, mask=split_ok, other=float("-inf"))
-    l_part = tl.load(ml + 1, mask=split_ok, other=0.0)
-    m_max = tl.max(m, axis=0)
-    weight = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))
-    total = tl.sum(l_part * weight, axis=0)
-    dv = tl.arange(0, DV_PAD)
-    acc = tl.load(
-        part_acc_ptr + (row * NUM_SPLITS + splits[:, None]) * DV_PAD + dv[None, :],
-        mask=split_ok[:, None],
-        other=0.0,
-    )
-    out = tl.sum(acc * weight[:, None], axis=0) / total
-    tl.store(
-        out_ptr + token * stride_o_tok + head * stride_o_head + dv,
-        out.to(out_ptr.dtype.element_ty),
-        mask=dv < HEAD_SIZE_V,
-    )
+        part_mask = row_ok[:, None] & dv_ok[None, :]
+        tl.store(segm_output_ptr + part[:, None] * DV_PAD + dv[None, :], acc, mask=part_mask)
+        tl.store(segm_max_ptr + part, m_i, mask=row_ok)
+        tl.store(segm_expsum_ptr + part, l_i, mask=row_ok)
+    else:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # no key seen (empty sequence): 0
+        if OUT_SCALE:
+            out = tl.clamp(out * tl.load(out_scale_ptr), -E4M3_MAX, E4M3_MAX)
+        offsets = token[:, None] * stride_o_tok + head[:, None] * stride_o_head + dv[None, :]
+        store_output(out_ptr, offsets, out, row_ok[:, None] & dv_ok[None, :])
