@@ -56,6 +56,8 @@ from vllm.v1.kv_cache_spec_base import (
     _check_optional_positive,
     _check_positive,
     cdiv,
+    get_mamba_prefill_checkpoint_position,  # noqa: F401  (re-exported: upstream's home)
+    is_mamba_prefill_checkpoint_valid,  # noqa: F401  (re-exported: upstream's home)
     round_up,
 )
 from vllm.v1.kv_cache_views import (  # noqa: F401  (re-exported: upstream's home)
@@ -313,9 +315,10 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
             raise NotImplementedError(
                 f"kv_cache_specs: no uniform-type rule for {type(first).__name__}"
             )
-        kind, attr = rule
+        kind, fields = rule
         return all(
-            isinstance(spec, kind) and (attr is None or getattr(spec, attr) == getattr(first, attr))
+            isinstance(spec, kind)
+            and all(getattr(spec, name) == getattr(first, name) for name in fields)
             for spec in specs
         )
 
@@ -340,14 +343,23 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
         )
 
 
-_UNIFORM_TYPE_RULES: tuple[tuple[type[KVCacheSpec], str | None], ...] = (
-    # (class every spec must be, field they must share), the most specific class first.
-    (SlidingWindowMLASpec, "sliding_window"),
-    (FullAttentionSpec, None),
-    (CrossAttentionSpec, None),
-    (SlidingWindowSpec, "sliding_window"),
-    (ChunkedLocalAttentionSpec, "attention_chunk_size"),
-    (MambaSpec, "num_speculative_blocks"),
+_UNIFORM_TYPE_RULES: tuple[tuple[type[KVCacheSpec], tuple[str, ...]], ...] = (
+    # (class every spec must be, fields they must share), the most specific class first.
+    (SlidingWindowMLASpec, ("sliding_window",)),
+    (FullAttentionSpec, ()),
+    (CrossAttentionSpec, ()),
+    (SlidingWindowSpec, ("sliding_window",)),
+    (ChunkedLocalAttentionSpec, ("attention_chunk_size",)),
+    (CircularBufferSpec, ()),
+    (
+        MambaSpec,
+        (
+            "num_speculative_blocks",
+            "num_prefill_checkpoint_blocks",
+            "prefill_checkpoint_alignment",
+            "page_size_bytes",
+        ),
+    ),
 )
 
 

@@ -230,12 +230,22 @@ class MambaSpec(KVCacheSpec):
     mamba_type: str = "mamba2"
     mamba_cache_mode: str = "none"
     num_speculative_blocks: int = 0
+    # align mode: pages a prefill step may add to hold a mid-chunk state checkpoint, and the
+    # token multiple (from the chunk start) such a checkpoint must sit at; None: no checkpoints.
+    num_prefill_checkpoint_blocks: int = 0
+    prefill_checkpoint_alignment: int | None = None
 
     def __post_init__(self) -> None:
         _check_positive(self, "block_size")
-        n = self.num_speculative_blocks
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"num_speculative_blocks: expected an int >= 0 (pages), got {n!r}")
+        for name in ("num_speculative_blocks", "num_prefill_checkpoint_blocks"):
+            n = getattr(self, name)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ValueError(f"{name}: expected an int >= 0 (pages), got {n!r}")
+        a = self.prefill_checkpoint_alignment
+        if a is not None and (isinstance(a, bool) or not isinstance(a, int) or a <= 0):
+            raise ValueError(
+                f"prefill_checkpoint_alignment: expected a positive int (tokens) or None, got {a!r}"
+            )
         for name, value, what in (
             ("shapes", self.shapes, "state shapes"),
             ("dtypes", self.dtypes, "torch.dtypes"),
@@ -290,12 +300,15 @@ class MambaSpec(KVCacheSpec):
 
     def max_memory_usage_bytes(self, vllm_config: VllmConfig) -> int:
         """Pages a request holds, by ``cache_config.mamba_cache_mode``: ``all`` one per
-        ``block_size`` tokens, ``align`` two, ``none`` one; plus the speculative pages."""
+        ``block_size`` tokens, ``align`` two plus the prefill checkpoint pages, ``none`` one;
+        plus the speculative pages."""
         mode = vllm_config.cache_config.mamba_cache_mode
         if mode == "all":
             pages = cdiv(_max_model_len(vllm_config), self.block_size)
+        elif mode == "align":
+            pages = 2 + self.num_prefill_checkpoint_blocks
         else:
-            pages = 2 if mode == "align" else 1
+            pages = 1
         return (pages + self.num_speculative_blocks) * self.page_size_bytes
 
     @property
@@ -314,3 +327,51 @@ class MambaSpec(KVCacheSpec):
         if vllm_config.cache_config.mamba_cache_mode == "align":
             return cdiv(max_len, self.block_size) + self.num_speculative_blocks
         return cdiv(self.max_memory_usage_bytes(vllm_config), self.page_size_bytes)
+
+
+def get_mamba_prefill_checkpoint_position(
+    num_tokens: int,
+    hash_block_size: int,
+    drop_eagle_block: bool,
+    num_hash_lookahead_tokens: int = 0,
+) -> int:
+    """The token position (a multiple of ``hash_block_size``, >= 0) whose Mamba state a prefill
+    of ``num_tokens`` tokens saves for reuse. Without EAGLE at least one token (and the hash's
+    lookahead tokens) stays after it, so a hit still recomputes the last logits; with EAGLE the
+    position is one hash block lower, as EAGLE drops the last hit block anyway."""
+    if drop_eagle_block:
+        position = num_tokens // hash_block_size * hash_block_size - hash_block_size
+    else:
+        limit = num_tokens - max(1, num_hash_lookahead_tokens)
+        position = limit // hash_block_size * hash_block_size
+    return max(position, 0)
+
+
+def is_mamba_prefill_checkpoint_valid(
+    query_start: int,
+    query_end: int,
+    checkpoint_position: int,
+    hash_block_size: int,
+    mamba_block_size: int,
+    checkpoint_alignment: int | None,
+) -> bool:
+    """Whether a prefill step over tokens [query_start, query_end) can save the state at
+    ``checkpoint_position`` in a page of its own (all in tokens): the step starts on a hash
+    boundary, the checkpoint lies strictly inside it at least one hash block past the start
+    and a multiple of ``checkpoint_alignment`` away, and the page just before the step's
+    running-state page lies after the page holding the step's initial state."""
+    if checkpoint_alignment is None:
+        return False
+    if checkpoint_alignment <= 0:
+        raise ValueError(
+            f"checkpoint_alignment: expected a positive int (tokens), got {checkpoint_alignment}"
+        )
+    initial_state_page = (query_start - 1) // mamba_block_size
+    checkpoint_page = cdiv(query_end, mamba_block_size) - 2
+    return (
+        query_start % hash_block_size == 0
+        and checkpoint_page > initial_state_page
+        and query_start + hash_block_size <= checkpoint_position
+        and query_start < checkpoint_position < query_end
+        and (checkpoint_position - query_start) % checkpoint_alignment == 0
+    )

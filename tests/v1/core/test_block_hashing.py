@@ -13,7 +13,7 @@ import torch
 from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import get_hash_fn_by_name, sha256, sha256_cbor
+from vllm.utils.hashing import get_hash_fn_by_name, sha256, sha256_cbor, xxhash
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.kv_cache_utils import (
     BlockHashListWithBlockSize,
@@ -99,10 +99,12 @@ def test_none_hash_follows_pythonhashseed(monkeypatch: pytest.MonkeyPatch) -> No
     init_none_hash(sha256)
     assert sha256("7") == kv_cache_utils.NONE_HASH
     monkeypatch.delenv("PYTHONHASHSEED")
+    # v0.33: SHA-256 without a seed uses the shared default, xxHash a random one.
     init_none_hash(sha256)
-    first = kv_cache_utils.NONE_HASH
-    init_none_hash(sha256)
-    assert len(first) == 32 and first != kv_cache_utils.NONE_HASH
+    assert sha256(kv_cache_utils.DEFAULT_NONE_HASH_SEED) == kv_cache_utils.NONE_HASH
+    seeds = {kv_cache_utils.resolve_none_hash_seed(xxhash) for _ in range(3)}
+    assert len(seeds) == 3 and kv_cache_utils.DEFAULT_NONE_HASH_SEED not in seeds
+    assert kv_cache_utils.get_none_hash_seed() == kv_cache_utils.DEFAULT_NONE_HASH_SEED
 
 
 def test_extra_keys_order_lora_mm_salt_embeds() -> None:
@@ -117,11 +119,20 @@ def test_extra_keys_order_lora_mm_salt_embeds() -> None:
     assert need_extra_keys(request)
     keys, next_mm = generate_block_hash_extra_keys(request, 0, 4, 0)
     digest = hashlib.sha256(embeds[:4].numpy().tobytes()).digest()
-    assert keys == ("adapter", ("img", 1), "salt", digest)
+    assert keys == (
+        ("lora", "adapter", "/p"),
+        ("mm", "img", 1),
+        ("cache_salt", "salt"),
+        (
+            "prompt_embeds",
+            digest,
+        ),
+    )
     assert next_mm == 1
     # The salt keys only the first block; the second has no MM item.
     keys2, _ = generate_block_hash_extra_keys(request, 4, 8, next_mm)
-    assert keys2 == ("adapter", hashlib.sha256(embeds[4:].numpy().tobytes()).digest())
+    digest2 = hashlib.sha256(embeds[4:].numpy().tobytes()).digest()
+    assert keys2 == (("lora", "adapter", "/p"), ("prompt_embeds", digest2))
     plain = _request(list(range(8)))
     assert not need_extra_keys(plain)
     assert generate_block_hash_extra_keys(plain, 0, 4, 0) == (None, 0)
@@ -132,9 +143,9 @@ def test_mm_item_spanning_blocks_keys_each_with_its_relative_offset() -> None:
     k0, i0 = generate_block_hash_extra_keys(request, 0, 4, 0)
     k1, i1 = generate_block_hash_extra_keys(request, 4, 8, i0)
     k2, i2 = generate_block_hash_extra_keys(request, 8, 12, i1)
-    assert (k0, i0) == ((("a", 2),), 0)
-    assert (k1, i1) == ((("a", -2),), 0)
-    assert (k2, i2) == ((("a", -6), ("b", 1)), 2)
+    assert (k0, i0) == ((("mm", "a", 2),), 0)
+    assert (k1, i1) == ((("mm", "a", -2),), 0)
+    assert (k2, i2) == ((("mm", "a", -6), ("mm", "b", 1)), 2)
     # Same tokens, different image: different hashes from the first block on.
     other = _request(list(range(12)), mm_features=[_mm(2, 7, "z"), _mm(9, 2, "b")])
     assert all(x != y for x, y in zip(request.block_hashes, other.block_hashes, strict=True))

@@ -209,3 +209,25 @@ def test_block_table_and_event_helpers() -> None:
     keys = (("lora", "x", "/p"), ("mm", "h", 2), ("cache_salt", "s"))
     assert kcu.to_event_extra_keys([keys, None]) == [("x", ("h", 2), "s"), None]
     assert kcu.to_event_extra_keys([]) is None and kcu.to_event_extra_keys(None) is None
+
+
+def test_uniform_type_rules_of_mamba_and_ring_specs() -> None:
+    from vllm.v1.kv_cache_interface import (
+        CircularBufferSpec,
+        MambaSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    def mamba(**kw) -> MambaSpec:
+        return MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,), **kw)
+
+    def ring() -> CircularBufferSpec:
+        return CircularBufferSpec(block_size=4, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+
+    assert UniformTypeKVCacheSpecs.is_uniform_type({"a": mamba(), "b": mamba()})
+    for other in (
+        mamba(num_prefill_checkpoint_blocks=1),
+        MambaSpec(block_size=16, shapes=((4, 16),), dtypes=(torch.float32,)),
+    ):
+        assert not UniformTypeKVCacheSpecs.is_uniform_type({"a": mamba(), "b": other})
+    assert UniformTypeKVCacheSpecs.is_uniform_type({"a": ring(), "b": ring()})

@@ -2,7 +2,7 @@
 :mod:`vllm.v1.core.kv_cache_utils`).
 
 A block's hash chains its parent's: ``hash_fn((parent_hash, token_ids, extra_keys))``, the first
-block's parent being :data:`NONE_HASH` (a per-process seed, fixed by ``PYTHONHASHSEED``). Equal
+block's parent being :data:`NONE_HASH` (see :func:`resolve_none_hash_seed` for its seed). Equal
 prefixes therefore give equal hashes, and a block hash identifies the whole prefix up to it. The
 extra keys separate equal token ids whose KV differs: the LoRA adapter name, the multimodal item
 identifiers (with their offset inside the block), the cache salt (first block only) and a SHA-256
@@ -14,20 +14,22 @@ is the key of one cached page (``BlockHashWithGroupId``). Block sizes are in tok
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import logging
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NewType, TypeAlias, overload
 
 import torch
 
-from vllm.utils.hashing import sha256_cbor, xxhash_cbor
+from vllm.utils.hashing import xxhash, xxhash_cbor
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = [
+    "DEFAULT_NONE_HASH_SEED",
     "BlockHash",
     "BlockHashList",
     "BlockHashListWithBlockSize",
@@ -36,6 +38,7 @@ __all__ = [
     "generate_block_hash_extra_keys",
     "get_block_hash",
     "get_group_id",
+    "get_none_hash_seed",
     "get_request_block_hasher",
     "hash_block_tokens",
     "init_none_hash",
@@ -43,7 +46,9 @@ __all__ = [
     "maybe_convert_block_hash",
     "need_extra_keys",
     "resolve_block_hashes",
+    "resolve_none_hash_seed",
     "tensor_data",
+    "to_event_extra_keys",
 ]
 
 BlockHash = NewType("BlockHash", bytes)
@@ -56,10 +61,15 @@ logger = logging.getLogger(__name__)
 
 _GROUP_ID_BYTES = 4
 _INT_HASH_ENV = "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"
-_CBOR_HASH_FUNCTIONS = frozenset({sha256_cbor, xxhash_cbor})
+# Not collision resistant: their seed must stay secret (random) unless the operator sets one.
+_NON_CRYPTO_HASH_FUNCTIONS = frozenset({xxhash, xxhash_cbor})
 
 # Seed of every chain; set by init_none_hash (which the engine calls once at start-up).
 NONE_HASH: BlockHash
+# The seed used without PYTHONHASHSEED by the SHA-256 functions, so that independent
+# processes (other nodes, the P2P tier) compute the same hashes for the same prefix.
+DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
+_none_hash_seed: str | None = None
 
 
 # The suffixes of the group ids models have, made once: a key is built on every prefix lookup.
@@ -90,23 +100,36 @@ def maybe_convert_block_hash(hash_bytes: BlockHash) -> ExternalBlockHash:
     return int.from_bytes(hash_bytes, "big") & 0xFFFF_FFFF_FFFF_FFFF
 
 
-def init_none_hash(hash_fn: Callable[[Any], bytes]) -> None:
-    """Set :data:`NONE_HASH`: ``hash_fn(PYTHONHASHSEED)`` when that is set (so processes agree),
-    else 32 random bytes."""
-    global NONE_HASH
+def resolve_none_hash_seed(hash_fn: Callable[[Any], bytes]) -> str:
+    """The seed :data:`NONE_HASH` is derived from: ``PYTHONHASHSEED`` when set; else
+    :data:`DEFAULT_NONE_HASH_SEED` for the SHA-256 functions, or 32 fresh random bytes (hex)
+    for the xxHash ones, whose collisions an attacker could precompute from a known seed."""
     seed = os.getenv("PYTHONHASHSEED")
-    if seed is None:
-        if hash_fn in _CBOR_HASH_FUNCTIONS:
-            # CBOR hashes are meant to be reproducible across processes; a random seed
-            # silently defeats that, so say so.
-            logger.warning(
-                "PYTHONHASHSEED is not set: block hashes from %s will differ between "
-                "processes; set it for reproducible hashes.",
-                getattr(hash_fn, "__name__", hash_fn),
-            )
-        NONE_HASH = BlockHash(os.urandom(32))
-    else:
-        NONE_HASH = BlockHash(hash_fn(seed))
+    if seed is not None:
+        return seed
+    if hash_fn in _NON_CRYPTO_HASH_FUNCTIONS:
+        return os.urandom(32).hex()
+    return DEFAULT_NONE_HASH_SEED
+
+
+def get_none_hash_seed() -> str:
+    """The seed the last :func:`init_none_hash` used (:data:`DEFAULT_NONE_HASH_SEED` before
+    one ran), for peers that must agree on :data:`NONE_HASH`."""
+    return DEFAULT_NONE_HASH_SEED if _none_hash_seed is None else _none_hash_seed
+
+
+def init_none_hash(hash_fn: Callable[[Any], bytes]) -> None:
+    """Set :data:`NONE_HASH` to ``hash_fn(resolve_none_hash_seed(hash_fn))``."""
+    global NONE_HASH, _none_hash_seed
+    _none_hash_seed = resolve_none_hash_seed(hash_fn)
+    if hash_fn in _NON_CRYPTO_HASH_FUNCTIONS and os.getenv("PYTHONHASHSEED") is None:
+        # The random seed makes these hashes differ between processes; say so once here.
+        logger.warning(
+            "PYTHONHASHSEED is not set: NONE_HASH for %s uses a random per-process seed, so "
+            "block hashes differ between processes; set it (or use sha256) to share caches.",
+            getattr(hash_fn, "__name__", hash_fn),
+        )
+    NONE_HASH = BlockHash(hash_fn(_none_hash_seed))
 
 
 def tensor_data(tensor: torch.Tensor) -> memoryview:
@@ -127,7 +150,7 @@ def need_extra_keys(request: Request) -> bool:
 def _mm_extra_keys(
     request: Request, start_token_idx: int, end_token_idx: int, start_mm_idx: int
 ) -> tuple[list[Any], int]:
-    """``(identifier, offset of the item relative to the block start)`` of every multimodal
+    """``("mm", identifier, offset of the item relative to the block start)`` of every multimodal
     item overlapping tokens [start, end), and the index of the item the next block starts at.
     Items are sorted by offset; ``start_mm_idx`` < 0 counts from the last item."""
     features = request.mm_features
@@ -151,7 +174,7 @@ def _mm_extra_keys(
         if start_token_idx >= offset + length:
             idx += 1  # the block starts after this item
             continue
-        keys.append((feature.identifier, offset - start_token_idx))
+        keys.append(("mm", feature.identifier, offset - start_token_idx))
         if end_token_idx < offset + length:
             break  # the item continues into the next block
         idx += 1
@@ -160,7 +183,7 @@ def _mm_extra_keys(
 
 def _prompt_embeds_extra_keys(
     request: Request, start_token_idx: int, end_token_idx: int
-) -> list[bytes]:
+) -> list[tuple[str, bytes]]:
     """SHA-256 of the block's prompt embeddings, computed once per block range per request."""
     if request.prompt_embeds is None:
         return []
@@ -171,24 +194,40 @@ def _prompt_embeds_extra_keys(
             tensor_data(request.prompt_embeds[start_token_idx:end_token_idx])
         ).digest()
         request._prompt_embeds_per_block_hashes[span] = digest
-    return [digest]
+    return [("prompt_embeds", digest)]
 
 
 def generate_block_hash_extra_keys(
     request: Request, start_token_idx: int, end_token_idx: int, start_mm_idx: int
 ) -> tuple[tuple[Any, ...] | None, int]:
     """The extra keys of the block holding tokens [start, end) (None when there are none), in
-    the order LoRA name, multimodal keys, cache salt, prompt-embeds digest; and the multimodal
-    index the next block's scan starts at."""
+    the order ``("lora", name, path)``, the ``("mm", identifier, offset)`` keys,
+    ``("cache_salt", salt)`` (first block only), ``("prompt_embeds", sha256 digest)``; and the
+    multimodal index the next block's scan starts at. The tags keep keys of different kinds
+    from colliding (a LoRA named like a salt); the path makes a re-pointed LoRA name miss."""
     mm_keys, next_mm_idx = _mm_extra_keys(request, start_token_idx, end_token_idx, start_mm_idx)
     keys: list[Any] = []
     if request.lora_request is not None:
-        keys.append(request.lora_request.lora_name)
+        keys.append(("lora", request.lora_request.lora_name, request.lora_request.lora_path))
     keys.extend(mm_keys)
     if start_token_idx == 0 and request.cache_salt:
-        keys.append(request.cache_salt)
+        keys.append(("cache_salt", request.cache_salt))
     keys.extend(_prompt_embeds_extra_keys(request, start_token_idx, end_token_idx))
     return (tuple(keys) if keys else None), next_mm_idx
+
+
+def to_event_extra_keys(
+    extra_keys: Iterable[tuple[Any, ...] | None] | None,
+) -> list[tuple[Any, ...] | None] | None:
+    """The per-block extra keys as KV events publish them (consumers parse v0.22's untagged
+    shapes): ``("mm", id, offset)`` → ``(id, offset)``, any other ``(tag, value, ...)`` →
+    ``value`` (a LoRA's name, a cache salt, a prompt-embeds digest). None for no blocks."""
+    if not extra_keys:
+        return None
+    return [
+        None if keys is None else tuple(k[1:] if k[0] == "mm" else k[1] for k in keys)
+        for keys in extra_keys
+    ]
 
 
 def hash_block_tokens(
@@ -213,24 +252,25 @@ def get_request_block_hasher(
     ``num_hash_lookahead_tokens`` (L, tokens) > 0: a block's hash also covers the L tokens
     after it (the drafter's K/V at the block's last position depends on them), so it exists
     only once those tokens do. The hashed tokens stay the block's; its extra keys become
-    ``(E, *next L tokens)``, where ``E`` are the extra keys of the block and those tokens."""
-    if (
-        isinstance(num_hash_lookahead_tokens, bool)
-        or not isinstance(num_hash_lookahead_tokens, int)
-        or num_hash_lookahead_tokens < 0
-    ):
-        raise ValueError(
-            f"num_hash_lookahead_tokens: expected an int >= 0, got {num_hash_lookahead_tokens!r}"
+    ``(E, *next L tokens)``, where ``E`` are the extra keys of the block and those tokens.
+    A bool counts as 0 or 1 token (callers pass "has a drafter" as upstream's do)."""
+    if not isinstance(num_hash_lookahead_tokens, int):
+        raise TypeError(
+            "num_hash_lookahead_tokens: expected an int, "
+            f"got {type(num_hash_lookahead_tokens).__name__}"
         )
-    lookahead = num_hash_lookahead_tokens
+    if num_hash_lookahead_tokens < 0:
+        raise ValueError(
+            f"num_hash_lookahead_tokens: expected an int >= 0, got {num_hash_lookahead_tokens}"
+        )
+    lookahead = int(num_hash_lookahead_tokens)
 
     def request_block_hasher(request: Request) -> list[BlockHash]:
         start = len(request.block_hashes) * block_size
         num_tokens = request.num_tokens - lookahead
         if start + block_size > num_tokens:
             return []
-        # Blocks completed later by generated tokens can only overlap the last MM item.
-        mm_idx = 0 if start == 0 else -1
+        mm_idx = _first_mm_idx_reaching(request, start)
         parent = request.block_hashes[-1] if request.block_hashes else None
         token_ids = request.all_token_ids
         new_hashes: list[BlockHash] = []
@@ -251,6 +291,17 @@ def get_request_block_hasher(
         return new_hashes
 
     return request_block_hasher
+
+
+def _first_mm_idx_reaching(request: Request, token_idx: int) -> int:
+    """Index of the first multimodal item ending after ``token_idx`` (items are sorted and
+    disjoint, so their ends are sorted too); a later call may resume inside any item."""
+    features = request.mm_features
+    if token_idx == 0 or not features:
+        return 0
+    return bisect.bisect_right(
+        features, token_idx, key=lambda f: f.mm_position.offset + f.mm_position.length
+    )
 
 
 def _rewind_mm_idx(request: Request, mm_idx: int, end_token_idx: int) -> int:
@@ -313,10 +364,34 @@ BlockHashList: TypeAlias = "list[BlockHash] | BlockHashListWithBlockSize"
 
 
 def resolve_block_hashes(
-    block_hashes: BlockHashList, hash_block_size: int, block_size: int
+    block_hashes: BlockHashList,
+    hash_block_size: int,
+    block_size: int,
+    *,
+    supports_fine_grained_hash_lookup: bool = False,
+    alignment_tokens: int | None = None,
 ) -> BlockHashList:
-    """``block_hashes`` (one per ``hash_block_size`` tokens, or already a view) seen one per
-    ``block_size`` tokens (a multiple of ``hash_block_size``)."""
-    if block_size == hash_block_size or isinstance(block_hashes, BlockHashListWithBlockSize):
+    """``block_hashes`` (one per ``hash_block_size`` tokens, or already a view) as a manager
+    of ``block_size``-token blocks reads them (sizes in tokens).
+
+    The raw hashes stay when the sizes match, and also for a manager that can look up at hash
+    granularity (``supports_fine_grained_hash_lookup``) while partial hits are on: hits
+    aligned to ``alignment_tokens`` < ``block_size`` (a divisor of it). Otherwise a view of one
+    hash per block; a view already built for another block size is an error."""
+    if block_size == hash_block_size:
+        return block_hashes
+    if isinstance(block_hashes, BlockHashListWithBlockSize):
+        if block_hashes.scale_factor * hash_block_size != block_size:
+            raise AssertionError(
+                f"block_hashes: expected a view of {block_size}-token blocks, got one of "
+                f"{block_hashes.scale_factor * hash_block_size}-token blocks"
+            )
+        return block_hashes
+    if (
+        supports_fine_grained_hash_lookup
+        and alignment_tokens is not None
+        and alignment_tokens < block_size
+        and block_size % alignment_tokens == 0
+    ):
         return block_hashes
     return BlockHashListWithBlockSize(block_hashes, hash_block_size, block_size)

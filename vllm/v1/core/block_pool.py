@@ -32,6 +32,7 @@ from vllm.v1.core.block_hashing import (
     get_group_id,
     make_block_hash_with_group_id,
     maybe_convert_block_hash,
+    to_event_extra_keys,
 )
 from vllm.v1.core.kv_cache_block import FreeKVCacheBlockQueue, KVCacheBlock
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
@@ -236,7 +237,7 @@ class BlockPool:
                 lora_id=None if lora is None else lora.adapter_id,
                 medium=MEDIUM_GPU,
                 lora_name=None if lora is None else lora.name,
-                extra_keys=extra_keys or None,
+                extra_keys=to_event_extra_keys(extra_keys),
                 group_idx=group_id,
             )
         )

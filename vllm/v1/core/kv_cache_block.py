@@ -164,12 +164,29 @@ class FreeKVCacheBlockQueue:
         last = tail.prev_free_block
         if last is None:
             raise AssertionError("prev_free_block of fake_free_list_tail should always exist")
+        self._link_between(blocks, last, tail)
+
+    def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Put ``blocks`` at the front in the given order (evicted first, before the
+        blocks already queued)."""
+        if not blocks:
+            return
+        head = self.fake_free_list_head
+        first = head.next_free_block
+        if first is None:
+            raise AssertionError("next_free_block of fake_free_list_head should always exist")
+        self._link_between(blocks, head, first)
+
+    def _link_between(
+        self, blocks: list[KVCacheBlock], prev: KVCacheBlock, after: KVCacheBlock
+    ) -> None:
+        """Link ``blocks``, in order, between the adjacent nodes ``prev`` and ``after``."""
         for block in blocks:
-            last.next_free_block = block
-            block.prev_free_block = last
-            last = block
-        last.next_free_block = tail
-        tail.prev_free_block = last
+            prev.next_free_block = block
+            block.prev_free_block = prev
+            prev = block
+        prev.next_free_block = after
+        after.prev_free_block = prev
         self.num_free_blocks += len(blocks)
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:

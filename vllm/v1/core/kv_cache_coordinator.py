@@ -24,6 +24,7 @@ from vllm.v1.core.kv_cache_utils import BlockHash, KVCacheBlock
 from vllm.v1.core.prefix_retention import check_config_retention_interval, replay_boundaries
 from vllm.v1.core.single_type_kv_cache_manager import (
     CrossAttentionManager,
+    MambaManager,
     SingleTypeKVCacheManager,
     get_manager_for_kv_cache_spec,
 )
@@ -108,6 +109,9 @@ class KVCacheCoordinator(ABC):
         )
         for i, manager in enumerate(self.single_type_managers):
             manager.use_eagle = i in self.eagle_group_ids
+            if isinstance(manager, MambaManager):
+                # Checkpoints sit where EAGLE's attention hits end: one hash block lower.
+                manager.drop_eagle_checkpoint_block = use_eagle
         # With EAGLE the dropped hit tail must hold every prefill lookahead token, and hits
         # end on scheduler-block boundaries.
         if (

@@ -49,16 +49,32 @@ class KVCacheBlocks:
         )
 
     @overload
-    def get_block_ids(self, allow_none: Literal[False] = False) -> tuple[list[int], ...]: ...
+    def get_block_ids(
+        self, allow_none: Literal[False] = False, *, group_ids: Sequence[int] | None = None
+    ) -> tuple[list[int], ...]: ...
 
     @overload
-    def get_block_ids(self, allow_none: Literal[True] = True) -> tuple[list[int], ...] | None: ...
+    def get_block_ids(
+        self, allow_none: Literal[True] = True, *, group_ids: Sequence[int] | None = None
+    ) -> tuple[list[int], ...] | None: ...
 
-    def get_block_ids(self, allow_none: bool = False) -> tuple[list[int], ...] | None:
-        """Block ids per group; None instead of all-empty lists when ``allow_none``."""
-        if allow_none and not any(self.blocks):
+    def get_block_ids(
+        self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None
+    ) -> tuple[list[int], ...] | None:
+        """Block ids per group (only ``group_ids``, in that order, when given); None instead of
+        all-empty lists when ``allow_none``."""
+        if group_ids is None:
+            groups = self.blocks
+        else:
+            bad = [g for g in group_ids if not 0 <= g < len(self.blocks)]
+            if bad:
+                raise ValueError(
+                    f"group_ids: expected ids in [0, {len(self.blocks)}), got {list(group_ids)}"
+                )
+            groups = tuple(self.blocks[g] for g in group_ids)
+        if allow_none and not any(groups):
             return None
-        return tuple([b.block_id for b in group] for group in self.blocks)
+        return tuple([b.block_id for b in group] for group in groups)
 
     def get_unhashed_block_ids(self) -> list[int]:
         """Ids of the not-yet-published pages of the only group."""

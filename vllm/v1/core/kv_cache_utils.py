@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import sys
 import types
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
@@ -40,6 +40,7 @@ from vllm.kv_quant.formats import AUTO
 from vllm.utils import check_positive_int
 from vllm.v1.core import block_hashing
 from vllm.v1.core.block_hashing import (
+    DEFAULT_NONE_HASH_SEED,
     BlockHash,
     BlockHashList,
     BlockHashListWithBlockSize,
@@ -48,6 +49,7 @@ from vllm.v1.core.block_hashing import (
     generate_block_hash_extra_keys,
     get_block_hash,
     get_group_id,
+    get_none_hash_seed,
     get_request_block_hasher,
     hash_block_tokens,
     init_none_hash,
@@ -55,6 +57,8 @@ from vllm.v1.core.block_hashing import (
     maybe_convert_block_hash,
     need_extra_keys,
     resolve_block_hashes,
+    resolve_none_hash_seed,
+    to_event_extra_keys,
 )
 from vllm.v1.core.kv_bytes import kv_bytes_for_tokens, spec_bytes_per_token, total_state_bytes
 from vllm.v1.core.kv_cache_block import FreeKVCacheBlockQueue, KVCacheBlock
@@ -120,6 +124,9 @@ from vllm.v1.kv_cache_interface import (
 )
 
 __all__ = [
+    "DEFAULT_NONE_HASH_SEED",
+    "get_none_hash_seed",
+    "resolve_none_hash_seed",
     "resolve_block_hashes",
     "trim_null_head",
     "to_event_extra_keys",
@@ -222,20 +229,6 @@ def trim_null_head(blocks: Sequence[KVCacheBlock]) -> Sequence[KVCacheBlock]:
     """``blocks`` without its leading null blocks (``blocks`` itself when it has none)."""
     head = null_head_len(blocks)
     return blocks[head:] if head else blocks
-
-
-def to_event_extra_keys(
-    extra_keys: Iterable[tuple[Any, ...] | None] | None,
-) -> list[tuple[Any, ...] | None] | None:
-    """The per-block extra keys as KV events publish them (consumers parse v0.22's untagged
-    shapes): ``("mm", id, offset)`` → ``(id, offset)``, any other ``(tag, value, ...)`` →
-    ``value`` (a LoRA's name, a cache salt, a prompt-embeds digest). None for no blocks."""
-    if not extra_keys:
-        return None
-    return [
-        None if keys is None else tuple(k[1:] if k[0] == "mm" else k[1] for k in keys)
-        for keys in extra_keys
-    ]
 
 
 def resolve_dcp_kv_block_size(spec: KVCacheSpec, dcp_world_size: int) -> int:

@@ -19,13 +19,23 @@ from typing import Any
 
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.kv_cache_utils import BlockHashList, BlockHashWithGroupId, KVCacheBlock
+from vllm.v1.core.kv_cache_utils import (
+    BlockHashList,
+    BlockHashWithGroupId,
+    KVCacheBlock,
+    make_block_hash_with_group_id,
+)
 from vllm.v1.core.single_type_manager_base import (
     SingleTypeKVCacheManager,
     expect_no_context_parallel,
     expect_spec,
 )
-from vllm.v1.kv_cache_interface import KVCacheSpec, MambaSpec
+from vllm.v1.kv_cache_interface import (
+    KVCacheSpec,
+    MambaSpec,
+    get_mamba_prefill_checkpoint_position,
+    is_mamba_prefill_checkpoint_valid,
+)
 from vllm.v1.request import Request
 
 
@@ -45,6 +55,14 @@ class MambaManager(SingleTypeKVCacheManager):
         self._allocated_block_reqs: set[str] = set()
         # align mode: request id -> pages before this index are retired (null or freed).
         self._num_retired_blocks: dict[str, int] = {}
+        self.has_prefill_checkpoint_blocks = (
+            self._align and kv_cache_spec.num_prefill_checkpoint_blocks > 0
+        )
+        # Whether checkpoints sit one hash block lower for EAGLE (set like use_eagle).
+        self.drop_eagle_checkpoint_block = False
+        # align mode: request id -> (checkpoint position in tokens, index of the page that
+        # saves it) for the step being allocated.
+        self._checkpoints: dict[str, tuple[int, int]] = {}
 
     @property
     def _align(self) -> bool:
@@ -163,24 +181,82 @@ class MambaManager(SingleTypeKVCacheManager):
         # Lookahead tokens would break the page alignment (draft models have no Mamba layers).
         num_spec = self.num_speculative_blocks
         num_required = cdiv(num_tokens_main_model, self.block_size) + num_spec
+        checkpoint = self._plan_checkpoint(
+            request_id, total_computed_tokens, num_tokens_main_model, prefill_end
+        )
+        if not apply_admission_cap:
+            # The allocation that follows an unrestricted estimate uses this plan.
+            if checkpoint is None:
+                self._checkpoints.pop(request_id, None)
+            else:
+                self._checkpoints[request_id] = checkpoint
         num_held = len(self.req_to_blocks.get(request_id, ()))
         if num_held > 0:
-            # A running request reuses its speculative pages and needs one new state page.
-            if num_required <= num_held:
-                return 0
-            return 1 if request_id in self._allocated_block_reqs else 1 + num_spec
+            return self._align_layout(request_id, num_required, checkpoint is not None)[2]
         # A new request, page for page as add_local_computed_blocks,
         # allocate_external_computed_blocks and allocate_new_blocks take them: the hit's state
         # page unless the connector's tokens pass it, a state page after the connector's
-        # tokens, then the running state and the speculative pages.
+        # tokens, then the checkpoint page, the running state and the speculative pages.
         num_skipped_blocks = max(total_computed_tokens - 1, 0) // self.block_size
         num_after_hits = max(num_skipped_blocks, len(new_computed_blocks))
         num_after_external = max(cdiv(total_computed_tokens, self.block_size), num_after_hits)
         num_new = num_after_external - num_after_hits
+        first_own = num_required - num_spec - 1 - int(checkpoint is not None)
         if num_required > num_after_external:
-            num_new += num_required - max(num_after_external, num_required - num_spec - 1)
+            num_new += num_required - max(num_after_external, first_own)
         kept_hits = new_computed_blocks[num_skipped_blocks:]
         return num_new + self._get_num_evictable_blocks(kept_hits)
+
+    def _plan_checkpoint(
+        self, request_id: str, query_start: int, query_end: int, prefill_end: int
+    ) -> tuple[int, int] | None:
+        """``(position, page index)`` of the prefill checkpoint a step over tokens
+        [query_start, query_end) saves, or None: the position is the prompt-style reusable
+        boundary below ``query_end``; the page is the one just before the running state, and
+        must be unheld, null, or one of the request's own speculative pages."""
+        if not self.has_prefill_checkpoint_blocks or query_end < prefill_end:
+            return None
+        assert isinstance(self.kv_cache_spec, MambaSpec)
+        position = get_mamba_prefill_checkpoint_position(
+            query_end, self.scheduler_block_size, self.drop_eagle_checkpoint_block
+        )
+        index = cdiv(query_end, self.block_size) - 2
+        if index < 0 or not is_mamba_prefill_checkpoint_valid(
+            query_start,
+            query_end,
+            position,
+            self.block_pool.hash_block_size,
+            self.block_size,
+            self.kv_cache_spec.prefill_checkpoint_alignment,
+        ):
+            return None
+        blocks = self.req_to_blocks.get(request_id, [])
+        if (
+            index >= len(blocks)
+            or blocks[index].is_null
+            or (
+                request_id in self._allocated_block_reqs
+                and index >= len(blocks) - self.num_speculative_blocks
+            )
+        ):
+            return position, index
+        return None
+
+    def _align_layout(
+        self, request_id: str, num_required: int, has_checkpoint: bool
+    ) -> tuple[int, int, int]:
+        """How allocate_new_blocks lays out a held request's pages: (length after padding with
+        null pages, how many speculative pages move to the tail, new pages to take). The page
+        before the running state stays for the checkpoint when there is one."""
+        blocks = self.req_to_blocks.get(request_id, [])
+        num_before = len(blocks)
+        null_end = num_required - self.num_speculative_blocks - 1 - int(has_checkpoint)
+        length = max(num_before, null_end)
+        num_moved = 0
+        if request_id in self._allocated_block_reqs:
+            first_spec = num_before - self.num_speculative_blocks
+            num_moved = max(0, min(num_before, null_end) - first_spec)
+        return length, num_moved, max(num_required - length - num_moved, 0)
 
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_tokens_main_model: int
@@ -195,11 +271,11 @@ class MambaManager(SingleTypeKVCacheManager):
         req_blocks = self.req_to_blocks.setdefault(request_id, [])
         num_required = cdiv(num_tokens_main_model, self.block_size) + num_spec
         num_before = len(req_blocks)
-        if num_required == num_before:
+        has_checkpoint = request_id in self._checkpoints
+        if num_required <= num_before and not has_checkpoint:
+            # Pages over-allocated by an earlier step still cover this one.
+            self._allocated_block_reqs.add(request_id)
             return []
-        assert num_required > num_before, (
-            f"request {request_id!r} needs {num_required} pages but holds {num_before}"
-        )
         running = request_id in self._allocated_block_reqs
         if running:
             # The running state sits just before the speculative pages.
@@ -207,15 +283,16 @@ class MambaManager(SingleTypeKVCacheManager):
         elif num_before > 0:
             # A new request's last page holds its prefix hit's state.
             self.last_state_block_idx[request_id] = num_before - 1
-        # Pages before the new running state need no state of their own.
-        num_null = num_required - num_spec - 1
-        req_blocks.extend([self._null_block] * max(0, num_null - num_before))
-        if running:
-            # Move the previous step's speculative pages to the tail so they are reused.
-            for idx in range(num_before - num_spec, min(num_before, num_null)):
-                self._relocate_speculative_block(req_blocks, idx)
-        num_new = num_required - len(req_blocks)
-        assert num_new <= (1 if running else 1 + num_spec), "align mode over-allocates"
+        length, num_moved, num_new = self._align_layout(request_id, num_required, has_checkpoint)
+        # Pages before the new running state (and its checkpoint) need no state of their own.
+        req_blocks.extend([self._null_block] * (length - num_before))
+        # Move the previous step's speculative pages to the tail so they are reused; one left
+        # at the checkpoint index saves the checkpoint.
+        first_spec = num_before - num_spec
+        for idx in range(first_spec, first_spec + num_moved):
+            self._relocate_speculative_block(req_blocks, idx)
+        cap = 1 + int(has_checkpoint) + (0 if running else num_spec)
+        assert num_new <= cap, "align mode over-allocates"
         req_blocks.extend(self.block_pool.get_new_blocks(num_new))
         self._allocated_block_reqs.add(request_id)
         return req_blocks[num_before:]
@@ -224,6 +301,7 @@ class MambaManager(SingleTypeKVCacheManager):
         self._allocated_block_reqs.discard(request_id)
         self.last_state_block_idx.pop(request_id, None)
         self._num_retired_blocks.pop(request_id, None)
+        self._checkpoints.pop(request_id, None)
         return super().pop_blocks_for_free(request_id)
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
@@ -247,6 +325,7 @@ class MambaManager(SingleTypeKVCacheManager):
             replay_boundaries=replay_boundaries,
             alignment_tokens=alignment_tokens,
         )
+        self._publish_checkpoint(request)
         num_after = self.num_cached_block.get(request.request_id, 0)
         if num_after <= num_before:
             return
@@ -254,6 +333,39 @@ class MambaManager(SingleTypeKVCacheManager):
             if not block.is_null:
                 assert block.block_hash is not None
                 self.cached_blocks_this_step.add(block.block_hash)
+
+    def _publish_checkpoint(self, request: Request) -> None:
+        """Key the checkpoint page of this step by the prefix hash at its position, replacing
+        the hash of its page index that cache_blocks gave it (the page holds the state at the
+        checkpoint, not at its page's end). Positions are multiples of scheduler_block_size,
+        hence of block_size: the key is a whole-page hit."""
+        checkpoint = self._checkpoints.get(request.request_id)
+        if checkpoint is None:
+            return
+        position, index = checkpoint
+        block = self.req_to_blocks[request.request_id][index]
+        num_blocks = position // self.block_size
+        if block.is_null or len(request.block_hashes) * self.block_pool.hash_block_size < position:
+            return
+        key = make_block_hash_with_group_id(
+            request.block_hashes[position // self.block_pool.hash_block_size - 1],
+            self.kv_cache_group_id,
+        )
+        if block.block_hash == key:
+            return
+        self.block_pool._maybe_evict_cached_block(block)
+        # cache_full_blocks keys page i by hash i: hand it the checkpoint page at the index of
+        # its position, behind null pages (skipped), so the events say the same as the key.
+        self.block_pool.cache_full_blocks(
+            request=request,
+            blocks=[self._null_block] * (num_blocks - 1) + [block],
+            num_cached_blocks=num_blocks - 1,
+            num_full_blocks=num_blocks,
+            block_size=self.block_size,
+            kv_cache_group_id=self.kv_cache_group_id,
+        )
+        assert block.block_hash is not None
+        self.cached_blocks_this_step.add(block.block_hash)
 
     def new_step_starts(self) -> None:
         self.cached_blocks_this_step.clear()
