@@ -1,6 +1,8 @@
 // Host-side validation shared by the CPU and CUDA registrations of the cache ops.
 #include "cache_ops_torch.h"
 
+#include <ATen/Parallel.h>
+
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
 
@@ -8,6 +10,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <sstream>
 #include <vector>
 
@@ -509,6 +512,47 @@ void check_swap_blocks_args(const at::Tensor& src, const at::Tensor& dst,
                   " bytes within its extent), got block_mapping[", i, "][", column, "] = ", page);
     }
   }
+}
+
+void check_swap_blocks_batch_args(const at::Tensor& src_ptrs, const at::Tensor& dst_ptrs,
+                                  const at::Tensor& sizes) {
+  for (const auto& [t, name] : {std::pair{&src_ptrs, "src_ptrs"}, std::pair{&dst_ptrs, "dst_ptrs"},
+                                std::pair{&sizes, "sizes"}}) {
+    TORCH_CHECK(t->device().is_cpu(), name, ": expected a CPU tensor, got device ", t->device());
+    TORCH_CHECK(t->scalar_type() == at::kLong, name, ": expected dtype int64, got ",
+                dtype_str(t->scalar_type()));
+    TORCH_CHECK(t->dim() == 1, name, ": expected a 1-D tensor, got shape ", shape_str(*t));
+    TORCH_CHECK(t->is_contiguous(), name, ": expected a contiguous tensor, got strides ",
+                t->strides());
+  }
+  const int64_t n = src_ptrs.size(0);
+  TORCH_CHECK(dst_ptrs.size(0) == n, "dst_ptrs: expected ", n,
+              " addresses (one per src_ptrs entry), got ", dst_ptrs.size(0));
+  TORCH_CHECK(sizes.size(0) == n, "sizes: expected ", n,
+              " byte counts (one per src_ptrs entry), got ", sizes.size(0));
+  const int64_t* src = src_ptrs.data_ptr<int64_t>();
+  const int64_t* dst = dst_ptrs.data_ptr<int64_t>();
+  const int64_t* size = sizes.data_ptr<int64_t>();
+  for (const int64_t i : c10::irange(n)) {
+    TORCH_CHECK(size[i] >= 0, "sizes: expected byte counts >= 0, got sizes[", i, "] = ", size[i]);
+    TORCH_CHECK(size[i] == 0 || (src[i] != 0 && dst[i] != 0),
+                "src_ptrs / dst_ptrs: expected nonzero addresses for a copy of ", size[i],
+                " bytes, got src_ptrs[", i, "] = ", src[i], " and dst_ptrs[", i, "] = ", dst[i]);
+  }
+}
+
+void swap_blocks_batch_on_host(const at::Tensor& src_ptrs, const at::Tensor& dst_ptrs,
+                               const at::Tensor& sizes) {
+  const int64_t* src = src_ptrs.data_ptr<int64_t>();
+  const int64_t* dst = dst_ptrs.data_ptr<int64_t>();
+  const int64_t* size = sizes.data_ptr<int64_t>();
+  // Descriptors are usually whole pages (tens of KiB): a few per task keeps threads busy.
+  at::parallel_for(0, src_ptrs.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      std::memmove(reinterpret_cast<void*>(dst[i]), reinterpret_cast<const void*>(src[i]),
+                   static_cast<size_t>(size[i]));
+    }
+  });
 }
 
 }  // namespace vllm_kv

@@ -65,6 +65,15 @@ PagedAttentionParams prepare_paged_attention(
 void check_swap_blocks_args(const at::Tensor& src, const at::Tensor& dst,
                             int64_t block_size_in_bytes, const at::Tensor& block_mapping);
 
+// Validates the descriptors of swap_blocks_batch: src_ptrs, dst_ptrs and sizes are int64 CPU
+// vectors of one length, sizes are >= 0 and an address is nonzero wherever its size is not.
+void check_swap_blocks_batch_args(const at::Tensor& src_ptrs, const at::Tensor& dst_ptrs,
+                                  const at::Tensor& sizes);
+
+// Copies the descriptors between host addresses (memmove each), in parallel over descriptors.
+void swap_blocks_batch_on_host(const at::Tensor& src_ptrs, const at::Tensor& dst_ptrs,
+                               const at::Tensor& sizes);
+
 // convert_fp8 (docs/design.md §6): validates every argument (kv_cache_dtype, devices, the dtype
 // pair that decides the direction, shapes, the scale, overlap), then calls `convert` once with
 // contiguous buffers: src_cache is made contiguous if it is not, and a non-contiguous dst_cache

@@ -11,6 +11,11 @@ TORCH_LIBRARY(_C_cache_ops, m) {
   m.def(
       "swap_blocks(Tensor src, Tensor(a!) dst, int block_size_in_bytes, Tensor block_mapping) -> "
       "()");
+  // Raw copies: bytes [src_ptrs[i], +sizes[i]) to dst_ptrs[i]; three int64 CPU vectors of
+  // addresses and byte counts (host memory, or any memory the CUDA build's devices can reach).
+  m.def(
+      "swap_blocks_batch(Tensor src_ptrs, Tensor dst_ptrs, Tensor sizes, "
+      "bool is_src_access_order_any=False) -> ()");
   // Upstream's test helper: FP8 bytes <-> float with the reference codec's arithmetic.
   m.def("convert_fp8(Tensor! dst_cache, Tensor src_cache, float scale, str kv_cache_dtype) -> ()");
   // Paged attention over a cache written by reshape_and_cache_flash (every format); simd picks

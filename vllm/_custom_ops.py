@@ -128,6 +128,11 @@ def _swap_blocks_fake(
     )
 
 
+@torch.library.register_fake("_C_cache_ops::swap_blocks_batch")
+def _swap_blocks_batch_fake(src: torch.Tensor, dst: torch.Tensor, sizes: torch.Tensor, *_) -> None:
+    return None  # raw addresses: nothing a fake tensor can check
+
+
 @torch.library.register_fake("_C_cache_ops::convert_fp8")
 def _convert_fp8_fake(
     dst_cache: torch.Tensor, src_cache: torch.Tensor, scale: float, kv_cache_dtype: str
@@ -365,6 +370,18 @@ def swap_blocks(
     bytes ``[s*block_size_in_bytes, (s+1)*block_size_in_bytes)`` of ``src``'s storage (from its
     data_ptr) go to page ``d`` of ``dst``. CPU↔CPU, CPU↔CUDA and CUDA→CUDA."""
     torch.ops._C_cache_ops.swap_blocks(src, dst, block_size_in_bytes, block_mapping)
+
+
+def swap_blocks_batch(
+    src_ptrs: torch.Tensor,
+    dst_ptrs: torch.Tensor,
+    sizes: torch.Tensor,
+    is_src_access_order_any: bool = False,
+) -> None:
+    """``sizes[i]`` bytes from address ``src_ptrs[i]`` to ``dst_ptrs[i]`` (int64 CPU vectors):
+    host memory, or on a CUDA build any memory its devices reach, copied in stream order (which
+    makes ``is_src_access_order_any``, leave to read sources out of order, moot)."""
+    torch.ops._C_cache_ops.swap_blocks_batch(src_ptrs, dst_ptrs, sizes, is_src_access_order_any)
 
 
 def convert_fp8(

@@ -63,6 +63,17 @@ void swap_blocks_cpu(const at::Tensor& src, at::Tensor& dst, int64_t block_size_
   });
 }
 
+#ifndef VLLM_KV_WITH_CUDA
+// CPU-only builds: every address is host memory. (The CUDA build registers its own CPU-key
+// implementation, csrc/cuda/torch_bindings_cuda.cpp, since the descriptors are CPU tensors
+// whatever memory they address.)
+void swap_blocks_batch_cpu(const at::Tensor& src_ptrs, const at::Tensor& dst_ptrs,
+                           const at::Tensor& sizes, bool /*is_src_access_order_any*/) {
+  check_swap_blocks_batch_args(src_ptrs, dst_ptrs, sizes);
+  swap_blocks_batch_on_host(src_ptrs, dst_ptrs, sizes);
+}
+#endif
+
 void convert_fp8_cpu(at::Tensor& dst_cache, const at::Tensor& src_cache, double scale,
                      const std::string& kv_cache_dtype) {
   check_cpu(dst_cache, "dst_cache");
@@ -82,4 +93,7 @@ TORCH_LIBRARY_IMPL(_C_cache_ops, CPU, m) {
   m.impl("reshape_and_cache_flash", &vllm_kv::reshape_and_cache_flash_cpu);
   m.impl("swap_blocks", &vllm_kv::swap_blocks_cpu);
   m.impl("convert_fp8", &vllm_kv::convert_fp8_cpu);
+#ifndef VLLM_KV_WITH_CUDA
+  m.impl("swap_blocks_batch", &vllm_kv::swap_blocks_batch_cpu);
+#endif
 }

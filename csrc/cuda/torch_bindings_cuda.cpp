@@ -81,6 +81,31 @@ void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, int64_t block_size
   }
 }
 
+// swap_blocks_batch in a CUDA build: with a device, one cudaMemcpyAsync per descriptor on the
+// current stream, cudaMemcpyDefault letting unified addressing tell host from device memory
+// (stream order always holds, so is_src_access_order_any needs no special case); on a machine
+// without a device every address is host memory.
+void swap_blocks_batch_cuda(const at::Tensor& src_ptrs, const at::Tensor& dst_ptrs,
+                            const at::Tensor& sizes, bool /*is_src_access_order_any*/) {
+  check_swap_blocks_batch_args(src_ptrs, dst_ptrs, sizes);
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    (void)cudaGetLastError();  // clear the sticky "no device" error for later calls
+    swap_blocks_batch_on_host(src_ptrs, dst_ptrs, sizes);
+    return;
+  }
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t* src = src_ptrs.data_ptr<int64_t>();
+  const int64_t* dst = dst_ptrs.data_ptr<int64_t>();
+  const int64_t* size = sizes.data_ptr<int64_t>();
+  for (int64_t i = 0; i < src_ptrs.size(0); ++i) {
+    if (size[i] == 0) continue;
+    C10_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<void*>(dst[i]),
+                                   reinterpret_cast<const void*>(src[i]),
+                                   static_cast<size_t>(size[i]), cudaMemcpyDefault, stream));
+  }
+}
+
 void convert_fp8_cuda(at::Tensor& dst_cache, const at::Tensor& src_cache, double scale,
                       const std::string& kv_cache_dtype) {
   TORCH_CHECK(dst_cache.is_cuda(), "dst_cache: expected device ", src_cache.device(),
@@ -99,4 +124,9 @@ TORCH_LIBRARY_IMPL(_C_cache_ops, CUDA, m) {
   m.impl("reshape_and_cache_flash", &vllm_kv::reshape_and_cache_flash_cuda);
   m.impl("swap_blocks", &vllm_kv::swap_blocks_cuda);
   m.impl("convert_fp8", &vllm_kv::convert_fp8_cuda);
+}
+
+// The descriptors are CPU tensors whatever memory they address, so the op dispatches on CPU.
+TORCH_LIBRARY_IMPL(_C_cache_ops, CPU, m) {
+  m.impl("swap_blocks_batch", &vllm_kv::swap_blocks_batch_cuda);
 }
