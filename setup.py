@@ -1,4 +1,5 @@
-"""Builds the compiled cache ops (``vllm/_C``) with CMake and ninja against the installed torch.
+"""Builds the compiled cache ops (``vllm/_C``) with CMake and ninja against the installed torch,
+and the torch-free block-file I/O extension ``vllm/fs_io_C`` of the file-system offload tier.
 
 ``pip install --no-build-isolation -e .`` (or without ``-e``). With a CUDA build of torch the CUDA
 kernels are compiled too, for ``VLLM_KV_CUDA_ARCHS`` (CMake list, e.g. ``"90a;100a"``), else
@@ -16,6 +17,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 from setuptools import Extension, setup
@@ -46,10 +48,13 @@ def cuda_architectures() -> str | None:
 
 
 class CMakeExtension(Extension):
-    """An extension built by CMakeLists.txt at the repository root."""
+    """An extension built by CMakeLists.txt at the repository root: CMake target ``target``,
+    whose file name CMake reads from the cache variable ``output_name_var``."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, target: str, output_name_var: str) -> None:
         super().__init__(name, sources=[])
+        self.target = target
+        self.output_name_var = output_name_var
 
 
 class CMakeBuild(build_ext):
@@ -57,6 +62,8 @@ class CMakeBuild(build_ext):
     the extension (in the source tree for editable installs)."""
 
     def build_extension(self, ext: Extension) -> None:
+        if not isinstance(ext, CMakeExtension):
+            raise TypeError(f"ext: expected a CMakeExtension, got {type(ext).__name__}")
         import torch  # the build is against the installed torch (no build isolation)
 
         cmake = shutil.which("cmake")
@@ -84,7 +91,12 @@ class CMakeBuild(build_ext):
             f"-DCMAKE_BUILD_TYPE={'Debug' if self.debug else 'Release'}",
             f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
             f"-DVLLM_KV_OUTPUT_DIR={build_dir / 'lib'}",
-            f"-DVLLM_KV_OUTPUT_NAME={output.name}",
+            f"-DPython3_EXECUTABLE={sys.executable}",
+            *(
+                f"-D{e.output_name_var}={Path(self.get_ext_fullpath(e.name)).name}"
+                for e in self.extensions
+                if isinstance(e, CMakeExtension)
+            ),
             f"-DVLLM_KV_WITH_CUDA={'ON' if with_cuda else 'OFF'}",
         ]
         # The build directory outlives this install: an option not set now is removed from its
@@ -100,7 +112,7 @@ class CMakeBuild(build_ext):
                 f"-DCMAKE_CUDA_ARCHITECTURES={archs}" if archs else "-UCMAKE_CUDA_ARCHITECTURES"
             )
         subprocess.run(args, check=True)
-        subprocess.run([cmake, "--build", str(build_dir)], check=True)
+        subprocess.run([cmake, "--build", str(build_dir), "--target", ext.target], check=True)
         # Copy, then rename over the old library: processes that have it loaded keep their
         # mapping instead of crashing on a file rewritten in place.
         output.parent.mkdir(parents=True, exist_ok=True)
@@ -110,6 +122,9 @@ class CMakeBuild(build_ext):
 
 
 setup(
-    ext_modules=[CMakeExtension("vllm._C")],
+    ext_modules=[
+        CMakeExtension("vllm._C", "_C", "VLLM_KV_OUTPUT_NAME"),
+        CMakeExtension("vllm.fs_io_C", "fs_io_C", "VLLM_KV_FS_IO_OUTPUT_NAME"),
+    ],
     cmdclass={"build_ext": CMakeBuild},
 )

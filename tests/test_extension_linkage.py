@@ -1,4 +1,4 @@
-"""The built extension links the process's shared libstdc++, not a copy of its own.
+"""The built extensions link the process's shared libstdc++, not a copy of their own.
 
 A copy (from ``-static-libstdc++`` or a static archive on the link line) keeps a second registry
 of locale facets: the first error message that formats a number, e.g. ``expected ... = 36 ...,
@@ -8,8 +8,10 @@ machine's build did exactly that; CMakeLists.txt now links the shared library fi
 
 from __future__ import annotations
 
+import importlib
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,10 +26,15 @@ LIBSTDCXX_PROBES = {
 }
 
 
+def _fs_io_path() -> Path:
+    return Path(importlib.import_module("vllm.fs_io_C").__file__ or "")
+
+
 @pytest.mark.skipif(shutil.which("nm") is None, reason="needs binutils' nm")
-def test_extension_defines_no_libstdcxx_code() -> None:
-    path = ops._extension_path()
-    assert path is not None, "the extension is not built"
+@pytest.mark.parametrize("extension", ["_C", "fs_io_C"])
+def test_extension_defines_no_libstdcxx_code(extension: str) -> None:
+    path = ops._extension_path() if extension == "_C" else _fs_io_path()
+    assert path is not None and path.is_file(), f"the extension {extension} is not built"
     out = subprocess.run(
         ["nm", "--defined-only", str(path)], capture_output=True, text=True, check=True, timeout=60
     ).stdout

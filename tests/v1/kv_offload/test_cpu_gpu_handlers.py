@@ -22,9 +22,9 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
-from vllm.v1.kv_offload.cpu.gpu_worker import (
+from vllm.v1.kv_offload.cpu.page_copy import (
     CpuGpuOffloadingHandlers,
-    SingleDirectionOffloadingHandler,
+    PageCopyHandler,
     expand_block_ids,
 )
 from vllm.v1.kv_offload.worker.page_views import canonicalize_kv_caches
@@ -301,7 +301,7 @@ def test_handler_rejects_mismatched_tensors() -> None:
     handlers, _ = make_handlers()
     gpu = handlers.gpu_tensors
     with pytest.raises(ValueError, match=r"page size 4096 bytes differs from the source's 8192"):
-        SingleDirectionOffloadingHandler(
+        PageCopyHandler(
             [gpu[0]],
             [torch.empty(4, 4096, dtype=torch.uint8)],
             1,
@@ -311,7 +311,7 @@ def test_handler_rejects_mismatched_tensors() -> None:
             True,
         )
     with pytest.raises(ValueError, match="expected a torch.uint8 \\[num_rows, row_bytes\\]"):
-        SingleDirectionOffloadingHandler(
+        PageCopyHandler(
             [gpu[0].view(torch.int8)],
             [gpu[0]],
             1,

@@ -22,10 +22,7 @@ from vllm.v1.kv_offload.base import (
     GPULoadStoreSpec,
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
-from vllm.v1.kv_offload.cpu.gpu_worker import (
-    CpuGpuOffloadingHandlers,
-    SingleDirectionOffloadingHandler,
-)
+from vllm.v1.kv_offload.cpu.page_copy import CpuGpuOffloadingHandlers, PageCopyHandler
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
 try:
@@ -46,7 +43,7 @@ def canonical(pages: list[torch.Tensor], sizes: list[int]) -> CanonicalKVCaches:
     return CanonicalKVCaches(tensors=tensors, group_data_refs=refs)
 
 
-def run(handler: SingleDirectionOffloadingHandler, job_id: int, spec) -> int:
+def run(handler: PageCopyHandler, job_id: int, spec) -> int:
     assert handler.transfer_async(job_id, spec)
     handler.wait({job_id})
     (result,) = handler.get_finished()
@@ -155,7 +152,9 @@ def test_region_of_another_size_is_rejected() -> None:
     )
     shared = region(3, 128, 0)
     try:
-        with pytest.raises(ValueError, match="holds 3 blocks, expected num_cpu_blocks=4"):
+        with pytest.raises(
+            ValueError, match=r"mmap_region: expected 4 host pages \(num_cpu_blocks\), got 3"
+        ):
             CpuGpuOffloadingHandlers(kv, 1, 4, shared)
     finally:
         shared.cleanup()

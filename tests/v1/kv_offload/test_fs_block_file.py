@@ -1,5 +1,6 @@
 """Damaged, foreign and misplaced block files of the file-system tier: each is a miss (a failed
-load that reports nothing as loaded), is dropped, and the next store of its key replaces it."""
+load that reports nothing as loaded), is dropped, and the next store of its key writes it again.
+Every tier test runs on both I/O paths: the ``vllm.fs_io_C`` extension and per-block Python."""
 
 from __future__ import annotations
 
@@ -18,8 +19,13 @@ import torch
 from tiering_test_utils import stub_spec, wait_until
 
 from vllm.v1.attention.backends.utils import kv_cache_layout
-from vllm.v1.kv_offload.base import ReqContext, make_offload_key
-from vllm.v1.kv_offload.tiering.base import JobMetadata
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    ReqContext,
+    ScheduleEndContext,
+    make_offload_key,
+)
+from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.fs import io as fs_io
 from vllm.v1.kv_offload.tiering.fs.block_file import HEADER_BYTES, BadBlockFile, BlockFileHeader
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
@@ -43,16 +49,17 @@ class Tier:
                 stub_spec(), memoryview(self.rows.numpy()), "fs_python", str(root), 1, 1
             )
         self._next_job = 0
+        self._next_ctx = 0
 
     def path(self, i: int) -> str:
         return self.fs.file_mapper.get_file_name(key(i))
 
     def _run(self, i: int, row: int, promotion: bool) -> bool:
         self._next_job += 1
-        job = JobMetadata(self._next_job, [key(i)], np.array([row]), promotion, CTX)
+        job = TransferJob(self._next_job, [key(i)], np.array([row]), promotion, CTX)
         (self.fs.submit_load if promotion else self.fs.submit_store)(job)
         results: list = []
-        wait_until(lambda: results.extend(self.fs.get_finished()) or bool(results))
+        wait_until(lambda: results.extend(self.fs.get_finished_jobs()) or bool(results))
         assert [r.job_id for r in results] == [self._next_job]
         return results[0].success
 
@@ -64,12 +71,34 @@ class Tier:
         self.rows[row] = SENTINEL
         return self._run(i, row, promotion=True)
 
-    def lookup(self, i: int) -> bool | None:
-        return self.fs.lookup(key(i), CTX)
+    def lookup(self, i: int) -> bool:
+        """Whether a fresh request finds block ``i`` (waiting out the asynchronous probe)."""
+        self._next_ctx += 1
+        ctx = ReqContext(req_id=f"lookup-{self._next_ctx}")
+        verdict: list[LookupResult] = []
+
+        def answered() -> bool:
+            verdict[:] = [self.fs.lookup(key(i), ctx)]
+            self.fs.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=()))
+            return verdict[0] is not LookupResult.RETRY
+
+        wait_until(answered)
+        self.fs.on_request_finished(ctx)
+        return verdict[0] is LookupResult.HIT
+
+
+@pytest.fixture(params=["fs_io_C", "python"])
+def io_path(request, monkeypatch) -> str:
+    """Run the test on the extension's batched I/O, then on the per-block Python I/O."""
+    if request.param == "fs_io_C":
+        assert fs_io._HAS_FSIO_C, "vllm.fs_io_C is not built (see setup.py / CMakeLists.txt)"
+    else:
+        monkeypatch.setattr(fs_io, "_HAS_FSIO_C", False)
+    return request.param
 
 
 @pytest.fixture
-def tier(tmp_path):
+def tier(tmp_path, io_path):
     t = Tier(tmp_path)
     t.rows[0] = torch.randint(0, 256, (ROW,), dtype=torch.uint8, generator=torch.Generator())
     yield t
@@ -90,15 +119,16 @@ def loads_exactly(t: Tier, i: int) -> bool:
 
 # Offsets from the start (the header, if any) and from the end (the last payload byte).
 @pytest.mark.parametrize("offset", [0, 12, 40, 2000, -1, -ROW // 2])
-def test_a_flipped_byte_is_a_miss_and_the_next_store_replaces_the_file(tier, offset) -> None:
+def test_a_flipped_byte_is_a_miss_and_the_next_store_writes_the_file_again(tier, offset) -> None:
     assert tier.store(1)
     path = tier.path(1)
     size = os.path.getsize(path)
+    before = os.stat(path)
     flip(path, offset % size)
-    # The store of the same key finds the file damaged and writes it again.
+    # A store finds a file of the full size and keeps it (names are content hashes): no
+    # store reads whole files back; the load that finds the damage drops the file.
     assert tier.store(1)
-    assert loads_exactly(tier, 1)
-    flip(path, offset % size)
+    assert os.stat(path).st_ino == before.st_ino
     assert not tier.load(1)
     assert not tier.lookup(1) and not os.path.exists(path)  # dropped: a miss from now on
     assert tier.store(1) and loads_exactly(tier, 1)
@@ -210,6 +240,7 @@ def test_a_bad_header_names_the_field(offset: int, message: str) -> None:
 
 def test_a_read_error_fails_the_load_but_keeps_the_file(tier, monkeypatch) -> None:
     """Only a file shown to be bad is removed; an I/O error may be transient."""
+    monkeypatch.setattr(fs_io, "_HAS_FSIO_C", False)  # the error is injected in the Python path
     assert tier.store(1)
     real_readv = os.readv
 
@@ -223,8 +254,9 @@ def test_a_read_error_fails_the_load_but_keeps_the_file(tier, monkeypatch) -> No
 
 
 def test_a_failed_load_never_removes_a_good_file_stored_meanwhile(tier, monkeypatch) -> None:
-    """A load that finds the file bad removes that file only: when a store renamed a good
-    file into its place while the load was reading, the good file stays and loads."""
+    """A load that finds the file bad removes that file only: when a good file took its place
+    while the load was reading, the good file stays and loads."""
+    monkeypatch.setattr(fs_io, "_HAS_FSIO_C", False)  # the race is staged in the Python path
     assert tier.store(1)
     flip(tier.path(1), 2000)
     read = fs_io._read_file
@@ -233,7 +265,9 @@ def test_a_failed_load_never_removes_a_good_file_stored_meanwhile(tier, monkeypa
         try:
             read(path, *args)
         finally:
-            # A store of the same key replaces the damaged file before the load removes it.
+            # Another process drops the damaged file and a store writes the block again, all
+            # before this load removes what it read.
+            os.remove(path)
             header = BlockFileHeader(tier.fs.file_mapper.fingerprint, key(1))
             fs_io.store_block(path, memoryview(tier.rows.numpy()), 0, ROW, header)
 

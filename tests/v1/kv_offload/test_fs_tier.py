@@ -15,9 +15,14 @@ import torch
 from tiering_test_utils import FORMATS, region, stub_spec, wait_until, worker_pages
 
 from vllm.v1.attention.backends.utils import kv_cache_layout
-from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    ReqContext,
+    ScheduleEndContext,
+    make_offload_key,
+)
 from vllm.v1.kv_offload.tiering import factory
-from vllm.v1.kv_offload.tiering.base import JobMetadata
+from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.fs import io
 from vllm.v1.kv_offload.tiering.fs.block_file import HEADER_BYTES, BlockFileHeader
 from vllm.v1.kv_offload.tiering.fs.io import load_block, store_block
@@ -34,15 +39,28 @@ def key(i: int, group: int = 0):
     return make_offload_key(i.to_bytes(8, "big"), group)
 
 
-def job(job_id: int, ids: list[int], rows: list[int], promotion: bool = False) -> JobMetadata:
-    return JobMetadata(job_id, [key(i) for i in ids], np.array(rows), promotion, CTX)
+def job(job_id: int, ids: list[int], rows: list[int], promotion: bool = False) -> TransferJob:
+    return TransferJob(job_id, [key(i) for i in ids], np.array(rows), promotion, CTX)
+
+
+def found(tier: FileSystemTierManager, i: int, ctx: ReqContext = CTX) -> bool:
+    """The tier's verdict on key ``i`` for ``ctx``, waiting out the asynchronous probe."""
+    verdict: list[LookupResult] = []
+
+    def answered() -> bool:
+        verdict[:] = [tier.lookup(key(i), ctx)]
+        tier.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=()))
+        return verdict[0] is not LookupResult.RETRY
+
+    wait_until(answered)
+    return verdict[0] is LookupResult.HIT
 
 
 def finished(tier: FileSystemTierManager, n: int) -> dict[int, bool]:
     results: dict[int, bool] = {}
 
     def poll() -> bool:
-        results.update((r.job_id, r.success) for r in tier.get_finished())
+        results.update((r.job_id, r.success) for r in tier.get_finished_jobs())
         return len(results) >= n
 
     wait_until(poll)
@@ -66,7 +84,7 @@ def test_block_files_config_and_byte_exact_load(tier) -> None:
     fs.submit_store(job(1, [7, 8], [0, 1]))
     assert finished(fs, 1) == {1: True}
     assert os.path.getsize(fs.file_mapper.get_file_name(key(7))) == HEADER_BYTES + 4096
-    assert fs.lookup(key(7), CTX) and not fs.lookup(key(9), CTX)
+    assert found(fs, 7) and not found(fs, 9)
     fs.submit_load(job(2, [8, 7], [2, 3], promotion=True))
     assert finished(fs, 1) == {2: True}
     assert torch.equal(rows[2], want[1]) and torch.equal(rows[3], want[0])
@@ -98,7 +116,7 @@ def test_truncated_or_missing_file_fails_the_job_and_is_removed(tier) -> None:
     rows[2:] = 5
     fs.submit_load(job(2, [1, 2, 3], [2, 3, 0], promotion=True))
     assert finished(fs, 1) == {2: False}
-    assert not os.path.exists(path) and fs.lookup(key(1), CTX)
+    assert not os.path.exists(path) and found(fs, 1)
 
 
 def test_nhd_and_hnd_caches_never_share_block_files(tmp_path) -> None:
@@ -115,13 +133,13 @@ def test_nhd_and_hnd_caches_never_share_block_files(tmp_path) -> None:
         nhd_rows[0] = 7
         nhd.submit_store(job(1, [1], [0]))
         assert finished(nhd, 1) == {1: True}
-        assert not hnd.lookup(key(1), CTX)
+        assert not found(hnd, 1)
         hnd.submit_load(job(2, [1], [1], promotion=True))
         assert finished(hnd, 1) == {2: False}
         hnd_rows[0] = 9
         hnd.submit_store(job(3, [2], [0]))
         assert finished(hnd, 1) == {3: True}
-        assert hnd.lookup(key(2), CTX) and not nhd.lookup(key(2), CTX)
+        assert found(hnd, 2) and not found(nhd, 2)
     finally:
         nhd.shutdown()
         hnd.shutdown()
@@ -220,11 +238,15 @@ def test_every_format_round_trips_byte_exact_through_the_fs_tier(cache_dtype, tm
         manager.complete_store(other.keys_to_store, CTX, success=False)
         fill(cells, -1)
         wanted = [key(2), key(0)]
-        assert [manager.lookup(k, CTX) for k in wanted] == [LookupResult.HIT_PENDING] * 2
+        step = ScheduleEndContext(new_req_ids=[], preempted_req_ids=())
 
         def promoted() -> bool:
+            # The tier's probe answers RETRY first, then the promotion runs (HIT_PENDING).
+            verdicts = [manager.lookup(k, CTX) for k in wanted]
+            assert LookupResult.MISS not in verdicts
+            manager.on_schedule_end(step)
             list(manager.take_events())
-            return all(manager.lookup(k, CTX) is LookupResult.HIT for k in wanted)
+            return all(v is LookupResult.HIT for v in verdicts)
 
         wait_until(promoted)
         rows = manager.prepare_load(wanted, CTX).block_ids

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -19,8 +20,8 @@ from tiering_test_utils import stub_spec, wait_until
 from vllm.config import ParallelConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import OBJECT_TOO_LARGE
 from vllm.v1.attention.backends.utils import kv_cache_layout
-from vllm.v1.kv_offload.base import ReqContext, make_offload_key
-from vllm.v1.kv_offload.tiering.base import JobMetadata
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
+from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.mooncake import manager as tier_module
 from vllm.v1.kv_offload.tiering.mooncake.blocks import OBJECT_NOT_FOUND, offload_key_name
@@ -130,10 +131,10 @@ def keys(*names: str):
 
 
 def run(tier: MooncakeTierManager, job_id: int, ks, block_ids, promotion: bool) -> bool:
-    job = JobMetadata(job_id, ks, np.array(block_ids, dtype=np.int64), promotion, CTX)
+    job = TransferJob(job_id, ks, np.array(block_ids, dtype=np.int64), promotion, CTX)
     (tier.submit_load if promotion else tier.submit_store)(job)
     results = []
-    wait_until(lambda: results.extend(tier.get_finished()) or bool(results))
+    wait_until(lambda: results.extend(tier.get_finished_jobs()) or bool(results))
     assert [r.job_id for r in results] == [job_id] and tier.jobs_in_flight == 0
     return results[0].success
 
@@ -156,9 +157,9 @@ def test_cascade_and_promotion_are_byte_exact_across_instances() -> None:
     reader, r_rows = make_tier()
     w_rows[:] = np.random.default_rng(0).integers(0, 256, w_rows.shape, dtype=np.uint8)
     ks = keys("a", "b", "c")
-    assert [reader.lookup(k, CTX) for k in ks] == [False] * 3
+    assert [reader.lookup(k, CTX) for k in ks] == [LookupResult.MISS] * 3
     assert run(writer, 0, ks, [4, 0, 2], promotion=False)
-    assert [reader.lookup(k, CTX) for k in ks] == [True] * 3
+    assert [reader.lookup(k, CTX) for k in ks] == [LookupResult.HIT] * 3
     assert run(reader, 1, ks[::-1], [5, 1, 3], promotion=True)
     assert np.array_equal(r_rows[[5, 1, 3]], w_rows[[2, 0, 4]])
     assert not r_rows[[0, 2, 4]].any()
@@ -185,11 +186,14 @@ def test_nhd_and_hnd_instances_never_share_blocks(by_option: bool) -> None:
     assert nhd.rows.data_key(name) != hnd.rows.data_key(name)
     assert nhd.rows.header_key(name) != hnd.rows.header_key(name)
     assert run(nhd, 0, keys("n"), [0], promotion=False)
-    assert hnd.lookup(keys("n")[0], CTX) is False
+    assert hnd.lookup(keys("n")[0], CTX) is LookupResult.MISS
     assert not run(hnd, 1, keys("n"), [1], promotion=True) and not hnd_rows.any()
     other_rows[2] = 3
     assert run(other_hnd, 2, keys("h"), [2], promotion=False)
-    assert hnd.lookup(keys("h")[0], CTX) is True and nhd.lookup(keys("h")[0], CTX) is False
+    assert (
+        hnd.lookup(keys("h")[0], CTX) is LookupResult.HIT
+        and nhd.lookup(keys("h")[0], CTX) is LookupResult.MISS
+    )
     assert run(hnd, 3, keys("h"), [4], promotion=True) and (hnd_rows[4] == 3).all()
     for tier in (nhd, hnd, other_hnd):
         tier.shutdown()
@@ -207,12 +211,12 @@ def test_a_corrupt_block_fails_its_promotion_writes_no_row_and_stays_a_miss(fake
     assert not r_rows.any()  # checked before any row was written
     error = reader.failure(ks[1])
     assert isinstance(error, ValueError) and f"got {10}" in str(error)
-    assert reader.lookup(ks[1], CTX) is False  # not retried: recomputed
-    assert reader.lookup(ks[0], CTX) is True
+    assert reader.lookup(ks[1], CTX) is LookupResult.MISS  # not retried: recomputed
+    assert reader.lookup(ks[0], CTX) is LookupResult.HIT
     # Recomputed and offloaded again by the reader: the bad object is replaced, then loads.
     r_rows[4] = 5
     assert run(reader, 5, ks[1:], [4], promotion=False)
-    assert reader.lookup(ks[1], CTX) is True
+    assert reader.lookup(ks[1], CTX) is LookupResult.HIT
     assert fake_client.objects[data_key] == bytes(r_rows[4])
     r_rows[4] = 0
     # A foreign header (another model's format) is refused the same way.
@@ -238,13 +242,13 @@ def test_an_unreachable_store_is_a_fast_miss_then_retried(fake_client) -> None:
     ks = keys("k")
     assert run(tier, 0, ks, [0], promotion=False)
     fake_client.down = True
-    assert tier.lookup(ks[0], CTX) is False
+    assert tier.lookup(ks[0], CTX) is LookupResult.MISS
     fake_client.down = False
-    assert tier.lookup(ks[0], CTX) is False  # within the back-off: no query
+    assert tier.lookup(ks[0], CTX) is LookupResult.MISS  # within the back-off: no query
     assert not run(tier, 1, keys("later"), [1], promotion=False)
     assert "unreachable" in str(tier.failure(keys("later")[0]))
     time.sleep(0.25)
-    assert tier.lookup(ks[0], CTX) is True
+    assert tier.lookup(ks[0], CTX) is LookupResult.HIT
     tier.shutdown()
 
 
@@ -322,7 +326,7 @@ def test_an_oversized_header_is_a_bad_object(fake_client) -> None:
     fake_client.objects[header_key] += b"\0" * 64
     assert not run(reader, 1, k, [1], promotion=True)
     assert type(reader.failure(k[0])).__name__ == "BadStoreObject"
-    assert reader.lookup(k[0], CTX) is False and not r_rows.any()
+    assert reader.lookup(k[0], CTX) is LookupResult.MISS and not r_rows.any()
     for tier in (writer, reader):
         tier.shutdown()
 
@@ -336,24 +340,38 @@ def test_bad_rows_remove_nothing_and_bad_flags_survive_other_failures(fake_clien
     assert not run(tier, 1, k, [1], promotion=True)  # now flagged bad
     before = dict(fake_client.objects)
     assert not run(tier, 2, k, [99], promotion=False)  # a row out of range: nothing removed
-    assert fake_client.objects == before and tier.lookup(k[0], CTX) is False
+    assert fake_client.objects == before and tier.lookup(k[0], CTX) is LookupResult.MISS
     fake_client.down = True
-    assert tier.lookup(keys("other")[0], CTX) is False  # starts the back-off
+    assert tier.lookup(keys("other")[0], CTX) is LookupResult.MISS  # starts the back-off
     fake_client.down = False
     assert not run(tier, 3, k, [1], promotion=False)  # fails at once: still bad
-    assert tier.lookup(k[0], CTX) is False
+    assert tier.lookup(k[0], CTX) is LookupResult.MISS
     tier.shutdown()
 
 
 def test_shutdown_reports_dropped_jobs_and_misses(fake_client) -> None:
     tier, _ = make_tier()
-    tier._pool.shutdown(wait=True)  # a stopped pool: the next job stays queued
-    job = JobMetadata(7, keys("q"), np.array([0]), False, CTX)
-    tier.submit_store(job)
-    assert tier.jobs_in_flight == 1
-    tier.shutdown()
-    assert [(r.job_id, r.success) for r in tier.get_finished()] == [(7, False)]
-    assert tier.jobs_in_flight == 0 and list(tier.get_finished()) == []
-    assert tier.lookup(keys("q")[0], CTX) is False
+    gate, started = threading.Event(), threading.Semaphore(0)
+    store = tier.rows.store
+
+    def blocked_store(*args, **kwargs):
+        started.release()
+        gate.wait()
+        return store(*args, **kwargs)
+
+    tier.rows.store = blocked_store  # type: ignore[method-assign]
+    for job_id in (5, 6, 7):  # two threads take 5 and 6; 7 stays queued
+        tier.submit_store(TransferJob(job_id, keys(f"q{job_id}"), np.array([0]), False, CTX))
+    assert started.acquire(timeout=10) and started.acquire(timeout=10)
+    assert tier.jobs_in_flight == 3
+    stopper = threading.Thread(target=tier.shutdown)
+    stopper.start()
+    wait_until(lambda: tier._closed and not tier._pool._store_q)
+    gate.set()  # the running copies finish; the queued one was dropped
+    stopper.join(timeout=10)
+    results = {r.job_id: r.success for r in tier.get_finished_jobs()}
+    assert results == {5: True, 6: True, 7: False}
+    assert tier.jobs_in_flight == 0 and list(tier.get_finished_jobs()) == []
+    assert tier.lookup(keys("q5")[0], CTX) is LookupResult.MISS
     with pytest.raises(RuntimeError, match="shut down"):
-        tier.submit_load(job)
+        tier.submit_store(TransferJob(8, keys("q8"), np.array([0]), False, CTX))

@@ -28,7 +28,8 @@ def test_module_path_loads_an_unregistered_tier_and_config_is_left_alone() -> No
     }
     view = memoryview(torch.zeros((2, 8), dtype=torch.int8).numpy())
     tier = SecondaryTierFactory.create_secondary_tier(config, view, stub_spec())
-    assert tier.tier_type == "ExampleSecondaryTierManager" and tier.custom_param == 3
+    assert tier.tier_type == "ExampleSecondaryTierManager"
+    assert tier.config_info() == {"example_info": 3}
     assert "module_path" in config and "ExampleSecondaryTierManager" not in (
         SecondaryTierFactory._registry
     )

@@ -1,6 +1,6 @@
-"""TieringOffloadingManager with the in-memory example tier: cascades pin primary rows until
-the tier reports them, promotions are batched per (tier, request) at the end of a step, and
-failures leave the primary tier consistent."""
+"""TieringOffloadingManager with the in-memory example tier: cascades pin primary chunks until
+the tier reports them, promotions are batched per (tier, request) at the end of a step
+(``on_schedule_end``), and failures leave the primary tier consistent."""
 
 from __future__ import annotations
 
@@ -11,8 +11,14 @@ import pytest
 import torch
 from tiering_test_utils import region, stub_spec
 
-from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, make_offload_key
-from vllm.v1.kv_offload.tiering.base import JobMetadata, JobResult
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    OffloadKey,
+    ReqContext,
+    ScheduleEndContext,
+    make_offload_key,
+)
+from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 from vllm.v1.kv_offload.tiering.example.manager import ExampleSecondaryTierManager
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.manager import (
@@ -33,18 +39,18 @@ class DeferredTier(ExampleSecondaryTierManager):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.jobs: list[JobMetadata] = []
+        self.jobs: list[TransferJob] = []
         self.held: list[JobResult] = []
 
-    def submit_store(self, job_metadata: JobMetadata) -> None:
+    def submit_store(self, job_metadata: TransferJob) -> None:
         self.jobs.append(job_metadata)
         super().submit_store(job_metadata)
-        self.held += super().get_finished()
+        self.held += super().get_finished_jobs()
 
-    def submit_load(self, job_metadata: JobMetadata) -> None:
+    def submit_load(self, job_metadata: TransferJob) -> None:
         self.jobs.append(job_metadata)
         super().submit_load(job_metadata)
-        self.held += super().get_finished()
+        self.held += super().get_finished_jobs()
 
     def release(self) -> None:
         self.completed_jobs, self.held = self.held, []
@@ -57,7 +63,7 @@ def setup() -> Iterator[list]:
     view = primary.get_kv_memoryview()
     rows = torch.frombuffer(view, dtype=torch.int8).view(4, ROW)
     tier = DeferredTier(stub_spec(), view, "example", custom_param=3)
-    manager = TieringOffloadingManager(primary, [tier], enable_events=True)
+    manager = TieringOffloadingManager(primary, [tier])
     state: list = [manager, tier, rows]
     yield state
     state.clear()  # drop the rows' export of the shared buffer before it is unmapped
@@ -74,6 +80,7 @@ def store(manager: TieringOffloadingManager, rows: torch.Tensor, ids: list[int],
 
 
 def end_step(manager: TieringOffloadingManager) -> list:
+    manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
     return list(manager.take_events())
 
 
@@ -81,8 +88,8 @@ def test_cascade_pins_rows_until_the_tier_reports(setup) -> None:
     manager, tier, rows = setup
     store(manager, rows, [1, 2, 3, 4])
     (job,) = tier.jobs
-    assert not job.is_promotion and list(job.block_ids) == [0, 1, 2, 3]
-    assert tier.get_num_blocks() == 4 and tier.data[keys(3)[0]] == bytes([3]) * ROW
+    assert not job.is_promotion and list(job.chunk_ids) == [0, 1, 2, 3]
+    assert tier.get_num_chunks() == 4 and tier.data[keys(3)[0]] == bytes([3]) * ROW
     end_step(manager)
     # Pinned by the cascade: nothing can be evicted for a new key.
     assert manager.prepare_store(keys(5), A) is None
@@ -133,11 +140,11 @@ def test_promotions_batched_per_request_and_bytes_restored(setup) -> None:
 
 def test_failed_promotion_frees_the_row_and_full_primary_is_a_miss(setup) -> None:
     manager, tier, rows = setup
-    tier.blocks[keys(9)[0]] = True  # held without bytes
-    tier.blocks[keys(8)[0]] = True
+    tier.chunks[keys(9)[0]] = True  # held without bytes
+    tier.chunks[keys(8)[0]] = True
     assert manager.lookup(keys(9)[0], A) is LookupResult.HIT_PENDING
     end_step(manager)
-    del tier.blocks[keys(9)[0]]
+    del tier.chunks[keys(9)[0]]
     tier.jobs[-1].keys = list(tier.jobs[-1].keys)
     tier.held = [JobResult(tier.jobs[-1].job_id, False)]
     tier.release()
@@ -181,7 +188,7 @@ def test_secondary_tier_factory() -> None:
         {"type": "example", "custom_param": 7}, view, stub_spec()
     )
     assert isinstance(tier, ExampleSecondaryTierManager)
-    assert (tier.tier_type, tier.custom_param) == ("example", 7)
+    assert (tier.tier_type, tier.config_info()) == ("example", {"example_info": 7})
     with pytest.raises(ValueError, match="must include 'type'"):
         SecondaryTierFactory.create_secondary_tier({}, view, stub_spec())
     with pytest.raises(ValueError, match="Unknown secondary tier type: 'tape'"):

@@ -20,7 +20,7 @@ from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import TYPE_CHECKING, Any, NamedTuple, NewType, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, NewType, TypeVar
 
 import numpy as np
 
@@ -51,10 +51,12 @@ from vllm.v1.kv_offload.metrics import (
     OffloadingKVEventsConfig,  # noqa: F401
     OffloadingMetricMetadata,  # noqa: F401
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.kv_hints import KvHintsEnvelope
 
 
 OffloadKey = NewType("OffloadKey", bytes)
@@ -95,10 +97,41 @@ class Locality(str, Enum):
     REMOTE = "REMOTE"
 
 
+class TierMatcher(NamedTuple):
+    """Selects tiers by medium and locality; a None field (on either side) matches any."""
+
+    medium: Medium | None = None
+    locality: Locality | None = None
+
+    def matches(self, medium: Medium | None, locality: Locality | None) -> bool:
+        """Whether a tier of ``medium`` and ``locality`` (None: unknown) is selected."""
+        return (self.medium is None or medium is None or self.medium == medium) and (
+            self.locality is None or locality is None or self.locality == locality
+        )
+
+
+@dataclass(frozen=True)
+class TierFilter:
+    """The tiers a request may use: those any of ``matchers`` selects (none: no tier).
+    :attr:`ALL` allows every tier."""
+
+    matchers: tuple[TierMatcher, ...] = ()
+
+    ALL: ClassVar[TierFilter]
+
+    def allows(self, medium: Medium | None, locality: Locality | None) -> bool:
+        """Whether a tier of ``medium`` and ``locality`` may serve the request."""
+        return self is TierFilter.ALL or any(m.matches(medium, locality) for m in self.matchers)
+
+
+TierFilter.ALL = TierFilter(matchers=(TierMatcher(),))
+
+
 @dataclass
 class ReqContext:
     """What a manager may know of the request a call is made for.
 
+    ``load_tier_filter`` selects the tiers the request may load from (all by default).
     Managers may keep per-request scratch state here, one value per type
     (:meth:`set_state` / :meth:`get_state`), and the scheduler records each key's end-token
     position (:meth:`set_offload_key_position`) so a manager can recover prefix order even
@@ -107,7 +140,8 @@ class ReqContext:
 
     req_id: str
     kv_transfer_params: dict[str, Any] | None = None
-    kv_hints: Any = None
+    kv_hints: KvHintsEnvelope | None = None
+    load_tier_filter: TierFilter = TierFilter.ALL
     _state: dict[type, Any] = field(default_factory=dict, repr=False, init=False)
     _offload_key_positions: dict[OffloadKey, int] = field(
         default_factory=dict, repr=False, init=False
@@ -217,6 +251,11 @@ class OffloadingManager(ABC):
     @abstractmethod
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """Whether ``key`` is offloaded and loadable (see :class:`LookupResult`)."""
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        """Which cache tier served ``key`` (asked only after :meth:`lookup` said ``HIT``);
+        unknown unless a manager knows better."""
+        return CacheHitSource.EXTERNAL_UNSPECIFIED
 
     @abstractmethod
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:

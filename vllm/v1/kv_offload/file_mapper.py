@@ -20,6 +20,7 @@ import hashlib
 import json
 from typing import Any
 
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from vllm.v1.kv_offload.base import (
     OffloadingSpec,
     OffloadKey,
@@ -135,10 +136,11 @@ class FileMapper:
                     "kv_cache_layout: expected a layout name with canonical_layout, got None"
                 )
             canonical_format = canonical_format_id(config.kv_cache_layout)
-        # Set by specs built the v0.22 way only (a class attribute would hide the absence).
+        # Set by specs built the v0.22 way only (a class attribute would hide the absence);
+        # anything else there (a test double's auto-attribute) names no page format.
         kv_cache_config = getattr(offloading_spec, "kv_cache_config", None)
         page_format = None
-        if kv_cache_config is not None:
+        if isinstance(kv_cache_config, (KVCacheConfig, KVCacheSpec)):
             page_format = KVPageFormat.from_kv_cache_config(
                 kv_cache_config,
                 model=config.model.name,

@@ -100,6 +100,11 @@ class OffloadingConnectorStats:
         """Drop every observation and the info."""
         self.data = {"types": {}, "data": {}, "info": None}
 
+    def metric_sections(self) -> tuple[dict[str, str], dict[str, dict[tuple[str, ...], Any]]]:
+        """The live (types, values) dicts, for a manager that edits its own metrics in
+        place (renaming them, say)."""
+        return self.data["types"], self.data["data"]
+
     def _slot(self, name: str, kind: str) -> dict[tuple[str, ...], Any]:
         known = self.data["types"].setdefault(name, kind)
         if known != kind:

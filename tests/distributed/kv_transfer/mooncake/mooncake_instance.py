@@ -352,7 +352,7 @@ class InstanceState:
         start = time.monotonic()
         count = 0
         for key in keys_of(hashes):
-            if not store.tier.lookup(key, store.context):
+            if store.tier.lookup(key, store.context) is not LookupResult.HIT:
                 break
             count += 1
         return {"count": count, "seconds": time.monotonic() - start}

@@ -29,6 +29,7 @@ from vllm.v1.kv_offload.cpu.common import (
 )
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
 from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 
 @dataclass(slots=True)
@@ -190,9 +191,20 @@ class CPUOffloadingManager(OffloadingManager):
             return LookupResult.MISS
         return LookupResult.HIT if chunk.is_ready else LookupResult.HIT_PENDING
 
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        """Where a hit of this manager is loaded from: host memory."""
+        return CacheHitSource.HOST
+
     def prepare_load(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> CPULoadStoreSpec:
+        return self._prepare_load(keys, req_context, record_access=True)
+
+    def _prepare_load(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, *, record_access: bool
+    ) -> CPULoadStoreSpec:
+        """Pin ``keys``' chunks for reading; ``record_access=False`` for reads that are not a
+        use by the request (a tier cascade, which may run after the request finished)."""
         chunks = [self._chunk(key) for key in keys]
         for key, chunk in zip(keys, chunks, strict=True):
             if not chunk.is_ready:
@@ -202,7 +214,8 @@ class CPUOffloadingManager(OffloadingManager):
                 self._policy.mark_non_evictable(key)
                 self._num_evictable_cache_chunks -= 1
             chunk.ref_cnt += 1
-        self._record_request_cache_access(keys, req_context, reused_keys=keys)
+        if record_access:
+            self._record_request_cache_access(keys, req_context, reused_keys=keys)
         return CPULoadStoreSpec([chunk.chunk_id for chunk in chunks])
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:

@@ -1,4 +1,6 @@
-"""One direction of CPU <-> GPU page copies (:class:`SingleDirectionOffloadingHandler`).
+"""CPU <-> GPU page copies through ``ops.swap_blocks`` (tensor + unit mapping):
+:class:`PageCopyHandler` (one direction) and :class:`CpuGpuOffloadingHandlers` (both, v0.22's
+API). Upstream v0.33's address-batch handler is :mod:`~vllm.v1.kv_offload.cpu.gpu_worker`'s.
 
 Every job copies pages of every registered KV-cache buffer (the bytes each KV-cache group's
 data references name) with ``vllm._custom_ops.swap_blocks(src, dst, unit, unit_mapping)``,
@@ -10,7 +12,7 @@ scales) survive bit for bit.
 Ordering contract.
 
 - Per handler (per direction): jobs run in submission order and
-  :meth:`SingleDirectionOffloadingHandler.get_finished` reports them in submission order — a job
+  :meth:`PageCopyHandler.get_finished` reports them in submission order — a job
   is never reported before an earlier job of the same handler.
 - Across directions (read-after-write on CPU blocks): the CPU -> GPU handler waits for every
   earlier unreported store of the GPU -> CPU handler (``depends_on``), whatever blocks it
@@ -46,6 +48,7 @@ from vllm.utils import check_positive_int
 from vllm.v1.kv_offload.base import (
     BlockIDsLoadStoreSpec,
     CanonicalKVCacheRef,
+    CanonicalKVCaches,
     CanonicalPageMapping,
     GPULoadStoreSpec,
     TransferSpec,
@@ -60,10 +63,13 @@ from vllm.v1.kv_offload.cpu.canonical_copy import (
     unit_plan,
     whole_page_plan,
 )
+from vllm.v1.kv_offload.cpu.region_pinning import pin_region
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.worker.page_views import canonical_page_tensor
 from vllm.v1.kv_offload.worker.transfer_stream import (
     StreamOffloadingHandler,
     TransferStream,
+    make_transfer_stream,
 )
 
 SwapBlocksFn = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], None]
@@ -83,6 +89,28 @@ def default_swap_blocks() -> SwapBlocksFn:
     return ops.swap_blocks
 
 
+def check_worker_inputs(
+    kv_caches: CanonicalKVCaches,
+    pages_per_host_page_name: str,
+    pages_per_host_page: int,
+    num_host_pages_name: str,
+    num_host_pages: int,
+    mmap_region: SharedOffloadRegion | None,
+) -> None:
+    """What a CPU<->GPU worker checks before it holds anything: positive counts (named as
+    its signature names them), at least one cache tensor, and a shared region of
+    ``num_host_pages`` host pages."""
+    check_positive_int(pages_per_host_page_name, pages_per_host_page)
+    check_positive_int(num_host_pages_name, num_host_pages)
+    if not kv_caches.tensors:
+        raise ValueError("kv_caches: expected at least one KV-cache tensor, got none")
+    if mmap_region is not None and mmap_region.num_blocks != num_host_pages:
+        raise ValueError(
+            f"mmap_region: expected {num_host_pages} host pages ({num_host_pages_name}), "
+            f"got {mmap_region.num_blocks}"
+        )
+
+
 def expand_block_ids(
     block_ids: np.ndarray, block_size_factor: int, output: np.ndarray, skip_count: int = 0
 ) -> None:
@@ -96,7 +124,7 @@ def expand_block_ids(
     output[:] = canonical_page_ids(block_ids, block_size_factor, len(output), skip_count)
 
 
-class SingleDirectionOffloadingHandler(StreamOffloadingHandler):
+class PageCopyHandler(StreamOffloadingHandler):
     """Copies pages from ``src_tensors`` to ``dst_tensors`` (one direction), in order.
 
     ``src_tensors[i]`` and ``dst_tensors[i]`` are ``torch.uint8`` ``[num_rows, row_bytes]``
@@ -381,3 +409,114 @@ class SingleDirectionOffloadingHandler(StreamOffloadingHandler):
             self.dst_tensors.clear()
             self._mmap_region.cleanup()
             self._mmap_region = None
+
+
+class CpuGpuOffloadingHandlers:
+    """The two handlers (GPU -> CPU and CPU -> GPU) of a worker's KV cache, and the CPU buffers.
+
+    Per canonical tensor (``[num_gpu_blocks, page_size_bytes]`` pages) one CPU buffer of
+    ``torch.uint8``: without ``mmap_region`` a ``[num_cpu_blocks * block_size_factor,
+    page_size_bytes]`` tensor (pinned when ``pin_memory``, by default when the KV cache is on
+    a CUDA device), CPU block ``c`` holding pages ``c * f .. c * f + f - 1``; with
+    ``mmap_region`` (a :class:`SharedOffloadRegion` opened with this worker's rank) the
+    region's next view ``[num_cpu_blocks, block_size_factor * page_size_bytes]``, whose rows
+    are this worker's cells of the region's interleaved rows (pinned with ``cudaHostRegister``
+    when ``pin_memory``). The GPU -> CPU handler owns the region: its :meth:`shutdown` drops
+    the views and cleans the region up. A group moves the first ``page_size_bytes`` of each
+    page of the tensors its :attr:`kv_cache_groups_data_refs` name, as raw bytes. The CPU
+    buffers are not initialised: their bytes mean something only once stored.
+    """
+
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        block_size_factor: int,
+        num_cpu_blocks: int,
+        mmap_region: SharedOffloadRegion | None = None,
+        *,
+        pin_memory: bool | None = None,
+        swap_blocks: SwapBlocksFn | None = None,
+        transfer_stream_factory: Callable[[torch.device, str], TransferStream] | None = None,
+        wait_for_compute_on_load: bool = False,
+        canonical_layout: bool = False,
+    ):
+        check_worker_inputs(
+            kv_caches,
+            "block_size_factor",
+            block_size_factor,
+            "num_cpu_blocks",
+            num_cpu_blocks,
+            mmap_region,
+        )
+        self.block_size_factor = block_size_factor
+        self.num_cpu_blocks = num_cpu_blocks
+        self.kv_cache_groups_data_refs = kv_caches.group_data_refs
+        self.gpu_tensors = [
+            canonical_page_tensor(t, f"kv_caches.tensors[{i}]")
+            for i, t in enumerate(kv_caches.tensors)
+        ]
+        self.num_gpu_blocks = min(t.shape[0] for t in self.gpu_tensors)
+        device = self.gpu_tensors[0].device
+        if pin_memory is None:
+            pin_memory = device.type == "cuda" and torch.cuda.is_available()
+        # Host bytes per GPU block of each tensor: its canonical page, or the worker's own.
+        host_pages = (
+            canonical_block_sizes(kv_caches.group_data_refs, len(self.gpu_tensors))
+            if canonical_layout
+            else [t.shape[1] for t in self.gpu_tensors]
+        )
+        if mmap_region is not None:
+            if pin_memory and not mmap_region.is_pinned:
+                pin_region(mmap_region)
+            next_view = (
+                mmap_region.create_next_canonical_view
+                if canonical_layout
+                else mmap_region.create_next_worker_view
+            )
+            self.cpu_tensors = [
+                next_view(block_size_factor * page).view(torch.uint8) for page in host_pages
+            ]
+        else:
+            self.cpu_tensors = [
+                torch.empty(
+                    (num_cpu_blocks * block_size_factor, page),
+                    dtype=torch.uint8,
+                    device="cpu",
+                    pin_memory=pin_memory,
+                )
+                for page in host_pages
+            ]
+        factory = transfer_stream_factory or make_transfer_stream
+        common = dict(
+            group_data_refs=kv_caches.group_data_refs,
+            swap_blocks=swap_blocks,
+            canonical_layout=canonical_layout,
+        )
+        self.gpu_to_cpu_handler = PageCopyHandler(
+            src_tensors=self.gpu_tensors,
+            dst_tensors=self.cpu_tensors,
+            src_block_size_factor=1,
+            dst_block_size_factor=block_size_factor,
+            transfer_type=("GPU", "CPU"),
+            transfer_stream=factory(device, "kv-offload-gpu-to-cpu"),
+            wait_for_compute=True,
+            mmap_region=mmap_region,
+            **common,  # type: ignore[arg-type]
+        )
+        self.cpu_to_gpu_handler = PageCopyHandler(
+            src_tensors=self.cpu_tensors,
+            dst_tensors=self.gpu_tensors,
+            src_block_size_factor=block_size_factor,
+            dst_block_size_factor=1,
+            transfer_type=("CPU", "GPU"),
+            transfer_stream=factory(device, "kv-offload-cpu-to-gpu"),
+            wait_for_compute=wait_for_compute_on_load,
+            # Read-after-write on CPU blocks: a load waits for every earlier unreported store.
+            depends_on=self.gpu_to_cpu_handler,
+            **common,  # type: ignore[arg-type]
+        )
+
+    def shutdown(self) -> None:
+        """Wait for jobs in flight and release both handlers' streams (and the region)."""
+        self.cpu_to_gpu_handler.shutdown()
+        self.gpu_to_cpu_handler.shutdown()

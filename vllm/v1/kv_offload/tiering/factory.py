@@ -12,12 +12,15 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector, BackpressurePolicy
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
 
 logger = logging.getLogger(__name__)
+
+_BACKPRESSURE_MODULE = "vllm.v1.kv_offload.tiering.backpressure"
 
 # v0.22's tier type names of tiers registered under v0.33's.
 _TIER_ALIASES = {"fs_python": "fs"}
@@ -74,17 +77,59 @@ class SecondaryTierFactory:
         cls, tier_config: dict, primary_kv_view: memoryview, offloading_spec: OffloadingSpec
     ) -> SecondaryTierManager:
         """The tier ``tier_config`` describes, over the primary rows ``primary_kv_view``
-        (``tier_config`` is left as it is)."""
+        (``tier_config`` is left as it is).
+
+        A ``"backpressure"`` entry configures the tier's store back-pressure:
+        ``"backpressure_cls"`` (required) and ``"policy_cls"`` (optional) name classes, a bare
+        name being one of :mod:`.backpressure`; the other keys are the detector's arguments,
+        defaulting to its ``default_config`` for the tier's type and ``"locality"``.
+        """
         tier_cls = cls.get_tier_class(tier_config)
         kwargs: dict[str, Any] = dict(tier_config)
         tier_type = kwargs.pop("type")
         kwargs.pop("module_path", None)
+        bp_config = kwargs.pop("backpressure", None)
+        if bp_config is not None:
+            # Only when configured: a v0.22 tier's constructor has no such argument.
+            kwargs["backpressure_detector"] = _backpressure_detector(
+                bp_config, tier_type, kwargs.get("locality")
+            )
         return tier_cls(
             offloading_spec=offloading_spec,
             primary_kv_view=primary_kv_view,
             tier_type=tier_type,
             **kwargs,
         )
+
+
+def _import_class(name: str, expected: type) -> type:
+    """Class ``name`` (``"pkg.module.Class"``, or a bare name in :mod:`.backpressure`)."""
+    module_path, _, class_name = name.rpartition(".")
+    module = importlib.import_module(module_path or _BACKPRESSURE_MODULE)
+    found = getattr(module, class_name, None)
+    if not (isinstance(found, type) and issubclass(found, expected)):
+        raise ValueError(f"{name}: expected a {expected.__name__} class, got {found!r}")
+    return found
+
+
+def _backpressure_detector(
+    bp_config: Any, tier_type: str, locality: str | None
+) -> BackpressureDetector:
+    if not isinstance(bp_config, dict):
+        raise TypeError(f"backpressure: expected a dict, got {type(bp_config).__name__}")
+    kwargs = dict(bp_config)
+    detector_name = kwargs.pop("backpressure_cls", None)
+    if not isinstance(detector_name, str):
+        raise ValueError(
+            "backpressure: expected a 'backpressure_cls' (e.g. 'EMABackpressureDetector'), got "
+            f"{detector_name!r}"
+        )
+    policy_name = kwargs.pop("policy_cls", None)
+    policy = _import_class(policy_name, BackpressurePolicy)() if policy_name else None
+    detector_cls = _import_class(detector_name, BackpressureDetector)
+    for key, value in (detector_cls.default_config(tier_type, locality=locality) or {}).items():
+        kwargs.setdefault(key, value)
+    return detector_cls(policy=policy, **kwargs)
 
 
 SecondaryTierFactory.register_tier(
@@ -95,4 +140,10 @@ SecondaryTierFactory.register_tier(
 )
 SecondaryTierFactory.register_tier(
     "mooncake", "vllm.v1.kv_offload.tiering.mooncake.manager", "MooncakeTierManager"
+)
+SecondaryTierFactory.register_tier(
+    "obj", "vllm.v1.kv_offload.tiering.obj.manager", "ObjectStoreSecondaryTierManager"
+)
+SecondaryTierFactory.register_tier(
+    "kvcr", "vllm.v1.kv_offload.tiering.kvcr.manager", "KVCRSecondaryTierManager"
 )

@@ -1,4 +1,4 @@
-"""Multi-tier offloading: :class:`TieringOffloadingSpec` (upstream v0.22's
+"""Multi-tier offloading: :class:`TieringOffloadingSpec` (upstream v0.33's
 ``kv_offload.tiering.spec``).
 
 The CPU tier is primary: offloaded blocks live in one :class:`SharedOffloadRegion` of the
@@ -9,8 +9,11 @@ touching GPU memory.
 
 ``extra_config``: the :class:`CPUOffloadingSpec` keys (``cpu_bytes_to_use`` or
 ``num_cpu_blocks``, ``eviction_policy``; ``store_threshold`` must stay below
-2), and ``secondary_tiers``: a list of tier configs, each a dict with ``"type"`` (a
-:class:`SecondaryTierFactory` name) and the tier's own parameters.
+2), ``secondary_tiers``: a list of tier configs, each a dict with ``"type"`` (a
+:class:`SecondaryTierFactory` name) and the tier's own parameters, ``tier_poll_interval_s``
+(seconds between tier-poll rounds; 0 disables the thread) and ``backpressure``: detector
+settings every tier with a ``"backpressure"`` entry inherits field by field (the tier's own
+fields win; a tier without the entry gets none unless this is set).
 """
 
 from __future__ import annotations
@@ -18,7 +21,11 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    OffloadingManager,
+    OffloadingMetricMetadata,
+)
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.gpu_worker import (
     CpuGpuOffloadingHandlers,
@@ -27,18 +34,52 @@ from vllm.v1.kv_offload.cpu.gpu_worker import (
 )
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
-from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
+from vllm.v1.kv_offload.tiering.base import TIER_LABEL, SecondaryTierManager
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.manager import (
+    DEFAULT_TIER_POLL_INTERVAL_S,
     CPUPrimaryTierOffloadingManager,
     TieringOffloadingManager,
 )
+from vllm.v1.kv_offload.tiering.metrics import tiering_metric_definitions
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 logger = logging.getLogger(__name__)
+
+
+class ReservedLabelError(ValueError, AssertionError):
+    """A tier declares the config-info label the manager writes itself (an
+    ``AssertionError`` too, as upstream raises)."""
+
+
+def _tier_configs(extra_config: dict[str, Any]) -> list[dict[str, Any]]:
+    tiers = extra_config.get("secondary_tiers", [])
+    if not isinstance(tiers, list):
+        raise ValueError(
+            "extra_config['secondary_tiers']: expected a list of tier configurations, got "
+            f"{type(tiers).__name__}"
+        )
+    for i, tier in enumerate(tiers):
+        if not isinstance(tier, dict):
+            raise ValueError(
+                f"extra_config['secondary_tiers'][{i}]: expected a dict, got {type(tier).__name__}"
+            )
+    return tiers
+
+
+def _with_backpressure_defaults(
+    tier: dict[str, Any], defaults: dict[str, Any] | None
+) -> dict[str, Any]:
+    """``tier`` with the instance-wide back-pressure settings under its own (a copy)."""
+    own = tier.get("backpressure")
+    if own is not None and not isinstance(own, dict):
+        raise ValueError(f"secondary tier backpressure: expected a dict, got {own!r}")
+    if not defaults and own is None:
+        return dict(tier)
+    return {**tier, "backpressure": {**(defaults or {}), **(own or {})}}
 
 
 class TieringOffloadingSpec(CPUOffloadingSpec):
@@ -51,6 +92,44 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
     copy of each chunk whatever the platform.
     """
 
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        """The CPU tier's metrics, the tiering manager's, and each tier's."""
+        metrics = super().build_metric_definitions(extra_config)
+        metrics.update(tiering_metric_definitions())
+        for tier_config, tier_cls in cls._get_secondary_tiers(extra_config):
+            metrics.update(tier_cls.build_metric_definitions(tier_config))
+        return metrics
+
+    @classmethod
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        """The CPU tier's label names, :data:`TIER_LABEL`, then each tier's (each name once;
+        a tier declaring :data:`TIER_LABEL` is a :class:`ReservedLabelError`)."""
+        keys = dict.fromkeys(super().config_info_keys(extra_config))
+        keys[TIER_LABEL] = None
+        for tier_config, tier_cls in cls._get_secondary_tiers(extra_config):
+            tier_keys = tier_cls.config_info_keys(tier_config)
+            if TIER_LABEL in tier_keys:
+                raise ReservedLabelError(
+                    f"{tier_cls.__name__}.config_info_keys: expected names other than the "
+                    f"reserved label {TIER_LABEL!r}, got {tier_keys}"
+                )
+            keys.update(dict.fromkeys(tier_keys))
+        return tuple(keys)
+
+    @classmethod
+    def _get_secondary_tiers(
+        cls, extra_config: dict[str, Any]
+    ) -> list[tuple[dict[str, Any], type[SecondaryTierManager]]]:
+        """(tier config, tier class) per configured tier, in order (the order sets the
+        tier index)."""
+        return [
+            (tier, SecondaryTierFactory.get_tier_class(tier))
+            for tier in _tier_configs(extra_config)
+        ]
+
     def __init__(
         self,
         config: OffloadingConfig | VllmConfig,
@@ -58,15 +137,21 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
         swap_blocks: SwapBlocksFn | None = None,
     ):
         super().__init__(config, kv_cache_config, swap_blocks)
-        tiers = self.extra_config.get("secondary_tiers", [])
-        if not isinstance(tiers, list):
-            raise ValueError(
-                "extra_config['secondary_tiers']: expected a list of tier configurations, got "
-                f"{type(tiers).__name__}"
-            )
+        tiers = _tier_configs(self.extra_config)
         if int(self.extra_config.get("store_threshold", 0)) >= 2:
             raise ValueError("extra_config['store_threshold']: not supported with tiering")
-        self.secondary_tier_configs: list[dict[str, Any]] = tiers
+        defaults = self.extra_config.get("backpressure")
+        if defaults is not None and not isinstance(defaults, dict):
+            raise ValueError(f"extra_config['backpressure']: expected a dict, got {defaults!r}")
+        self.secondary_tier_configs: list[dict[str, Any]] = [
+            _with_backpressure_defaults(tier, defaults) for tier in tiers
+        ]
+        interval = self.extra_config.get("tier_poll_interval_s", DEFAULT_TIER_POLL_INTERVAL_S)
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)):
+            raise ValueError(
+                f"extra_config['tier_poll_interval_s']: expected seconds, got {interval!r}"
+            )
+        self.tier_poll_interval_s = float(interval)
         self._tiering_manager: TieringOffloadingManager | None = None
 
     def _uses_shared_region(self) -> bool:
@@ -91,6 +176,7 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
                 num_chunks=self.num_chunks,
                 mmap_region=self._region(None),
                 cache_policy=self.eviction_policy,
+                cache_policy_module_path=self.cache_policy_module_path,
                 enable_events=enable_events,
                 info=self.cpu_info,
             )
@@ -105,7 +191,9 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
                     tier.shutdown()
                 primary.shutdown()
                 raise
-            self._tiering_manager = TieringOffloadingManager(primary, tiers, enable_events)
+            self._tiering_manager = TieringOffloadingManager(
+                primary, tiers, tier_poll_interval_s=self.tier_poll_interval_s
+            )
         return self._tiering_manager
 
     def create_worker(self, kv_caches: CanonicalKVCaches) -> CPUOffloadingWorker:

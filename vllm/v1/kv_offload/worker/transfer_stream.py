@@ -52,6 +52,7 @@ class TransferStream(ABC):
         copy_fn: Callable[[], None],
         wait_for_compute: bool,
         wait_events: Sequence[TransferEvent] = (),
+        reuse: TransferEvent | None = None,
     ) -> TransferEvent:
         """Queue ``copy_fn`` after every earlier job and return its completion event.
 
@@ -59,6 +60,8 @@ class TransferStream(ABC):
         queued on the device so far (the producer of the pages being read). The copies also
         start only after every job of ``wait_events`` (events of other streams) has completed,
         without blocking the submitting thread; the job fails when one of them failed.
+        ``reuse``: a completed event of this kind of stream to record again (pooled events
+        save allocations); another kind is ignored and a fresh event returned.
         """
 
     def close(self) -> None:  # noqa: B027 - optional hook, no-op by default
@@ -92,6 +95,7 @@ class CudaTransferStream(TransferStream):
         copy_fn: Callable[[], None],
         wait_for_compute: bool,
         wait_events: Sequence[TransferEvent] = (),
+        reuse: TransferEvent | None = None,
     ) -> TransferEvent:
         for event in wait_events:
             if isinstance(event, _CudaEvent):
@@ -105,8 +109,11 @@ class CudaTransferStream(TransferStream):
             produced = torch.cuda.Event()
             produced.record(torch.cuda.current_stream(self.device))
             self.stream.wait_event(produced)
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
+        if isinstance(reuse, _CudaEvent):
+            start, end = reuse._start, reuse._end
+        else:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             start.record(self.stream)
             copy_fn()
@@ -132,6 +139,11 @@ class _ThreadEvent(TransferEvent):
 
     def elapsed_seconds(self) -> float | None:
         return self._seconds
+
+    def _reset(self) -> None:
+        self._done.clear()
+        self._error = None
+        self._seconds = None
 
     def _finish(self, seconds: float, error: BaseException | None) -> None:
         self._seconds = seconds
@@ -180,12 +192,14 @@ class ThreadTransferStream(TransferStream):
         copy_fn: Callable[[], None],
         wait_for_compute: bool,
         wait_events: Sequence[TransferEvent] = (),
+        reuse: TransferEvent | None = None,
     ) -> TransferEvent:
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
-        event = _ThreadEvent()
+        event = reuse if isinstance(reuse, _ThreadEvent) else _ThreadEvent()
+        event._reset()
         self._jobs.put((copy_fn, event, tuple(wait_events)))
         return event
 

@@ -39,7 +39,7 @@ class OffloadingWorker(MediumWorker):
     A handler that raises while submitting is logged and the job reported not submitted
     (``transfer_async`` returns False). :meth:`get_finished` passes every handler's results
     through as they come: jobs of different handlers are independent (ordering between
-    directions is the handlers' business, see :mod:`vllm.v1.kv_offload.cpu.gpu_worker`).
+    directions is the handlers' business, see :mod:`vllm.v1.kv_offload.cpu.page_copy`).
     """
 
     def __init__(self) -> None:

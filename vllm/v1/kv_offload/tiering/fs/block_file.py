@@ -35,13 +35,17 @@ VERSION = 1
 
 _FIELDS = struct.Struct("<8sI32s16sQI")
 _FINGERPRINT_BYTES = 32
+CHECKSUM_OFFSET = _FIELDS.size - 4
+"""Byte offset of the payload CRC-32 (4 bytes) in the header: the one field a reader cannot
+know before reading the file."""
 
 
 class BadBlockFile(ValueError):
     """A block file that is damaged, truncated, or written for another key or format: a miss.
-    ``file_identity`` is the ``(st_dev, st_ino)`` of the file that was read, when known."""
+    ``file_identity`` is the ``(st_dev, st_ino, st_ctime_ns)`` of the file that was read, when
+    known."""
 
-    file_identity: tuple[int, int] | None = None
+    file_identity: tuple[int, int, int] | None = None
 
 
 def payload_checksum(payload: memoryview | bytes, start: int = 0) -> int:

@@ -6,7 +6,7 @@ plus a header; a promotion checks every header and size of the job, then reads t
 straight into the reserved primary rows (see :mod:`.blocks`). Copies run on one load-first and
 one store-first thread, so the scheduler never waits on the store; ``lookup`` is one existence
 query. A store that cannot be reached is a miss: after a failed existence query (a lookup's, or
-the one a cascade starts with), lookups answer False at once and jobs fail at once for
+the one a cascade starts with), lookups answer ``MISS`` at once and jobs fail at once for
 ``retry_after_s`` seconds instead of stalling the scheduler on each key; a promotion that cannot
 reach the store just fails (a miss). A block whose
 promotion found a foreign or corrupt object is a miss from then on, so the engine recomputes it
@@ -29,9 +29,14 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.config import MooncakeConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import MooncakeStoreClient
 from vllm.kv_quant.calibrated import KVCacheCalibration
-from vllm.v1.kv_offload.base import OffloadKey, ReqContext
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+)
 from vllm.v1.kv_offload.page_format import KVPageFormat
-from vllm.v1.kv_offload.tiering.base import JobId, JobMetadata, JobResult, SecondaryTierManager
+from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.kv_offload.tiering.fs.thread_pool import DualQueueThreadPool
 from vllm.v1.kv_offload.tiering.mooncake.blocks import (
     DEFAULT_KEY_PREFIX,
@@ -44,6 +49,7 @@ from vllm.v1.kv_offload.tiering.mooncake.blocks import (
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
+    from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
 logger = logging.getLogger(__name__)
 
@@ -133,8 +139,9 @@ class MooncakeTierManager(SecondaryTierManager):
         kv_scales: Mapping[str, Sequence[float]] | None = None,
         kv_cache_layout: str | None = None,
         calibration: str | None = None,
+        backpressure_detector: BackpressureDetector | None = None,
     ):
-        super().__init__(offloading_spec, primary_kv_view, tier_type)
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         number = isinstance(retry_after_s, (int, float)) and not isinstance(retry_after_s, bool)
         if not number or not retry_after_s >= 0:
             raise ValueError(f"retry_after_s: expected seconds ≥ 0, got {retry_after_s!r}")
@@ -171,7 +178,7 @@ class MooncakeTierManager(SecondaryTierManager):
 
     @property
     def jobs_in_flight(self) -> int:
-        """Jobs submitted and not yet reported by :meth:`get_finished`."""
+        """Jobs submitted and not yet reported by :meth:`get_finished_jobs`."""
         return len(self._in_flight)
 
     def failure(self, key: OffloadKey) -> BaseException | None:
@@ -217,20 +224,20 @@ class MooncakeTierManager(SecondaryTierManager):
             self.retry_after_s,
         )
 
-    def lookup(self, key: OffloadKey, req_context: ReqContext | None = None) -> bool | None:
-        if self._closed or self._is_bad(key):
-            return False  # a foreign or corrupt object: recompute rather than retry it
-        if self._store_unreachable():
-            return False
+    def lookup(self, key: OffloadKey, req_context: ReqContext | None = None) -> LookupResult:
+        # A foreign or corrupt object is a miss: recompute rather than retry it.
+        if self._closed or self._is_bad(key) or self._store_unreachable():
+            return LookupResult.MISS
         try:
-            return self.rows.present([offload_key_name(key)])[0]
+            present = self.rows.present([offload_key_name(key)])[0]
         except StoreUnreachable as e:
             self._mark_unreachable(e)
-            return False
+            return LookupResult.MISS
+        return LookupResult.HIT if present else LookupResult.MISS
 
-    def _task(self, job: JobMetadata) -> Callable[[], None]:
+    def _task(self, job: TransferJob) -> Callable[[], None]:
         keys = list(job.keys)
-        rows = np.asarray(job.block_ids, dtype=np.int64)
+        rows = np.asarray(job.chunk_ids, dtype=np.int64)
 
         def run() -> None:
             replaced: list[OffloadKey] = []
@@ -260,34 +267,40 @@ class MooncakeTierManager(SecondaryTierManager):
 
         return run
 
-    def submit_store(self, job_metadata: JobMetadata) -> None:
+    def submit_store(self, job_metadata: TransferJob) -> None:
         self._submit(job_metadata, self._pool.enqueue_store)
 
-    def submit_load(self, job_metadata: JobMetadata) -> None:
+    def submit_load(self, job_metadata: TransferJob) -> None:
         self._submit(job_metadata, self._pool.enqueue_load)
 
     def _submit(
-        self, job: JobMetadata, enqueue: Callable[[JobId, int, list[Callable[[], None]]], None]
+        self, job: TransferJob, enqueue: Callable[[JobId, int, list[Callable[[], None]]], None]
     ) -> None:
         if self._closed:
             raise RuntimeError(f"job {job.job_id}: the Mooncake tier is shut down")
         self._in_flight.add(job.job_id)
         enqueue(job.job_id, 1, [self._task(job)])
 
-    def get_finished(self) -> Iterable[JobResult]:
-        finished = [JobResult(job_id, success) for job_id, success in self._pool.get_finished()]
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        finished = [
+            JobResult(job.job_id, job.success, transfer_time=job.transfer_time)
+            for job in self._pool.get_finished()
+        ]
         for result in finished:
             self._in_flight.discard(result.job_id)
-        if self._closed:  # jobs dropped by shutdown: reported failed, once
-            finished += [JobResult(job_id, False) for job_id in sorted(self._in_flight)]
-            self._in_flight.clear()
         return finished
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def drain_jobs(self) -> None:
+        self._pool.wait_idle()
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         return  # the store evicts by its own policy
 
     def shutdown(self) -> None:
-        """Drop queued copies (reported failed by the next :meth:`get_finished`), stop the
+        """Drop queued copies (the pool reports them failed to :meth:`get_finished_jobs`), stop the
         threads (running copies finish), disconnect; lookups are misses from then on."""
         self._closed = True
         self._pool.shutdown(wait=True)

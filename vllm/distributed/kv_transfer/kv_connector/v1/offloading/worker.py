@@ -19,9 +19,9 @@ from vllm.v1.kv_offload.worker.worker import (
 class OffloadingConnectorWorker:
     """Offloads a worker's KV cache through the handlers of an :class:`OffloadingSpec`.
 
-    Job ids are assigned here, increasing in submission order. Ordering (see
-    :mod:`vllm.v1.kv_offload.cpu.gpu_worker`): each direction reports its jobs in submission
-    order; a load (CPU -> GPU) starts only after every earlier store (GPU -> CPU) not yet
+    Job ids are assigned here, increasing in submission order. Ordering (the spec's handler
+    pair, see :mod:`vllm.v1.kv_offload.cpu.page_copy`): each direction reports its jobs in
+    submission order; a load (CPU -> GPU) starts only after every earlier store (GPU -> CPU) not yet
     reported has completed, so it reads what those stores wrote; a store copies the pages the
     compute work queued before its submission produced.
     """

@@ -1,0 +1,2 @@
+"""The object-store secondary tier: blocks as objects in an S3-compatible bucket, moved by
+NIXL's OBJ backend."""
