@@ -172,7 +172,7 @@ class ManagedKVRun:
             pooling_params=None,
             block_hasher=self._block_hasher,
         )
-        hit_blocks, num_hit = self.manager.get_computed_blocks(request)
+        hit_blocks, num_hit, _ = self.manager.get_computed_blocks(request)
         slot = free[0]
         # Allocation first: a refused request leaves nothing registered or written.
         self._allocate(request, slot, request.num_tokens - num_hit, num_hit, hit_blocks)

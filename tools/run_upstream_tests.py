@@ -9,9 +9,13 @@ repository, so that upstream's ``vllm/`` never shadows ours) and each test file 
 with this repository first on ``PYTHONPATH`` and Triton under its interpreter. Upstream's root
 ``conftest.py`` starts engine machinery this library does not have, so it is replaced by
 :data:`ROOT_CONFTEST`, which supplies the few fixtures the suite's files use, and so is the
-helper module ``tests/v1/core/utils.py`` by :data:`CORE_UTILS`, its spec factories without its
-engine helpers (:data:`REPLACED`). The test files are run unchanged. A file that does not
-collect counts as one error.
+helper module ``tests/v1/core/utils.py`` by :data:`CORE_UTILS`, its spec factories with
+placeholders for its engine helpers (:data:`REPLACED`). Modules of the engine that the
+library does not ship (:data:`ENGINE_MODULES`: the scheduler, engine core, model-runner
+outputs, the engine's KV connectors) import as placeholders
+(:func:`install_engine_placeholders`), so that a file that also imports them collects; a case
+that uses one (calls it, reads or sets an attribute, instantiates it) is skipped with the name
+it used. The test files are run unchanged. A file that does not collect counts as one error.
 
 The report is a table, one row per file: passed, failed, errors, skipped (upstream's own skips,
 CUDA-only cases among them, and with ``-k EXPR`` the cases pytest's ``-k`` deselects are not
@@ -29,9 +33,14 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import types
 import xml.etree.ElementTree as ET
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from importlib.abc import Loader, MetaPathFinder
+from importlib.machinery import ModuleSpec
 from pathlib import Path
+from typing import Any, NoReturn
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,17 +82,33 @@ by one where a file that does not collect would stop its folder's run."""
 
 ROOT_CONFTEST = '''"""Upstream's root conftest, replaced by tools/run_upstream_tests.py."""
 import pytest
+from run_upstream_tests import install_engine_placeholders
+
+install_engine_placeholders()
 
 
 @pytest.fixture
 def caplog_vllm(caplog):
     return caplog
+
+
+@pytest.fixture
+def default_vllm_config():
+    # Upstream also makes it the current config; no code here reads a current config.
+    from vllm.config import VllmConfig
+
+    yield VllmConfig()
 '''
 
 CORE_UTILS = '''"""Upstream's tests/v1/core/utils.py, replaced by tools/run_upstream_tests.py:
-its spec factories and planning call (same names, arguments and defaults); its scheduler,
-request and connector helpers, which import the engine, are left out."""
+its spec factories and planning call (same names, arguments and defaults); its scheduler and
+connector helpers, which build the engine, are placeholders (a case calling one is skipped)
+and its request helper is left out."""
 import torch
+from run_upstream_tests import engine_placeholder
+
+create_scheduler = engine_placeholder(__name__, "create_scheduler")
+mock_kv = engine_placeholder(__name__, "mock_kv")
 
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -135,6 +160,110 @@ def get_kv_cache_configs(vllm_config, kv_cache_specs, available_memory):
 
 REPLACED = {"tests/conftest.py": ROOT_CONFTEST, "tests/v1/core/utils.py": CORE_UTILS}
 """Upstream test-tree files that import the engine, by what replaces them."""
+
+ENGINE_MODULES: tuple[str, ...] = (
+    "vllm.v1.core.sched",
+    "vllm.v1.engine",
+    "vllm.v1.outputs",
+    "vllm.v1.structured_output",
+    "vllm.distributed.kv_transfer.kv_connector.v1.base",
+    "vllm.distributed.kv_transfer.kv_connector.v1.hisparse",
+    "vllm.distributed.kv_transfer.kv_connector.v1.metrics",
+    "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector",
+    "vllm.distributed.kv_transfer.kv_connector.v1.nixl",
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
+)
+"""Upstream modules (and their submodules) of the engine, not of the KV-cache subsystem: the
+library does not ship them and will not. Only these import as placeholders, and only while the
+library has no module of the name (the placeholder finder comes after every other)."""
+
+
+def _skip_engine(name: str) -> NoReturn:
+    import pytest  # the placeholders run inside upstream's tests only
+
+    pytest.skip(f"{name}: part of the vLLM engine, not shipped by vllm-kvcache")
+
+
+_PROBES = ("__", "_pytest", "_mock_", "_is_coroutine")
+"""Prefixes of the attribute names that Python, pytest and unittest.mock (asyncio's coroutine
+check among them) look up on any object while collecting or building a mock."""
+
+
+def _probe(name: str) -> bool:
+    """Whether ``name`` is such a probe: answered with AttributeError, not a skip."""
+    return name.startswith(_PROBES)
+
+
+class _EngineClass(type):
+    """The type of a placeholder: calling it or reading a class attribute skips the case."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> NoReturn:
+        _skip_engine(f"{cls.__module__}.{cls.__qualname__}")
+
+    def __getattr__(cls, name: str) -> Any:
+        if _probe(name):
+            raise AttributeError(name)
+        _skip_engine(f"{cls.__module__}.{cls.__qualname__}.{name}")
+
+
+class _EngineObject(metaclass=_EngineClass):
+    """Base of the placeholders; an instance made by ``object.__new__(placeholder)`` (how some
+    tests build a connector without its constructor) skips on any attribute use."""
+
+    def __getattr__(self, name: str) -> Any:
+        if _probe(name):
+            raise AttributeError(name)
+        _skip_engine(f"{type(self).__module__}.{type(self).__qualname__}.{name}")
+
+    def __setattr__(self, name: str, value: object) -> None:
+        _skip_engine(f"{type(self).__module__}.{type(self).__qualname__}.{name}")
+
+
+def engine_placeholder(module: str, name: str) -> type:
+    """A placeholder for the engine object ``module.name``: using it skips the case."""
+    return _EngineClass(name, (_EngineObject,), {"__module__": module})
+
+
+class _EngineModule(types.ModuleType):
+    """A placeholder module: each public name it is asked for is a placeholder class."""
+
+    def __getattr__(self, name: str) -> type:
+        if _probe(name):
+            raise AttributeError(name)
+        placeholder = engine_placeholder(self.__name__, name)
+        setattr(self, name, placeholder)
+        return placeholder
+
+
+class _EngineFinder(MetaPathFinder, Loader):
+    """Serves :data:`ENGINE_MODULES` and their submodules, as packages so that any submodule
+    of them imports too."""
+
+    def __init__(self, modules: Sequence[str]) -> None:
+        self.modules = tuple(modules)
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> Any:
+        if not any(fullname == m or fullname.startswith(m + ".") for m in self.modules):
+            return None
+        return ModuleSpec(fullname, self, is_package=True)
+
+    def create_module(self, spec: ModuleSpec) -> types.ModuleType:
+        module = _EngineModule(spec.name, "vLLM engine module (placeholder)")
+        module.__path__ = []
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass  # a placeholder module has no code
+
+
+def install_engine_placeholders(modules: Sequence[str] = ENGINE_MODULES) -> MetaPathFinder:
+    """Let ``modules`` (and their submodules) import as placeholders where nothing else on
+    ``sys.meta_path`` finds them; returns the finder (remove it from ``sys.meta_path`` to
+    undo)."""
+    finder = _EngineFinder(modules)
+    sys.meta_path.append(finder)
+    return finder
+
 
 TIMEOUT_S = 1800
 """Per test file: a hung file is reported as one error, the run goes on."""
@@ -211,7 +340,10 @@ def run_file(root: Path, file: str, keyword: str | None = None) -> Row:
     junit = root / f".{file.replace('/', '_')}.xml"
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        # tools/ for the replaced root conftest, which imports this module's placeholders.
+        "PYTHONPATH": os.pathsep.join(
+            [str(REPO), str(REPO / "tools"), os.environ.get("PYTHONPATH", "")]
+        ),
         "TRITON_INTERPRET": "1",
     }
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", file]

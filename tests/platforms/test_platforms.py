@@ -52,3 +52,18 @@ def test_device_capability_has_one_home() -> None:
     assert BackendDeviceCapability is DeviceCapability
     hopper = DeviceCapability(9, 0)
     assert str(hopper) == "sm_90" and hopper.as_version_str() == "9.0"
+
+
+def test_device_count_and_config_builder() -> None:
+    """The host counts as one device; CUDA counts what torch sees. Every platform plans with
+    the default KV-cache config builder unless it names its own."""
+    assert CpuPlatform.device_count() == 1
+    if torch.cuda.is_available():
+        assert CudaPlatform.device_count() == torch.cuda.device_count()
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_config_builder import get_kv_cache_config_builder
+    from vllm.v1.core.kv_cache_planning import DefaultKVCacheConfigBuilder
+
+    builder = get_kv_cache_config_builder(VllmConfig())
+    assert type(builder) is DefaultKVCacheConfigBuilder
+    assert builder is not get_kv_cache_config_builder(VllmConfig())

@@ -123,7 +123,7 @@ def test_positive_fields(field: str) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(dtype="bfloat16"), r"dtype: expected a torch.dtype, got 'bfloat16' \(str\)"),
+        (dict(dtype="bf17"), r"dtype: expected a torch.dtype, got 'bf17' \(str\)"),
         (dict(dtype=None), r"dtype: expected a torch.dtype, got None \(NoneType\)"),
         (
             dict(dtype=torch.int32),
@@ -139,10 +139,17 @@ def test_positive_fields(field: str) -> None:
 )
 @pytest.mark.parametrize("cls", [FullAttentionSpec, SlidingWindowSpec, MLAAttentionSpec])
 def test_dtype_is_a_kv_cache_storage_dtype(cls, kwargs: dict, message: str) -> None:
-    """Checked at construction: a str dtype used to fail later with a TypeError from torch,
-    and an int32 spec allocated an int32 cache."""
+    """Checked at construction: a string naming no torch dtype used to fail later with a
+    TypeError from torch, and an int32 spec allocated an int32 cache."""
     with pytest.raises(ValueError, match=message):
         _spec(cls, **kwargs)
+
+
+@pytest.mark.parametrize("cls", [FullAttentionSpec, SlidingWindowSpec, MLAAttentionSpec])
+def test_dtype_name_is_taken_as_its_torch_dtype(cls) -> None:
+    """Upstream v0.33's tests build specs with ``dtype="float16"``."""
+    spec = _spec(cls, dtype="float16")
+    assert spec.dtype is torch.float16 and spec == _spec(cls, dtype=torch.float16)
 
 
 def test_storage_dtypes_come_from_the_registry() -> None:
@@ -349,3 +356,28 @@ def test_page_size_matches_flashinfer_cache(
         * torch.tensor([], dtype=full.dtype).element_size()
     )
     assert cache_bytes == num_blocks * full.page_size_bytes
+
+
+def test_latent_specs_take_tokens_per_state_as_compress_ratio() -> None:
+    """Upstream v0.33 builds compressed latent specs with ``tokens_per_state=r``."""
+    import dataclasses
+
+    spec = MLAAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=16, dtype=torch.bfloat16, tokens_per_state=4
+    )
+    assert spec.compress_ratio == 4 and spec.tokens_per_state == 4
+    assert spec.storage_block_size == 4
+    assert dataclasses.replace(spec, compress_ratio=2).tokens_per_state == 2
+    with pytest.raises(ValueError, match="tokens_per_state: expected compress_ratio's value 2"):
+        MLAAttentionSpec(
+            block_size=16,
+            num_kv_heads=1,
+            head_size=16,
+            dtype=torch.bfloat16,
+            compress_ratio=2,
+            tokens_per_state=4,
+        )
+    with pytest.raises(ValueError, match="tokens_per_state: expected a positive int"):
+        MLAAttentionSpec(
+            block_size=16, num_kv_heads=1, head_size=16, dtype=torch.bfloat16, tokens_per_state=0.5
+        )

@@ -2,6 +2,7 @@
 
 from vllm.config.attention import AttentionConfig, HiSparseConfig
 from vllm.config.cache import CacheConfig
+from vllm.config.device import DeviceConfig
 from vllm.config.kv_events import KVEventsConfig
 from vllm.config.kv_transfer import KVTransferConfig
 from vllm.config.model import ModelConfig
@@ -13,6 +14,7 @@ from vllm.config.vllm import VllmConfig
 __all__ = [
     "AttentionConfig",
     "CacheConfig",
+    "DeviceConfig",
     "HiSparseConfig",
     "KVEventsConfig",
     "KVTransferConfig",

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from vllm.config.attention import AttentionConfig
 from vllm.config.cache import CacheConfig
+from vllm.config.device import DeviceConfig
 from vllm.config.kv_events import KVEventsConfig
 from vllm.config.kv_transfer import KVTransferConfig
 from vllm.config.model import ModelConfig
@@ -26,6 +27,7 @@ class VllmConfig:
     model_config: ModelConfig | None = None
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    device_config: DeviceConfig = field(default_factory=DeviceConfig)
     scheduler_config: SchedulerConfig | None = None
     speculative_config: SpeculativeConfig | None = None
     kv_transfer_config: KVTransferConfig | None = None

@@ -42,8 +42,11 @@ class KVCacheEvent:
 class BlockStored(KVCacheEvent):
     """Full blocks entered the prefix cache: ``block_hashes`` (one per block, in chain order,
     ``parent_block_hash`` before the first) holding ``token_ids`` (``block_size`` tokens each).
-    ``extra_keys`` has one entry per block (the keys its hash used) so consumers can recompute
-    the hashes."""
+    ``extra_keys`` has one entry per block (the keys its hash used) and ``lookahead_token_ids``
+    the tokens after each block its hash covers (None without lookahead hashing), so consumers
+    can recompute the hashes. ``locality`` (``LOCAL`` / ``REMOTE`` to the publisher) and
+    ``ownership`` (an offload tier's id) place the copy; ``session_id`` names the client session
+    whose request stored or reused the blocks (not an owner: blocks are shared)."""
 
     block_hashes: list[ExternalBlockHash]
     parent_block_hash: ExternalBlockHash | None
@@ -56,8 +59,13 @@ class BlockStored(KVCacheEvent):
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
     def __hash__(self) -> int:
+        lookahead = self.lookahead_token_ids
         return hash(
             (
                 tuple(self.block_hashes),
@@ -70,6 +78,10 @@ class BlockStored(KVCacheEvent):
                 self.group_idx,
                 self.kv_cache_spec_kind,
                 self.kv_cache_spec_sliding_window,
+                self.locality,
+                self.ownership,
+                self.session_id,
+                None if lookahead is None else tuple(map(tuple, lookahead)),
             )
         )
 
@@ -81,9 +93,13 @@ class BlockRemoved(KVCacheEvent):
     block_hashes: list[ExternalBlockHash]
     medium: str | None
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
     def __hash__(self) -> int:
-        return hash((tuple(self.block_hashes), self.medium, self.group_idx))
+        return hash(
+            (tuple(self.block_hashes), self.medium, self.group_idx, self.locality, self.ownership)
+        )
 
 
 @dataclass(unsafe_hash=True)

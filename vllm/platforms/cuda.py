@@ -13,5 +13,9 @@ class CudaPlatform(Platform):
     device_type: ClassVar[str] = "cuda"
 
     @classmethod
+    def device_count(cls) -> int:
+        return torch.cuda.device_count()
+
+    @classmethod
     def get_device_capability(cls, device_id: int = 0) -> DeviceCapability:
         return DeviceCapability(*torch.cuda.get_device_capability(device_id))

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import enum
 import platform
-from typing import ClassVar, NamedTuple
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:
+    from vllm.config.vllm import VllmConfig
 
 
 class CpuArchEnum(enum.Enum):
@@ -91,6 +94,18 @@ class Platform:
     def is_zen_cpu(cls) -> bool:
         """Whether this is the CPU platform on an AMD Zen host with zentorch (CPU only)."""
         return False
+
+    @classmethod
+    def device_count(cls) -> int:
+        """How many devices of this platform the process sees (the host: 1)."""
+        return 1
+
+    @classmethod
+    def get_kv_cache_config_builder_cls(cls, vllm_config: VllmConfig) -> str:
+        """Qualified class name of the KV-cache config builder this platform plans with
+        (grouping and tensor placement; see :mod:`vllm.v1.core.kv_cache_config_builder`). A
+        platform with its own builder overrides this."""
+        return "vllm.v1.core.kv_cache_planning.DefaultKVCacheConfigBuilder"
 
     @classmethod
     def get_cpu_architecture(cls) -> CpuArchEnum:

@@ -18,10 +18,10 @@ from vllm.utils.torch_utils import get_dtype_size
 from vllm.v1.kv_cache_spec_base import (
     KVCacheSpec,
     KVCacheSpecMergeError,
+    _as_torch_dtype,
     _check_optional_positive,
     _check_positive,
     _check_same_fields,
-    _check_torch_dtype,
     _max_model_len,
     _merge_window,
     cdiv,
@@ -70,6 +70,7 @@ class AttentionSpec(KVCacheSpec):
     encoding: KVCacheEncoding | None = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.head_size_v is None:
             object.__setattr__(self, "head_size_v", self.head_size)
         _check_positive(self, "block_size", "num_kv_heads", "head_size")
@@ -78,7 +79,7 @@ class AttentionSpec(KVCacheSpec):
             # 0: a key-only cache (upstream's latent and circular-buffer key pools).
             raise ValueError(f"head_size_v: expected an int >= 0, got {v!r}")
         _check_optional_positive(self, "max_tp_shards")
-        _check_torch_dtype("dtype", self.dtype)
+        object.__setattr__(self, "dtype", _as_torch_dtype("dtype", self.dtype))
         if not isinstance(self.kv_quant_mode, KVQuantMode):
             raise ValueError(
                 f"kv_quant_mode: expected a KVQuantMode, got {self.kv_quant_mode!r} "
@@ -290,9 +291,11 @@ class SlidingWindowSpec(AttentionSpec):
         return cdiv(num_tokens, self.block_size) + 1
 
     def max_memory_usage_bytes(self, vllm_config: VllmConfig) -> int:
-        if vllm_config.parallel_config.decode_context_parallel_size != 1:
+        # A replicated window (a draft's) holds every position on each rank: DCP is no
+        # concern of its sizing; a sharded window is not supported.
+        if self.dcp_sharded and vllm_config.parallel_config.decode_context_parallel_size != 1:
             raise ValueError(
-                "decode_context_parallel_size: sliding-window layers need 1, got "
+                "decode_context_parallel_size: sliding-window layers need 1 when DCP-sharded, got "
                 f"{vllm_config.parallel_config.decode_context_parallel_size}"
             )
         return _admission_bytes(self, vllm_config)

@@ -24,6 +24,7 @@ __all__ = [
     "KVCacheGroupRole",
     "KVCacheGroupSpec",
     "KVCacheTensor",
+    "group_layer_specs",
     "iter_layer_specs",
 ]
 
@@ -117,20 +118,25 @@ def iter_layer_specs(
     return _iter_config_layers(config)
 
 
+def group_layer_specs(group: KVCacheGroupSpec, group_idx: int = 0) -> list[tuple[str, KVCacheSpec]]:
+    """``(layer name, the layer's own spec)`` for each layer of ``group`` (a wrapping group
+    spec's per-layer one); ``ValueError`` when a wrapping spec has none for a layer."""
+    group_spec = group.kv_cache_spec
+    per_layer: dict[str, KVCacheSpec] | None = getattr(group_spec, "kv_cache_specs", None)
+    if per_layer is None:
+        return [(name, group_spec) for name in group.layer_names]
+    missing = [name for name in group.layer_names if name not in per_layer]
+    if missing:
+        raise ValueError(
+            f"kv_cache_config: layer {missing[0]!r} of group {group_idx} has no "
+            f"spec in its UniformTypeKVCacheSpecs (has: {', '.join(per_layer)})"
+        )
+    return [(name, per_layer[name]) for name in group.layer_names]
+
+
 def _iter_config_layers(config: KVCacheConfig) -> Iterator[tuple[str, KVCacheSpec]]:
     for group_idx, group in enumerate(config.kv_cache_groups):
-        group_spec = group.kv_cache_spec
-        per_layer: dict[str, KVCacheSpec] | None = getattr(group_spec, "kv_cache_specs", None)
-        for layer_name in group.layer_names:
-            if per_layer is None:
-                yield layer_name, group_spec
-            elif layer_name in per_layer:
-                yield layer_name, per_layer[layer_name]
-            else:
-                raise ValueError(
-                    f"kv_cache_config: layer {layer_name!r} of group {group_idx} has no "
-                    f"spec in its UniformTypeKVCacheSpecs (has: {', '.join(per_layer)})"
-                )
+        yield from group_layer_specs(group, group_idx)
 
 
 @dataclass

@@ -37,6 +37,7 @@ class _RawPageSpec(KVCacheSpec):
     page_size: int
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _check_positive(self, "block_size", "page_size")
 
     @property

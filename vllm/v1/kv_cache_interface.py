@@ -9,10 +9,11 @@ Units: ``block_size`` is in tokens per page, every ``*_bytes`` quantity is in by
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from vllm.kv_quant.encoding import KVCacheEncoding
 from vllm.kv_quant.formats import (
@@ -50,6 +51,7 @@ from vllm.v1.kv_cache_hisparse_spec import (  # noqa: F401  (re-exported: upstre
     HiSparseResidentSpec,
     SparseCacheRole,
 )
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: F401  (re-exported)
 from vllm.v1.kv_cache_spec_base import (
     KVCacheSpec,
     MambaSpec,
@@ -189,6 +191,36 @@ class LatentPageSpec(AttentionSpec):
         return self.real_page_size_bytes
 
 
+_LatentSpecT = TypeVar("_LatentSpecT", bound=type[LatentPageSpec])
+
+
+def _accepts_tokens_per_state(cls: _LatentSpecT) -> _LatentSpecT:
+    """Let ``cls(...)`` take upstream v0.33's ``tokens_per_state=r`` (tokens per stored latent,
+    an int) as ``compress_ratio=r``. Not a field: ``dataclasses.replace`` passes only
+    ``compress_ratio``, so the two never disagree on a copy."""
+    generated = cls.__init__
+
+    @functools.wraps(generated)
+    def __init__(self: LatentPageSpec, *args: Any, tokens_per_state: Any = None, **kw: Any) -> None:
+        if tokens_per_state is not None:
+            if isinstance(tokens_per_state, bool) or not isinstance(tokens_per_state, int):
+                raise ValueError(
+                    "tokens_per_state: expected a positive int (tokens per stored latent), got "
+                    f"{tokens_per_state!r}"
+                )
+            ratio = kw.setdefault("compress_ratio", tokens_per_state)
+            if ratio != tokens_per_state:
+                raise ValueError(
+                    f"tokens_per_state: expected compress_ratio's value {ratio}, got "
+                    f"{tokens_per_state}"
+                )
+        generated(self, *args, **kw)
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    return cls
+
+
+@_accepts_tokens_per_state
 @dataclass(frozen=True, kw_only=True)
 class MLAAttentionSpec(LatentPageSpec, FullAttentionSpec):
     """Multi-head latent attention: one latent of ``head_size`` per token (or per
@@ -205,19 +237,34 @@ class MLAAttentionSpec(LatentPageSpec, FullAttentionSpec):
     ``index_topk``."""
 
 
+@_accepts_tokens_per_state
 @dataclass(frozen=True, kw_only=True)
 class HiddenStateCacheSpec(MLAAttentionSpec):
     """A layer caching hidden states (upstream's marker for extracted hidden states): placed in
     its own group, with the common page size."""
 
 
+@_accepts_tokens_per_state
 @dataclass(frozen=True, kw_only=True)
 class SlidingWindowMLASpec(LatentPageSpec, SlidingWindowSpec):
     """Sliding-window attention over one shared latent per token (DeepSeek-V4's SWA cache):
     latent page math, sliding-window memory bound. ``model_version="deepseek_v4"`` alone selects
-    the 584-byte record, as upstream."""
+    the 584-byte record, as upstream. ``bounded_replay``: the window is recomputed from the
+    last ``sliding_window`` tokens of a prefix hit instead of cached, so the group takes no
+    part in prefix caching."""
 
     RECORD_BY_MODEL_VERSION: ClassVar[bool] = True
+
+    bounded_replay: bool = False
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return not self.bounded_replay
+
+    @property
+    def prefix_replay_tokens(self) -> int:
+        """Tokens (before a prefix hit) this layer recomputes: its window under bounded replay."""
+        return self.sliding_window if self.bounded_replay else 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -230,6 +277,7 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
     kv_cache_specs: dict[str, KVCacheSpec]
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.kv_cache_specs:
             # The group is sharded across DCP ranks exactly when its layers are.
             object.__setattr__(self, "dcp_sharded", self.first_spec.dcp_sharded)
@@ -345,7 +393,7 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
 
 _UNIFORM_TYPE_RULES: tuple[tuple[type[KVCacheSpec], tuple[str, ...]], ...] = (
     # (class every spec must be, fields they must share), the most specific class first.
-    (SlidingWindowMLASpec, ("sliding_window",)),
+    (SlidingWindowMLASpec, ("sliding_window", "bounded_replay")),
     (FullAttentionSpec, ()),
     (CrossAttentionSpec, ()),
     (SlidingWindowSpec, ("sliding_window",)),
@@ -358,6 +406,7 @@ _UNIFORM_TYPE_RULES: tuple[tuple[type[KVCacheSpec], tuple[str, ...]], ...] = (
             "num_prefill_checkpoint_blocks",
             "prefill_checkpoint_alignment",
             "page_size_bytes",
+            "tp_replicated",
         ),
     ),
 )

@@ -7,7 +7,6 @@ Units: ``block_size`` is in tokens per page, every ``*_bytes`` quantity is in by
 from __future__ import annotations
 
 import math
-from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields, replace
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
@@ -32,6 +31,15 @@ __all__ = [
 def _check_torch_dtype(name: str, value: object) -> None:
     if not isinstance(value, torch.dtype):
         raise ValueError(f"{name}: expected a torch.dtype, got {value!r} ({type(value).__name__})")
+
+
+def _as_torch_dtype(name: str, value: object) -> torch.dtype:
+    """``value`` as a torch dtype: a dtype, or the name of one (``"float16"``: upstream's
+    tests build specs with dtype names); ``ValueError`` otherwise."""
+    named = getattr(torch, value, None) if isinstance(value, str) else value
+    _check_torch_dtype(name, named if isinstance(named, torch.dtype) else value)
+    assert isinstance(named, torch.dtype)
+    return named
 
 
 def _check_positive(spec: object, *names: str) -> None:
@@ -73,8 +81,9 @@ def _merge_window(specs: list[Any], name: str) -> int | None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class KVCacheSpec(ABC):
-    """A layer's KV-cache page: ``block_size`` tokens."""
+class KVCacheSpec:
+    """A layer's KV-cache page: ``block_size`` tokens. Constructible (as upstream) so specs can
+    be compared and grouped by their common fields; sizing needs a concrete subclass."""
 
     block_size: int
     dcp_sharded: bool = False
@@ -82,11 +91,44 @@ class KVCacheSpec(ABC):
     (each rank keeps 1/dcp of them)."""
     is_draft: bool = field(default=False, compare=False)
     """True for a draft model's layer; not part of the cache format, so never splits groups."""
+    block_stride_alignment: int | Any | None = None
+    """Bytes the spacing of this layer's blocks must be a multiple of (an int), or whole kernel
+    blocks of up to ``MultipleOf(n).base`` tokens (a backend's ``MultipleOf``); None: none."""
+
+    def __post_init__(self) -> None:
+        alignment = self.block_stride_alignment
+        base = alignment if isinstance(alignment, int) else getattr(alignment, "base", None)
+        if alignment is not None and (
+            isinstance(base, bool) or not isinstance(base, int) or base <= 0
+        ):
+            raise ValueError(
+                "block_stride_alignment: expected a positive int or MultipleOf (alignments must "
+                f"be positive), got {alignment!r}"
+            )
+
+    def get_block_stride_alignment(self) -> int:
+        """Bytes the block spacing must be a multiple of: the int given; for ``MultipleOf(n)``
+        the page of ``gcd(n, block_size)`` tokens (1 when that is the whole block)."""
+        alignment = self.block_stride_alignment
+        if alignment is None:
+            return 1
+        if isinstance(alignment, int):
+            return alignment
+        kernel = math.gcd(alignment.base, self.block_size)
+        if kernel == self.block_size:
+            return 1
+        return self.copy_with_new_block_size(kernel).page_size_bytes
 
     @property
-    @abstractmethod
     def page_size_bytes(self) -> int:
         """Bytes of one page as allocated (padding included)."""
+        raise self._no_layout("page_size_bytes")
+
+    def _no_layout(self, what: str) -> TypeError:
+        return TypeError(
+            f"{what}: expected a concrete KV cache spec (FullAttentionSpec, MambaSpec, ...), "
+            f"got the base {type(self).__name__}, which has no page layout"
+        )
 
     @property
     def prefix_cacheable(self) -> bool:
@@ -166,10 +208,10 @@ class KVCacheSpec(ABC):
         """The per-layer specs this (group) spec covers: itself, unless it wraps several."""
         return (self,)
 
-    @abstractmethod
     def max_memory_usage_bytes(self, vllm_config: VllmConfig) -> int:
         """Most bytes one request of ``model_config.max_model_len`` tokens can hold in this
         layer (whole pages)."""
+        raise self._no_layout("max_memory_usage_bytes")
 
     @property
     def storage_block_size(self) -> int:
@@ -234,9 +276,16 @@ class MambaSpec(KVCacheSpec):
     # token multiple (from the chunk start) such a checkpoint must sit at; None: no checkpoints.
     num_prefill_checkpoint_blocks: int = 0
     prefill_checkpoint_alignment: int | None = None
+    tp_replicated: bool = False
+    """True when every tensor-parallel rank holds the whole state (upstream v0.33's replicated
+    PLE conv state); False: sharded across the ranks. States of the two kinds never share a
+    group."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _check_positive(self, "block_size")
+        if not isinstance(self.tp_replicated, bool):
+            raise ValueError(f"tp_replicated: expected a bool, got {self.tp_replicated!r}")
         for name in ("num_speculative_blocks", "num_prefill_checkpoint_blocks"):
             n = getattr(self, name)
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:

@@ -14,16 +14,21 @@ from typing import Any, TypeVar
 
 import torch
 
-from vllm.v1.kv_cache_config_types import KVCacheTensor
+from vllm.v1.kv_cache_config_types import KVCacheGroupSpec, KVCacheTensor, group_layer_specs
+from vllm.v1.kv_cache_hisparse_spec import HiSparseHotSpec, HiSparseResidentSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.kv_cache_spec_base import KVCacheSpec
 
 __all__ = [
+    "build_kv_cache_tensors",
+    "check_layout_expresses_groups",
     "compute_layer_kv_cache_shape_bytes",
     "compute_layout_strides",
     "create_kv_cache_views",
     "group_kernel_blocks",
+    "kv_cache_bytes_per_block",
     "replace_as",
+    "strided_kv_cache_tensors",
 ]
 
 _SpecT = TypeVar("_SpecT", bound=KVCacheSpec)
@@ -152,3 +157,141 @@ def create_kv_cache_views(
     )
     dtype = getattr(spec, "dtype", None)
     return [view[i] if dtype is None else view[i].view(dtype) for i in range(view.shape[0])]
+
+
+def _layer_block_stride(spec: KVCacheSpec) -> int:
+    """A layer-outermost layer's block spacing: its page rounded up to its alignment."""
+    alignment = spec.get_block_stride_alignment()
+    return -(-spec.page_size_bytes // alignment) * alignment
+
+
+def kv_cache_bytes_per_block(
+    kv_cache_groups: list[KVCacheGroupSpec], layout: KVCacheLayout | None = None
+) -> int:
+    """Bytes one block id takes when groups overlay one backing. Layer-outermost ``layout``:
+    the widest group's block spacings (each page rounded to its alignment); otherwise (and
+    for None): the widest group's pages side by side, rounded up to the least common multiple
+    of every layer's alignment and of HiSparse's hot pages (so each stays whole)."""
+    layer_specs = [group_layer_specs(group, i) for i, group in enumerate(kv_cache_groups)]
+    if layout is not None and not layout.is_block_outermost:
+        return max(
+            (sum(_layer_block_stride(s) for _, s in specs) for specs in layer_specs), default=0
+        )
+    width = max((sum(s.page_size_bytes for _, s in specs) for specs in layer_specs), default=0)
+    alignments = [s.get_block_stride_alignment() for specs in layer_specs for _, s in specs]
+    alignments += [
+        g.kv_cache_spec.page_size_bytes
+        for g in kv_cache_groups
+        if isinstance(g.kv_cache_spec, HiSparseHotSpec)
+    ]
+    alignment = math.lcm(*alignments) if alignments else 1
+    return -(-width // alignment) * alignment
+
+
+def check_layout_expresses_groups(
+    layout: KVCacheLayout, kv_cache_groups: list[KVCacheGroupSpec]
+) -> None:
+    """``ValueError`` unless ``layout`` can hold the groups' pages: pages of several sizes sit
+    side by side, which needs each page one run of bytes (a block-compact layout) and, with
+    several groups overlaying each block, the layer axis inside the block axis."""
+    pages = {
+        spec.page_size_bytes
+        for i, group in enumerate(kv_cache_groups)
+        for _, spec in group_layer_specs(group, i)
+    }
+    if len(pages) <= 1:
+        return
+    if not layout.is_block_compact or (len(kv_cache_groups) > 1 and layout.is_layer_compact):
+        raise ValueError(
+            f"kv_cache_layout: {layout.name} cannot express this model's mixed page sizes "
+            f"{sorted(pages)} bytes; expected a block-outermost layout (BLHNC, BLNHC), got "
+            f"{layout.name}"
+        )
+
+
+def strided_kv_cache_tensors(
+    kv_cache_groups: list[KVCacheGroupSpec], layout: KVCacheLayout, num_blocks: int
+) -> list[KVCacheTensor]:
+    """Upstream v0.33's tensors for groups overlaying one backing of ``num_blocks`` blocks of
+    :func:`kv_cache_bytes_per_block` bytes: :func:`build_kv_cache_tensors` after
+    :func:`check_layout_expresses_groups` (``ValueError`` for a layout that cannot hold the
+    pages)."""
+    check_layout_expresses_groups(layout, kv_cache_groups)
+    block_bytes = kv_cache_bytes_per_block(kv_cache_groups, layout)
+    return build_kv_cache_tensors(
+        kv_cache_groups, num_blocks, block_bytes * num_blocks, layout, block_bytes
+    )
+
+
+def build_kv_cache_tensors(
+    kv_cache_groups: list[KVCacheGroupSpec],
+    num_blocks: int,
+    size: int,
+    layout: KVCacheLayout,
+    bytes_per_block: int,
+    *,
+    host_resident: bool = False,
+) -> list[KVCacheTensor]:
+    """Tensors of groups overlaying one backing of ``size`` bytes from byte 0 (a block id
+    belongs to one group at a time). Within a group, one tensor per spec (its layers in
+    order), placed after the previous spec's layers. Block-outermost ``layout``: block b
+    holds the group's pages side by side at ``b x bytes_per_block``; layer-outermost: each
+    layer owns a region of ``num_blocks`` pages (a page padded to its alignment needs a
+    block-compact layout). HiSparse hot/resident pages have no head grid, so they need a
+    block-outermost layout (``ValueError`` otherwise)."""
+    block_outer = layout.is_block_outermost
+    tensors = []
+    for i, group in enumerate(kv_cache_groups):
+        runs: dict[KVCacheSpec, list[str]] = {}
+        for name, spec in group_layer_specs(group, i):
+            runs.setdefault(spec, []).append(name)
+        offset = 0
+        for spec, names in runs.items():
+            if isinstance(spec, (HiSparseHotSpec, HiSparseResidentSpec)):
+                if not block_outer:
+                    raise ValueError(
+                        f"layout: HiSparse pages need a block-outermost layout, got {layout.name}"
+                    )
+                layer_stride, block_stride = spec.page_size_bytes, bytes_per_block
+            else:
+                layer_stride, block_stride = _spec_strides(
+                    spec, names, num_blocks, layout, bytes_per_block
+                )
+            tensors.append(
+                KVCacheTensor(
+                    size=size,
+                    layers=names,
+                    layer_stride=layer_stride,
+                    block_stride=block_stride,
+                    offset=offset,
+                    host_resident=host_resident,
+                )
+            )
+            # Block-outermost layers share each block; layer-outermost ones own regions.
+            offset += len(names) * (spec.page_size_bytes if block_outer else layer_stride)
+    return tensors
+
+
+def _spec_strides(
+    spec: KVCacheSpec,
+    names: list[str],
+    num_blocks: int,
+    layout: KVCacheLayout,
+    bytes_per_block: int,
+) -> tuple[int, int]:
+    """``(layer_stride, block_stride)`` in bytes of ``names`` (all of ``spec``) under
+    ``layout``."""
+    block_stride = bytes_per_block if layout.is_block_outermost else None
+    if not layout.is_block_outermost and _layer_block_stride(spec) != spec.page_size_bytes:
+        if not layout.is_block_compact:
+            raise ValueError(
+                f"kv_cache_layout: {layout.name} cannot pad the pages of {names[0]!r} to "
+                f"their {spec.get_block_stride_alignment()}-byte alignment; expected a "
+                "block-compact layout"
+            )
+        block_stride = _layer_block_stride(spec)
+    fixed = (None, block_stride, None, None, None)
+    layer_stride, block_stride, *_ = compute_layout_strides(
+        spec, num_blocks, len(names), layout, fixed_strides=fixed
+    )
+    return layer_stride, block_stride

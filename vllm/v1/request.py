@@ -15,7 +15,10 @@ from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import MultiModalFeatureSpec
 from vllm.sampling_params import SamplingParams
 
-__all__ = ["ConstantList", "Request", "RequestStatus"]
+__all__ = ["ConstantList", "KV_CACHE_REPORT_MODES", "Request", "RequestStatus"]
+
+# How a request's cached blocks are reported in KV events (``extra_args["kv_cache_report_mode"]``).
+KV_CACHE_REPORT_MODES = ("incremental", "full")
 
 
 class ConstantList(Sequence[int]):
@@ -123,11 +126,15 @@ class Request:
         self.lora_request = lora_request
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
-        self.kv_transfer_params: dict[str, Any] | None = (
-            sampling_params.extra_args.get("kv_transfer_params")
-            if sampling_params is not None and sampling_params.extra_args
-            else None
-        )
+        extra_args = (sampling_params.extra_args if sampling_params is not None else None) or {}
+        self.kv_transfer_params: dict[str, Any] | None = extra_args.get("kv_transfer_params")
+        # "full": the block manager reports every cached block of the request, not only new ones.
+        self.kv_cache_report_mode: str = extra_args.get("kv_cache_report_mode", "incremental")
+        if self.kv_cache_report_mode not in KV_CACHE_REPORT_MODES:
+            raise ValueError(
+                f"kv_cache_report_mode: expected one of {KV_CACHE_REPORT_MODES}, "
+                f"got {self.kv_cache_report_mode!r}"
+            )
         self.prompt_token_ids = prompt_token_ids
         self.prompt_embeds = prompt_embeds
         self.prompt_is_token_ids = prompt_is_token_ids
@@ -154,6 +161,9 @@ class Request:
         self.resumable = resumable
         self.session_id = session_id
         self.abort_immediately = abort_immediately
+        # Token position (a page boundary) of a prefix other requests were seen to share, kept
+        # in a sparse prefix cache; 0: none. Set by the engine at admission.
+        self.shared_prefix_boundary = 0
         self.block_hashes: list[bytes] = []
         # Kept unbound (not a bound partial) so Request -> hasher -> Request is no cycle.
         self._block_hasher = block_hasher

@@ -113,7 +113,7 @@ class ManagerSim:
         :meth:`check_nothing_taken`)."""
         hit_tokens, hit_blocks, num_external = 0, None, 0
         if request.request_id not in self.running:
-            hit_blocks, hit_tokens = self.manager.get_computed_blocks(request)
+            hit_blocks, hit_tokens, _ = self.manager.get_computed_blocks(request)
             self.check_hit(request, hit_blocks, hit_tokens)
             self.last_hit = (hit_blocks, hit_tokens)
             num_external = min(external, request.num_tokens - hit_tokens)

@@ -87,7 +87,7 @@ def _mamba_align_admission(
         sim.finish(first)
         manager.new_step_starts()
     request = make_request("b", list(range(8)) + [50] * 12, 4)
-    blocks, num_hit = manager.get_computed_blocks(request)
+    blocks, num_hit, _ = manager.get_computed_blocks(request)
     assert num_hit == (8 if hit else 0)
     free = manager.block_pool.get_num_free_blocks()
     answer = manager.allocate_slots(
@@ -169,7 +169,7 @@ def test_an_eagle_hit_covers_the_same_tokens_in_every_group() -> None:
     sim.finish(first)
     manager.new_step_starts()
     second = make_request("b", list(range(12)) + [7] * 3, 4)
-    blocks, num_tokens = manager.get_computed_blocks(second)
+    blocks, num_tokens, _ = manager.get_computed_blocks(second)
     assert num_tokens == 8 and [len(b) for b in blocks.blocks] == [2, 2]
 
 

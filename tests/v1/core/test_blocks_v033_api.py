@@ -154,14 +154,14 @@ def test_sliding_window_retention_keeps_segment_and_replay_tails(retention, expe
     cached = {i for i, h in enumerate(r.block_hashes) if m.block_pool.get_cached_block(h, [0])}
     # Segments of 64 tokens keep their last page; the replay boundary (255 -> 240) its page 14.
     assert cached == expected
-    _, num_hit = m.get_computed_blocks(make_request("again", tokens, 16))
+    _, num_hit, _ = m.get_computed_blocks(make_request("again", tokens, 16))
     assert num_hit == 240
 
 
 def test_retention_interval_is_checked_against_the_config() -> None:
     with pytest.raises(ValueError, match="prefix_cache_retention_interval: expected 0 or None"):
         KVCacheManager(swa_config(64, full(16)), 8192, 16, 16)
-    with pytest.raises(ValueError, match="retention_interval: expected None or a multiple"):
+    with pytest.raises(ValueError, match="retention_interval: expected None or a non-negative"):
         KVCacheManager(swa_config(24, sliding(16, 16)), 8192, 16, 16)
     assert replay_boundaries(256, 16, use_eagle=False) == (255,)
     assert replay_boundaries(256, 16, use_eagle=True) == (224, 240)

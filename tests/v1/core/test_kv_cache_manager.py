@@ -79,10 +79,11 @@ def test_allocate_slots_contract() -> None:
     assert m.get_computed_blocks(make_request("b", list(range(12)), 4)) == (
         m.empty_kv_cache_blocks,
         0,
+        0,
     )
     request.num_computed_tokens = 8
     m.cache_blocks(request, 8)
-    hit, num = m.get_computed_blocks(make_request("c", list(range(12)), 4))
+    hit, num, _ = m.get_computed_blocks(make_request("c", list(range(12)), 4))
     assert num == 8 and hit.get_block_ids()[0] == blocks.get_block_ids()[0][:2]
     # Not enough pages: None, and nothing taken.
     other = make_request("d", [99] * 20, 4)
@@ -106,7 +107,7 @@ def test_common_prefix_and_stats() -> None:
     prompt = list(range(17))
     first, second = make_request("a", prompt, 4), make_request("b", prompt, 4)
     for request in (first, second):
-        hit, num = m.get_computed_blocks(request)
+        hit, num, _ = m.get_computed_blocks(request)
         assert m.allocate_slots(request, 17 - num, num, hit) is not None
     # The second request hit the 4 full pages; both hold them.
     assert m.get_num_common_prefix_blocks("a") == [4]
@@ -141,7 +142,7 @@ def test_hybrid_lookup_restarts_when_a_later_group_shortens() -> None:
     assert m.allocate_slots(first, 17) is not None
     mamba_table = m.coordinator.single_type_managers[2].req_to_blocks["a"]
     m.evict_blocks({mamba_table[3].block_id})
-    hit, num = m.get_computed_blocks(make_request("b", list(range(16)) + [50, 51], 4))
+    hit, num, _ = m.get_computed_blocks(make_request("b", list(range(16)) + [50, 51], 4))
     assert num == 12
     full_ids, sliding_ids, mamba_ids = hit.get_block_ids()
     null = m.block_pool.null_block.block_id

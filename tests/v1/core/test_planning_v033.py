@@ -163,7 +163,7 @@ def test_configs_with_global_groups_and_capacity() -> None:
     assert kcu.generate_scheduler_kv_cache_config([out]).num_blocks == 40
     with pytest.raises(ValueError, match="available_memory: expected one budget per worker"):
         kv_cache_planning.get_kv_cache_configs(config, specs, [], groups)
-    with pytest.raises(ValueError, match=r"every layer in exactly one group.*none \['b'\]"):
+    with pytest.raises(ValueError, match=r"every layer in exactly one group.*miss layers \['b'\]"):
         kv_cache_planning.get_kv_cache_configs(
             config, specs, [10**6], [KVCacheGroupSpec(["a"], full())]
         )

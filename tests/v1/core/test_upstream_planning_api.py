@@ -289,8 +289,11 @@ def test_memory_helpers() -> None:
     assert kcu.max_memory_usage_bytes(cfg, specs.values()) == 2 * 64 * PAGE
     assert kcu.estimate_max_model_len(cfg, specs, 2 * 10 * PAGE) == 320
     assert cfg.model_config.max_model_len == 2048  # restored
-    kcu.check_enough_kv_cache_memory(cfg, specs, 128 * PAGE)
-    with pytest.raises(kcu.InsufficientKVCacheMemoryError, match="largest max_model_len .* 320"):
+    # v0.33: the pool's null block (one page of each layer) is not the request's.
+    kcu.check_enough_kv_cache_memory(cfg, specs, 130 * PAGE)
+    with pytest.raises(kcu.InsufficientKVCacheMemoryError, match="max_model_len=2048"):
+        kcu.check_enough_kv_cache_memory(cfg, specs, 128 * PAGE)
+    with pytest.raises(kcu.InsufficientKVCacheMemoryError, match="largest max_model_len .* 288"):
         kcu.check_enough_kv_cache_memory(cfg, specs, 20 * PAGE)
     groups = kcu.create_kv_cache_group_specs(specs, [["a", "b"]])
     kv_config = kcu.get_kv_cache_config_from_groups(cfg, groups, 2 * 128 * PAGE)
@@ -309,9 +312,50 @@ def test_hybrid_block_sizes_and_projection() -> None:
     kv_config = KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_groups=groups)
     assert kcu.resolve_kv_cache_block_sizes(kv_config, cfg) == (64, 32)
     cfg.cache_config.hash_block_size = 48
-    with pytest.raises(ValueError, match="hash_block_size: must divide"):
+    with pytest.raises(ValueError, match="prefix_match_unit: expected a divisor"):
         kcu.resolve_kv_cache_block_sizes(kv_config, cfg)
     projected = kcu._project_kv_cache_groups_to_worker(groups, {"a": full()})
     assert [g.layer_names for g in projected] == [["a"], []]
-    assert not projected[1].is_eagle_group  # an empty group holds no draft layer
+    assert projected[1].is_eagle_group  # v0.33: the global flag survives on an empty group
     assert not kv_config.has_mamba_layers and not kv_config.needs_kv_cache_zeroing
+
+
+def test_model_grouping_and_builder_probe() -> None:
+    """v0.33's builder surface: a model that groups its own layers is asked (not with
+    HiSparse); a custom placement's bytes per block come from a one-block probe, which must
+    have one device backing; bad groupings are ValueError and AssertionError."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core import kv_cache_planning as kcp
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+    spec = full()
+    own = [KVCacheGroupSpec(["a"], spec)]
+    model_cls = SimpleNamespace(get_kv_cache_groups=lambda config, specs: own)
+    registry = SimpleNamespace(resolve_model_cls=lambda archs, model_config: (model_cls, "x"))
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(
+            supports_kv_cache_grouping=True, registry=registry, architectures=["X"]
+        ),
+        attention_config=SimpleNamespace(hisparse_config=None),
+    )
+    builder = kcp.DefaultKVCacheConfigBuilder()
+    assert builder.get_kv_cache_groups(config, {"a": spec}) is own
+    with pytest.raises(AssertionError, match=r"miss layers \['b'\]"):
+        kcp.get_kv_cache_groups_from_builder(builder, config, {"a": spec, "b": spec})
+    config.attention_config.hisparse_config = object()
+    with pytest.raises(ValueError, match="expected no HiSparse"):
+        builder.get_kv_cache_groups(config, {"a": spec})
+
+    class PerGroupBackings(kcp.DefaultKVCacheConfigBuilder):
+        def get_kv_cache_config_from_groups(self, vllm_config, groups, num_blocks):
+            tensors = [
+                KVCacheTensor(size=p * num_blocks, layers=g.layer_names, block_stride=p)
+                for g, p in zip(groups, (64, 32), strict=True)
+            ]
+            return KVCacheConfig(num_blocks, tensors, groups)
+
+    vllm_config = VllmConfig(model_config=ModelConfig(max_model_len=64))
+    groups = [KVCacheGroupSpec(["a"], spec), KVCacheGroupSpec(["b"], spec)]
+    with pytest.raises(ValueError, match="expected one device backing for a block"):
+        kcp._pool_bytes_per_block_from_builder(PerGroupBackings(), vllm_config, groups)

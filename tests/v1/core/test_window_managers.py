@@ -104,7 +104,7 @@ def test_circular_buffer_holds_one_ring_page_and_is_never_published() -> None:
     assert hit == (([], []), 0)
     m.remove_skipped_blocks("r", 400)
     assert m.req_to_blocks["r"] == [page]
-    with pytest.raises(ValueError, match="retention_interval: expected None or a multiple"):
+    with pytest.raises(ValueError, match="retention_interval: expected None or a non-negative"):
         m.cache_blocks(request, 12, 3)
     m.free("r")
     assert page.ref_cnt == 0 and pool.get_num_free_blocks() == 7

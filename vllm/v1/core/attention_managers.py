@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import islice
-from typing import Any
+from typing import Any, ClassVar
 
 from vllm.utils.math_utils import cdiv
-from vllm.v1.core.block_hashing import resolve_block_hashes
+from vllm.v1.core.block_hashing import BlockHashList, resolve_block_hashes
 from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.kv_cache_utils import BlockHashList, KVCacheBlock
+from vllm.v1.core.kv_cache_block import KVCacheBlock
+from vllm.v1.core.partial_page_hits import PartialPageHits, find_partial_page_hit
 from vllm.v1.core.single_type_manager_base import (
     SingleTypeKVCacheManager,
     expect_no_context_parallel,
@@ -46,8 +47,10 @@ def _drop_last(computed_blocks: tuple[list[KVCacheBlock], ...]) -> None:
             blocks.pop()
 
 
-class FullAttentionManager(SingleTypeKVCacheManager):
+class FullAttentionManager(PartialPageHits, SingleTypeKVCacheManager):
     """Every page stays with the request until it finishes."""
+
+    supports_fine_grained_hash_lookup: ClassVar[bool] = True
 
     @classmethod
     def find_longest_cache_hit(
@@ -63,9 +66,21 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         pcp_world_size: int = 1,
     ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         """Leading pages found in the cache, left to right: a miss ends the prefix because the
-        hash of a page chains the hashes of all pages before it."""
+        hash of a page chains the hashes of all pages before it. An alignment finer than the
+        page (partial hash hits) means ``block_hashes`` are per ``alignment_tokens`` tokens: the
+        hit may then end inside the page after the full ones, and EAGLE drops one hash block."""
         expect_spec(kv_cache_spec, (FullAttentionSpec, ChunkedLocalAttentionSpec), cls.__name__)
-        block_size = kv_cache_spec.block_size * dcp_world_size * pcp_world_size
+        block_size = kv_cache_spec.block_size * dcp_world_size
+        if alignment_tokens < block_size and block_size % alignment_tokens == 0:
+            return find_partial_page_hit(
+                block_hashes,
+                max_length,
+                kv_cache_group_ids,
+                block_pool,
+                block_size,
+                alignment_tokens,
+                drop_eagle_block,
+            )
         computed = _empty_hit(len(kv_cache_group_ids))
         for block_hash in islice(block_hashes, max_length // block_size):
             cached = block_pool.get_cached_block(block_hash, kv_cache_group_ids)

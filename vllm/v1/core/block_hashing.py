@@ -277,11 +277,9 @@ def get_request_block_hasher(
         while start + block_size <= num_tokens:
             end = start + block_size
             if lookahead:
-                extra, next_mm_idx = generate_block_hash_extra_keys(
-                    request, start, end + lookahead, mm_idx
+                extra, mm_idx = generate_lookahead_block_hash_extra_keys(
+                    request, start, end, end + lookahead, mm_idx
                 )
-                # The next block's scan restarts at the items still open at this block's end.
-                mm_idx = _rewind_mm_idx(request, next_mm_idx, end)
                 extra_keys: tuple[Any, ...] | None = (extra, *token_ids[end : end + lookahead])
             else:
                 extra_keys, mm_idx = generate_block_hash_extra_keys(request, start, end, mm_idx)
@@ -302,6 +300,23 @@ def _first_mm_idx_reaching(request: Request, token_idx: int) -> int:
     return bisect.bisect_right(
         features, token_idx, key=lambda f: f.mm_position.offset + f.mm_position.length
     )
+
+
+def generate_lookahead_block_hash_extra_keys(
+    request: Request,
+    start_token_idx: int,
+    end_token_idx: int,
+    hash_end_token_idx: int,
+    start_mm_idx: int,
+) -> tuple[tuple[Any, ...] | None, int]:
+    """The extra keys of a block [start, end) whose hash covers tokens up to
+    ``hash_end_token_idx`` (its lookahead), and the multimodal index the next block's scan
+    starts at: the first item still open at ``end_token_idx``, since the lookahead scan may
+    have moved past items the next block overlaps."""
+    extra_keys, mm_idx = generate_block_hash_extra_keys(
+        request, start_token_idx, hash_end_token_idx, start_mm_idx
+    )
+    return extra_keys, _rewind_mm_idx(request, mm_idx, end_token_idx)
 
 
 def _rewind_mm_idx(request: Request, mm_idx: int, end_token_idx: int) -> int:

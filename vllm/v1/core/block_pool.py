@@ -28,6 +28,7 @@ from vllm.v1.core.block_hashing import (
     BlockHashWithGroupId,
     ExternalBlockHash,
     generate_block_hash_extra_keys,
+    generate_lookahead_block_hash_extra_keys,
     get_block_hash,
     get_group_id,
     make_block_hash_with_group_id,
@@ -111,6 +112,7 @@ class BlockPool:
         hash_block_size: int,
         enable_kv_cache_events: bool = False,
         metrics_collector: KVCacheMetricsCollector | None = None,
+        num_hash_lookahead_tokens: int = 0,
     ) -> None:
         if isinstance(num_gpu_blocks, bool) or not isinstance(num_gpu_blocks, int):
             raise ValueError(f"num_gpu_blocks: expected a positive int, got {num_gpu_blocks!r}")
@@ -119,6 +121,9 @@ class BlockPool:
         self.num_gpu_blocks = num_gpu_blocks
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size
+        # Tokens after each block that its hash also covers (the requests' hasher setting):
+        # a prefill checkpoint must leave them uncomputed so its hash is known.
+        self.num_hash_lookahead_tokens = int(num_hash_lookahead_tokens)
         self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block = BlockHashToBlockMap()
@@ -171,13 +176,7 @@ class BlockPool:
             raise ValueError(
                 f"block_mask: expected {len(new_blocks)} entries, got {len(block_mask)}"
             )
-        block_hashes: BlockHashList = request.block_hashes  # type: ignore[assignment]
-        if block_size != self.hash_block_size:
-            block_hashes = BlockHashListWithBlockSize(
-                request.block_hashes,  # type: ignore[arg-type]
-                self.hash_block_size,
-                block_size,
-            )
+        block_hashes = self._block_hashes(request, block_size)
         if len(block_hashes) < num_full_blocks:
             raise AssertionError(
                 f"request {request.request_id}: expected >= {num_full_blocks} block hashes, "
@@ -192,55 +191,175 @@ class BlockPool:
             if block.is_null or (block_mask is not None and not block_mask[i]):
                 continue
             key = BlockHashWithGroupId(new_hashes[i] + suffix)
-            block.block_hash = key
+            if block.block_hash is not None:
+                # A page keyed at a position inside it (partial hit) is now full.
+                self._maybe_evict_cached_block(block)
+            block.set_block_hash(key, (num_cached_blocks + i + 1) * block_size)
             insert(key, block)
             stored.append(i)
         if self.enable_kv_cache_events:
+            parent: ExternalBlockHash | None = None
+            if num_cached_blocks > 0:
+                parent = maybe_convert_block_hash(block_hashes[num_cached_blocks - 1])
             self._queue_stored_event(
-                request, block_hashes, new_hashes, stored, num_cached_blocks, num_full_blocks,
-                block_size, kv_cache_group_id,
-            )  # fmt: skip
+                request,
+                parent,
+                [(num_cached_blocks + i, new_hashes[i]) for i in stored],
+                num_cached_blocks * block_size,
+                num_full_blocks * block_size,
+                block_size,
+                kv_cache_group_id,
+            )
+
+    def emit_cached_block_events(
+        self, request: Request, num_cached_blocks: int, block_size: int, kv_cache_group_id: int
+    ) -> None:
+        """Queue a ``BlockStored`` for the request's first ``num_cached_blocks`` blocks of
+        ``block_size`` tokens, reused from the prefix cache in group ``kv_cache_group_id``, so
+        that consumers tracking the cache (a router) learn of a hit; the pool is not changed.
+        Nothing without events or hit blocks."""
+        if not self.enable_kv_cache_events or num_cached_blocks <= 0:
+            return
+        block_hashes = self._block_hashes(request, block_size)
+        if len(block_hashes) < num_cached_blocks:
+            raise ValueError(
+                f"num_cached_blocks: expected at most {len(block_hashes)} (the request's block "
+                f"hashes), got {num_cached_blocks}"
+            )
+        hashes = [(i, block_hashes[i]) for i in range(num_cached_blocks)]
+        # A hit starts at the first block: no parent.
+        self._queue_stored_event(
+            request, None, hashes, 0, num_cached_blocks * block_size, block_size, kv_cache_group_id
+        )
+
+    def _block_hashes(self, request: Request, block_size: int) -> BlockHashList:
+        """The request's block hashes at ``block_size`` tokens per block."""
+        if block_size == self.hash_block_size:
+            return request.block_hashes  # type: ignore[return-value]
+        return BlockHashListWithBlockSize(
+            request.block_hashes,  # type: ignore[arg-type]
+            self.hash_block_size,
+            block_size,
+        )
 
     def _queue_stored_event(
         self,
         request: Request,
-        block_hashes: BlockHashList,
-        new_hashes: list[BlockHash],
-        stored: list[int],
-        num_cached_blocks: int,
-        num_full_blocks: int,
+        parent: ExternalBlockHash | None,
+        hashes: list[tuple[int, BlockHash]],
+        start_token: int,
+        end_token: int,
         block_size: int,
         group_id: int,
     ) -> None:
-        """Queue the ``BlockStored`` of one ``cache_full_blocks`` call (its stored blocks, with
-        each block's extra keys; token ids cover the whole range, skipped blocks included)."""
-        parent: ExternalBlockHash | None = None
-        if num_cached_blocks > 0:
-            parent = maybe_convert_block_hash(block_hashes[num_cached_blocks - 1])
+        """Queue one ``BlockStored``: ``hashes`` are (block index, hash) of the blocks stored,
+        each with its extra keys; the token ids are the range [start_token, end_token)
+        (tokens), skipped blocks included."""
+        lookahead = self.num_hash_lookahead_tokens
         extra_keys: list[tuple[Any, ...] | None] = []
+        lookahead_token_ids: list[list[int]] | None = [] if lookahead else None
         mm_idx = 0
-        for i in stored:
-            start = (num_cached_blocks + i) * block_size
-            keys, mm_idx = generate_block_hash_extra_keys(
-                request, start, start + block_size, mm_idx
-            )
+        for index, _ in hashes:
+            start = index * block_size
+            end = start + block_size
+            # An event's extra keys cover the tokens its block's hash covers.
+            if lookahead_token_ids is not None:
+                keys, mm_idx = generate_lookahead_block_hash_extra_keys(
+                    request, start, end, end + lookahead, mm_idx
+                )
+                lookahead_token_ids.append(request.all_token_ids[end : end + lookahead])
+            else:
+                keys, mm_idx = generate_block_hash_extra_keys(request, start, end, mm_idx)
             extra_keys.append(keys)
         lora = request.lora_request
         self.kv_event_queue.append(
             BlockStored(
-                block_hashes=[maybe_convert_block_hash(new_hashes[i]) for i in stored],
+                block_hashes=[maybe_convert_block_hash(h) for _, h in hashes],
                 parent_block_hash=parent,
-                token_ids=request.all_token_ids[
-                    num_cached_blocks * block_size : num_full_blocks * block_size
-                ],
+                token_ids=request.all_token_ids[start_token:end_token],
                 block_size=block_size,
                 lora_id=None if lora is None else lora.adapter_id,
                 medium=MEDIUM_GPU,
                 lora_name=None if lora is None else lora.name,
                 extra_keys=to_event_extra_keys(extra_keys),
                 group_idx=group_id,
+                session_id=request.session_id,
+                lookahead_token_ids=lookahead_token_ids,
             )
         )
+
+    def cache_partial_block(
+        self,
+        request: Request,
+        block: KVCacheBlock,
+        num_tokens: int,
+        kv_cache_group_id: int,
+        replace_existing_hashes: bool = True,
+    ) -> BlockHashWithGroupId | None:
+        """Key ``block`` by the request's prefix hash at ``num_tokens`` tokens (a positive
+        multiple of ``hash_block_size``, possibly inside the block). A block has one key: an
+        earlier one is dropped first, unless ``replace_existing_hashes`` is False and it covers
+        at least ``num_tokens`` tokens (append-only K/V pages: the longer key serves too; a
+        state page holds one state, so its caller replaces). Returns the key, or None for the
+        null page or a kept longer key."""
+        if block.is_null:
+            return None
+        if (
+            not replace_existing_hashes
+            and block.block_hash is not None
+            and (block.block_hash_num_tokens or 0) >= num_tokens
+        ):
+            return None
+        num_hashes = num_tokens // self.hash_block_size
+        if num_tokens <= 0 or num_tokens % self.hash_block_size:
+            raise ValueError(
+                f"num_tokens: expected a positive multiple of {self.hash_block_size}, "
+                f"got {num_tokens}"
+            )
+        if num_hashes > len(request.block_hashes):
+            raise ValueError(
+                f"num_tokens: expected at most {len(request.block_hashes) * self.hash_block_size}"
+                f" (the request's hashed tokens), got {num_tokens}"
+            )
+        block_hash = request.block_hashes[num_hashes - 1]
+        key = make_block_hash_with_group_id(block_hash, kv_cache_group_id)
+        if block.block_hash == key:
+            return key
+        self._maybe_evict_cached_block(block)
+        block.set_block_hash(key, num_tokens)
+        self.cached_block_hash_to_block.insert(key, block)
+        if self.enable_kv_cache_events:
+            parent = (
+                maybe_convert_block_hash(request.block_hashes[num_hashes - 2])
+                if num_hashes > 1
+                else None
+            )
+            start = num_tokens - self.hash_block_size
+            self._queue_stored_event(
+                request,
+                parent,
+                [(num_hashes - 1, block_hash)],
+                start,
+                num_tokens,
+                self.hash_block_size,
+                kv_cache_group_id,
+            )
+        return key
+
+    def move_block_hash(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
+        """Re-point ``src_block``'s prefix-cache key to ``dst_block`` (unkeyed), which gets a copy
+        of its contents while ``src_block``'s owner keeps writing into it. No events: the
+        cached content stays the same."""
+        key = src_block.block_hash
+        if key is None:
+            return
+        if dst_block.block_hash is not None:
+            raise ValueError(f"dst_block: expected a block without a hash, got {dst_block!r}")
+        num_tokens = src_block.block_hash_num_tokens
+        self.cached_block_hash_to_block.pop(key, src_block.block_id)
+        src_block.reset_hash()
+        dst_block.set_block_hash(key, num_tokens)
+        self.cached_block_hash_to_block.insert(key, dst_block)
 
     def reserve_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take ``num_blocks`` pages out of the pool for good, for data every request shares
@@ -322,18 +441,24 @@ class BlockPool:
         return not block.is_null and block.ref_cnt == 1 and block.block_hash is None
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop a reference on each block; those no longer used go to the tail of the free
-        queue in the given order (the first is evicted first). The null page is left alone."""
-        released: list[KVCacheBlock] = []
-        release = released.append
+        """Drop a reference on each block; those no longer used go back to the free queue in
+        the given order (the first is evicted first): cached ones to its tail (LRU eviction),
+        the others, which no lookup can match, to its head (reused first, while still warm in
+        device caches). The null page is left alone."""
+        cached: list[KVCacheBlock] = []
+        uncached: list[KVCacheBlock] = []
         for block in ordered_blocks:
             if block.is_null:
                 continue
             block.ref_cnt -= 1
             # A block listed twice is released once, when its count reaches 0.
             if block.ref_cnt == 0:
-                release(block)
-        self.free_block_queue.append_n(released)
+                if block.block_hash is None or not self.enable_caching:
+                    uncached.append(block)
+                else:
+                    cached.append(block)
+        self.free_block_queue.prepend_n(uncached)
+        self.free_block_queue.append_n(cached)
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         """Drop the given blocks from the prefix cache (used or not; used ones stay used)."""

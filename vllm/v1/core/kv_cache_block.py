@@ -13,9 +13,25 @@ objects. Order = eviction order: the front is evicted first.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
-__all__ = ["FreeKVCacheBlockQueue", "KVCacheBlock"]
+__all__ = [
+    "FreeKVCacheBlockQueue",
+    "KVCacheBlock",
+    "KVCacheBlockCopy",
+    "null_head_len",
+    "trim_null_head",
+]
+
+
+class KVCacheBlockCopy(NamedTuple):
+    """One page copy the worker runs before a step's forward pass (copy-on-write of a shared
+    page hit inside it): the contents of ``src_block_id`` go to ``dst_block_id``."""
+
+    src_block_id: int
+    dst_block_id: int
 
 
 @dataclass(slots=True)
@@ -25,7 +41,7 @@ class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
     _block_hash: bytes | None = None
-    # Prefix tokens the hash covers (None: the block's own end, as for every full block).
+    # Prefix tokens the hash covers (a full block's end, or a position inside a state page).
     _block_hash_num_tokens: int | None = None
     # Links of the free queue; only FreeKVCacheBlockQueue writes them.
     prev_free_block: KVCacheBlock | None = None
@@ -44,8 +60,8 @@ class KVCacheBlock:
 
     @property
     def block_hash_num_tokens(self) -> int | None:
-        """Prefix tokens (from the sequence start) the hash covers; None: up to the block's
-        end."""
+        """Prefix tokens (from the sequence start) the hash covers; None: not cached or set
+        without a count (up to the block's end)."""
         return self._block_hash_num_tokens
 
     def set_block_hash(self, block_hash: bytes, num_tokens: int | None = None) -> None:
@@ -199,3 +215,27 @@ class FreeKVCacheBlockQueue:
             out.append(block)
             block = block.next_free_block
         return out
+
+
+def null_head_len(blocks: Sequence[KVCacheBlock]) -> int:
+    """Leading null blocks of a block table (a sliding window's skipped prefix)."""
+    if not blocks or not blocks[0].is_null:
+        return 0
+    # Binary search for the first real block, then check that the run is all null: tables
+    # whose nulls are not one leading run fall back to a scan.
+    lo, hi = 1, len(blocks)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if blocks[mid].is_null:
+            lo = mid + 1
+        else:
+            hi = mid
+    if all(b.is_null for b in blocks[:lo]):
+        return lo
+    return next((i for i, b in enumerate(blocks) if not b.is_null), len(blocks))
+
+
+def trim_null_head(blocks: Sequence[KVCacheBlock]) -> Sequence[KVCacheBlock]:
+    """``blocks`` without its leading null blocks (``blocks`` itself when it has none)."""
+    head = null_head_len(blocks)
+    return blocks[head:] if head else blocks

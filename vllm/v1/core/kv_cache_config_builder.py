@@ -2,8 +2,9 @@
 config for a number of blocks (upstream v0.33's interface, experimental there too).
 
 The cross-worker flow (:func:`vllm.v1.core.kv_cache_planning.get_kv_cache_configs`) stays in
-core; a platform may name its own builder class through a ``get_kv_cache_config_builder_cls``
-hook, otherwise :class:`~vllm.v1.core.kv_cache_planning.DefaultKVCacheConfigBuilder` is used.
+core; the current platform names the builder class
+(:meth:`~vllm.platforms.interface.Platform.get_kv_cache_config_builder_cls`, by default
+:class:`~vllm.v1.core.kv_cache_planning.DefaultKVCacheConfigBuilder`).
 """
 
 from __future__ import annotations
@@ -16,10 +17,7 @@ if TYPE_CHECKING:
     from vllm.config.vllm import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
 
-__all__ = ["DEFAULT_BUILDER", "KVCacheConfigBuilder", "get_kv_cache_config_builder"]
-
-DEFAULT_BUILDER = "vllm.v1.core.kv_cache_planning.DefaultKVCacheConfigBuilder"
-"""Qualified name of the builder used when the platform names none."""
+__all__ = ["KVCacheConfigBuilder", "get_kv_cache_config_builder"]
 
 
 class KVCacheConfigBuilder(ABC):
@@ -57,10 +55,7 @@ def _resolve(qualname: str) -> type[KVCacheConfigBuilder]:
 
 
 def get_kv_cache_config_builder(vllm_config: VllmConfig) -> KVCacheConfigBuilder:
-    """A fresh builder of the class the current platform selects (the default without a
-    platform hook)."""
+    """A fresh builder of the class the current platform selects (builders keep no state)."""
     from vllm.platforms import current_platform
 
-    hook = getattr(current_platform, "get_kv_cache_config_builder_cls", None)
-    qualname = hook(vllm_config) if hook is not None else DEFAULT_BUILDER
-    return _resolve(qualname)()
+    return _resolve(current_platform.get_kv_cache_config_builder_cls(vllm_config))()

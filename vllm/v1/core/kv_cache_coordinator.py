@@ -5,10 +5,9 @@ fanned out to all managers. Prefix lookup differs:
 
 * :class:`KVCacheCoordinatorNoPrefixCache`: no lookup (prefix caching off), any number of groups;
 * :class:`UnitaryKVCacheCoordinator`: one group, its manager's lookup;
-* :class:`HybridKVCacheCoordinator`: several groups of different kinds (full + sliding window,
-  attention + Mamba, ...), possibly with different page sizes. A hit must be usable by every
-  group at the same length, a multiple of the LCM of the groups' block sizes; the lookup shrinks
-  a candidate length until every kind accepts it.
+* :class:`HybridKVCacheCoordinator`: several groups of different kinds and page sizes. A hit
+  must be usable by every group at one length, a multiple of the LCM of the groups' pages; the
+  lookup shrinks a candidate length until every kind accepts it.
 """
 
 from __future__ import annotations
@@ -18,9 +17,11 @@ from collections.abc import Sequence
 from math import lcm
 from typing import TYPE_CHECKING, Any
 
-from vllm.v1.core.block_hashing import resolve_block_hashes
+from vllm.v1.core.block_hashing import BlockHash
 from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.kv_cache_utils import BlockHash, KVCacheBlock
+from vllm.v1.core.hybrid_cache_lookup import HybridCacheLookup
+from vllm.v1.core.kv_cache_block import KVCacheBlock
+from vllm.v1.core.kv_cache_sizing import partial_hash_hits_enabled
 from vllm.v1.core.prefix_retention import check_config_retention_interval, replay_boundaries
 from vllm.v1.core.single_type_kv_cache_manager import (
     CrossAttentionManager,
@@ -43,7 +44,8 @@ class KVCacheCoordinator(ABC):
     multiple of it); ``scheduler_block_size``: the scheduling granularity (tokens, a multiple of
     every group's block size; None: their LCM). ``num_prefill_lookahead`` (tokens; multi-module
     MTP's speculative tokens): the last ``num_prefill_lookahead - 1`` computed tokens may be
-    re-prefilled, so they are never published."""
+    re-prefilled, so they are never published. ``num_hash_lookahead_tokens`` (tokens): the
+    tokens after each block that the requests' block hashes also cover."""
 
     def __init__(
         self,
@@ -59,7 +61,15 @@ class KVCacheCoordinator(ABC):
         metrics_collector: KVCacheMetricsCollector | None = None,
         scheduler_block_size: int | None = None,
         num_prefill_lookahead: int = 0,
+        num_hash_lookahead_tokens: int = 0,
     ) -> None:
+        if isinstance(num_hash_lookahead_tokens, bool):
+            num_hash_lookahead_tokens = int(num_hash_lookahead_tokens)  # upstream passes flags
+        if not isinstance(num_hash_lookahead_tokens, int) or num_hash_lookahead_tokens < 0:
+            raise ValueError(
+                "num_hash_lookahead_tokens: expected an int >= 0 (tokens), "
+                f"got {num_hash_lookahead_tokens!r}"
+            )
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
@@ -73,6 +83,7 @@ class KVCacheCoordinator(ABC):
             hash_block_size=hash_block_size,
             enable_kv_cache_events=enable_kv_cache_events,
             metrics_collector=metrics_collector,
+            num_hash_lookahead_tokens=num_hash_lookahead_tokens,
         )
         groups = kv_cache_config.kv_cache_groups
         self.scheduler_block_size = self._scheduler_block_size(scheduler_block_size)
@@ -92,6 +103,9 @@ class KVCacheCoordinator(ABC):
         self.eagle_group_ids = {i for i, g in enumerate(groups) if g.is_eagle_group}
         if use_eagle and not self.eagle_group_ids:
             self.eagle_group_ids = set(range(len(groups)))
+        # Only an EAGLE engine drops: with lookahead hashes (use_eagle off) a hash already
+        # proves the tokens the drafter reads past its block, so flagged groups keep it.
+        self.drop_eagle_group_ids = self.eagle_group_ids if use_eagle else set()
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
             get_manager_for_kv_cache_spec(
                 kv_cache_spec=group.kv_cache_spec,
@@ -107,8 +121,10 @@ class KVCacheCoordinator(ABC):
             )
             for i, group in enumerate(groups)
         )
+        # Tokens per page of each group, context parallelism included.
+        self.group_block_sizes = tuple(m.block_size for m in self.single_type_managers)
         for i, manager in enumerate(self.single_type_managers):
-            manager.use_eagle = i in self.eagle_group_ids
+            manager.use_eagle = i in self.drop_eagle_group_ids
             if isinstance(manager, MambaManager):
                 # Checkpoints sit where EAGLE's attention hits end: one hash block lower.
                 manager.drop_eagle_checkpoint_block = use_eagle
@@ -133,8 +149,10 @@ class KVCacheCoordinator(ABC):
         groups = self.kv_cache_config.kv_cache_groups
         if not groups:
             return requested
-        scale = self.dcp_world_size * self.pcp_world_size
-        unit = lcm(*(g.kv_cache_spec.block_size for g in groups)) * scale
+        # A sharded group's page spans the context-parallel ranks' tokens.
+        scale = self.dcp_world_size  # PCP splits steps, not pages
+        specs = [g.kv_cache_spec for g in groups]
+        unit = lcm(*(s.block_size * (scale if s.dcp_sharded else 1) for s in specs))
         if requested is None:
             return unit
         if isinstance(requested, bool) or not isinstance(requested, int) or requested % unit:
@@ -166,30 +184,25 @@ class KVCacheCoordinator(ABC):
         prefill_end: int = 0,
     ) -> int:
         """Free pages all groups together would consume (see the managers' method);
-        cross-attention groups size by ``num_encoder_tokens`` and take no hits."""
+        cross-attention groups size by ``num_encoder_tokens`` and take no hits.
+        ``prefill_end`` (tokens): where the request's prefill ends; only sparse retention
+        (interval 0) keeps a Mamba prefill checkpoint to the chunk reaching it, dense
+        retention publishes one every chunk."""
+        if self.retention_interval != 0:
+            prefill_end = 0
         total = 0
         for i, manager in enumerate(self.single_type_managers):
-            if isinstance(manager, CrossAttentionManager):
-                total += manager.get_num_blocks_to_allocate(
-                    request_id,
-                    num_encoder_tokens,
-                    [],
-                    0,
-                    0,
-                    num_encoder_tokens,
-                    apply_admission_cap=apply_admission_cap,
-                )
-            else:
-                total += manager.get_num_blocks_to_allocate(
-                    request_id,
-                    num_tokens,
-                    new_computed_blocks[i],
-                    total_computed_tokens,
-                    num_local_computed_tokens,
-                    num_tokens_main_model,
-                    apply_admission_cap=apply_admission_cap,
-                    prefill_end=prefill_end,
-                )
+            cross = isinstance(manager, CrossAttentionManager)
+            total += manager.get_num_blocks_to_allocate(
+                request_id,
+                num_encoder_tokens if cross else num_tokens,
+                [] if cross else new_computed_blocks[i],
+                0 if cross else total_computed_tokens,
+                0 if cross else num_local_computed_tokens,
+                num_encoder_tokens if cross else num_tokens_main_model,
+                apply_admission_cap=apply_admission_cap,
+                prefill_end=0 if cross else prefill_end,
+            )
         return total
 
     def allocate_new_computed_blocks(
@@ -242,7 +255,7 @@ class KVCacheCoordinator(ABC):
     def _replay_boundaries(self, request: Request) -> tuple[int, ...]:
         assert self.scheduler_block_size is not None  # a manager exists, so a group does
         return replay_boundaries(
-            request.num_prompt_tokens, self.scheduler_block_size, bool(self.eagle_group_ids)
+            request.num_prompt_tokens, self.scheduler_block_size, bool(self.drop_eagle_group_ids)
         )
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
@@ -286,9 +299,11 @@ class KVCacheCoordinator(ABC):
     @abstractmethod
     def find_longest_cache_hit(
         self, block_hashes: list[BlockHash], max_cache_hit_length: int
-    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
-        """Hit pages per group and the hit length in tokens (at most
-        ``max_cache_hit_length``)."""
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int, int]:
+        """Hit pages per group, the hit length in tokens (at most ``max_cache_hit_length``) and
+        the uncached common prefix (tokens): how far past the hit some group's own hit went,
+        a shared prefix that a lagging group (Mamba, a window) has not cached yet; 0 with one
+        group."""
 
     def new_step_starts(self) -> None:
         """Tell every manager a scheduler step begins."""
@@ -306,13 +321,9 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
         max_in_flight_tokens: int,
         use_eagle: bool,
         enable_kv_cache_events: bool,
-        dcp_world_size: int,
-        pcp_world_size: int,
-        hash_block_size: int,
-        metrics_collector: KVCacheMetricsCollector | None = None,
-        scheduler_block_size: int | None = None,
-        num_prefill_lookahead: int = 0,
+        **kwargs: Any,
     ) -> None:
+        """As :class:`KVCacheCoordinator` (keyword arguments included), caching off."""
         super().__init__(
             kv_cache_config,
             max_model_len,
@@ -320,12 +331,7 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
             use_eagle,
             False,
             enable_kv_cache_events,
-            dcp_world_size=dcp_world_size,
-            pcp_world_size=pcp_world_size,
-            hash_block_size=hash_block_size,
-            metrics_collector=metrics_collector,
-            scheduler_block_size=scheduler_block_size,
-            num_prefill_lookahead=num_prefill_lookahead,
+            **kwargs,
         )
         self.num_single_type_manager = len(self.single_type_managers)
 
@@ -334,8 +340,8 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
 
     def find_longest_cache_hit(
         self, block_hashes: list[BlockHash], max_cache_hit_length: int
-    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
-        return tuple([] for _ in range(self.num_single_type_manager)), 0
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int, int]:
+        return tuple([] for _ in range(self.num_single_type_manager)), 0, 0
 
 
 class UnitaryKVCacheCoordinator(KVCacheCoordinator):
@@ -348,7 +354,10 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
                 f"kv_cache_config: UnitaryKVCacheCoordinator expected 1 group, got {num_groups}"
             )
         self.kv_cache_spec = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        self.block_size = self.kv_cache_spec.block_size * self.dcp_world_size * self.pcp_world_size
+        scale = self.dcp_world_size  # PCP splits steps, not pages
+        self.block_size = self.kv_cache_spec.block_size * (
+            scale if self.kv_cache_spec.dcp_sharded else 1
+        )
         # Mamba-only models without prefix caching use one page per request
         # (block_size = max_model_len): the hash granularity is then irrelevant.
         if self.enable_caching and self.hash_block_size != self.block_size:
@@ -359,42 +368,64 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
 
     def find_longest_cache_hit(
         self, block_hashes: list[BlockHash], max_cache_hit_length: int
-    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
-        return self.single_type_managers[0].find_longest_cache_hit(
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int, int]:
+        hit, hit_length = self.single_type_managers[0].find_longest_cache_hit(
             block_hashes=block_hashes,
             max_length=max_cache_hit_length,
             kv_cache_group_ids=[0],
             block_pool=self.block_pool,
             kv_cache_spec=self.kv_cache_spec,
-            drop_eagle_block=0 in self.eagle_group_ids,
+            drop_eagle_block=0 in self.drop_eagle_group_ids,
             alignment_tokens=self.block_size,
             dcp_world_size=self.dcp_world_size,
             pcp_world_size=self.pcp_world_size,
         )
+        return hit, hit_length, 0  # one group: none lags another
 
 
 # One lookup unit of the hybrid coordinator: a spec, the groups sharing it, their manager class.
 AttentionGroup = tuple[KVCacheSpec, list[int], type[SingleTypeKVCacheManager]]
 
 
-class HybridKVCacheCoordinator(KVCacheCoordinator):
-    """Several KV cache groups of different kinds; see the module docstring for the lookup."""
+class HybridKVCacheCoordinator(HybridCacheLookup, KVCacheCoordinator):
+    """Several KV cache groups of different kinds; the lookup is in
+    vllm.v1.core.hybrid_cache_lookup."""
 
     def _check_config(self) -> None:
-        if self.dcp_world_size != 1 or self.pcp_world_size != 1:
-            raise ValueError(
-                "dcp_world_size, pcp_world_size: hybrid models expected 1 and 1, got "
-                f"{self.dcp_world_size} and {self.pcp_world_size}"
-            )
+        context_parallel = self.dcp_world_size * self.pcp_world_size > 1
         for i, group in enumerate(self.kv_cache_config.kv_cache_groups):
-            if group.kv_cache_spec.block_size % self.hash_block_size:
+            spec = group.kv_cache_spec
+            # Sharded pages of another kind would split windows or states across ranks.
+            if context_parallel and spec.dcp_sharded and not isinstance(spec, FullAttentionSpec):
                 raise ValueError(
-                    f"hash_block_size: expected a divisor of every group's block_size, got "
+                    f"dcp_world_size, pcp_world_size: hybrid models with context parallelism "
+                    f"expected full-attention or replicated groups, got {type(spec).__name__} "
+                    f"(group {i}) at {self.dcp_world_size} and {self.pcp_world_size}"
+                )
+            # Groups that are never prefix-cached (rings, bounded-replay windows) are not hashed.
+            if spec.prefix_cacheable and spec.block_size % self.hash_block_size:
+                raise ValueError(
+                    f"hash_block_size: expected a divisor of every prefix-cacheable group's "
+                    f"block_size, got "
                     f"{self.hash_block_size} (group {i}: {group.kv_cache_spec.block_size})"
                 )
 
     def _init_lookup(self) -> None:
+        groups = self.kv_cache_config.kv_cache_groups
+        self.num_groups = len(groups)
+        self.enable_partial_hash_hits = partial_hash_hits_enabled(
+            groups,
+            self.hash_block_size,
+            self.dcp_world_size,
+            [type(m) for m in self.single_type_managers],
+        )
         self.verify_and_split_kv_cache_groups()
+        # Hits land on hash blocks when Mamba states may end inside their pages.
+        self.cache_hit_alignment_tokens = (
+            self.hash_block_size if self.enable_partial_hash_hits else self.lcm_block_size
+        )
+        for manager in self.single_type_managers:
+            manager.cache_hit_alignment_tokens = self.cache_hit_alignment_tokens
 
     def verify_and_split_kv_cache_groups(self) -> None:
         """Bundle groups with equal specs (one lookup serves them all), full attention first:
@@ -419,103 +450,43 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             bundles, key=lambda bundle: not isinstance(bundle[0], FullAttentionSpec)
         )
         # No partial-page hits: a hit length must be whole pages in every group.
-        self.lcm_block_size = lcm(*(spec.block_size for spec, _, _ in bundles))
+        self.lcm_block_size = lcm(
+            *(self.single_type_managers[ids[0]].block_size for _, ids, _ in bundles)
+        )
         self.eagle_attn_group_indices = {
             idx
             for idx, (_, group_ids, _) in enumerate(self.attention_groups)
-            if self.eagle_group_ids.intersection(group_ids)
+            if self.drop_eagle_group_ids.intersection(group_ids)
         }
+        # One lookup serves a bundle: its groups publish the same pages (EAGLE's extra one).
+        for idx in self.eagle_attn_group_indices:
+            for group_id in self.attention_groups[idx][1]:
+                self.single_type_managers[group_id].use_eagle = True
+
+    def get_num_cacheable_tokens(self, num_computed_tokens: int, kv_cache_group_id: int) -> int:
+        """Up to the last LCM segment boundary (hits are whole segments; no rounding with
+        partial hash hits); an EAGLE group also its page past it, which a hit matches and then
+        drops (tokens)."""
+        finalized = super().get_num_cacheable_tokens(num_computed_tokens, kv_cache_group_id)
+        manager = self.single_type_managers[kv_cache_group_id]
+        if self.enable_partial_hash_hits:
+            # Only EAGLE groups' last tokens may be re-prefilled by multi-module MTP.
+            return finalized if manager.use_eagle else num_computed_tokens
+        aligned = finalized // self.lcm_block_size * self.lcm_block_size
+        if manager.use_eagle and aligned > 0:
+            return min(finalized, aligned + manager.block_size)
+        return aligned
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        # Hits are whole LCM segments, so publishing stops at the last segment boundary.
-        num_tokens = self.get_num_cacheable_tokens(num_computed_tokens, 0)
-        num_tokens = num_tokens // self.lcm_block_size * self.lcm_block_size
         boundaries = self._replay_boundaries(request)
-        for manager in self.single_type_managers:
+        for i, manager in enumerate(self.single_type_managers):
             manager.cache_blocks(
                 request,
-                num_tokens,
+                self.get_num_cacheable_tokens(num_computed_tokens, i),
                 self.retention_interval,
                 replay_boundaries=boundaries,
                 alignment_tokens=self.lcm_block_size,
             )
-
-    def _lookup(
-        self,
-        bundle: AttentionGroup,
-        block_hashes: list[BlockHash],
-        max_length: int,
-        use_eagle: bool,
-    ) -> tuple[list[KVCacheBlock], ...]:
-        """One bundle's hit pages, at most ``max_length`` tokens (before EAGLE's drop)."""
-        spec, group_ids, manager_cls = bundle
-        hit, _ = manager_cls.find_longest_cache_hit(
-            block_hashes=resolve_block_hashes(block_hashes, self.hash_block_size, spec.block_size),
-            max_length=max_length,
-            kv_cache_group_ids=group_ids,
-            block_pool=self.block_pool,
-            kv_cache_spec=spec,
-            drop_eagle_block=use_eagle,
-            alignment_tokens=self.lcm_block_size,
-        )
-        return hit
-
-    def find_longest_cache_hit(
-        self, block_hashes: list[BlockHash], max_cache_hit_length: int
-    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
-        """Fixed point: each bundle accepts the candidate length or lowers it; any lowering
-        restarts the round. Lengths only decrease, so this ends. Full attention's hit is
-        downward closed: looked up once, then only cut to the candidate."""
-        hits: list[list[KVCacheBlock] | None] = [None] * len(self.kv_cache_config.kv_cache_groups)
-        # With one full-attention bundle and one other, the other's answer is final.
-        one_round = len(self.attention_groups) == 2 and isinstance(
-            self.attention_groups[0][0], FullAttentionSpec
-        )
-        # Bundles whose EAGLE drop was applied at the current candidate: at most once each.
-        eagle_done: set[int] = set()
-        hit_length = max_cache_hit_length
-        while True:
-            candidate = hit_length
-            for idx, bundle in enumerate(self.attention_groups):
-                spec, group_ids, _ = bundle
-                if isinstance(spec, FullAttentionSpec) and hits[group_ids[0]] is not None:
-                    candidate = candidate // spec.block_size * spec.block_size
-                    continue
-                use_eagle = idx in self.eagle_attn_group_indices and idx not in eagle_done
-                # EAGLE matches one page more, then drops it.
-                max_length = (
-                    min(candidate + spec.block_size, max_cache_hit_length)
-                    if use_eagle
-                    else candidate
-                )
-                found = self._lookup(bundle, block_hashes, max_length, use_eagle)
-                found_length = len(found[0]) * spec.block_size
-                if found_length > candidate:
-                    # A kind that keeps EAGLE's extra page (Mamba reads one state and drops
-                    # nothing) answered past the candidate, which the groups looked up before
-                    # do not cover: look again, up to the candidate.
-                    found = self._lookup(bundle, block_hashes, candidate, False)
-                    found_length = len(found[0]) * spec.block_size
-                if use_eagle:
-                    eagle_done.add(idx)
-                elif found_length < candidate:
-                    eagle_done.clear()  # the drop must be re-checked at the shorter length
-                candidate = found_length
-                for group_id, blocks in zip(group_ids, found, strict=True):
-                    hits[group_id] = blocks
-            if candidate >= hit_length:
-                break
-            hit_length = candidate
-            if one_round:
-                break
-        spec, group_ids, _ = self.attention_groups[0]
-        if isinstance(spec, FullAttentionSpec):
-            keep = hit_length // spec.block_size
-            for group_id in group_ids:
-                blocks = hits[group_id]
-                if blocks is not None:
-                    del blocks[keep:]
-        return tuple(blocks if blocks is not None else [] for blocks in hits), hit_length
 
 
 def get_kv_cache_coordinator(
@@ -531,6 +502,7 @@ def get_kv_cache_coordinator(
     metrics_collector: KVCacheMetricsCollector | None = None,
     scheduler_block_size: int | None = None,
     num_prefill_lookahead: int = 0,
+    num_hash_lookahead_tokens: int = 0,
 ) -> KVCacheCoordinator:
     """The coordinator for ``kv_cache_config``: no-prefix-cache when caching is off, unitary
     for one group, hybrid otherwise."""
@@ -541,6 +513,7 @@ def get_kv_cache_coordinator(
         metrics_collector=metrics_collector,
         scheduler_block_size=scheduler_block_size,
         num_prefill_lookahead=num_prefill_lookahead,
+        num_hash_lookahead_tokens=num_hash_lookahead_tokens,
     )
     if not enable_caching:
         return KVCacheCoordinatorNoPrefixCache(

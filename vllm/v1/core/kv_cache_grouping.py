@@ -26,6 +26,7 @@ whose empty group slots are ≤ 5 % of all slots, and P searched more widely (se
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING
 from vllm.utils.torch_utils import get_dtype_size
 from vllm.v1.core.kv_cache_deepseek_v4 import (
     _annotate_eagle_groups_deepseek_v4,
+    _approximate_gcd,
     _fits_layer_tuples,
     _get_kv_cache_groups_uniform_groups,
     group_and_unify_kv_cache_specs,
@@ -43,12 +45,15 @@ from vllm.v1.core.page_size_unification import (
     unify_kv_cache_spec_page_size,
 )
 from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     FullAttentionSpec,
     HiddenStateCacheSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
+    MambaSpec,
     MLAAttentionSpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
@@ -58,6 +63,7 @@ from vllm.v1.kv_cache_interface import (
 
 if TYPE_CHECKING:
     from vllm.config.vllm import VllmConfig
+    from vllm.v1.kv_cache_layout import KVCacheLayout
 
 __all__ = [
     "PLANNER_LAYOUT",
@@ -66,7 +72,9 @@ __all__ = [
     "create_kv_cache_group_specs",
     "generate_scheduler_kv_cache_config",
     "get_kv_cache_groups",
+    "get_packed_kv_cache_groups",
     "get_uniform_page_size",
+    "resolved_layout",
     "is_kv_cache_page_size_uniform",
     "is_kv_cache_spec_uniform",
     "is_kv_cache_type_attention_free",
@@ -197,15 +205,18 @@ def _full_attention_like(spec: KVCacheSpec, block_size: int | None) -> KVCacheSp
     )
 
 
-def unify_hybrid_kv_cache_specs(kv_cache_spec: dict[str, KVCacheSpec]) -> None:
-    """With the hybrid allocator disabled: turn sliding-window and chunked-local layers into
-    full-attention specs that record their window, in place, when the model also has full
-    attention (so one group holds every layer and allocates every token). ``ValueError`` when
-    the specs still differ in type afterwards."""
-    if is_kv_cache_spec_uniform(kv_cache_spec) or UniformTypeKVCacheSpecs.is_uniform_type(
+def _is_one_type(kv_cache_spec: dict[str, KVCacheSpec]) -> bool:
+    return is_kv_cache_spec_uniform(kv_cache_spec) or UniformTypeKVCacheSpecs.is_uniform_type(
         kv_cache_spec
-    ):
-        return
+    )
+
+
+def _promote_local_specs(kv_cache_spec: dict[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
+    """One sharding class's layers as one type: sliding-window and chunked-local layers cached
+    as full attention recording their window when the class also has full attention.
+    ``ValueError`` when the class still differs in type afterwards."""
+    if _is_one_type(kv_cache_spec):
+        return kv_cache_spec
     specs = kv_cache_spec.values()
     has_full = any(isinstance(s, FullAttentionSpec) for s in specs)
     has_windowed = any(isinstance(s, (SlidingWindowSpec, ChunkedLocalAttentionSpec)) for s in specs)
@@ -219,18 +230,31 @@ def unify_hybrid_kv_cache_specs(kv_cache_spec: dict[str, KVCacheSpec]) -> None:
                 "cached with when the hybrid KV cache manager is disabled"
             )
         block_size = full.block_size
+    promoted = dict(kv_cache_spec)
     if has_full and has_windowed:
-        for name, spec in list(kv_cache_spec.items()):
-            kv_cache_spec[name] = _full_attention_like(spec, block_size)
-    if not (
-        is_kv_cache_spec_uniform(kv_cache_spec)
-        or UniformTypeKVCacheSpecs.is_uniform_type(kv_cache_spec)
-    ):
+        promoted = {name: _full_attention_like(s, block_size) for name, s in promoted.items()}
+    if not _is_one_type(promoted):
         raise ValueError(
             "kv_cache_spec: the hybrid KV cache manager is disabled, but the layers' specs "
             "cannot be turned into one type (that needs full attention next to the sliding-"
             f"window or chunked layers); got {sorted({type(s).__name__ for s in specs})}"
         )
+    return promoted
+
+
+def unify_hybrid_kv_cache_specs(kv_cache_spec: dict[str, KVCacheSpec]) -> None:
+    """With the hybrid allocator disabled: in each sharding class (DCP-replicated attention
+    layers, e.g. a draft model's, and the rest), turn sliding-window and chunked-local layers
+    into full-attention specs that record their window, in place, when the class also has full
+    attention. The classes keep separate groups: a replicated draft must hold every position
+    that a sharded target spreads over its DCP ranks. ``ValueError`` when a class's specs
+    still differ in type afterwards."""
+    classes: dict[bool, dict[str, KVCacheSpec]] = {}
+    for name, spec in kv_cache_spec.items():
+        replicated = isinstance(spec, AttentionSpec) and not spec.dcp_sharded
+        classes.setdefault(replicated, {})[name] = spec
+    for specs in classes.values():
+        kv_cache_spec.update(_promote_local_specs(specs))
 
 
 def _group_uniform_page_size(
@@ -248,6 +272,117 @@ def _group_uniform_page_size(
         num_groups = cdiv(len(layers), group_size)
         grouped.extend(layers[i::num_groups] for i in range(num_groups))
     return create_kv_cache_group_specs(kv_cache_spec, grouped)
+
+
+def resolved_layout(vllm_config: VllmConfig | None) -> KVCacheLayout | None:
+    """The cache layout once resolved (``cache_config.kv_cache_layout``), else None: then
+    the planner keeps v0.22's grouping and tensors."""
+    cache_config = vllm_config.cache_config if vllm_config is not None else None
+    if cache_config is None or cache_config.kv_cache_layout is None:
+        return None
+    return cache_config.get_resolved_kv_cache_layout()
+
+
+def _uniform_type_buckets(kv_cache_spec: dict[str, KVCacheSpec]) -> list[dict[str, KVCacheSpec]]:
+    """Layers greedily bucketed: each joins the first bucket it keeps one type with."""
+    buckets: list[dict[str, KVCacheSpec]] = []
+    for name, spec in kv_cache_spec.items():
+        bucket = next(
+            (b for b in buckets if UniformTypeKVCacheSpecs.is_uniform_type({**b, name: spec})),
+            None,
+        )
+        if bucket is None:
+            buckets.append({name: spec})
+        else:
+            bucket[name] = spec
+    return buckets
+
+
+def get_packed_kv_cache_groups(
+    vllm_config: VllmConfig, kv_cache_spec: dict[str, KVCacheSpec]
+) -> list[KVCacheGroupSpec] | None:
+    """Groups for a block-outermost layout whose layers' pages differ in size: no page-size
+    unification; each block holds one page of every layer of a group side by side (the
+    block's bytes are the widest group's pages). None when the layout is not resolved
+    block-outermost or every page has one size.
+
+    Layers are bucketed into one-type specs. A bucket with as many layers of each page size (a
+    repeating pattern) is split into groups of the same number of pattern repeats, chosen over
+    all such buckets to pad least (at least the largest mixed-size bucket's repeats, which
+    stays whole); other buckets stay whole, except that state buckets (Mamba, circular
+    buffers, and sliding windows when nothing repeats) are split so that a group fits in the
+    block the other buckets already need."""
+    layout = resolved_layout(vllm_config)
+    if layout is None or not layout.is_block_outermost:
+        return None
+    if len({spec.page_size_bytes for spec in kv_cache_spec.values()}) <= 1:
+        return None
+    bucketed: list[tuple[UniformTypeKVCacheSpecs, dict[int, list[str]], bool]] = []
+    for bucket in _uniform_type_buckets(kv_cache_spec):
+        uniform = UniformTypeKVCacheSpecs.from_specs(bucket)
+        assert uniform is not None  # bucketed by is_uniform_type
+        by_page: dict[int, list[str]] = {}
+        for name, spec in bucket.items():
+            by_page.setdefault(spec.page_size_bytes, []).append(name)
+        balanced = len({len(names) for names in by_page.values()}) == 1
+        bucketed.append((uniform, by_page, balanced))
+
+    floor = max(
+        (
+            u.get_max_layers_per_page_size()
+            for u, by_page, bal in bucketed
+            if bal and len(by_page) > 1
+        ),
+        default=0,
+    )
+    repeats = (
+        _approximate_gcd(
+            [u.get_max_layers_per_page_size() for u, _, bal in bucketed if bal],
+            lower_bound=floor,
+        )
+        if floor
+        else None
+    )
+
+    def pattern_groups(uniform: UniformTypeKVCacheSpecs, balanced: bool) -> int:
+        if balanced and repeats is not None:
+            return cdiv(uniform.get_max_layers_per_page_size(), repeats)
+        return 1
+
+    def is_state(uniform: UniformTypeKVCacheSpecs) -> bool:
+        first = uniform.first_spec
+        if isinstance(first, (MambaSpec, CircularBufferSpec)):
+            return True
+        return repeats is None and isinstance(first, SlidingWindowSpec)
+
+    def widest_group_bytes(by_page: dict[int, list[str]], num_groups: int) -> int:
+        return sum(cdiv(len(names), num_groups) * page for page, names in by_page.items())
+
+    block_bytes = max(
+        widest_group_bytes(
+            by_page,
+            len(u.kv_cache_specs) if is_state(u) else pattern_groups(u, balanced),
+        )
+        for u, by_page, balanced in bucketed
+    )
+    groups: list[KVCacheGroupSpec] = []
+    for uniform, by_page, balanced in bucketed:
+        num_groups = pattern_groups(uniform, balanced)
+        if is_state(uniform):
+            per_block = max(block_bytes // uniform.first_spec.page_size_bytes, 1)
+            num_groups = max(num_groups, cdiv(len(uniform.kv_cache_specs), per_block))
+        if num_groups == 1:
+            groups.append(KVCacheGroupSpec(list(uniform.kv_cache_specs), uniform))
+            continue
+        pattern = list(zip(*by_page.values(), strict=False))
+        for i in range(num_groups):
+            names = [name for repeat in pattern[i::num_groups] for name in repeat]
+            split = UniformTypeKVCacheSpecs.from_specs(
+                {n: uniform.kv_cache_specs[n] for n in names}
+            )
+            assert split is not None  # a subset of a one-type bucket
+            groups.append(KVCacheGroupSpec(names, split))
+    return groups
 
 
 def get_kv_cache_groups(
@@ -272,20 +407,30 @@ def get_kv_cache_groups(
     uniform = UniformTypeKVCacheSpecs.from_specs(kv_cache_spec)
     if uniform is not None:
         return [KVCacheGroupSpec(list(uniform.kv_cache_specs), uniform)]
+    hidden = {n: s for n, s in kv_cache_spec.items() if isinstance(s, HiddenStateCacheSpec)}
+    rest = {n: s for n, s in kv_cache_spec.items() if n not in hidden}
+    packed = get_packed_kv_cache_groups(vllm_config, rest)
+    if packed is not None:
+        # A block is as wide as its widest group: hidden-state pages need no alignment.
+        return packed + [KVCacheGroupSpec([name], spec) for name, spec in hidden.items()]
+    # DeepSeek-V4's layer tuples: v0.22's form, kept while no block-outermost layout packs.
     grouped = group_and_unify_kv_cache_specs(kv_cache_spec)
     if grouped is not None and _fits_layer_tuples(grouped):
         groups = _get_kv_cache_groups_uniform_groups(grouped)
         _annotate_eagle_groups_deepseek_v4(vllm_config, kv_cache_spec, groups)
         return groups
-    hidden = {n: s for n, s in kv_cache_spec.items() if isinstance(s, HiddenStateCacheSpec)}
-    rest = {n: s for n, s in kv_cache_spec.items() if n not in hidden}
     rest = unify_kv_cache_spec_page_size(rest, policy.max_page_growth, policy.max_exact_page_growth)
     groups = _group_uniform_page_size(rest, policy)
     if hidden:
         page = get_uniform_page_size(g.kv_cache_spec for g in groups)
+        # A hidden-state block divides every group's block, so it never coarsens the hash
+        # block (the gcd of the groups' blocks).
+        common_block = math.gcd(*(g.kv_cache_spec.block_size for g in groups))
         for name, spec in hidden.items():
             per_token = spec.num_kv_heads * spec.head_size * get_dtype_size(spec.dtype)
-            aligned = replace(spec, block_size=max(page // per_token, 1), page_size_padded=page)
+            fits = max(page // per_token, 1)
+            block = max(d for d in range(1, min(common_block, fits) + 1) if common_block % d == 0)
+            aligned = replace(spec, block_size=block, page_size_padded=page)
             groups.append(KVCacheGroupSpec([name], aligned))
     return groups
 
@@ -325,6 +470,13 @@ def _project_kv_cache_groups_to_worker(
                 kv_cache_specs={name: spec.kv_cache_specs[name] for name in names},
             )
         projected.append(
-            KVCacheGroupSpec(names, spec, is_eagle_group=group.is_eagle_group and bool(names))
+            KVCacheGroupSpec(
+                names,
+                spec,
+                is_eagle_group=group.is_eagle_group,
+                host_resident=group.host_resident,
+                enable_kv_transfer=group.enable_kv_transfer,
+                role=group.role,
+            )
         )
     return projected

@@ -16,8 +16,9 @@ from itertools import chain
 from typing import TYPE_CHECKING, Literal, overload
 
 from vllm.distributed.kv_events import BlockStored, KVCacheEvent
+from vllm.v1.core.kv_cache_block import KVCacheBlock, KVCacheBlockCopy
 from vllm.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
-from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.mamba_manager import MambaManager
 from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     get_kv_cache_spec_kind,
@@ -102,7 +103,9 @@ class KVCacheManager:
     granularity, a multiple of every group's block size) defaults to the LCM of the groups'
     block sizes. ``max_in_flight_tokens`` (tokens scheduled but not yet settled; v0.22 named it
     ``max_num_batched_tokens``, still accepted) defaults to ``max_model_len`` (then the
-    sliding-window admission cap never binds). ``num_prefill_lookahead``: see
+    sliding-window admission cap never binds). ``num_hash_lookahead_tokens`` (tokens after
+    each block that its hash covers, as the requests' hasher was built) and
+    ``num_prefill_lookahead``: see
     :class:`~vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator`. ``log_stats`` keeps
     :class:`PrefixCacheStats`; ``enable_kv_cache_events`` records BlockStored / BlockRemoved /
     AllBlocksCleared for :meth:`take_events`.
@@ -117,6 +120,7 @@ class KVCacheManager:
         max_in_flight_tokens: int | None = None,
         enable_caching: bool = True,
         use_eagle: bool = False,
+        num_hash_lookahead_tokens: int = 0,
         num_prefill_lookahead: int = 0,
         log_stats: bool = False,
         enable_kv_cache_events: bool = False,
@@ -125,6 +129,7 @@ class KVCacheManager:
         metrics_collector: KVCacheMetricsCollector | None = None,
         *,
         max_num_batched_tokens: int | None = None,
+        enable_mamba_shared_prefix_checkpoint: bool = False,
     ) -> None:
         if hash_block_size is None:
             raise TypeError("hash_block_size: expected tokens per block hash, got None")
@@ -154,9 +159,22 @@ class KVCacheManager:
             pcp_world_size=pcp_world_size,
             scheduler_block_size=scheduler_block_size,
             num_prefill_lookahead=num_prefill_lookahead,
+            num_hash_lookahead_tokens=num_hash_lookahead_tokens,
             hash_block_size=hash_block_size,
             metrics_collector=metrics_collector,
         )
+        # Mamba states at shared-prefix junctions (the scheduler ends a chunk there): only for
+        # EAGLE-flagged models with partial hash hits and no multi-module MTP re-prefill
+        # (cache_blocks would not see the chunk end).
+        self.mamba_shared_prefix_checkpoint = (
+            enable_mamba_shared_prefix_checkpoint
+            and bool(self.coordinator.eagle_group_ids)
+            and getattr(self.coordinator, "enable_partial_hash_hits", False)
+            and self.coordinator.num_reprefillable_tokens == 0
+        )
+        for manager in self.coordinator.single_type_managers:
+            if isinstance(manager, MambaManager):
+                manager.shared_prefix_checkpoint = self.mamba_shared_prefix_checkpoint
         self.kv_cache_config = kv_cache_config
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
         self.block_pool = self.coordinator.block_pool
@@ -187,23 +205,39 @@ class KVCacheManager:
         stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
         return stats
 
-    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
-        """The cached full pages of the request's longest usable prefix, and its length in
-        tokens. Never the whole prompt: the last token is recomputed for its logits. No lookup
-        with caching off or when the request skips the prefix cache (prompt logprobs,
+    def get_computed_blocks(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int]:
+        """The cached full pages of the request's longest usable prefix, its length in tokens
+        (at most ``max_cache_hit_length``; by default never the whole prompt: the last token is
+        recomputed for its logits), and the shared-prefix boundary (tokens): where a group
+        hit further than the reconciled hit, the prefix a lagging group (Mamba, a window) has
+        not cached yet and that retention should keep for the next sharer; 0 when none. No
+        lookup with caching off or when the request skips the prefix cache (prompt logprobs,
         all-token pooling)."""
         if not self.enable_caching or request.skip_reading_prefix_cache:
-            return self.empty_kv_cache_blocks, 0
-        blocks, num_hit_tokens = self.coordinator.find_longest_cache_hit(
-            request.block_hashes, request.num_tokens - 1
+            return self.empty_kv_cache_blocks, 0, 0
+        if max_cache_hit_length is None:
+            max_cache_hit_length = request.num_tokens - 1
+        blocks, num_hit_tokens, num_uncached = self.coordinator.find_longest_cache_hit(
+            request.block_hashes, max_cache_hit_length
         )
+        # A request asking for "full" reports learns of its hit blocks too, not only of the
+        # blocks it stores (the request carries the mode from its sampling params' extra_args).
+        if num_hit_tokens and request.kv_cache_report_mode == "full":
+            groups = self.kv_cache_config.kv_cache_groups
+            for group_id, group_blocks in enumerate(blocks):
+                self.block_pool.emit_cached_block_events(
+                    request, len(group_blocks), groups[group_id].kv_cache_spec.block_size, group_id
+                )
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats.record(
                 num_tokens=request.num_tokens,
                 num_hits=num_hit_tokens,
                 preempted=request.num_preemptions > 0,
             )
-        return self.create_kv_cache_blocks(blocks), num_hit_tokens
+        boundary = num_hit_tokens + num_uncached if num_uncached else 0
+        return self.create_kv_cache_blocks(blocks), num_hit_tokens, boundary
 
     def allocate_slots(
         self,
@@ -216,6 +250,7 @@ class KVCacheManager:
         delay_cache_blocks: bool = False,
         num_encoder_tokens: int = 0,
         full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
     ) -> KVCacheBlocks | None:
         """Slots for ``num_new_tokens`` tokens to compute (drafts included) after the request's
         computed tokens, its ``num_new_computed_tokens`` prefix-hit tokens
@@ -224,13 +259,19 @@ class KVCacheManager:
         for cross-attention, ``num_encoder_tokens``. Returns the newly allocated pages, or None
         (nothing taken) when the pool cannot supply them. ``full_sequence_must_fit``: also
         refuse unless the whole request would fit (an admission gate for chunked prefill);
-        ``delay_cache_blocks``: do not publish yet (KV arriving later from a remote instance).
+        ``delay_cache_blocks``: do not publish yet (KV arriving later from a remote instance);
+        ``reserved_blocks``: free pages this allocation must leave to sequences already in
+        flight (an async connector load must not take what a running prefill relies on).
 
         Pages leaving an attention window are freed first, even when the answer is None."""
         if num_new_tokens == 0 and num_external_computed_tokens == 0:
             raise ValueError(
                 "num_new_tokens: expected > 0 when there are no external computed tokens, got 0"
             )
+        if isinstance(reserved_blocks, bool) or not isinstance(reserved_blocks, int):
+            raise TypeError(f"reserved_blocks: expected an int >= 0, got {reserved_blocks!r}")
+        if reserved_blocks < 0:
+            raise ValueError(f"reserved_blocks: expected an int >= 0, got {reserved_blocks}")
         hit_blocks = (
             new_computed_blocks.blocks
             if new_computed_blocks is not None
@@ -239,8 +280,12 @@ class KVCacheManager:
         num_local_computed = request.num_computed_tokens + num_new_computed_tokens
         num_computed = num_local_computed + num_external_computed_tokens
         total_computed = min(num_computed, self.max_model_len)
+        # Where the scheduler ends the prefill (a resumed request replays its outputs too).
+        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
 
-        def fits(num_tokens: int, computed: int, main_model: int, cap: bool) -> bool:
+        def fits(
+            num_tokens: int, computed: int, main_model: int, cap: bool, reserved: int = 0
+        ) -> bool:
             need = self.coordinator.get_num_blocks_to_allocate(
                 request_id=request.request_id,
                 num_tokens=num_tokens,
@@ -250,8 +295,9 @@ class KVCacheManager:
                 num_local_computed_tokens=num_local_computed,
                 num_tokens_main_model=main_model,
                 apply_admission_cap=cap,
+                prefill_end=prefill_end,
             )
-            return need <= self.block_pool.get_num_free_blocks()
+            return need <= self.block_pool.get_num_free_blocks() - reserved
 
         if full_sequence_must_fit:
             num_full = min(request.num_tokens, self.max_model_len)
@@ -261,7 +307,11 @@ class KVCacheManager:
         num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens, self.max_model_len)
         # Freeing out-of-window pages first lowers what must be evicted below.
         self.coordinator.remove_skipped_blocks(request.request_id, total_computed)
-        if not fits(num_tokens_need_slot, num_computed, num_tokens_main_model, cap=False):
+        # The reservation gates only this step's pages: the whole-sequence gate above asks
+        # whether the request can ever finish, not whether it may start now.
+        if not fits(
+            num_tokens_need_slot, num_computed, num_tokens_main_model, False, reserved_blocks
+        ):
             return None
         if hit_blocks is not self.empty_kv_cache_blocks.blocks or num_external_computed_tokens > 0:
             # Take the hits before the new pages so a hit cannot be evicted to make room.
@@ -285,9 +335,18 @@ class KVCacheManager:
         """Give back the request's pages, tail first (evicted before shared heads)."""
         self.coordinator.free(request.request_id)
 
-    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
-        """Free the pages no later token reads after ``total_computed_tokens`` tokens."""
-        self.coordinator.remove_skipped_blocks(request_id, total_computed_tokens)
+    def remove_skipped_blocks(
+        self,
+        request_id: str,
+        processed_computed_tokens: int,
+        num_prompt_tokens: int | None = None,
+    ) -> None:
+        """Free the pages no later token reads once ``processed_computed_tokens`` tokens are
+        computed and settled (``num_prompt_tokens``: for R-SWA's gap between prompt and
+        decode windows)."""
+        self.coordinator.remove_skipped_blocks(
+            request_id, processed_computed_tokens, num_prompt_tokens
+        )
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         """Drop these pages from the prefix cache (e.g. their contents are known bad)."""
@@ -340,6 +399,31 @@ class KVCacheManager:
     def create_kv_cache_blocks(self, blocks: tuple[list[KVCacheBlock], ...]) -> KVCacheBlocks:
         """Wrap per-group pages; the shared empty answer when there are none."""
         return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        """Drain the Mamba (align mode) states published since the last call, for a KV
+        connector to offload: ``{request id: [(group id, block id, boundary tokens), ...]}``.
+        A block is valid only until its request is freed."""
+        offloads: dict[str, list[tuple[int, int, int]]] = {}
+        for manager in self.coordinator.single_type_managers:
+            if isinstance(manager, MambaManager):
+                for (
+                    request_id,
+                    group_id,
+                    block,
+                    boundary,
+                ) in manager.take_pending_boundary_state_offloads():
+                    offloads.setdefault(request_id, []).append((group_id, block.block_id, boundary))
+        return offloads
+
+    def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
+        """Drain the page copies queued since the last call (copy-on-write of prefix hits
+        ending inside a page) and the pages they keep referenced: the caller runs the copies
+        before the step's forward pass, then frees every returned page once."""
+        managers = self.coordinator.single_type_managers
+        pairs = [pair for m in managers for pair in m.take_pending_cow_copies()]
+        copies = [KVCacheBlockCopy(src.block_id, dst.block_id) for src, dst in pairs]
+        return copies, [block for pair in pairs for block in pair]
 
     def take_new_block_ids(self) -> list[int]:
         """Ids of attention pages handed out since the last call (to zero before use)."""

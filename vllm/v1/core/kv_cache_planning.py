@@ -15,11 +15,12 @@ Units: memory and page sizes in bytes, lengths in tokens, ``num_blocks`` in page
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import replace
 from functools import partial, reduce
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from vllm.v1.core import kv_cache_grouping, kv_cache_sizing
 from vllm.v1.core.kv_cache_config_builder import KVCacheConfigBuilder, get_kv_cache_config_builder
@@ -30,6 +31,7 @@ from vllm.v1.core.kv_cache_grouping import (
     _project_kv_cache_groups_to_worker,
     create_kv_cache_group_specs,
     generate_scheduler_kv_cache_config,
+    get_packed_kv_cache_groups,
     get_uniform_page_size,
     is_kv_cache_spec_uniform,
     is_kv_cache_type_attention_free,
@@ -39,6 +41,7 @@ from vllm.v1.core.kv_cache_sizing import (
     _auto_fit_max_model_len,
     _check_enough_kv_cache_memory,
     _estimate_max_model_len_from_groups,
+    _get_kv_cache_bytes_per_block,
     _max_memory_usage_bytes_from_groups,
     _pool_bytes_per_block,
     check_enough_kv_cache_memory,
@@ -58,21 +61,30 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
+    MambaSpec,
     SlidingWindowSpec,
+    iter_layer_specs,
 )
 from vllm.v1.kv_cache_spec_base import KVCacheSpecMergeError
 
 if TYPE_CHECKING:
     from vllm.config.vllm import VllmConfig
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "DefaultKVCacheConfigBuilder",
+    "KVCacheGroupingError",
     "KVCacheConfigBuilder",
     "_approximate_gcd",
     "_auto_fit_max_model_len",
     "_check_enough_kv_cache_memory",
     "_estimate_max_model_len_from_groups",
+    "_get_kv_cache_bytes_per_block",
+    "_get_packed_kv_cache_groups",
     "_max_memory_usage_bytes_from_groups",
+    "_pool_bytes_per_block",
+    "_pool_bytes_per_block_from_builder",
     "_project_kv_cache_groups_to_worker",
     "check_enough_kv_cache_memory",
     "create_kv_cache_group_specs",
@@ -94,6 +106,10 @@ __all__ = [
     "unify_hybrid_kv_cache_specs",
     "unify_kv_cache_spec_page_size",
 ]
+
+
+_get_packed_kv_cache_groups = get_packed_kv_cache_groups
+"""Upstream v0.33's name of :func:`~vllm.v1.core.kv_cache_grouping.get_packed_kv_cache_groups`."""
 
 
 def _hisparse_on(vllm_config: VllmConfig) -> bool:
@@ -151,7 +167,22 @@ class DefaultKVCacheConfigBuilder(KVCacheConfigBuilder):
     def get_kv_cache_groups(
         self, vllm_config: VllmConfig, kv_cache_spec: dict[str, KVCacheSpec]
     ) -> list[KVCacheGroupSpec]:
-        return get_kv_cache_groups(vllm_config, kv_cache_spec, policy=self.policy)
+        """The model's own grouping when its class groups its layers (upstream v0.33's
+        ``SupportsKVCacheGrouping``: ``model_config.supports_kv_cache_grouping``), else this
+        module's. ``ValueError`` for a model grouping with HiSparse (which groups itself)."""
+        model_config = vllm_config.model_config
+        if getattr(model_config, "supports_kv_cache_grouping", False) is not True:
+            return get_kv_cache_groups(vllm_config, kv_cache_spec, policy=self.policy)
+        if _hisparse_on(vllm_config):
+            raise ValueError(
+                "attention_config.hisparse_config: expected no HiSparse with a model that groups "
+                "its own KV cache layers (HiSparse groups them itself), got HiSparse on"
+            )
+        assert model_config is not None
+        model_cls, _ = model_config.registry.resolve_model_cls(
+            model_config.architectures, model_config
+        )
+        return model_cls.get_kv_cache_groups(vllm_config, kv_cache_spec)
 
     def get_kv_cache_config_from_groups(
         self, vllm_config: VllmConfig, kv_cache_groups: list[KVCacheGroupSpec], num_blocks: int
@@ -171,7 +202,7 @@ class DefaultKVCacheConfigBuilder(KVCacheConfigBuilder):
         device = [g for g in kv_cache_groups if not g.host_resident]
         if _hisparse_on(vllm_config):
             return max(g.kv_cache_spec.page_size_bytes * _pack(g) for g in device)
-        return _pool_bytes_per_block(device)
+        return _pool_bytes_per_block(vllm_config, device)
 
 
 def _pack(group: KVCacheGroupSpec) -> int:
@@ -180,31 +211,58 @@ def _pack(group: KVCacheGroupSpec) -> int:
     return 1 if len(group.kv_cache_spec.layer_specs()) > 1 else len(group.layer_names)
 
 
-def _pool_bytes(
+def _pool_bytes_per_block_from_builder(
     builder: KVCacheConfigBuilder, vllm_config: VllmConfig, groups: list[KVCacheGroupSpec]
 ) -> int:
-    """Device bytes per block id under ``builder``: its hook, else a one-block config's."""
-    if isinstance(builder, DefaultKVCacheConfigBuilder):
-        return builder.pool_bytes_per_block(vllm_config, groups)
+    """Device bytes per block id under ``builder`` (0 without groups): the builder's declared
+    ``_get_pool_bytes_per_block``, else the default placement's measure, else the one backing
+    of a one-block probe placed with ``num_gpu_blocks_override`` suppressed (v0.22's aliasing
+    tensors: their sizes summed). ``ValueError`` for a probe with several device backings."""
+    if not groups:
+        return 0
     hooked = builder._get_pool_bytes_per_block(vllm_config, groups)
     if hooked is not None:
         return hooked
-    one = builder.get_kv_cache_config_from_groups(vllm_config, groups, 1)
-    return sum(t.size for t in one.kv_cache_tensors if not t.host_resident)
+    default_placement = DefaultKVCacheConfigBuilder.get_kv_cache_config_from_groups
+    if type(builder).get_kv_cache_config_from_groups is default_placement:
+        # The default placement's own measure (what its probe would give, HiSparse's too).
+        return cast(DefaultKVCacheConfigBuilder, builder).pool_bytes_per_block(vllm_config, groups)
+    cache_config = vllm_config.cache_config
+    saved, cache_config.num_gpu_blocks_override = cache_config.num_gpu_blocks_override, None
+    try:
+        probe = builder.get_kv_cache_config_from_groups(vllm_config, groups, 1)
+    finally:
+        cache_config.num_gpu_blocks_override = saved
+    device = [t for t in probe.kv_cache_tensors if not t.host_resident]
+    if all(t.block_stride is None for t in device):
+        return sum(t.size for t in device)
+    sizes = {t.size for t in device}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"kv_cache_tensors: expected one device backing for a block, got sizes "
+            f"{sorted(sizes)}; a placement with several device allocations declares its bytes "
+            "per block in KVCacheConfigBuilder._get_pool_bytes_per_block()"
+        )
+    return sizes.pop()
+
+
+class KVCacheGroupingError(ValueError, AssertionError):
+    """Groups that do not partition the layers: a ``ValueError`` like every planning error
+    here, and an ``AssertionError`` as upstream raises."""
 
 
 def _check_exact_partition(
     groups: list[KVCacheGroupSpec], kv_cache_spec: dict[str, KVCacheSpec]
 ) -> None:
-    """``ValueError`` unless every layer of ``kv_cache_spec`` is in exactly one group (HiSparse's
-    derived resident and hot layers aside)."""
+    """:class:`KVCacheGroupingError` unless every layer of ``kv_cache_spec`` is in exactly one
+    group (HiSparse's derived resident and hot layers aside)."""
     names = [n for g in groups for n in g.layer_names if n in kv_cache_spec]
     duplicated = sorted({n for n in names if names.count(n) > 1})
     missing = sorted(set(kv_cache_spec) - set(names))
     if duplicated or missing:
-        raise ValueError(
-            f"kv_cache_groups: expected every layer in exactly one group, got layers in "
-            f"several groups {duplicated} and in none {missing}"
+        raise KVCacheGroupingError(
+            f"kv_cache_groups: expected every layer in exactly one group, got group overlaps "
+            f"{duplicated} and groups that miss layers {missing}"
         )
 
 
@@ -236,19 +294,42 @@ def get_global_kv_cache_groups(
     policy: KVCacheLayoutPolicy = UPSTREAM_LAYOUT,
 ) -> list[KVCacheGroupSpec]:
     """Groups for the whole model: every worker's specs merged (a layer must have one spec
-    everywhere), sliding windows told how many extra tokens multi-token speculation keeps
-    (upstream's ``extra_retained_tokens`` where the spec has it), then grouped by the
-    builder."""
+    everywhere), sliding windows told how many extra tokens a drafter reading past the
+    computed range keeps (``num_prefill_lookahead_tokens - 1``, upstream's
+    ``extra_retained_tokens`` where the spec has it), then grouped by the builder."""
     builder = get_kv_cache_config_builder(vllm_config)
     if isinstance(builder, DefaultKVCacheConfigBuilder):
         builder.policy = policy
     merged = _merge_worker_specs(kv_cache_specs)
-    spec_config = vllm_config.speculative_config
-    extra = max(0, spec_config.num_speculative_tokens - 1) if spec_config is not None else 0
+    extra = max(0, vllm_config.num_prefill_lookahead_tokens - 1)
     for name, spec in merged.items():
         if extra and isinstance(spec, SlidingWindowSpec) and hasattr(spec, "extra_retained_tokens"):
             merged[name] = replace(spec, extra_retained_tokens=extra)
-    return get_kv_cache_groups_from_builder(builder, vllm_config, merged)
+    groups = get_kv_cache_groups_from_builder(builder, vllm_config, merged)
+    _mark_eagle_groups(vllm_config, merged, groups)
+    return groups
+
+
+def _mark_eagle_groups(
+    vllm_config: VllmConfig, specs: dict[str, KVCacheSpec], groups: list[KVCacheGroupSpec]
+) -> None:
+    """With EAGLE block drop, flag (in place) the groups holding a layer tagged ``is_draft``
+    (``is_eagle_group``); warn when none is flagged but Mamba groups exist, since the drafter's
+    states then cannot be told apart from the target's."""
+    spec_config = vllm_config.speculative_config
+    if spec_config is None or not spec_config.use_eagle_block_drop():
+        return
+    drafts = {name for name, spec in specs.items() if spec.is_draft}
+    for group in groups:
+        group.is_eagle_group = group.is_eagle_group or not drafts.isdisjoint(group.layer_names)
+    if any(g.is_eagle_group for g in groups):
+        return
+    if any(isinstance(s, MambaSpec) for g in groups for s in iter_layer_specs(g.kv_cache_spec)):
+        logger.warning(
+            "Speculative decoding (method=%s) is on but no KV cache group could be identified "
+            "as the draft model's: tag the draft layers' specs is_draft=True",
+            spec_config.method,
+        )
 
 
 def _layer_tp_replicas(spec: KVCacheSpec, tp_size: int, dcp_size: int) -> int:
@@ -301,7 +382,7 @@ def get_kv_cache_configs(
     projected = [
         _project_kv_cache_groups_to_worker(global_kv_cache_groups, spec) for spec in kv_cache_specs
     ]
-    per_block = [_pool_bytes(builder, vllm_config, g) if g else 0 for g in projected]
+    per_block = [_pool_bytes_per_block_from_builder(builder, vllm_config, g) for g in projected]
     override = vllm_config.cache_config.num_gpu_blocks_override
     if override is not None:
         available_memory = [

@@ -1,11 +1,14 @@
-"""Memory for KV-cache groups: upstream v0.22's sizing functions (pages for a budget, the memory
-one request needs, the longest request that fits, per-worker configs), the one implementation
-the planner (:mod:`vllm.v1.core.kv_cache_utils`) also uses.
+"""Memory for KV-cache groups: upstream's sizing functions (pages for a budget, the memory one
+request needs, the longest request that fits, per-worker configs), the one implementation the
+planner (:mod:`vllm.v1.core.kv_cache_utils`) also uses.
 
 Units: memory and page sizes in bytes, lengths in tokens, ``num_blocks`` in pages per tensor.
-Tensors: groups draw block ids from one pool; tensor i holds layer i of every group, so a
-block id costs ``group_size x page`` bytes (the largest group's size times the common page);
-a single ``UniformTypeKVCacheSpecs`` group has one tensor per layer of that layer's own page;
+Once the cache layout is resolved (``cache_config.kv_cache_layout``), upstream v0.33's
+tensors: every group overlays one backing of blocks as wide as the widest group's pages
+(:func:`~vllm.v1.kv_cache_views.strided_kv_cache_tensors`). Before that, v0.22's tensors:
+groups draw block ids from one pool; tensor i holds layer i of every group, so a block id costs
+``group_size x page`` bytes (the largest group's size times the common page); a single
+``UniformTypeKVCacheSpecs`` group has one tensor per layer of that layer's own page;
 DeepSeek-V4's several ``UniformTypeKVCacheSpecs`` groups share layer-tuple tensors, a block id
 costing :attr:`~vllm.v1.core.kv_cache_deepseek_v4.LayerTupleLayout.bytes_per_block`.
 """
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, cast
 
 from vllm.utils import check_positive_int
@@ -24,6 +27,7 @@ from vllm.v1.core.kv_cache_grouping import (
     KVCacheLayoutPolicy,
     get_kv_cache_groups,
     get_uniform_page_size,
+    resolved_layout,
 )
 from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
@@ -33,6 +37,13 @@ from vllm.v1.kv_cache_interface import (
     MambaSpec,
     UniformTypeKVCacheSpecs,
     cdiv,
+    iter_layer_specs,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.kv_cache_views import (
+    check_layout_expresses_groups,
+    kv_cache_bytes_per_block,
+    strided_kv_cache_tensors,
 )
 
 if TYPE_CHECKING:
@@ -155,11 +166,15 @@ def check_enough_kv_cache_memory(
     vllm_config: VllmConfig, kv_cache_spec: dict[str, KVCacheSpec], available_memory: int
 ) -> None:
     """``ValueError`` (an :class:`InsufficientKVCacheMemoryError` when the budget is positive)
-    unless one request of ``max_model_len`` tokens fits in ``available_memory`` bytes; nothing
-    to check for a model without KV cache."""
+    unless one request of ``max_model_len`` tokens fits in ``available_memory`` bytes less the
+    block the pool keeps as its null block; nothing to check for a model without KV cache."""
     if not kv_cache_spec:
         return
     assert vllm_config.model_config is not None
+    # Grouping may unify the specs in place: group a copy.
+    groups = get_kv_cache_groups(vllm_config, dict(kv_cache_spec))
+    if groups:
+        available_memory -= _pool_bytes_per_block(vllm_config, groups)
     _check_enough_kv_cache_memory(
         available_memory,
         lambda: max_memory_usage_bytes(vllm_config, kv_cache_spec.values()),
@@ -212,8 +227,28 @@ def get_num_blocks(
     return may_override_num_blocks(vllm_config, num_blocks)
 
 
-def _pool_bytes_per_block(kv_cache_groups: list[KVCacheGroupSpec]) -> int:
-    """Bytes one block id takes over all tensors (the divisor turning memory into blocks)."""
+def _get_kv_cache_bytes_per_block(
+    kv_cache_groups: list[KVCacheGroupSpec], layout: KVCacheLayout
+) -> int:
+    """Upstream v0.33's name of :func:`~vllm.v1.kv_cache_views.kv_cache_bytes_per_block`."""
+    return kv_cache_bytes_per_block(kv_cache_groups, layout)
+
+
+def _pool_bytes_per_block(
+    vllm_config: VllmConfig | list[KVCacheGroupSpec],
+    kv_cache_groups: list[KVCacheGroupSpec] | None = None,
+) -> int:
+    """Bytes one block id takes over all tensors (the divisor turning memory into blocks).
+    Upstream v0.33's call is ``(vllm_config, kv_cache_groups)``; v0.22's ``(kv_cache_groups)``
+    (no resolved layout: groups never packed) is kept."""
+    config: VllmConfig | None
+    if kv_cache_groups is None:
+        config, kv_cache_groups = None, cast("list[KVCacheGroupSpec]", vllm_config)
+    else:
+        config = cast("VllmConfig", vllm_config)
+    cache_layout = resolved_layout(config)
+    if cache_layout is not None:
+        return kv_cache_bytes_per_block(kv_cache_groups, cache_layout)
     if len(kv_cache_groups) == 1 and isinstance(
         kv_cache_groups[0].kv_cache_spec, UniformTypeKVCacheSpecs
     ):
@@ -258,7 +293,7 @@ def kv_cache_memory_for_blocks(
                 f"({type(spec).__name__})"
             )
     groups = get_kv_cache_groups(vllm_config, dict(kv_cache_specs), policy=policy)
-    return num_blocks * _pool_bytes_per_block(groups) if groups else 0
+    return num_blocks * _pool_bytes_per_block(vllm_config, groups) if groups else 0
 
 
 def _get_kv_cache_config_deepseek_v4(
@@ -311,7 +346,13 @@ def get_kv_cache_config_from_groups(
     if not kv_cache_groups:
         return KVCacheConfig(num_blocks=1, kv_cache_tensors=[], kv_cache_groups=kv_cache_groups)
     first = kv_cache_groups[0].kv_cache_spec
-    if len(kv_cache_groups) == 1 and isinstance(first, UniformTypeKVCacheSpecs):
+    layout = resolved_layout(vllm_config)
+    if layout is not None:
+        check_layout_expresses_groups(layout, kv_cache_groups)
+        block_bytes = kv_cache_bytes_per_block(kv_cache_groups, layout)
+        num_blocks = may_override_num_blocks(vllm_config, max(available_memory // block_bytes, 0))
+        tensors = strided_kv_cache_tensors(kv_cache_groups, layout, num_blocks)
+    elif len(kv_cache_groups) == 1 and isinstance(first, UniformTypeKVCacheSpecs):
         num_blocks = may_override_num_blocks(vllm_config, available_memory // first.page_size_bytes)
         tensors = [
             KVCacheTensor(
@@ -343,11 +384,26 @@ def get_kv_cache_config_from_groups(
 def _max_memory_usage_bytes_from_groups(
     vllm_config: VllmConfig, kv_cache_groups: list[KVCacheGroupSpec]
 ) -> int:
-    """Bytes one request of ``max_model_len`` takes under the group layout (short groups are
-    padded, as the tensors are; a layer-tuple group's block id costs the whole tuple block)."""
+    """Device bytes one request of ``max_model_len`` takes under the group layout (short
+    groups are padded, as the tensors are; a layer-tuple group's block id costs the whole
+    tuple block); host-resident groups do not count."""
+    # Host-resident groups (HiSparse's source) draw from the host pool, not this budget.
+    kv_cache_groups = [g for g in kv_cache_groups if not g.host_resident]
     if not kv_cache_groups:
         return 0
     first = kv_cache_groups[0].kv_cache_spec
+    cache_layout = resolved_layout(vllm_config)
+    if cache_layout is not None:
+        # Every group's block ids come from the one pool: each costs a whole block.
+        pages = sum(
+            g.kv_cache_spec.max_memory_usage_pages(vllm_config)
+            if isinstance(g.kv_cache_spec, UniformTypeKVCacheSpecs)
+            else cdiv(
+                g.kv_cache_spec.max_memory_usage_bytes(vllm_config), g.kv_cache_spec.page_size_bytes
+            )
+            for g in kv_cache_groups
+        )
+        return kv_cache_bytes_per_block(kv_cache_groups, cache_layout) * pages
     if len(kv_cache_groups) == 1 and isinstance(first, UniformTypeKVCacheSpecs):
         return max_memory_usage_bytes(vllm_config, first.kv_cache_specs.values())
     layout = layer_tuple_layout(kv_cache_groups)
@@ -400,45 +456,112 @@ def _auto_fit_max_model_len(
     vllm_config.model_config.max_model_len = fitted
 
 
+def resolve_dcp_kv_block_size(spec: KVCacheSpec, dcp_world_size: int) -> int:
+    """Tokens one block of ``spec`` spans under decode context parallelism: a sharded
+    cache's block holds ``block_size`` tokens on each of the ``dcp_world_size`` ranks."""
+    return spec.block_size * (dcp_world_size if spec.dcp_sharded else 1)
+
+
+def partial_hash_hits_enabled(
+    kv_cache_groups: Sequence[KVCacheGroupSpec],
+    hash_block_size: int,
+    dcp_world_size: int = 1,
+    manager_classes: Sequence[type] | None = None,
+) -> bool:
+    """Whether prefix hits may end inside a page (every ``hash_block_size`` tokens): some
+    ``"align"`` Mamba layer (in any group, a packed one included) pages more tokens than a
+    hash block -- with decode context parallelism at least as many (DCP widens the sharded
+    attention pages instead) -- and, when ``manager_classes`` (one per group) is given, every
+    other prefix-cacheable group either pages one hash block (DCP included) or has a manager
+    with ``supports_fine_grained_hash_lookup``."""
+
+    def mamba_pages_past_hash(spec: KVCacheSpec) -> bool:
+        if not isinstance(spec, MambaSpec) or spec.mamba_cache_mode != "align":
+            return False
+        if dcp_world_size > 1:
+            return spec.block_size >= hash_block_size
+        return spec.block_size > hash_block_size
+
+    if not any(
+        mamba_pages_past_hash(s) for g in kv_cache_groups for s in iter_layer_specs(g.kv_cache_spec)
+    ):
+        return False
+    if manager_classes is None:
+        return True
+    return all(
+        not group.kv_cache_spec.prefix_cacheable
+        or getattr(cls, "supports_fine_grained_hash_lookup", False)
+        or resolve_dcp_kv_block_size(group.kv_cache_spec, dcp_world_size) == hash_block_size
+        for group, cls in zip(kv_cache_groups, manager_classes, strict=True)
+    )
+
+
 def resolve_kv_cache_block_sizes(
     kv_cache_config: KVCacheConfig, vllm_config: VllmConfig
 ) -> tuple[int, int]:
     """``(scheduler_block_size, hash_block_size)`` in tokens.
 
-    One group: ``cache_config.block_size x dcp x pcp`` for both. Several groups (no context
-    parallelism, else ``ValueError``): the scheduler aligns to the lcm of the groups' block
-    sizes; requests are hashed every ``cache_config.hash_block_size`` tokens (default: the gcd),
-    which must divide every group's block size (``ValueError``), unless nothing reads the
-    hashes (no prefix caching, no KV connector) or a Mamba group's block size differs from
-    ``cache_config.block_size``: then hashing follows the scheduler block size.
+    A group's block spans ``block_size x dcp`` tokens when it is DCP-sharded, ``block_size``
+    otherwise (PCP does not widen it). One group: ``cache_config.block_size`` so scaled, for
+    both; a ``prefix_match_unit`` other than that is a ``ValueError`` while hashes are read
+    (prefix caching or a KV connector). Several groups: the scheduler aligns to the lcm of
+    the groups' spans; requests are hashed every ``prefix_match_unit`` tokens (v0.22's
+    ``hash_block_size``; default: the gcd of the prefix-cacheable groups' spans), which must
+    divide each of those spans, and hits must land on whole compressed states
+    (``tokens_per_state``), else ``ValueError``. Hashing follows the scheduler block when
+    nothing reads the hashes or a Mamba group is not in ``"align"`` mode.
     """
     cache_config = vllm_config.cache_config
-    parallel = vllm_config.parallel_config
-    dcp = parallel.decode_context_parallel_size
-    pcp = parallel.prefill_context_parallel_size
+    dcp = vllm_config.parallel_config.decode_context_parallel_size
     groups = kv_cache_config.kv_cache_groups
+    requested = getattr(cache_config, "prefix_match_unit", None) or getattr(
+        cache_config, "hash_block_size", None
+    )
+    hashes_read = bool(cache_config.enable_prefix_caching) or (
+        getattr(vllm_config, "kv_transfer_config", None) is not None
+    )
     if len(groups) <= 1:
-        size = cache_config.block_size * dcp * pcp
-        return size, size
-    if dcp != 1 or pcp != 1:
-        raise ValueError(
-            f"decode_context_parallel_size / prefill_context_parallel_size: KV cache groups of "
-            f"several block sizes need 1 and 1, got {dcp} and {pcp}"
+        size = cache_config.block_size * (
+            dcp if not groups or groups[0].kv_cache_spec.dcp_sharded else 1
         )
-    sizes = [g.kv_cache_spec.block_size for g in groups]
+        if groups and hashes_read and requested not in (None, size):
+            raise ValueError(
+                f"prefix_match_unit: expected None or the block size {size} (one KV cache "
+                f"group: prefix hits land on its blocks), got {requested}"
+            )
+        return size, size
+    sizes = [resolve_dcp_kv_block_size(g.kv_cache_spec, dcp) for g in groups]
     scheduler_size = math.lcm(*sizes)
-    if not (cache_config.enable_prefix_caching or vllm_config.kv_transfer_config is not None):
-        return scheduler_size, scheduler_size
-    if any(
-        isinstance(g.kv_cache_spec, MambaSpec)
-        and g.kv_cache_spec.block_size != cache_config.block_size
-        for g in groups
+    layer_specs = [s for g in groups for s in iter_layer_specs(g.kv_cache_spec)]
+    if not hashes_read or any(
+        isinstance(s, MambaSpec) and s.mamba_cache_mode != "align" for s in layer_specs
     ):
         return scheduler_size, scheduler_size
-    hash_size = cache_config.hash_block_size or math.gcd(*sizes)
-    if any(size % hash_size for size in sizes):
+    hashed = [
+        size for g, size in zip(groups, sizes, strict=True) if g.kv_cache_spec.prefix_cacheable
+    ] or sizes
+    hash_size = requested if requested is not None else math.gcd(*hashed)
+    if any(size % hash_size for size in hashed):
         raise ValueError(
-            f"hash_block_size: must divide every KV cache group's block size {sizes}, got "
-            f"{hash_size}"
+            f"prefix_match_unit: expected a divisor of every prefix-cacheable KV cache group's "
+            f"block size {hashed} (all groups: {sizes}), got {hash_size}"
+        )
+    hit_unit = hash_size if partial_hash_hits_enabled(groups, hash_size, dcp) else scheduler_size
+    # Compressed attention states only: a Mamba page is one state by construction (upstream
+    # gives it no tokens_per_state) and partial hits restore it from a checkpoint.
+    ratios = sorted(
+        {
+            s.tokens_per_state
+            for s in layer_specs
+            if s.prefix_cacheable
+            and not isinstance(s, MambaSpec)
+            and isinstance(s.tokens_per_state, int)
+            and s.tokens_per_state > 1
+        }
+    )
+    if any(hit_unit % ratio for ratio in ratios):
+        raise ValueError(
+            f"prefix_match_unit: expected prefix-cache hits on multiples of each spec's "
+            f"per-state compression {ratios} tokens, got hits every {hit_unit} tokens"
         )
     return scheduler_size, hash_size

@@ -61,7 +61,13 @@ from vllm.v1.core.block_hashing import (
     to_event_extra_keys,
 )
 from vllm.v1.core.kv_bytes import kv_bytes_for_tokens, spec_bytes_per_token, total_state_bytes
-from vllm.v1.core.kv_cache_block import FreeKVCacheBlockQueue, KVCacheBlock
+from vllm.v1.core.kv_cache_block import (
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+    KVCacheBlockCopy,
+    null_head_len,
+    trim_null_head,
+)
 from vllm.v1.core.kv_cache_deepseek_v4 import (
     _annotate_eagle_groups_deepseek_v4,
     _approximate_gcd,
@@ -103,6 +109,8 @@ from vllm.v1.core.kv_cache_sizing import (
     kv_cache_memory_for_blocks,
     max_memory_usage_bytes,
     may_override_num_blocks,
+    partial_hash_hits_enabled,
+    resolve_dcp_kv_block_size,
     resolve_kv_cache_block_sizes,
 )
 from vllm.v1.core.model_config import load_model_config
@@ -114,6 +122,7 @@ from vllm.v1.core.page_size_unification import (
     PageSizeUnificationError,
     unify_kv_cache_spec_page_size,
 )
+from vllm.v1.core.single_type_kv_cache_manager import manager_class_of
 from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -124,6 +133,8 @@ from vllm.v1.kv_cache_interface import (
 )
 
 __all__ = [
+    "KVCacheBlockCopy",
+    "resolve_cache_hit_alignment_tokens",
     "DEFAULT_NONE_HASH_SEED",
     "get_none_hash_seed",
     "resolve_none_hash_seed",
@@ -131,6 +142,7 @@ __all__ = [
     "trim_null_head",
     "to_event_extra_keys",
     "resolve_dcp_kv_cache_spec",
+    "partial_hash_hits_enabled",
     "resolve_dcp_kv_block_size",
     "null_head_len",
     "BlockHash",
@@ -207,36 +219,6 @@ MAX_GROUP_PADDING = PLANNER_LAYOUT.max_group_padding
 """Largest fraction of empty group slots the planner's group-size choice accepts."""
 
 
-def null_head_len(blocks: Sequence[KVCacheBlock]) -> int:
-    """Leading null blocks of a block table (a sliding window's skipped prefix)."""
-    if not blocks or not blocks[0].is_null:
-        return 0
-    # Binary search for the first real block, then check that the run is all null: tables
-    # whose nulls are not one leading run fall back to a scan.
-    lo, hi = 1, len(blocks)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if blocks[mid].is_null:
-            lo = mid + 1
-        else:
-            hi = mid
-    if all(b.is_null for b in blocks[:lo]):
-        return lo
-    return next((i for i, b in enumerate(blocks) if not b.is_null), len(blocks))
-
-
-def trim_null_head(blocks: Sequence[KVCacheBlock]) -> Sequence[KVCacheBlock]:
-    """``blocks`` without its leading null blocks (``blocks`` itself when it has none)."""
-    head = null_head_len(blocks)
-    return blocks[head:] if head else blocks
-
-
-def resolve_dcp_kv_block_size(spec: KVCacheSpec, dcp_world_size: int) -> int:
-    """Tokens one block of ``spec`` spans under decode context parallelism: a sharded
-    cache's block holds ``block_size`` tokens on each of the ``dcp_world_size`` ranks."""
-    return spec.block_size * (dcp_world_size if spec.dcp_sharded else 1)
-
-
 def resolve_dcp_kv_cache_spec(spec: KVCacheSpec, dcp_world_size: int) -> KVCacheSpec:
     """``spec`` with the block size :func:`resolve_dcp_kv_block_size` gives (its layers' too
     for a wrapping spec); ``spec`` itself when that does not change it."""
@@ -253,6 +235,26 @@ def resolve_dcp_kv_cache_spec(spec: KVCacheSpec, dcp_world_size: int) -> KVCache
             },
         )
     return replace(spec, block_size=block_size)
+
+
+def resolve_cache_hit_alignment_tokens(
+    kv_cache_config: KVCacheConfig,
+    vllm_config: VllmConfig,
+    scheduler_block_size: int,
+    hash_block_size: int,
+) -> int:
+    """Where prefix-cache hits may end (tokens), as the hybrid coordinator tells its managers:
+    every ``hash_block_size`` tokens when hits may end inside a page
+    (:func:`~vllm.v1.core.kv_cache_sizing.partial_hash_hits_enabled`), else every
+    ``scheduler_block_size``; always the latter without prefix caching or with one group."""
+    groups = kv_cache_config.kv_cache_groups
+    if not vllm_config.cache_config.enable_prefix_caching or len(groups) <= 1:
+        return scheduler_block_size
+    dcp = vllm_config.parallel_config.decode_context_parallel_size
+    classes = [manager_class_of(group.kv_cache_spec) for group in groups]
+    if partial_hash_hits_enabled(groups, hash_block_size, dcp, classes):
+        return hash_block_size
+    return scheduler_block_size
 
 
 def planner_vllm_config(

@@ -15,16 +15,16 @@ state at the end of the hit) with null pages before it. ``mamba_cache_mode`` (fr
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from vllm.utils.math_utils import cdiv
-from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.kv_cache_utils import (
+from vllm.v1.core.block_hashing import (
     BlockHashList,
     BlockHashWithGroupId,
-    KVCacheBlock,
     make_block_hash_with_group_id,
 )
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_block import KVCacheBlock
 from vllm.v1.core.single_type_manager_base import (
     SingleTypeKVCacheManager,
     expect_no_context_parallel,
@@ -41,6 +41,8 @@ from vllm.v1.request import Request
 
 class MambaManager(SingleTypeKVCacheManager):
     """Mamba state pages of one KV cache group (see the module docstring for the modes)."""
+
+    supports_fine_grained_hash_lookup: ClassVar[bool] = True
 
     def __init__(self, kv_cache_spec: MambaSpec, block_pool: BlockPool, **kwargs: Any) -> None:
         super().__init__(kv_cache_spec, block_pool, **kwargs)
@@ -60,9 +62,16 @@ class MambaManager(SingleTypeKVCacheManager):
         )
         # Whether checkpoints sit one hash block lower for EAGLE (set like use_eagle).
         self.drop_eagle_checkpoint_block = False
+        # Whether the state at a request's shared-prefix junction is published too (set by
+        # KVCacheManager from enable_mamba_shared_prefix_checkpoint).
+        self.shared_prefix_checkpoint = False
         # align mode: request id -> (checkpoint position in tokens, index of the page that
         # saves it) for the step being allocated.
         self._checkpoints: dict[str, tuple[int, int]] = {}
+        # align mode: (request id, group id, page, boundary in tokens) of each state published
+        # since the last take_pending_boundary_state_offloads. The table is not append-only
+        # (old states are nulled), so a connector offloading states needs the page itself.
+        self._pending_boundary_state_offloads: list[tuple[str, int, KVCacheBlock, int]] = []
 
     @property
     def _align(self) -> bool:
@@ -81,12 +90,26 @@ class MambaManager(SingleTypeKVCacheManager):
         dcp_world_size: int = 1,
         pcp_world_size: int = 1,
     ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
-        """The rightmost cached page ending on an ``alignment_tokens`` boundary, preceded by
-        null pages; empty lists when none is cached."""
+        """The rightmost cached state ending on an ``alignment_tokens`` boundary, preceded by
+        null pages; empty lists when none is cached. An alignment finer than the page (partial
+        hash hits) means ``block_hashes`` are per ``alignment_tokens`` tokens and a state may
+        end inside its page: the hit length is then not a whole number of pages."""
         expect_spec(kv_cache_spec, (MambaSpec,), cls.__name__)
         expect_no_context_parallel(dcp_world_size, pcp_world_size, "Mamba")
         block_size = kv_cache_spec.block_size
         computed: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
+        if alignment_tokens < block_size and block_size % alignment_tokens == 0:
+            num_units = min(max_length // alignment_tokens, len(block_hashes))
+            for unit in range(num_units - 1, -1, -1):
+                cached = block_pool.get_cached_block(block_hashes[unit], kv_cache_group_ids)
+                if cached is None:
+                    continue
+                end = (unit + 1) * alignment_tokens
+                for blocks, block in zip(computed, cached, strict=True):
+                    blocks.extend([block_pool.null_block] * ((end - 1) // block_size))
+                    blocks.append(block)
+                return computed, end
+            return computed, 0
         for i in range(max_length // block_size - 1, -1, -1):
             cached = block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids)
             if cached is None:
@@ -192,7 +215,10 @@ class MambaManager(SingleTypeKVCacheManager):
                 self._checkpoints[request_id] = checkpoint
         num_held = len(self.req_to_blocks.get(request_id, ()))
         if num_held > 0:
-            return self._align_layout(request_id, num_required, checkpoint is not None)[2]
+            num_cow = int(request_id in self._partial_hit_reqs)
+            return self._align_layout(request_id, num_required, checkpoint is not None)[2] + (
+                num_cow
+            )
         # A new request, page for page as add_local_computed_blocks,
         # allocate_external_computed_blocks and allocate_new_blocks take them: the hit's state
         # page unless the connector's tokens pass it, a state page after the connector's
@@ -205,7 +231,9 @@ class MambaManager(SingleTypeKVCacheManager):
         if num_required > num_after_external:
             num_new += num_required - max(num_after_external, first_own)
         kept_hits = new_computed_blocks[num_skipped_blocks:]
-        return num_new + self._get_num_evictable_blocks(kept_hits)
+        # A hit ending inside its page gets a private copy of that page.
+        num_cow = int(bool(new_computed_blocks) and num_local_computed_tokens % self.block_size)
+        return num_new + num_cow + self._get_num_evictable_blocks(kept_hits)
 
     def _plan_checkpoint(
         self, request_id: str, query_start: int, query_end: int, prefill_end: int
@@ -218,7 +246,10 @@ class MambaManager(SingleTypeKVCacheManager):
             return None
         assert isinstance(self.kv_cache_spec, MambaSpec)
         position = get_mamba_prefill_checkpoint_position(
-            query_end, self.scheduler_block_size, self.drop_eagle_checkpoint_block
+            query_end,
+            self.cache_hit_alignment_tokens,
+            self.drop_eagle_checkpoint_block,
+            self.block_pool.num_hash_lookahead_tokens,
         )
         index = cdiv(query_end, self.block_size) - 2
         if index < 0 or not is_mamba_prefill_checkpoint_valid(
@@ -272,7 +303,8 @@ class MambaManager(SingleTypeKVCacheManager):
         num_required = cdiv(num_tokens_main_model, self.block_size) + num_spec
         num_before = len(req_blocks)
         has_checkpoint = request_id in self._checkpoints
-        if num_required <= num_before and not has_checkpoint:
+        partial = self._partial_hit_reqs.pop(request_id, None)
+        if num_required <= num_before and not has_checkpoint and partial is None:
             # Pages over-allocated by an earlier step still cover this one.
             self._allocated_block_reqs.add(request_id)
             return []
@@ -293,16 +325,94 @@ class MambaManager(SingleTypeKVCacheManager):
             self._relocate_speculative_block(req_blocks, idx)
         cap = 1 + int(has_checkpoint) + (0 if running else num_spec)
         assert num_new <= cap, "align mode over-allocates"
-        req_blocks.extend(self.block_pool.get_new_blocks(num_new))
+        returned = req_blocks[num_before:]
+        if partial is not None:
+            copy = self._copy_partial_page(request_id, running, *partial)
+            if not running:
+                returned.insert(0, copy)
+        fresh = self.block_pool.get_new_blocks(num_new)
+        req_blocks.extend(fresh)
         self._allocated_block_reqs.add(request_id)
-        return req_blocks[num_before:]
+        return returned + fresh
+
+    def _copy_partial_page(
+        self, request_id: str, running: bool, index: int, source: KVCacheBlock
+    ) -> KVCacheBlock:
+        """Queue the copy of the shared state page ``source`` (at ``index``) into a fresh page.
+        A new request reads the copy in place of ``source``; a running one keeps writing
+        ``source`` (a running block table only grows), so the copy takes over its key. Each
+        page keeps one reference for the copy (see take_pending_cow_copies)."""
+        copy = self.block_pool.get_new_blocks(1)[0]
+        blocks = self.req_to_blocks[request_id]
+        assert blocks[index] is source and not source.is_null
+        if running:
+            self.block_pool.move_block_hash(source, copy)
+            source.ref_cnt += 1
+            if copy.block_hash is not None:
+                # Filled only by this step's copy: no hit on it before the step ends.
+                self.cached_blocks_this_step.add(copy.block_hash)
+        else:
+            blocks[index] = copy
+            copy.ref_cnt += 1
+        self._pending_cow_copies.append((source, copy))
+        return copy
 
     def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
         self._allocated_block_reqs.discard(request_id)
         self.last_state_block_idx.pop(request_id, None)
         self._num_retired_blocks.pop(request_id, None)
         self._checkpoints.pop(request_id, None)
+        # The pages go back to the pool now: an offer not yet taken would name a page another
+        # request may be handed.
+        self._pending_boundary_state_offloads = [
+            entry for entry in self._pending_boundary_state_offloads if entry[0] != request_id
+        ]
         return super().pop_blocks_for_free(request_id)
+
+    def take_pending_boundary_state_offloads(self) -> list[tuple[str, int, KVCacheBlock, int]]:
+        """Drain the ``(request id, group id, page, boundary tokens)`` states published since
+        the last call (align mode). A page stays valid only until its request frees it: a
+        caller reading it later must hold a reference."""
+        pending, self._pending_boundary_state_offloads = self._pending_boundary_state_offloads, []
+        return pending
+
+    @classmethod
+    def reachable_block_mask(
+        cls,
+        start_block: int,
+        end_block: int,
+        alignment_tokens: int | None,
+        kv_cache_spec: KVCacheSpec,
+        use_eagle: bool,
+        retention_interval: int | None = None,
+        reachable_boundaries: Sequence[int] = (),
+        dcp_world_size: int = 1,
+        final_segment_end_block: int | None = None,
+    ) -> list[bool] | None:
+        """A hit on a boundary reads the one state page ending there (no window, and drafters
+        have no Mamba layers, so no EAGLE shift). Dense (None) without a retention interval or
+        when every page ends a segment; else the last page of each ``retention_interval``
+        segment (none for 0) and the page ending at each ``reachable_boundaries`` position,
+        floored to ``alignment_tokens`` (all in tokens)."""
+        expect_spec(kv_cache_spec, (MambaSpec,), cls.__name__)
+        if retention_interval is None or alignment_tokens is None:
+            return None
+        block_size = kv_cache_spec.block_size
+        mask = [False] * (end_block - start_block)
+        if retention_interval:
+            per_segment = retention_interval // block_size
+            if per_segment <= 1:
+                return None
+            # Page i ends at token (i + 1) * block_size: segment tails are i % per_segment
+            # == per_segment - 1.
+            first_tail = (start_block + per_segment) // per_segment * per_segment - 1
+            for i in range(first_tail, end_block, per_segment):
+                mask[i - start_block] = True
+        for boundary in reachable_boundaries:
+            page = boundary // alignment_tokens * alignment_tokens // block_size - 1
+            if start_block <= page < end_block:
+                mask[page - start_block] = True
+        return mask
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """All tokens but the last computed one: only the newest state is read."""
@@ -325,34 +435,55 @@ class MambaManager(SingleTypeKVCacheManager):
             replay_boundaries=replay_boundaries,
             alignment_tokens=alignment_tokens,
         )
-        self._publish_checkpoint(request)
+        if not self._publish_checkpoint(request, retention_interval):
+            self._publish_prompt_tail(request, num_tokens)
         num_after = self.num_cached_block.get(request.request_id, 0)
         if num_after <= num_before:
             return
-        for block in self.req_to_blocks[request.request_id][num_before:num_after]:
-            if not block.is_null:
-                assert block.block_hash is not None
-                self.cached_blocks_this_step.add(block.block_hash)
+        blocks = self.req_to_blocks[request.request_id]
+        for index in range(num_before, num_after):
+            block = blocks[index]
+            # Null pages and pages sparse retention left out carry no hash.
+            if block.block_hash is None:
+                continue
+            self.cached_blocks_this_step.add(block.block_hash)
+            if self._align:
+                boundary = block.block_hash_num_tokens or (index + 1) * self.block_size
+                self._pending_boundary_state_offloads.append(
+                    (request.request_id, self.kv_cache_group_id, block, boundary)
+                )
 
-    def _publish_checkpoint(self, request: Request) -> None:
+    def _publish_checkpoint(self, request: Request, retention_interval: int | None) -> bool:
         """Key the checkpoint page of this step by the prefix hash at its position, replacing
         the hash of its page index that cache_blocks gave it (the page holds the state at the
-        checkpoint, not at its page's end). Positions are multiples of scheduler_block_size,
-        hence of block_size: the key is a whole-page hit."""
+        checkpoint, not at its page's end). A checkpoint that is neither the prompt's, nor a
+        retained boundary, nor the shared-prefix junction is transient: its page gets no key.
+        False when this step saves no checkpoint."""
         checkpoint = self._checkpoints.get(request.request_id)
         if checkpoint is None:
-            return
+            return False
         position, index = checkpoint
         block = self.req_to_blocks[request.request_id][index]
         num_blocks = position // self.block_size
         if block.is_null or len(request.block_hashes) * self.block_pool.hash_block_size < position:
-            return
+            return True
+        if not self._is_kept_checkpoint(request, position, retention_interval):
+            self.block_pool._maybe_evict_cached_block(block)
+            return True
+        if position % self.block_size:
+            # Partial hash hits: the state ends inside a page.
+            key = self.block_pool.cache_partial_block(
+                request, block, position, self.kv_cache_group_id
+            )
+            if key is not None:
+                self.cached_blocks_this_step.add(key)
+            return True
         key = make_block_hash_with_group_id(
             request.block_hashes[position // self.block_pool.hash_block_size - 1],
             self.kv_cache_group_id,
         )
         if block.block_hash == key:
-            return
+            return True
         self.block_pool._maybe_evict_cached_block(block)
         # cache_full_blocks keys page i by hash i: hand it the checkpoint page at the index of
         # its position, behind null pages (skipped), so the events say the same as the key.
@@ -366,6 +497,79 @@ class MambaManager(SingleTypeKVCacheManager):
         )
         assert block.block_hash is not None
         self.cached_blocks_this_step.add(block.block_hash)
+        return True
+
+    def _is_kept_checkpoint(
+        self, request: Request, position: int, retention_interval: int | None
+    ) -> bool:
+        """Whether a lookup may ever resume at checkpoint ``position`` (tokens): the prompt's
+        own checkpoint, the shared-prefix junction, or a page end sparse retention keeps."""
+        prompt_checkpoint = get_mamba_prefill_checkpoint_position(
+            request.num_prompt_tokens,
+            self.cache_hit_alignment_tokens,
+            self.drop_eagle_checkpoint_block,
+            self.block_pool.num_hash_lookahead_tokens,
+        )
+        if position in (prompt_checkpoint, request.shared_prefix_boundary):
+            return True
+        if position % self.block_size:
+            return False
+        index = position // self.block_size - 1
+        mask = self.reachable_block_mask(
+            index,
+            index + 1,
+            self.cache_hit_alignment_tokens,
+            self.kv_cache_spec,
+            self.drop_eagle_checkpoint_block,
+            retention_interval=retention_interval,
+        )
+        return mask is None or mask[0]
+
+    def _publish_prompt_tail(self, request: Request, num_tokens: int) -> None:
+        """With partial hash hits, key the running state page by the hash at the prompt's last
+        reusable position when this step ends there inside a page (a replay of the prompt
+        resumes there). The next step overwrites the page, so the request copies it first."""
+        hash_block_size = self.block_pool.hash_block_size
+        if not self._align or self.cache_hit_alignment_tokens >= self.block_size:
+            return
+        position = get_mamba_prefill_checkpoint_position(
+            request.num_prompt_tokens,
+            hash_block_size,
+            self.drop_eagle_checkpoint_block,
+            self.block_pool.num_hash_lookahead_tokens,
+        )
+        junction = request.shared_prefix_boundary
+        if (
+            self.shared_prefix_checkpoint
+            and num_tokens == junction
+            and request.num_computed_tokens < junction <= request.num_prompt_tokens
+            and junction % hash_block_size == 0
+        ):
+            # Where a sibling was seen to diverge and this chunk ends: it resumes there. Only
+            # during the prompt: a decode step's state page changes in place.
+            position = junction
+        if (
+            num_tokens != position
+            or position % self.block_size == 0
+            or len(request.block_hashes) * hash_block_size < position
+        ):
+            return
+        index = position // self.block_size
+        blocks = self.req_to_blocks[request.request_id]
+        if index >= len(blocks) or blocks[index].is_null:
+            return
+        block = blocks[index]
+        if block.block_hash_num_tokens == position:
+            return  # keyed here already (its own hit): re-keying would defer its siblings
+        key = self.block_pool.cache_partial_block(request, block, position, self.kv_cache_group_id)
+        if key is None:
+            return
+        self.cached_blocks_this_step.add(key)
+        self._partial_hit_reqs[request.request_id] = (index, block)
+        self.num_cached_block[request.request_id] = index
+        self._pending_boundary_state_offloads.append(
+            (request.request_id, self.kv_cache_group_id, block, position)
+        )
 
     def new_step_starts(self) -> None:
         self.cached_blocks_this_step.clear()

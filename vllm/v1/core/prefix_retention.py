@@ -24,8 +24,8 @@ def check_retention_interval(retention_interval: int | None, scheduler_block_siz
         or retention_interval % scheduler_block_size
     ):
         raise ValueError(
-            "retention_interval: expected None or a multiple >= 0 of scheduler_block_size "
-            f"{scheduler_block_size} (tokens), got {retention_interval!r}"
+            "retention_interval: expected None or a non-negative multiple of "
+            f"scheduler_block_size {scheduler_block_size} (tokens), got {retention_interval!r}"
         )
 
 
@@ -42,8 +42,8 @@ def check_config_retention_interval(
         isinstance(g.kv_cache_spec, sparse_kinds) for g in kv_cache_config.kv_cache_groups
     ):
         raise ValueError(
-            "prefix_cache_retention_interval: expected 0 or None for a model without "
-            f"sliding-window or Mamba groups (it has no effect on others), got {interval}"
+            "prefix_cache_retention_interval: expected 0 or None when the model has no "
+            f"sliding-window or Mamba groups (it thins only those), got {interval}"
         )
     check_retention_interval(interval, scheduler_block_size)
     return interval

@@ -52,7 +52,7 @@ spec_manager_map: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
 }
 
 
-def _manager_class(kv_cache_spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
+def manager_class_of(kv_cache_spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
     # The nearest mapped class in the spec's MRO, so a subclass of a mapped spec is served by
     # its parent's manager.
     for cls in type(kv_cache_spec).__mro__:
@@ -77,7 +77,7 @@ def get_manager_for_kv_cache_spec(
     per-request admission cap (pages) that the pool sizing assumed, from their spec and the
     tokens in flight ``max_in_flight_tokens`` / ``max_model_len`` (tokens); ``kwargs`` go to the
     manager (block_pool, enable_caching, kv_cache_group_id, ...)."""
-    manager_class = _manager_class(kv_cache_spec)
+    manager_class = manager_class_of(kv_cache_spec)
     if isinstance(kv_cache_spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec)):
         kwargs["max_admission_blocks_per_request"] = kv_cache_spec.max_admission_blocks_per_request(
             max_num_batched_tokens=max_in_flight_tokens, max_model_len=max_model_len
@@ -96,5 +96,6 @@ __all__ = [
     "SinkFullAttentionManager",
     "SlidingWindowManager",
     "get_manager_for_kv_cache_spec",
+    "manager_class_of",
     "spec_manager_map",
 ]

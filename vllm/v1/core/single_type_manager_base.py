@@ -15,11 +15,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from math import gcd
-from typing import cast
+from typing import ClassVar, cast
 
 from vllm.utils.math_utils import cdiv
+from vllm.v1.core.block_hashing import BlockHashList
 from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.kv_cache_utils import BlockHashList, KVCacheBlock, trim_null_head
+from vllm.v1.core.kv_cache_block import KVCacheBlock, trim_null_head
 from vllm.v1.core.prefix_retention import check_retention_interval
 from vllm.v1.kv_cache_interface import AttentionSpec, CircularBufferSpec, KVCacheSpec
 from vllm.v1.request import Request
@@ -65,8 +66,12 @@ def expect_no_context_parallel(dcp_world_size: int, pcp_world_size: int, kind: s
 class SingleTypeKVCacheManager(ABC):
     """Block tables of one KV cache group, for one kind of attention layer.
 
-    ``block_size`` is in tokens; with decode / prefill context parallelism one logical block
-    covers ``block_size * dcp_world_size * pcp_world_size`` tokens. ``scheduler_block_size``
+    ``supports_fine_grained_hash_lookup``: the kind can take a prefix hit ending inside one of
+    its pages (hash-block granularity), which partial hash hits of Mamba models need.
+
+    ``block_size`` is in tokens; with decode context parallelism one logical block of a sharded
+    group covers ``block_size * dcp_world_size`` tokens (PCP does not widen it, as v0.33).
+    ``scheduler_block_size``
     (tokens, a multiple of ``block_size``; defaults to it) is the scheduling granularity of all
     groups. ``needs_kv_cache_zeroing``: the worker zeroes fresh pages, so attention managers
     list their ids (:meth:`take_new_block_ids`).
@@ -74,6 +79,8 @@ class SingleTypeKVCacheManager(ABC):
     request; only managers that recycle pages while a request runs (sliding window, chunked
     local) get one.
     """
+
+    supports_fine_grained_hash_lookup: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -91,9 +98,13 @@ class SingleTypeKVCacheManager(ABC):
         self.block_pool = block_pool
         self.enable_caching = enable_caching
         self.kv_cache_group_id = kv_cache_group_id
-        self.dcp_world_size = dcp_world_size
-        self.pcp_world_size = pcp_world_size
-        self.block_size = kv_cache_spec.block_size * dcp_world_size * pcp_world_size
+        # A group replicated on the context-parallel ranks (Mamba, a draft's layers) keeps whole
+        # pages on each: only a sharded one's page covers the ranks' tokens together.
+        sharded = kv_cache_spec.dcp_sharded
+        self.dcp_world_size = dcp_world_size if sharded else 1
+        self.pcp_world_size = pcp_world_size if sharded else 1
+        # Prefill context parallelism splits a step's tokens, not a page's: only DCP widens it.
+        self.block_size = kv_cache_spec.block_size * self.dcp_world_size
         if scheduler_block_size is None:
             scheduler_block_size = self.block_size
         if scheduler_block_size <= 0 or scheduler_block_size % self.block_size:
@@ -102,6 +113,17 @@ class SingleTypeKVCacheManager(ABC):
                 f"{self.block_size} (tokens), got {scheduler_block_size}"
             )
         self.scheduler_block_size = scheduler_block_size
+        # Granularity of prefix hits (tokens): the hybrid coordinator lowers it to the hash
+        # block when Mamba pages take hits inside them (partial hash hits).
+        self.cache_hit_alignment_tokens = scheduler_block_size
+        # (source, destination) page pairs whose contents the worker must copy before this
+        # step's forward pass (copy-on-write of a shared partial page); both stay referenced
+        # until the caller of take_pending_cow_copies releases them.
+        self._pending_cow_copies: list[tuple[KVCacheBlock, KVCacheBlock]] = []
+        # request id -> (page index, shared page) whose tokens past the request's hit its next
+        # forward would overwrite: the next allocation copies that page first (managers with
+        # hits inside a page: full attention, Mamba).
+        self._partial_hit_reqs: dict[str, tuple[int, KVCacheBlock]] = {}
         # Pages of a ring are never read before their own request writes them.
         self._record_new_block_ids = (
             needs_kv_cache_zeroing
@@ -218,6 +240,12 @@ class SingleTypeKVCacheManager(ABC):
         req_blocks.extend(new_computed_blocks)
         # Hits (and the nulls before them) are published already: never re-publish them.
         self.num_cached_block[request_id] = len(req_blocks)
+        if new_computed_blocks and num_local_computed_tokens % self.block_size:
+            # A hit ending inside its page: the page is shared, so the next allocation swaps in
+            # a private copy, published (under its full hash) once full.
+            index = num_local_computed_tokens // self.block_size
+            self._partial_hit_reqs[request_id] = (index, new_computed_blocks[-1])
+            self.num_cached_block[request_id] = index
 
     def allocate_external_computed_blocks(
         self,
@@ -270,6 +298,12 @@ class SingleTypeKVCacheManager(ABC):
         ids, self.new_block_ids = self.new_block_ids, []
         return ids
 
+    def take_pending_cow_copies(self) -> list[tuple[KVCacheBlock, KVCacheBlock]]:
+        """Drain the ``(source, destination)`` copies queued since the last call. Each page of a
+        pair carries one extra reference for the copy: release both once it has run."""
+        pending, self._pending_cow_copies = self._pending_cow_copies, []
+        return pending
+
     def cache_blocks(
         self,
         request: Request,
@@ -283,17 +317,28 @@ class SingleTypeKVCacheManager(ABC):
         cache. ``alignment_tokens``: the hit granularity of the coordinator (tokens); managers
         whose hits use only some pages of each aligned segment publish only those.
         ``retention_interval`` (tokens, a multiple of ``scheduler_block_size``; None: dense)
-        and ``replay_boundaries`` (token positions a replay can resume at) are upstream's
-        sparse-checkpoint controls: every full page is published here, which is the dense
-        policy and a superset of the sparse one."""
+        and ``replay_boundaries`` (token positions a replay can resume at) are the sparse
+        retention controls, applied by kinds with a :meth:`reachable_block_mask`; the request's
+        ``shared_prefix_boundary`` (a junction another request was seen to share) is kept
+        too."""
         check_retention_interval(retention_interval, self.scheduler_block_size)
         if not self.kv_cache_spec.prefix_cacheable:
             return
         request_id = request.request_id
         num_cached = self.num_cached_block.get(request_id, 0)
-        num_full = num_tokens // self.block_size
+        # A block whose hash also covers lookahead tokens not yet known has no hash yet.
+        num_hashed_tokens = len(request.block_hashes) * self.block_pool.hash_block_size
+        num_full = min(num_tokens, num_hashed_tokens) // self.block_size
         if num_full <= num_cached:
             return
+        boundaries = list(replay_boundaries)
+        junction = request.shared_prefix_boundary
+        if junction:
+            boundaries.append(junction)
+            if self.use_eagle:
+                # A sibling diverging right after the junction has no page past it to peek
+                # at: its EAGLE hit ends one page lower.
+                boundaries.append(junction - self.block_size)
         block_mask = self.reachable_block_mask(
             start_block=num_cached,
             end_block=num_full,
@@ -301,7 +346,7 @@ class SingleTypeKVCacheManager(ABC):
             kv_cache_spec=self.kv_cache_spec,
             use_eagle=self.use_eagle,
             retention_interval=retention_interval,
-            reachable_boundaries=replay_boundaries,
+            reachable_boundaries=boundaries,
             dcp_world_size=self.dcp_world_size,
         )
         self.block_pool.cache_full_blocks(
@@ -339,6 +384,7 @@ class SingleTypeKVCacheManager(ABC):
         """Forget the request and return its pages, leading null pages left out, without
         freeing them: the caller frees them, tail first (an unknown id gives [])."""
         self.num_cached_block.pop(request_id, None)
+        self._partial_hit_reqs.pop(request_id, None)
         # A list in, a list out (the table itself when it has no null head).
         return cast(list[KVCacheBlock], trim_null_head(self.req_to_blocks.pop(request_id, [])))
 

@@ -15,8 +15,9 @@ from typing import Any
 
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.attention_managers import FullAttentionManager
+from vllm.v1.core.block_hashing import BlockHashList
 from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.kv_cache_utils import BlockHashList, KVCacheBlock
+from vllm.v1.core.kv_cache_block import KVCacheBlock
 from vllm.v1.core.prefix_retention import check_retention_interval
 from vllm.v1.core.single_type_manager_base import expect_spec
 from vllm.v1.kv_cache_interface import CircularBufferSpec, KVCacheSpec, RSWASpec

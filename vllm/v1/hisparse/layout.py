@@ -32,11 +32,12 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupRole,
     KVCacheGroupSpec,
     KVCacheSpec,
-    KVCacheTensor,
     MLAAttentionSpec,
     SparseCacheRole,
     UniformTypeKVCacheSpecs,
 )
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.kv_cache_views import build_kv_cache_tensors, kv_cache_bytes_per_block
 
 __all__ = [
     "HISPARSE_HOT_SUFFIX",
@@ -51,6 +52,10 @@ __all__ = [
 
 HISPARSE_HOT_SUFFIX = ".hisparse_hot"
 HISPARSE_RESIDENT_SUFFIX = ".hisparse_resident"
+
+_build_hisparse_kv_cache_tensors = build_kv_cache_tensors
+"""Upstream's name (``(groups, num_blocks, size, layout, bytes_per_block, *,
+host_resident=False)``) for the library's one tensor builder."""
 
 GroupFn = Callable[[Any, dict[str, KVCacheSpec]], list[KVCacheGroupSpec]]
 """Groups the layers HiSparse does not handle: ``(vllm_config, specs) -> groups``."""
@@ -264,28 +269,6 @@ def get_hisparse_steady_state_concurrency(
     return min(device, kv_cache_config.hisparse_host_num_blocks / host)
 
 
-def _group_tensors(
-    group: KVCacheGroupSpec, size: int, num_blocks: int, block_bytes: int | None
-) -> list[KVCacheTensor]:
-    """One tensor per distinct layer spec of ``group``. On the device (``block_bytes`` set:
-    block-outermost) a block of ``block_bytes`` holds the layers' pages side by side; on host
-    (None: layer-outermost) each layer's ``num_blocks`` pages form one run after the runs of
-    the layers before it."""
-    by_spec: dict[KVCacheSpec, list[str]] = {}
-    for name, spec in zip(group.layer_names, _named_specs(group), strict=True):
-        by_spec.setdefault(spec, []).append(name)
-    tensors, offset = [], 0
-    for spec, names in by_spec.items():
-        page = spec.page_size_bytes
-        if block_bytes is None:
-            tensors.append(KVCacheTensor(size, names, page * num_blocks, page, offset, True))
-            offset += len(names) * page * num_blocks
-        else:
-            tensors.append(KVCacheTensor(size, names, page, block_bytes, offset))
-            offset += len(names) * page
-    return tensors
-
-
 def get_hisparse_kv_cache_config(
     vllm_config: Any,
     kv_cache_groups: list[KVCacheGroupSpec],
@@ -293,19 +276,37 @@ def get_hisparse_kv_cache_config(
     host_budget: int,
 ) -> KVCacheConfig:
     """HiSparse's config: the device groups share one block-outermost pool (a block is as wide
-    as the widest group's pages) of the most blocks ``available_memory`` holds (or
+    as the widest group's pages, rounded to every page's alignment and the hot pages) of the
+    most blocks ``available_memory`` holds (or
     ``num_gpu_blocks_override``); the source group fills the host pool (``host_budget``)."""
     layout = create_hisparse_layout(vllm_config, kv_cache_groups, host_budget)
-    block_bytes = max(sum(s.page_size_bytes for s in _named_specs(g)) for g in layout.device_groups)
-    override = vllm_config.cache_config.num_gpu_blocks_override
+    cache_config = vllm_config.cache_config
+    # An unresolved layout (v0.22 callers) gets the layout HiSparse's pool was built for.
+    device_layout = (
+        KVCacheLayout.BLHNC
+        if getattr(cache_config, "kv_cache_layout", None) is None
+        else cache_config.get_resolved_kv_cache_layout()
+    )
+    if not device_layout.is_block_outermost:
+        raise ValueError(
+            f"kv_cache_layout: HiSparse needs a block-outermost layout (BLHNC, BLNHC), got "
+            f"{device_layout.name}"
+        )
+    block_bytes = kv_cache_bytes_per_block(layout.device_groups, device_layout)
+    override = cache_config.num_gpu_blocks_override
     num_blocks = available_memory // block_bytes if override is None else override
-    size = block_bytes * num_blocks
-    tensors = [
-        t for g in layout.device_groups for t in _group_tensors(g, size, num_blocks, block_bytes)
-    ]
+    tensors = _build_hisparse_kv_cache_tensors(
+        layout.device_groups, num_blocks, block_bytes * num_blocks, device_layout, block_bytes
+    )
     source = layout.source_group
-    host_size = layout.host_block_stride * layout.host_num_blocks
-    tensors[:0] = _group_tensors(source, host_size, layout.host_num_blocks, None)
+    tensors[:0] = _build_hisparse_kv_cache_tensors(
+        [source],
+        layout.host_num_blocks,
+        layout.host_block_stride * layout.host_num_blocks,
+        KVCacheLayout.LBNHC,
+        layout.host_block_stride,
+        host_resident=True,
+    )
     return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=tensors,
@@ -314,11 +315,3 @@ def get_hisparse_kv_cache_config(
         hisparse_host_block_stride=layout.host_block_stride,
         hisparse_shared_host_pool=layout.shared_host_pool,
     )
-
-
-def _named_specs(group: KVCacheGroupSpec) -> list[KVCacheSpec]:
-    """The spec of each layer of ``group``, one per layer name."""
-    per_layer = getattr(group.kv_cache_spec, "kv_cache_specs", None)
-    if per_layer is not None:
-        return [per_layer[n] for n in group.layer_names]
-    return [group.kv_cache_spec] * len(group.layer_names)

@@ -43,15 +43,21 @@ from vllm.v1.kv_cache_interface import (
     iter_layer_specs,
 )
 from vllm.v1.worker.gpu.kv_cache_buffers import (
+    LayerPlacement,
     _allocate_kv_cache,
     buffer_layers,
     check_buffer_pages,
+    check_strided_pages,
     group_layers,
+    layer_placements,
 )
 from vllm.v1.worker.utils import check_kv_sharing
 
 LayerKVCache = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | list[torch.Tensor]
 """One layer's cache view(s); see the module docstring."""
+
+_Pages = tuple[int, int]
+"""A layer's ``(num_blocks, block stride in bytes)``."""
 
 AttnBackends = Mapping[str, type[AttentionBackend]] | Sequence[type[AttentionBackend]]
 """Backend class per layer name, or one per KV-cache group."""
@@ -273,12 +279,13 @@ def _attention_view(
     backend: type[AttentionBackend],
     kernel_block_size: int,
     cache_dtype: str | None,
+    pages: _Pages,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     page_bytes = spec.page_size_bytes
     sink_bytes = spec.sink_bytes_per_page
     real_bytes = spec.real_page_size_bytes - sink_bytes  # the K and V rows
     storage = spec.storage_block_size
-    num_blocks = raw.numel() // page_bytes
+    num_blocks, block_stride_bytes = pages
     blocks_per_kv_block = storage // kernel_block_size
     kernel_num_blocks = num_blocks * blocks_per_kv_block
     cache_dtype_str = spec_cache_dtype_str(spec, cache_dtype)
@@ -300,12 +307,19 @@ def _attention_view(
             f"(block of {storage} slots): the kernel pages would straddle the padding. Use a "
             "kernel block size equal to the block size, or drop the padding"
         )
-    if page_bytes % itemsize != 0:
+    if block_stride_bytes != page_bytes and blocks_per_kv_block > 1:
         raise ValueError(
-            f"{what}: page of {page_bytes} bytes is not a whole number of {dtype} elements "
-            f"({itemsize} bytes)"
+            f"{what}: pages {block_stride_bytes} bytes apart (other layers' pages between them) "
+            f"cannot be split into {blocks_per_kv_block} kernel blocks of {kernel_block_size} "
+            "slots: kernel blocks need dense pages. Use a kernel block size equal to the block "
+            "size, or a layer-outermost layout"
         )
-    kernel_page_elems = page_bytes // itemsize // blocks_per_kv_block
+    if page_bytes % itemsize or block_stride_bytes % itemsize:
+        raise ValueError(
+            f"{what}: page of {page_bytes} bytes ({block_stride_bytes} bytes apart) is not a "
+            f"whole number of {dtype} elements ({itemsize} bytes)"
+        )
+    kernel_page_elems = block_stride_bytes // itemsize // blocks_per_kv_block
     kernel_real_bytes = real_bytes // blocks_per_kv_block
     order = tuple(backend.get_kv_cache_stride_order())
 
@@ -366,9 +380,10 @@ def _attention_view(
     return key_cache, value_cache
 
 
-def _mamba_views(layer_name: str, spec: MambaSpec, raw: torch.Tensor) -> list[torch.Tensor]:
-    page_bytes = spec.page_size_bytes
-    num_blocks = raw.numel() // page_bytes
+def _mamba_views(
+    layer_name: str, spec: MambaSpec, raw: torch.Tensor, pages: _Pages
+) -> list[torch.Tensor]:
+    num_blocks, page_bytes = pages
     views: list[torch.Tensor] = []
     offset_bytes = 0
     for i, (shape, dtype, size) in enumerate(
@@ -395,6 +410,27 @@ def _mamba_views(layer_name: str, spec: MambaSpec, raw: torch.Tensor) -> list[to
     return views
 
 
+def _layer_pages(
+    layer_name: str,
+    spec: KVCacheSpec,
+    raw: torch.Tensor,
+    placement: LayerPlacement | None,
+    kv_cache_config: KVCacheConfig,
+) -> _Pages:
+    """``(num_blocks, block stride bytes)`` of a layer's raw buffer, checked: a strided
+    tensor's layer (``raw`` starting at its first page) uses the tensor's block stride and its
+    pool's pages; an aliasing one (or a caller's buffer for a layer no tensor names) whole
+    pages back to back, as many as fit."""
+    what = f"kv_cache_raw_tensors[{layer_name!r}]"
+    if placement is None or placement.block_stride_bytes is None:
+        num_blocks = kv_cache_config.num_blocks if placement is None else placement.num_blocks
+        check_buffer_pages(what, raw.numel(), layer_name, spec, num_blocks)
+        return raw.numel() // spec.page_size_bytes, spec.page_size_bytes
+    relative = dataclasses.replace(placement, start_bytes=0)
+    check_strided_pages(what, raw.numel(), layer_name, spec, relative)
+    return placement.num_blocks, placement.block_stride_bytes
+
+
 def _reshape_kv_cache(
     kv_cache_config: KVCacheConfig,
     kv_cache_raw_tensors: dict[str, torch.Tensor],
@@ -404,7 +440,9 @@ def _reshape_kv_cache(
 ) -> dict[str, LayerKVCache]:
     """View each layer's raw buffer as its cache (see the module docstring for the forms).
 
-    Per layer: ``num_blocks = raw.numel() // page_size_bytes``; the group's kernel block size
+    Per layer: ``num_blocks = raw.numel() // page_size_bytes`` with pages back to back (a
+    strided ``KVCacheTensor``'s layer: its pool's pages, ``block_stride`` apart, ``raw``
+    starting at its first page); the group's kernel block size
     (given, or the largest every backend of the group supports that divides the storage block
     size); ``num_blocks_per_kv_block = storage_block_size // kernel_block_size``;
     ``kernel_num_blocks = num_blocks * num_blocks_per_kv_block``; shape from the backend,
@@ -423,6 +461,7 @@ def _reshape_kv_cache(
     if missing:
         raise ValueError(f"kv_cache_raw_tensors: no buffer for layer(s) {', '.join(missing)}")
 
+    placements = layer_placements(kv_cache_config)
     kv_caches: dict[str, LayerKVCache] = {}
     for layer_name, spec in iter_layer_specs(kv_cache_config):
         raw = kv_cache_raw_tensors[layer_name]
@@ -431,15 +470,9 @@ def _reshape_kv_cache(
                 f"kv_cache_raw_tensors[{layer_name!r}]: expected a 1-D torch.int8 buffer, got "
                 f"{raw.dtype} of shape {list(raw.shape)}"
             )
-        check_buffer_pages(
-            f"kv_cache_raw_tensors[{layer_name!r}]",
-            raw.numel(),
-            layer_name,
-            spec,
-            kv_cache_config.num_blocks,
-        )
+        pages = _layer_pages(layer_name, spec, raw, placements.get(layer_name), kv_cache_config)
         if isinstance(spec, MambaSpec):
-            kv_caches[layer_name] = _mamba_views(layer_name, spec, raw)
+            kv_caches[layer_name] = _mamba_views(layer_name, spec, raw, pages)
         elif isinstance(spec, AttentionSpec):
             kv_caches[layer_name] = _attention_view(
                 layer_name,
@@ -448,6 +481,7 @@ def _reshape_kv_cache(
                 backends[layer_name],
                 kernel_sizes[group_of[layer_name]],
                 cache_dtype,
+                pages,
             )
         else:
             raise ValueError(

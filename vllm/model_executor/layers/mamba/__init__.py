@@ -1,0 +1,1 @@
+"""Upstream vLLM module path; holds only what our callers and upstream tests import."""
