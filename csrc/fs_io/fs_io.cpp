@@ -120,10 +120,10 @@ Failure store_one(const std::string& tmp_path, const std::string& path, AlignedB
                   size_t header_len, const char* payload, size_t payload_len, bool use_o_direct) {
   Failure f;
   if (is_block_file(path, static_cast<long long>(header_len + payload_len))) return f;
-  const bool direct = use_o_direct && kODirect && aligned(payload, payload_len) &&
-                      header_len % kAlign == 0;
-  f.err = write_file(tmp_path, direct ? kODirect : 0, header.data(), header_len, payload,
-                     payload_len);
+  const bool direct =
+      use_o_direct && kODirect && aligned(payload, payload_len) && header_len % kAlign == 0;
+  f.err =
+      write_file(tmp_path, direct ? kODirect : 0, header.data(), header_len, payload, payload_len);
   if (f.err == EINVAL && direct)  // the file system refuses direct I/O: buffered instead
     f.err = write_file(tmp_path, 0, header.data(), header_len, payload, payload_len);
   if (!f.err && rename(tmp_path.c_str(), path.c_str()) != 0) {
@@ -168,8 +168,7 @@ Failure read_file(const std::string& path, int extra_flags, const ExpectedHeader
   struct stat st;
   if (fstat(fd, &st) != 0) {
     f.err = errno;
-  } else if (!S_ISREG(st.st_mode) ||
-             st.st_size != static_cast<off_t>(header_len + payload_len)) {
+  } else if (!S_ISREG(st.st_mode) || st.st_size != static_cast<off_t>(header_len + payload_len)) {
     // Stores are atomic, so a file of the wrong size is damage, not a write in progress.
     f.err = EIO;
     f.bad_file = S_ISREG(st.st_mode);
@@ -189,8 +188,8 @@ Failure read_file(const std::string& path, int extra_flags, const ExpectedHeader
   return f;
 }
 
-Failure load_one(const std::string& path, const ExpectedHeader& want, char* header,
-                 char* payload, size_t payload_len, bool use_o_direct) {
+Failure load_one(const std::string& path, const ExpectedHeader& want, char* header, char* payload,
+                 size_t payload_len, bool use_o_direct) {
   const bool direct =
       use_o_direct && kODirect && aligned(payload, payload_len) && want.len % kAlign == 0;
   Failure f = read_file(path, direct ? kODirect : 0, want, header, payload, payload_len);
@@ -320,8 +319,8 @@ PyObject* batch_store_block(PyObject*, PyObject* args) {
       break;
     }
     if (headers.len(i)) std::memcpy(header.data(), headers.data(i), headers.len(i));
-    f = store_one(tmp_paths[i], paths[i], header, headers.len(i), payloads.data(i),
-                  payloads.len(i), use_o_direct);
+    f = store_one(tmp_paths[i], paths[i], header, headers.len(i), payloads.data(i), payloads.len(i),
+                  use_o_direct);
     if (f.err) break;
   }
   Py_END_ALLOW_THREADS;
@@ -333,8 +332,8 @@ PyObject* batch_load_block(PyObject*, PyObject* args) {
   PyObject *path_list, *header_list, *payload_list;
   Py_ssize_t skip_offset, skip_bytes;
   int use_o_direct = 1;
-  if (!PyArg_ParseTuple(args, "OOnnO|p:batch_load_block", &path_list, &header_list,
-                        &skip_offset, &skip_bytes, &payload_list, &use_o_direct))
+  if (!PyArg_ParseTuple(args, "OOnnO|p:batch_load_block", &path_list, &header_list, &skip_offset,
+                        &skip_bytes, &payload_list, &use_o_direct))
     return nullptr;
   std::vector<std::string> paths;
   if (!paths_from(path_list, "paths", &paths)) return nullptr;
@@ -346,10 +345,10 @@ PyObject* batch_load_block(PyObject*, PyObject* args) {
   const size_t hlen = n ? expected.len(0) : 0;
   for (size_t j = 0; j < paths.size(); j++)
     if (expected.len(j) != hlen)
-      return PyErr_Format(PyExc_ValueError, "headers[%zu]: expected %zu bytes, got %zu", j,
-                          hlen, expected.len(j));
-  if (n && (skip_offset < 0 || skip_bytes < 0 ||
-            static_cast<size_t>(skip_offset + skip_bytes) > hlen))
+      return PyErr_Format(PyExc_ValueError, "headers[%zu]: expected %zu bytes, got %zu", j, hlen,
+                          expected.len(j));
+  if (n &&
+      (skip_offset < 0 || skip_bytes < 0 || static_cast<size_t>(skip_offset + skip_bytes) > hlen))
     return PyErr_Format(PyExc_ValueError,
                         "skip_offset, skip_bytes: expected a range inside the %zu-byte header, "
                         "got %zd, %zd",
@@ -371,7 +370,8 @@ PyObject* batch_load_block(PyObject*, PyObject* args) {
   PyObject* result = PyList_New(static_cast<Py_ssize_t>(paths.size()));
   if (result == nullptr) return nullptr;
   for (size_t j = 0; j < paths.size(); j++) {
-    PyObject* raw = PyBytes_FromStringAndSize(headers.data() + j * hlen, static_cast<Py_ssize_t>(hlen));
+    PyObject* raw =
+        PyBytes_FromStringAndSize(headers.data() + j * hlen, static_cast<Py_ssize_t>(hlen));
     if (raw == nullptr) {
       Py_DECREF(result);
       return nullptr;
@@ -396,10 +396,14 @@ PyMethodDef kMethods[] = {
      "removed (OSError with bad_file=True); stops at the first failure."},
     {nullptr, nullptr, 0, nullptr}};
 
-PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "fs_io_C",
-                       "Batched block-file I/O for the file-system KV offload tier.", -1,
-                       kMethods,  nullptr,
-                       nullptr,   nullptr,
+PyModuleDef kModule = {PyModuleDef_HEAD_INIT,
+                       "fs_io_C",
+                       "Batched block-file I/O for the file-system KV offload tier.",
+                       -1,
+                       kMethods,
+                       nullptr,
+                       nullptr,
+                       nullptr,
                        nullptr};
 
 }  // namespace
