@@ -21,6 +21,7 @@ import re
 import shlex
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import torch
@@ -66,7 +67,8 @@ def main() -> int:
     if any("cuda" in s.parts for s in sources) and not cuda_includes:
         print("FAIL: no CUDA headers found (cuda_runtime_api.h): pass --cuda-include DIR")
         return 1
-    torch_includes = [Path(p) for p in include_paths()]
+    # Python's own headers too: csrc/fs_io is a plain CPython extension.
+    torch_includes = [Path(p) for p in include_paths()] + [Path(sysconfig.get_paths()["include"])]
     failures = 0
     for source in sources:
         name = source.relative_to(ROOT)
