@@ -147,3 +147,6 @@ SecondaryTierFactory.register_tier(
 SecondaryTierFactory.register_tier(
     "kvcr", "vllm.v1.kv_offload.tiering.kvcr.manager", "KVCRSecondaryTierManager"
 )
+SecondaryTierFactory.register_tier(
+    "p2p", "vllm.v1.kv_offload.tiering.p2p.manager", "P2PSecondaryTierManager"
+)

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from vllm.distributed.nixl_utils import NixlWrapper as nixl_agent
+from vllm.distributed.nixl_utils import nixl_agent_config
 from vllm.v1.kv_offload.base import (
     OffloadKey,
     ReqContext,
@@ -29,11 +31,6 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobId, JobResult, TransferJob
 from vllm.v1.kv_offload.tiering.obj.config import ObjStoreConfig
 from vllm.v1.kv_offload.tiering.storage_tier import StorageTierManager
-
-try:  # NIXL's Python package: needed by this tier only
-    from nixl._api import nixl_agent, nixl_agent_config
-except ImportError:
-    nixl_agent = nixl_agent_config = None
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
