@@ -213,7 +213,7 @@ def test_mamba_spec_bare_shape_with_one_dtype_is_one_state() -> None:
 
 @pytest.mark.parametrize("num_blocks", [-8, -1, True, 2.0, "8"])
 def test_kv_cache_config_num_blocks(num_blocks) -> None:
-    """Rejected at construction (it used to surface only in init_kv_cache)."""
+    """Rejected at construction (it used to surface only in init_layer_kv_caches)."""
     with pytest.raises(ValueError, match=r"num_blocks: expected an int >= 0 .*got "):
         KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[])
 

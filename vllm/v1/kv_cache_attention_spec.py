@@ -68,12 +68,20 @@ class AttentionSpec(KVCacheSpec):
     page_size_padded: int | None = None
     head_size_v: int | None = None
     encoding: KVCacheEncoding | None = None
+    num_head_slots: int | None = None
+    """H of the page's ``[B, H, N, C]`` grid when a backend packs heads its own way (upstream
+    v0.33's field); None: one slot per KV head."""
+    state_content_bytes: int | None = None
+    """C of the grid, bytes per (head slot, stored state), when a backend packs its own rows
+    (upstream v0.33's field); None: the encoding's rows. Set, the unpadded page is H x N x C."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.head_size_v is None:
             object.__setattr__(self, "head_size_v", self.head_size)
         _check_positive(self, "block_size", "num_kv_heads", "head_size")
+        _check_optional_positive(self, "num_head_slots")
+        _check_optional_positive(self, "state_content_bytes")
         v = self.head_size_v
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             # 0: a key-only cache (upstream's latent and circular-buffer key pools).
@@ -161,11 +169,14 @@ class AttentionSpec(KVCacheSpec):
 
     @property
     def num_heads(self) -> int:
-        return self.num_kv_heads
+        return self.num_kv_heads if self.num_head_slots is None else self.num_head_slots
 
     @property
     def real_page_size_bytes(self) -> int:
-        """Bytes of one page without padding: K and V rows, then the key sink rows."""
+        """Bytes of one page without padding: K and V rows, then the key sink rows (H x N x
+        ``state_content_bytes`` when a backend packs the page)."""
+        if self.state_content_bytes is not None:
+            return self.num_heads * self.num_states * self.state_content_bytes
         return self.kv_cache_encoding.page_bytes(
             self.block_size,
             self.num_kv_heads,
@@ -282,12 +293,12 @@ class SlidingWindowSpec(AttentionSpec):
         _check_positive(self, "sliding_window")
 
     def max_admission_blocks_per_request(
-        self, max_num_batched_tokens: int, max_model_len: int
+        self, max_in_flight_tokens: int, max_model_len: int
     ) -> int:
-        """Most pages one request holds: the last ``sliding_window - 1`` tokens plus one step's
-        ``max_num_batched_tokens`` (at most ``max_model_len``), and one more page because the
-        window may start in the middle of a page."""
-        num_tokens = min(self.sliding_window - 1 + max_num_batched_tokens, max_model_len)
+        """Most pages one request holds: the last ``sliding_window - 1`` tokens plus the
+        ``max_in_flight_tokens`` scheduled but not yet freed (at most ``max_model_len``), and
+        one more page because the window may start in the middle of a page."""
+        num_tokens = min(self.sliding_window - 1 + max_in_flight_tokens, max_model_len)
         return cdiv(num_tokens, self.block_size) + 1
 
     def max_memory_usage_bytes(self, vllm_config: VllmConfig) -> int:
@@ -312,11 +323,11 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
         _check_positive(self, "attention_chunk_size")
 
     def max_admission_blocks_per_request(
-        self, max_num_batched_tokens: int, max_model_len: int
+        self, max_in_flight_tokens: int, max_model_len: int
     ) -> int:
-        """Most pages one request holds: one chunk plus one step's ``max_num_batched_tokens``
-        tokens, at most ``max_model_len``."""
-        num_tokens = min(self.attention_chunk_size + max_num_batched_tokens, max_model_len)
+        """Most pages one request holds: one chunk plus the ``max_in_flight_tokens`` scheduled
+        but not yet freed, at most ``max_model_len``."""
+        num_tokens = min(self.attention_chunk_size + max_in_flight_tokens, max_model_len)
         return cdiv(num_tokens, self.block_size)
 
     def max_memory_usage_bytes(self, vllm_config: VllmConfig) -> int:
@@ -326,10 +337,9 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
 def _admission_bytes(
     spec: SlidingWindowSpec | ChunkedLocalAttentionSpec, vllm_config: VllmConfig
 ) -> int:
-    """``max_admission_blocks_per_request`` pages, from the scheduler's step size."""
-    assert vllm_config.scheduler_config is not None
+    """``max_admission_blocks_per_request`` pages, from the tokens in flight."""
     blocks = spec.max_admission_blocks_per_request(
-        max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+        max_in_flight_tokens=vllm_config.max_in_flight_tokens,
         max_model_len=_max_model_len(vllm_config),
     )
     return blocks * spec.page_size_bytes

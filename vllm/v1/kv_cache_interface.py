@@ -169,8 +169,12 @@ class LatentPageSpec(AttentionSpec):
 
     @property
     def slot_size_bytes(self) -> int:
-        """Bytes of one stored slot (all heads): one row of the format's last dim per head, in
-        ``dtype`` elements (a record's own bytes)."""
+        """Bytes of one stored slot (all heads): ``state_content_bytes`` per head when set, else
+        one row of the format's last dim per head, in ``dtype`` elements (a record's own
+        bytes)."""
+        if self.state_content_bytes is not None:
+            # A backend's own packing, e.g. 132 bytes: an indexer's 128 FP8 key bytes + scale.
+            return self.num_heads * self.state_content_bytes
         fmt = self.kv_cache_format
         row = fmt.last_dim(self.head_size)
         if self.uses_ds_mla_record:
@@ -349,7 +353,7 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
         sink-full and recorded windows included), cross attention, sliding window or
         sliding-window MLA of the first spec's window, chunked-local attention of its chunk
         size, or Mamba with its number of speculative pages. False for no specs;
-        ``NotImplementedError`` when the first spec is of another kind."""
+        :class:`UnsupportedKVCacheSpecError` when the first spec is of another kind."""
         specs = list(kv_cache_specs.values())
         if not specs:
             return False
@@ -358,10 +362,11 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
         if len({spec.dcp_sharded for spec in specs}) > 1:
             return False
         first = specs[0]
-        rule = next((r for r in _UNIFORM_TYPE_RULES if isinstance(first, r[0])), None)
+        rule = _uniform_type_rule(first)
         if rule is None:
-            raise NotImplementedError(
-                f"kv_cache_specs: no uniform-type rule for {type(first).__name__}"
+            raise UnsupportedKVCacheSpecError(
+                f"kv_cache_specs: Unsupported KV cache spec type {type(first).__name__} (no "
+                "uniform-type rule covers it)"
             )
         kind, fields = rule
         return all(
@@ -412,6 +417,16 @@ _UNIFORM_TYPE_RULES: tuple[tuple[type[KVCacheSpec], tuple[str, ...]], ...] = (
 )
 
 
+class UnsupportedKVCacheSpecError(AssertionError, NotImplementedError):
+    """A spec of a type no uniform-type rule covers: an ``AssertionError`` as upstream raises,
+    and a ``NotImplementedError`` as this library raised before."""
+
+
+def _uniform_type_rule(spec: KVCacheSpec) -> tuple[type[KVCacheSpec], tuple[str, ...]] | None:
+    """``(base class, shared fields)`` of the uniform-type rule covering ``spec``, or None."""
+    return next((rule for rule in _UNIFORM_TYPE_RULES if isinstance(spec, rule[0])), None)
+
+
 class KVCacheSpecKind(str, Enum):
     """The kind of cache a spec describes (subclasses have their own kind)."""
 
@@ -443,10 +458,19 @@ _SPEC_KINDS: tuple[tuple[type[KVCacheSpec], KVCacheSpecKind], ...] = (
 
 def get_kv_cache_spec_kind(kv_cache_spec: KVCacheSpec) -> KVCacheSpecKind:
     """The kind of ``kv_cache_spec``; a :class:`UniformTypeKVCacheSpecs` has its layers' kind
-    when they share one, else ``UNKNOWN``."""
+    when they share one, ``FULL_ATTENTION`` when they differ in kind but all group as full
+    attention (MLA or sink-full layers next to plain ones), else ``UNKNOWN``."""
     if isinstance(kv_cache_spec, UniformTypeKVCacheSpecs):
-        kinds = {get_kv_cache_spec_kind(s) for s in kv_cache_spec.kv_cache_specs.values()}
-        return kinds.pop() if len(kinds) == 1 else KVCacheSpecKind.UNKNOWN
+        members = kv_cache_spec.kv_cache_specs.values()
+        kinds = {get_kv_cache_spec_kind(s) for s in members}
+        if len(kinds) == 1:
+            return kinds.pop()
+        bases = {(_uniform_type_rule(s) or (None,))[0] for s in members}
+        return (
+            KVCacheSpecKind.FULL_ATTENTION
+            if bases == {FullAttentionSpec}
+            else KVCacheSpecKind.UNKNOWN
+        )
     for cls, kind in _SPEC_KINDS:
         if isinstance(kv_cache_spec, cls):
             return kind

@@ -307,6 +307,11 @@ class MambaSpec(KVCacheSpec):
             # One state tensor given by its bare shape, ``shapes=(1, 1)`` with one dtype:
             # upstream's tests build specs that way; it reads as ``((1, 1),)``.
             object.__setattr__(self, "shapes", (tuple(self.shapes),))
+        if self.shapes and len(self.dtypes) > len(self.shapes):
+            # Upstream pairs shape i with dtype i and ignores dtypes past the last shape (its
+            # tests build one-state specs with a two-dtype default); trimmed so every consumer
+            # sees one dtype per state.
+            object.__setattr__(self, "dtypes", tuple(self.dtypes[: len(self.shapes)]))
         if len(self.shapes) != len(self.dtypes) or not self.shapes:
             raise ValueError(
                 f"shapes/dtypes: expected one dtype per state shape, got {len(self.shapes)} "

@@ -153,6 +153,9 @@ class Request:
         self.all_token_ids = ConstantList(self._all_token_ids)
         self.spec_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        self.num_in_flight_tokens = 0
+        """Tokens of steps whose output is not processed yet (async scheduling runs ahead);
+        ``num_computed_tokens`` already counts them."""
         self.num_output_placeholders = 0
         self.cache_salt = cache_salt
         self.mm_features: list[MultiModalFeatureSpec] = mm_features or []

@@ -22,7 +22,7 @@ from vllm.v1.core import kv_cache_utils as kcu
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig
 from vllm.v1.request import Request
-from vllm.v1.worker.gpu.attn_utils import init_kv_cache
+from vllm.v1.worker.gpu.attn_utils import init_layer_kv_caches
 
 MODEL = "gpt-oss-20b"
 MAX_MODEL_LEN = 256
@@ -120,7 +120,7 @@ def test_plan_manager_block_ids_caches_round_trip() -> None:
     assert config.num_blocks == NUM_BLOCKS
     # Both groups share every tensor: block ids of the two groups index the same bytes.
     assert all(len(t.shared_by) == 2 for t in config.kv_cache_tensors)
-    caches = init_kv_cache(
+    caches = init_layer_kv_caches(
         config, [ReferenceAttentionBackend] * 2, "cpu", model_dtype=torch.bfloat16
     )
     assert all(cache.shape[0] == NUM_BLOCKS for cache in caches.values())

@@ -20,7 +20,7 @@ from vllm.v1.kv_cache_interface import (
     KVQuantMode,
     SlidingWindowSpec,
 )
-from vllm.v1.worker.gpu.attn_utils import init_kv_cache
+from vllm.v1.worker.gpu.attn_utils import init_layer_kv_caches
 
 PAGE = 32 * 4 * 256 * 2  # bf16, 32-token pages, 4 KV heads of 128: 65,536 bytes
 
@@ -85,5 +85,7 @@ def test_num_gpu_blocks_override_end_to_end() -> None:
     vllm_config.cache_config.num_gpu_blocks_override = 150
     (config,) = get_kv_cache_configs(vllm_config, [dict(HYBRID)], [10**12])
     assert config.num_blocks == 150
-    caches = init_kv_cache(config, {name: ReferenceAttentionBackend for name in HYBRID}, "cpu")
+    caches = init_layer_kv_caches(
+        config, {name: ReferenceAttentionBackend for name in HYBRID}, "cpu"
+    )
     assert {name: cache.shape[0] for name, cache in caches.items()} == dict.fromkeys(HYBRID, 150)

@@ -21,7 +21,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_cache_spec_base import KVCacheSpecMergeError
 from vllm.v1.kv_cache_views import kv_cache_bytes_per_block
-from vllm.v1.worker.gpu.attn_utils import init_kv_cache
+from vllm.v1.worker.gpu.attn_utils import init_layer_kv_caches
 
 MEMORY = 1 << 20
 
@@ -81,7 +81,7 @@ def test_layer_outermost_pads_only_the_unaligned_page() -> None:
         12288,
     )
     assert aligned_tensor.offset == plain.page_size_bytes * kv.num_blocks
-    views = init_kv_cache(kv, [ReferenceAttentionBackend], "cpu", model_dtype=torch.float32)
+    views = init_layer_kv_caches(kv, [ReferenceAttentionBackend], "cpu", model_dtype=torch.float32)
     assert views["aligned"].stride(0) * 4 == 12288
     assert views["aligned"].data_ptr() - views["plain"].data_ptr() == aligned_tensor.offset
 

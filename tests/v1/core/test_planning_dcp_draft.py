@@ -19,7 +19,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
-from vllm.v1.worker.gpu.attn_utils import _reshape_kv_cache, init_kv_cache
+from vllm.v1.worker.gpu.attn_utils import _reshape_kv_cache, init_layer_kv_caches
 from vllm.v1.worker.gpu.kv_cache_buffers import _allocate_kv_cache
 
 MEMORY = 16 * 1024 * 1024
@@ -144,5 +144,5 @@ def test_layer_outermost_layout_gives_each_layer_a_region() -> None:
     page = spec.page_size_bytes
     assert kv.num_blocks == MEMORY // (2 * page)
     assert (tensor.layer_stride, tensor.block_stride) == (page * kv.num_blocks, page)
-    views = init_kv_cache(kv, [ReferenceAttentionBackend], "cpu", model_dtype=torch.float32)
+    views = init_layer_kv_caches(kv, [ReferenceAttentionBackend], "cpu", model_dtype=torch.float32)
     assert views["b"].data_ptr() - views["a"].data_ptr() == page * kv.num_blocks

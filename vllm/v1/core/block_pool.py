@@ -11,7 +11,8 @@ handed out for new data (``get_new_blocks`` evicts it then, emitting ``BlockRemo
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from vllm.distributed.kv_events import (
@@ -35,11 +36,11 @@ from vllm.v1.core.block_hashing import (
     maybe_convert_block_hash,
     to_event_extra_keys,
 )
-from vllm.v1.core.kv_cache_block import FreeKVCacheBlockQueue, KVCacheBlock
+from vllm.v1.core.kv_cache_block import FreeKVCacheBlockQueue, KVCacheBlock, OwningPool
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 from vllm.v1.request import Request
 
-__all__ = ["BlockHashToBlockMap", "BlockPool"]
+__all__ = ["BlockHashToBlockMap", "BlockPool", "PartialKeyError"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,10 @@ class BlockHashToBlockMap:
         return len(self._cache)
 
 
+class PartialKeyError(ValueError, AssertionError):
+    """A partial prefix key cannot be placed as asked (an AssertionError too: v0.33 asserts)."""
+
+
 class BlockPool:
     """Allocates, frees and caches the device KV-cache blocks.
 
@@ -103,6 +108,8 @@ class BlockPool:
         enable_kv_cache_events: queue ``BlockStored`` / ``BlockRemoved`` /
             ``AllBlocksCleared`` for :meth:`take_events`.
         metrics_collector: optional residency sampler, told of allocations, hits and evictions.
+        medium: the storage medium KV events report (a host-resident pool passes
+            ``MEDIUM_CPU``).
     """
 
     def __init__(
@@ -113,7 +120,10 @@ class BlockPool:
         enable_kv_cache_events: bool = False,
         metrics_collector: KVCacheMetricsCollector | None = None,
         num_hash_lookahead_tokens: int = 0,
+        medium: str = MEDIUM_GPU,
     ) -> None:
+        if not isinstance(medium, str) or not medium:
+            raise ValueError(f"medium: expected a non-empty medium name, got {medium!r}")
         if isinstance(num_gpu_blocks, bool) or not isinstance(num_gpu_blocks, int):
             raise ValueError(f"num_gpu_blocks: expected a positive int, got {num_gpu_blocks!r}")
         if num_gpu_blocks <= 0:
@@ -124,7 +134,9 @@ class BlockPool:
         # Tokens after each block that its hash also covers (the requests' hasher setting):
         # a prefill checkpoint must leave them uncomputed so its hash is known.
         self.num_hash_lookahead_tokens = int(num_hash_lookahead_tokens)
-        self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
+        self.blocks: list[KVCacheBlock] = [
+            KVCacheBlock(i, pool=self) for i in range(num_gpu_blocks)
+        ]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         # Block 0 is taken out for good; its ref_cnt is not maintained.
@@ -135,6 +147,10 @@ class BlockPool:
         self.enable_kv_cache_events = enable_kv_cache_events
         self.kv_event_queue: list[KVCacheEvent] = []
         self.metrics_collector = metrics_collector
+        self.medium = medium
+        # block id -> callback of a block released by unpin_blocks, told when the block is
+        # handed out again (or the cache is reset), so its reader stops reading it.
+        self._reuse_watchers: dict[int, Callable[[KVCacheBlock], None]] = {}
 
     def get_cached_block(
         self, block_hash: BlockHash, kv_cache_group_ids: list[int]
@@ -279,7 +295,7 @@ class BlockPool:
                 token_ids=request.all_token_ids[start_token:end_token],
                 block_size=block_size,
                 lora_id=None if lora is None else lora.adapter_id,
-                medium=MEDIUM_GPU,
+                medium=self.medium,
                 lora_name=None if lora is None else lora.name,
                 extra_keys=to_event_extra_keys(extra_keys),
                 group_idx=group_id,
@@ -295,13 +311,38 @@ class BlockPool:
         num_tokens: int,
         kv_cache_group_id: int,
         replace_existing_hashes: bool = True,
+        *,
+        block_size: int | None = None,
     ) -> BlockHashWithGroupId | None:
         """Key ``block`` by the request's prefix hash at ``num_tokens`` tokens (a positive
         multiple of ``hash_block_size``, possibly inside the block). A block has one key: an
         earlier one is dropped first, unless ``replace_existing_hashes`` is False and it covers
         at least ``num_tokens`` tokens (append-only K/V pages: the longer key serves too; a
-        state page holds one state, so its caller replaces). Returns the key, or None for the
-        null page or a kept longer key."""
+        state page holds one state, so its caller replaces). ``block_size`` (tokens, the
+        owning group's page; optional) is only checked to be a multiple of
+        ``hash_block_size``. Returns the key, or None for the null page or a kept longer
+        key."""
+        if block_size is not None and (
+            isinstance(block_size, bool)
+            or not isinstance(block_size, int)
+            or block_size <= 0
+            or block_size % self.hash_block_size
+        ):
+            raise PartialKeyError(
+                f"block_size: expected a positive multiple of {self.hash_block_size} "
+                f"(tokens), got {block_size!r}"
+            )
+        if num_tokens <= 0 or num_tokens % self.hash_block_size:
+            raise PartialKeyError(
+                f"num_tokens: expected a positive multiple of {self.hash_block_size}, "
+                f"got {num_tokens}"
+            )
+        num_hashes = num_tokens // self.hash_block_size
+        if num_hashes > len(request.block_hashes):
+            raise PartialKeyError(
+                f"num_tokens: expected at most {len(request.block_hashes) * self.hash_block_size}"
+                f" (the request's hashed tokens), got {num_tokens}"
+            )
         if block.is_null:
             return None
         if (
@@ -310,17 +351,6 @@ class BlockPool:
             and (block.block_hash_num_tokens or 0) >= num_tokens
         ):
             return None
-        num_hashes = num_tokens // self.hash_block_size
-        if num_tokens <= 0 or num_tokens % self.hash_block_size:
-            raise ValueError(
-                f"num_tokens: expected a positive multiple of {self.hash_block_size}, "
-                f"got {num_tokens}"
-            )
-        if num_hashes > len(request.block_hashes):
-            raise ValueError(
-                f"num_tokens: expected at most {len(request.block_hashes) * self.hash_block_size}"
-                f" (the request's hashed tokens), got {num_tokens}"
-            )
         block_hash = request.block_hashes[num_hashes - 1]
         key = make_block_hash_with_group_id(block_hash, kv_cache_group_id)
         if block.block_hash == key:
@@ -385,6 +415,8 @@ class BlockPool:
         if num_blocks > self.free_block_queue.num_free_blocks:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         taken = self.free_block_queue.popleft_n(num_blocks)
+        if self._reuse_watchers:
+            self._notify_reuse(taken)
         collector = self.metrics_collector
         evict = self._maybe_evict_cached_block if self.enable_caching else None
         for block in taken:
@@ -400,6 +432,36 @@ class BlockPool:
                 collector.on_block_allocated(block)
         return taken
 
+    def _notify_reuse(self, blocks: Iterable[KVCacheBlock]) -> None:
+        for block in blocks:
+            watcher = self._reuse_watchers.pop(block.block_id, None)
+            if watcher is not None:
+                watcher(block)
+
+    def unpin_blocks(
+        self, blocks: Iterable[KVCacheBlock], on_reuse: Callable[[KVCacheBlock], None]
+    ) -> None:
+        """Drop a reference on each of ``blocks`` while keeping their contents readable: those
+        no longer used join the tail of the free queue (reused last, caching on or off) and
+        count as free. ``on_reuse(block)`` is called when :meth:`get_new_blocks` hands one out
+        again or the prefix cache is reset; :meth:`touch` just takes it back."""
+        blocks = list(blocks)
+        num_unpins = Counter(block.block_id for block in blocks)
+        for block in blocks:
+            if block.is_null or block.ref_cnt < num_unpins[block.block_id]:
+                raise ValueError(
+                    f"blocks: expected non-null blocks holding a reference per listing, got "
+                    f"block {block.block_id} (ref_cnt {block.ref_cnt}, listed "
+                    f"{num_unpins[block.block_id]}x{', null' if block.is_null else ''})"
+                )
+        released: list[KVCacheBlock] = []
+        for block in blocks:
+            block.ref_cnt -= 1
+            self._reuse_watchers[block.block_id] = on_reuse
+            if block.ref_cnt == 0:
+                released.append(block)
+        self.free_block_queue.append_n(released)
+
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
         """Drop ``block`` from the prefix cache if it is there; True if it was."""
         if self.metrics_collector is not None:
@@ -414,7 +476,7 @@ class BlockPool:
             self.kv_event_queue.append(
                 BlockRemoved(
                     block_hashes=[maybe_convert_block_hash(get_block_hash(key))],
-                    medium=MEDIUM_GPU,
+                    medium=self.medium,
                     group_idx=get_group_id(key),
                 )
             )
@@ -444,11 +506,15 @@ class BlockPool:
         """Drop a reference on each block; those no longer used go back to the free queue in
         the given order (the first is evicted first): cached ones to its tail (LRU eviction),
         the others, which no lookup can match, to its head (reused first, while still warm in
-        device caches). The null page is left alone."""
+        device caches). The null page is left alone; pages of another pool are freed there."""
         cached: list[KVCacheBlock] = []
         uncached: list[KVCacheBlock] = []
+        other_pools: dict[OwningPool, list[KVCacheBlock]] = {}
         for block in ordered_blocks:
             if block.is_null:
+                continue
+            if block.pool is not None and block.pool is not self:
+                other_pools.setdefault(block.pool, []).append(block)
                 continue
             block.ref_cnt -= 1
             # A block listed twice is released once, when its count reaches 0.
@@ -459,6 +525,8 @@ class BlockPool:
                     cached.append(block)
         self.free_block_queue.prepend_n(uncached)
         self.free_block_queue.append_n(cached)
+        for pool, blocks in other_pools.items():
+            pool.free_blocks(blocks)
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         """Drop the given blocks from the prefix cache (used or not; used ones stay used)."""
@@ -481,6 +549,8 @@ class BlockPool:
             )
             return False
         self.cached_block_hash_to_block = BlockHashToBlockMap()
+        if self._reuse_watchers:
+            self._notify_reuse([self.blocks[i] for i in list(self._reuse_watchers)])
         for block in self.blocks:
             block.reset_hash()
         if self.metrics_collector is not None:

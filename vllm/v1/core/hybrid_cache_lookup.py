@@ -9,32 +9,126 @@ page; see :func:`~vllm.v1.core.kv_cache_sizing.partial_hash_hits_enabled`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from math import lcm
+from typing import TYPE_CHECKING, NamedTuple
 
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.block_hashing import BlockHash, resolve_block_hashes
 from vllm.v1.core.kv_cache_block import KVCacheBlock
+from vllm.v1.core.kv_cache_sizing import partial_hash_hits_enabled
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.single_type_manager_base import SingleTypeKVCacheManager
-    from vllm.v1.kv_cache_interface import KVCacheSpec
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 
-    AttentionGroup = tuple[KVCacheSpec, list[int], type[SingleTypeKVCacheManager]]
+
+class SpecGroup(NamedTuple):
+    """One lookup unit: a prefix-cacheable spec, the KV cache groups sharing it and their
+    manager class (one lookup serves them all)."""
+
+    spec: KVCacheSpec
+    group_ids: list[int]
+    manager_cls: type[SingleTypeKVCacheManager]
+
+
+AttentionGroup = SpecGroup
 
 
 class HybridCacheLookup:
-    """The lookup half of ``HybridKVCacheCoordinator`` (which sets the attributes below)."""
+    """The lookup half of ``HybridKVCacheCoordinator``: the bundling of its groups (set up by
+    ``_init_lookup``) and the lookup over the bundles. The coordinator sets the attributes
+    before ``attention_groups``."""
 
-    attention_groups: list[AttentionGroup]
-    eagle_attn_group_indices: set[int]
+    kv_cache_config: KVCacheConfig
     single_type_managers: tuple[SingleTypeKVCacheManager, ...]
     block_pool: BlockPool
     hash_block_size: int
+    dcp_world_size: int
+    drop_eagle_group_ids: set[int]
+    attention_groups: list[AttentionGroup]
+    eagle_attn_group_indices: set[int]
+    lcm_block_size: int
     enable_partial_hash_hits: bool
     cache_hit_alignment_tokens: int
     num_groups: int
+
+    def _init_lookup(self) -> None:
+        groups = self.kv_cache_config.kv_cache_groups
+        self.num_groups = len(groups)
+        self.enable_partial_hash_hits = partial_hash_hits_enabled(
+            groups,
+            self.hash_block_size,
+            self.dcp_world_size,
+            [type(m) for m in self.single_type_managers],
+        )
+        self.verify_and_split_kv_cache_groups()
+        # Hits land on hash blocks when Mamba states may end inside their pages.
+        self.cache_hit_alignment_tokens = (
+            self.hash_block_size if self.enable_partial_hash_hits else self.lcm_block_size
+        )
+        for manager in self.single_type_managers:
+            manager.cache_hit_alignment_tokens = self.cache_hit_alignment_tokens
+
+    @property
+    def _cache_hit_alignment_tokens(self) -> int:
+        """v0.33's name of :attr:`cache_hit_alignment_tokens` (tokens)."""
+        return self.cache_hit_alignment_tokens
+
+    def verify_and_split_kv_cache_groups(self) -> None:
+        """Bundle prefix-cacheable groups with equal specs (one lookup serves them all), full
+        attention first: its cheap left-to-right scan bounds the others. Groups that opt out
+        of prefix caching (scratch rings, bounded-replay windows) are never looked up: their
+        hits stay empty. Sets ``attention_groups``, ``lcm_block_size`` (tokens, over the
+        looked-up groups) and ``eagle_attn_group_indices``."""
+        groups = self.kv_cache_config.kv_cache_groups
+        managers = self.single_type_managers
+        kinds = {(g.kv_cache_spec, type(m)) for g, m in zip(groups, managers, strict=True)}
+        if len(kinds) < 2:
+            raise ValueError(
+                "kv_cache_config: HybridKVCacheCoordinator expected at least two distinct "
+                f"group specs, got {len(kinds)}"
+            )
+        bundles: list[SpecGroup] = []
+        for i, group in enumerate(groups):
+            if not group.kv_cache_spec.prefix_cacheable:
+                continue
+            manager = self.single_type_managers[i]
+            manager_cls = type(manager)
+            for spec, group_ids, cls in bundles:
+                # A role may give equal specs different managers, or a pool of their own
+                # (host-resident groups): those are looked up apart.
+                if (
+                    spec == group.kv_cache_spec
+                    and cls is manager_cls
+                    and self.single_type_managers[group_ids[0]].block_pool is manager.block_pool
+                ):
+                    group_ids.append(i)
+                    break
+            else:
+                bundles.append(SpecGroup(group.kv_cache_spec, [i], manager_cls))
+        if not bundles:
+            raise ValueError(
+                "kv_cache_config: HybridKVCacheCoordinator expected a prefix-cacheable group, "
+                "got none"
+            )
+        self.attention_groups = sorted(
+            bundles, key=lambda bundle: not isinstance(bundle.spec, FullAttentionSpec)
+        )
+        # No partial-page hits: a hit length must be whole pages in every looked-up group.
+        self.lcm_block_size = lcm(
+            *(self.single_type_managers[b.group_ids[0]].block_size for b in bundles)
+        )
+        self.eagle_attn_group_indices = {
+            idx
+            for idx, (_, group_ids, _) in enumerate(self.attention_groups)
+            if self.drop_eagle_group_ids.intersection(group_ids)
+        }
+        # One lookup serves a bundle: its groups publish the same pages (EAGLE's extra one).
+        for idx in self.eagle_attn_group_indices:
+            for group_id in self.attention_groups[idx][1]:
+                self.single_type_managers[group_id].use_eagle = True
 
     def _lookup(
         self,
@@ -60,7 +154,7 @@ class HybridCacheLookup:
             ),
             max_length=max_length,
             kv_cache_group_ids=group_ids,
-            block_pool=self.block_pool,
+            block_pool=manager.block_pool,  # a host-resident group has a pool of its own
             kv_cache_spec=spec,
             drop_eagle_block=use_eagle,
             alignment_tokens=self.cache_hit_alignment_tokens,
@@ -131,11 +225,13 @@ class HybridCacheLookup:
             hit_length = candidate
             if one_round:
                 break
-        # Full attention's hits (targets' and drafts') are cut to the reconciled length.
+        # Full attention's hits (targets' and drafts') are cut to the reconciled length, but
+        # for kinds that retain their longer hit.
         for spec, group_ids, _ in self.attention_groups:
-            if not isinstance(spec, FullAttentionSpec):
+            manager = self.single_type_managers[group_ids[0]]
+            if not isinstance(spec, FullAttentionSpec) or manager.retains_longer_hit:
                 continue
-            keep = cdiv(hit_length, self.single_type_managers[group_ids[0]].block_size)
+            keep = cdiv(hit_length, manager.block_size)
             for group_id in group_ids:
                 blocks = hits[group_id]
                 if blocks is not None:

@@ -13,9 +13,9 @@ objects. Order = eviction order: the front is evicted first.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
 
 __all__ = [
     "FreeKVCacheBlockQueue",
@@ -34,12 +34,21 @@ class KVCacheBlockCopy(NamedTuple):
     dst_block_id: int
 
 
+class OwningPool(Protocol):
+    """The pool a page returns to (a :class:`vllm.v1.core.block_pool.BlockPool`)."""
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None: ...
+
+
 @dataclass(slots=True)
 class KVCacheBlock:
     """Metadata of one KV-cache page."""
 
     block_id: int
     ref_cnt: int = 0
+    # The pool that owns the page (None: built outside a pool), so a list of pages from
+    # several pools (a device and a host pool) can be freed through either.
+    pool: OwningPool | None = field(default=None, repr=False, compare=False, kw_only=True)
     _block_hash: bytes | None = None
     # Prefix tokens the hash covers (a full block's end, or a position inside a state page).
     _block_hash_num_tokens: int | None = None

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.core.block_hashing import BlockHash
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.hybrid_cache_lookup import HybridCacheLookup
+from vllm.v1.core.hybrid_cache_lookup import SpecGroup as SpecGroup  # v0.33 exports it here
 from vllm.v1.core.kv_cache_block import KVCacheBlock
-from vllm.v1.core.kv_cache_sizing import partial_hash_hits_enabled
 from vllm.v1.core.prefix_retention import check_config_retention_interval, replay_boundaries
 from vllm.v1.core.single_type_kv_cache_manager import (
     CrossAttentionManager,
@@ -29,7 +29,7 @@ from vllm.v1.core.single_type_kv_cache_manager import (
     SingleTypeKVCacheManager,
     get_manager_for_kv_cache_spec,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from vllm.v1.request import Request
 
 if TYPE_CHECKING:
@@ -109,6 +109,7 @@ class KVCacheCoordinator(ABC):
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
             get_manager_for_kv_cache_spec(
                 kv_cache_spec=group.kv_cache_spec,
+                role=group.role,
                 max_in_flight_tokens=max_in_flight_tokens,
                 max_model_len=max_model_len,
                 block_pool=self.block_pool,
@@ -211,11 +212,13 @@ class KVCacheCoordinator(ABC):
         new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
         num_local_computed_tokens: int,
         num_external_computed_tokens: int,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
     ) -> None:
-        """Hand each group its prefix-hit pages, then pages for connector tokens. Every
-        group's hits are referenced before any group takes fresh pages: a fresh page may be an
-        unreferenced cached one, and evicting another group's hit would put one page in two
-        groups."""
+        """Hand each group its prefix-hit pages, then pages for connector tokens (if any;
+        ``skip_zeroing_group_ids``: groups whose connector pages an async load writes, so they
+        are not listed for zeroing). Every group's hits are referenced before any group takes
+        fresh pages: a fresh page may be an unreferenced cached one, and evicting another
+        group's hit would put one page in two groups."""
         managers = self.single_type_managers
         if any(request_id in manager.num_cached_block for manager in managers):
             assert not any(new_computed_blocks), "a running request cannot take new prefix hits"
@@ -224,9 +227,14 @@ class KVCacheCoordinator(ABC):
             manager.add_local_computed_blocks(
                 request_id, blocks, num_local_computed_tokens, num_external_computed_tokens
             )
-        for manager in managers:
+        if num_external_computed_tokens <= 0:
+            return
+        for group_id, manager in enumerate(managers):
             manager.allocate_external_computed_blocks(
-                request_id, num_local_computed_tokens, num_external_computed_tokens
+                request_id,
+                num_local_computed_tokens,
+                num_external_computed_tokens,
+                record_for_zeroing=group_id not in skip_zeroing_group_ids,
             )
 
     def allocate_new_blocks(
@@ -270,10 +278,33 @@ class KVCacheCoordinator(ABC):
                 replay_boundaries=boundaries,
             )
 
+    def emit_cached_block_events(
+        self, request: Request, computed_blocks: Sequence[Sequence[KVCacheBlock]]
+    ) -> None:
+        """Queue BlockStored events for each group's hit pages, in that group's pool."""
+        groups = self.kv_cache_config.kv_cache_groups
+        for group_id, group_blocks in enumerate(computed_blocks):
+            if group_blocks:
+                self.single_type_managers[group_id].block_pool.emit_cached_block_events(
+                    request, len(group_blocks), groups[group_id].kv_cache_spec.block_size, group_id
+                )
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix in each pool the groups use (each pool once); False
+        when a pool still has pages in use."""
+        pools = dict.fromkeys(m.block_pool for m in self.single_type_managers)
+        pools.setdefault(self.block_pool)
+        return all([pool.reset_prefix_cache() for pool in pools])
+
     def free(self, request_id: str) -> None:
         """Release the request's pages in every group."""
         for manager in self.single_type_managers:
             manager.free(request_id)
+
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        """Forget the request in every group and return its pages, group after group, without
+        freeing them (the caller frees them)."""
+        return [b for m in self.single_type_managers for b in m.pop_blocks_for_free(request_id)]
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         """Per group, the leading pages every request holding pages shares."""
@@ -373,7 +404,7 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
             block_hashes=block_hashes,
             max_length=max_cache_hit_length,
             kv_cache_group_ids=[0],
-            block_pool=self.block_pool,
+            block_pool=self.single_type_managers[0].block_pool,
             kv_cache_spec=self.kv_cache_spec,
             drop_eagle_block=0 in self.drop_eagle_group_ids,
             alignment_tokens=self.block_size,
@@ -381,10 +412,6 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
             pcp_world_size=self.pcp_world_size,
         )
         return hit, hit_length, 0  # one group: none lags another
-
-
-# One lookup unit of the hybrid coordinator: a spec, the groups sharing it, their manager class.
-AttentionGroup = tuple[KVCacheSpec, list[int], type[SingleTypeKVCacheManager]]
 
 
 class HybridKVCacheCoordinator(HybridCacheLookup, KVCacheCoordinator):
@@ -409,59 +436,6 @@ class HybridKVCacheCoordinator(HybridCacheLookup, KVCacheCoordinator):
                     f"block_size, got "
                     f"{self.hash_block_size} (group {i}: {group.kv_cache_spec.block_size})"
                 )
-
-    def _init_lookup(self) -> None:
-        groups = self.kv_cache_config.kv_cache_groups
-        self.num_groups = len(groups)
-        self.enable_partial_hash_hits = partial_hash_hits_enabled(
-            groups,
-            self.hash_block_size,
-            self.dcp_world_size,
-            [type(m) for m in self.single_type_managers],
-        )
-        self.verify_and_split_kv_cache_groups()
-        # Hits land on hash blocks when Mamba states may end inside their pages.
-        self.cache_hit_alignment_tokens = (
-            self.hash_block_size if self.enable_partial_hash_hits else self.lcm_block_size
-        )
-        for manager in self.single_type_managers:
-            manager.cache_hit_alignment_tokens = self.cache_hit_alignment_tokens
-
-    def verify_and_split_kv_cache_groups(self) -> None:
-        """Bundle groups with equal specs (one lookup serves them all), full attention first:
-        its cheap left-to-right scan bounds the others. Sets ``attention_groups``,
-        ``lcm_block_size`` (tokens) and ``eagle_attn_group_indices``."""
-        bundles: list[AttentionGroup] = []
-        for i, group in enumerate(self.kv_cache_config.kv_cache_groups):
-            manager_cls = type(self.single_type_managers[i])
-            for spec, group_ids, cls in bundles:
-                if spec == group.kv_cache_spec:
-                    assert cls is manager_cls, "equal specs must share a manager class"
-                    group_ids.append(i)
-                    break
-            else:
-                bundles.append((group.kv_cache_spec, [i], manager_cls))
-        if len(bundles) < 2:
-            raise ValueError(
-                "kv_cache_config: HybridKVCacheCoordinator expected at least two distinct "
-                f"group specs, got {len(bundles)}"
-            )
-        self.attention_groups = sorted(
-            bundles, key=lambda bundle: not isinstance(bundle[0], FullAttentionSpec)
-        )
-        # No partial-page hits: a hit length must be whole pages in every group.
-        self.lcm_block_size = lcm(
-            *(self.single_type_managers[ids[0]].block_size for _, ids, _ in bundles)
-        )
-        self.eagle_attn_group_indices = {
-            idx
-            for idx, (_, group_ids, _) in enumerate(self.attention_groups)
-            if self.drop_eagle_group_ids.intersection(group_ids)
-        }
-        # One lookup serves a bundle: its groups publish the same pages (EAGLE's extra one).
-        for idx in self.eagle_attn_group_indices:
-            for group_id in self.attention_groups[idx][1]:
-                self.single_type_managers[group_id].use_eagle = True
 
     def get_num_cacheable_tokens(self, num_computed_tokens: int, kv_cache_group_id: int) -> int:
         """Up to the last LCM segment boundary (hits are whole segments; no rounding with

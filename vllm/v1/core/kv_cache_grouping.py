@@ -13,7 +13,10 @@ A group is a set of layers sharing one block table. The layout rules:
 4. otherwise (hybrid) the pages are unified to one size P
    (:func:`~vllm.v1.core.page_size_unification.unify_kv_cache_spec_page_size`), layers with
    equal specs form a kind, and each kind of c layers is split into ``cdiv(c, g)`` groups of at
-   most g layers (``layers[i::n]``), so that a tensor can hold layer i of every group.
+   most g layers (``layers[i::n]``), so that a tensor can hold layer i of every group. When the
+   pages cannot be unified (an MLA page that does not divide the largest) and MLA layers sit
+   next to sliding-window ones, v0.33's fallback allocates the sliding-window layers as full
+   attention (compute unchanged) in one ``UniformTypeKVCacheSpecs`` group.
 
 The group size g is a policy (:class:`KVCacheLayoutPolicy`). Upstream's
 (:data:`UPSTREAM_LAYOUT`, the default of every upstream name): g = the smallest kind's count,
@@ -26,9 +29,10 @@ whose empty group slots are ≤ 5 % of all slots, and P searched more widely (se
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
 from vllm.utils.torch_utils import get_dtype_size
@@ -59,11 +63,14 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
     cdiv,
+    replace_as,
 )
 
 if TYPE_CHECKING:
     from vllm.config.vllm import VllmConfig
     from vllm.v1.kv_cache_layout import KVCacheLayout
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "PLANNER_LAYOUT",
@@ -172,36 +179,31 @@ def get_uniform_page_size(kv_cache_specs: Iterable[KVCacheSpec]) -> int:
     return page_sizes.pop()
 
 
-def _full_attention_like(spec: KVCacheSpec, block_size: int | None) -> KVCacheSpec:
-    """``spec`` cached as full attention, its window recorded (latent specs stay latent)."""
-    if isinstance(spec, SlidingWindowMLASpec):
-        return MLAAttentionSpec(
-            block_size=block_size if block_size is not None else spec.block_size,
-            num_kv_heads=spec.num_kv_heads,
-            head_size=spec.head_size,
-            dtype=spec.dtype,
-            kv_quant_mode=spec.kv_quant_mode,
-            page_size_padded=spec.page_size_padded,
-            cache_dtype_str=spec.cache_dtype_str,
-            alignment=spec.alignment,
-            compress_ratio=spec.compress_ratio,
-            model_version=spec.model_version,
-        )
-    if isinstance(spec, SlidingWindowSpec):
-        window: dict[str, int] = {"sliding_window": spec.sliding_window}
-    elif isinstance(spec, ChunkedLocalAttentionSpec):
-        window = {"attention_chunk_size": spec.attention_chunk_size}
-    else:
-        return spec
-    return FullAttentionSpec(
-        block_size=spec.block_size,
-        num_kv_heads=spec.num_kv_heads,
-        head_size=spec.head_size,
-        head_size_v=spec.head_size_v,
-        dtype=spec.dtype,
-        kv_quant_mode=spec.kv_quant_mode,
-        page_size_padded=spec.page_size_padded,
-        **window,
+_PROMOTIONS: tuple[tuple[type[AttentionSpec], type[AttentionSpec]], ...] = (
+    (SlidingWindowMLASpec, MLAAttentionSpec),
+    (SlidingWindowSpec, FullAttentionSpec),
+    (ChunkedLocalAttentionSpec, FullAttentionSpec),
+)
+"""Local-attention spec classes → the class they are cached as with full allocation (most
+derived first: a sliding-window MLA spec is also a sliding-window spec)."""
+
+
+def _full_attention_like(spec: AttentionSpec, block_size: int) -> AttentionSpec:
+    """``spec`` cached as full attention (latent specs stay latent), its window recorded, with
+    ``block_size`` tokens per block. A padded page keeps its padding, grown with the block when
+    the real page outgrows it. Only allocation changes: the layer still computes over its
+    window."""
+    target = next(dst for src, dst in _PROMOTIONS if isinstance(spec, src))
+    target_fields = {f.name for f in fields(target) if f.init}
+    padded = spec.page_size_padded
+    if padded is not None:
+        padded = max(padded, spec.real_page_size_bytes * block_size // spec.block_size)
+    return replace_as(
+        spec,
+        target,
+        drop=[f.name for f in fields(spec) if f.name not in target_fields],
+        block_size=block_size,
+        page_size_padded=padded,
     )
 
 
@@ -212,34 +214,60 @@ def _is_one_type(kv_cache_spec: dict[str, KVCacheSpec]) -> bool:
 
 
 def _promote_local_specs(kv_cache_spec: dict[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
-    """One sharding class's layers as one type: sliding-window and chunked-local layers cached
-    as full attention recording their window when the class also has full attention.
-    ``ValueError`` when the class still differs in type afterwards."""
+    """One set of layers as one type: when it has full attention next to sliding-window or
+    chunked-local layers, those are cached as full attention recording their window, with the
+    full-attention block size when there is one (else their own). ``ValueError`` when the
+    layers still differ in type afterwards."""
     if _is_one_type(kv_cache_spec):
         return kv_cache_spec
     specs = kv_cache_spec.values()
-    has_full = any(isinstance(s, FullAttentionSpec) for s in specs)
-    has_windowed = any(isinstance(s, (SlidingWindowSpec, ChunkedLocalAttentionSpec)) for s in specs)
-    block_size: int | None = None
-    if any(isinstance(s, SlidingWindowMLASpec) for s in specs):
-        # DeepSeek-V4: the latent sliding layers take the full-attention block size.
-        full = next((s for s in specs if isinstance(s, FullAttentionSpec)), None)
-        if full is None:
-            raise ValueError(
-                "kv_cache_spec: sliding-window MLA layers need a full-attention layer to be "
-                "cached with when the hybrid KV cache manager is disabled"
-            )
-        block_size = full.block_size
+    full_blocks = {s.block_size for s in specs if isinstance(s, FullAttentionSpec)}
+    local = tuple(src for src, _ in _PROMOTIONS)
     promoted = dict(kv_cache_spec)
-    if has_full and has_windowed:
-        promoted = {name: _full_attention_like(s, block_size) for name, s in promoted.items()}
+    if full_blocks and any(isinstance(s, local) for s in specs):
+        full_block = next(iter(full_blocks)) if len(full_blocks) == 1 else None
+        for name, spec in kv_cache_spec.items():
+            if isinstance(spec, local):
+                block = full_block if full_block is not None else spec.block_size
+                promoted[name] = _full_attention_like(spec, block)
     if not _is_one_type(promoted):
         raise ValueError(
-            "kv_cache_spec: the hybrid KV cache manager is disabled, but the layers' specs "
-            "cannot be turned into one type (that needs full attention next to the sliding-"
-            f"window or chunked layers); got {sorted({type(s).__name__ for s in specs})}"
+            "kv_cache_spec: the layers' specs cannot be turned into one type for full "
+            "allocation (that needs full attention next to the sliding-window or chunked "
+            f"layers); got {sorted({type(s).__name__ for s in specs})}"
         )
     return promoted
+
+
+def _full_allocation_fallback_groups(
+    kv_cache_spec: dict[str, KVCacheSpec],
+) -> list[KVCacheGroupSpec] | None:
+    """One group for MLA layers next to sliding-window layers whose pages cannot be unified:
+    the sliding-window layers are allocated as full attention (their compute keeps the
+    window), so every layer shares one block table. None when that does not apply (hidden-state,
+    sliding-window MLA or chunked layers; no MLA or no sliding window; no common type)."""
+    specs = kv_cache_spec.values()
+    if any(isinstance(s, (HiddenStateCacheSpec, SlidingWindowMLASpec)) for s in specs):
+        return None
+    if any(isinstance(s, ChunkedLocalAttentionSpec) for s in specs):
+        return None
+    if not (
+        any(isinstance(s, MLAAttentionSpec) for s in specs)
+        and any(isinstance(s, SlidingWindowSpec) for s in specs)
+    ):
+        return None
+    try:
+        promoted = _promote_local_specs(kv_cache_spec)
+    except ValueError:
+        return None
+    uniform = UniformTypeKVCacheSpecs.from_specs(promoted)
+    if uniform is None:
+        return None
+    logger.warning(
+        "KV cache pages cannot be unified to one size; sliding-window layers are allocated as "
+        "full attention (their attention compute is unchanged)"
+    )
+    return [KVCacheGroupSpec(list(uniform.kv_cache_specs), uniform)]
 
 
 def unify_hybrid_kv_cache_specs(kv_cache_spec: dict[str, KVCacheSpec]) -> None:
@@ -254,7 +282,14 @@ def unify_hybrid_kv_cache_specs(kv_cache_spec: dict[str, KVCacheSpec]) -> None:
         replicated = isinstance(spec, AttentionSpec) and not spec.dcp_sharded
         classes.setdefault(replicated, {})[name] = spec
     for specs in classes.values():
-        kv_cache_spec.update(_promote_local_specs(specs))
+        promoted = _promote_local_specs(specs)
+        if promoted != specs:
+            logger.warning(
+                "The hybrid KV cache manager is disabled: local-attention layers are cached "
+                "as full attention (no KV cache is freed outside their windows; their "
+                "attention compute is unchanged)"
+            )
+            kv_cache_spec.update(promoted)
 
 
 def _group_uniform_page_size(
@@ -419,7 +454,15 @@ def get_kv_cache_groups(
         groups = _get_kv_cache_groups_uniform_groups(grouped)
         _annotate_eagle_groups_deepseek_v4(vllm_config, kv_cache_spec, groups)
         return groups
-    rest = unify_kv_cache_spec_page_size(rest, policy.max_page_growth, policy.max_exact_page_growth)
+    try:
+        rest = unify_kv_cache_spec_page_size(
+            rest, policy.max_page_growth, policy.max_exact_page_growth
+        )
+    except NotImplementedError:
+        fallback = _full_allocation_fallback_groups(kv_cache_spec)
+        if fallback is None:
+            raise
+        return fallback
     groups = _group_uniform_page_size(rest, policy)
     if hidden:
         page = get_uniform_page_size(g.kv_cache_spec for g in groups)

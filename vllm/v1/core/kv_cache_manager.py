@@ -16,16 +16,18 @@ from itertools import chain
 from typing import TYPE_CHECKING, Literal, overload
 
 from vllm.distributed.kv_events import BlockStored, KVCacheEvent
+from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_block import KVCacheBlock, KVCacheBlockCopy
 from vllm.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
 from vllm.v1.core.mamba_manager import MambaManager
+from vllm.v1.core.truncated_hits import truncate_hit_blocks
 from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     get_kv_cache_spec_kind,
     get_kv_cache_spec_sliding_window,
 )
 from vllm.v1.metrics.stats import PrefixCacheStats
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
@@ -127,12 +129,15 @@ class KVCacheManager:
         dcp_world_size: int = 1,
         pcp_world_size: int = 1,
         metrics_collector: KVCacheMetricsCollector | None = None,
+        watermark: float = 0.0,
         *,
         max_num_batched_tokens: int | None = None,
         enable_mamba_shared_prefix_checkpoint: bool = False,
     ) -> None:
         if hash_block_size is None:
             raise TypeError("hash_block_size: expected tokens per block hash, got None")
+        if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or watermark < 0:
+            raise ValueError(f"watermark: expected a fraction of the pool >= 0, got {watermark!r}")
         if max_in_flight_tokens is not None and max_num_batched_tokens is not None:
             raise TypeError(
                 "max_num_batched_tokens: expected only max_in_flight_tokens (its v0.33 name), "
@@ -176,6 +181,15 @@ class KVCacheManager:
             if isinstance(manager, MambaManager):
                 manager.shared_prefix_checkpoint = self.mamba_shared_prefix_checkpoint
         self.kv_cache_config = kv_cache_config
+        # Free pages an admission (a waiting or preempted request) must leave, so admitting
+        # one does not force preempting another soon after.
+        self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
+        # Groups whose hits come back uncut (HiSparse sources): allocation trims them.
+        self.retained_hit_group_ids = tuple(
+            m.kv_cache_group_id
+            for m in self.coordinator.single_type_managers
+            if m.retains_longer_hit
+        )
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
         self.block_pool = self.coordinator.block_pool
         # Per group: (spec kind, sliding window) stamped on BlockStored events, so the pool
@@ -225,11 +239,7 @@ class KVCacheManager:
         # A request asking for "full" reports learns of its hit blocks too, not only of the
         # blocks it stores (the request carries the mode from its sampling params' extra_args).
         if num_hit_tokens and request.kv_cache_report_mode == "full":
-            groups = self.kv_cache_config.kv_cache_groups
-            for group_id, group_blocks in enumerate(blocks):
-                self.block_pool.emit_cached_block_events(
-                    request, len(group_blocks), groups[group_id].kv_cache_spec.block_size, group_id
-                )
+            self.coordinator.emit_cached_block_events(request, blocks)
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats.record(
                 num_tokens=request.num_tokens,
@@ -251,6 +261,8 @@ class KVCacheManager:
         num_encoder_tokens: int = 0,
         full_sequence_must_fit: bool = False,
         reserved_blocks: int = 0,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
+        has_scheduled_reqs: bool = True,
     ) -> KVCacheBlocks | None:
         """Slots for ``num_new_tokens`` tokens to compute (drafts included) after the request's
         computed tokens, its ``num_new_computed_tokens`` prefix-hit tokens
@@ -261,12 +273,17 @@ class KVCacheManager:
         refuse unless the whole request would fit (an admission gate for chunked prefill);
         ``delay_cache_blocks``: do not publish yet (KV arriving later from a remote instance);
         ``reserved_blocks``: free pages this allocation must leave to sequences already in
-        flight (an async connector load must not take what a running prefill relies on).
+        flight (an async connector load must not take what a running prefill relies on);
+        ``skip_zeroing_group_ids``: groups whose connector pages an async load writes (not
+        listed for zeroing, which would race the load). Admitting a waiting or preempted request
+        also leaves the ``watermark`` share of the pool free, unless nothing else is scheduled
+        this step (``has_scheduled_reqs`` False).
 
         Pages leaving an attention window are freed first, even when the answer is None."""
-        if num_new_tokens == 0 and num_external_computed_tokens == 0:
+        # A step may only adopt computed tokens (an async load, a chunk ending in a hit).
+        if num_new_tokens == 0 and num_external_computed_tokens + num_new_computed_tokens == 0:
             raise ValueError(
-                "num_new_tokens: expected > 0 when there are no external computed tokens, got 0"
+                "num_new_tokens: expected > 0 when there are no computed tokens to adopt, got 0"
             )
         if isinstance(reserved_blocks, bool) or not isinstance(reserved_blocks, int):
             raise TypeError(f"reserved_blocks: expected an int >= 0, got {reserved_blocks!r}")
@@ -277,11 +294,21 @@ class KVCacheManager:
             if new_computed_blocks is not None
             else self.empty_kv_cache_blocks.blocks
         )
+        if new_computed_blocks is not None and self.retained_hit_group_ids:
+            # A retained longer hit is kept only as far as the local and external hits reuse.
+            reused = num_new_computed_tokens + num_external_computed_tokens
+            trimmed = list(hit_blocks)
+            for group_id in self.retained_hit_group_ids:
+                block_size = self.coordinator.single_type_managers[group_id].block_size
+                trimmed[group_id] = trimmed[group_id][: cdiv(reused, block_size)]
+            hit_blocks = tuple(trimmed)
         num_local_computed = request.num_computed_tokens + num_new_computed_tokens
         num_computed = num_local_computed + num_external_computed_tokens
         total_computed = min(num_computed, self.max_model_len)
         # Where the scheduler ends the prefill (a resumed request replays its outputs too).
         prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
+        admitting = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        watermark = self.watermark_blocks if has_scheduled_reqs and admitting else 0
 
         def fits(
             num_tokens: int, computed: int, main_model: int, cap: bool, reserved: int = 0
@@ -301,7 +328,7 @@ class KVCacheManager:
 
         if full_sequence_must_fit:
             num_full = min(request.num_tokens, self.max_model_len)
-            if not fits(num_full, total_computed, num_full, cap=True):
+            if not fits(num_full, total_computed, num_full, cap=True, reserved=watermark):
                 return None
         num_tokens_main_model = total_computed + num_new_tokens
         num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens, self.max_model_len)
@@ -310,7 +337,11 @@ class KVCacheManager:
         # The reservation gates only this step's pages: the whole-sequence gate above asks
         # whether the request can ever finish, not whether it may start now.
         if not fits(
-            num_tokens_need_slot, num_computed, num_tokens_main_model, False, reserved_blocks
+            num_tokens_need_slot,
+            num_computed,
+            num_tokens_main_model,
+            False,
+            reserved_blocks + watermark,
         ):
             return None
         if hit_blocks is not self.empty_kv_cache_blocks.blocks or num_external_computed_tokens > 0:
@@ -320,6 +351,7 @@ class KVCacheManager:
                 new_computed_blocks=hit_blocks,
                 num_local_computed_tokens=num_local_computed,
                 num_external_computed_tokens=num_external_computed_tokens,
+                skip_zeroing_group_ids=skip_zeroing_group_ids,
             )
         new_blocks = self.coordinator.allocate_new_blocks(
             request.request_id, num_tokens_need_slot, num_tokens_main_model, num_encoder_tokens
@@ -334,6 +366,12 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Give back the request's pages, tail first (evicted before shared heads)."""
         self.coordinator.free(request.request_id)
+
+    def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
+        """Forget the request and return its pages (group after group, each in table order)
+        without freeing them: the caller frees them, tail first, once nothing reads them.
+        Its pending boundary-state offers are dropped with it."""
+        return self.coordinator.pop_blocks_for_free(request.request_id)
 
     def remove_skipped_blocks(
         self,
@@ -355,7 +393,7 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (after a weight update, or between benchmarks). False
         (nothing changed) while requests still hold pages."""
-        if not self.block_pool.reset_prefix_cache():
+        if not self.coordinator.reset_prefix_cache():
             return False
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats.reset = True
@@ -400,20 +438,52 @@ class KVCacheManager:
         """Wrap per-group pages; the shared empty answer when there are none."""
         return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
 
+    def truncate_computed_blocks(
+        self, blocks: KVCacheBlocks, num_computed_tokens: int
+    ) -> KVCacheBlocks:
+        """A lookup result (from :meth:`get_computed_blocks`) cut to its first
+        ``num_computed_tokens`` tokens, a multiple of every prefix-cacheable group's page. A
+        Mamba group's hit may end short of it (an external load supplies that state); every
+        other group's must reach it. A view: ``blocks`` and reference counts are untouched."""
+        return self.create_kv_cache_blocks(
+            truncate_hit_blocks(
+                blocks.blocks,
+                self.kv_cache_config.kv_cache_groups,
+                self.coordinator.single_type_managers,
+                num_computed_tokens,
+            )
+        )
+
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
-        """Drain the Mamba (align mode) states published since the last call, for a KV
-        connector to offload: ``{request id: [(group id, block id, boundary tokens), ...]}``.
+        """Drain the Mamba (align mode) states offered since the last call, for a KV
+        connector to offload: ``{request id: [(group id, block id, boundary tokens), ...]}``
+        (a prompt tail ending inside its page is offered as the copy its next step makes).
         A block is valid only until its request is freed."""
         offloads: dict[str, list[tuple[int, int, int]]] = {}
         for manager in self.coordinator.single_type_managers:
-            if isinstance(manager, MambaManager):
-                for (
-                    request_id,
-                    group_id,
-                    block,
-                    boundary,
-                ) in manager.take_pending_boundary_state_offloads():
-                    offloads.setdefault(request_id, []).append((group_id, block.block_id, boundary))
+            for (
+                request_id,
+                group_id,
+                block,
+                boundary,
+            ) in manager.take_pending_boundary_state_offloads():
+                offloads.setdefault(request_id, []).append((group_id, block.block_id, boundary))
+        return offloads
+
+    def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
+        """For a finishing request, ``(group id, block id, boundary tokens)`` of each prompt
+        tail it published inside a state page and has not offered yet: the table page itself,
+        valid only when the request stopped exactly at the boundary with nothing in flight.
+        Each tail is consumed by the first call; the connector must pin the page before the
+        request is freed."""
+        offloads: list[tuple[int, int, int]] = []
+        for manager in self.coordinator.single_type_managers:
+            tail = manager.finalize_partial_tail_offload(
+                request.request_id, request.num_computed_tokens, request.num_in_flight_tokens
+            )
+            if tail is not None:
+                group_id, block, boundary = tail
+                offloads.append((group_id, block.block_id, boundary))
         return offloads
 
     def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:

@@ -144,7 +144,24 @@ def get_kv_cache_config_from_groups(
     vllm_config: VllmConfig, kv_cache_groups: list[KVCacheGroupSpec], available_memory: int
 ) -> KVCacheConfig:
     """The config with the most blocks that fit in ``available_memory`` bytes (or the
-    override): HiSparse's device and host pools when it is on."""
+    override): HiSparse's device and host pools when it is on. As upstream v0.33, the cache
+    layout must be resolved (``cache_config.kv_cache_layout``) unless there are no groups or
+    HiSparse places them: ``ValueError`` otherwise."""
+    layout_free = not kv_cache_groups or _hisparse_on(vllm_config)
+    if not layout_free and vllm_config.cache_config.kv_cache_layout is None:
+        raise ValueError(
+            "cache_config.kv_cache_layout: the KV cache layout has not been resolved (None); "
+            "resolve_kv_cache_layout sets it once from the backends, or set it explicitly"
+        )
+    return _config_from_groups(vllm_config, kv_cache_groups, available_memory)
+
+
+def _config_from_groups(
+    vllm_config: VllmConfig, kv_cache_groups: list[KVCacheGroupSpec], available_memory: int
+) -> KVCacheConfig:
+    """:func:`get_kv_cache_config_from_groups` that also plans an unresolved layout v0.22's
+    way: the cross-worker flow, which v0.22's ``kv_cache_utils.get_kv_cache_configs`` callers
+    reach without a layout."""
     if kv_cache_groups and _hisparse_on(vllm_config):
         return get_hisparse_kv_cache_config(
             vllm_config,
@@ -188,9 +205,9 @@ class DefaultKVCacheConfigBuilder(KVCacheConfigBuilder):
         self, vllm_config: VllmConfig, kv_cache_groups: list[KVCacheGroupSpec], num_blocks: int
     ) -> KVCacheConfig:
         if not kv_cache_groups:
-            return get_kv_cache_config_from_groups(vllm_config, kv_cache_groups, 0)
+            return _config_from_groups(vllm_config, kv_cache_groups, 0)
         memory = num_blocks * self.pool_bytes_per_block(vllm_config, kv_cache_groups)
-        return get_kv_cache_config_from_groups(vllm_config, kv_cache_groups, memory)
+        return _config_from_groups(vllm_config, kv_cache_groups, memory)
 
     def pool_bytes_per_block(
         self, vllm_config: VllmConfig, kv_cache_groups: list[KVCacheGroupSpec]

@@ -90,10 +90,13 @@ from vllm.v1.core.kv_cache_grouping import (
 from vllm.v1.core.kv_cache_planning import (
     get_global_kv_cache_groups,
     get_kv_cache_capacity,
-    get_kv_cache_config_from_groups,
     get_kv_cache_configs,
     get_kv_cache_groups,
 )
+
+# get_kv_cache_config_from_groups here is v0.22's planner (v0.22 exported it from this module);
+# v0.33's, in kv_cache_planning, refuses the unresolved layout v0.22 callers and `vllm-kv plan`
+# still hand it.
 from vllm.v1.core.kv_cache_sizing import (
     InsufficientKVCacheMemoryError,
     _auto_fit_max_model_len,
@@ -104,6 +107,7 @@ from vllm.v1.core.kv_cache_sizing import (
     _pool_bytes_per_block,
     check_enough_kv_cache_memory,
     estimate_max_model_len,
+    get_kv_cache_config_from_groups,
     get_max_concurrency_for_kv_cache_config,
     get_num_blocks,
     kv_cache_memory_for_blocks,

@@ -25,8 +25,8 @@ from vllm.v1.core.block_hashing import (
 )
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_block import KVCacheBlock
+from vllm.v1.core.partial_state_handoff import MambaStateHandoff
 from vllm.v1.core.single_type_manager_base import (
-    SingleTypeKVCacheManager,
     expect_no_context_parallel,
     expect_spec,
 )
@@ -39,7 +39,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.request import Request
 
 
-class MambaManager(SingleTypeKVCacheManager):
+class MambaManager(MambaStateHandoff):
     """Mamba state pages of one KV cache group (see the module docstring for the modes)."""
 
     supports_fine_grained_hash_lookup: ClassVar[bool] = True
@@ -68,14 +68,6 @@ class MambaManager(SingleTypeKVCacheManager):
         # align mode: request id -> (checkpoint position in tokens, index of the page that
         # saves it) for the step being allocated.
         self._checkpoints: dict[str, tuple[int, int]] = {}
-        # align mode: (request id, group id, page, boundary in tokens) of each state published
-        # since the last take_pending_boundary_state_offloads. The table is not append-only
-        # (old states are nulled), so a connector offloading states needs the page itself.
-        self._pending_boundary_state_offloads: list[tuple[str, int, KVCacheBlock, int]] = []
-
-    @property
-    def _align(self) -> bool:
-        return self.mamba_cache_mode == "align"
 
     @classmethod
     def find_longest_cache_hit(
@@ -335,46 +327,12 @@ class MambaManager(SingleTypeKVCacheManager):
         self._allocated_block_reqs.add(request_id)
         return returned + fresh
 
-    def _copy_partial_page(
-        self, request_id: str, running: bool, index: int, source: KVCacheBlock
-    ) -> KVCacheBlock:
-        """Queue the copy of the shared state page ``source`` (at ``index``) into a fresh page.
-        A new request reads the copy in place of ``source``; a running one keeps writing
-        ``source`` (a running block table only grows), so the copy takes over its key. Each
-        page keeps one reference for the copy (see take_pending_cow_copies)."""
-        copy = self.block_pool.get_new_blocks(1)[0]
-        blocks = self.req_to_blocks[request_id]
-        assert blocks[index] is source and not source.is_null
-        if running:
-            self.block_pool.move_block_hash(source, copy)
-            source.ref_cnt += 1
-            if copy.block_hash is not None:
-                # Filled only by this step's copy: no hit on it before the step ends.
-                self.cached_blocks_this_step.add(copy.block_hash)
-        else:
-            blocks[index] = copy
-            copy.ref_cnt += 1
-        self._pending_cow_copies.append((source, copy))
-        return copy
-
     def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
         self._allocated_block_reqs.discard(request_id)
         self.last_state_block_idx.pop(request_id, None)
         self._num_retired_blocks.pop(request_id, None)
         self._checkpoints.pop(request_id, None)
-        # The pages go back to the pool now: an offer not yet taken would name a page another
-        # request may be handed.
-        self._pending_boundary_state_offloads = [
-            entry for entry in self._pending_boundary_state_offloads if entry[0] != request_id
-        ]
         return super().pop_blocks_for_free(request_id)
-
-    def take_pending_boundary_state_offloads(self) -> list[tuple[str, int, KVCacheBlock, int]]:
-        """Drain the ``(request id, group id, page, boundary tokens)`` states published since
-        the last call (align mode). A page stays valid only until its request frees it: a
-        caller reading it later must hold a reference."""
-        pending, self._pending_boundary_state_offloads = self._pending_boundary_state_offloads, []
-        return pending
 
     @classmethod
     def reachable_block_mask(
@@ -449,9 +407,7 @@ class MambaManager(SingleTypeKVCacheManager):
             self.cached_blocks_this_step.add(block.block_hash)
             if self._align:
                 boundary = block.block_hash_num_tokens or (index + 1) * self.block_size
-                self._pending_boundary_state_offloads.append(
-                    (request.request_id, self.kv_cache_group_id, block, boundary)
-                )
+                self._offer_boundary_state(request.request_id, block, boundary)
 
     def _publish_checkpoint(self, request: Request, retention_interval: int | None) -> bool:
         """Key the checkpoint page of this step by the prefix hash at its position, replacing
@@ -473,7 +429,7 @@ class MambaManager(SingleTypeKVCacheManager):
         if position % self.block_size:
             # Partial hash hits: the state ends inside a page.
             key = self.block_pool.cache_partial_block(
-                request, block, position, self.kv_cache_group_id
+                request, block, position, self.kv_cache_group_id, block_size=self.block_size
             )
             if key is not None:
                 self.cached_blocks_this_step.add(key)
@@ -524,52 +480,6 @@ class MambaManager(SingleTypeKVCacheManager):
             retention_interval=retention_interval,
         )
         return mask is None or mask[0]
-
-    def _publish_prompt_tail(self, request: Request, num_tokens: int) -> None:
-        """With partial hash hits, key the running state page by the hash at the prompt's last
-        reusable position when this step ends there inside a page (a replay of the prompt
-        resumes there). The next step overwrites the page, so the request copies it first."""
-        hash_block_size = self.block_pool.hash_block_size
-        if not self._align or self.cache_hit_alignment_tokens >= self.block_size:
-            return
-        position = get_mamba_prefill_checkpoint_position(
-            request.num_prompt_tokens,
-            hash_block_size,
-            self.drop_eagle_checkpoint_block,
-            self.block_pool.num_hash_lookahead_tokens,
-        )
-        junction = request.shared_prefix_boundary
-        if (
-            self.shared_prefix_checkpoint
-            and num_tokens == junction
-            and request.num_computed_tokens < junction <= request.num_prompt_tokens
-            and junction % hash_block_size == 0
-        ):
-            # Where a sibling was seen to diverge and this chunk ends: it resumes there. Only
-            # during the prompt: a decode step's state page changes in place.
-            position = junction
-        if (
-            num_tokens != position
-            or position % self.block_size == 0
-            or len(request.block_hashes) * hash_block_size < position
-        ):
-            return
-        index = position // self.block_size
-        blocks = self.req_to_blocks[request.request_id]
-        if index >= len(blocks) or blocks[index].is_null:
-            return
-        block = blocks[index]
-        if block.block_hash_num_tokens == position:
-            return  # keyed here already (its own hit): re-keying would defer its siblings
-        key = self.block_pool.cache_partial_block(request, block, position, self.kv_cache_group_id)
-        if key is None:
-            return
-        self.cached_blocks_this_step.add(key)
-        self._partial_hit_reqs[request.request_id] = (index, block)
-        self.num_cached_block[request.request_id] = index
-        self._pending_boundary_state_offloads.append(
-            (request.request_id, self.kv_cache_group_id, block, position)
-        )
 
     def new_step_starts(self) -> None:
         self.cached_blocks_this_step.clear()

@@ -1,5 +1,14 @@
 """Page-size unification: the specs of a hybrid model's layers → one page size P.
 
+Two policies. Upstream v0.33's (the default bounds 1, 1; :func:`unify_kv_cache_spec_page_size`
+without bounds): P is the largest page; a smaller page that divides P grows its block size by
+the ratio, a Mamba page is padded to P (its block size, the caching granularity, unchanged), and
+a K/V attention page that does not divide P is padded to P as well (v0.22 refused it). A latent
+(MLA) page that does not divide P raises :class:`PageSizeUnificationError`: sparse MLA indexes
+its cache in whole token rows, so its block stride cannot be padded to an arbitrary size; the
+grouping then tries the full-allocation fallback. The rest of this docstring is the planner's
+policy (bounds :data:`MAX_PAGE_GROWTH`, :data:`MAX_EXACT_PAGE_GROWTH`).
+
 In the hybrid allocator layout (:mod:`vllm.v1.core.kv_cache_utils`) all groups draw block ids
 from one pool and layers at the same position in each group share one tensor, so every page
 must have one size P. The policy:
@@ -13,7 +22,7 @@ must have one size P. The policy:
 - plain attention pages (K/V, not latent) are **never padded**: the worker splits a page of
   ``block_size`` slots into kernel blocks (the largest size the backend supports that
   divides it, e.g. FlashInfer's 16/32/64) and rejects a padded page it would have to split
-  (``attn_utils._attention_view``). So P is a multiple of L = lcm(base pages of the plain
+  (``init_layer_kv_caches._attention_view``). So P is a multiple of L = lcm(base pages of the plain
   attention specs), and each such spec takes block ``block_size × P / page`` — a multiple
   of the requested block size with a page of exactly P. E.g. GPT-OSS nvfp4 with bf16
   sliding-window layers (H=8, D=64): 32768 B and 9216 B per 16 tokens, L = 294912 B, so
@@ -45,7 +54,14 @@ from collections.abc import Mapping
 from dataclasses import replace
 from fractions import Fraction
 
-from vllm.v1.kv_cache_interface import KVCacheSpec, LatentPageSpec, MambaSpec, cdiv
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    KVCacheSpec,
+    LatentPageSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    cdiv,
+)
 
 __all__ = [
     "MAX_EXACT_PAGE_GROWTH",
@@ -87,17 +103,51 @@ def _is_plain_attention(spec: KVCacheSpec) -> bool:
     )
 
 
+def _unify_to_largest_page(kv_cache_specs: Mapping[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
+    """Upstream v0.33's rule: every page becomes the largest one, P bytes. A page dividing P
+    grows its block size by the ratio (Mamba excepted: its page does not scale with the block
+    size); Mamba pages and K/V attention pages that do not divide P are padded to P, block size
+    unchanged. :class:`PageSizeUnificationError` for any other page that does not divide P (a
+    latent MLA page, whose cache is addressed in whole token rows)."""
+    target = max(spec.page_size_bytes for spec in kv_cache_specs.values())
+    unified: dict[str, KVCacheSpec] = {}
+    for name, spec in kv_cache_specs.items():
+        page = spec.page_size_bytes
+        if page == target:
+            new = spec
+        elif isinstance(spec, MambaSpec) or (
+            target % page != 0
+            and isinstance(spec, AttentionSpec)
+            and not isinstance(spec, MLAAttentionSpec)
+        ):
+            new = replace(spec, page_size_padded=target)  # type: ignore[type-var]
+        elif target % page == 0:
+            new = replace(spec, block_size=spec.block_size * (target // page))  # type: ignore[type-var]
+        else:
+            raise PageSizeUnificationError(
+                f"kv_cache_specs: layer {name!r} has a {page}-byte page that does not divide "
+                f"the largest page ({target} bytes) and cannot be padded (only Mamba and "
+                f"non-MLA attention pages can); got {type(spec).__name__}"
+            )
+        if new.page_size_bytes != target:
+            raise PageSizeUnificationError(
+                f"kv_cache_specs: layer {name!r} ({type(spec).__name__}) cannot reach the "
+                f"{target}-byte page: got {new.page_size_bytes} bytes"
+            )
+        unified[name] = new
+    return unified
+
+
 def unify_kv_cache_spec_page_size(
     kv_cache_specs: Mapping[str, KVCacheSpec],
     max_page_growth: int = 1,
     max_exact_page_growth: int = 1,
 ) -> dict[str, KVCacheSpec]:
-    """The same layers with one page size P (policy in the module docstring).
+    """The same layers with one page size P (policies in the module docstring).
 
-    The default bounds (1, 1) are upstream's semantics: P is the largest page and every plain
-    attention page must divide it (its block size grows by the ratio), else
-    :class:`PageSizeUnificationError` (a ``NotImplementedError``, as upstream); the planner
-    passes :data:`MAX_PAGE_GROWTH` and :data:`MAX_EXACT_PAGE_GROWTH`.
+    The default bounds (1, 1) select upstream v0.33's rule (:func:`_unify_to_largest_page`);
+    the planner passes :data:`MAX_PAGE_GROWTH` and :data:`MAX_EXACT_PAGE_GROWTH` for the search
+    below. ``ValueError`` when a bound is below 1.
 
     Plain attention specs get block sizes that are integer multiples of their own with pages
     of exactly P (never padded: the worker splits their pages into kernel blocks and rejects
@@ -107,9 +157,17 @@ def unify_kv_cache_spec_page_size(
     have no common multiple within ``max_exact_page_growth`` × the largest base page
     (:class:`PageSizeUnificationError`).
     """
+    for name, bound in (
+        ("max_page_growth", max_page_growth),
+        ("max_exact_page_growth", max_exact_page_growth),
+    ):
+        if isinstance(bound, bool) or not isinstance(bound, int) or bound < 1:
+            raise ValueError(f"{name}: expected an int >= 1, got {bound!r}")
     distinct = list(dict.fromkeys(kv_cache_specs.values()))
     if len({s.page_size_bytes for s in distinct}) <= 1:
         return dict(kv_cache_specs)
+    if max_page_growth == 1 and max_exact_page_growth == 1:
+        return _unify_to_largest_page(kv_cache_specs)
     counts = {spec: 0 for spec in distinct}
     for spec in kv_cache_specs.values():
         counts[spec] += 1

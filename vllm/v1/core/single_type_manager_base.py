@@ -68,6 +68,8 @@ class SingleTypeKVCacheManager(ABC):
 
     ``supports_fine_grained_hash_lookup``: the kind can take a prefix hit ending inside one of
     its pages (hash-block granularity), which partial hash hits of Mamba models need.
+    ``retains_longer_hit``: the hybrid lookup leaves this full-attention kind's hit uncut at
+    the reconciled length; allocation keeps only what the local and external hits reuse.
 
     ``block_size`` is in tokens; with decode context parallelism one logical block of a sharded
     group covers ``block_size * dcp_world_size`` tokens (PCP does not widen it, as v0.33).
@@ -81,6 +83,8 @@ class SingleTypeKVCacheManager(ABC):
     """
 
     supports_fine_grained_hash_lookup: ClassVar[bool] = False
+    # Keeps its own hit past the reconciled length (until an external lookup settles it).
+    retains_longer_hit: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -303,6 +307,18 @@ class SingleTypeKVCacheManager(ABC):
         pair carries one extra reference for the copy: release both once it has run."""
         pending, self._pending_cow_copies = self._pending_cow_copies, []
         return pending
+
+    def take_pending_boundary_state_offloads(self) -> list[tuple[str, int, KVCacheBlock, int]]:
+        """Drain the ``(request id, group id, page, boundary tokens)`` state pages offered to a
+        KV connector since the last call; only Mamba align mode offers any."""
+        return []
+
+    def finalize_partial_tail_offload(
+        self, request_id: str, num_computed_tokens: int, num_in_flight_tokens: int
+    ) -> tuple[int, KVCacheBlock, int] | None:
+        """``(group id, page, boundary tokens)`` of a finishing request's prompt tail still to
+        offer; only Mamba align mode has any."""
+        return None
 
     def cache_blocks(
         self,
