@@ -8,9 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Literal
 
-__all__ = ["ModelConfig"]
+import torch
+
+__all__ = ["ModelConfig", "ModelDType"]
+
+ModelDType = Literal["auto", "half", "float16", "bfloat16", "float", "float32"] | torch.dtype
+"""What ``ModelConfig.dtype`` accepts: upstream's names, or a torch dtype."""
 
 
 @dataclass
@@ -22,7 +27,7 @@ class ModelConfig:
 
     model: str = "Qwen/Qwen3-0.6B"
     runner: str = "auto"
-    dtype: str = "auto"
+    dtype: ModelDType = "auto"
     max_model_len: int | None = None
     original_max_model_len: int | None = None
     is_encoder_decoder: bool = False

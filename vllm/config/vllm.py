@@ -7,9 +7,11 @@ from dataclasses import dataclass, field
 
 from vllm.config.attention import AttentionConfig
 from vllm.config.cache import CacheConfig
+from vllm.config.compilation import CompilationConfig
 from vllm.config.device import DeviceConfig
 from vllm.config.kv_events import KVEventsConfig
 from vllm.config.kv_transfer import KVTransferConfig
+from vllm.config.load import LoadConfig
 from vllm.config.model import ModelConfig
 from vllm.config.parallel import ParallelConfig
 from vllm.config.scheduler import SchedulerConfig
@@ -33,6 +35,9 @@ class VllmConfig:
     kv_transfer_config: KVTransferConfig | None = None
     kv_events_config: KVEventsConfig | None = None
     attention_config: AttentionConfig = field(default_factory=AttentionConfig)
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
+    """CUDA-graph mode and the model's attention layers by name (``static_forward_context``)."""
+    load_config: LoadConfig = field(default_factory=LoadConfig)
     instance_id: str = ""
     """This engine's id (names its shared offload region); empty: five random hex digits."""
 

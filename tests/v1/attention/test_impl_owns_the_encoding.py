@@ -22,7 +22,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheTensor,
 )
 from vllm.v1.worker.attention_kv_cache import AttentionKVCache
-from vllm.v1.worker.gpu.attn_utils import init_kv_cache
+from vllm.v1.worker.gpu.attn_utils import init_layer_kv_caches
 
 pytest.importorskip("vllm._custom_ops")
 
@@ -93,7 +93,9 @@ def test_an_engine_driving_the_impl_gets_what_the_cache_gets(encoding: str, back
         kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
     )
     backend_cls = BACKENDS[backend]
-    kv_cache = init_kv_cache(config, [backend_cls], "cpu", model_dtype=torch.float32)["layer"]
+    kv_cache = init_layer_kv_caches(config, [backend_cls], "cpu", model_dtype=torch.float32)[
+        "layer"
+    ]
     impl = backend_cls.get_impl_cls()(
         HQ, D, num_kv_heads=H, kv_cache_dtype=encoding,
         key_rope=ROPE if enc.key.prerope else None,

@@ -27,7 +27,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     KVCacheTensor,
 )
-from vllm.v1.worker.gpu.attn_utils import init_kv_cache
+from vllm.v1.worker.gpu.attn_utils import init_layer_kv_caches
 
 pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
 
@@ -69,7 +69,7 @@ def make_cache(
         kv_cache_groups=[KVCacheGroupSpec(["l"], spec)],
     )
     with kv_cache_layout(layout):
-        caches = init_kv_cache(
+        caches = init_layer_kv_caches(
             config, [ReferenceAttentionBackend], device, model_dtype=torch.float32, cache_dtype=kind
         )
     return split_kv_cache(caches["l"])

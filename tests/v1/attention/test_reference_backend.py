@@ -29,7 +29,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheTensor,
     KVQuantMode,
 )
-from vllm.v1.worker.gpu.attn_utils import init_kv_cache
+from vllm.v1.worker.gpu.attn_utils import init_layer_kv_caches
 
 pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
 
@@ -62,7 +62,7 @@ def make_cache(
         kv_cache_groups=[KVCacheGroupSpec(["l"], spec)],
     )
     with kv_cache_layout(layout):
-        caches = init_kv_cache(
+        caches = init_layer_kv_caches(
             config,
             [ReferenceAttentionBackend],
             device,

@@ -20,7 +20,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheTensor,
 )
 from vllm.v1.worker.attention_kv_cache import AttentionKVCache
-from vllm.v1.worker.gpu.attn_utils import init_kv_cache
+from vllm.v1.worker.gpu.attn_utils import init_layer_kv_caches
 
 H, HQ, D = 2, 4, 64
 ROPE = KeyRope.from_base(D, 64)
@@ -76,7 +76,7 @@ def test_init_kv_cache_on_a_cuda_device_without_cuda_is_a_value_error(
         kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
     )
     with pytest.raises(ValueError, match=re.escape(NO_CUDA.format("cuda"))):
-        init_kv_cache(config, {"layer": CPUAttentionBackend}, "cuda")
+        init_layer_kv_caches(config, {"layer": CPUAttentionBackend}, "cuda")
 
 
 def _kv() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -38,7 +38,7 @@ from vllm.v1.worker.gpu.attn_utils import (
     _paged_view,
     _reshape_kv_cache,
     get_kv_cache_scale_layouts,
-    init_kv_cache,
+    init_layer_kv_caches,
     select_kernel_block_size,
     spec_cache_dtype_str,
 )
@@ -308,9 +308,9 @@ def test_init_kv_cache_validates_before_allocating(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(torch, "zeros", counting_zeros)
     with pytest.raises(ValueError, match=r"layer 'l0'.*FlashInfer needs an NVIDIA GPU.*REFERENCE"):
-        init_kv_cache(config, [FlashInferBackend], "cpu")
+        init_layer_kv_caches(config, [FlashInferBackend], "cpu")
     assert allocations == []
-    caches = init_kv_cache(config, [ReferenceAttentionBackend], "cpu")
+    caches = init_layer_kv_caches(config, [ReferenceAttentionBackend], "cpu")
     assert allocations == ["meta", "cpu"]
     assert tuple(caches["l0"].shape) == (4, 2, 16, 8, 72)
     assert math.prod(caches["l0"].shape) == spec.page_size_bytes * 4
@@ -327,13 +327,13 @@ def test_init_kv_cache_mla_and_mamba_hybrid() -> None:
         ],
         kv_cache_groups=[KVCacheGroupSpec(["mla"], mla), KVCacheGroupSpec(["ssm"], mamba)],
     )
-    caches = init_kv_cache(config, {"mla": MLACommonBackend}, "cpu")
+    caches = init_layer_kv_caches(config, {"mla": MLACommonBackend}, "cpu")
     assert tuple(caches["mla"].shape) == (3, 64, 584)
     assert [tuple(t.shape) for t in caches["ssm"]] == [(3, 4, 8)]
     with pytest.raises(ValueError, match=r"layer 'mla'.*FlashInfer needs an NVIDIA GPU"):
-        init_kv_cache(config, {"mla": FlashInferBackend}, "cpu")
+        init_layer_kv_caches(config, {"mla": FlashInferBackend}, "cpu")
     with pytest.raises(ValueError, match=r"layer 'mla'.*REFERENCE serves no MLA layers"):
-        init_kv_cache(config, {"mla": ReferenceAttentionBackend}, "cpu")
+        init_layer_kv_caches(config, {"mla": ReferenceAttentionBackend}, "cpu")
 
 
 # ------------------------------------------------------------------------ scale layouts

@@ -1,6 +1,6 @@
 """The raw KV-cache buffers (``vllm/v1/worker/gpu/kv_cache_buffers.py``): every layer covered
 by exactly one ``KVCacheTensor``, and each layer's buffer num_blocks whole pages of its spec,
-checked before anything is allocated (``_allocate_kv_cache``, ``init_kv_cache``, and
+checked before anything is allocated (``_allocate_kv_cache``, ``init_layer_kv_caches``, and
 ``_reshape_kv_cache`` for caller-given buffers)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from kv_cache_test_utils import attn_spec, one_group
 
 from vllm.v1.attention.backends import ReferenceAttentionBackend
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, KVQuantMode
-from vllm.v1.worker.gpu.attn_utils import _reshape_kv_cache, init_kv_cache
+from vllm.v1.worker.gpu.attn_utils import _reshape_kv_cache, init_layer_kv_caches
 from vllm.v1.worker.gpu.kv_cache_buffers import _allocate_kv_cache
 
 
@@ -98,18 +98,18 @@ def test_tensor_size_mismatch_is_an_error_before_allocation(
     with monkeypatch.context() as patch:
         patch.setattr(torch, "zeros", no_allocation)
         with pytest.raises(ValueError, match=message):
-            init_kv_cache(config, [ReferenceAttentionBackend], "cpu", cache_dtype="nvfp4")
+            init_layer_kv_caches(config, [ReferenceAttentionBackend], "cpu", cache_dtype="nvfp4")
         with pytest.raises(ValueError, match=message):
             _allocate_kv_cache(config, "meta")
 
 
 def test_tensor_with_more_whole_pages_is_allowed() -> None:
     """As upstream: a layer's page count is its buffer's whole pages, at least num_blocks."""
-    cache = init_kv_cache(
+    cache = init_layer_kv_caches(
         _nvfp4_config(10 * 9216), [ReferenceAttentionBackend], "cpu", cache_dtype="nvfp4"
     )
     assert cache["layer.0"].shape[0] == 10
-    empty = init_kv_cache(_nvfp4_config(0, 0), [ReferenceAttentionBackend], "cpu")
+    empty = init_layer_kv_caches(_nvfp4_config(0, 0), [ReferenceAttentionBackend], "cpu")
     assert empty["layer.0"].shape[0] == 0
 
 

@@ -9,7 +9,7 @@ from kv_cache_test_utils import attn_spec, one_group
 
 from vllm.v1.attention.backends import ReferenceAttentionBackend
 from vllm.v1.kv_cache_interface import KVCacheGroupSpec
-from vllm.v1.worker.gpu.attn_utils import init_kv_cache
+from vllm.v1.worker.gpu.attn_utils import init_layer_kv_caches
 from vllm.v1.worker.utils import add_kv_sharing_layers_to_kv_cache_groups
 
 SPEC = attn_spec(num_kv_heads=2, head_size=64)
@@ -43,7 +43,7 @@ def test_init_kv_cache_gives_a_sharing_layer_its_targets_tensor(listed: bool) ->
     config = one_group(SPEC, 4 * PAGE, layers=("a", "b"))
     if listed:  # the runner has already added the sharing layer to the group
         add_kv_sharing_layers_to_kv_cache_groups({"c": "a"}, config.kv_cache_groups)
-    caches = init_kv_cache(
+    caches = init_layer_kv_caches(
         config, [ReferenceAttentionBackend], "cpu", shared_kv_cache_layers={"c": "a"}
     )
     assert caches["c"] is caches["a"] and caches["b"] is not caches["a"]
@@ -54,4 +54,6 @@ def test_init_kv_cache_gives_a_sharing_layer_its_targets_tensor(listed: bool) ->
 def test_init_kv_cache_refuses_a_sharing_layer_with_its_own_buffer() -> None:
     config = one_group(SPEC, 4 * PAGE, layers=("a", "b"))
     with pytest.raises(ValueError, match=r"shared_kv_cache_layers\['b'\]: expected a layer"):
-        init_kv_cache(config, [ReferenceAttentionBackend], "cpu", shared_kv_cache_layers={"b": "a"})
+        init_layer_kv_caches(
+            config, [ReferenceAttentionBackend], "cpu", shared_kv_cache_layers={"b": "a"}
+        )

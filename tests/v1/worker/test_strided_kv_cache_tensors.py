@@ -1,7 +1,8 @@
 """The worker honours upstream v0.33's strided ``KVCacheTensor`` (layer ``l``'s page of block
 ``b`` at ``offset + l * layer_stride + b * block_stride`` in one backing shared by every device
-tensor; host-resident tensors in a host backing): ``init_kv_cache`` (backend-shaped views) and
-``allocate_kv_cache`` (upstream's ``[B, H, N, C]`` views), with the checks before allocating."""
+tensor; host-resident tensors in a host backing): ``init_layer_kv_caches`` (backend-shaped
+views) and ``allocate_kv_cache`` (upstream's ``[B, H, N, C]`` views), with the checks before
+allocating."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheTensor,
     MambaSpec,
 )
-from vllm.v1.worker.gpu.attn_utils import _reshape_kv_cache, init_kv_cache
+from vllm.v1.worker.gpu.attn_utils import _reshape_kv_cache, init_layer_kv_caches
 from vllm.v1.worker.gpu.kv_cache_buffers import _allocate_kv_cache, allocate_tensor_backings
 from vllm.v1.worker.utils import allocate_kv_cache
 
@@ -66,7 +67,9 @@ def test_layers_share_one_tensor_at_layer_and_block_stride(offset: int) -> None:
 
 def test_pages_of_neighbouring_layers_stay_apart() -> None:
     config = _block_outer_config()
-    views = init_kv_cache(config, [ReferenceAttentionBackend], "cpu", model_dtype=torch.float32)
+    views = init_layer_kv_caches(
+        config, [ReferenceAttentionBackend], "cpu", model_dtype=torch.float32
+    )
     views["a"].fill_(1.0)
     views["b"].fill_(2.0)
     assert bool((views["a"] == 1.0).all()) and bool((views["b"] == 2.0).all())
@@ -79,7 +82,7 @@ def test_groups_overlay_one_backing() -> None:
         for name in ("g0", "g1")
     ]
     config = _config(tensors, [["g0"], ["g1"]])
-    views = init_kv_cache(config, [ReferenceAttentionBackend] * 2, "cpu")
+    views = init_layer_kv_caches(config, [ReferenceAttentionBackend] * 2, "cpu")
     assert views["g0"].data_ptr() == views["g1"].data_ptr()  # block ids are one group's at a time
 
 
@@ -194,4 +197,4 @@ def test_device_tensors_must_share_one_backing_size() -> None:
 def test_spaced_pages_cannot_be_split_into_kernel_blocks() -> None:
     config = _block_outer_config()
     with pytest.raises(ValueError, match="cannot be split into 2 kernel blocks"):
-        init_kv_cache(config, [ReferenceAttentionBackend], "cpu", kernel_block_sizes=[2])
+        init_layer_kv_caches(config, [ReferenceAttentionBackend], "cpu", kernel_block_sizes=[2])

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 
 import torch
 
+from vllm.config.compilation import AttentionCGSupport
 from vllm.kv_quant.formats import (
     AUTO,
     BFLOAT16,
@@ -27,6 +28,12 @@ from vllm.kv_quant.formats import (
 )
 from vllm.platforms.interface import DeviceCapability
 from vllm.utils import check_device
+from vllm.v1.attention.backend_metadata import (
+    AttentionImplBase,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
 
 if TYPE_CHECKING:
     from vllm.kv_quant.scale_layout import ScaleLayout
@@ -37,9 +44,14 @@ if TYPE_CHECKING:
 __all__ = [
     "FEATURE_HOOKS",
     "AttentionBackend",
+    "AttentionCGSupport",
     "AttentionImpl",
+    "AttentionImplBase",
+    "AttentionMetadata",
+    "AttentionMetadataBuilder",
     "AttentionLayer",
     "AttentionType",
+    "CommonAttentionMetadata",
     "DeviceCapability",
     "KVCacheScaleLayouts",
     "MultipleOf",
@@ -538,7 +550,7 @@ class AttentionBackend(ABC):
             )
 
 
-class AttentionImpl(ABC):
+class AttentionImpl(AttentionImplBase):
     """Base of attention implementations (the forward pass of one layer)."""
 
     supports_pcp: ClassVar[bool] = False

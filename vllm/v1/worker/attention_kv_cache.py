@@ -3,14 +3,15 @@
 :class:`AttentionKVCache` is a thin layer over the worker and backend code: the layer's
 encoding (:class:`~vllm.kv_quant.encoding.KVCacheEncoding`) is the spec's, the impl applies it
 (key transform on write and read, sink rows in the pages), and the cache allocates through
-:func:`~vllm.v1.worker.gpu.attn_utils.init_kv_cache` (the backend's shape and stride order),
-takes the NVFP4 scale layouts from
-:func:`~vllm.v1.worker.gpu.attn_utils.get_kv_cache_scale_layouts` (``ScaleLayout.default_for``
-unless the backend or the caller says otherwise), and builds the backend's attention impl with
-those layouts; the impl's writer (``reshape_and_cache_flash`` on ``kv_cache[:, 0]`` /
-``kv_cache[:, 1]``) and its reader then share the layouts and the scales, so they cannot
-disagree. On the CPU the backend is ``CPU_ATTN``; a backend without an impl in this library
-(FlashInfer: shapes and layouts only) shapes the cache and the reference impl reads it.
+:func:`~vllm.v1.worker.gpu.init_layer_kv_caches.init_layer_kv_caches` (the backend's shape
+and stride order), takes the NVFP4 scale layouts from
+:func:`~vllm.v1.worker.gpu.init_layer_kv_caches.get_kv_cache_scale_layouts`
+(``ScaleLayout.default_for`` unless the backend or the caller says otherwise), and builds the
+backend's attention impl with those layouts; the impl's writer (``reshape_and_cache_flash``
+on ``kv_cache[:, 0]`` / ``kv_cache[:, 1]``) and its reader then share the layouts and the
+scales, so they cannot disagree. On the CPU the backend is ``CPU_ATTN``; a backend without an
+impl in this library (FlashInfer: shapes and layouts only) shapes the cache and the reference
+impl reads it.
 """
 
 from __future__ import annotations
@@ -51,11 +52,11 @@ from vllm.v1.kv_cache_interface import (
     KVCacheTensor,
     LatentPageSpec,
 )
-from vllm.v1.worker.gpu.attn_utils import (
+from vllm.v1.worker.gpu.init_layer_kv_caches import (
     get_kv_cache_scale_layouts,
-    init_kv_cache,
-    spec_cache_dtype_str,
+    init_layer_kv_caches,
 )
+from vllm.v1.worker.gpu.paged_views import spec_cache_dtype_str
 
 __all__ = ["AttentionKVCache"]
 
@@ -77,8 +78,9 @@ def _select_backend(
     device: torch.device,
     backend: str | AttentionBackendEnum | type[AttentionBackend] | None,
 ) -> type[AttentionBackend]:
-    """``backend`` when it is a class (checked later by ``init_kv_cache``), else the selector's
-    choice for the spec on ``device`` (``get_attn_backend``: CPU_ATTN first on the CPU)."""
+    """``backend`` when it is a class (checked later by ``init_layer_kv_caches``), else the
+    selector's choice for the spec on ``device`` (``get_attn_backend``: CPU_ATTN first on the
+    CPU)."""
     if isinstance(backend, type):
         return backend
     return get_attn_backend(
@@ -284,7 +286,7 @@ class AttentionKVCache:
                 key_rope=key_rope,
                 **impl_options,
             )
-            kv_cache = init_kv_cache(
+            kv_cache = init_layer_kv_caches(
                 config, [chosen], device, model_dtype=model_dtype, cache_dtype=cache_dtype
             )[_LAYER]
         cache = cls(chosen, kv_cache, impl, layouts, spec)

@@ -26,7 +26,28 @@ from vllm.v1.kv_cache_interface import (
     create_kv_cache_views,
     iter_layer_specs,
 )
+from vllm.v1.worker.gpu.attn_groups import (
+    AttentionGroup,
+    customize_attention_spec,
+    map_kv_caches_to_kernel_blocks,
+    prepare_kernel_block_sizes,
+    select_common_block_size,
+)
+from vllm.v1.worker.gpu.kv_binding import bind_kv_cache_to_layers
 from vllm.v1.worker.gpu.kv_cache_buffers import allocate_tensor_backings, group_layers
+
+__all__ = [
+    "AttentionGroup",
+    "add_kv_sharing_layers_to_kv_cache_groups",
+    "allocate_kv_cache",
+    "bind_kv_cache_to_layers",
+    "check_kv_sharing",
+    "copy_kv_cache_blocks_inplace",
+    "customize_attention_spec",
+    "map_kv_caches_to_kernel_blocks",
+    "prepare_kernel_block_sizes",
+    "select_common_block_size",
+]
 
 
 def check_kv_sharing(shared_kv_cache_layers: Mapping[str, str], owners: set[str]) -> None:

@@ -1,600 +1,197 @@
-"""KV-cache allocation and views: raw int8 buffers → each layer's cache in its backend's shape.
+"""Upstream v0.33's ``vllm.v1.worker.gpu.attn_utils``: the runner's KV-cache entry point
+(:func:`init_kv_cache`: allocate, share, bind to the model's layers) and the model-layer lookups
+(:func:`get_kv_cache_spec`, the KV-sharing layers).
 
-Units: sizes and offsets named ``*_bytes`` are bytes; ``*_elems`` are elements of the view's
-dtype; block sizes are tokens (``block_size``) or stored slots (``storage_block_size``) per
-page; ``num_blocks`` counts pages.
-
-A layer's cache is returned as:
-
-- attention layers: the backend's logical ``(B, 2, N, H, D')`` view (``kv_cache[:, 0]`` /
-  ``kv_cache[:, 1]`` are what ``reshape_and_cache_flash`` takes); with ``head_size_v !=
-  head_size`` the pair ``(key_cache, value_cache)`` of ``(B, N, H, D')`` views over the K and
-  V regions of each page;
-- MLA layers: ``(B, storage_block_size, head_size)`` in the storage dtype, or
-  ``(B, storage_block_size, 584)`` uint8 for ``fp8_ds_mla`` records;
-- Mamba layers: a list with one ``(B, *shape_i)`` view per state tensor, at its byte offset in
-  the page, in ``dtypes[i]``.
+It re-exports the names upstream keeps here that live in modules split out by job:
+:mod:`~vllm.v1.worker.gpu.attn_cg_support` (CUDA-graph support, fast prefill),
+:mod:`~vllm.v1.worker.gpu.attn_groups` (kernel block sizes),
+:mod:`~vllm.v1.worker.gpu.kv_binding` (binding caches to layers, per-layer slot mappings),
+:mod:`~vllm.v1.worker.gpu.paged_views` (typed page views) and the library's own validated
+view builder, :mod:`~vllm.v1.worker.gpu.init_layer_kv_caches`
+(:func:`~vllm.v1.worker.gpu.init_layer_kv_caches.init_layer_kv_caches`, the scale layouts).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Iterable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 
-from vllm.config.cache import validate_cache_dtype
-from vllm.kv_quant.encoding import KVCacheEncoding
-from vllm.kv_quant.formats import AUTO, find_format, format_for_storage
-from vllm.utils.torch_utils import get_dtype_size
-from vllm.v1.attention.backends.abstract import (
-    AttentionBackend,
-    KVCacheScaleLayouts,
-    MultipleOf,
-    get_device_capability,
+from vllm.config.compilation import get_layers_from_vllm_config
+from vllm.v1.hisparse.binding import init_hisparse_kv_cache, resolve_hisparse_specs
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig, KVCacheSpec
+from vllm.v1.worker.gpu.attn_cg_support import (
+    AttentionCGSupportInfo as AttentionCGSupportInfo,
 )
-from vllm.v1.kv_cache_interface import (
-    AttentionSpec,
-    KVCacheConfig,
-    KVCacheSpec,
-    LatentPageSpec,
-    MambaSpec,
-    iter_layer_specs,
+from vllm.v1.worker.gpu.attn_cg_support import (
+    FastPrefillBatchMetadata as FastPrefillBatchMetadata,
 )
-from vllm.v1.worker.gpu.kv_cache_buffers import (
-    LayerPlacement,
-    _allocate_kv_cache,
-    buffer_layers,
-    check_buffer_pages,
-    check_strided_pages,
-    group_layers,
-    layer_placements,
+from vllm.v1.worker.gpu.attn_cg_support import FastPrefillHelper as FastPrefillHelper
+from vllm.v1.worker.gpu.attn_cg_support import get_attn_cg_support as get_attn_cg_support
+from vllm.v1.worker.gpu.attn_cg_support import (
+    get_query_lens_mismatch_unsupported_backend as get_query_lens_mismatch_unsupported_backend,
 )
-from vllm.v1.worker.utils import check_kv_sharing
+from vllm.v1.worker.gpu.attn_cg_support import (
+    get_varlen_cudagraph_unsupported_backend as get_varlen_cudagraph_unsupported_backend,
+)
+from vllm.v1.worker.gpu.attn_groups import (
+    AttentionGroup,
+    customize_attention_spec,
+    map_kv_caches_to_kernel_blocks,
+)
+from vllm.v1.worker.gpu.attn_groups import select_kernel_block_size as select_kernel_block_size
+from vllm.v1.worker.gpu.init_layer_kv_caches import AttnBackends as AttnBackends
+from vllm.v1.worker.gpu.init_layer_kv_caches import LayerKVCache as LayerKVCache
+from vllm.v1.worker.gpu.init_layer_kv_caches import _reshape_kv_cache as _reshape_kv_cache
+from vllm.v1.worker.gpu.init_layer_kv_caches import (
+    get_kv_cache_scale_layouts as get_kv_cache_scale_layouts,
+)
+from vllm.v1.worker.gpu.init_layer_kv_caches import init_layer_kv_caches as init_layer_kv_caches
+from vllm.v1.worker.gpu.init_layer_kv_caches import (
+    validate_kv_cache_backends as validate_kv_cache_backends,
+)
+from vllm.v1.worker.gpu.kv_binding import bind_kv_cache_to_layers
+from vllm.v1.worker.gpu.kv_binding import (
+    build_slot_mappings_by_layer as build_slot_mappings_by_layer,
+)
+from vllm.v1.worker.gpu.kv_cache_buffers import _allocate_kv_cache as _allocate_kv_cache
+from vllm.v1.worker.gpu.paged_views import _paged_view as _paged_view
+from vllm.v1.worker.gpu.paged_views import spec_cache_dtype_str as spec_cache_dtype_str
+from vllm.v1.worker.utils import allocate_kv_cache
 
-LayerKVCache = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | list[torch.Tensor]
-"""One layer's cache view(s); see the module docstring."""
-
-_Pages = tuple[int, int]
-"""A layer's ``(num_blocks, block stride in bytes)``."""
-
-AttnBackends = Mapping[str, type[AttentionBackend]] | Sequence[type[AttentionBackend]]
-"""Backend class per layer name, or one per KV-cache group."""
-
-
-# ------------------------------------------------------------------------------ helpers
-
-
-def _is_mla_spec(spec: KVCacheSpec) -> bool:
-    """MLA-like specs (one latent slot per stored token): ``MLAAttentionSpec`` and its
-    sliding-window sibling."""
-    return isinstance(spec, LatentPageSpec)
-
-
-def spec_cache_dtype_str(spec: KVCacheSpec, cache_dtype: str | None = None) -> str:
-    """The ``cache_dtype_str`` a backend gets for ``spec``.
-
-    The spec is the per-layer truth (layers kept unquantized by ``kv_cache_dtype_skip_layers``
-    say so in their spec), read through its encoding's format (``spec.kv_cache_format``): a
-    format the encoding names beyond ``(kv_quant_mode, dtype)`` → its name (``fp8_e5m2``,
-    ``nvfp4_mse``); else the format of ``cache_dtype`` (a dtype string or encoding id) when it
-    has the spec's quantization, else the primary name (``"fp8"``, ``"nvfp4"``); unquantized →
-    ``"auto"``; MLA specs with ``cache_dtype_str`` (e.g. ``"fp8_ds_mla"``) → that string.
-    """
-    mla_str = getattr(spec, "cache_dtype_str", None)
-    if mla_str is not None:
-        return mla_str
-    if not isinstance(spec, AttentionSpec) or not spec.kv_cache_format.is_quantized:
-        return AUTO.name
-    fmt = spec.kv_cache_format
-    if fmt is not format_for_storage(fmt.quant_mode, spec.dtype):
-        return fmt.name  # the spec's encoding names its format (fp8_e5m2, nvfp4_mse)
-    if cache_dtype is not None:
-        named = KVCacheEncoding.parse(cache_dtype, "cache_dtype").format
-        if named.quant_mode == fmt.quant_mode:  # the variant the request named
-            return cache_dtype if find_format(cache_dtype) is named else named.name
-    return fmt.accepted_names[0]  # the format's primary name: "fp8" for FP8
-
-
-def _supports_kernel_block_size(backend: type[AttentionBackend], size: int) -> bool:
-    for supported in backend.get_supported_kernel_block_sizes():
-        if isinstance(supported, MultipleOf):
-            if size % supported.base == 0:
-                return True
-        elif size == supported:
-            return True
-    return False
-
-
-def select_kernel_block_size(
-    backends: Sequence[type[AttentionBackend]], storage_block_size: int
-) -> int:
-    """Largest kernel block size that every backend supports and that divides
-    ``storage_block_size`` (slots per page); ``ValueError`` when there is none."""
-    if storage_block_size <= 0:
-        raise ValueError(f"storage_block_size: expected a positive int, got {storage_block_size}")
-    unique = list(dict.fromkeys(backends))
-    for size in range(storage_block_size, 0, -1):
-        if storage_block_size % size == 0 and all(
-            _supports_kernel_block_size(b, size) for b in unique
-        ):
-            return size
-    described = "; ".join(
-        f"{b.get_name()}: "
-        + ", ".join(
-            f"multiples of {s.base}" if isinstance(s, MultipleOf) else str(s)
-            for s in b.get_supported_kernel_block_sizes()
-        )
-        for b in unique
-    )
-    raise ValueError(
-        f"kernel_block_size: no size supported by every backend of the group ({described}) "
-        f"divides the block size of {storage_block_size} slots"
-    )
-
-
-def _view_nbytes(shape: Sequence[int], strides: Sequence[int], offset: int, itemsize: int) -> int:
-    """Bytes of storage a view needs: ``(last element offset + 1) * itemsize`` (0 if empty)."""
-    if any(s == 0 for s in shape):
-        return 0
-    last = offset + sum((s - 1) * st for s, st in zip(shape, strides, strict=True))
-    return (last + 1) * itemsize
-
-
-def _paged_view(
-    raw: torch.Tensor,
-    dtype: torch.dtype,
-    logical_shape: Sequence[int],
-    stride_order: Sequence[int],
-    block_stride_elems: int,
-    offset_elems: int,
-    what: str,
-) -> torch.Tensor:
-    """A view of the int8 buffer ``raw`` as ``dtype`` with ``logical_shape``.
-
-    Dim 0 (pages) has stride ``block_stride_elems``; within a page the dims are dense in the
-    physical order ``stride_order`` (``stride_order[i]`` = the logical dim that is i-th
-    outermost; ``stride_order[0]`` must be 0). The view starts ``offset_elems`` in.
-    """
-    ndim = len(logical_shape)
-    if sorted(stride_order) != list(range(ndim)) or stride_order[0] != 0:
-        raise ValueError(
-            f"{what}: stride order {tuple(stride_order)} is not a permutation of the "
-            f"{ndim} cache dims with the page dim (0) outermost"
-        )
-    phys_shape = [logical_shape[d] for d in stride_order]
-    phys_strides = [0] * ndim
-    running = 1
-    for i in range(ndim - 1, 0, -1):
-        phys_strides[i] = running
-        running *= phys_shape[i]
-    phys_strides[0] = block_stride_elems
-    if running > block_stride_elems:
-        raise ValueError(
-            f"{what}: a page of {running} elements does not fit the page stride of "
-            f"{block_stride_elems} elements"
-        )
-    strides = [0] * ndim
-    for i, d in enumerate(stride_order):
-        strides[d] = phys_strides[i]
-    itemsize = get_dtype_size(dtype)
-    usable_bytes = raw.numel() // itemsize * itemsize
-    needed = _view_nbytes(logical_shape, strides, offset_elems, itemsize)
-    if needed > usable_bytes:
-        raise ValueError(
-            f"{what}: the view {tuple(logical_shape)} with strides {tuple(strides)} needs "
-            f"{needed} bytes, the buffer has {raw.numel()}"
-        )
-    typed = raw[:usable_bytes].view(dtype)
-    return typed.as_strided(
-        tuple(logical_shape), tuple(strides), typed.storage_offset() + offset_elems
-    )
-
-
-# ------------------------------------------------------------------------------ reshape
-
-
-def _normalize_backends(
-    kv_cache_config: KVCacheConfig, attn_backends: AttnBackends
-) -> dict[str, type[AttentionBackend]]:
-    if isinstance(attn_backends, Mapping):
-        return dict(attn_backends)
-    groups = kv_cache_config.kv_cache_groups
-    if len(attn_backends) != len(groups):
-        raise ValueError(
-            f"attn_backends: expected a dict layer → backend or one backend per KV-cache "
-            f"group ({len(groups)}), got {len(attn_backends)}"
-        )
-    return {
-        layer: backend
-        for group, backend in zip(groups, attn_backends, strict=True)
-        for layer in group.layer_names
-    }
-
-
-def _check_backends_cover(
-    layer_specs: Mapping[str, KVCacheSpec], backends: Mapping[str, type[AttentionBackend]]
-) -> None:
-    missing = [
-        name
-        for name, spec in layer_specs.items()
-        if isinstance(spec, AttentionSpec) and name not in backends
-    ]
-    if missing:
-        raise ValueError(f"attn_backends: no backend for attention layer(s) {', '.join(missing)}")
-
-
-def _kernel_block_sizes(
-    kv_cache_config: KVCacheConfig,
-    backends: dict[str, type[AttentionBackend]],
-    kernel_block_sizes: Sequence[int] | None,
-) -> list[int]:
-    """Kernel block size per group (Mamba-only groups: their storage block size)."""
-    layer_specs = dict(iter_layer_specs(kv_cache_config))
-    _check_backends_cover(layer_specs, backends)
-    groups = kv_cache_config.kv_cache_groups
-    if kernel_block_sizes is not None and len(kernel_block_sizes) != len(groups):
-        raise ValueError(
-            f"kernel_block_sizes: expected one per KV-cache group ({len(groups)}), "
-            f"got {len(kernel_block_sizes)}"
-        )
-    sizes: list[int] = []
-    for group_idx, group in enumerate(groups):
-        specs = [(n, layer_specs[n]) for n in group.layer_names]
-        attn = [(n, s) for n, s in specs if isinstance(s, AttentionSpec)]
-        storage_sizes = {s.storage_block_size for _, s in specs}
-        if len(storage_sizes) > 1:
-            raise ValueError(
-                f"kv_cache_config: group {group_idx} mixes storage block sizes "
-                f"{sorted(storage_sizes)}; a group shares one block table"
-            )
-        storage = storage_sizes.pop() if storage_sizes else 1
-        group_backends = [backends[n] for n, _ in attn]
-        if kernel_block_sizes is None:
-            sizes.append(select_kernel_block_size(group_backends, storage) if attn else storage)
-            continue
-        size = kernel_block_sizes[group_idx]
-        if isinstance(size, bool) or not isinstance(size, int) or size <= 0 or storage % size:
-            raise ValueError(
-                f"kernel_block_sizes[{group_idx}]: expected a positive divisor of the group's "
-                f"storage block size {storage}, got {size!r}"
-            )
-        unsupported = sorted(
-            {b.get_name() for b in group_backends if not _supports_kernel_block_size(b, size)}
-        )
-        if unsupported:
-            raise ValueError(
-                f"kernel_block_sizes[{group_idx}]: {size} is not a kernel block size of "
-                f"{', '.join(unsupported)}"
-            )
-        sizes.append(size)
-    return sizes
-
-
-def _attention_view(
-    layer_name: str,
-    spec: AttentionSpec,
-    raw: torch.Tensor,
-    backend: type[AttentionBackend],
-    kernel_block_size: int,
-    cache_dtype: str | None,
-    pages: _Pages,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    page_bytes = spec.page_size_bytes
-    sink_bytes = spec.sink_bytes_per_page
-    real_bytes = spec.real_page_size_bytes - sink_bytes  # the K and V rows
-    storage = spec.storage_block_size
-    num_blocks, block_stride_bytes = pages
-    blocks_per_kv_block = storage // kernel_block_size
-    kernel_num_blocks = num_blocks * blocks_per_kv_block
-    cache_dtype_str = spec_cache_dtype_str(spec, cache_dtype)
-    is_mla = _is_mla_spec(spec)
-    dtype = spec.kv_cache_format.resolve_storage_dtype(spec.dtype)
-    itemsize = get_dtype_size(dtype)
-    what = f"layer {layer_name!r}"
-
-    if sink_bytes and blocks_per_kv_block > 1:
-        raise ValueError(
-            f"{what}: a page with {sink_bytes} bytes of key sink rows cannot be split into "
-            f"{blocks_per_kv_block} kernel blocks of {kernel_block_size} slots (the rows belong "
-            "to the whole page). Use a kernel block size equal to the block size"
-        )
-    if page_bytes != real_bytes + sink_bytes and blocks_per_kv_block > 1:
-        raise ValueError(
-            f"{what}: a padded page ({page_bytes} bytes for {real_bytes} bytes of data) cannot "
-            f"be split into {blocks_per_kv_block} kernel blocks of {kernel_block_size} slots "
-            f"(block of {storage} slots): the kernel pages would straddle the padding. Use a "
-            "kernel block size equal to the block size, or drop the padding"
-        )
-    if block_stride_bytes != page_bytes and blocks_per_kv_block > 1:
-        raise ValueError(
-            f"{what}: pages {block_stride_bytes} bytes apart (other layers' pages between them) "
-            f"cannot be split into {blocks_per_kv_block} kernel blocks of {kernel_block_size} "
-            "slots: kernel blocks need dense pages. Use a kernel block size equal to the block "
-            "size, or a layer-outermost layout"
-        )
-    if page_bytes % itemsize or block_stride_bytes % itemsize:
-        raise ValueError(
-            f"{what}: page of {page_bytes} bytes ({block_stride_bytes} bytes apart) is not a "
-            f"whole number of {dtype} elements ({itemsize} bytes)"
-        )
-    kernel_page_elems = block_stride_bytes // itemsize // blocks_per_kv_block
-    kernel_real_bytes = real_bytes // blocks_per_kv_block
-    order = tuple(backend.get_kv_cache_stride_order())
-
-    shape = tuple(
-        backend.get_kv_cache_shape(
-            kernel_num_blocks,
-            kernel_block_size,
-            spec.num_kv_heads,
-            spec.head_size,
-            cache_dtype_str,
-        )
-    )
-    if is_mla:
-        if math.prod(shape[1:]) * itemsize != kernel_real_bytes:
-            raise ValueError(
-                f"{what}: backend {backend.get_name()} shape {shape} ({dtype}) does not match "
-                f"the spec's {kernel_real_bytes} bytes per kernel page"
-            )
-        return _paged_view(raw, dtype, shape, order, kernel_page_elems, 0, what)
-
-    head_size_v = spec.head_size_v if spec.head_size_v is not None else spec.head_size
-    k_shape = shape
-    if len(k_shape) != 5 or k_shape[1] != 2 or len(order) != 5:
-        raise ValueError(
-            f"{what}: backend {backend.get_name()} gives shape {k_shape} / stride order {order}; "
-            "an attention layer needs a (B, 2, N, H, D') cache"
-        )
-    if head_size_v == spec.head_size:
-        if math.prod(k_shape[1:]) * itemsize != kernel_real_bytes:
-            raise ValueError(
-                f"{what}: backend {backend.get_name()} shape {k_shape} ({dtype}) does not match "
-                f"the spec's {kernel_real_bytes} bytes per kernel page"
-            )
-        return _paged_view(raw, dtype, k_shape, order, kernel_page_elems, 0, what)
-
-    if not backend.supports_head_size_v:
-        raise ValueError(
-            f"{what}: head_size_v={head_size_v} != head_size={spec.head_size} and backend "
-            f"{backend.get_name()} shares one last dim between K and V; use a backend with "
-            "separate K/V regions (e.g. REFERENCE)"
-        )
-    v_shape = tuple(
-        backend.get_kv_cache_shape(
-            kernel_num_blocks, kernel_block_size, spec.num_kv_heads, head_size_v, cache_dtype_str
-        )
-    )
-    # Each (kernel) page is [K side | V side]; a side is dense in the layout's order.
-    side_order = tuple(d if d < 1 else d - 1 for d in order if d != 1)
-    k_side, v_side = (k_shape[0], *k_shape[2:]), (v_shape[0], *v_shape[2:])
-    k_elems, v_elems = math.prod(k_side[1:]), math.prod(v_side[1:])
-    if (k_elems + v_elems) * itemsize != kernel_real_bytes:
-        raise ValueError(
-            f"{what}: K side {k_side} + V side {v_side} ({dtype}) do not match the spec's "
-            f"{kernel_real_bytes} bytes per kernel page"
-        )
-    key_cache = _paged_view(raw, dtype, k_side, side_order, kernel_page_elems, 0, what)
-    value_cache = _paged_view(raw, dtype, v_side, side_order, kernel_page_elems, k_elems, what)
-    return key_cache, value_cache
-
-
-def _mamba_views(
-    layer_name: str, spec: MambaSpec, raw: torch.Tensor, pages: _Pages
-) -> list[torch.Tensor]:
-    num_blocks, page_bytes = pages
-    views: list[torch.Tensor] = []
-    offset_bytes = 0
-    for i, (shape, dtype, size) in enumerate(
-        zip(spec.shapes, spec.dtypes, spec.state_sizes_bytes, strict=True)
-    ):
-        itemsize = get_dtype_size(dtype)
-        if page_bytes % itemsize or offset_bytes % itemsize:
-            raise ValueError(
-                f"layer {layer_name!r}: Mamba state {i} ({dtype}) at byte offset {offset_bytes} "
-                f"in a {page_bytes}-byte page is not aligned to its {itemsize}-byte elements"
-            )
-        views.append(
-            _paged_view(
-                raw,
-                dtype,
-                (num_blocks, *shape),
-                tuple(range(len(shape) + 1)),
-                page_bytes // itemsize,
-                offset_bytes // itemsize,
-                f"layer {layer_name!r} state {i}",
-            )
-        )
-        offset_bytes += size
-    return views
-
-
-def _layer_pages(
-    layer_name: str,
-    spec: KVCacheSpec,
-    raw: torch.Tensor,
-    placement: LayerPlacement | None,
-    kv_cache_config: KVCacheConfig,
-) -> _Pages:
-    """``(num_blocks, block stride bytes)`` of a layer's raw buffer, checked: a strided
-    tensor's layer (``raw`` starting at its first page) uses the tensor's block stride and its
-    pool's pages; an aliasing one (or a caller's buffer for a layer no tensor names) whole
-    pages back to back, as many as fit."""
-    what = f"kv_cache_raw_tensors[{layer_name!r}]"
-    if placement is None or placement.block_stride_bytes is None:
-        num_blocks = kv_cache_config.num_blocks if placement is None else placement.num_blocks
-        check_buffer_pages(what, raw.numel(), layer_name, spec, num_blocks)
-        return raw.numel() // spec.page_size_bytes, spec.page_size_bytes
-    relative = dataclasses.replace(placement, start_bytes=0)
-    check_strided_pages(what, raw.numel(), layer_name, spec, relative)
-    return placement.num_blocks, placement.block_stride_bytes
-
-
-def _reshape_kv_cache(
-    kv_cache_config: KVCacheConfig,
-    kv_cache_raw_tensors: dict[str, torch.Tensor],
-    attn_backends: AttnBackends,
-    cache_dtype: str | None = None,
-    kernel_block_sizes: Sequence[int] | None = None,
-) -> dict[str, LayerKVCache]:
-    """View each layer's raw buffer as its cache (see the module docstring for the forms).
-
-    Per layer: ``num_blocks = raw.numel() // page_size_bytes`` with pages back to back (a
-    strided ``KVCacheTensor``'s layer: its pool's pages, ``block_stride`` apart, ``raw``
-    starting at its first page); the group's kernel block size
-    (given, or the largest every backend of the group supports that divides the storage block
-    size); ``num_blocks_per_kv_block = storage_block_size // kernel_block_size``;
-    ``kernel_num_blocks = num_blocks * num_blocks_per_kv_block``; shape from the backend,
-    physical order from its stride order, page stride ``page_size_bytes / sizeof(dtype)``
-    (so padded pages are skipped over). ``cache_dtype`` (optional) only picks the FP8 variant
-    passed to backends; each layer's spec decides whether it is quantized.
-    """
-    if cache_dtype is not None:
-        validate_cache_dtype(cache_dtype)
-    group_of = group_layers(kv_cache_config)
-    backends = _normalize_backends(kv_cache_config, attn_backends)
-    kernel_sizes = _kernel_block_sizes(kv_cache_config, backends, kernel_block_sizes)
-    missing = [
-        name for name, _ in iter_layer_specs(kv_cache_config) if name not in kv_cache_raw_tensors
-    ]
-    if missing:
-        raise ValueError(f"kv_cache_raw_tensors: no buffer for layer(s) {', '.join(missing)}")
-
-    placements = layer_placements(kv_cache_config)
-    kv_caches: dict[str, LayerKVCache] = {}
-    for layer_name, spec in iter_layer_specs(kv_cache_config):
-        raw = kv_cache_raw_tensors[layer_name]
-        if raw.dtype != torch.int8 or raw.dim() != 1:
-            raise ValueError(
-                f"kv_cache_raw_tensors[{layer_name!r}]: expected a 1-D torch.int8 buffer, got "
-                f"{raw.dtype} of shape {list(raw.shape)}"
-            )
-        pages = _layer_pages(layer_name, spec, raw, placements.get(layer_name), kv_cache_config)
-        if isinstance(spec, MambaSpec):
-            kv_caches[layer_name] = _mamba_views(layer_name, spec, raw, pages)
-        elif isinstance(spec, AttentionSpec):
-            kv_caches[layer_name] = _attention_view(
-                layer_name,
-                spec,
-                raw,
-                backends[layer_name],
-                kernel_sizes[group_of[layer_name]],
-                cache_dtype,
-                pages,
-            )
-        else:
-            raise ValueError(
-                f"layer {layer_name!r}: no cache view for spec type {type(spec).__name__}"
-            )
-    return kv_caches
-
-
-# ------------------------------------------------------------------------ scale layouts
-
-
-def get_kv_cache_scale_layouts(
-    kv_cache_config: KVCacheConfig,
-    attn_backends: AttnBackends,
-    kernel_block_sizes: Sequence[int] | None = None,
-) -> dict[str, KVCacheScaleLayouts]:
-    """NVFP4 block-scale layouts ``(k_scale_layout, v_scale_layout)`` of each (non-MLA)
-    attention layer's cache: its backend's
-    (:meth:`~vllm.v1.attention.backends.abstract.AttentionBackend.get_kv_cache_scale_layouts`
-    for the layer's kernel block size and head sizes; FlashInfer: interleave4, others: the op's
-    default, upstream's interleave4 where the geometry allows it, else linear).
-
-    The layout is a property of the cache selected with the backend: record it next to the
-    views of :func:`init_kv_cache` (same ``attn_backends`` and ``kernel_block_sizes``) and pass
-    it to the writer (``reshape_and_cache_flash``'s ``k_scale_layout`` / ``v_scale_layout``, or
-    ``ReferenceAttentionImpl``) and to the reader. MLA and Mamba layers have no K/V scale
-    planes and are left out. ``ValueError`` when an attention layer has no backend.
-    """
-    backends = _normalize_backends(kv_cache_config, attn_backends)
-    layer_specs = dict(iter_layer_specs(kv_cache_config))
-    _check_backends_cover(layer_specs, backends)
-    kernel_sizes = _kernel_block_sizes(kv_cache_config, backends, kernel_block_sizes)
-    layouts: dict[str, KVCacheScaleLayouts] = {}
-    for group, kernel_block_size in zip(kv_cache_config.kv_cache_groups, kernel_sizes, strict=True):
-        for name in group.layer_names:
-            spec = layer_specs[name]
-            if isinstance(spec, AttentionSpec) and not _is_mla_spec(spec):
-                layouts[name] = backends[name].get_kv_cache_scale_layouts(
-                    kernel_block_size, spec.head_size, spec.head_size_v
-                )
-    return layouts
-
-
-# --------------------------------------------------------------------------------- init
-
-
-def validate_kv_cache_backends(
-    kv_cache_config: KVCacheConfig,
-    attn_backends: AttnBackends,
-    device: torch.device | str,
-    model_dtype: torch.dtype,
-    cache_dtype: str | None = None,
-) -> None:
-    """Check, before anything is allocated, that each attention layer's backend serves its
-    spec (head sizes, model dtype, cache dtype, block size) on ``device``; ``ValueError``
-    naming every failing layer and reason."""
-    backends = _normalize_backends(kv_cache_config, attn_backends)
-    capability = get_device_capability(device)
-    failures: list[str] = []
-    for layer_name, spec in iter_layer_specs(kv_cache_config):
-        if not isinstance(spec, AttentionSpec) or layer_name not in backends:
-            continue
-        reasons = backends[layer_name].validate_configuration(
-            spec.head_size,
-            model_dtype,
-            spec_cache_dtype_str(spec, cache_dtype),
-            spec.storage_block_size,
-            capability,
-            head_size_v=None if _is_mla_spec(spec) else spec.head_size_v,
-            use_mla=_is_mla_spec(spec),
-        )
-        if reasons:
-            failures.append(f"layer {layer_name!r}: " + "; ".join(reasons))
-    if failures:
-        raise ValueError("KV-cache backends cannot serve this model: " + " | ".join(failures))
-
-
-def _without_layers(kv_cache_config: KVCacheConfig, names: Collection[str]) -> KVCacheConfig:
-    """``kv_cache_config`` with ``names`` left out of its groups."""
-    groups = [
-        dataclasses.replace(g, layer_names=[n for n in g.layer_names if n not in names])
-        for g in kv_cache_config.kv_cache_groups
-    ]
-    return dataclasses.replace(kv_cache_config, kv_cache_groups=groups)
+# -------------------------------------------------------------------------------- init
 
 
 def init_kv_cache(
+    forward_context: dict[str, Any],
     kv_cache_config: KVCacheConfig,
-    attn_backends: AttnBackends,
-    device: torch.device | str,
+    device: torch.device,
+    kernel_block_sizes: list[int],
+    vllm_config: Any,
+    kv_cache_allocation_context: AbstractContextManager | None = None,
     *,
-    model_dtype: torch.dtype = torch.bfloat16,
-    cache_dtype: str | None = None,
-    kernel_block_sizes: Sequence[int] | None = None,
-    shared_kv_cache_layers: Mapping[str, str] | None = None,
-) -> dict[str, LayerKVCache]:
-    """Validate backends, dry-run the views on the meta device, then allocate on ``device``
-    and return each layer's cache view. Nothing real is allocated unless all checks pass.
+    block_tables: Any = None,
+    attn_groups: Iterable[AttentionGroup] = (),
+) -> dict[str, Any]:
+    """Allocate the KV cache, give each KV-sharing layer its target's cache and bind every
+    cache of a ``forward_context`` layer to it; return the caches by layer name (the manager's
+    views, addressed by the scheduler's block ids, which KV connectors register).
 
-    ``shared_kv_cache_layers`` (layer -> target, :mod:`vllm.v1.worker.utils`): each sharing
-    layer gets its target's view, the same tensor; sharing layers own no buffer and may be
-    listed in their target's group already.
+    Only the allocation runs inside ``kv_cache_allocation_context`` (e.g. a memory pool
+    scope). It is :func:`vllm.v1.worker.utils.allocate_kv_cache` under the config's resolved
+    layout, with ``kernel_block_sizes`` (tokens, one per group); with HiSparse on it is
+    :func:`vllm.v1.hisparse.binding.init_hisparse_kv_cache`, which also binds the HiSparse
+    handles to ``block_tables`` (the runner's, required then). Layers bind the views of their
+    ``attn_groups`` group in kernel blocks where it splits blocks
+    (:func:`~vllm.v1.worker.gpu.attn_groups.map_kv_caches_to_kernel_blocks`).
 
-    The NVFP4 scale layouts that go with these caches (to pass to writers and readers) are
-    :func:`get_kv_cache_scale_layouts` of the same ``attn_backends``."""
-    shared = dict(shared_kv_cache_layers or {})
-    check_kv_sharing(shared, buffer_layers(kv_cache_config))
-    config = _without_layers(kv_cache_config, shared) if shared else kv_cache_config
-    validate_kv_cache_backends(config, attn_backends, device, model_dtype, cache_dtype)
-    meta = _allocate_kv_cache(config, "meta")
-    _reshape_kv_cache(config, meta, attn_backends, cache_dtype, kernel_block_sizes)
-    raw = _allocate_kv_cache(config, device)
-    kv_caches = _reshape_kv_cache(config, raw, attn_backends, cache_dtype, kernel_block_sizes)
-    for layer, target in shared.items():
-        kv_caches[layer] = kv_caches[target]
+    Every KV-sharing layer's target (its ``kv_sharing_target_layer_name``) must have a cache:
+    checked before anything is bound (``ValueError`` naming the layers whose target has none).
+    """
+    hisparse = vllm_config.attention_config.hisparse_config is not None
+    if hisparse and block_tables is None:
+        raise ValueError(
+            "block_tables: expected the runner's block tables (HiSparse binds its caches to "
+            "them), got None"
+        )
+    with kv_cache_allocation_context or nullcontext():
+        if hisparse:
+            kv_caches = init_hisparse_kv_cache(
+                kv_cache_config,
+                device,
+                kernel_block_sizes,
+                vllm_config,
+                forward_context,
+                block_tables,
+            )
+        else:
+            kv_caches = allocate_kv_cache(
+                kv_cache_config,
+                device,
+                vllm_config.cache_config.get_resolved_kv_cache_layout(),
+                kernel_block_sizes,
+            )
+    shared = get_shared_kv_cache_layers(vllm_config)
+    orphans = {layer: target for layer, target in shared.items() if target not in kv_caches}
+    if orphans:
+        raise ValueError(
+            f"kv_sharing_target_layer_name: expected target layers with a cache, got {orphans}"
+        )
+    kv_caches.update((layer, kv_caches[target]) for layer, target in shared.items())
+    # LongCat-Flash puts two attention modules in each decoder layer. The library's
+    # VllmConfig may have no model_config: then it is no such model.
+    hf_config = getattr(vllm_config.model_config, "hf_config", None)
+    num_attn_module = 2 if getattr(hf_config, "model_type", None) == "longcat_flash" else 1
+    layer_caches = map_kv_caches_to_kernel_blocks(
+        {name: cache for name, cache in kv_caches.items() if name in forward_context},
+        attn_groups,
+    )
+    bind_kv_cache_to_layers(
+        layer_caches,
+        forward_context,
+        num_attn_module,
+        kv_cache_groups=kv_cache_config.kv_cache_groups,
+    )
     return kv_caches
+
+
+# ------------------------------------------------------------------------ model layers
+# They look the layer lookups up in this module's namespace, where callers (and tests)
+# substitute the model's layers.
+
+
+def get_kv_cache_spec(vllm_config: Any) -> dict[str, KVCacheSpec]:
+    """Each cache-owning layer's spec as its backend stores it (:func:`customize_attention_spec`),
+    draft-model layers tagged ``is_draft``; layers reading another layer's cache and layers
+    without one are left out. With HiSparse on, its MLA specs are resolved to one block size
+    and its resident and hot specs added (:func:`resolve_hisparse_specs`)."""
+    layers = get_layers_from_vllm_config(vllm_config, object)
+    specs: dict[str, KVCacheSpec] = {}
+    for name, layer in layers.items():
+        if getattr(layer, "kv_sharing_target_layer_name", None):
+            continue
+        spec = layer.get_kv_cache_spec(vllm_config)
+        if spec is None:
+            continue
+        if isinstance(spec, AttentionSpec):
+            spec = customize_attention_spec(layer.get_attn_backend(), spec)
+        if layer.is_draft_layer:
+            spec = dataclasses.replace(spec, is_draft=True)
+        specs[name] = spec
+    if vllm_config.attention_config.hisparse_config is not None:
+        specs = resolve_hisparse_specs(vllm_config, specs, layers)
+    return specs
+
+
+def get_shared_kv_cache_layers(vllm_config: Any) -> dict[str, str]:
+    """Each layer that reads another layer's cache, by the layer it reads."""
+    return {
+        name: target
+        for name, layer in get_layers_from_vllm_config(vllm_config, object).items()
+        if (target := getattr(layer, "kv_sharing_target_layer_name", None))
+    }
+
+
+def get_kv_sharing_fast_prefill_eligible_layers(
+    vllm_config: Any, draft_layer_names: set[str] | None = None
+) -> set[str]:
+    """The layers prefill may skip (``cache_config.kv_sharing_fast_prefill``): the trailing run
+    of cache-sharing layers in registration (execution) order, as in You Only Cache Once.
+    Draft-model layers (``draft_layer_names``) register after the target's and are passed
+    over: they neither join nor end the run."""
+    if not vllm_config.cache_config.kv_sharing_fast_prefill:
+        return set()
+    shared = get_shared_kv_cache_layers(vllm_config)
+    if not shared:
+        return set()
+    eligible: set[str] = set()
+    for name in reversed(list(get_layers_from_vllm_config(vllm_config, object))):
+        if draft_layer_names is not None and name in draft_layer_names:
+            continue
+        if name not in shared:
+            break
+        eligible.add(name)
+    return eligible
