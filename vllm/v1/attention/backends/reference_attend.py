@@ -80,12 +80,23 @@ def attend_fp32(
     sliding_window: int | None,
     logits_soft_cap: float | None,
     sinks: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None = None,
+    alibi_sqrt: bool = False,
+    qq_bias: torch.Tensor | None = None,
+    rswa: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """fp32 attention of ``q [q, Hq, D]`` at positions ``q_pos`` over ``k [k, Hkv, D]``,
     ``v [k, Hkv, Dv]`` at ``key_pos``: GQA (query head ``h`` reads KV head
     ``h // (Hq // Hkv)``), causal and sliding-window masks (the query at ``p`` sees keys in
     ``(p - W, p]``), a logits soft cap, and per-head logit ``sinks`` added to each softmax
-    denominator. Returns ``[q, Hq, Dv]`` fp32."""
+    denominator. Returns ``[q, Hq, Dv]`` fp32.
+
+    Score biases after the soft cap, the queries being consecutive from ``c = q_pos[0]``:
+    ALiBi ``alibi_slopes [Hq]`` times ``key - c`` (``alibi_sqrt``: ``-sqrt(query - key)`` for
+    keys at or before the query, else 0); ``qq_bias [>= q, C]`` adds ``qq_bias[i, key - c]``
+    to query ``i``'s score of the keys ``c .. c + C - 1``. ``rswa (prefix_len, window)``:
+    keys below ``prefix_len`` stay visible, the others only within ``window`` keys of the
+    query, in place of ``sliding_window``."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
@@ -93,10 +104,13 @@ def attend_fp32(
     if logits_soft_cap is not None:
         scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
     delta = q_pos[:, None] - key_pos[None, :]  # query position - key position
+    scores = scores + _position_bias(q_pos, key_pos, alibi_slopes, alibi_sqrt, qq_bias)
     allowed = torch.ones_like(delta, dtype=torch.bool)
     if causal:
         allowed &= delta >= 0
-    if sliding_window is not None:
+    if rswa is not None:
+        allowed &= (key_pos[None, :] < rswa[0]) | (delta < rswa[1])
+    elif sliding_window is not None:
         allowed &= delta < sliding_window
         if not causal:
             allowed &= delta > -sliding_window
@@ -108,3 +122,28 @@ def attend_fp32(
     else:
         probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def _position_bias(
+    q_pos: torch.Tensor,
+    key_pos: torch.Tensor,
+    alibi_slopes: torch.Tensor | None,
+    alibi_sqrt: bool,
+    qq_bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """fp32 ``[Hq or 1, q, k]`` bias of :func:`attend_fp32`'s ALiBi and q/q-bias scores."""
+    bias = torch.zeros(1, q_pos.shape[0], key_pos.shape[0], device=q_pos.device)
+    rel = (key_pos - q_pos[0]).to(q_pos.device)  # key minus the first query's position
+    if alibi_slopes is not None:
+        if alibi_sqrt:
+            back = (q_pos[:, None] - key_pos[None, :]).float()
+            offset = torch.where(back >= 0, -back.clamp(min=0).sqrt(), 0.0)
+        else:
+            offset = rel.float()[None, :].expand(q_pos.shape[0], -1)
+        bias = bias + alibi_slopes.float().to(q_pos.device)[:, None, None] * offset
+    if qq_bias is not None:
+        cols = (rel >= 0) & (rel < qq_bias.shape[1])
+        rows = qq_bias[: q_pos.shape[0]].float().to(q_pos.device)
+        picked = rows[:, rel.clamp(0, qq_bias.shape[1] - 1)] * cols
+        bias = bias + picked[None]
+    return bias

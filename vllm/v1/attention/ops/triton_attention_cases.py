@@ -79,6 +79,8 @@ class _FormatCase(NamedTuple):
     kv_cache_dtype: str
 
 
+_BIAS_KINDS = (CacheKind.UNQUANTIZED, CacheKind.FP8_E4M3)
+
 _POINTER_TYPES = {torch.float16: "*fp16", torch.float32: "*fp32", torch.bfloat16: "*bf16"}
 
 
@@ -138,6 +140,7 @@ class _Feature(NamedTuple):
     td: bool = False
     per_seq_causal: bool = False
     chunks_and_prefix_ranges: bool = False
+    biases: str = ""  # "alibi" / "alibi_sqrt": with the q/q bias and R-SWA
 
 
 _FEATURE_CASES: tuple[_Feature, ...] = (
@@ -168,6 +171,14 @@ _TD_CASES: tuple[_Feature, ...] = (
     _Feature("decode_split4_td_window/fp16", "fp16", "fp16", 1, 4, window=True, td=True),
 )
 """Tensor-descriptor tile loads, for the formats they read (unquantized, FP8)."""
+
+_BIAS_CASES: tuple[_Feature, ...] = (
+    _Feature("prefill_alibi_qq_rswa_window_sinks/bf16", "bf16", "bf16", 64, 1, window=True,
+             sinks=True, biases="alibi"),
+    _Feature("decode_split4_alibi_sqrt_qq_rswa/fp16", "fp16", "fp16", 1, 4, biases="alibi_sqrt"),
+)  # fmt: skip
+"""ALiBi (both variants), the q/q bias and R-SWA, all on: score arithmetic that is the same
+for every cache format, compiled over the unquantized and e4m3 readers."""
 
 # Keys rebuilt (REBUILD_KEYS, every transform on): (case name, query dtype, longest query,
 # NUM_SPLITS, neox RoPE, Hadamard rotation)
@@ -212,6 +223,14 @@ def _attention_signature(
         "rotary_dim": "i32",
         "num_sink_keys": "i32",
     }
+    biases = {
+        "alibi_ptr": "*fp32",
+        "qq_bias_ptr": "*fp32",
+        "rswa_prefix_ptr": "*i32",
+        "qq_bias_stride": "i32",
+        "qq_bias_cols": "i32",
+        "rswa_window": "i32",
+    }
     strides = [
         "stride_q_tok",
         "stride_q_head",
@@ -223,7 +242,7 @@ def _attention_signature(
         "v_scale_stride",
         "num_heads",
     ]
-    return {**pointers, **scalars, **dict.fromkeys(strides, "i32"), **rebuild}
+    return {**pointers, **scalars, **dict.fromkeys(strides, "i32"), **rebuild, **biases}
 
 
 def _attention_hints(
@@ -296,6 +315,10 @@ def _attention_constexprs(
         "KEY_HADAMARD": False,
         "USE_KEY_OFFSET": False,
         "USE_SINK_KEYS": False,
+        "USE_ALIBI": False,
+        "ALIBI_SQRT": False,
+        "USE_QQ_BIAS": False,
+        "USE_RSWA": False,
     }
 
 
@@ -333,7 +356,8 @@ def triton_compile_cases() -> list[TritonCompileCase]:
         hints = _attention_hints(fmt.kv_cache_dtype, fmt.inline, fmt.interleave4)
         types = (fmt.cache_type, fmt.aux_type)
         td_cases = _TD_CASES if fmt.kind in _TD_KINDS else ()
-        for feat in (*_FEATURE_CASES, *td_cases):
+        bias_cases = _BIAS_CASES if fmt.kind in _BIAS_KINDS else ()
+        for feat in (*_FEATURE_CASES, *td_cases, *bias_cases):
             fp32_dot = feat.q_type == "fp32" or (feat.q_type == "u8" and fmt.cache_type == "*fp32")
             split_k = feat.splits > 1
             tiling = choose_tiling(4, 1 if split_k else feat.query_len, exact=fp32_dot)
@@ -350,6 +374,13 @@ def triton_compile_cases() -> list[TritonCompileCase]:
                 USE_TD=feat.td,
                 PER_SEQ_CAUSAL=feat.per_seq_causal,
             )
+            if feat.biases:
+                constexprs.update(
+                    USE_ALIBI=True,
+                    ALIBI_SQRT=feat.biases == "alibi_sqrt",
+                    USE_QQ_BIAS=True,
+                    USE_RSWA=True,
+                )
             if feat.chunks_and_prefix_ranges:
                 constexprs.update(
                     CHUNK_LOOKBACK=1, CHUNK_SIZE=64, MAX_MM_RANGES=2, MM_PREFIX_CLAMP=True

@@ -1,6 +1,7 @@
 """``@triton.jit`` building blocks of the paged attention kernels, at upstream vLLM's module path
 and with its signatures: ceiling division, the logit soft cap, one online-softmax step, the
-sequence lookup of a query token and the key-tile range of a query block.
+sequence lookup of a query token and the key-tile range of a query block; and this library's
+ALiBi / q/q score bias (:func:`position_bias`).
 
 :mod:`vllm.v1.attention.ops.triton_paged_attention` runs its softmax and soft cap through
 these; :func:`compute_tile_loop_bounds` is upstream's tile-range rule (multimodal prefix ranges,
@@ -40,6 +41,43 @@ def softmax_step(S, M, L):
     P = tl.exp(S - shift[:, None])
     alpha = tl.exp(M - shift)
     return m_new, L * alpha + tl.sum(P, axis=1), P, alpha
+
+
+@triton.jit
+def position_bias(
+    keys,
+    q_pos,
+    q_idx,
+    context,
+    slope,
+    qq_rows,
+    qq_cols,
+    row_ok,
+    USE_ALIBI: tl.constexpr,
+    ALIBI_SQRT: tl.constexpr,
+    USE_QQ_BIAS: tl.constexpr,
+):
+    """The fp32 ``[rows, keys]`` bias added to the scaled (soft-capped) scores of query rows at
+    positions ``q_pos`` (index ``q_idx`` in their sequence, whose queries start at position
+    ``context``) over ``keys``. ALiBi: ``slope [rows]`` times the key's distance from the
+    first query, ``key - context`` (its row constant cancels in the softmax, not against a
+    sink), or with ``ALIBI_SQRT`` ``-sqrt(query - key)`` for past keys, 0 for later ones.
+    q/q bias: the keys that are this sequence's queries (``key - context`` in ``[0,
+    qq_cols)``) read element ``key - context`` of the row pointers ``qq_rows``."""
+    bias = tl.zeros([q_pos.shape[0], keys.shape[0]], dtype=tl.float32)
+    if USE_ALIBI:
+        if ALIBI_SQRT:
+            back = (q_pos[:, None] - keys[None, :]).to(tl.float32)
+            offset = tl.where(back >= 0, -tl.sqrt(tl.maximum(back, 0.0)), 0.0)
+        else:
+            offset = (keys - context).to(tl.float32)[None, :]
+        bias += slope[:, None] * offset
+    if USE_QQ_BIAS:
+        col = keys - context
+        col_ok = (col >= 0) & (col < qq_cols)
+        mask = row_ok[:, None] & col_ok[None, :]
+        bias += tl.load(qq_rows[:, None] + col[None, :], mask=mask, other=0.0).to(tl.float32)
+    return bias
 
 
 @triton.jit

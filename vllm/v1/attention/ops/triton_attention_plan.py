@@ -289,6 +289,11 @@ def plan_paged_attention(
     chunk_lookback: int = -1,
     mm_prefix_range: torch.Tensor | None = None,
     mm_prefix_clamp_sliding_window: bool = False,
+    alibi_slopes: torch.Tensor | None = None,
+    alibi_sqrt: bool = False,
+    qq_bias: torch.Tensor | None = None,
+    rswa_prefix_lens: torch.Tensor | None = None,
+    rswa_window: int | None = None,
 ) -> PagedAttentionLaunch:
     """The launches that write attention of ``query [T, Hq, D]`` over the paged cache into
     ``out [T, Hq, Dv]`` (nothing runs until the result is called).
@@ -311,6 +316,12 @@ def plan_paged_attention(
     chunks of ``W // (chunk_lookback + 1)`` keys in place of the window; ``mm_prefix_range
     [num_seqs, R, 2]`` (int): bidirectional prefix-LM ranges, inclusive, seen whatever the
     causal / window mask (within the window with ``mm_prefix_clamp_sliding_window``).
+    ``alibi_slopes [Hq]`` add ``slope * (key - first query position)`` to the scores
+    (``alibi_sqrt``: ``-slope * sqrt(query - key)`` for past keys); ``qq_bias [>= max_query_len,
+    C]`` adds ``qq_bias[i, j]`` to query ``i``'s score of the sequence's query ``j < C``;
+    ``rswa_prefix_lens [num_seqs]`` with ``rswa_window`` (R-SWA, both or neither): keys below a
+    sequence's prefix length stay visible, later ones within ``rswa_window`` keys of the
+    query, in place of ``sliding_window`` (which still sizes chunks and clamps prefix ranges).
 
     Keys stored before RoPE / key sinks (``rope_cos_sin``, ``rope_is_neox``, ``key_offset``,
     ``sink_keys``, ``key_hadamard``: as :func:`vllm._custom_ops.paged_attention`, e.g.
@@ -443,6 +454,12 @@ def plan_paged_attention(
         1 if v_scale.numel() > 1 else 0,
         num_heads,
         *rebuild.kernel_args(k_scale),
+        fp32_or_unread(alibi_slopes).contiguous(),
+        k_scale if qq_bias is None else qq_bias.to(device),
+        table if rswa_prefix_lens is None else rswa_prefix_lens.to(device, torch.int32),
+        0 if qq_bias is None else qq_bias.stride(0),
+        0 if qq_bias is None else qq_bias.shape[1],
+        int(rswa_window or 0),
     ]
     constexprs = dict(
         HEAD_SIZE=head_size,
@@ -477,6 +494,10 @@ def plan_paged_attention(
         USE_TD=use_td,
         NUM_STAGES=PIPELINE_STAGES,
         **rebuild.constexprs,
+        USE_ALIBI=alibi_slopes is not None,
+        ALIBI_SQRT=alibi_slopes is not None and alibi_sqrt,
+        USE_QQ_BIAS=qq_bias is not None,
+        USE_RSWA=rswa_prefix_lens is not None,
     )
     reduce_args = None
     if segment_scratch is not None:

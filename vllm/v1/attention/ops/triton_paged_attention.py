@@ -32,7 +32,12 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from vllm.triton_utils import tl, triton
-from vllm.v1.attention.ops.triton_attention_helpers import apply_softcap, cdiv_fn, softmax_step
+from vllm.v1.attention.ops.triton_attention_helpers import (
+    apply_softcap,
+    cdiv_fn,
+    position_bias,
+    softmax_step,
+)
 from vllm.v1.attention.ops.triton_attention_reduce import E4M3_MAX, store_output
 from vllm.v1.attention.ops.triton_key_rebuild import rebuilt_key_tile
 from vllm.v1.attention.ops.triton_kv_decode import (
@@ -170,6 +175,12 @@ def paged_attention_kernel(
     hadamard_scale,
     rotary_dim,
     num_sink_keys,
+    alibi_ptr,
+    qq_bias_ptr,
+    rswa_prefix_ptr,
+    qq_bias_stride,
+    qq_bias_cols,
+    rswa_window,
     HEAD_SIZE: tl.constexpr,
     HEAD_SIZE_V: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -207,6 +218,10 @@ def paged_attention_kernel(
     KEY_HADAMARD: tl.constexpr,
     USE_KEY_OFFSET: tl.constexpr,
     USE_SINK_KEYS: tl.constexpr,
+    USE_ALIBI: tl.constexpr,
+    ALIBI_SQRT: tl.constexpr,
+    USE_QQ_BIAS: tl.constexpr,
+    USE_RSWA: tl.constexpr,
 ):
     """Grid ``(query tiles, num_kv_heads, NUM_SPLITS)``. ``tile_seq[i]`` is the sequence of
     query tile ``i`` (``num_seqs`` past the last tile: the program does nothing) and
@@ -221,7 +236,11 @@ def paged_attention_kernel(
     ``segm_expsum [T, Hq, NUM_SPLITS]`` (running max of the scaled scores, natural-log units,
     and running sum). ``q_scale`` (``Q_FP8``) and ``out_scale`` (``OUT_SCALE``: the inverse
     output scale) are fp32 ``[1]``. ``NUM_STAGES``: software-pipelining depth of the key loop
-    (1: none)."""
+    (1: none). Score biases (:func:`~.triton_attention_helpers.position_bias`): ALiBi slopes
+    ``alibi [Hq]`` (``USE_ALIBI``, ``ALIBI_SQRT``), ``qq_bias`` rows of ``qq_bias_stride``
+    elements (``USE_QQ_BIAS``). ``USE_RSWA``: keys below ``rswa_prefix[seq]`` (int32
+    ``[num_seqs]``) stay visible, the others within ``rswa_window`` of the query, in place of
+    the sliding window."""
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     # What the decoders leave out of the values: e4m3 units are value * 2^-8, NVFP4 tiles
     # E2M1 * sf / NVFP4_UNIT.
@@ -277,7 +296,8 @@ def paged_attention_kernel(
     last_q = tl.minimum(first_q + BLOCK_Q - 1, seq_len - 1)
     key_lo = 0
     open_hi = seq_len  # a bidirectional sequence's
-    if USE_WINDOW:
+    WINDOW: tl.constexpr = USE_WINDOW and not USE_RSWA  # R-SWA replaces the window
+    if WINDOW:
         key_lo = tl.maximum(first_q - window + 1, 0)
         open_hi = tl.minimum(last_q + window, seq_len)
     if PER_SEQ_CAUSAL:  # this sequence's flag (0: bidirectional)
@@ -299,7 +319,7 @@ def paged_attention_kernel(
         start = tl.load(mm_base + 2 * i)  # tile widen the range, within the window
         end = tl.load(mm_base + 2 * i + 1)
         meets = (start < end) & (start <= last_q) & (end >= first_q)
-        lo = tl.maximum(start, first_q - window + 1) if USE_WINDOW else start
+        lo = tl.maximum(start, first_q - window + 1) if WINDOW else start
         key_lo = tl.where(meets, tl.minimum(key_lo, tl.maximum(lo, 0)), key_lo)
         key_hi = tl.where(meets, tl.maximum(key_hi, tl.minimum(end + 1, seq_len)), key_hi)
     key_hi = tl.where(live & (q_tile * BLOCK_Q < q_len), key_hi, key_lo)
@@ -320,6 +340,11 @@ def paged_attention_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
     kv_head64 = kv_head.to(tl.int64)
+    slope = tl.zeros([BLOCK_M], dtype=tl.float32)  # per-row bias inputs, read once
+    if USE_ALIBI:
+        slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+    qq_rows = qq_bias_ptr + q_idx.to(tl.int64) * qq_bias_stride
+    rswa_prefix = tl.load(rswa_prefix_ptr + seq) if USE_RSWA else 0
 
     # Software pipelining: the next tiles' block-table entries and pages are copied in
     # (cp.async) while this one is computed; without it each tile waits out its loads. Not
@@ -449,9 +474,11 @@ def paged_attention_kernel(
             seen &= (dist >= 0) | seq_open
         elif CAUSAL:
             seen &= dist >= 0
+        if USE_RSWA:  # the prompt stays visible, later keys within the window
+            seen &= (keys[None, :] < rswa_prefix) | (dist < rswa_window)
         if CHUNK_LOOKBACK >= 0:  # (causal and chunks) or prefix ranges
             seen &= q_pos[:, None] // CHUNK_SIZE - keys[None, :] // CHUNK_SIZE <= CHUNK_LOOKBACK
-        elif USE_WINDOW:  # (causal and window) or prefix ranges
+        elif WINDOW:  # (causal and window) or prefix ranges
             seen &= dist < window
             if PER_SEQ_CAUSAL:
                 seen &= (-dist < window) | seq_causal
@@ -466,6 +493,9 @@ def paged_attention_kernel(
             if MM_PREFIX_CLAMP and USE_WINDOW:
                 in_range &= dist < window
             seen |= in_range
+        if USE_ALIBI or USE_QQ_BIAS:
+            s += position_bias(keys, q_pos, q_idx, context, slope, qq_rows, qq_bias_cols, row_ok,
+                               USE_ALIBI, ALIBI_SQRT, USE_QQ_BIAS)  # fmt: skip
         s = tl.where(row_ok[:, None] & key_ok[None, :] & seen, s, float("-inf"))
         m_i, l_i, p, alpha = softmax_step(s, m_i, l_i)
         if NVFP4:

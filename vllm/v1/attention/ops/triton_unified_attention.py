@@ -100,6 +100,63 @@ def _check_scalar_scale(name: str, x: torch.Tensor | None) -> None:
         raise ValueError(f"{name}: expected None or a one-element float32 tensor, got {got}")
 
 
+def _check_bias_args(
+    q: torch.Tensor,
+    seqused_k: torch.Tensor,
+    max_seqlen_q: int,
+    alibi_slopes: torch.Tensor | None,
+    use_alibi_sqrt: bool,
+    qq_bias: torch.Tensor | None,
+    rswa_prefix_lens: torch.Tensor | None,
+    rswa_window: int | None,
+) -> None:
+    """``ValueError`` / ``TypeError`` for a malformed ALiBi, q/q-bias or R-SWA argument."""
+
+    def got(x: object) -> str:
+        if not isinstance(x, torch.Tensor):
+            return type(x).__name__
+        return f"{x.dtype} of shape {list(x.shape)} on {x.device}"
+
+    floats = (torch.float32, torch.float16, torch.bfloat16)
+    heads, device = q.shape[1], q.device
+    if alibi_slopes is not None and not (
+        isinstance(alibi_slopes, torch.Tensor)
+        and alibi_slopes.dtype in floats
+        and alibi_slopes.shape == (heads,)
+        and alibi_slopes.device == device
+    ):
+        raise ValueError(
+            f"alibi_slopes: expected a float32 / float16 / bfloat16 [{heads}] (Hq) tensor on "
+            f"{device}, got {got(alibi_slopes)}"
+        )
+    if not isinstance(use_alibi_sqrt, bool):
+        raise TypeError(f"use_alibi_sqrt: expected a bool, got {type(use_alibi_sqrt).__name__}")
+    if qq_bias is not None and not (
+        isinstance(qq_bias, torch.Tensor)
+        and qq_bias.dtype in floats
+        and qq_bias.dim() == 2
+        and qq_bias.shape[0] >= max_seqlen_q
+        and qq_bias.device == device
+        and qq_bias.stride(1) == 1
+    ):
+        raise ValueError(
+            f"qq_bias: expected a float32 / float16 / bfloat16 [>= {max_seqlen_q}, C] tensor "
+            f"(query rows x the sequence's query tokens, unit last stride) on {device}, got "
+            f"{got(qq_bias)}"
+        )
+    if rswa_prefix_lens is not None:
+        check_integer_tensor("rswa_prefix_lens", rswa_prefix_lens)
+        if rswa_prefix_lens.shape != seqused_k.shape or rswa_prefix_lens.device != seqused_k.device:
+            raise ValueError(
+                f"rswa_prefix_lens: expected an integer {list(seqused_k.shape)} (num_seqs) "
+                f"tensor on {seqused_k.device}, got {got(rswa_prefix_lens)}"
+            )
+    if rswa_window is not None and (
+        isinstance(rswa_window, bool) or not isinstance(rswa_window, int) or rswa_window < 1
+    ):
+        raise ValueError(f"rswa_window: expected None or a positive int, got {rswa_window!r}")
+
+
 def _use_3d(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -198,18 +255,11 @@ def unified_attention(
     sizes a multiple of 16). Keys stored before RoPE / key sinks: the keyword-only
     ``rope_cos_sin`` .. ``key_hadamard`` of :func:`plan_paged_attention`, which also describes
     ``chunk_lookback`` and the prefix-LM ``mm_prefix_range`` (``[num_seqs, R, 2]``).
-    ALiBi, q/q bias and R-SWA are not supported (``ValueError``).
+    ``alibi_slopes [Hq]`` (``use_alibi_sqrt``: the square-root variant), ``qq_bias`` and R-SWA
+    (``rswa_prefix_lens [num_seqs]`` and ``rswa_window``, used when both are given, as
+    upstream's) as :func:`plan_paged_attention` describes them.
     ``causal`` may be per sequence (a ``[num_seqs]`` bool / integer tensor, non-zero: causal).
     """
-    for name, value, default in (
-        ("alibi_slopes", alibi_slopes, None),
-        ("qq_bias", qq_bias, None),
-        ("rswa_prefix_lens", rswa_prefix_lens, None),
-        ("rswa_window", rswa_window, None),
-        ("use_alibi_sqrt", use_alibi_sqrt, False),
-    ):
-        if value is not default and value != default:
-            raise ValueError(f"{name}: expected {default} (not supported), got {value!r}")
     window = window_size[0] + 1 if window_size[0] >= 0 else 0
     if window and chunk_lookback > -1 and window // (chunk_lookback + 1) <= 0:
         raise ValueError(
@@ -270,6 +320,17 @@ def unified_attention(
             f"inclusive start / end), got {mm_prefix_range.dtype} of shape "
             f"{list(mm_prefix_range.shape)}"
         )
+    _check_bias_args(
+        q,
+        seqused_k,
+        max_seqlen_q,
+        alibi_slopes,
+        use_alibi_sqrt,
+        qq_bias,
+        rswa_prefix_lens,
+        rswa_window,
+    )
+    use_rswa = rswa_prefix_lens is not None and rswa_window is not None
     name = kv_cache_dtype or _upstream_format(k, kv_quant_mode)
     fmt = lookup(name, include_mla_only=False)
     num_kv_heads = k.shape[2]
@@ -326,6 +387,11 @@ def unified_attention(
         chunk_lookback=chunk_lookback if window else -1,
         mm_prefix_range=mm_prefix_range,
         mm_prefix_clamp_sliding_window=mm_prefix_clamp_sliding_window,
+        alibi_slopes=alibi_slopes,
+        alibi_sqrt=use_alibi_sqrt,
+        qq_bias=qq_bias,
+        rswa_prefix_lens=rswa_prefix_lens if use_rswa else None,
+        rswa_window=rswa_window if use_rswa else None,
     )
     launch.kernel = kernel_unified_attention
     launch.reducer = reduce_segments
