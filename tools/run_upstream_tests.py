@@ -102,8 +102,8 @@ def default_vllm_config():
 
 CORE_UTILS = '''"""Upstream's tests/v1/core/utils.py, replaced by tools/run_upstream_tests.py:
 its spec factories and planning call (same names, arguments and defaults); its scheduler and
-connector helpers, which build the engine, are placeholders (a case calling one is skipped)
-and its request helper is left out."""
+connector helpers, which build the engine, are placeholders (a case calling one is skipped);
+its request helper builds the library's requests."""
 import torch
 from run_upstream_tests import engine_placeholder
 
@@ -150,6 +150,48 @@ def new_mla_spec(cache_dtype_str=None, block_size=16):
                             head_size=576, dtype=torch.float32, cache_dtype_str=cache_dtype_str)
 
 
+EOS_TOKEN_ID = 50256
+_none_hash_initialized = False
+
+
+def create_requests(num_requests, num_tokens=10, mm_hashes_list=None, mm_positions=None,
+                    ignore_eos=False, max_tokens=16, stop_token_ids=None, prompt_logprobs=None,
+                    same_prompt=False, block_size=16, req_ids=None):
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, MultiModalKwargsItem
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    global _none_hash_initialized
+    if not _none_hash_initialized:
+        init_none_hash(sha256)
+        _none_hash_initialized = True
+    block_hasher = get_request_block_hasher(block_size, sha256)
+    sampling_params = SamplingParams(ignore_eos=ignore_eos, max_tokens=max_tokens,
+                                     stop_token_ids=stop_token_ids,
+                                     prompt_logprobs=prompt_logprobs)
+    sampling_params.update_from_generation_config({}, EOS_TOKEN_ID)
+    if mm_hashes_list is not None:
+        assert mm_positions is not None and len(mm_hashes_list) == len(mm_positions)
+    req_ids = req_ids or [f"{i}" for i in range(num_requests)]
+    assert len(req_ids) == num_requests
+    requests = []
+    for i in range(num_requests):
+        features = [
+            MultiModalFeatureSpec(
+                data=MultiModalKwargsItem.dummy(), mm_position=position, modality="image",
+                identifier=(mm_hashes_list[i][j] if mm_hashes_list is not None
+                            else f"hash{i}_{j}"))
+            for j, position in enumerate(mm_positions[i] if mm_positions is not None else [])
+        ]
+        prompt = [0] * num_tokens if same_prompt else [i] * num_tokens
+        requests.append(Request(request_id=req_ids[i], prompt_token_ids=prompt,
+                                sampling_params=sampling_params, pooling_params=None,
+                                mm_features=features or None, block_hasher=block_hasher))
+    return requests
+
+
 def get_kv_cache_configs(vllm_config, kv_cache_specs, available_memory):
     from vllm.v1.core import kv_cache_planning
 
@@ -166,8 +208,9 @@ ENGINE_MODULES: tuple[str, ...] = (
     "vllm.v1.engine",
     "vllm.v1.outputs",
     "vllm.v1.structured_output",
+    "vllm.distributed.kv_transfer.kv_connector.factory",
     "vllm.distributed.kv_transfer.kv_connector.v1.base",
-    "vllm.distributed.kv_transfer.kv_connector.v1.hisparse",
+    "vllm.distributed.kv_transfer.kv_connector.v1.example_connector",
     "vllm.distributed.kv_transfer.kv_connector.v1.metrics",
     "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector",
     "vllm.distributed.kv_transfer.kv_connector.v1.nixl",
