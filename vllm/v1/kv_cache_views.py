@@ -131,7 +131,8 @@ def create_kv_cache_views(
     block_stride = kv_cache_tensor.block_stride
     if block_stride is None:
         raise ValueError("kv_cache_tensor.block_stride: expected bytes per block, got None")
-    ratio = shape[0] // num_blocks
+    # Kernel blocks per block (from one block: num_blocks may be 0).
+    ratio = compute_layer_kv_cache_shape_bytes(spec, 1, kernel_block_size)[0]
     if ratio > 1:
         dense = math.prod(compute_layer_kv_cache_shape_bytes(spec, 1)[1:])
         if block_stride != dense or block_stride % ratio:
