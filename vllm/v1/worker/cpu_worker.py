@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import psutil
 
 from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
-from vllm.utils.mem_constants import GiB_bytes
+from vllm.utils.mem_utils import format_gib
 
 __all__ = ["CPUWorker"]
 
@@ -29,10 +29,6 @@ logger = logging.getLogger(__name__)
 
 class _WarmUpRunner(Protocol):
     def warming_up_model(self) -> None: ...
-
-
-def _gib(num_bytes: int) -> str:
-    return f"{round(num_bytes / GiB_bytes, 2)}"
 
 
 class CPUWorker:
@@ -70,16 +66,17 @@ class CPUWorker:
         node = get_allowed_cpu_list()[0].numa_node
         memory = get_memory_node_info(node)
         available = memory.available_memory
-        node_text = f"node {node} ({_gib(available)}/{_gib(memory.total_memory)} GiB free)"
+        total = format_gib(memory.total_memory)
+        node_text = f"node {node} ({format_gib(available)}/{total} GiB free)"
         explicit = self.cache_config.kv_cache_memory_bytes
         if explicit is not None:
             if explicit > available:
                 raise ValueError(
                     f"kv_cache_memory_bytes: expected at most the free memory of {node_text}, "
-                    f"got {_gib(explicit)} GiB. Decrease --kv-cache-memory-bytes or "
+                    f"got {format_gib(explicit)} GiB. Decrease --kv-cache-memory-bytes or "
                     "VLLM_CPU_KVCACHE_SPACE, or reduce CPU memory used by other processes."
                 )
-            logger.info("KV cache: %s GiB set explicitly on node %d", _gib(explicit), node)
+            logger.info("KV cache: %s GiB set explicitly on node %d", format_gib(explicit), node)
             return explicit
         consumed = psutil.Process(os.getpid()).memory_info().rss
         for_kv = self.requested_cpu_memory - consumed
@@ -88,8 +85,8 @@ class CPUWorker:
             # size can.
             in_use = math.ceil(consumed / memory.total_memory * 100) / 100
             raise ValueError(
-                f"requested_cpu_memory: the worker already uses {_gib(consumed)} GiB (model "
-                f"weights and runtime), more than the {_gib(self.requested_cpu_memory)} GiB "
+                f"requested_cpu_memory: the worker already uses {format_gib(consumed)} GiB (model "
+                f"weights and runtime), more than the {format_gib(self.requested_cpu_memory)} GiB "
                 f"reserved for it on node {node}, leaving none for the KV cache. On the CPU "
                 "backend `--gpu-memory-utilization` is the fraction of CPU memory reserved: "
                 f"increase `--gpu-memory-utilization` to more than {in_use:.2f}, or set the "
@@ -97,16 +94,16 @@ class CPUWorker:
             )
         if for_kv > available:
             raise ValueError(
-                f"requested_cpu_memory: {_gib(for_kv)} GiB of the "
-                f"{_gib(self.requested_cpu_memory)} GiB reserved are for the KV cache, more "
+                f"requested_cpu_memory: {format_gib(for_kv)} GiB of the "
+                f"{format_gib(self.requested_cpu_memory)} GiB reserved are for the KV cache, more "
                 f"than the free memory of {node_text}. Reduce CPU memory used by other "
                 "processes."
             )
         logger.info(
             "KV cache: %s GiB on node %d (%s GiB reserved, %s GiB used by the worker)",
-            _gib(for_kv),
+            format_gib(for_kv),
             node,
-            _gib(self.requested_cpu_memory),
-            _gib(consumed),
+            format_gib(self.requested_cpu_memory),
+            format_gib(consumed),
         )
         return for_kv
