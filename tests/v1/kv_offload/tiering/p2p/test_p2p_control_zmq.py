@@ -147,3 +147,26 @@ def test_sender_without_peer_address_is_ignored(transport, raw_peer, identity):
     finally:
         stray.close()
         ctx.destroy(linger=0)
+
+
+def test_reconnect_is_heard_while_the_old_connection_is_still_up(transport, raw_peer):
+    """A peer that reconnects reuses its identity. The ROUTER may not have retired the old
+    connection yet (its disconnect reaches the socket asynchronously, late on a loaded
+    machine), so the newest connection must take the identity over; otherwise every
+    message of the reconnected peer is dropped and its handshake never completes."""
+    t, peer_id = transport
+    connect, _ = raw_peer
+    old = connect(peer_id)
+    old.send(msgspec.msgpack.encode({"seq": "old"}))
+    (conn,) = _poll_until(t, lambda acc: bool(acc))
+    assert list(conn.recv()) == [{"seq": "old"}]
+    new = connect(peer_id)  # same identity; `old` stays connected
+    new.send(msgspec.msgpack.encode({"seq": "new"}))
+    received: list[dict] = []
+
+    def heard(_accepted) -> bool:
+        received.extend(conn.recv())
+        return bool(received)
+
+    _poll_until(t, heard)
+    assert received == [{"seq": "new"}]

@@ -159,6 +159,10 @@ class ZmqTransport(ControlTransport):
         self._zmq_ctx = zmq.Context()
         self._router: zmq.Socket = self._zmq_ctx.socket(zmq.ROUTER)
         _set_heartbeat(self._router)
+        # A reconnecting peer reuses its identity, and its old connection may still hold
+        # that identity here (the disconnect reaches this socket asynchronously). Without
+        # handover the ROUTER silently drops every frame of the newer connection.
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         try:
             self._router.bind(_tcp_addr(host, port))
         except zmq.ZMQError:
