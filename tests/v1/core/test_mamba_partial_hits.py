@@ -59,7 +59,7 @@ def test_cache_partial_block_keys_by_prefix_hash_with_events() -> None:
     pool = BlockPool(8, enable_caching=True, hash_block_size=HASH, enable_kv_cache_events=True)
     request = hashed_request()
     (block,) = pool.get_new_blocks(1)
-    key = pool.cache_partial_block(request, block, 3 * HASH, kv_cache_group_id=1)
+    key = pool.cache_partial_block(request, block, 3 * HASH, 1, 4 * HASH)
     assert key is not None and block.block_hash == key
     assert block.block_hash_num_tokens == 3 * HASH
     assert pool.get_cached_block(request.block_hashes[2], [1]) == [block]
@@ -67,19 +67,51 @@ def test_cache_partial_block_keys_by_prefix_hash_with_events() -> None:
     assert isinstance(event, BlockStored)
     assert event.token_ids == list(range(2 * HASH, 3 * HASH))
     # Re-keying a state page drops its old key (one state per page).
-    pool.cache_partial_block(request, block, HASH, kv_cache_group_id=1)
+    pool.cache_partial_block(request, block, HASH, 1, 4 * HASH, replace_existing_hashes=True)
     assert pool.get_cached_block(request.block_hashes[2], [1]) is None
     assert isinstance(pool.take_events()[0], BlockRemoved)
-    assert pool.cache_partial_block(request, pool.null_block, HASH, 1) is None
+    assert pool.cache_partial_block(request, pool.null_block, HASH, 1, 4 * HASH) is None
 
 
-def test_cache_partial_block_keeps_a_longer_key_when_asked() -> None:
-    pool = BlockPool(8, enable_caching=True, hash_block_size=HASH)
+def test_a_kv_page_keeps_its_longer_key_and_serves_shorter_prefixes() -> None:
+    pool = BlockPool(8, enable_caching=True, hash_block_size=HASH, enable_kv_cache_events=True)
     request = hashed_request()
     (block,) = pool.get_new_blocks(1)
-    pool.cache_partial_block(request, block, 3 * HASH, 0)
-    assert pool.cache_partial_block(request, block, 2 * HASH, 0, False) is None
-    assert block.block_hash_num_tokens == 3 * HASH
+    long_key = pool.cache_partial_block(request, block, 3 * HASH, 0, 4 * HASH)
+    short_key = pool.cache_partial_block(request, block, 2 * HASH, 0, 4 * HASH)
+    assert block.block_hash == long_key and block.block_hash_num_tokens == 3 * HASH
+    assert pool.cached_block_hashes_by_block == {block.block_id: {short_key}}
+    for position in (1, 2):
+        assert pool.get_cached_block(request.block_hashes[position], [0]) == [block]
+    # The same key again is no new entry and no event.
+    assert pool.cache_partial_block(request, block, 2 * HASH, 0, 4 * HASH) == short_key
+    assert len(pool.take_events()) == 2
+    # A longer key replaces both.
+    pool.cache_partial_block(request, block, 4 * HASH, 0, 4 * HASH)
+    assert pool.cached_block_hashes_by_block == {}
+    assert pool.get_cached_block(request.block_hashes[1], [0]) is None
+    assert pool.get_cached_block(request.block_hashes[2], [0]) is None
+    removed = [e for e in pool.take_events() if isinstance(e, BlockRemoved)]
+    assert len(removed) == 2
+
+
+def test_eviction_and_moves_take_every_key_of_a_page() -> None:
+    pool = BlockPool(8, enable_caching=True, hash_block_size=HASH, enable_kv_cache_events=True)
+    request = hashed_request()
+    src, dst = pool.get_new_blocks(2)
+    pool.cache_partial_block(request, src, 3 * HASH, 0, 4 * HASH)
+    pool.cache_partial_block(request, src, HASH, 0, 4 * HASH)
+    pool.move_block_hashes(src, dst)
+    assert src.block_hash is None and src.block_id not in pool.cached_block_hashes_by_block
+    assert dst.block_hash_num_tokens == 3 * HASH
+    for position in (0, 2):
+        assert pool.get_cached_block(request.block_hashes[position], [0]) == [dst]
+    pool.take_events()
+    pool.evict_blocks({dst.block_id})
+    assert pool.cached_block_hashes_by_block == {}
+    assert len(pool.take_events()) == 2
+    for position in (0, 2):
+        assert pool.get_cached_block(request.block_hashes[position], [0]) is None
 
 
 @pytest.mark.parametrize("num_tokens", [0, HASH + 1, 5 * HASH])
@@ -87,7 +119,7 @@ def test_cache_partial_block_rejects_bad_positions(num_tokens: int) -> None:
     pool = BlockPool(8, enable_caching=True, hash_block_size=HASH)
     (block,) = pool.get_new_blocks(1)
     with pytest.raises(ValueError, match="num_tokens: expected"):
-        pool.cache_partial_block(hashed_request(), block, num_tokens, 0)
+        pool.cache_partial_block(hashed_request(), block, num_tokens, 0, 4 * HASH)
     assert block.block_hash is None
 
 
@@ -95,12 +127,12 @@ def test_move_block_hash_and_full_promotion() -> None:
     pool = BlockPool(8, enable_caching=True, hash_block_size=HASH)
     request = hashed_request()
     src, dst = pool.get_new_blocks(2)
-    key = pool.cache_partial_block(request, src, HASH, 0)
-    pool.move_block_hash(src, dst)
+    key = pool.cache_partial_block(request, src, HASH, 0, 2 * HASH)
+    pool.move_block_hashes(src, dst)
     assert src.block_hash is None and dst.block_hash == key
     assert dst.block_hash_num_tokens == HASH
     with pytest.raises(ValueError, match="dst_block: expected"):
-        pool.move_block_hash(dst, dst)
+        pool.move_block_hashes(dst, dst)
     # A page keyed inside it gets its full key once full (the partial key goes).
     pool.cache_full_blocks(request, [dst], 0, 1, 2 * HASH, 0)
     assert dst.block_hash_num_tokens == 2 * HASH

@@ -22,6 +22,7 @@ from vllm.distributed.kv_events import (
     BlockStored,
     KVCacheEvent,
 )
+from vllm.v1.core.block_hash_map import BlockHashToBlockMap
 from vllm.v1.core.block_hashing import (
     BlockHash,
     BlockHashList,
@@ -43,54 +44,6 @@ from vllm.v1.request import Request
 __all__ = ["BlockHashToBlockMap", "BlockPool", "PartialKeyError"]
 
 logger = logging.getLogger(__name__)
-
-
-class BlockHashToBlockMap:
-    """Cached full blocks by ``BlockHashWithGroupId``.
-
-    Identical blocks are not de-duplicated (a block id, once in a block table, never changes), so
-    one key may map to several blocks. The value is the block itself in the common single-block
-    case and a ``{block_id: block}`` dict once a key had duplicates (kept until the key empties),
-    which keeps the map to one object per key for the garbage collector.
-    """
-
-    def __init__(self) -> None:
-        self._cache: dict[BlockHashWithGroupId, KVCacheBlock | dict[int, KVCacheBlock]] = {}
-
-    def get_one_block(self, key: BlockHashWithGroupId) -> KVCacheBlock | None:
-        """A block cached under ``key`` (the first inserted when there are several)."""
-        blocks = self._cache.get(key)
-        if blocks is None or isinstance(blocks, KVCacheBlock):
-            return blocks
-        return next(iter(blocks.values()))
-
-    def insert(self, key: BlockHashWithGroupId, block: KVCacheBlock) -> None:
-        """Cache ``block`` under ``key``."""
-        blocks = self._cache.get(key)
-        if blocks is None:
-            self._cache[key] = block
-        elif isinstance(blocks, KVCacheBlock):
-            self._cache[key] = {blocks.block_id: blocks, block.block_id: block}
-        else:
-            blocks[block.block_id] = block
-
-    def pop(self, key: BlockHashWithGroupId, block_id: int) -> KVCacheBlock | None:
-        """Remove and return block ``block_id`` from under ``key`` (None if it is not there)."""
-        blocks = self._cache.pop(key, None)
-        if blocks is None:
-            return None
-        if isinstance(blocks, KVCacheBlock):
-            if blocks.block_id != block_id:
-                self._cache[key] = blocks  # another block's entry: put it back
-                return None
-            return blocks
-        block = blocks.pop(block_id, None)
-        if blocks:
-            self._cache[key] = blocks
-        return block
-
-    def __len__(self) -> int:
-        return len(self._cache)
 
 
 class PartialKeyError(ValueError, AssertionError):
@@ -139,6 +92,9 @@ class BlockPool:
         ]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block = BlockHashToBlockMap()
+        # block id -> the keys a block is cached under besides its own ``block_hash``: an
+        # append-only page keyed at a later position also serves shorter prefixes inside it.
+        self.cached_block_hashes_by_block: dict[int, set[BlockHashWithGroupId]] = {}
         # Block 0 is taken out for good; its ref_cnt is not maintained.
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
@@ -310,19 +266,19 @@ class BlockPool:
         block: KVCacheBlock,
         num_tokens: int,
         kv_cache_group_id: int,
-        replace_existing_hashes: bool = True,
-        *,
-        block_size: int | None = None,
+        block_size: int,
+        replace_existing_hashes: bool = False,
     ) -> BlockHashWithGroupId | None:
-        """Key ``block`` by the request's prefix hash at ``num_tokens`` tokens (a positive
-        multiple of ``hash_block_size``, possibly inside the block). A block has one key: an
-        earlier one is dropped first, unless ``replace_existing_hashes`` is False and it covers
-        at least ``num_tokens`` tokens (append-only K/V pages: the longer key serves too; a
-        state page holds one state, so its caller replaces). ``block_size`` (tokens, the
-        owning group's page; optional) is only checked to be a multiple of
-        ``hash_block_size``. Returns the key, or None for the null page or a kept longer
-        key."""
-        if block_size is not None and (
+        """Make ``block`` findable by the request's prefix hash at ``num_tokens`` tokens (a
+        positive multiple of ``hash_block_size``, possibly inside the block); ``block_size``
+        (tokens, the owning group's page) must be a multiple of ``hash_block_size``.
+
+        A key covering fewer tokens than ``block``'s current one adds a key (an append-only
+        K/V page serves every prefix it holds; see ``cached_block_hashes_by_block``); a longer
+        one replaces every key the block had. ``replace_existing_hashes`` drops them all first
+        (the page's contents changed: a state page holds one state). Returns the key, or None
+        for the null page."""
+        if (
             isinstance(block_size, bool)
             or not isinstance(block_size, int)
             or block_size <= 0
@@ -345,18 +301,21 @@ class BlockPool:
             )
         if block.is_null:
             return None
-        if (
-            not replace_existing_hashes
-            and block.block_hash is not None
-            and (block.block_hash_num_tokens or 0) >= num_tokens
-        ):
-            return None
         block_hash = request.block_hashes[num_hashes - 1]
         key = make_block_hash_with_group_id(block_hash, kv_cache_group_id)
-        if block.block_hash == key:
+        cached = self.cached_block_hash_to_block.contain(key, block.block_id)
+        if block.block_hash is not None and (
+            replace_existing_hashes
+            or (not cached and (block.block_hash_num_tokens or 0) < num_tokens)
+        ):
+            self._maybe_evict_cached_block(block)
+            cached = False
+        if cached:
             return key
-        self._maybe_evict_cached_block(block)
-        block.set_block_hash(key, num_tokens)
+        if block.block_hash is None:
+            block.set_block_hash(key, num_tokens)
+        else:
+            self.cached_block_hashes_by_block.setdefault(block.block_id, set()).add(key)
         self.cached_block_hash_to_block.insert(key, block)
         if self.enable_kv_cache_events:
             parent = (
@@ -376,20 +335,24 @@ class BlockPool:
             )
         return key
 
-    def move_block_hash(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
-        """Re-point ``src_block``'s prefix-cache key to ``dst_block`` (unkeyed), which gets a copy
-        of its contents while ``src_block``'s owner keeps writing into it. No events: the
-        cached content stays the same."""
+    def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
+        """Re-point every prefix-cache key of ``src_block`` to ``dst_block`` (unkeyed), which
+        gets a copy of its contents while ``src_block``'s owner keeps writing into it. No
+        events: the cached content stays the same."""
         key = src_block.block_hash
         if key is None:
             return
         if dst_block.block_hash is not None:
             raise ValueError(f"dst_block: expected a block without a hash, got {dst_block!r}")
         num_tokens = src_block.block_hash_num_tokens
-        self.cached_block_hash_to_block.pop(key, src_block.block_id)
+        extra_keys = self.cached_block_hashes_by_block.pop(src_block.block_id, set())
+        for moved in (key, *extra_keys):
+            self.cached_block_hash_to_block.pop(moved, src_block.block_id)
+            self.cached_block_hash_to_block.insert(moved, dst_block)
         src_block.reset_hash()
         dst_block.set_block_hash(key, num_tokens)
-        self.cached_block_hash_to_block.insert(key, dst_block)
+        if extra_keys:
+            self.cached_block_hashes_by_block[dst_block.block_id] = extra_keys
 
     def reserve_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take ``num_blocks`` pages out of the pool for good, for data every request shares
@@ -463,24 +426,26 @@ class BlockPool:
         self.free_block_queue.append_n(released)
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
-        """Drop ``block`` from the prefix cache if it is there; True if it was."""
+        """Drop every prefix-cache key of ``block``; True if it had any."""
         if self.metrics_collector is not None:
             self.metrics_collector.on_block_evicted(block)
         key = block.block_hash
         if key is None:
             return False
-        if self.cached_block_hash_to_block.pop(key, block.block_id) is None:
-            return False
+        keys = [key, *self.cached_block_hashes_by_block.pop(block.block_id, ())]
+        pop = self.cached_block_hash_to_block.pop
+        removed = [k for k in keys if pop(k, block.block_id) is not None]
         block.reset_hash()
         if self.enable_kv_cache_events:
-            self.kv_event_queue.append(
-                BlockRemoved(
-                    block_hashes=[maybe_convert_block_hash(get_block_hash(key))],
-                    medium=self.medium,
-                    group_idx=get_group_id(key),
+            for k in removed:
+                self.kv_event_queue.append(
+                    BlockRemoved(
+                        block_hashes=[maybe_convert_block_hash(get_block_hash(k))],
+                        medium=self.medium,
+                        group_idx=get_group_id(k),
+                    )
                 )
-            )
-        return True
+        return bool(removed)
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Take a reference on each of ``blocks`` (a prefix hit), pulling free ones out of the
@@ -549,6 +514,7 @@ class BlockPool:
             )
             return False
         self.cached_block_hash_to_block = BlockHashToBlockMap()
+        self.cached_block_hashes_by_block.clear()
         if self._reuse_watchers:
             self._notify_reuse([self.blocks[i] for i in list(self._reuse_watchers)])
         for block in self.blocks:

@@ -429,7 +429,7 @@ class MambaManager(MambaStateHandoff):
         if position % self.block_size:
             # Partial hash hits: the state ends inside a page.
             key = self.block_pool.cache_partial_block(
-                request, block, position, self.kv_cache_group_id, block_size=self.block_size
+                request, block, position, self.kv_cache_group_id, self.block_size, True
             )
             if key is not None:
                 self.cached_blocks_this_step.add(key)

@@ -147,5 +147,5 @@ class PartialPageHits(SingleTypeKVCacheManager):
                 blocks[index],
                 position,
                 self.kv_cache_group_id,
-                replace_existing_hashes=False,
+                self.block_size,
             )

@@ -95,7 +95,7 @@ class MambaStateHandoff(SingleTypeKVCacheManager):
         blocks = self.req_to_blocks[request_id]
         assert blocks[index] is source and not source.is_null
         if running:
-            self.block_pool.move_block_hash(source, copy)
+            self.block_pool.move_block_hashes(source, copy)
             source.ref_cnt += 1
             if copy.block_hash is not None:
                 # Filled only by this step's copy: no hit on it before the step ends.
@@ -147,8 +147,9 @@ class MambaStateHandoff(SingleTypeKVCacheManager):
         block = blocks[index]
         if block.block_hash_num_tokens == position:
             return  # keyed here already (its own hit): re-keying would defer its siblings
+        # A state page holds one state: its earlier keys go.
         key = self.block_pool.cache_partial_block(
-            request, block, position, self.kv_cache_group_id, block_size=self.block_size
+            request, block, position, self.kv_cache_group_id, self.block_size, True
         )
         if key is None:
             return
