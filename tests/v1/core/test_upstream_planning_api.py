@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -65,8 +66,8 @@ def test_configs_take_upstream_shapes() -> None:
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
     )
     assert with_events.scheduler_config.disable_hybrid_kv_cache_manager is False
-    with pytest.raises(ValueError, match="max_model_len: expected a positive int"):
-        ModelConfig(max_model_len=-1)
+    with pytest.raises(ValueError, match="max_model_len: expected a positive int .*, got -2"):
+        ModelConfig(max_model_len=-2)
     with pytest.raises(ValueError, match="mamba_cache_mode: expected one of all, align, none"):
         CacheConfig(mamba_cache_mode="some")
     with pytest.raises(ValueError, match="decode_context_parallel_size: expected a positive"):
@@ -243,6 +244,57 @@ def test_override_and_auto_fit() -> None:
     assert kcu.may_override_num_blocks(cfg, 7) == 40
     cfg.cache_config.num_gpu_blocks_override = None
     assert kcu.get_num_blocks(cfg, 2, 10 * PAGE, PAGE) == 5
+
+
+@pytest.mark.parametrize(
+    "hf_config,expected",
+    [
+        (SimpleNamespace(), 2048),  # no maximum given: upstream's assumption
+        (SimpleNamespace(max_position_embeddings=40960), 40960),
+        (SimpleNamespace(max_position_embeddings=4096, n_positions=2048), 2048),
+        (SimpleNamespace(max_position_embeddings=8192, model_max_length=131072), 131072),
+        (
+            SimpleNamespace(
+                max_position_embeddings=4096, rope_scaling={"rope_type": "linear", "factor": 4.0}
+            ),
+            16384,
+        ),
+        (
+            SimpleNamespace(
+                max_position_embeddings=163840,
+                rope_scaling={"type": "yarn", "factor": 40.0},  # already scaled
+            ),
+            163840,
+        ),
+        (
+            SimpleNamespace(
+                max_position_embeddings=131072,
+                model_type="gemma3_text",
+                rope_scaling={"rope_type": "linear", "factor": 8.0},
+            ),
+            131072,
+        ),
+    ],
+)
+def test_minus_one_starts_from_the_models_maximum(hf_config, expected) -> None:
+    model_config = ModelConfig(max_model_len=-1, hf_config=hf_config)
+    assert model_config.original_max_model_len == -1
+    assert model_config.max_model_len == expected
+
+
+def test_minus_one_fits_the_length_to_memory() -> None:
+    cfg = config(4096)
+    cfg.model_config = ModelConfig(
+        max_model_len=-1, hf_config=SimpleNamespace(max_position_embeddings=4096)
+    )
+    (out,) = kcu.get_kv_cache_configs(cfg, [{"a": full()}], [11 * PAGE])
+    assert out.num_blocks == 11 and cfg.model_config.max_model_len == 10 * 32
+    roomy = config(4096)
+    roomy.model_config = ModelConfig(
+        max_model_len=-1, hf_config=SimpleNamespace(max_position_embeddings=4096)
+    )
+    kcu.get_kv_cache_configs(roomy, [{"a": full()}], [GiB_bytes])
+    assert roomy.model_config.max_model_len == 4096  # the model's maximum fits
 
 
 def test_upstream_and_planner_group_sizes() -> None:
