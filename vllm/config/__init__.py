@@ -8,6 +8,7 @@ from vllm.config.kv_events import KVEventsConfig
 from vllm.config.kv_transfer import KVTransferConfig
 from vllm.config.load import LoadConfig
 from vllm.config.model import ModelConfig
+from vllm.config.observability import ObservabilityConfig
 from vllm.config.parallel import ParallelConfig
 from vllm.config.scheduler import SchedulerConfig
 from vllm.config.speculative import SpeculativeConfig
@@ -24,6 +25,7 @@ __all__ = [
     "KVTransferConfig",
     "LoadConfig",
     "ModelConfig",
+    "ObservabilityConfig",
     "ParallelConfig",
     "SchedulerConfig",
     "SpeculativeConfig",

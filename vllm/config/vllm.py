@@ -13,6 +13,7 @@ from vllm.config.kv_events import KVEventsConfig
 from vllm.config.kv_transfer import KVTransferConfig
 from vllm.config.load import LoadConfig
 from vllm.config.model import ModelConfig
+from vllm.config.observability import ObservabilityConfig
 from vllm.config.parallel import ParallelConfig
 from vllm.config.scheduler import SchedulerConfig
 from vllm.config.speculative import SpeculativeConfig
@@ -38,6 +39,8 @@ class VllmConfig:
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     """CUDA-graph mode and the model's attention layers by name (``static_forward_context``)."""
     load_config: LoadConfig = field(default_factory=LoadConfig)
+    observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    """KV-cache residency metrics (``kv_cache_metrics``) and their histogram buckets."""
     instance_id: str = ""
     """This engine's id (names its shared offload region); empty: five random hex digits."""
 

@@ -17,7 +17,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.stats import HiSparseKVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.stats import (
+    HiSparseKVConnectorStats,
+    HiSparsePromMetrics,
+)
 from vllm.v1.core.kv_cache_block import KVCacheBlockCopy
 from vllm.v1.hisparse.coordinator import get_hisparse_coordinator
 from vllm.v1.hisparse.types import (
@@ -27,6 +30,7 @@ from vllm.v1.hisparse.types import (
 )
 
 if TYPE_CHECKING:
+    from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.hisparse.coordinator import HiSparseCoordinator
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -261,6 +265,17 @@ class HiSparseConnector:
         cls, data: dict[str, Any] | None = None
     ) -> HiSparseKVConnectorStats | None:
         return HiSparseKVConnectorStats() if data is None else HiSparseKVConnectorStats(data=data)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> HiSparsePromMetrics:
+        """The connector's Prometheus metrics (the engine's ``KVConnectorProm`` asks)."""
+        return HiSparsePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
