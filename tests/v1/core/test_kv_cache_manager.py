@@ -41,8 +41,25 @@ def test_coordinators_refuse_configs_they_cannot_serve() -> None:
         manager(full(4), sliding(8, 8), hash_block_size=8)
     with pytest.raises(ValueError, match="dcp_world_size, pcp_world_size: hybrid models"):
         manager(full(4), sliding(4, 8), dcp_world_size=2)
-    with pytest.raises(ValueError, match="expected at least two distinct group specs, got 1"):
-        manager(full(4), full(4))
+
+
+def test_groups_of_one_kind_share_one_lookup() -> None:
+    """Two groups of equal specs (as upstream's page unification can give): a hybrid
+    coordinator with one bundle, whose single lookup serves both groups."""
+    m = manager(full(4), full(4))
+    coordinator = m.coordinator
+    assert isinstance(coordinator, HybridKVCacheCoordinator)
+    assert [ids for _, ids, _ in coordinator.attention_groups] == [[0, 1]]
+    first = make_request("a", list(range(10)), 4)
+    m.get_computed_blocks(first)
+    blocks = m.allocate_slots(first, 10)
+    assert blocks is not None
+    first.num_computed_tokens = 10
+    m.cache_blocks(first, 10)
+    second = make_request("b", list(range(10)) + [99], 4)
+    hit, num_hit_tokens, _ = m.get_computed_blocks(second)
+    assert num_hit_tokens == 8
+    assert hit.get_block_ids() == tuple(ids[:2] for ids in blocks.get_block_ids())
 
 
 def test_kv_cache_blocks() -> None:

@@ -83,13 +83,6 @@ class HybridCacheLookup:
         hits stay empty. Sets ``attention_groups``, ``lcm_block_size`` (tokens, over the
         looked-up groups) and ``eagle_attn_group_indices``."""
         groups = self.kv_cache_config.kv_cache_groups
-        managers = self.single_type_managers
-        kinds = {(g.kv_cache_spec, type(m)) for g, m in zip(groups, managers, strict=True)}
-        if len(kinds) < 2:
-            raise ValueError(
-                "kv_cache_config: HybridKVCacheCoordinator expected at least two distinct "
-                f"group specs, got {len(kinds)}"
-            )
         bundles: list[SpecGroup] = []
         for i, group in enumerate(groups):
             if not group.kv_cache_spec.prefix_cacheable:

@@ -130,9 +130,9 @@ class KVCacheManager:
         pcp_world_size: int = 1,
         metrics_collector: KVCacheMetricsCollector | None = None,
         watermark: float = 0.0,
+        enable_mamba_shared_prefix_checkpoint: bool = False,
         *,
         max_num_batched_tokens: int | None = None,
-        enable_mamba_shared_prefix_checkpoint: bool = False,
     ) -> None:
         if hash_block_size is None:
             raise TypeError("hash_block_size: expected tokens per block hash, got None")
