@@ -211,7 +211,6 @@ ENGINE_MODULES: tuple[str, ...] = (
     "vllm.distributed.kv_transfer.kv_connector.factory",
     "vllm.distributed.kv_transfer.kv_connector.v1.base",
     "vllm.distributed.kv_transfer.kv_connector.v1.example_connector",
-    "vllm.distributed.kv_transfer.kv_connector.v1.metrics",
     "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector",
     "vllm.distributed.kv_transfer.kv_connector.v1.nixl",
     "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",

@@ -48,6 +48,18 @@ def test_has_device_capability_int_and_tuple(
     assert cuda.has_device_capability(asked) is expected
 
 
+@pytest.mark.parametrize(
+    ("capability", "family", "expected"),
+    [((10, 0), 100, True), ((10, 3), 100, True), ((12, 1), 120, True), ((9, 0), 100, False)],
+)
+def test_is_device_capability_family(
+    monkeypatch: pytest.MonkeyPatch, capability, family: int, expected: bool
+) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device_id=0: capability)
+    assert CudaPlatform().is_device_capability_family(family) is expected
+    assert not CpuPlatform().is_device_capability_family(family)
+
+
 def test_device_capability_has_one_home() -> None:
     assert BackendDeviceCapability is DeviceCapability
     hopper = DeviceCapability(9, 0)

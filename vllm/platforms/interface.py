@@ -129,6 +129,14 @@ class Platform:
         return current.to_int() >= capability
 
     @classmethod
+    def is_device_capability_family(cls, capability: int, device_id: int = 0) -> bool:
+        """Whether device ``device_id`` has the major version of ``capability`` (the int
+        ``major * 10 + minor``): CUDA 13's architecture families (10.x, 12.x). False when it
+        reports no capability."""
+        current = cls.get_device_capability(device_id)
+        return current is not None and current.to_int() // 10 == capability // 10
+
+    @classmethod
     def fp8_dtype(cls) -> torch.dtype:
         """The FP8 dtype of ``kv_cache_dtype="fp8"`` on this platform (OCP e4m3)."""
         return torch.float8_e4m3fn

@@ -1,5 +1,5 @@
 """Quantization helpers that upstream vLLM's kernel tests import (``scaled_dequantize``,
-``get_fp8_min_max``).
+``get_fp8_min_max``, ``group_broadcast``).
 
 ``x = x_q * x_s`` in fp32, then cast: ``x_s`` is one value (per-tensor, any shape) or a grid of
 per-group scales, each covering a ``group_shape = (rows, cols)`` tile of the last two dims of
@@ -8,6 +8,7 @@ per-group scales, each covering a ``group_shape = (rows, cols)`` tile of the las
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -20,6 +21,23 @@ def get_fp8_min_max() -> tuple[float, float]:
 
     finfo = torch.finfo(current_platform.fp8_dtype())
     return float(finfo.min), float(finfo.max)
+
+
+def group_broadcast(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """``t`` repeated along each dim where its size (missing trailing dims count as 1) divides
+    but differs from ``shape``'s, so that it broadcasts against a tensor of ``shape``: a grid of
+    per-group scales becomes one scale per element (dims of size 1 stay for broadcasting)."""
+    for dim, size in enumerate(shape):
+        have = t.shape[dim] if dim < t.dim() else 1
+        if have in (1, size):
+            continue
+        if size % have:
+            raise ValueError(
+                f"t: expected dim {dim} of size dividing {size} (or 1), got {have} "
+                f"(t {list(t.shape)}, shape {list(shape)})"
+            )
+        t = t.repeat_interleave(size // have, dim=dim)
+    return t
 
 
 class GroupShape(NamedTuple):
