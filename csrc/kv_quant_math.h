@@ -230,19 +230,25 @@ KV_HOST_DEVICE float nvfp4_multiplier(uint8_t scale_byte, float inv_global_scale
   return scale_f == 0.0f ? 0.0f : kv_fdiv(inv_global_scale, scale_f);
 }
 
+// The group's largest magnitude (fmaxf skips NaN); has_nan says whether a NaN was seen.
+KV_HOST_DEVICE float nvfp4_group_amax(const float (&x)[kNvfp4GroupSize], bool& has_nan) {
+  float amax = 0.0f;
+  KV_UNROLL
+  for (int i = 0; i < kNvfp4GroupSize; ++i) {
+    has_nan |= is_nan(x[i]);
+    amax = fmaxf(amax, fabsf(x[i]));
+  }
+  return amax;
+}
+
 // Quantizes one group of 16 fp32 values to NVFP4 (docs/design.md §5, steps 1-6) given
 // inv_global_scale = 1 / global_scale. Writes 8 packed bytes (even element in the low nibble)
 // and returns the FP8-e4m3 block-scale byte.
 KV_HOST_DEVICE uint8_t nvfp4_quantize_group(const float (&x)[kNvfp4GroupSize],
                                             float inv_global_scale,
                                             uint8_t (&packed)[kNvfp4GroupSize / 2]) {
-  float amax = 0.0f;
   bool has_nan = false;
-  KV_UNROLL
-  for (int i = 0; i < kNvfp4GroupSize; ++i) {
-    has_nan |= is_nan(x[i]);
-    amax = fmaxf(amax, fabsf(x[i]));
-  }
+  const float amax = nvfp4_group_amax(x, has_nan);
   const uint8_t scale_byte = nvfp4_scale_byte(amax, has_nan, inv_global_scale);
   if (scale_byte == kFp8NanByte) {
     KV_UNROLL
@@ -292,13 +298,8 @@ KV_HOST_DEVICE float nvfp4_candidate_error(const float (&x)[kNvfp4GroupSize], ui
 KV_HOST_DEVICE uint8_t nvfp4_mse_quantize_group(const float (&x)[kNvfp4GroupSize],
                                                 float inv_global_scale,
                                                 uint8_t (&packed)[kNvfp4GroupSize / 2]) {
-  float amax = 0.0f;
   bool has_nan = false;
-  KV_UNROLL
-  for (int i = 0; i < kNvfp4GroupSize; ++i) {
-    has_nan |= is_nan(x[i]);
-    amax = fmaxf(amax, fabsf(x[i]));
-  }
+  const float amax = nvfp4_group_amax(x, has_nan);
   const bool has_inf = float_as_bits(amax) == 0x7F800000u;
   if (has_nan || has_inf || amax == 0.0f) {
     return nvfp4_quantize_group(x, inv_global_scale, packed);
@@ -324,6 +325,68 @@ KV_HOST_DEVICE uint8_t nvfp4_mse_quantize_group(const float (&x)[kNvfp4GroupSize
     packed[j] = uint8_t((hi << 4) | lo);
   }
   return best;
+}
+
+// 1 / v rounded to fp32 with subnormal inputs and results flushed to signed zero: upstream's
+// rcp.approx.ftz.f32 in its 4over6 writer, taken as correctly rounded (vllm.kv_quant.nvfp4).
+KV_HOST_DEVICE float nvfp4_rcp_ftz(float v) {
+  const uint32_t bits = float_as_bits(v);
+  if ((bits & 0x7FFFFFFFu) < 0x00800000u) return bits_as_float((bits & 0x80000000u) | 0x7F800000u);
+  const float r = kv_fdiv(1.0f, v);
+  const uint32_t r_bits = float_as_bits(r);
+  return (r_bits & 0x7FFFFFFFu) < 0x00800000u ? bits_as_float(r_bits & 0x80000000u) : r;
+}
+
+struct Nvfp4Candidate {
+  uint8_t scale_byte;
+  float multiplier;  // maps the group onto the E2M1 grid (0 for a zero scale)
+  float error;       // squared group error, NaN for a NaN group
+};
+
+// One nvfp4_4over6 candidate, block scale amax / denominator: sf = e4m3(inv * (amax * rcp(d))),
+// mult = rcp(float(sf) * rcp(inv)), error = sum over pairs k = 0..7 (in order) of
+// (d_2k^2 + d_2k+1^2), d_i = E2M1(x_i * mult) * rcp(mult) - x_i; one rounded fp32 op each.
+KV_HOST_DEVICE Nvfp4Candidate nvfp4_4over6_candidate(const float (&x)[kNvfp4GroupSize], float amax,
+                                                     bool has_nan, float inv, float inv_rcp,
+                                                     float denominator) {
+  const float t = has_nan ? bits_as_float(0x7FC00000u)
+                          : kv_fmul(inv, kv_fmul(amax, nvfp4_rcp_ftz(denominator)));
+  const uint8_t sf = float_to_e4m3_satfinite(t);
+  const float sf_f = e4m3_to_float(sf);
+  const float mult = sf_f == 0.0f ? 0.0f : nvfp4_rcp_ftz(kv_fmul(sf_f, inv_rcp));
+  const float deq = mult == 0.0f ? 0.0f : nvfp4_rcp_ftz(mult);
+  float err = 0.0f;
+  KV_UNROLL
+  for (int i = 0; i < kNvfp4GroupSize; i += 2) {
+    const float d0 = kv_fsub(kv_fmul(e2m1_to_float(float_to_e2m1(kv_fmul(x[i], mult))), deq), x[i]);
+    const float d1 =
+        kv_fsub(kv_fmul(e2m1_to_float(float_to_e2m1(kv_fmul(x[i + 1], mult))), deq), x[i + 1]);
+    err = kv_fadd(err, kv_fadd(kv_fmul(d0, d0), kv_fmul(d1, d1)));
+  }
+  return {sf, mult, err};
+}
+
+// nvfp4_4over6 (upstream v0.33 cvt_warp_fp16_to_fp4_4over6): the group's block scale is amax / 6
+// or amax / 4, the latter only where its squared error is strictly lower (ties and NaN keep /6);
+// codes E2M1(x_i * mult). A NaN group gets scale byte kFp8NanByte and all-zero data.
+KV_HOST_DEVICE uint8_t nvfp4_4over6_quantize_group(const float (&x)[kNvfp4GroupSize],
+                                                   float inv_global_scale,
+                                                   uint8_t (&packed)[kNvfp4GroupSize / 2]) {
+  bool has_nan = false;
+  const float amax = nvfp4_group_amax(x, has_nan);
+  const float inv_rcp = nvfp4_rcp_ftz(inv_global_scale);
+  const Nvfp4Candidate c6 =
+      nvfp4_4over6_candidate(x, amax, has_nan, inv_global_scale, inv_rcp, kE2M1Max);
+  const Nvfp4Candidate c4 =
+      nvfp4_4over6_candidate(x, amax, has_nan, inv_global_scale, inv_rcp, 4.0f);
+  const Nvfp4Candidate& best = c4.error < c6.error ? c4 : c6;
+  KV_UNROLL
+  for (int j = 0; j < kNvfp4GroupSize / 2; ++j) {
+    const uint8_t lo = float_to_e2m1(kv_fmul(x[2 * j], best.multiplier));
+    const uint8_t hi = float_to_e2m1(kv_fmul(x[2 * j + 1], best.multiplier));
+    packed[j] = uint8_t((hi << 4) | lo);
+  }
+  return best.scale_byte;
 }
 
 // Where the block scale of (token t, group s) lives inside a head's [N, S] scale plane.

@@ -34,7 +34,7 @@ from vllm.v1.attention.ops.triton_reshape_and_cache_flash import (  # noqa: E402
 )
 
 # Every format the compiled op writes, by canonical name.
-KINDS = tuple(f.name for f in formats() if f.cache_kind is not None)
+KINDS = tuple(f.name for f in formats() if f.cache_kind is not None and f.has_kernel)
 
 
 def compare(kind: str, num_tokens: int, num_heads: int, device: torch.device) -> dict:

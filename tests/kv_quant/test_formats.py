@@ -53,10 +53,27 @@ FACTS = {
               ("linear", "interleave4"), False, "kNvfp4"),
     "nvfp4_mse": ("nvfp4_mse", torch.uint8, KVQuantMode.NVFP4, "nvfp4_mse", 72, None,
                   ("linear", "interleave4"), False, "kNvfp4"),
+    "nvfp4_4over6": ("nvfp4_4over6", torch.uint8, KVQuantMode.NVFP4, "nvfp4_4over6", 72, None,
+                     ("linear", "interleave4"), False, "kNvfp4"),
     "int8_per_token_head": ("int8_per_token_head", torch.int8, KVQuantMode.INT8_PER_TOKEN_HEAD,
                             "int8_pth", 132, None, (), False, "kInt8PerTokenHead"),
     "fp8_per_token_head": ("fp8_per_token_head", torch.uint8, KVQuantMode.FP8_PER_TOKEN_HEAD,
                            "fp8_pth", 132, None, (), False, "kFp8PerTokenHead"),
+    # TurboQuant: one packed K+V slot per head; the per-side row is half of it (196/134/118/102)
+    "turboquant_k8v4": ("turboquant_k8v4", torch.uint8, KVQuantMode.TURBOQUANT_K8V4, "tq_k8v4",
+                        98, None, (), False, None),
+    "turboquant_4bit_nc": ("turboquant_4bit_nc", torch.uint8, KVQuantMode.TURBOQUANT_4BIT_NC,
+                           "tq_4bit_nc", 67, None, (), False, None),
+    "turboquant_k3v4_nc": ("turboquant_k3v4_nc", torch.uint8, KVQuantMode.TURBOQUANT_K3V4_NC,
+                           "tq_k3v4_nc", 59, None, (), False, None),
+    "turboquant_3bit_nc": ("turboquant_3bit_nc", torch.uint8, KVQuantMode.TURBOQUANT_3BIT_NC,
+                           "tq_3bit_nc", 51, None, (), False, None),
+    # 64 values packed two per byte, then the scale word (zero point in its low 4 bits)
+    "int4_per_token_head": ("int4_per_token_head", torch.uint8, KVQuantMode.INT4_PER_TOKEN_HEAD,
+                            "int4_pth", 68, None, (), False, None),
+    # packed K+V slot of 128 + 2 * 4 bytes (FP4 codes, UE8M0 group scales); the row is half of it
+    "ultraquant_4bit": ("ultraquant_4bit", torch.uint8, KVQuantMode.ULTRAQUANT_4BIT, "uq4",
+                        68, None, (), False, None),
 }  # fmt: skip
 
 
@@ -106,10 +123,14 @@ def test_nvfp4_row_size() -> None:
 def test_accepted_names_and_the_one_error() -> None:
     names = (
         "auto, float16, bfloat16, float32, float, fp8, fp8_e4m3, fp8_e5m2, nvfp4, nvfp4_mse, "
-        "int8_per_token_head, fp8_per_token_head"
+        "nvfp4_4over6, int8_per_token_head, fp8_per_token_head, int4_per_token_head, "
+        "turboquant_k8v4, turboquant_4bit_nc, turboquant_k3v4_nc, turboquant_3bit_nc, "
+        "ultraquant_4bit"
     )
     assert ", ".join(cache_dtype_names()) == names
-    assert cache_dtype_names(include_mla_only=True) == (*cache_dtype_names(), "fp8_ds_mla")
+    with_mla = cache_dtype_names(include_mla_only=True)
+    assert [n for n in with_mla if n != "fp8_ds_mla"] == [*cache_dtype_names()]
+    assert "fp8_ds_mla" in with_mla
     for bad in ("half", "int8", "FP8", "", None):
         with pytest.raises(ValueError) as err:
             lookup(bad, "cache_dtype", include_mla_only=False)  # type: ignore[arg-type]
@@ -132,8 +153,15 @@ def test_upstream_typing_and_tables_are_the_registry() -> None:
         "fp8_e5m2": torch.uint8,
         "nvfp4": torch.uint8,
         "nvfp4_mse": torch.uint8,
+        "nvfp4_4over6": torch.uint8,
         "int8_per_token_head": torch.int8,  # as upstream's table
         "fp8_per_token_head": torch.uint8,
+        "turboquant_k8v4": torch.uint8,
+        "turboquant_4bit_nc": torch.uint8,
+        "turboquant_k3v4_nc": torch.uint8,
+        "turboquant_3bit_nc": torch.uint8,
+        "int4_per_token_head": torch.uint8,
+        "ultraquant_4bit": torch.uint8,
     } == STR_DTYPE_TO_TORCH_DTYPE
     assert MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP == {"fp8": "fp8_e4m3", "nvfp4": "nvfp4"}
     assert kv_cache_dtype_str_to_dtype("half", None) == torch.float16  # upstream accepts it
@@ -231,7 +259,10 @@ def test_cpp_parser_accepts_exactly_the_registry_names() -> None:
     registry gives a kernel, in the same order, and accepts each of them."""
     ops = pytest.importorskip("vllm._custom_ops")
     kernel_names = [
-        name for f in registry.formats() if f.cache_kind is not None for name in f.accepted_names
+        name
+        for f in registry.formats()
+        if f.cache_kind is not None and f.has_kernel
+        for name in f.accepted_names
     ]
     key = torch.randn(2, 1, 16, dtype=torch.float32)
     slots = torch.tensor([0, 1])

@@ -9,6 +9,7 @@ import torch
 from kv_cache_test_utils import LLAMA_LIKE
 
 from vllm.config.cache import CacheConfig
+from vllm.kv_quant.codecs import codec_for
 from vllm.kv_quant.formats import (
     CacheKind,
     KVCacheFormat,
@@ -75,11 +76,23 @@ def test_the_kernel_support_check_is_the_one_place_that_rejects_it(toy: KVCacheF
         ops.reshape_and_cache_flash(key, key, key_cache, value_cache, slots, "toy", one, one)
     with pytest.raises(ValueError, match=NO_KERNEL):  # torch.compile's fake impl: same check
         ops._reshape_and_cache_flash_fake(key, key, key_cache, value_cache, slots, "toy", one, one)
-    # The reference backend accepts the format and writes through the op: the same check stops it.
-    impl = ReferenceAttentionImpl(num_heads=2, head_size=128, kv_cache_dtype="toy")
-    with pytest.raises(ValueError, match=NO_KERNEL):
-        impl.do_kv_cache_update(_Scales(one), key, key, (key_cache, value_cache), slots)
     assert not key_cache.any() and not value_cache.any()  # nothing written
+
+
+def test_the_reference_backend_writes_it_with_its_codec(toy: KVCacheFormat) -> None:
+    """No compiled writer: the reference backend falls back to the format's codec."""
+    key = torch.randn(4, 2, 128, dtype=torch.bfloat16)
+    key_cache = torch.zeros(2, 16, 2, 128, dtype=torch.uint8)
+    value_cache = key_cache.clone()
+    slots = torch.arange(4)
+    one = torch.ones((), dtype=torch.float32)
+    impl = ReferenceAttentionImpl(num_heads=2, head_size=128, kv_cache_dtype="toy")
+    impl.do_kv_cache_update(_Scales(one), key, key, (key_cache, value_cache), slots)
+    expected = torch.zeros_like(key_cache)
+    codec_for(toy).write(key, expected, slots, one, None)
+    assert (
+        expected.any() and torch.equal(key_cache, expected) and torch.equal(value_cache, expected)
+    )
 
 
 def test_without_the_entry_it_is_unknown() -> None:

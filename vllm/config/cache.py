@@ -35,8 +35,15 @@ CacheDType = Literal[
     "fp8_e5m2",
     "nvfp4",
     "nvfp4_mse",
+    "nvfp4_4over6",
     "int8_per_token_head",
     "fp8_per_token_head",
+    "int4_per_token_head",
+    "turboquant_k8v4",
+    "turboquant_4bit_nc",
+    "turboquant_k3v4_nc",
+    "turboquant_3bit_nc",
+    "ultraquant_4bit",
 ]
 """Accepted ``kv_cache_dtype`` strings (upstream's typing name). ``auto`` means the model dtype.
 The registry (:mod:`vllm.kv_quant.formats`) is the source of truth; a test pins this

@@ -20,6 +20,7 @@ from vllm.kv_quant.fp8 import (
 )
 from vllm.kv_quant.fp8_cache import fp8_read_cache, fp8_write_cache
 from vllm.kv_quant.hadamard import HADAMARD, check_hadamard_head_size, hadamard_rotate
+from vllm.kv_quant.int4_per_token_head import INT4_PER_TOKEN_HEAD  # noqa: F401  (registers it)
 from vllm.kv_quant.key_rope import KeyRope
 from vllm.kv_quant.key_sinks import key_sink_scale, read_key_sinks, write_key_sinks
 from vllm.kv_quant.key_transform import KeyTransform
@@ -57,6 +58,8 @@ from vllm.kv_quant.scale_layout import (
     layout_index,
     to_layout,
 )
+from vllm.kv_quant.turboquant import TURBOQUANT_FORMATS  # noqa: F401  (registers the formats)
+from vllm.kv_quant.ultraquant import ULTRAQUANT_4BIT  # noqa: F401  (registers it)
 
 __all__ = [
     "HADAMARD",

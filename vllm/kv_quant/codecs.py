@@ -16,9 +16,14 @@ from collections.abc import Callable
 
 import torch
 
-from vllm.kv_quant.formats import CacheKind, KVCacheFormat
+from vllm.kv_quant.formats import CacheKind, KVCacheFormat, KVQuantMode, formats
 from vllm.kv_quant.fp8 import Fp8Format
 from vllm.kv_quant.fp8_cache import fp8_read_cache, fp8_write_cache
+from vllm.kv_quant.int4_per_token_head import (
+    INT4_QMAX,
+    int4_per_token_head_read_cache,
+    int4_per_token_head_write_cache,
+)
 from vllm.kv_quant.nvfp4 import NVFP4_SCALE_MAX
 from vllm.kv_quant.nvfp4_cache import check_slot_mapping, nvfp4_read_cache, nvfp4_write_cache
 from vllm.kv_quant.per_token_head import (
@@ -28,7 +33,7 @@ from vllm.kv_quant.per_token_head import (
 )
 from vllm.kv_quant.scale_layout import ScaleLayout
 
-__all__ = ["KVCodec", "codec_for"]
+__all__ = ["KVCodec", "codec_dtype_names", "codec_for", "has_codec"]
 
 
 class KVCodec(ABC):
@@ -129,7 +134,7 @@ class _Nvfp4Codec(KVCodec):
     reads_kv_scale = True
     scale_max = NVFP4_SCALE_MAX
 
-    def __init__(self, scale_search: bool) -> None:
+    def __init__(self, scale_search: bool | str) -> None:
         self.scale_search = scale_search
 
     def write(
@@ -183,6 +188,33 @@ class _PerTokenHeadCodec(KVCodec):
         return per_token_head_read_cache(pages, self.fmt, out_dtype)
 
 
+class _Int4PerTokenHeadCodec(KVCodec):
+    """Packed 4-bit rows with their own scale word (no compiled kernel, so no ``CacheKind``):
+    ``scale`` is not read; reads rotate back to the original domain."""
+
+    scale_max = INT4_QMAX
+
+    def write(
+        self,
+        x: torch.Tensor,
+        side: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        scale: torch.Tensor,
+        layout: ScaleLayout | None,
+    ) -> None:
+        int4_per_token_head_write_cache(x, side, slot_mapping)
+
+    def read(
+        self,
+        pages: torch.Tensor,
+        scale: torch.Tensor,
+        head_size: int,
+        layout: ScaleLayout | None,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        return int4_per_token_head_read_cache(pages, out_dtype)
+
+
 _CODECS: dict[CacheKind, Callable[[KVCacheFormat], KVCodec]] = {
     CacheKind.UNQUANTIZED: lambda fmt: _PlainCodec(),
     CacheKind.FP8_E4M3: lambda fmt: _Fp8Codec(Fp8Format.E4M3),
@@ -199,9 +231,31 @@ def codec_for(fmt: KVCacheFormat) -> KVCodec:
     """The reference codec of ``fmt`` (by its :attr:`~KVCacheFormat.cache_kind`); ``ValueError``
     for a format no codec reads (a record layout such as ``fp8_ds_mla``, or a platform's
     ``KVQuantMode.CUSTOM`` dtype)."""
+    if fmt.quant_mode == KVQuantMode.INT4_PER_TOKEN_HEAD:
+        return _Int4PerTokenHeadCodec()
     if fmt.cache_kind is None:
         raise ValueError(
             f"kv_cache_dtype: expected a format with a reference codec, got {fmt.name!r} (its "
             "bytes are read by its own kernels only)"
         )
     return _CODECS[fmt.cache_kind](fmt)
+
+
+def has_codec(fmt: KVCacheFormat) -> bool:
+    """Whether :func:`codec_for` gives ``fmt`` a reference codec (torch writers and readers)."""
+    try:
+        codec_for(fmt)
+    except ValueError:
+        return False
+    return True
+
+
+def codec_dtype_names() -> tuple[str, ...]:
+    """Every accepted name of the user-selectable formats that have a reference codec (not the
+    MLA record layouts, nor formats only their own kernels read), in listing order."""
+    return tuple(
+        name
+        for fmt in formats()
+        if not fmt.mla_only and has_codec(fmt)
+        for name in fmt.accepted_names
+    )

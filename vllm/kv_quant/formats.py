@@ -168,10 +168,11 @@ class KVCacheFormat:
     """Values per block scale (16 for NVFP4); head sizes must be multiples of it."""
     scale_layouts: tuple[str, ...] = ()
     """Where block scales may sit in a page (``ScaleLayout`` values); empty without them."""
-    scale_search: bool = False
+    scale_search: bool | str = False
     """NVFP4 writer option (``nvfp4_mse``): each group's block scale is the best of its e4m3
-    neighbours by squared group error (docs/design.md §5.3). Only the writer differs: pages,
-    layouts and readers are those of the format's quant mode."""
+    neighbours by squared group error (docs/design.md §5.3); ``"4over6"`` (``nvfp4_4over6``):
+    ``amax / 6`` or ``amax / 4``, whichever gives the lower group error. Only the writer differs:
+    pages, layouts and readers are those of the format's quant mode."""
     mla_only: bool = False
     """A record layout for MLA latents only (not a user-selectable ``kv_cache_dtype``)."""
     cache_kind: CacheKind | None = None
@@ -275,10 +276,11 @@ def quant_mode_formats() -> tuple[KVCacheFormat, ...]:
     """The first registered user-selectable format of each quantization mode (``fp8_e4m3``,
     ``nvfp4``, ``int8_per_token_head``, ``fp8_per_token_head``), in registration order: one
     format per distinct quantized page layout (FP8 e5m2 pages are e4m3's size), for tools that
-    compare one of each (``vllm-kv plan`` columns, ``vllm-kv bench`` kinds)."""
+    compare one of each (``vllm-kv plan`` columns, ``vllm-kv bench`` kinds); only formats the
+    kernels write (``bench`` launches them)."""
     by_mode: dict[KVQuantMode, KVCacheFormat] = {}
     for fmt in _FORMATS.values():
-        if fmt.is_quantized and not fmt.mla_only:
+        if fmt.is_quantized and not fmt.mla_only and fmt.cache_kind is not None and fmt.has_kernel:
             by_mode.setdefault(fmt.quant_mode, fmt)
     return tuple(by_mode.values())
 
@@ -478,6 +480,21 @@ NVFP4_MSE = register_format(
         scale_layouts=("linear", "interleave4"),
         scale_search=True,
         cache_kind=CacheKind.NVFP4,
+    )
+)
+NVFP4_4OVER6 = register_format(
+    KVCacheFormat(
+        name="nvfp4_4over6",
+        accepted_names=("nvfp4_4over6",),
+        storage_dtype=torch.uint8,
+        quant_mode=KVQuantMode.NVFP4,
+        label="nvfp4_4over6",
+        row_dim=nvfp4_packed_dim,
+        block_scale_group=NVFP4_GROUP_SIZE,
+        scale_layouts=("linear", "interleave4"),
+        scale_search="4over6",
+        cache_kind=CacheKind.NVFP4,
+        has_kernel=False,  # the compiled and Triton writers have no 4over6 policy yet
     )
 )
 INT8_PER_TOKEN_HEAD = register_format(

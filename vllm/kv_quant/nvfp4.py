@@ -37,6 +37,10 @@ scale is 448 / 6 ≈ 75) before it turns subnormal or zero (docs/design.md §5.3
 
 _FLOAT_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
+SCALE_SEARCH_4OVER6 = "4over6"
+"""``KVCacheFormat.scale_search`` value of ``nvfp4_4over6``: each group's block scale is
+``amax / 6`` or ``amax / 4``, whichever reconstructs the group with the lower squared error."""
+
 # |v| thresholds of the round-half-to-even E2M1 grid: the magnitude index is the number of
 # thresholds passed. ``True`` means "strictly greater" (the tie rounds down to an even code),
 # ``False`` means "greater or equal" (the tie rounds up to an even code).
@@ -143,7 +147,7 @@ def _scale_for_groups(global_scale: torch.Tensor, device: torch.device) -> torch
 
 
 def quantize_nvfp4(
-    x: torch.Tensor, global_scale: torch.Tensor, *, scale_search: bool = False
+    x: torch.Tensor, global_scale: torch.Tensor, *, scale_search: bool | str = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x [..., D]`` (fp32/fp16/bf16, ``D % 16 == 0``) to NVFP4.
 
@@ -163,6 +167,7 @@ def quantize_nvfp4(
     ``scale_search=True`` is the ``nvfp4_mse`` writer: each finite, non-zero group then takes
     the e4m3 byte among ``sf``, ``sf - 1``, ``sf + 1`` with the smallest squared group error
     (:func:`_search_block_scales`, docs/design.md §5.3); the bytes read back as any NVFP4.
+    ``scale_search="4over6"`` is the ``nvfp4_4over6`` writer (:func:`_quantize_4over6`).
 
     Returns ``(packed uint8 [..., D/2], block_scales uint8 [..., D/16])`` (scales are e4m3 bytes,
     in group order).
@@ -174,8 +179,14 @@ def quantize_nvfp4(
             f"x: NVFP4 needs a last dim (head size) that is a positive multiple of "
             f"{NVFP4_GROUP_SIZE}, got shape {list(x.shape)}"
         )
+    if scale_search not in (False, True, SCALE_SEARCH_4OVER6):
+        raise ValueError(
+            f"scale_search: expected False, True or {SCALE_SEARCH_4OVER6!r}, got {scale_search!r}"
+        )
     lead = x.shape[:-1]
     _check_global_scale(global_scale, lead)
+    if scale_search == SCALE_SEARCH_4OVER6:
+        return _quantize_4over6(x, global_scale)
     dim = x.shape[-1]
     groups = dim // NVFP4_GROUP_SIZE
     xf = x.to(torch.float32).reshape(*lead, groups, NVFP4_GROUP_SIZE)
@@ -243,6 +254,63 @@ def _search_block_scales(
     sf = torch.where(searched, best, sf)
     codes = torch.where(searched.unsqueeze(-1), best_codes, codes)
     return sf, codes
+
+
+_FTZ_MIN = 2.0**-126  # smallest normal fp32: the flush-to-zero bound of upstream's reciprocal
+
+
+def _rcp_ftz(v: torch.Tensor) -> torch.Tensor:
+    """``1 / v`` rounded to fp32, with subnormal inputs and results flushed to signed zero (the
+    ``rcp.approx.ftz.f32`` steps of upstream's 4over6 writer, taken as correctly rounded)."""
+    v = torch.where(v.abs() < _FTZ_MIN, torch.copysign(torch.zeros_like(v), v), v)
+    r = torch.ones_like(v) / v
+    return torch.where(r.abs() < _FTZ_MIN, torch.copysign(torch.zeros_like(r), r), r)
+
+
+def _reconstruction_error(xf: torch.Tensor, mult: torch.Tensor) -> torch.Tensor:
+    """Squared error of groups ``xf [..., G, 16]`` coded with multiplier ``mult [..., G]``
+    (0 codes every element as 0): ``sum (E2M1[q_i] * rcp(mult) - x_i)^2``, one rounded fp32 op
+    each, summed pair by pair in element order (``err + (d_2k^2 + d_2k+1^2)``)."""
+    m = mult.unsqueeze(-1)
+    deq = torch.where(m != 0, _rcp_ftz(m), torch.zeros_like(m))
+    diff = e2m1_decode(e2m1_encode(xf * m)) * deq - xf
+    sq = diff * diff
+    err = torch.zeros_like(mult)
+    for i in range(0, NVFP4_GROUP_SIZE, 2):  # sequential, as upstream's unrolled loop
+        err = err + (sq[..., i] + sq[..., i + 1])
+    return err
+
+
+def _quantize_4over6(
+    x: torch.Tensor, global_scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``nvfp4_4over6`` writer on checked input (see :func:`quantize_nvfp4`). Per group:
+    ``s = 1 / global_scale`` (IEEE); for ``d`` in (6, 4): ``sf_d = e4m3_satfinite(s * (amax *
+    rcp(d)))``, ``mult_d = rcp(float(sf_d) * rcp(s))`` (0 when ``sf_d`` is 0). ``sf_4`` wins only
+    when its :func:`_reconstruction_error` is strictly lower (ties and NaN errors keep ``sf_6``);
+    codes are ``e2m1_encode(x_i * mult)``. A NaN group gets scale byte 0x7F and codes 0."""
+    lead, dim = x.shape[:-1], x.shape[-1]
+    xf = x.to(torch.float32).reshape(*lead, dim // NVFP4_GROUP_SIZE, NVFP4_GROUP_SIZE)
+    gs = _scale_for_groups(global_scale, x.device)
+    sf_scale = torch.ones_like(gs) / gs
+    inv_sf_scale = _rcp_ftz(sf_scale)
+    amax = xf.abs().amax(dim=-1)
+    best: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    for denominator in (E2M1_MAX, 4.0):
+        rcp_d = _rcp_ftz(torch.full_like(amax, denominator))
+        sf = fp32_to_e4m3_satfinite(sf_scale * (amax * rcp_d))
+        sf_f = fp8_bytes_to_fp32(sf, Fp8Format.E4M3)
+        mult = torch.where(sf_f != 0, _rcp_ftz(sf_f * inv_sf_scale), torch.zeros_like(sf_f))
+        err = _reconstruction_error(xf, mult)
+        if best is None:
+            best = (sf, mult, err)
+        else:
+            use4 = err < best[2]
+            best = (torch.where(use4, sf, best[0]), torch.where(use4, mult, best[1]), err)
+    assert best is not None
+    sf, mult, _ = best
+    codes = e2m1_encode(xf * mult.unsqueeze(-1))
+    return _pack(codes.reshape(*lead, dim)), sf
 
 
 def dequantize_nvfp4(

@@ -132,7 +132,7 @@ def nvfp4_write_cache(
     global_scale: torch.Tensor,
     scale_layout: ScaleLayout | str | None = None,
     *,
-    scale_search: bool = False,
+    scale_search: bool | str = False,
 ) -> None:
     """Quantize the first ``T`` tokens of ``x [T_pad, H, D]`` and write them into a packed
     NVFP4 cache side ``(B, N, H, F)`` in place.
@@ -144,7 +144,7 @@ def nvfp4_write_cache(
     appears twice, which token ends up in it is unspecified. ``scale_layout=None`` is the op's
     default, :meth:`ScaleLayout.default_for` ``(N, D)`` (upstream's interleave4 where it fits).
     ``scale_search=True`` writes ``nvfp4_mse`` (:func:`quantize_nvfp4`'s block-scale search); the
-    page is read like any NVFP4 page.
+    page is read like any NVFP4 page; ``scale_search="4over6"`` writes ``nvfp4_4over6``.
     """
     _check_input(x, cache_side)
     num_blocks, block_size, num_heads, _ = cache_side.shape

@@ -19,6 +19,7 @@ from typing import ClassVar
 
 import torch
 
+from vllm.kv_quant.formats import formats
 from vllm.v1.attention.backends.abstract import AttentionLayer, DeviceCapability
 from vllm.v1.attention.backends.reference import (
     ReferenceAttentionBackend,
@@ -32,6 +33,13 @@ class CPUAttentionBackend(ReferenceAttentionBackend):
     """Compiled paged attention on CPU over every cache format (needs the built extension)."""
 
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    # The formats the compiled kernels write and read (the others fall to REFERENCE).
+    supported_kv_cache_dtypes: ClassVar[list[str]] = [
+        name
+        for fmt in formats()
+        if not fmt.mla_only and fmt.cache_kind is not None and fmt.has_kernel
+        for name in fmt.accepted_names
+    ]
 
     @staticmethod
     def get_name() -> str:

@@ -18,8 +18,9 @@ from typing import ClassVar
 import torch
 
 from vllm.kv_quant import KeyRope, KeyTransform, ScaleLayout, interleave4_index, kv_scale_as_1d
+from vllm.kv_quant.codecs import codec_dtype_names
 from vllm.kv_quant.encoding import KVCacheEncoding
-from vllm.kv_quant.formats import cache_dtype_names, find_format
+from vllm.kv_quant.formats import find_format
 from vllm.kv_quant.key_sinks import key_sink_scale, write_key_sinks
 from vllm.utils import check_positive_int
 from vllm.v1.attention.backends.abstract import (
@@ -49,7 +50,7 @@ class ReferenceAttentionBackend(AttentionBackend):
     """Pure-torch paged attention over every cache format, on CPU and any CUDA GPU."""
 
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list[str]] = list(cache_dtype_names())
+    supported_kv_cache_dtypes: ClassVar[list[str]] = list(codec_dtype_names())
     supports_head_size_v: ClassVar[bool] = True
     supported_features: ClassVar[frozenset[str]] = AttentionBackend.supported_features.union(
         ("has_sink", "has_sliding_window", "use_non_causal", "use_per_head_quant_scales")
@@ -338,7 +339,7 @@ class ReferenceAttentionImpl(AttentionImpl):
         sink_scale = None
         if sink_rows is not None:
             sink_scale = self._sink_scale(layer._k_scale).to(sink_rows.device)
-        op = compiled_writer()
+        op = compiled_writer() if self.kv_cache_encoding.format.has_kernel else None
         if op is not None:  # pages and sink rows in one pass
             op(
                 key,
@@ -355,7 +356,7 @@ class ReferenceAttentionImpl(AttentionImpl):
                 key_sink_scale=sink_scale,
             )
             return
-        # The reference codecs (no extension built), each side checked before the first writes.
+        # The codecs (no extension, or no compiled writer of the format), sides checked first.
         codec = self.kv_cache_encoding.codec
         sizes, scales = (self.head_size, self.head_size_v), (layer._k_scale, layer._v_scale)
         check_codec_write(key, value, sizes, key_cache, scales if codec.reads_kv_scale else None)

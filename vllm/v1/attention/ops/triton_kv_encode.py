@@ -15,6 +15,7 @@ Values are passed as uint32 bit patterns (``bits``) or fp32 tensors; codes come 
 
 from __future__ import annotations
 
+from vllm.kv_quant.nvfp4 import SCALE_SEARCH_4OVER6
 from vllm.triton_utils import tl, triton
 
 # Source / unquantized cache element types (csrc/cache_kernels.h SourceType).
@@ -28,6 +29,16 @@ F32_INF_BITS = tl.constexpr(0x7F800000)
 F32_NAN_BITS = tl.constexpr(0x7FC00000)
 # The canonical FP8 NaN byte written for any NaN input (kFp8NanByte).
 FP8_NAN_BYTE = tl.constexpr(0x7F)
+F32_MIN_NORMAL_BITS = tl.constexpr(0x00800000)
+F32_SIGN_BITS = tl.constexpr(0x80000000)
+# write_nvfp4_groups SEARCH policies: 0 nearest (nvfp4), 1 neighbour search (nvfp4_mse),
+# 2 amax / 6 or amax / 4 (nvfp4_4over6).
+SEARCH_4OVER6 = tl.constexpr(2)
+
+
+def search_policy(scale_search: bool | str) -> int:
+    """The ``SEARCH`` policy of a format's ``scale_search`` setting."""
+    return SEARCH_4OVER6.value if scale_search == SCALE_SEARCH_4OVER6 else int(scale_search)
 
 
 @triton.jit
@@ -313,27 +324,10 @@ def nvfp4_candidate_error(src_ptr, group_off, gmask, c, inv, SRC: tl.constexpr):
 
 
 @triton.jit
-def write_nvfp4_groups(src_ptr, src_off, dst_ptr, data_off, scale_off, group_ok, scale,
-                       SRC: tl.constexpr, SEARCH: tl.constexpr):  # fmt: skip
-    """NVFP4 16-element groups, one per row: ``src_off`` (source elements), ``data_off`` (8
-    data bytes), ``scale_off`` (the block-scale byte, at its linear or interleave4 place) and
-    the global ``scale`` are [R] vectors. Block-scale byte sf = e4m3((amax * inv) / 6) with
-    inv = 1 / scale (0x7F and zero data for a group holding a NaN), codes E2M1(x * (inv / sf)),
-    even element in the low nibble. SEARCH (nvfp4_mse): the best of sf, sf - 1, sf + 1 by
-    squared group error."""
-    mask = group_ok[:, None] & (tl.arange(0, 16) < 16)[None, :]
-    raw = tl.load(src_ptr + src_off[:, None] + tl.arange(0, 16)[None, :], mask=mask, other=0)
-    # One contiguous load per group, split into its even and odd elements.
-    even, odd = tl.split(tl.reshape(source_to_f32_bits(raw, SRC), [raw.shape[0], 8, 2]))
-    ae = even & F32_ABS_MASK
-    ao = odd & F32_ABS_MASK
-    has_nan = (tl.max(tl.where((ae > F32_INF_BITS) | (ao > F32_INF_BITS), 1, 0), axis=1)) > 0
-    amax_bits = tl.maximum(
-        tl.max(tl.where(ae > F32_INF_BITS, 0, ae), axis=1),
-        tl.max(tl.where(ao > F32_INF_BITS, 0, ao), axis=1),
-    )
-    inv = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
-    amax = from_bits(amax_bits)
+def nvfp4_nearest_or_searched(src_ptr, src_off, group_ok, amax, amax_bits, has_nan, inv,
+                              SRC: tl.constexpr, SEARCH: tl.constexpr):  # fmt: skip
+    """Scale byte and multiplier of nvfp4 (sf = e4m3((amax * inv) / 6), 0x7F for a NaN group)
+    or, with SEARCH (nvfp4_mse), the best of sf, sf - 1, sf + 1 by squared group error."""
     block_scale = tl.math.div_rn(amax * inv, tl.zeros_like(amax) + 6.0)
     block_scale = tl.where(has_nan, from_bits(amax_bits * 0 + F32_NAN_BITS), block_scale)
     sf = f32_to_e4m3(block_scale)
@@ -351,6 +345,78 @@ def write_nvfp4_groups(src_ptr, src_off, dst_ptr, data_off, scale_off, group_ok,
         sf = tl.where(plain, sf, best)
     sf_f = e4m3_to_f32(sf)
     mult = tl.where(sf_f == 0.0, 0.0, tl.math.div_rn(tl.zeros_like(sf_f) + inv, _nonzero(sf_f)))
+    return sf, mult
+
+
+@triton.jit
+def rcp_ftz(v):
+    """``1 / v`` in fp32 with subnormal inputs and results flushed to signed zero (the
+    reciprocal of upstream's 4over6 writer, vllm.kv_quant.nvfp4._rcp_ftz)."""
+    bits = as_bits(v)
+    tiny = (bits & F32_ABS_MASK) < F32_MIN_NORMAL_BITS
+    r = tl.math.div_rn(tl.zeros_like(v) + 1.0, tl.where(tiny, 1.0, v))
+    r = tl.where(tiny, from_bits((bits & F32_SIGN_BITS) | F32_INF_BITS), r)
+    r_bits = as_bits(r)
+    return tl.where(
+        (r_bits & F32_ABS_MASK) < F32_MIN_NORMAL_BITS, from_bits(r_bits & F32_SIGN_BITS), r
+    )
+
+
+@triton.jit
+def nvfp4_4over6_candidate(even, odd, amax, inv, inv_rcp, DENOM: tl.constexpr):
+    """Scale byte, multiplier and squared group error of block scale ``amax / DENOM`` for
+    nvfp4_4over6 (vllm.kv_quant.nvfp4._quantize_4over6): the error sums the pairs
+    ``(d_2k^2 + d_2k+1^2)`` in order k = 0..7, one rounded fp32 op each."""
+    sf = f32_to_e4m3(inv * (amax * rcp_ftz(tl.zeros_like(amax) + DENOM)))
+    sf_f = e4m3_to_f32(sf)
+    mult = tl.where(sf_f == 0.0, 0.0, rcp_ftz(sf_f * inv_rcp))
+    deq = tl.where(mult == 0.0, 0.0, rcp_ftz(mult))[:, None]
+    xe = from_bits(even)
+    xo = from_bits(odd)
+    de = e2m1_to_f32(f32_to_e2m1(xe * mult[:, None])) * deq - xe
+    do = e2m1_to_f32(f32_to_e2m1(xo * mult[:, None])) * deq - xo
+    pair = de * de + do * do
+    j = tl.arange(0, 8)[None, :]
+    err = tl.zeros_like(amax)
+    for k in tl.static_range(8):  # sequential: no tree reduction
+        err = err + tl.sum(tl.where(j == k, pair, 0.0), axis=1)
+    return sf, mult, err
+
+
+@triton.jit
+def write_nvfp4_groups(src_ptr, src_off, dst_ptr, data_off, scale_off, group_ok, scale,
+                       SRC: tl.constexpr, SEARCH: tl.constexpr):  # fmt: skip
+    """NVFP4 16-element groups, one per row: ``src_off`` (source elements), ``data_off`` (8
+    data bytes), ``scale_off`` (the block-scale byte, at its linear or interleave4 place) and
+    the global ``scale`` are [R] vectors. Block-scale byte sf = e4m3((amax * inv) / 6) with
+    inv = 1 / scale (0x7F and zero data for a group holding a NaN), codes E2M1(x * (inv / sf)),
+    even element in the low nibble. SEARCH (nvfp4_mse): the best of sf, sf - 1, sf + 1 by
+    squared group error. SEARCH_4OVER6 (nvfp4_4over6): sf = e4m3(inv * (amax * rcp(d))) for
+    d = 6 and 4, multiplier rcp(float(sf) * rcp(inv)); amax / 4 only where its error is lower."""
+    mask = group_ok[:, None] & (tl.arange(0, 16) < 16)[None, :]
+    raw = tl.load(src_ptr + src_off[:, None] + tl.arange(0, 16)[None, :], mask=mask, other=0)
+    # One contiguous load per group, split into its even and odd elements.
+    even, odd = tl.split(tl.reshape(source_to_f32_bits(raw, SRC), [raw.shape[0], 8, 2]))
+    ae = even & F32_ABS_MASK
+    ao = odd & F32_ABS_MASK
+    has_nan = (tl.max(tl.where((ae > F32_INF_BITS) | (ao > F32_INF_BITS), 1, 0), axis=1)) > 0
+    amax_bits = tl.maximum(
+        tl.max(tl.where(ae > F32_INF_BITS, 0, ae), axis=1),
+        tl.max(tl.where(ao > F32_INF_BITS, 0, ao), axis=1),
+    )
+    inv = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
+    amax = from_bits(amax_bits)
+    if SEARCH == SEARCH_4OVER6:
+        amax = tl.where(has_nan, from_bits(amax_bits * 0 + F32_NAN_BITS), amax)
+        inv_rcp = rcp_ftz(inv)
+        sf, mult, err6 = nvfp4_4over6_candidate(even, odd, amax, inv, inv_rcp, 6.0)
+        sf4, mult4, err4 = nvfp4_4over6_candidate(even, odd, amax, inv, inv_rcp, 4.0)
+        use4 = err4 < err6  # strictly: ties (and NaN errors) keep amax / 6
+        sf = tl.where(use4, sf4, sf)
+        mult = tl.where(use4, mult4, mult)
+    else:
+        sf, mult = nvfp4_nearest_or_searched(src_ptr, src_off, group_ok, amax, amax_bits,
+                                             has_nan, inv, SRC, SEARCH)  # fmt: skip
     lo = f32_to_e2m1(from_bits(even) * mult[:, None])
     hi = f32_to_e2m1(from_bits(odd) * mult[:, None])
     packed = tl.where((sf == FP8_NAN_BYTE)[:, None], 0, (hi << 4) | lo)

@@ -5,12 +5,13 @@
 ``torch.ops._C_cache_ops.reshape_and_cache_flash`` writes, to the same bytes: unquantized caches
 (fp32 / fp16 / bf16, K/V of any float dtype rounded to the cache dtype), FP8 e4m3 / e5m2 with
 per-tensor or per-head scales, per-token-head INT8 / FP8 rows with their inline fp32 scale, and
-NVFP4 (``nvfp4`` and the block-scale search of ``nvfp4_mse``) with linear or interleave4
-block-scale layouts; NHD and HND pages; and, in the same program as a token's K rows, the
-optional key sink rows (e4m3 copies of the first S keys of each page). Its arguments go through
-the compiled op's own checks first (a zero-token call: the same errors, nothing written). Upstream's
-:func:`triton_reshape_and_cache_flash_per_token_head_quant` (separate fp32 scale caches) and
-:func:`triton_reshape_and_cache_flash_diffkv` (K and V in one row) share the kernel.
+NVFP4 (``nvfp4`` and the block-scale policies of ``nvfp4_mse`` and ``nvfp4_4over6``) with
+linear or interleave4 block-scale layouts; NHD and HND pages; and, in the same program as a
+token's K rows, the optional key sink rows (e4m3 copies of the first S keys of each page). Its
+arguments go through the compiled op's own checks first (a zero-token call: the same errors,
+nothing written). Upstream's :func:`triton_reshape_and_cache_flash_per_token_head_quant`
+(separate fp32 scale caches) and :func:`triton_reshape_and_cache_flash_diffkv` (K and V in one
+row) share the kernel.
 
 One program writes the K rows, then the V rows, of up to :func:`heads_per_program` heads of one
 token (a ``[heads, D]`` tile per side: wide accesses, few programs). The encoders
@@ -38,10 +39,12 @@ from vllm.kv_quant.per_token_head import PER_TOKEN_HEAD_SCALE_FLOOR, per_token_h
 from vllm.kv_quant.scale_layout import ScaleLayout
 from vllm.triton_utils import HAS_TRITON, row_alignment, tl, triton
 from vllm.utils.math_utils import cdiv, next_power_of_2
+from vllm.v1.attention.ops.int4_per_token_head import reshape_and_cache_int4
 from vllm.v1.attention.ops.triton_kv_encode import (
     SRC_BF16,
     SRC_FP16,
     SRC_FP32,
+    search_policy,
     write_fp8_rows,
     write_nvfp4_groups,
     write_per_token_head_rows,
@@ -334,7 +337,7 @@ def _plan(
     dst: int = SRC_FP32,
     per_head: tuple[bool, bool] = (False, False),
     interleave4: tuple[bool, bool] = (False, False),
-    search: bool = False,
+    search: int = 0,
     qmax: float = 1.0,
     scale_inline: bool = True,
     sinks: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -465,7 +468,7 @@ def plan_reshape_and_cache_flash(
         strides = tuple((b, t // f, h // f) for (b, t, h), f in zip(strides, last, strict=True))
     return _plan(key, value, sides, strides, (k_scale.reshape(-1), v_scale.reshape(-1)),
                  no_aux, slot_mapping, num_blocks * block_size, block_size, kind=kind,
-                 per_head=per_head, interleave4=interleave4, search=fmt.scale_search,
+                 per_head=per_head, interleave4=interleave4, search=search_policy(fmt.scale_search),
                  sinks=sinks)  # fmt: skip
 
 
@@ -486,13 +489,18 @@ def triton_reshape_and_cache_flash_per_token_head_quant(
     k_scale_cache: torch.Tensor,
     v_scale_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_quant_mode: KVQuantMode | None = None,
 ) -> None:
     """Upstream's per-token-head writer: ``key [T_pad, H, D]`` / ``value [T_pad, H, Dv]`` token
     ``i`` quantized per (token, head) into slot ``slot_mapping[i]`` (< 0: skipped) of
     ``key_cache [B, N, H, D]`` / ``value_cache [B, N, H, Dv]`` (int8, or float8_e4m3fn / uint8
     e4m3 bytes), the fp32 scales into ``k_scale_cache`` / ``v_scale_cache [B, N, H]``. Bytes and
     scales are those of the ``int8_per_token_head`` / ``fp8_per_token_head`` codec
-    (:mod:`vllm.kv_quant.per_token_head`); any strides."""
+    (:mod:`vllm.kv_quant.per_token_head`); any strides. ``kv_quant_mode`` (``None``: by the
+    cache dtype) ``INT4_PER_TOKEN_HEAD`` goes to ``reshape_and_cache_int4``."""
+    if kv_quant_mode == KVQuantMode.INT4_PER_TOKEN_HEAD:
+        scales = dict(k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache)
+        return reshape_and_cache_int4(key, value, key_cache, value_cache, slot_mapping, **scales)
     key, value = _check_sources(key, value)
     fp8 = key_cache.dtype in (torch.float8_e4m3fn, torch.uint8)
     _check(

@@ -25,6 +25,7 @@ from vllm.kv_quant.formats import (
 )
 from vllm.kv_quant.index_tensor import check_integer_tensor
 from vllm.triton_utils import triton
+from vllm.v1.attention.ops.int4_per_token_head import unified_attention_int4
 from vllm.v1.attention.ops.triton_attention_plan import (
     _QUERY_DTYPES,
     MAX_SPLITS,
@@ -260,6 +261,23 @@ def unified_attention(
     upstream's) as :func:`plan_paged_attention` describes them.
     ``causal`` may be per sequence (a ``[num_seqs]`` bool / integer tensor, non-zero: causal).
     """
+    if kv_quant_mode == KVQuantMode.INT4_PER_TOKEN_HEAD and kv_cache_dtype is None:
+        if isinstance(causal, torch.Tensor) or not causal:
+            raise ValueError(f"causal: expected True for INT4_PER_TOKEN_HEAD, got {causal!r}")
+        if k_scale_cache is None or v_scale_cache is None:
+            raise ValueError("k_scale_cache, v_scale_cache: expected both for INT4_PER_TOKEN_HEAD")
+        unified_attention_int4(
+            q, k, v, out, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+            seqused_k=seqused_k, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
+            window_size=window_size, block_table=block_table, softcap=softcap, sinks=sinks,
+            alibi_slopes=alibi_slopes, use_alibi_sqrt=use_alibi_sqrt, qq_bias=qq_bias,
+            output_scale=output_scale, mm_prefix_range=mm_prefix_range,
+            k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache,
+            seq_threshold_3D=seq_threshold_3D, num_par_softmax_segments=num_par_softmax_segments,
+            softmax_segm_output=softmax_segm_output, softmax_segm_max=softmax_segm_max,
+            softmax_segm_expsum=softmax_segm_expsum,
+        )  # fmt: skip
+        return
     window = window_size[0] + 1 if window_size[0] >= 0 else 0
     if window and chunk_lookback > -1 and window // (chunk_lookback + 1) <= 0:
         raise ValueError(

@@ -1,0 +1,348 @@
+"""Triton writer and reader of the ``int4_per_token_head`` KV cache, at upstream v0.33's module
+path, under its names (``reshape_and_cache_int4``, ``unified_attention_int4``, ``single_rht``).
+
+The bytes are those of the reference codec :mod:`vllm.kv_quant.int4_per_token_head`: the writer
+rotates in torch (as upstream does) and its kernel quantizes one (token, head) row per program,
+every fp32 step rounded on its own (launched without FMA contraction). The reader decodes the
+pages a batch references into rotated-domain fp32 values with one kernel, runs this library's
+``unified_attention`` on them with the rotated query and ``softmax_scale / b`` into ``out``'s dtype,
+and rotates that output back (``H(out) * s / b``), as upstream: attention over the codec's
+decoded values, up to fp32 summation order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vllm.kv_quant.formats import PER_TOKEN_HEAD_SCALE_BYTES
+from vllm.kv_quant.index_tensor import check_integer_tensor
+from vllm.kv_quant.int4_per_token_head import (
+    INT4_QMAX,
+    INT4_SCALE_FLOOR,
+    rht_block_size,
+    single_rht,
+)
+from vllm.triton_utils import tl, triton
+from vllm.triton_utils.aot import TritonCompileCase, case_from_launch
+from vllm.v1.attention.ops.triton_attention_plan import plan_paged_attention
+from vllm.v1.attention.ops.triton_attention_reduce import reduce_segments
+from vllm.v1.attention.ops.triton_paged_attention import paged_attention_kernel
+
+__all__ = [
+    "reshape_and_cache_int4",
+    "single_rht",
+    "triton_compile_cases",
+    "unified_attention_int4",
+]
+
+_NUM_WARPS = 4
+
+
+@triton.jit
+def _round_code(t):
+    """Upstream's rounding, half away from zero, clamped to [0, 15]. Clamping to [-1, 16] first
+    keeps the int cast defined (results past it clamp to 0 / 15 either way)."""
+    t = tl.minimum(tl.maximum(t, -1.0), 16.0)
+    r = tl.where(t >= 0, (t + 0.5).to(tl.int32), (t - 0.5).to(tl.int32))
+    return tl.minimum(tl.maximum(r, 0), 15)
+
+
+@triton.jit
+def _int4_store_kernel(
+    src_ptr,
+    cache_ptr,
+    scale_ptr,
+    slot_ptr,
+    src_tok,
+    src_head,
+    cache_blk,
+    cache_slot,
+    cache_head,
+    scale_blk,
+    scale_slot,
+    scale_head,
+    block_size,
+    D: tl.constexpr,
+    HALF_PADDED: tl.constexpr,
+    QMAX: tl.constexpr,
+    FLOOR: tl.constexpr,
+):
+    """One (token, head) row of rotated values -> D / 2 packed bytes + the scale word."""
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot >= 0:
+        j = tl.arange(0, HALF_PADDED)
+        ok = j < D // 2
+        base = src_ptr + tok.to(tl.int64) * src_tok + head * src_head
+        even = tl.load(base + 2 * j, mask=ok, other=0.0).to(tl.float32)
+        odd = tl.load(base + 2 * j + 1, mask=ok, other=0.0).to(tl.float32)
+        lo = tl.minimum(
+            tl.min(tl.where(ok, even, float("inf")), axis=0),
+            tl.min(tl.where(ok, odd, float("inf")), axis=0),
+        )
+        hi = tl.maximum(
+            tl.max(tl.where(ok, even, float("-inf")), axis=0),
+            tl.max(tl.where(ok, odd, float("-inf")), axis=0),
+        )
+        # div_rn: Triton's `/` is div.full.f32 (not IEEE) on NVIDIA GPUs; the codec's bytes
+        # need correctly rounded quotients (upstream's kernel uses `/`).
+        scale = tl.maximum(tl.math.div_rn(hi - lo, tl.zeros_like(hi) + QMAX), FLOOR)
+        zp = _round_code(tl.math.div_rn(-lo, scale))
+        inv = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
+        zpf = zp.to(tl.float32)
+        q_even = _round_code(even * inv + zpf)
+        q_odd = _round_code(odd * inv + zpf)
+        packed = (q_even | (q_odd << 4)).to(tl.uint8)
+        blk = slot // block_size
+        pos = slot % block_size
+        row = cache_ptr + blk * cache_blk + pos * cache_slot + head * cache_head
+        tl.store(row + j, packed, mask=ok)
+        word = (scale.to(tl.int32, bitcast=True) & -16) | zp
+        tl.store(scale_ptr + blk * scale_blk + pos * scale_slot + head * scale_head, word)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _check_side(cache: torch.Tensor, scales: torch.Tensor, name: str, lead: list[int],
+                head_size: int) -> None:  # fmt: skip
+    _check(
+        cache.dtype == torch.uint8 and cache.dim() == 4 and list(cache.shape[:3]) == lead
+        and cache.shape[3] >= head_size // 2 and cache.stride(3) == 1,
+        f"{name}: expected a uint8 {lead + [head_size // 2]} tensor (last dim >= "
+        f"{head_size // 2}, unit last stride), got {cache.dtype} of shape {list(cache.shape)}",
+    )  # fmt: skip
+    scale_name = f"{name[0]}_scale_cache"
+    _check(
+        scales.dtype == torch.float32 and list(scales.shape) == lead,
+        f"{scale_name}: expected a float32 tensor {lead}, got {scales.dtype} of shape "
+        f"{list(scales.shape)}",
+    )
+
+
+def _store_launch(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> tuple[tuple[int, int], list[Any],
+                                                       dict[str, object]]:  # fmt: skip
+    """Grid, runtime arguments and constexprs of one side's store (``x`` already rotated)."""
+    head_size = x.shape[2]
+    args: list[Any] = [
+        x, cache, scales.view(torch.int32), slot_mapping,
+        x.stride(0), x.stride(1), *cache.stride()[:3], *scales.stride(), cache.shape[1],
+    ]  # fmt: skip
+    constexprs: dict[str, object] = dict(
+        D=head_size,
+        HALF_PADDED=triton.next_power_of_2(head_size // 2),
+        QMAX=INT4_QMAX,
+        FLOOR=INT4_SCALE_FLOOR,
+    )
+    return (slot_mapping.shape[0], x.shape[1]), args, constexprs
+
+
+def reshape_and_cache_int4(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scale_cache: torch.Tensor,
+    v_scale_cache: torch.Tensor,
+) -> None:
+    """Rotate, quantize and write ``key [T_pad, H, D]`` / ``value [T_pad, H, Dv]`` (fp32 / fp16
+    / bf16) token ``i`` into slot ``slot_mapping[i]`` (< 0: skipped) of ``key_cache [B, N, H,
+    >= D/2]`` / ``value_cache`` (uint8; upstream passes its ``D/2 + 4``-byte rows, whose last 4
+    bytes the scale caches view), scale words into ``k_scale_cache`` / ``v_scale_cache [B, N,
+    H]`` fp32 (any strides). Bad arguments raise ``ValueError`` before anything is written."""
+    for name, x in (("key", key), ("value", value)):
+        _check(
+            x.dim() == 3 and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and x.shape[2] > 0 and x.shape[2] % 2 == 0,
+            f"{name}: expected a float32 / float16 / bfloat16 [T_pad, H, D] tensor with D even, "
+            f"got {x.dtype} of shape {list(x.shape)}",
+        )  # fmt: skip
+    _check(
+        value.shape[:2] == key.shape[:2],
+        f"value: expected {list(key.shape[:2])} tokens and heads (key's), got {list(value.shape)}",
+    )
+    _check(key_cache.dim() == 4, f"key_cache: expected a 4-D tensor, got {list(key_cache.shape)}")
+    lead = [key_cache.shape[0], key_cache.shape[1], key.shape[1]]
+    _check_side(key_cache, k_scale_cache, "key_cache", lead, key.shape[2])
+    _check_side(value_cache, v_scale_cache, "value_cache", lead, value.shape[2])
+    check_integer_tensor("slot_mapping", slot_mapping)
+    _check(
+        slot_mapping.dim() == 1 and slot_mapping.shape[0] <= key.shape[0],
+        f"slot_mapping: expected [T] with T <= {key.shape[0]}, got {list(slot_mapping.shape)}",
+    )
+    num_slots = lead[0] * lead[1]
+    top = int(slot_mapping.max()) if slot_mapping.numel() else -1
+    _check(top < num_slots, f"slot_mapping: expected slots < {num_slots} (B * N), got {top}")
+    for x, cache, scales in ((key, key_cache, k_scale_cache), (value, value_cache, v_scale_cache)):
+        rotated = single_rht(x.float()).to(x.dtype)
+        grid, args, constexprs = _store_launch(rotated, cache, scales, slot_mapping)
+        _int4_store_kernel[grid](*args, **constexprs, num_warps=_NUM_WARPS,
+                                 enable_fp_fusion=False)  # fmt: skip
+
+
+@triton.jit
+def _int4_decode_kernel(
+    cache_ptr,
+    scale_ptr,
+    page_ptr,
+    out_ptr,
+    cache_blk,
+    cache_slot,
+    cache_head,
+    scale_blk,
+    scale_slot,
+    scale_head,
+    num_heads,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HALF_PADDED: tl.constexpr,
+):
+    """Page ``page_ptr[pid0]``, head ``pid1`` -> ``(q - zp) * scale'`` fp32 rows of ``out``
+    (compact pages ``(P, N, H, D)``, contiguous)."""
+    p = tl.program_id(0)
+    head = tl.program_id(1)
+    page = tl.load(page_ptr + p).to(tl.int64)
+    n = tl.arange(0, BLOCK_N)
+    j = tl.arange(0, HALF_PADDED)
+    ok = j < D // 2
+    rows = cache_ptr + page * cache_blk + n[:, None] * cache_slot + head * cache_head
+    packed = tl.load(rows + j[None, :], mask=ok[None, :], other=0).to(tl.int32)
+    word = tl.load(scale_ptr + page * scale_blk + n * scale_slot + head * scale_head)
+    zp = (word & 0xF).to(tl.float32)
+    scale = (word & -16).to(tl.float32, bitcast=True)
+    lo = ((packed & 0xF).to(tl.float32) - zp[:, None]) * scale[:, None]
+    hi = (((packed >> 4) & 0xF).to(tl.float32) - zp[:, None]) * scale[:, None]
+    dst = out_ptr + ((p.to(tl.int64) * BLOCK_N + n[:, None]) * num_heads + head) * D
+    tl.store(dst + 2 * j[None, :], lo, mask=ok[None, :])
+    tl.store(dst + 2 * j[None, :] + 1, hi, mask=ok[None, :])
+
+
+def _decode_launch(cache: torch.Tensor, scales: torch.Tensor, pages: torch.Tensor,
+                   out: torch.Tensor, head_size: int) -> tuple[tuple[int, int], list[Any],
+                                                               dict[str, object]]:  # fmt: skip
+    args: list[Any] = [
+        cache, scales.view(torch.int32), pages, out, *cache.stride()[:3], *scales.stride(),
+        cache.shape[2],
+    ]  # fmt: skip
+    constexprs: dict[str, object] = dict(
+        D=head_size, BLOCK_N=cache.shape[1], HALF_PADDED=triton.next_power_of_2(head_size // 2)
+    )
+    return (pages.shape[0], cache.shape[2]), args, constexprs
+
+
+def _decode_pages(cache: torch.Tensor, scales: torch.Tensor, pages: torch.Tensor,
+                  head_size: int) -> torch.Tensor:  # fmt: skip
+    """Rotated-domain fp32 values ``(P, N, H, D)`` of cache pages ``pages [P]``."""
+    out = torch.empty(pages.shape[0], cache.shape[1], cache.shape[2], head_size,
+                      dtype=torch.float32, device=cache.device)  # fmt: skip
+    if pages.numel():
+        grid, args, constexprs = _decode_launch(cache, scales, pages, out, head_size)
+        _int4_decode_kernel[grid](*args, **constexprs, num_warps=_NUM_WARPS)
+    return out
+
+
+def unified_attention_int4(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    max_seqlen_q: int,
+    seqused_k: torch.Tensor,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    window_size: tuple[int, int],
+    block_table: torch.Tensor,
+    softcap: float,
+    sinks: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
+    use_alibi_sqrt: bool,
+    qq_bias: torch.Tensor | None,
+    output_scale: torch.Tensor | None,
+    mm_prefix_range: torch.Tensor | None,
+    k_scale_cache: torch.Tensor,
+    v_scale_cache: torch.Tensor,
+    seq_threshold_3D: int | None = None,
+    num_par_softmax_segments: int | None = None,
+    softmax_segm_output: torch.Tensor | None = None,
+    softmax_segm_max: torch.Tensor | None = None,
+    softmax_segm_expsum: torch.Tensor | None = None,
+) -> None:
+    """Causal paged attention over an INT4 cache ``k_cache`` / ``v_cache (B, N, Hkv, >= D/2)``
+    uint8 with scale words ``[B, N, Hkv]`` fp32, into ``out [T, Hq, D]``; the other arguments
+    as :func:`~vllm.v1.attention.ops.triton_unified_attention.unified_attention`'s.
+
+    ``q`` is rotated (and rounded back to its dtype, as upstream), ``softmax_scale`` divided by
+    ``b`` (the rotation's norm squared); the output is rotated back and divided by ``b``.
+    ``output_scale`` (an FP8 output) is refused: upstream applies it before the inverse
+    rotation, which leaves the rotated output's clamp in the result."""
+    _check(output_scale is None, "output_scale: expected None for int4_per_token_head (no FP8 "
+           f"output), got a {type(output_scale).__name__}")  # fmt: skip
+    _check(
+        q.dim() == 3 and q.dtype in (torch.float32, torch.float16, torch.bfloat16),
+        f"q: expected a float32 / float16 / bfloat16 [T, Hq, D] tensor, got {q.dtype} of shape "
+        f"{list(q.shape)}",
+    )
+    head_size = q.shape[2]
+    _check(k_cache.dim() == 4, f"k_cache: expected a 4-D tensor, got {list(k_cache.shape)}")
+    lead = list(k_cache.shape[:3])
+    _check_side(k_cache, k_scale_cache, "k_cache", lead, head_size)
+    _check_side(v_cache, v_scale_cache, "v_cache", lead, head_size)
+    block = rht_block_size(head_size)
+    rotated_q = single_rht(q.float()).to(q.dtype)
+    # Decode only the pages the batch references, renumbered 0..P-1 in the block table.
+    pages = torch.unique(block_table.to(torch.int64))
+    pages = pages[(pages >= 0) & (pages < lead[0])]
+    if pages.numel() == 0:  # nothing referenced: one page keeps the table's entries in range
+        pages = torch.zeros(1, dtype=torch.int64, device=block_table.device)
+    k_vals = _decode_pages(k_cache, k_scale_cache, pages, head_size)
+    v_vals = _decode_pages(v_cache, v_scale_cache, pages, head_size)
+    local_table = torch.searchsorted(pages, block_table.to(torch.int64))
+    local_table = local_table.clamp_(max=pages.shape[0] - 1).to(torch.int32)
+    # Upstream's kernel stores the rotated output in out's dtype before rotating it back.
+    rotated_out = torch.empty_like(out)
+    # The decoded pages are plain fp32 pages: one unsplit launch of the paged kernel (the
+    # split-K arguments only shape upstream's own launch; the result is the same function).
+    ones = torch.ones(1, dtype=torch.float32, device=q.device)
+    launch = plan_paged_attention(
+        rotated_out, rotated_q, k_vals, v_vals, local_table, seqused_k, cu_seqlens_q,
+        "float32", ones, ones, softmax_scale / block, max_seqlen_q, max_seqlen_k,
+        sliding_window=window_size[0] + 1 if window_size[0] >= 0 else None,
+        logits_soft_cap=softcap if softcap > 0 else None, sinks=sinks, causal=True,
+        num_splits=1, mm_prefix_range=mm_prefix_range, alibi_slopes=alibi_slopes,
+        alibi_sqrt=use_alibi_sqrt, qq_bias=qq_bias,
+    )  # fmt: skip
+    launch.kernel = paged_attention_kernel
+    launch.reducer = reduce_segments
+    launch()
+    rotated = rotated_out.float()
+    out.copy_((single_rht(rotated, inverse=True) / torch.full_like(rotated, block)).to(out.dtype))
+
+
+def triton_compile_cases() -> list[TritonCompileCase]:
+    """The store at head sizes 128 and 96 (bf16 source, upstream's ``D/2 + 4``-byte rows) and
+    the page decode at 128, block size 16."""
+    cases = []
+    for d in (128, 96):
+        x = torch.zeros(1, 2, d, dtype=torch.bfloat16)
+        cache = torch.zeros(1, 16, 2, d // 2 + PER_TOKEN_HEAD_SCALE_BYTES, dtype=torch.uint8)
+        scales = torch.zeros(1, 16, 2)
+        _, args, constexprs = _store_launch(x, cache, scales, torch.zeros(1, dtype=torch.int64))
+        cases.append(case_from_launch(f"store/d{d}", _int4_store_kernel, args, constexprs,
+                                      num_warps=_NUM_WARPS, enable_fp_fusion=False))  # fmt: skip
+    cache = torch.zeros(1, 16, 2, 68, dtype=torch.uint8)
+    pages = torch.zeros(1, dtype=torch.int64)
+    out = torch.zeros(1, 16, 2, 128)
+    _, args, constexprs = _decode_launch(cache, torch.zeros(1, 16, 2), pages, out, 128)
+    cases.append(case_from_launch("decode/d128", _int4_decode_kernel, args, constexprs,
+                                  num_warps=_NUM_WARPS))  # fmt: skip
+    return cases

@@ -1,0 +1,77 @@
+"""``ultraquant_store``: writes K/V rows into an ``ultraquant_4bit`` paged cache (upstream's
+``vllm.v1.attention.ops.ultraquant.triton_store`` entry point and signature).
+
+This implementation runs the torch reference codec (:mod:`.reference`) and scatters its bytes,
+so it is bit-exact with it by construction on every device; upstream's fused Triton kernel is
+not ported yet (its tests need a CUDA/HIP device).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.v1.attention.ops.ultraquant.format import slot_size
+from vllm.v1.attention.ops.ultraquant.reference import ultraquant_encode
+
+__all__ = ["ultraquant_store"]
+
+_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_paged_cache(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
+    """``ValueError``/``TypeError`` unless ``kv_cache`` is a uint8 ``[num_blocks, block_size,
+    num_kv_heads, >= slot_size(head_dim)]`` page tensor."""
+    if kv_cache.dtype != torch.uint8:
+        raise TypeError(f"kv_cache: expected dtype torch.uint8, got {kv_cache.dtype}")
+    need = slot_size(head_dim)
+    if kv_cache.dim() != 4 or kv_cache.shape[2] != num_kv_heads or kv_cache.shape[3] < need:
+        raise ValueError(
+            f"kv_cache: expected [num_blocks, block_size, {num_kv_heads}, >= {need}], got "
+            f"{tuple(kv_cache.shape)}"
+        )
+
+
+def ultraquant_store(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    PiT: torch.Tensor | None = None,  # noqa: N803  (upstream's name; unused, as upstream's)
+    constant_c: float | None = None,
+) -> None:
+    """Encode ``key``/``value`` ``[N, Hk, D]`` and write token ``i``'s slot bytes (K codes, K
+    scales, V codes, V scales; ``slot_size(D)`` bytes per head) at cache slot
+    ``slot_mapping[i]`` (``block * block_size + offset``); negative slots are skipped. Bytes of a
+    slot past ``slot_size(D)`` (alignment padding) are left alone."""
+    if key.dim() != 3 or value.shape != key.shape:
+        raise ValueError(
+            f"key: expected [N, Hk, D] with value the same shape, got {tuple(key.shape)} and "
+            f"{tuple(value.shape)}"
+        )
+    if key.dtype not in _INPUT_DTYPES or value.dtype != key.dtype:
+        raise TypeError(
+            f"key: expected float16, bfloat16 or float32 (value alike), got {key.dtype} and "
+            f"{value.dtype}"
+        )
+    n, hk, d = key.shape
+    check_paged_cache(kv_cache, hk, d)
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != n or slot_mapping.is_floating_point():
+        raise ValueError(
+            f"slot_mapping: expected {n} integer slots, got {tuple(slot_mapping.shape)} "
+            f"{slot_mapping.dtype}"
+        )
+    num_blocks, block_size = kv_cache.shape[:2]
+    slots = slot_mapping.to(device=kv_cache.device, dtype=torch.int64)
+    keep = slots >= 0
+    if bool((slots[keep] >= num_blocks * block_size).any()):
+        raise ValueError(
+            f"slot_mapping: expected slots below {num_blocks * block_size}, got {int(slots.max())}"
+        )
+    k = ultraquant_encode(key, rotate=True, constant_c=constant_c)
+    v = ultraquant_encode(value, rotate=False, constant_c=constant_c)
+    rows = torch.cat([k.codes_packed, k.scale_bytes, v.codes_packed, v.scale_bytes], dim=-1)
+    slots = slots[keep]
+    kv_cache[slots // block_size, slots % block_size, :, : rows.shape[-1]] = rows[keep].to(
+        kv_cache.device
+    )
