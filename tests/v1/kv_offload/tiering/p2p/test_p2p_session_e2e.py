@@ -216,7 +216,10 @@ def test_peer_close_fails_inflight_load(nodes):
     a, b = nodes
     a_to_b, b_to_a = _handshake(a, b)
     b_to_a.request_blocks(job_id=4, kv_request_id="req-3", keys=[OffloadKey(b"k")], block_ids=[1])
-    a.tick()  # a parks the demand: nothing stored for it yet
+    # a parks the demand (nothing stored for it yet). Wait for it: a fetch reaching a after
+    # the close opens a new session toward b, whose ConnectMsg b would then take for a
+    # protocol error instead of reading a's farewell.
+    _run(a, b, lambda: "req-3" in a_to_b._server._requests)
     a_to_b.close()
     del a.sessions[b.id]
     _run(a, b, lambda: not b_to_a.alive)
