@@ -74,6 +74,17 @@ FACTS = {
     # packed K+V slot of 128 + 2 * 4 bytes (FP4 codes, UE8M0 group scales); the row is half of it
     "ultraquant_4bit": ("ultraquant_4bit", torch.uint8, KVQuantMode.ULTRAQUANT_4BIT, "uq4",
                         68, None, (), False, None),
+    # one 352-byte DeepSeek-V3.2 MLA record per token, for head size 576 only (None: 128 raises)
+    "nvfp4_ds_mla": ("nvfp4_ds_mla", torch.uint8, KVQuantMode.NVFP4_DS_MLA, "nvfp4_ds_mla",
+                     None, None, (), False, None),
+    # Octave: one packed K+V slot per head, half of it per side; block K's slot depends on the
+    # model's registered rotary dims (None here; tests/kv_quant/test_octave.py), compact K's not
+    "octave_k3v4": ("octave_k3v4", torch.uint8, KVQuantMode.OCTAVE_K3V4, "oct_k3v4", None,
+                    None, (), False, None),
+    "octave_k3v3": ("octave_k3v3", torch.uint8, KVQuantMode.OCTAVE_K3V3, "oct_k3v3", None,
+                    None, (), False, None),
+    "octave_k3v3_compact": ("octave_k3v3_compact", torch.uint8, KVQuantMode.OCTAVE_K3V3_COMPACT,
+                            "oct_k3v3c", 50, None, (), False, None),
 }  # fmt: skip
 
 
@@ -87,7 +98,8 @@ def test_format_facts(name: str) -> None:
         mode,
         label,
     )
-    assert fmt.last_dim(128) == last_dim
+    if last_dim is not None:
+        assert fmt.last_dim(128) == last_dim
     cpp_kind = None if fmt.cache_kind is None else fmt.cache_kind.cpp_name
     assert (fmt.fp8_variant, fmt.scale_layouts, fmt.mla_only, cpp_kind) == (
         variant,
@@ -124,8 +136,8 @@ def test_accepted_names_and_the_one_error() -> None:
     names = (
         "auto, float16, bfloat16, float32, float, fp8, fp8_e4m3, fp8_e5m2, nvfp4, nvfp4_mse, "
         "nvfp4_4over6, int8_per_token_head, fp8_per_token_head, int4_per_token_head, "
-        "turboquant_k8v4, turboquant_4bit_nc, turboquant_k3v4_nc, turboquant_3bit_nc, "
-        "ultraquant_4bit"
+        "nvfp4_ds_mla, octave_k3v4, octave_k3v3, octave_k3v3_compact, turboquant_k8v4, "
+        "turboquant_4bit_nc, turboquant_k3v4_nc, turboquant_3bit_nc, ultraquant_4bit"
     )
     assert ", ".join(cache_dtype_names()) == names
     with_mla = cache_dtype_names(include_mla_only=True)
@@ -162,6 +174,10 @@ def test_upstream_typing_and_tables_are_the_registry() -> None:
         "turboquant_3bit_nc": torch.uint8,
         "int4_per_token_head": torch.uint8,
         "ultraquant_4bit": torch.uint8,
+        "nvfp4_ds_mla": torch.uint8,
+        "octave_k3v4": torch.uint8,
+        "octave_k3v3": torch.uint8,
+        "octave_k3v3_compact": torch.uint8,
     } == STR_DTYPE_TO_TORCH_DTYPE
     assert MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP == {"fp8": "fp8_e4m3", "nvfp4": "nvfp4"}
     assert kv_cache_dtype_str_to_dtype("half", None) == torch.float16  # upstream accepts it

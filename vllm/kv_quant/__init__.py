@@ -6,6 +6,7 @@ kernels (CPU and CUDA) are tested against them bit for bit. They run on the inpu
 """
 
 from vllm.kv_quant.calibration import KVScaleObserver, kv_scale_max, kv_scales_from_amax
+from vllm.kv_quant.ds_mla_nvfp4 import NVFP4_DS_MLA  # noqa: F401  (registers it)
 from vllm.kv_quant.fp8 import (
     FP8_E4M3_MAX,
     FP8_E5M2_MAX,
@@ -40,6 +41,7 @@ from vllm.kv_quant.nvfp4 import (
     unpack_e2m1,
 )
 from vllm.kv_quant.nvfp4_cache import nvfp4_read_cache, nvfp4_read_cache_raw, nvfp4_write_cache
+from vllm.kv_quant.octave import OCTAVE_FORMATS  # noqa: F401  (registers them)
 from vllm.kv_quant.per_token_head import (
     INT8_PER_TOKEN_HEAD_MAX,
     PER_TOKEN_HEAD_SCALE_FLOOR,

@@ -118,7 +118,7 @@ class LatentPageSpec(AttentionSpec):
         if self.kv_quant_mode.is_nvfp4:
             raise ValueError(
                 "kv_quant_mode: NVFP4 is not a format for MLA caches (supported: unquantized, "
-                "fp8, fp8_ds_mla)"
+                "fp8, fp8_ds_mla, nvfp4_ds_mla)"
             )
         if self.block_size % self.compress_ratio != 0:
             raise ValueError(
