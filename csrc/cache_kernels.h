@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "key_sink_rows.h"
+#include "nvfp4_scale_policy.h"
 
 namespace vllm_kv {
 
@@ -70,9 +71,9 @@ struct ReshapeAndCacheParams {
   // §6). Quantized kinds ignore it.
   SourceType cache_type;
   CacheKind cache_kind;
-  // kNvfp4 only: choose each group's block scale among sf - 1, sf, sf + 1 by the lowest squared
-  // group error (kv_cache_dtype "nvfp4_mse", docs/design.md §5.3); readers need not know.
-  bool nvfp4_scale_search;
+  // kNvfp4 only: how each group's block scale is chosen (kv_cache_dtype nvfp4, nvfp4_mse or
+  // nvfp4_4over6); readers need not know.
+  Nvfp4ScalePolicy nvfp4_scale_policy;
   CacheSide key_cache;
   CacheSide value_cache;
   // The first key_sinks.rows keys of every page again in FP8 e4m3 (docs/design.md §6); rows == 0:

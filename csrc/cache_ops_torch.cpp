@@ -464,7 +464,7 @@ ReshapeAndCacheParams prepare_reshape_and_cache_flash(
   p.source_type = source;
   p.cache_type = cache_type;
   p.cache_kind = kind;
-  p.nvfp4_scale_search = nvfp4_scale_search(kv_cache_dtype);
+  p.nvfp4_scale_policy = nvfp4_scale_policy(kv_cache_dtype);
   p.key_cache = make_side(key_cache, "key_cache", kind, head_size, cache_last_dim(kind, head_size),
                           k_scale, k_per_head, k_layout);
   p.value_cache = make_side(value_cache, "value_cache", kind, head_size_v,

@@ -17,6 +17,8 @@ inline constexpr std::string_view kNvfp4DtypeString = "nvfp4";
 // NVFP4 with the block-scale search (docs/design.md §5.3): the same CacheKind and bytes layout,
 // only the writer's choice of each group's scale byte differs; readers treat it as nvfp4.
 inline constexpr std::string_view kNvfp4MseDtypeString = "nvfp4_mse";
+// NVFP4 with upstream v0.33's amax / 6 or amax / 4 block scale (docs/formats.md §6.1): likewise.
+inline constexpr std::string_view kNvfp44over6DtypeString = "nvfp4_4over6";
 
 // Every kv_cache_dtype string the cache ops accept (the parsers below), for error messages. The
 // op parses the strings itself because upstream engines call it directly; the Python side of this
@@ -24,19 +26,25 @@ inline constexpr std::string_view kNvfp4MseDtypeString = "nvfp4_mse";
 // tests/kv_quant/test_formats.py keeps the two equal (docs/design.md §2.1).
 inline constexpr std::string_view kKvCacheDtypeNames =
     "auto, float16, bfloat16, float32, float, fp8, fp8_e4m3, fp8_e5m2, nvfp4, nvfp4_mse, "
-    "int8_per_token_head, fp8_per_token_head";
+    "nvfp4_4over6, int8_per_token_head, fp8_per_token_head";
 
 // The kinds that are not an FP8 variant of the element type: routed before
 // parse_fp8_kv_cache_data_type (whose kAuto / kFp8E4M3 / kFp8E5M2 is upstream's enum).
 inline std::optional<CacheKind> parse_non_fp8_cache_kind(std::string_view s) {
-  if (s == kNvfp4DtypeString || s == kNvfp4MseDtypeString) return CacheKind::kNvfp4;
+  if (s == kNvfp4DtypeString || s == kNvfp4MseDtypeString || s == kNvfp44over6DtypeString) {
+    return CacheKind::kNvfp4;
+  }
   if (s == "int8_per_token_head") return CacheKind::kInt8PerTokenHead;
   if (s == "fp8_per_token_head") return CacheKind::kFp8PerTokenHead;
   return std::nullopt;
 }
 
-// Whether the writer searches each NVFP4 group's block scale (nvfp4_mse).
-inline bool nvfp4_scale_search(std::string_view s) { return s == kNvfp4MseDtypeString; }
+// How the writer chooses each NVFP4 group's block scale.
+inline Nvfp4ScalePolicy nvfp4_scale_policy(std::string_view s) {
+  if (s == kNvfp4MseDtypeString) return Nvfp4ScalePolicy::kMse;
+  if (s == kNvfp44over6DtypeString) return Nvfp4ScalePolicy::k4over6;
+  return Nvfp4ScalePolicy::kNearest;
+}
 
 // docs/design.md §3: auto, float16, bfloat16, float32 / float -> kAuto (unquantized); fp8,
 // fp8_e4m3 -> kFp8E4M3; fp8_e5m2 -> kFp8E5M2. Anything else (nvfp4, the per-token-head strings

@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "nvfp4_scale_policy.h"
+
 #if defined(__CUDACC__)
 #define KV_HOST_DEVICE __host__ __device__ __forceinline__
 #else
@@ -387,6 +389,21 @@ KV_HOST_DEVICE uint8_t nvfp4_4over6_quantize_group(const float (&x)[kNvfp4GroupS
     packed[j] = uint8_t((hi << 4) | lo);
   }
   return best.scale_byte;
+}
+
+// One group under `policy` (kNearest: the scalar nvfp4_quantize_group).
+KV_HOST_DEVICE uint8_t nvfp4_policy_quantize_group(Nvfp4ScalePolicy policy,
+                                                   const float (&x)[kNvfp4GroupSize],
+                                                   float inv_global_scale,
+                                                   uint8_t (&packed)[kNvfp4GroupSize / 2]) {
+  switch (policy) {
+    case Nvfp4ScalePolicy::kMse:
+      return nvfp4_mse_quantize_group(x, inv_global_scale, packed);
+    case Nvfp4ScalePolicy::k4over6:
+      return nvfp4_4over6_quantize_group(x, inv_global_scale, packed);
+    default:
+      return nvfp4_quantize_group(x, inv_global_scale, packed);
+  }
 }
 
 // Where the block scale of (token t, group s) lives inside a head's [N, S] scale plane.

@@ -202,7 +202,8 @@ inline void quantize_nvfp4_chunk(const typename SourceTraits<S>::Storage* row,
 #endif
   {
     Group groups[kChunk];
-    uint32_t max_bits[kChunk];
+    // Zeroed only to settle GCC's maybe-uninitialized check (every lane read is written below).
+    uint32_t max_bits[kChunk] = {};
     for (int q0 = 0; q0 < n; q0 += kLanes) {
       U32v partial[kLanes];
       for (int q = q0; q < q0 + kLanes; ++q) {
@@ -237,9 +238,8 @@ inline void quantize_nvfp4_token(const typename SourceTraits<S>::Storage* row,
   }
 }
 
-// quantize_nvfp4_token with the scalar nvfp4_quantize_group, for any global scales (kSearch: with
-// nvfp4_mse_quantize_group, the block-scale search of kv_cache_dtype nvfp4_mse).
-template <SourceType S, bool kSearch = false>
+// quantize_nvfp4_token with the scalar group writer of kPolicy, for any global scales.
+template <SourceType S, Nvfp4ScalePolicy kPolicy = Nvfp4ScalePolicy::kNearest>
 inline void quantize_nvfp4_token_scalar(const typename SourceTraits<S>::Storage* row,
                                         const Nvfp4SidePlan& plan, int64_t block, int token) {
   constexpr int kPacked = kNvfp4GroupSize / 2;
@@ -254,8 +254,7 @@ inline void quantize_nvfp4_token_scalar(const typename SourceTraits<S>::Storage*
       for (int i = 0; i < kNvfp4GroupSize; ++i) {
         x[i] = SourceTraits<S>::to_float(row[q * kNvfp4GroupSize + i]);
       }
-      scale_bytes[k] = kSearch ? nvfp4_mse_quantize_group(x, plan.inv_scales[q], packed[k])
-                               : nvfp4_quantize_group(x, plan.inv_scales[q], packed[k]);
+      scale_bytes[k] = nvfp4_policy_quantize_group(kPolicy, x, plan.inv_scales[q], packed[k]);
     }
     store_nvfp4_chunk(plan, block, token, first, n, scale_bytes, packed[0]);
   }
@@ -347,8 +346,12 @@ void write_side(const typename SourceTraits<S>::Storage* src, int64_t src_token_
         }
       }
     } else if constexpr (K == CacheKind::kNvfp4) {
-      if (p.nvfp4_scale_search) {
-        quantize_nvfp4_token_scalar<S, true>(row, plan, pos.block, int(pos.token));
+      if (p.nvfp4_scale_policy == Nvfp4ScalePolicy::kMse) {
+        quantize_nvfp4_token_scalar<S, Nvfp4ScalePolicy::kMse>(row, plan, pos.block,
+                                                               int(pos.token));
+      } else if (p.nvfp4_scale_policy == Nvfp4ScalePolicy::k4over6) {
+        quantize_nvfp4_token_scalar<S, Nvfp4ScalePolicy::k4over6>(row, plan, pos.block,
+                                                                  int(pos.token));
       } else if (plan.any_infinite) {
         quantize_nvfp4_token_scalar<S>(row, plan, pos.block, int(pos.token));
       } else {

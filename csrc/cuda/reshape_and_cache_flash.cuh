@@ -69,11 +69,11 @@ struct FlashArgs {
   int64_t num_tokens;  // slot_mapping length (may be less than the source's padded token count)
   int64_t num_slots;   // num_blocks * block_size; slots at or above it are skipped
   int block_size;
-  bool nvfp4_scale_search;  // kNvfp4: nvfp4_mse_quantize_group instead of the nearest scale
-  int units_k;              // units of the K side per token
-  int units_total;          // units of K and V per token
-  KeySinkRows key_sinks;    // rows == 0: none
-  bool key_bf16;            // the key is bf16 (the plain copy shares fp16's instantiations)
+  Nvfp4ScalePolicy nvfp4_scale_policy;  // kNvfp4: how each group's block scale is chosen
+  int units_k;                          // units of the K side per token
+  int units_total;                      // units of K and V per token
+  KeySinkRows key_sinks;                // rows == 0: none
+  bool key_bf16;  // the key is bf16 (the plain copy shares fp16's instantiations)
   // Always 0. The slot test also checks ((OR of the loaded source words and scale) & zero) != 0,
   // which makes it depend on those loads: otherwise ptxas sinks them below the test, and the
   // kernel waits for the slot load and the source loads one after the other instead of together.
@@ -227,9 +227,10 @@ KV_HOST_DEVICE void write_vector_unit(const FlashArgs& a, int64_t token, int uni
     for (int i = 0; i < kNvfp4GroupSize; ++i) x[i] = Src::element(in, i);
     const float inv_global_scale = kv_fdiv(1.0f, scale);  // __fdiv_rn on the device
     uint8_t packed[kOutBytes];
-    const uint8_t scale_byte = a.nvfp4_scale_search
-                                   ? nvfp4_mse_quantize_group(x, inv_global_scale, packed)
-                                   : nvfp4_quantize_group_fast(x, inv_global_scale, packed);
+    const uint8_t scale_byte =
+        a.nvfp4_scale_policy == Nvfp4ScalePolicy::kNearest
+            ? nvfp4_quantize_group_fast(x, inv_global_scale, packed)
+            : nvfp4_policy_quantize_group(a.nvfp4_scale_policy, x, inv_global_scale, packed);
     uint32_t out[words_for_bytes(kOutBytes)];
     KV_DEVICE_UNROLL
     for (int j = 0; j < words_for_bytes(kOutBytes); ++j) {
@@ -400,7 +401,7 @@ inline FlashLaunchPlan plan_reshape_and_cache_flash(const ReshapeAndCacheParams&
   a.num_tokens = p.num_tokens;
   a.num_slots = p.num_blocks * p.block_size;
   a.block_size = p.block_size;
-  a.nvfp4_scale_search = p.nvfp4_scale_search;
+  a.nvfp4_scale_policy = p.nvfp4_scale_policy;
   a.key_sinks = p.key_sinks;
   a.key_bf16 = p.source_type == SourceType::kBFloat16;
   const int64_t units_k = int64_t(p.num_heads) * a.side[0].units_per_head;

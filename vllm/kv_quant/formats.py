@@ -494,7 +494,6 @@ NVFP4_4OVER6 = register_format(
         scale_layouts=("linear", "interleave4"),
         scale_search="4over6",
         cache_kind=CacheKind.NVFP4,
-        has_kernel=False,  # the compiled and Triton writers have no 4over6 policy yet
     )
 )
 INT8_PER_TOKEN_HEAD = register_format(

@@ -54,9 +54,9 @@ struct Shape {
   int num_heads = 1, head_k = 16, head_v = 16, block_size = 16, num_blocks = 1;
   int tokens = 0, tokens_padded = 0;
   bool hnd = false, fused = true, per_head = false, interleave4_k = false, interleave4_v = false;
-  bool scale_search = false;  // kNvfp4: the nvfp4_mse writer (block-scale search)
-  int sink_rows = 0;          // key sink rows per page (S; 0: none), after each K page's rows
-  bool sink_hnd = false;      // sink rows in [H][S][D] order instead of [S][H][D]
+  Nvfp4ScalePolicy scale_policy = Nvfp4ScalePolicy::kNearest;  // kNvfp4 only
+  int sink_rows = 0;      // key sink rows per page (S; 0: none), after each K page's rows
+  bool sink_hnd = false;  // sink rows in [H][S][D] order instead of [S][H][D]
 };
 
 // One side's cache placement inside the cache image.
@@ -124,7 +124,7 @@ struct FlashTestProblem {
         "src=%d cache=%d kind=%d search=%d H=%d D=%d Dv=%d N=%d B=%d T=%d Tpad=%d %s %s "
         "%s il4=%d/%d "
         "key_off=%lld key_stride=%lld page=%lld cache_off=%lld sinks=%d%s",
-        int(p.source), int(p.cache), int(p.kind), int(p.scale_search), p.num_heads, p.head_k,
+        int(p.source), int(p.cache), int(p.kind), int(p.scale_policy), p.num_heads, p.head_k,
         p.head_v, p.block_size, p.num_blocks, p.tokens, p.tokens_padded, p.hnd ? "HND" : "NHD",
         p.fused ? "fused" : "split", p.per_head ? "per-head" : "per-tensor", int(p.interleave4_k),
         int(p.interleave4_v), (long long)key_offset, (long long)key_stride,
@@ -163,7 +163,7 @@ struct FlashTestProblem {
     p.source_type = shape.source;
     p.cache_type = shape.cache;
     p.cache_kind = shape.kind;
-    p.nvfp4_scale_search = shape.scale_search;
+    p.nvfp4_scale_policy = shape.scale_policy;
     p.key_cache = side(pk, shape.head_k, k_scale_ptr, shape.interleave4_k);
     p.value_cache = side(pv, shape.head_v, v_scale_ptr, shape.interleave4_v);
     if (shape.sink_rows > 0) {
@@ -251,8 +251,7 @@ struct FlashTestProblem {
                 x[j] = source(image, off, stride, i, int64_t(h) * d + g * kNvfp4GroupSize + j);
               }
               uint8_t packed[kNvfp4GroupSize / 2];
-              const uint8_t sf = p.scale_search ? nvfp4_mse_quantize_group(x, inv, packed)
-                                                : nvfp4_quantize_group(x, inv, packed);
+              const uint8_t sf = nvfp4_policy_quantize_group(p.scale_policy, x, inv, packed);
               std::memcpy(page + entry * (d / 2) + g * 8, packed, 8);
               int64_t row = r, col = g;
               if (il4) {
@@ -392,7 +391,7 @@ inline FlashTestProblem make_random_problem(std::mt19937_64& rng) {
   // Unquantized: half the problems cast to another float type.
   p.cache = p.kind == CacheKind::kUnquantized && rng() % 2 ? SourceType(rng() % 3) : p.source;
   const bool nvfp4 = p.kind == CacheKind::kNvfp4;
-  p.scale_search = nvfp4 && rng() % 2 == 0;
+  p.scale_policy = nvfp4 ? Nvfp4ScalePolicy(rng() % 3) : Nvfp4ScalePolicy::kNearest;
   const bool per_token_head = is_per_token_head(p.kind);
   p.num_heads = 1 + int(rng() % 5);
   static const int kBlockSizes[] = {1, 2, 3, 4, 8, 16};
@@ -452,14 +451,14 @@ inline FlashTestProblem make_random_problem(std::mt19937_64& rng) {
 
 // A dense, aligned problem as a serving engine writes it: `tokens` new tokens into consecutive
 // slots of an NHD or HND cache with room for all of them.
-inline FlashTestProblem make_dense_problem(SourceType source, CacheKind kind, int tokens,
-                                           int num_heads, int head_size, int block_size, bool hnd,
-                                           std::mt19937_64& rng, bool scale_search = false) {
+inline FlashTestProblem make_dense_problem(
+    SourceType source, CacheKind kind, int tokens, int num_heads, int head_size, int block_size,
+    bool hnd, std::mt19937_64& rng, Nvfp4ScalePolicy scale_policy = Nvfp4ScalePolicy::kNearest) {
   Shape p;
   p.source = source;
   p.cache = source;
   p.kind = kind;
-  p.scale_search = scale_search;
+  p.scale_policy = scale_policy;
   p.num_heads = num_heads;
   p.head_k = p.head_v = head_size;
   p.block_size = block_size;

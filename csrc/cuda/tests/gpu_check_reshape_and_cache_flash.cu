@@ -123,11 +123,12 @@ std::vector<BenchResult> bench(double roofline) {
   const struct {
     CacheKind kind;
     const char* name;
-    bool scale_search;
-  } kinds[] = {{CacheKind::kUnquantized, "bf16", false},
-               {CacheKind::kFp8E4M3, "fp8_e4m3", false},
-               {CacheKind::kNvfp4, "nvfp4", false},
-               {CacheKind::kNvfp4, "nvfp4_mse", true}};
+    Nvfp4ScalePolicy scale_policy;
+  } kinds[] = {{CacheKind::kUnquantized, "bf16", Nvfp4ScalePolicy::kNearest},
+               {CacheKind::kFp8E4M3, "fp8_e4m3", Nvfp4ScalePolicy::kNearest},
+               {CacheKind::kNvfp4, "nvfp4", Nvfp4ScalePolicy::kNearest},
+               {CacheKind::kNvfp4, "nvfp4_mse", Nvfp4ScalePolicy::kMse},
+               {CacheKind::kNvfp4, "nvfp4_4over6", Nvfp4ScalePolicy::k4over6}};
   cudaEvent_t start, stop;
   CHECK_CUDA(cudaEventCreate(&start));
   CHECK_CUDA(cudaEventCreate(&stop));
@@ -136,7 +137,7 @@ std::vector<BenchResult> bench(double roofline) {
       for (int tokens : {1, 16, 256, 4096, 16384, 65536}) {
         const test::FlashTestProblem t =
             test::make_dense_problem(SourceType::kBFloat16, k.kind, tokens, heads, head_size,
-                                     block_size, hnd, rng, k.scale_search);
+                                     block_size, hnd, rng, k.scale_policy);
         DeviceProblem d(t);
         const ReshapeAndCacheParams p = d.params(t);
         launch_reshape_and_cache_flash(p, nullptr);

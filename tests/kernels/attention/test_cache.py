@@ -180,7 +180,7 @@ def _special_values(dtype: torch.dtype) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_e5m2", "nvfp4", "nvfp4_mse"])
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_e5m2", "nvfp4", "nvfp4_mse", "nvfp4_4over6"])
 @pytest.mark.parametrize("dtype", SOURCE_DTYPES, ids=_id)
 @pytest.mark.parametrize("scale", [1.0, 0.5, 3.0])
 def test_special_values(device: str, kind: str, dtype: torch.dtype, scale: float) -> None:
@@ -188,7 +188,7 @@ def test_special_values(device: str, kind: str, dtype: torch.dtype, scale: float
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind", ["fp8_e4m3", "nvfp4", "nvfp4_mse"])
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "nvfp4", "nvfp4_mse", "nvfp4_4over6"])
 @pytest.mark.parametrize("dtype", SOURCE_DTYPES, ids=_id)
 def test_subnormal_scale(device: str, kind: str, dtype: torch.dtype) -> None:
     """A subnormal scale is finite and > 0, hence valid, but its inverse overflows to Inf (for

@@ -300,3 +300,24 @@ def test_paths_that_do_not_resolve_to_a_backend() -> None:
 def test_registry_enums_are_enums() -> None:
     assert issubclass(AttentionBackendEnum, Enum) and issubclass(MambaAttentionBackendEnum, Enum)
     assert [m.name for m in MambaAttentionBackendEnum] == ["CUSTOM"]
+
+
+def test_flashinfer_lists_upstreams_cache_dtypes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """v0.33's list: the NVFP4 page of ``nvfp4_4over6`` is an NVFP4 page, read by trtllm-gen on
+    sm_10x only, as ``nvfp4``."""
+    assert FlashInferBackend.supported_kv_cache_dtypes == [
+        "auto",
+        "float16",
+        "bfloat16",
+        "fp8",
+        "fp8_e4m3",
+        "fp8_e5m2",
+        "nvfp4",
+        "nvfp4_4over6",
+    ]
+    assert FlashInferBackend.is_kvcache_nvfp4("nvfp4_4over6")
+    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "HND")  # FlashInfer's layout on sm_10x
+    asked = {**_config(), "kv_cache_dtype": "nvfp4_4over6"}
+    for capability, ok in (((10, 0), True), ((9, 0), False)):
+        reasons = FlashInferBackend.validate_configuration(device_capability=capability, **asked)
+        assert (reasons == []) == ok, reasons

@@ -39,6 +39,8 @@ FORMATS = [
     ("nvfp4", "interleave4"),
     ("nvfp4_mse", "linear"),
     ("nvfp4_mse", "interleave4"),
+    ("nvfp4_4over6", "linear"),
+    ("nvfp4_4over6", "interleave4"),
 ]
 # Rows with their own inline scales (k_scale / v_scale ignored); no block-scale layout.
 PER_TOKEN_HEAD = [("int8_per_token_head", "linear"), ("fp8_per_token_head", "linear")]
@@ -520,10 +522,13 @@ def test_registered_and_selectable_on_cpu_only() -> None:
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("scale_layout", ["linear", "interleave4"])
-def test_nvfp4_mse_cache_is_the_codecs_and_reads_as_nvfp4(layout: str, scale_layout: str) -> None:
-    """The writer of nvfp4_mse (the compiled op behind do_kv_cache_update) gives the codec's
-    bytes (quantize_nvfp4(scale_search=True)), which differ from nvfp4's; both readers read the
-    cache through the plain NVFP4 dequantization."""
+@pytest.mark.parametrize(("dtype", "search"), [("nvfp4_mse", True), ("nvfp4_4over6", "4over6")])
+def test_searched_nvfp4_cache_is_the_codecs_and_reads_as_nvfp4(
+    layout: str, scale_layout: str, dtype: str, search: bool | str
+) -> None:
+    """The writer of a block-scale policy (the compiled op behind do_kv_cache_update) gives the
+    codec's bytes (quantize_nvfp4(scale_search=...)), which differ from nvfp4's; both readers read
+    the cache through the plain NVFP4 dequantization."""
     from vllm.kv_quant import (
         dequantize_nvfp4,
         nvfp4_read_cache,
@@ -531,7 +536,7 @@ def test_nvfp4_mse_cache_is_the_codecs_and_reads_as_nvfp4(layout: str, scale_lay
         quantize_nvfp4,
     )
 
-    case = Case("nvfp4_mse", scale_layout, layout, head_size_v=64)
+    case = Case(dtype, scale_layout, layout, head_size_v=64)
     reference, cpu, layer, kv_cache, metadata, query = setup(case)
     plain_case = Case("nvfp4", scale_layout, layout, head_size_v=64)
     _, _, _, plain_cache, _, _ = setup(plain_case)
@@ -551,13 +556,13 @@ def test_nvfp4_mse_cache_is_the_codecs_and_reads_as_nvfp4(layout: str, scale_lay
         (value, kv_cache[1], layer._v_scale, plain_cache[1]),
     ):
         expected = torch.zeros_like(side)
-        nvfp4_write_cache(x, expected, slots, scale, scale_layout, scale_search=True)
+        nvfp4_write_cache(x, expected, slots, scale, scale_layout, scale_search=search)
         assert torch.equal(side, expected)
         assert not torch.equal(side, plain)
         d = x.shape[-1]
         rows = nvfp4_read_cache(side, scale, d, scale_layout).flatten(0, 1)[slots]
         plain_rows = nvfp4_read_cache(plain, scale, d, scale_layout).flatten(0, 1)[slots]
-        packed, block_scales = quantize_nvfp4(x, scale, scale_search=True)
+        packed, block_scales = quantize_nvfp4(x, scale, scale_search=search)
         assert torch.equal(rows, dequantize_nvfp4(packed, block_scales, scale))
         assert float((rows - x).pow(2).sum()) < float((plain_rows - x).pow(2).sum())
     expected_out = reference.forward(layer, query, None, None, kv_cache, metadata)

@@ -30,6 +30,7 @@ from vllm.kv_quant.formats import (
     FP8_E4M3,
     FP8_E5M2,
     NVFP4,
+    NVFP4_4OVER6,
     accepted_names_of,
     find_format,
 )
@@ -59,7 +60,7 @@ class FlashInferBackend(AttentionBackend):
 
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
     supported_kv_cache_dtypes: ClassVar[list[str]] = accepted_names_of(
-        AUTO, FLOAT16, BFLOAT16, FP8_E4M3, FP8_E5M2, NVFP4
+        AUTO, FLOAT16, BFLOAT16, FP8_E4M3, FP8_E5M2, NVFP4, NVFP4_4OVER6
     )
     supported_head_sizes: ClassVar[list[int]] = [64, 128, 256]
     supported_kernel_block_sizes: ClassVar[list[int | MultipleOf]] = [16, 32, 64]
