@@ -1,37 +1,18 @@
-"""Torch reference codec of the ``ultraquant_4bit`` cache (upstream's
-``vllm.v1.attention.ops.ultraquant.reference``): the ground truth the store, dequant and decode
-kernels are compared with, bit for bit for the bytes.
-
-Encoding one vector ``x`` of ``D`` values (``D`` a multiple of 32):
-
-1. K only: rotate, ``r = float32(x) @ H.T`` with ``H`` the normalised Sylvester Hadamard matrix
-   (built in fp64, cast to fp32); V: ``r = float32(x)``;
-2. per group of 32: ``s_raw = c * max|r|`` (``c = 0.156``), snapped to ``s = 2^e`` with
-   ``e = floor(log2(s_raw) + 0.5)`` clamped to ``[-126, 127]``; scale byte ``e + 127``. A group
-   whose ``s_raw`` is 0 or not finite (all zeros, or NaN/Inf inside) gets byte 0 and zero codes;
-3. each value: the nearest E2M1 level of ``r / s`` (``torch.bucketize`` on the midpoints, so a
-   tie takes the lower level; beyond ±6 saturates), written as its 4-bit code;
-4. codes pack two per byte, the even element in the low nibble.
-
-Decoding: ``code value * 2^(byte - 127)`` (0 for byte 0), in the rotated basis for K.
-"""
+"""Upstream's ``vllm.v1.attention.ops.ultraquant.reference``: the ``ultraquant_4bit`` reference
+codec (:mod:`vllm.kv_quant.ultraquant_codec`, re-exported) and the reference decode attention
+the kernels are checked against."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from vllm.kv_quant.ultraquant import (
-    FP4_BITS_TO_VALUE,
-    GROUP_SIZE,
-    MIDPOINTS_SORTED,
-    SORTED_TO_BITS,
-    UE8M0_BIAS,
-    UE8M0_MAX_EXP,
-    UE8M0_MIN_EXP,
+from vllm.kv_quant.ultraquant_codec import (
+    UltraQuantEncoded,
+    hadamard_matrix,
+    ultraquant_dequant,
+    ultraquant_encode,
+    ultraquant_encode_decode,
 )
-from vllm.v1.attention.ops.ultraquant.format import get_constant_c
 
 __all__ = [
     "UltraQuantEncoded",
@@ -41,117 +22,6 @@ __all__ = [
     "ultraquant_encode",
     "ultraquant_encode_decode",
 ]
-
-_ZERO_SORTED_INDEX = MIDPOINTS_SORTED.index(-0.25) + 1
-"""Sorted index of level 0 (code ``0b0000``), written for zero-scale groups."""
-
-_BUCKETIZE_CHUNK = 2**30
-"""Elements per ``torch.bucketize`` call: some backends index with int32 and fail at ``2**31``."""
-
-_HADAMARD_CACHE: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
-
-
-def hadamard_matrix(
-    dim: int, device: torch.device, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """The ``dim x dim`` Sylvester Hadamard matrix scaled by ``1 / sqrt(dim)`` (orthonormal), built
-    in fp64 and cast once to ``dtype``; cached per ``(dim, device, dtype)``."""
-    if dim <= 0 or dim & (dim - 1):
-        raise ValueError(f"dim: expected a power of two, got {dim}")
-    key = (dim, torch.device(device), dtype)
-    h = _HADAMARD_CACHE.get(key)
-    if h is None:
-        h64 = torch.ones(1, 1, dtype=torch.float64)
-        while h64.shape[0] < dim:
-            h64 = torch.cat([torch.cat([h64, h64], 1), torch.cat([h64, -h64], 1)], 0)
-        h = (h64 / dim**0.5).to(device=device, dtype=dtype).contiguous()
-        _HADAMARD_CACHE[key] = h
-    return h
-
-
-def _snap_scales(s_raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(2^e as fp32, UE8M0 byte)`` of each raw fp32 scale; 0 / non-finite → ``(0, 0)``."""
-    is_zero = (s_raw <= 0) | ~torch.isfinite(s_raw)
-    log2_s = torch.log2(torch.where(is_zero, torch.ones_like(s_raw), s_raw))
-    exp = torch.floor(log2_s + 0.5).to(torch.int32).clamp(UE8M0_MIN_EXP, UE8M0_MAX_EXP)
-    byte = torch.where(is_zero, 0, exp + UE8M0_BIAS).to(torch.uint8)
-    scale = torch.where(is_zero, 0.0, torch.exp2(exp.to(torch.float32)))
-    return scale, byte
-
-
-def _sorted_index(x: torch.Tensor) -> torch.Tensor:
-    """Index in the ascending E2M1 levels nearest each fp32 value (ties to the lower level)."""
-    bounds = torch.tensor(MIDPOINTS_SORTED, dtype=torch.float32, device=x.device)
-    if x.numel() < 2 * _BUCKETIZE_CHUNK:
-        return torch.bucketize(x, bounds)
-    flat = x.reshape(-1)
-    parts = [torch.bucketize(c, bounds) for c in flat.split(_BUCKETIZE_CHUNK)]
-    return torch.cat(parts).reshape(x.shape)
-
-
-@dataclass
-class UltraQuantEncoded:
-    """One tensor ``[..., D]`` encoded along its last axis.
-
-    ``codes_packed``: uint8 ``[..., D / 2]``, two E2M1 codes a byte (even element low nibble);
-    ``scale_bytes``: uint8 ``[..., D / 32]``, one UE8M0 byte per group.
-    """
-
-    codes_packed: torch.Tensor
-    scale_bytes: torch.Tensor
-
-    @property
-    def scales_fp32(self) -> torch.Tensor:
-        """The group scales as fp32 (``2^(byte - 127)``, 0 for byte 0)."""
-        b = self.scale_bytes.to(torch.int32)
-        return torch.where(b == 0, 0.0, torch.exp2((b - UE8M0_BIAS).to(torch.float32)))
-
-
-def ultraquant_encode(
-    x: torch.Tensor, *, rotate: bool = True, constant_c: float | None = None
-) -> UltraQuantEncoded:
-    """Encode ``x`` (``[..., D]``, any float dtype; ``D`` a multiple of 32) to FP4 codes and UE8M0
-    group scales; ``rotate`` applies the Hadamard rotation first (K yes, V no)."""
-    if x.dim() == 0 or x.shape[-1] % GROUP_SIZE != 0:
-        raise ValueError(
-            f"x: expected a last dim that is a multiple of {GROUP_SIZE}, got shape {tuple(x.shape)}"
-        )
-    d = x.shape[-1]
-    c = get_constant_c() if constant_c is None else constant_c
-    r = x.to(torch.float32)
-    if rotate:
-        r = r @ hadamard_matrix(d, x.device).T
-    groups = r.reshape(*x.shape[:-1], d // GROUP_SIZE, GROUP_SIZE)
-    scale, scale_bytes = _snap_scales(groups.abs().amax(dim=-1) * c)
-    scale = scale.unsqueeze(-1)
-    idx = _sorted_index(groups / torch.where(scale == 0, 1.0, scale))
-    idx = torch.where(scale == 0, _ZERO_SORTED_INDEX, idx)
-    codes = torch.tensor(SORTED_TO_BITS, dtype=torch.uint8, device=x.device)[idx]
-    codes = codes.reshape(*x.shape[:-1], d)
-    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return UltraQuantEncoded(codes_packed=packed, scale_bytes=scale_bytes)
-
-
-def ultraquant_dequant(encoded: UltraQuantEncoded, head_dim: int) -> torch.Tensor:
-    """fp32 values of ``encoded`` (``[..., head_dim]``), still rotated if encoded rotated."""
-    packed = encoded.codes_packed
-    if head_dim != 2 * packed.shape[-1]:
-        raise ValueError(
-            f"head_dim: expected twice the packed width {2 * packed.shape[-1]}, got {head_dim}"
-        )
-    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], head_dim)
-    table = torch.tensor(FP4_BITS_TO_VALUE, dtype=torch.float32, device=packed.device)
-    values = table[codes.long()].reshape(*packed.shape[:-1], -1, GROUP_SIZE)
-    return (values * encoded.scales_fp32.unsqueeze(-1)).reshape(*packed.shape[:-1], head_dim)
-
-
-def ultraquant_encode_decode(
-    x: torch.Tensor, *, rotate: bool = True, constant_c: float | None = None
-) -> torch.Tensor:
-    """Encode then decode ``x`` (fp32 result, rotated basis when ``rotate``)."""
-    return ultraquant_dequant(
-        ultraquant_encode(x, rotate=rotate, constant_c=constant_c), x.shape[-1]
-    )
 
 
 def reference_ultraquant_attention(
