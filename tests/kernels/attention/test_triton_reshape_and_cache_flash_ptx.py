@@ -25,12 +25,13 @@ from vllm.triton_utils import HAS_TRITON
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the dev extra, Linux)")
 
 # Each is one IEEE fp32 operation rounded to nearest even (no .ftz, no .approx, no fused
-# multiply-add), an exact comparison / select / sign operation, or an unsigned integer to fp32
+# multiply-add), an exact comparison / select / sign operation (copysign: nvfp4_4over6's
+# signed-zero flush, a sign-bit move), or an unsigned integer to fp32
 # conversion (exact: the writer converts mantissas below 2^24). f32x2 is sm_100's paired form.
 ALLOWED = {
     *(f"{op}.rn.f32{pair}" for op in ("add", "sub", "mul", "div") for pair in ("", "x2")),
     *(f"setp.{cmp}.f32" for cmp in ("eq", "ne", "lt", "le", "gt", "ge")),
-    "selp.f32", "abs.f32", "neg.f32", "min.f32", "max.f32", "cvt.rn.f32.u32",
+    "selp.f32", "abs.f32", "neg.f32", "copysign.f32", "min.f32", "max.f32", "cvt.rn.f32.u32",
 }  # fmt: skip
 # An instruction with a floating-point type anywhere in its name.
 FLOAT_TYPE = re.compile(r"\.(f16|bf16|f32|f64|tf32|e4m3|e5m2|e2m1|e3m2|e2m3|ue8m0)(x\d)?(\.|$)")
