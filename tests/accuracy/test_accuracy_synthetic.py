@@ -47,6 +47,17 @@ def test_bytes_per_token(synth_report: CheckReport) -> None:
         "nvfp4/head": 1152,
         "int8_per_token_head": 2112,
         "fp8_per_token_head": 2112,
+        # v0.33's formats: int4 rows 2*8*(64 + 4); packed K+V slots 8 * slot bytes (Octave at
+        # 64 rotary dims, docs/formats.md §6).
+        "int4_per_token_head": 1088,
+        "octave_k3v4": 8 * 128,
+        "octave_k3v3": 8 * 112,
+        "octave_k3v3_compact": 8 * 100,
+        "turboquant_k8v4": 8 * 196,
+        "turboquant_4bit_nc": 8 * 134,
+        "turboquant_k3v4_nc": 8 * 118,
+        "turboquant_3bit_nc": 8 * 102,
+        "ultraquant_4bit": 8 * 136,
     }
 
 

@@ -112,7 +112,9 @@ def test_help(capsys: pytest.CaptureFixture) -> None:
     assert "fp8_e5m2 amax(|x|)/57344 per tensor or per head;" in rules
     assert "nvfp4 global scale amax(|x|)/(448*6) per tensor or per head;" in rules
     assert "int8_per_token_head amax(|x|)/127 per token and head, inline;" in rules
-    assert "fp8_per_token_head amax(|x|)/448 per token and head, inline." in rules
+    assert "fp8_per_token_head amax(|x|)/448 per token and head, inline;" in rules
+    assert "int4_per_token_head amax(|x|)/15 per token and head, inline;" in rules
+    assert "ultraquant_4bit its own, inside each slot (packed K+V)." in rules
     assert "448 for FP8 e4m3 and NVFP4" not in rules
 
 

@@ -87,6 +87,25 @@ def _cache_shape(fmt: CacheFormat, num_blocks: int, block_size: int, h: int, d: 
     return (num_blocks, 2, block_size, h, fmt.cache_last_dim(d))
 
 
+def has_kernel(fmt: CacheFormat) -> bool:
+    """Whether the compiled ``reshape_and_cache_flash`` writes ``fmt`` (else its codec does)."""
+    return fmt.format.has_kernel and fmt.format.cache_kind is not None
+
+
+def _write_packed(
+    sample: KVSample, fmt: CacheFormat, num_blocks: int, block_size: int, slots: torch.Tensor
+) -> torch.Tensor:
+    """A ``(B, N, H, slot_bytes)`` cache of seeded garbage with the sample's slots written by
+    the format's packed-slot codec (one slot per token and head holds K and V)."""
+    codec = fmt.slot_codec(sample.head_size)
+    gen = torch.Generator().manual_seed(int(slots.numel()) + 1)
+    shape = (num_blocks, block_size, sample.num_kv_heads, codec.slot_bytes)
+    cache = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen).to(slots.device)
+    encoded = codec.encode(sample.key, sample.value)
+    cache[slots // block_size, slots % block_size, :, : encoded.shape[-1]] = encoded
+    return cache
+
+
 def allocate_cache(
     fmt: CacheFormat,
     num_blocks: int,
@@ -223,30 +242,25 @@ def write_cache(
             f"{sample.name}: a FlashInfer-shaped cache needs head_size == head_size_v, got "
             f"{sample.head_size} and {sample.head_size_v}"
         )
-    used = resolve_writer(writer)
+    used = resolve_writer(writer) if has_kernel(fmt) else "reference"
     device = sample.key.device
     num_blocks, slot_mapping, tables = assign_slots(
         sample.seq_lens, block_size, seed=seed, device=device
     )
-    kv_cache = allocate_cache(
-        fmt, num_blocks, block_size, sample.num_kv_heads, sample.head_size, layout, device, seed
-    )
     k_scale = k_scale.to(device=device, dtype=torch.float32)
     v_scale = v_scale.to(device=device, dtype=torch.float32)
-    key_cache, value_cache = kv_cache[:, 0], kv_cache[:, 1]
-    if used == "op" and not _write_with_op(
-        sample,
-        fmt,
-        key_cache,
-        value_cache,
-        slot_mapping,
-        k_scale,
-        v_scale,
-        fallback=writer == "auto",
-    ):
-        used = "reference"
-    if used == "reference":
-        _write_with_codecs(sample, fmt, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    if fmt.is_packed:
+        kv_cache = _write_packed(sample, fmt, num_blocks, block_size, slot_mapping)
+    else:
+        kv_cache = allocate_cache(
+            fmt, num_blocks, block_size, sample.num_kv_heads, sample.head_size, layout, device, seed
+        )
+        key_cache, value_cache = kv_cache[:, 0], kv_cache[:, 1]
+        args = (sample, fmt, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+        if used == "op" and not _write_with_op(*args, fallback=writer == "auto"):
+            used = "reference"
+        if used == "reference":
+            _write_with_codecs(*args)
     return PagedCache(
         fmt=fmt,
         kv_cache=kv_cache,

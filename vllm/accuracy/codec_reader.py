@@ -1,7 +1,8 @@
 """Read a :class:`~vllm.accuracy.paged_cache.PagedCache` back with the reference codecs.
 
-Whole pages are dequantized with :mod:`vllm.kv_quant` and the written slots gathered; attention
-is plain fp32 math over the gathered K/V (:mod:`vllm.accuracy.attention`).
+Whole pages are dequantized with :mod:`vllm.kv_quant` and the written slots gathered (a
+packed-slot format: the written slots decoded by its codec, :mod:`vllm.accuracy.slot_codecs`);
+attention is plain fp32 math over the gathered K/V (:mod:`vllm.accuracy.attention`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class CodecReader:
     def read_kv(self, cache: PagedCache) -> tuple[torch.Tensor, torch.Tensor]:
         n = cache.block_size
         page, row = cache.slot_mapping // n, cache.slot_mapping % n
+        if cache.fmt.is_packed:
+            return cache.fmt.slot_codec(cache.head_size).decode(cache.kv_cache[page, row])
         k = dequantize_side(
             cache, cache.key_cache, cache.k_scale, cache.k_scale_layout, cache.head_size
         )

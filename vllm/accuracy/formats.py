@@ -19,6 +19,9 @@ docs/design.md §3)::
                                       ``vllm-kv check --model`` only)
     int8_per_token_head               int8 / FP8 e4m3 rows with their own inline fp32 scale
     fp8_per_token_head                (per token and head; no /head, no /tensor)
+    int4_per_token_head               rotated 4-bit rows with an inline scale and zero point
+    turboquant_* | ultraquant_4bit    K and V of a (token, head) packed in one slot with their
+    | octave_*                        scales (:mod:`vllm.accuracy.slot_codecs`; no /head, @, +)
 
 Scales come from the data: ``scale = amax(|x|) / MAX`` with ``MAX`` the codec's scale maximum
 (448 for FP8 e4m3, 57344 for e5m2, ``448 * 6 = 2688`` for the NVFP4 global scale,
@@ -34,7 +37,9 @@ from functools import cached_property
 
 import torch
 
+from vllm.accuracy.slot_codecs import SlotCodec, is_packed, slot_codec
 from vllm.kv_quant.calibration import scale_from_amax
+from vllm.kv_quant.codecs import has_codec
 from vllm.kv_quant.encoding import KeySpec, KVCacheEncoding, ScaleGranularity
 from vllm.kv_quant.formats import BFLOAT16, KVCacheFormat, formats, lookup
 from vllm.kv_quant.fp8 import FP8_E4M3_MAX
@@ -43,11 +48,14 @@ from vllm.kv_quant.scale_layout import ScaleLayout
 
 MEASURED_FORMATS: tuple[KVCacheFormat, ...] = (
     BFLOAT16,
-    *(f for f in formats() if f.is_quantized and not f.mla_only and f.cache_kind is not None),
+    *(f for f in formats() if f.is_quantized and not f.mla_only and (has_codec(f) or is_packed(f))),
 )
 """The registry formats ``vllm-kv check`` can measure: the reference (bf16) and every quantized
-format a user can select that a reference codec reads (the registry's, in its order; MLA-only
-record layouts excluded)."""
+format a user can select that a reference codec reads, per side or packed K+V slots (the
+registry's, in its order; MLA records such as ``nvfp4_ds_mla`` excluded: no K/V to compare)."""
+
+SLOT = "slot"
+"""The scale granularity of the packed-slot formats (scales inside each slot)."""
 
 TOKEN_HEAD = "token+head"
 """The scale granularity of the per-token-head formats (one inline scale per row)."""
@@ -63,7 +71,7 @@ def _default_formats() -> tuple[str, ...]:
             continue
         encoding = KVCacheEncoding(fmt)
         ids.append(encoding.id)
-        if encoding.granularity is ScaleGranularity.TENSOR:
+        if encoding.granularity is ScaleGranularity.TENSOR and not is_packed(fmt):
             ids.append(KVCacheEncoding(fmt, ScaleGranularity.HEAD).id)
     return tuple(ids)
 
@@ -78,7 +86,8 @@ MODEL_DEFAULT_FORMATS: tuple[str, ...] = (
     "nvfp4_mse+offset+prerope+sink",
 )
 """What ``vllm-kv check --model`` measures when ``--formats`` is not given: the defaults and the
-best FP8 and NVFP4 key options measured on the model (docs/accuracy.md)."""
+best FP8 and NVFP4 key options measured on the model (docs/accuracy.md), those its attention
+backend reads (:func:`vllm.cli.check_model.model_formats`)."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +121,11 @@ class CacheFormat:
                 f"got {self.kv_cache_dtype!r}"
             )
         self.encoding  # the encoding's rules  # noqa: B018
+        if self.is_packed and (self.per_head or self.scale_layout or self.has_key_options):
+            raise ValueError(
+                f"formats: expected {self.kv_cache_dtype} without /head, @layout or key options "
+                f"(its scales are inside each slot), got {self.encoding.id!r}"
+            )
 
     @classmethod
     def of(cls, encoding: KVCacheEncoding) -> CacheFormat:
@@ -176,6 +190,15 @@ class CacheFormat:
         return self.format.is_fp8
 
     @property
+    def is_packed(self) -> bool:
+        """K and V of a (token, head) in one slot with their scales (:mod:`.slot_codecs`)."""
+        return is_packed(self.format)
+
+    def slot_codec(self, head_size: int) -> SlotCodec:
+        """The packed-slot codec of this format for heads of ``head_size``."""
+        return slot_codec(self.format, head_size)
+
+    @property
     def is_per_token_head(self) -> bool:
         """Rows with their own inline scale: ``k_scale`` / ``v_scale`` are not read."""
         return self.format.is_per_token_head
@@ -190,7 +213,7 @@ class CacheFormat:
     def scale_max(self) -> float:
         """``MAX`` in ``scale = amax / MAX``: the codec's (448 for e4m3, 57344 for e5m2, 448 × 6
         for NVFP4, 127 or 448 for the per-token-head rows, int8 or e4m3)."""
-        scale_max = self.encoding.codec.scale_max
+        scale_max = None if self.is_packed else self.encoding.codec.scale_max
         if scale_max is None:
             raise ValueError(f"format: expected a quantized format, got {self.name!r}")
         return scale_max
@@ -205,6 +228,8 @@ class CacheFormat:
     @property
     def granularity(self) -> str:
         """``-`` (no scale), ``tensor``, ``head`` or ``token+head`` (inline per-row scales)."""
+        if self.is_packed:
+            return SLOT
         granularity = self.encoding.granularity
         if granularity is ScaleGranularity.NONE:
             return "-"
@@ -218,10 +243,24 @@ class CacheFormat:
         ``amax(|x|)/127 per token and head, inline``."""
         if not self.is_quantized:
             return "none (unquantized)"
+        if self.is_packed:
+            return "its own, inside each slot (packed K+V)"
         if self.is_per_token_head:
             return f"amax(|x|)/{self.scale_max_text} per token and head, inline"
         per = "per head" if self.per_head else "per tensor"
         return f"amax(|x|)/{self.scale_max_text} {per}"
+
+    def head_size_problem(self, head_size: int) -> str | None:
+        """Why this format cannot cache heads of ``head_size`` elements (its layout's error,
+        e.g. Octave's 64-dim blocks), or ``None`` when it can."""
+        try:
+            if self.is_packed:
+                self.slot_codec(head_size)
+            else:
+                self.cache_last_dim(head_size)
+        except ValueError as exc:
+            return str(exc)
+        return None
 
     def cache_last_dim(self, head_size: int) -> int:
         """Last dim ``D'`` of the cache tensor: ``D``, or ``F(D) = D/2 + D/16`` for NVFP4."""
@@ -232,6 +271,8 @@ class CacheFormat:
     ) -> int:
         """Every byte of one page of ``block_size`` tokens of one layer (K and V, block and
         inline scales, key sink rows): the encoding's page, what a plan allocates per page."""
+        if self.is_packed:  # Octave's slot follows the rotary dims the check's codec uses
+            return block_size * num_kv_heads * self.slot_codec(head_size).slot_bytes
         return self.encoding.page_bytes(block_size, num_kv_heads, head_size, head_size_v)
 
     def bytes_per_token(self, num_kv_heads: int, head_size: int, head_size_v: int) -> int:
@@ -283,9 +324,10 @@ def amax_scale(x: torch.Tensor, per_head: bool, scale_max: float) -> torch.Tenso
 def compute_scales(
     key: torch.Tensor, value: torch.Tensor, fmt: CacheFormat
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(k_scale, v_scale)`` for ``fmt`` from the data (see :func:`amax_scale`); for bf16 and
-    the per-token-head formats both are ``[1.0]`` (unread: those writers compute their own)."""
-    if not fmt.is_quantized or fmt.is_per_token_head:
+    """``(k_scale, v_scale)`` for ``fmt`` from the data (see :func:`amax_scale`); for bf16, the
+    per-token-head and the packed-slot formats both are ``[1.0]`` (unread: those writers compute
+    their own)."""
+    if not fmt.is_quantized or fmt.is_per_token_head or fmt.is_packed:
         one = torch.ones(1, dtype=torch.float32, device=key.device)
         return one, one.clone()
     return (

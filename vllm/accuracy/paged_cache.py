@@ -25,14 +25,15 @@ class PagedCache:
 
     Attributes:
         fmt: the format the cache was written in.
-        kv_cache: logical ``(B, 2, N, H, D')`` view (uint8 for quantized formats, else bf16).
+        kv_cache: logical ``(B, 2, N, H, D')`` view (uint8 for quantized formats, else bf16);
+            ``(B, N, H, slot_bytes)`` uint8 for a packed-slot format (K and V in one slot).
         slot_mapping: int64 ``[T]``, slot of each written token, in sample token order.
         block_tables: one int64 tensor of page ids per sequence.
         seq_lens: tokens of each sequence.
         k_scale, v_scale: fp32 ``[1]`` or ``[H]`` dequantization scales the reader uses.
         k_scale_layout, v_scale_layout: NVFP4 block-scale layouts the reader assumes.
         head_size, head_size_v: K and V head sizes in elements.
-        writer: which writer produced the bytes (``op`` or ``reference``).
+        writer: which writer produced the bytes (``op`` or ``reference``: the codec).
     """
 
     fmt: CacheFormat
@@ -60,7 +61,7 @@ class PagedCache:
 
     @property
     def block_size(self) -> int:
-        return self.kv_cache.shape[2]
+        return self.kv_cache.shape[1 if self.fmt.is_packed else 2]
 
     def replace(self, **changes: object) -> PagedCache:
         """A copy with some fields replaced (the tensors are shared, not copied)."""

@@ -39,7 +39,7 @@ from vllm.benchmarks.timing import (
     Session,
     Timed,
     flush_bytes,
-    mode_caption,
+    run_fields,
     then,
 )
 from vllm.kv_quant.formats import lookup
@@ -322,12 +322,7 @@ def to_json(rows: Sequence[AttentionRow]) -> dict[str, Any]:
             "block_size": BLOCK_SIZE,
             "query_dtype": str(QUERY_DTYPE),
         },
-        "mode": mode,
-        "mode_description": mode_caption(mode) if mode else None,
-        "bytes_counted": "cache read + query read + output written",
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        **noise.run_json(rows),
+        **run_fields(rows, "cache read + query read + output written"),
         "flush_bytes": flush_bytes(torch.device("cpu")) if mode == "cold" else None,
         "rows": [noise.row_json(r) for r in rows],
     }

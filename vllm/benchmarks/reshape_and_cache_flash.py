@@ -48,7 +48,7 @@ from vllm.benchmarks.timing import (
     Session,
     Timed,
     flush_bytes,
-    mode_caption,
+    run_fields,
     then,
 )
 from vllm.kv_quant import (
@@ -296,12 +296,7 @@ def to_json(rows: Sequence[Row]) -> dict[str, Any]:
     return {
         "benchmark": "reshape_and_cache_flash",
         "device": rows[0].device if rows else None,
-        "mode": mode,
-        "mode_description": mode_caption(mode) if mode else None,
-        "bytes_counted": "read + written",
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        **noise.run_json(rows),
+        **run_fields(rows, "read + written"),
         "flush_bytes": flush_bytes(torch.device(rows[0].device)) if mode == "cold" else None,
         "rows": [noise.row_json(r) for r in rows],
     }

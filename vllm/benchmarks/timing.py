@@ -16,6 +16,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -216,6 +217,21 @@ def mode_caption(mode: str) -> str:
         "cold cache: last-level cache flushed before every timed call (op, baseline, roofline), "
         "then the code path re-warmed on an independent copy of the problem"
     )
+
+
+def run_fields(rows: Sequence[noise.RepeatStats], bytes_counted: str) -> dict[str, Any]:
+    """The JSON fields every benchmark's run shares: the cache mode and its caption, what the
+    byte counts count, torch's version and threads, and :func:`~vllm.benchmarks.noise.run_json`'s
+    repeats, flags and load."""
+    mode = getattr(rows[0], "mode", None) if rows else None
+    return {
+        "mode": mode,
+        "mode_description": mode_caption(mode) if mode else None,
+        "bytes_counted": bytes_counted,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        **noise.run_json(rows),
+    }
 
 
 class Session:

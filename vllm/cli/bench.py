@@ -28,6 +28,11 @@ decode (batch 1..64, context 1k..32k) and prefill per format (``--kinds``, the s
 write's), with the median µs and spread, GB/s of cache read, % of the copy roofline, × the
 reference backend, the time relative to bf16 and the same flags; ``--plot`` draws decode GB/s
 against context.
+
+``--op formats`` times the write and the decode of every format with a reference codec
+(:mod:`vllm.benchmarks.formats`; ``--kinds`` picks some), v0.33's new formats included: GB/s and
+% of the roofline per stage, with the implementation timed in its own column (``compiled op``,
+or ``reference codec`` where no kernel exists yet, which is no kernel figure).
 """
 
 from __future__ import annotations
@@ -44,12 +49,13 @@ from typing import IO, Any
 import torch
 
 from vllm.benchmarks import attention, noise
+from vllm.benchmarks import formats as format_bench
 from vllm.benchmarks import reshape_and_cache_flash as core
 from vllm.cli import args as cli_args
 from vllm.cli.args import UsageError, add_json_argument, distinct_outputs
 from vllm.cli.output import deliver, writing
 
-OPS = ("reshape_and_cache_flash", "attention")
+OPS = ("reshape_and_cache_flash", "attention", "formats")
 """Values of ``--op``."""
 
 PLOT_HINT = 'pip install "vllm-kvcache[plot]"  (or: pip install matplotlib)'
@@ -152,7 +158,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "--op",
         choices=OPS,
         default=OPS[0],
-        help="what to benchmark: the cache write (default) or the CPU attention backend",
+        help="what to benchmark: the cache write (default), the CPU attention backend, or "
+        "formats: write and decode GB/s of every format with a codec (the new formats too)",
     )
     parser.add_argument(
         "--device",
@@ -176,9 +183,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--kinds",
         nargs="+",
-        default=list(core.KINDS),
-        choices=core.KINDS,
-        help="kv_cache_dtype kinds, one per quantization mode of the registry (default: all)",
+        choices=list(dict.fromkeys((*core.KINDS, *format_bench.FORMAT_KINDS))),
+        metavar="KIND",
+        help="kv_cache_dtype kinds: for the cache write and --op attention one per quantization "
+        f"mode of the registry ({', '.join(core.KINDS)}; default all); for --op formats any "
+        "format with a reference codec (default all of them)",
     )
     parser.add_argument(
         "--tokens",
@@ -244,6 +253,15 @@ def check_arguments(args: argparse.Namespace) -> str:
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--plot", f"needs matplotlib: {PLOT_HINT}")
     distinct_outputs((("--json", args.json), ("--plot", args.plot)))
+    kinds = format_bench.FORMAT_KINDS if args.op == "formats" else core.KINDS
+    if args.kinds is None:
+        args.kinds = list(kinds)
+    elif wrong := [k for k in args.kinds if k not in kinds]:
+        raise UsageError(
+            "--kinds", f"expected some of {', '.join(kinds)} with --op {args.op}, got {wrong[0]}"
+        )
+    if args.op == "formats" and args.plot:
+        raise UsageError("--plot", "not drawn for --op formats (see its table or --json)")
     if args.op == "attention":
         for flag, value in (("--tokens", args.tokens), ("--device", args.device)):
             if value is not None and not (flag == "--device" and value == "cpu"):
@@ -253,8 +271,9 @@ def check_arguments(args: argparse.Namespace) -> str:
         device = "cpu"
     else:
         device = args.device or core.default_device()
-        check_tokens_fit(args.kinds, args.tokens, device)
-    _check_extension(args.op)
+        check_tokens_fit(args.kinds if args.op != "formats" else ["auto"], args.tokens, device)
+    if args.op != "formats":  # its reference codecs run without the extension
+        _check_extension(args.op)
     return device
 
 
@@ -270,6 +289,12 @@ def run(args: argparse.Namespace) -> int:
             return attention.run(args.kinds, args.quick, bar, warm=args.warm)
 
         table, to_json, plot = attention.format_table, attention.to_json, attention.write_plot
+    elif args.op == "formats":
+
+        def measure(bar: ProgressBar | None) -> Sequence[Any]:
+            return format_bench.run(device, args.kinds, args.tokens, args.quick, bar, args.warm)
+
+        table, to_json, plot = format_bench.format_table, format_bench.to_json, None
     else:
 
         def measure(bar: ProgressBar | None) -> Sequence[Any]:
@@ -283,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
     deliver(lambda: table(rows), lambda: json.dumps(to_json(rows), indent=2), args.json)
-    if args.plot:
+    if args.plot and plot is not None:
         with writing("--plot", args.plot):
             plot(rows, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)

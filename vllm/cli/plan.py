@@ -1,7 +1,7 @@
 """``vllm-kv plan``: layer specs, page sizes, bytes per token and a KV-cache memory plan.
 
 Without ``--memory`` it prints each distinct layer type of the model with its page size for
-bfloat16, fp8, nvfp4 and the per-token-head int8 / fp8 rows (or the one ``--kv-cache-dtype``),
+bfloat16, fp8, nvfp4 and the per-token-head int8 / fp8 rows (or the ``--kv-cache-dtype`` ones),
 and the KV bytes per token of the
 whole model with the ratio to bfloat16. With ``--memory`` it also plans the cache for that
 per-rank budget: groups, page sizes, ``num_blocks``, token capacity and the maximum concurrency
@@ -19,6 +19,7 @@ from typing import Any
 
 from vllm.cli.args import add_json_argument, bounded_int
 from vllm.cli.output import deliver
+from vllm.cli.plan_formats import check_formats, register_model_rope_dims
 from vllm.cli.plan_model import check_tp_fits_heads, load_model_argument, planner_usage_error
 from vllm.cli.plan_report import REFERENCE_DTYPE, plan_report
 from vllm.cli.plan_text import render_text
@@ -37,8 +38,10 @@ DEFAULT_COLUMNS: tuple[str, ...] = (
     *(fmt.accepted_names[0] for fmt in quant_mode_formats()),
 )
 """Cache dtypes compared side by side when ``--kv-cache-dtype`` is not given: bfloat16, then one
-format of each quantization mode of the registry, by its first name (``fp8``, ``nvfp4``,
-``int8_per_token_head``, ``fp8_per_token_head``)."""
+format of each quantization mode of the registry that the compiled kernels write, by its first
+name (``fp8``, ``nvfp4``, ``int8_per_token_head``, ``fp8_per_token_head``). Formats without a
+kernel yet (TurboQuant, UltraQuant, Octave, INT4) are planned on request, so that the default
+table stays within a terminal's width."""
 
 _UNITS = {
     "b": 1,
@@ -92,10 +95,16 @@ def _memory_arg(text: str) -> int:
     return size
 
 
-def _encoding_arg(text: str) -> str:
-    """A dtype string or encoding id (the encoding's grammar), returned as given."""
+def _encodings_arg(text: str) -> list[str]:
+    """Comma-separated dtype strings or encoding ids (the encoding's grammar), each returned as
+    given, repeats dropped."""
+    names = list(dict.fromkeys(item.strip() for item in text.split(",")))
+    if not all(names):
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated cache dtypes or encodings, got {text!r}"
+        )
     try:
-        return validate_cache_dtype(text, "kv_cache_dtype")
+        return [validate_cache_dtype(name, "kv_cache_dtype") for name in names]
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("kv_cache_dtype: ")) from exc
 
@@ -132,9 +141,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--kv-cache-dtype",
-        type=_encoding_arg,
-        help=f"plan only this dtype or encoding ({ENCODING_GRAMMAR}, e.g. "
-        f"nvfp4_mse+offset+prerope+sink; default: {', '.join(DEFAULT_COLUMNS)} side by side)",
+        type=_encodings_arg,
+        help=f"plan only these dtypes or encodings, comma-separated, side by side "
+        f"({ENCODING_GRAMMAR}, e.g. nvfp4_mse+offset+prerope+sink or "
+        f"int4_per_token_head,turboquant_k3v4_nc,octave_k3v3; default: "
+        f"{', '.join(DEFAULT_COLUMNS)})",
     )
     parser.add_argument(
         "--block-size",
@@ -171,10 +182,12 @@ def run(args: argparse.Namespace) -> int:
     raises :class:`~vllm.cli.args.UsageError`."""
     name, config = load_model_argument(args.model)
     check_tp_fits_heads(config, args.tp, args.model)
+    dtypes = args.kv_cache_dtype or list(DEFAULT_COLUMNS)
     try:  # the planner checks the config and the flags against each other as it goes
         layout = parse_model_layout(config, tensor_parallel_size=args.tp)
+        register_model_rope_dims(config, layout, dtypes)
         skip = [s.strip() for s in args.skip_layers.split(",") if s.strip()]
-        dtypes = [args.kv_cache_dtype] if args.kv_cache_dtype else list(DEFAULT_COLUMNS)
+        check_formats(name, layout, dtypes, args.block_size, skip)
         columns = compare_cache_dtypes(
             name,
             layout,

@@ -25,7 +25,7 @@ _JSON_TYPE_NAMES = {list: "an array", str: "a string", int: "a number", float: "
 _JSON_TYPE_NAMES |= {bool: "a boolean", type(None): "null"}
 
 # The planner's error prefixes (its parameter names) -> the plan flag that sets them.
-_PLANNER_FLAGS = {
+PLANNER_FLAGS = {
     "tensor_parallel_size": "--tp",
     "block_size": "--block-size",
     "max_model_len": "--max-model-len",
@@ -68,7 +68,7 @@ def planner_usage_error(exc: ValueError, model: str) -> UsageError:
     """The planner's ``ValueError`` as a :class:`UsageError` naming the flag behind it (the
     model for its config keys and anything else)."""
     prefix, _, rest = str(exc).partition(": ")
-    flag = _PLANNER_FLAGS.get(prefix)
+    flag = PLANNER_FLAGS.get(prefix)
     if flag is None:
         return UsageError("--model", f"{model}: {exc}")
     return UsageError(flag, rest)
