@@ -29,7 +29,7 @@ from vllm.kv_quant.turboquant import (
     turboquant_encode_slots,
 )
 from vllm.kv_quant.ultraquant import ultraquant_slot_size
-from vllm.v1.attention.ops.ultraquant.reference import (
+from vllm.kv_quant.ultraquant_codec import (
     UltraQuantEncoded,
     hadamard_matrix,
     ultraquant_dequant,
@@ -115,7 +115,7 @@ def _ultraquant(fmt: KVCacheFormat, head_size: int) -> SlotCodec:
         ultraquant_slot_size(head_size),
         encode,
         decode,
-        "reference codec (vllm.v1.attention.ops.ultraquant.reference)",
+        "reference codec (vllm.kv_quant.ultraquant_codec)",
     )
 
 
