@@ -12,12 +12,12 @@ import pytest
 from vllm.accuracy.cache_io import extension_status
 from vllm.accuracy.formats import DEFAULT_FORMATS, MEASURED_FORMATS, parse_formats
 from vllm.accuracy.runner import run_check
-from vllm.accuracy.slot_codecs import is_packed
 from vllm.accuracy.synthetic import synthetic_sample
 from vllm.cli.check_model import model_formats
 from vllm.cli.main import main
 from vllm.kv_quant.codecs import has_codec
 from vllm.kv_quant.formats import formats
+from vllm.kv_quant.slot_codecs import is_packed
 
 pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
 

@@ -1,7 +1,7 @@
 """Read a :class:`~vllm.accuracy.paged_cache.PagedCache` back with the reference codecs.
 
 Whole pages are dequantized with :mod:`vllm.kv_quant` and the written slots gathered (a
-packed-slot format: the written slots decoded by its codec, :mod:`vllm.accuracy.slot_codecs`);
+packed-slot format: the written slots decoded by its codec, :mod:`vllm.kv_quant.slot_codecs`);
 attention is plain fp32 math over the gathered K/V (:mod:`vllm.accuracy.attention`).
 """
 

@@ -21,7 +21,7 @@ docs/design.md §3)::
     fp8_per_token_head                (per token and head; no /head, no /tensor)
     int4_per_token_head               rotated 4-bit rows with an inline scale and zero point
     turboquant_* | ultraquant_4bit    K and V of a (token, head) packed in one slot with their
-    | octave_*                        scales (:mod:`vllm.accuracy.slot_codecs`; no /head, @, +)
+    | octave_*                        scales (:mod:`vllm.kv_quant.slot_codecs`; no /head, @, +)
 
 Scales come from the data: ``scale = amax(|x|) / MAX`` with ``MAX`` the codec's scale maximum
 (448 for FP8 e4m3, 57344 for e5m2, ``448 * 6 = 2688`` for the NVFP4 global scale,
@@ -37,7 +37,6 @@ from functools import cached_property
 
 import torch
 
-from vllm.accuracy.slot_codecs import SlotCodec, is_packed, slot_codec
 from vllm.kv_quant.calibration import scale_from_amax
 from vllm.kv_quant.codecs import has_codec
 from vllm.kv_quant.encoding import KeySpec, KVCacheEncoding, ScaleGranularity
@@ -45,6 +44,7 @@ from vllm.kv_quant.formats import BFLOAT16, KVCacheFormat, formats, lookup
 from vllm.kv_quant.fp8 import FP8_E4M3_MAX
 from vllm.kv_quant.nvfp4 import E2M1_MAX
 from vllm.kv_quant.scale_layout import ScaleLayout
+from vllm.kv_quant.slot_codecs import OCTAVE_CHECK_ROPE_DIM, SlotCodec, is_packed, slot_codec
 
 MEASURED_FORMATS: tuple[KVCacheFormat, ...] = (
     BFLOAT16,
@@ -191,12 +191,13 @@ class CacheFormat:
 
     @property
     def is_packed(self) -> bool:
-        """K and V of a (token, head) in one slot with their scales (:mod:`.slot_codecs`)."""
+        """K and V of a (token, head) in one slot with their scales (their codecs:
+        :mod:`vllm.kv_quant.slot_codecs`)."""
         return is_packed(self.format)
 
     def slot_codec(self, head_size: int) -> SlotCodec:
         """The packed-slot codec of this format for heads of ``head_size``."""
-        return slot_codec(self.format, head_size)
+        return slot_codec(self.format, head_size, OCTAVE_CHECK_ROPE_DIM)
 
     @property
     def is_per_token_head(self) -> bool:

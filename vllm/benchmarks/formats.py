@@ -8,7 +8,7 @@ exists for the format on this machine and names it in its ``impl`` column:
 - ``compiled op``: ``reshape_and_cache_flash`` of the extension, for a format it writes
   (:attr:`~vllm.kv_quant.formats.KVCacheFormat.has_kernel`);
 - ``reference codec``: the pure-torch codec (:mod:`vllm.kv_quant.codecs`, or the packed K+V
-  slot codecs of :mod:`vllm.accuracy.slot_codecs`): a correctness reference, far from what a
+  slot codecs of :mod:`vllm.kv_quant.slot_codecs`): a correctness reference, far from what a
   kernel reaches, so that nobody reads its GB/s as a kernel's.
 
 Decoding is always the reference codec's (no compiled reader is exposed per format). Bytes are
@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 
-from vllm.accuracy.slot_codecs import is_packed, slot_codec
 from vllm.benchmarks import noise
 from vllm.benchmarks.timing import REPEATS, Progress, Session, Timed, run_fields
 from vllm.kv_quant.codecs import codec_for, has_codec
 from vllm.kv_quant.formats import formats, lookup
+from vllm.kv_quant.slot_codecs import OCTAVE_CHECK_ROPE_DIM, is_packed, slot_codec
 
 __all__ = ["FORMAT_KINDS", "Row", "format_table", "run", "to_json"]
 
@@ -97,7 +97,7 @@ def _problem(kind: str, num_tokens: int, device: torch.device) -> _Problem:
     inputs = 2 * key.numel() * key.element_size() + slots.numel() * slots.element_size()
     outputs = 2 * key.numel() * 4  # decoded fp32 K and V
     if is_packed(fmt):
-        codec = slot_codec(fmt, HEAD_SIZE)
+        codec = slot_codec(fmt, HEAD_SIZE, OCTAVE_CHECK_ROPE_DIM)
         cache = torch.zeros(
             num_blocks, BLOCK_SIZE, NUM_HEADS, codec.slot_bytes, dtype=torch.uint8, device=device
         )

@@ -38,12 +38,12 @@ from vllm.accuracy.formats import (
     parse_formats,
 )
 from vllm.accuracy.runner import CheckReport, run_check, scale_rules
-from vllm.accuracy.slot_codecs import is_packed
 from vllm.accuracy.synthetic import synthetic_sample
 from vllm.cli import args as cli_args
 from vllm.cli import check_model
 from vllm.cli.args import UsageError, add_json_argument
 from vllm.cli.output import deliver
+from vllm.kv_quant.slot_codecs import is_packed
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:

@@ -1,15 +1,17 @@
-"""The packed-slot formats of the check: K and V of one (token, KV head) in one slot.
+"""Reference codecs of the packed-slot formats: K and V of one (token, KV head) in one slot.
 
 TurboQuant, UltraQuant and Octave do not store a K side and a V side (the per-side
 :class:`~vllm.kv_quant.codecs.KVCodec` interface); each (token, KV head) is one slot of
 ``slot_bytes`` bytes holding both, with its scales inside. :func:`slot_codec` gives the
 reference codec of such a format for one head size: ``encode(key, value) -> slots`` and
 ``decode(slots) -> (key, value)`` in the original (unrotated) domain, in fp32. No compiled writer
-takes these formats yet, so the check writes and reads them with these codecs and says so.
+takes these formats yet: the tools (``vllm-kv check`` and ``bench``) write and read them with
+these codecs and say so.
 
 Octave's block K depends on the model's rotary dims: the ones registered for the head size
-(:func:`vllm.kv_quant.octave.register_rope_dim`, as a model does), else
-:data:`OCTAVE_CHECK_ROPE_DIM`, upstream's kernels' value.
+(:func:`vllm.kv_quant.octave.register_rope_dim`, as a model does), else the caller's
+``default_rope_dim`` (the tools pass :data:`OCTAVE_CHECK_ROPE_DIM`, upstream's kernels' value),
+else a ``ValueError`` naming the head size.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm.kv_quant.formats import KVCacheFormat
+from vllm.kv_quant.modes import KVQuantMode
 from vllm.kv_quant.octave import HADAMARD_BLOCK, OctaveFormat, registered_rope_dim
 from vllm.kv_quant.octave_codec import octave_decode, octave_encode
 from vllm.kv_quant.turboquant import (
@@ -119,11 +122,14 @@ def _ultraquant(fmt: KVCacheFormat, head_size: int) -> SlotCodec:
     )
 
 
-def _octave(fmt: KVCacheFormat, head_size: int) -> SlotCodec:
+def _octave(fmt: KVCacheFormat, head_size: int, default_rope_dim: int | None) -> SlotCodec:
+    compact = fmt.quant_mode == KVQuantMode.OCTAVE_K3V3_COMPACT
     try:
-        rope = registered_rope_dim(head_size)
-    except ValueError:  # no model registered one: the kernels' value
-        rope = OCTAVE_CHECK_ROPE_DIM
+        rope = 0 if compact else registered_rope_dim(head_size)  # compact K: one rotation
+    except ValueError:
+        if default_rope_dim is None:
+            raise
+        rope = default_rope_dim
     geometry = OctaveFormat.from_cache_dtype(fmt.name, head_size, rope)
 
     def decode(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,27 +147,23 @@ def _octave(fmt: KVCacheFormat, head_size: int) -> SlotCodec:
     )
 
 
-_FAMILIES: dict[str, Callable[[KVCacheFormat, int], SlotCodec]] = {
-    "turboquant": _turboquant,
-    "ultraquant": _ultraquant,
-    "octave": _octave,
-}
-"""Packed-slot families by the prefix of their dtype names."""
-
-
-def _family(fmt: KVCacheFormat) -> Callable[[KVCacheFormat, int], SlotCodec] | None:
-    return _FAMILIES.get(fmt.name.partition("_")[0])
-
-
 def is_packed(fmt: KVCacheFormat) -> bool:
     """Whether ``fmt`` stores K and V of a (token, head) in one slot read by :func:`slot_codec`."""
-    return _family(fmt) is not None
+    mode = fmt.quant_mode
+    return mode.is_turboquant or mode.is_ultraquant or mode.is_octave
 
 
-def slot_codec(fmt: KVCacheFormat, head_size: int) -> SlotCodec:
+def slot_codec(
+    fmt: KVCacheFormat, head_size: int, default_rope_dim: int | None = None
+) -> SlotCodec:
     """The reference codec of the packed-slot format ``fmt`` for heads of ``head_size``;
+    ``default_rope_dim``: Octave's rotary dims when the model registered none for the head size.
     ``ValueError`` for another format, or a head size the format cannot hold."""
-    family = _family(fmt)
-    if family is None:
-        raise ValueError(f"format: expected a packed-slot format, got {fmt.name!r}")
-    return family(fmt, head_size)
+    mode = fmt.quant_mode
+    if mode.is_turboquant:
+        return _turboquant(fmt, head_size)
+    if mode.is_ultraquant:
+        return _ultraquant(fmt, head_size)
+    if mode.is_octave:
+        return _octave(fmt, head_size, default_rope_dim)
+    raise ValueError(f"format: expected a packed-slot format, got {fmt.name!r}")
