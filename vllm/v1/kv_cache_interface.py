@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
+from vllm.kv_quant.ds_mla_nvfp4 import NVFP4_DS_MLA
 from vllm.kv_quant.encoding import KVCacheEncoding
 from vllm.kv_quant.formats import (
     FP8_DS_MLA,
@@ -177,7 +178,7 @@ class LatentPageSpec(AttentionSpec):
             return self.num_heads * self.state_content_bytes
         fmt = self.kv_cache_format
         row = fmt.last_dim(self.head_size)
-        if self.uses_ds_mla_record:
+        if self.uses_ds_mla_record or fmt is NVFP4_DS_MLA:  # records: their bytes, any dtype
             assert fmt.storage_dtype is not None
             return self.num_kv_heads * row * get_dtype_size(fmt.storage_dtype)
         return self.num_kv_heads * row * get_dtype_size(self.dtype)
