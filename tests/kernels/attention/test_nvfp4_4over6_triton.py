@@ -2,9 +2,9 @@
 (:func:`vllm.kv_quant.nvfp4_cache.nvfp4_write_cache`, itself pinned to upstream's arithmetic by
 tests/kv_quant/test_nvfp4_4over6.py).
 
-The kernel is launched through :func:`plan_reshape_and_cache_flash`: the public entry first runs
-the compiled op's checks, which refuse ``nvfp4_4over6`` until the compiled writers have the
-policy (the format's ``has_kernel`` is False)."""
+The kernel is launched through :func:`plan_reshape_and_cache_flash` (the kernel alone, without
+the public entry's compiled-op checks); the compiled writers' bytes are pinned by
+tests/kernels/attention/test_cache.py."""
 
 from __future__ import annotations
 

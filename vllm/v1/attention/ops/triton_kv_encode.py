@@ -33,12 +33,14 @@ F32_MIN_NORMAL_BITS = tl.constexpr(0x00800000)
 F32_SIGN_BITS = tl.constexpr(0x80000000)
 # write_nvfp4_groups SEARCH policies: 0 nearest (nvfp4), 1 neighbour search (nvfp4_mse),
 # 2 amax / 6 or amax / 4 (nvfp4_4over6).
-SEARCH_4OVER6 = tl.constexpr(2)
+_POLICY_4OVER6 = 2
+SEARCH_4OVER6 = tl.constexpr(_POLICY_4OVER6)
 
 
 def search_policy(scale_search: bool | str) -> int:
-    """The ``SEARCH`` policy of a format's ``scale_search`` setting."""
-    return SEARCH_4OVER6.value if scale_search == SCALE_SEARCH_4OVER6 else int(scale_search)
+    """The ``SEARCH`` policy of a format's ``scale_search`` setting (a plain int: the cases are
+    planned without Triton too)."""
+    return _POLICY_4OVER6 if scale_search == SCALE_SEARCH_4OVER6 else int(scale_search)
 
 
 @triton.jit
