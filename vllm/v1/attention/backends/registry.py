@@ -171,6 +171,7 @@ class AttentionBackendEnum(_BackendRegistry, Enum, metaclass=_BackendEnumMeta):
     CPU_ATTN = "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
     TRITON_ATTN = "vllm.v1.attention.backends.triton_attn.TritonAttentionBackend"
     MLA_COMMON = "vllm.v1.attention.backends.mla.common.MLACommonBackend"
+    TURBOQUANT = "vllm.v1.attention.backends.turboquant_attn.TurboQuantAttentionBackend"
     # A slot for a third-party backend. None, not "": a value equal to another member's would
     # make CUSTOM an alias of that member, and registering CUSTOM would override it.
     CUSTOM = None

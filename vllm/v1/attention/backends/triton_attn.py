@@ -11,6 +11,13 @@ split-K for long sequences, queries in fp16 / bf16 / fp32, layers that store key
 or keep FP8 key sinks (:mod:`~vllm.v1.attention.ops.triton_key_rebuild`). Without a GPU it runs
 under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors, which is how the tests run it
 there.
+
+``int4_per_token_head`` pages (upstream v0.33's INT4 format, keys and values rotated before
+4-bit quantization) are written by
+:func:`~vllm.v1.attention.ops.int4_per_token_head.reshape_and_cache_int4` and read by
+:func:`~vllm.v1.attention.ops.int4_per_token_head.int4_paged_attention` (the reader behind
+upstream's ``unified_attention_int4``); batches with several queries per sequence run unsplit
+(upstream's 2D-only INT4 launcher), decode batches may split.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from typing import Any
 
 import torch
 
+from vllm.kv_quant.formats import KVQuantMode
 from vllm.triton_utils import HAS_TRITON, triton_interpreted
 from vllm.v1.attention.backends.abstract import AttentionLayer, DeviceCapability
 from vllm.v1.attention.backends.reference import (
@@ -26,6 +34,7 @@ from vllm.v1.attention.backends.reference import (
     ReferenceAttentionImpl,
     ReferenceAttentionMetadata,
 )
+from vllm.v1.attention.backends.reference_attend import check_codec_write
 from vllm.v1.attention.backends.reference_metadata import CheckedForward
 
 MIN_CAPABILITY = (8, 0)
@@ -75,6 +84,43 @@ class TritonAttentionImpl(ReferenceAttentionImpl):
 
     num_splits: int | None = None
 
+    @property
+    def _int4(self) -> bool:
+        """Whether the cache is ``int4_per_token_head`` (its own writer and reader)."""
+        return self.kv_cache_format.quant_mode is KVQuantMode.INT4_PER_TOKEN_HEAD
+
+    def _write(
+        self,
+        layer: AttentionLayer,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        positions: torch.Tensor | None,
+        sink_rows: torch.Tensor | None,
+    ) -> None:
+        """INT4 caches that Triton can write (CUDA, or under the interpreter): upstream's
+        ``reshape_and_cache_int4`` (the codec's bytes; INT4 encodings have no key transform nor
+        sink rows). Everything else: the reference impl's writer."""
+        if not self._int4 or not (key_cache.device.type == "cuda" or triton_interpreted()):
+            super()._write(
+                layer, key, value, key_cache, value_cache, slot_mapping, positions, sink_rows
+            )
+            return
+        from vllm.v1.attention.ops.int4_per_token_head import reshape_and_cache_int4
+
+        check_codec_write(key, value, (self.head_size, self.head_size_v), key_cache, None)
+        reshape_and_cache_int4(
+            key,
+            value,
+            key_cache,
+            value_cache,
+            slot_mapping,
+            k_scale_cache=_int4_scale_words(key_cache, self.head_size),
+            v_scale_cache=_int4_scale_words(value_cache, self.head_size_v),
+        )
+
     def _check_forward(
         self,
         layer: AttentionLayer,
@@ -122,34 +168,74 @@ class TritonAttentionImpl(ReferenceAttentionImpl):
         query, target = self._kernel_io(checked)
         output = checked.output
         rows = attn_metadata.num_actual_tokens
-        k_layout, v_layout = self._fitting_scale_layouts(checked.key_cache.shape[1])
-        rebuild = self._key_rebuild(checked, attn_metadata.block_table)
-        plan_paged_attention(
-            target[:rows],
-            query[:rows],
-            checked.key_cache,
-            checked.value_cache,
-            attn_metadata.block_table,
-            attn_metadata.seq_lens,
-            attn_metadata.query_start_loc,
-            self.kv_cache_dtype,
-            checked.k_scale,
-            checked.v_scale,
-            self.scale,
-            attn_metadata.max_query_len,
-            attn_metadata.max_seq_len,
+        if self._int4:
+            self._int4_forward(target[:rows], query[:rows], checked, attn_metadata)
+        else:
+            k_layout, v_layout = self._fitting_scale_layouts(checked.key_cache.shape[1])
+            rebuild = self._key_rebuild(checked, attn_metadata.block_table)
+            plan_paged_attention(
+                target[:rows],
+                query[:rows],
+                checked.key_cache,
+                checked.value_cache,
+                attn_metadata.block_table,
+                attn_metadata.seq_lens,
+                attn_metadata.query_start_loc,
+                self.kv_cache_dtype,
+                checked.k_scale,
+                checked.v_scale,
+                self.scale,
+                attn_metadata.max_query_len,
+                attn_metadata.max_seq_len,
+                sliding_window=self.sliding_window,
+                logits_soft_cap=self.logits_soft_cap,
+                sinks=self.sinks,
+                causal=attn_metadata.causal,
+                k_scale_layout=k_layout,
+                v_scale_layout=v_layout,
+                num_splits=self.num_splits,
+                **({} if rebuild is None else _on_device(rebuild.kernel_args(), query.device)),
+            )()
+        if target is not output:
+            output[:rows] = target[:rows]
+        return output
+
+    def _int4_forward(
+        self,
+        out: torch.Tensor,
+        query: torch.Tensor,
+        checked: CheckedForward,
+        attn_metadata: ReferenceAttentionMetadata,
+    ) -> None:
+        """Attention over an INT4 cache into ``out``: split-K only for single-query batches."""
+        from vllm.v1.attention.ops.int4_per_token_head import int4_paged_attention
+
+        key_cache, value_cache = checked.key_cache, checked.value_cache
+        int4_paged_attention(
+            out,
+            query,
+            key_cache,
+            value_cache,
+            _int4_scale_words(key_cache, self.head_size),
+            _int4_scale_words(value_cache, self.head_size_v),
+            block_table=attn_metadata.block_table,
+            seq_lens=attn_metadata.seq_lens,
+            query_start_loc=attn_metadata.query_start_loc,
+            softmax_scale=self.scale,
+            max_query_len=attn_metadata.max_query_len,
+            max_seq_len=attn_metadata.max_seq_len,
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
             sinks=self.sinks,
             causal=attn_metadata.causal,
-            k_scale_layout=k_layout,
-            v_scale_layout=v_layout,
-            num_splits=self.num_splits,
-            **({} if rebuild is None else _on_device(rebuild.kernel_args(), query.device)),
-        )()
-        if target is not output:
-            output[:rows] = target[:rows]
-        return output
+            num_splits=1 if attn_metadata.max_query_len > 1 else self.num_splits,
+        )
+
+
+def _int4_scale_words(side: torch.Tensor, head_size: int) -> torch.Tensor:
+    """The fp32 scale words ``[B, N, H]`` of an INT4 cache side ``(B, N, H, D/2 + 4)`` uint8:
+    each row's last 4 bytes (4-byte aligned: ``D`` is a multiple of 8)."""
+    return side[..., head_size // 2 :].view(torch.float32).squeeze(-1)
 
 
 def _on_device(args: dict[str, Any], device: torch.device) -> dict[str, Any]:

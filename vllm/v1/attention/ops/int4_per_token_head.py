@@ -31,6 +31,7 @@ from vllm.v1.attention.ops.triton_attention_reduce import reduce_segments
 from vllm.v1.attention.ops.triton_paged_attention import paged_attention_kernel
 
 __all__ = [
+    "int4_paged_attention",
     "reshape_and_cache_int4",
     "single_rht",
     "triton_compile_cases",
@@ -249,6 +250,82 @@ def _decode_pages(cache: torch.Tensor, scales: torch.Tensor, pages: torch.Tensor
     return out
 
 
+def int4_paged_attention(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale_cache: torch.Tensor,
+    v_scale_cache: torch.Tensor,
+    *,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    softmax_scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    causal: bool | torch.Tensor = True,
+    num_splits: int | None = 1,
+    mm_prefix_range: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    alibi_sqrt: bool = False,
+    qq_bias: torch.Tensor | None = None,
+) -> None:
+    """Attention of ``q [T, Hq, D]`` over an INT4 cache ``k_cache (B, N, Hkv, >= D/2)`` /
+    ``v_cache (B, N, Hkv, >= Dv/2)`` uint8 with scale words ``[B, N, Hkv]`` fp32, into
+    ``out [T, Hq, Dv]``; the other arguments as
+    :func:`~vllm.v1.attention.ops.triton_attention_plan.plan_paged_attention`'s (sliding window
+    in keys, ``None``: off). Shared by :func:`unified_attention_int4` (causal, one split) and the
+    ``TRITON_ATTN`` backend.
+
+    ``q`` is rotated (and rounded back to its dtype, as upstream), ``softmax_scale`` divided by
+    ``D``'s block ``b`` (the rotation's norm squared); the output, computed in V's rotated
+    domain into ``out``'s dtype, is rotated back and divided by ``Dv``'s block."""
+    _check(
+        q.dim() == 3 and q.dtype in (torch.float32, torch.float16, torch.bfloat16),
+        f"q: expected a float32 / float16 / bfloat16 [T, Hq, D] tensor, got {q.dtype} of shape "
+        f"{list(q.shape)}",
+    )
+    _check(
+        out.dim() == 3 and out.shape[:2] == q.shape[:2] and out.shape[2] > 0,
+        f"out: expected [{q.shape[0]}, {q.shape[1]}, Dv], got shape {list(out.shape)}",
+    )
+    head_size, head_size_v = q.shape[2], out.shape[2]
+    _check(k_cache.dim() == 4, f"k_cache: expected a 4-D tensor, got {list(k_cache.shape)}")
+    lead = list(k_cache.shape[:3])
+    _check_side(k_cache, k_scale_cache, "k_cache", lead, head_size)
+    _check_side(v_cache, v_scale_cache, "v_cache", lead, head_size_v)
+    rotated_q = single_rht(q.float()).to(q.dtype)
+    # Decode only the pages the batch references, renumbered 0..P-1 in the block table.
+    pages = torch.unique(block_table.to(torch.int64))
+    pages = pages[(pages >= 0) & (pages < lead[0])]
+    if pages.numel() == 0:  # nothing referenced: one page keeps the table's entries in range
+        pages = torch.zeros(1, dtype=torch.int64, device=block_table.device)
+    k_vals = _decode_pages(k_cache, k_scale_cache, pages, head_size)
+    v_vals = _decode_pages(v_cache, v_scale_cache, pages, head_size_v)
+    local_table = torch.searchsorted(pages, block_table.to(torch.int64))
+    local_table = local_table.clamp_(max=pages.shape[0] - 1).to(torch.int32)
+    # Upstream's kernel stores the rotated output in out's dtype before rotating it back.
+    rotated_out = torch.empty_like(out)
+    ones = torch.ones(1, dtype=torch.float32, device=q.device)
+    launch = plan_paged_attention(
+        rotated_out, rotated_q, k_vals, v_vals, local_table, seq_lens, query_start_loc,
+        "float32", ones, ones, softmax_scale / rht_block_size(head_size), max_query_len,
+        max_seq_len, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+        sinks=sinks, causal=causal, num_splits=num_splits, mm_prefix_range=mm_prefix_range,
+        alibi_slopes=alibi_slopes, alibi_sqrt=alibi_sqrt, qq_bias=qq_bias,
+    )  # fmt: skip
+    launch.kernel = paged_attention_kernel
+    launch.reducer = reduce_segments
+    launch()
+    rotated = rotated_out.float()
+    block_v = torch.full_like(rotated, rht_block_size(head_size_v))
+    out.copy_((single_rht(rotated, inverse=True) / block_v).to(out.dtype))
+
+
 def unified_attention_int4(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -279,53 +356,24 @@ def unified_attention_int4(
 ) -> None:
     """Causal paged attention over an INT4 cache ``k_cache`` / ``v_cache (B, N, Hkv, >= D/2)``
     uint8 with scale words ``[B, N, Hkv]`` fp32, into ``out [T, Hq, D]``; the other arguments
-    as :func:`~vllm.v1.attention.ops.triton_unified_attention.unified_attention`'s.
+    as :func:`~vllm.v1.attention.ops.triton_unified_attention.unified_attention`'s
+    (:func:`int4_paged_attention` does the work).
 
-    ``q`` is rotated (and rounded back to its dtype, as upstream), ``softmax_scale`` divided by
-    ``b`` (the rotation's norm squared); the output is rotated back and divided by ``b``.
-    ``output_scale`` (an FP8 output) is refused: upstream applies it before the inverse
-    rotation, which leaves the rotated output's clamp in the result."""
+    The decoded pages are plain fp32 pages read in one unsplit launch: the split-K arguments
+    only shape upstream's own launch, the result is the same function. ``output_scale`` (an
+    FP8 output) is refused: upstream applies it before the inverse rotation, which leaves the
+    rotated output's clamp in the result."""
     _check(output_scale is None, "output_scale: expected None for int4_per_token_head (no FP8 "
            f"output), got a {type(output_scale).__name__}")  # fmt: skip
-    _check(
-        q.dim() == 3 and q.dtype in (torch.float32, torch.float16, torch.bfloat16),
-        f"q: expected a float32 / float16 / bfloat16 [T, Hq, D] tensor, got {q.dtype} of shape "
-        f"{list(q.shape)}",
-    )
-    head_size = q.shape[2]
-    _check(k_cache.dim() == 4, f"k_cache: expected a 4-D tensor, got {list(k_cache.shape)}")
-    lead = list(k_cache.shape[:3])
-    _check_side(k_cache, k_scale_cache, "k_cache", lead, head_size)
-    _check_side(v_cache, v_scale_cache, "v_cache", lead, head_size)
-    block = rht_block_size(head_size)
-    rotated_q = single_rht(q.float()).to(q.dtype)
-    # Decode only the pages the batch references, renumbered 0..P-1 in the block table.
-    pages = torch.unique(block_table.to(torch.int64))
-    pages = pages[(pages >= 0) & (pages < lead[0])]
-    if pages.numel() == 0:  # nothing referenced: one page keeps the table's entries in range
-        pages = torch.zeros(1, dtype=torch.int64, device=block_table.device)
-    k_vals = _decode_pages(k_cache, k_scale_cache, pages, head_size)
-    v_vals = _decode_pages(v_cache, v_scale_cache, pages, head_size)
-    local_table = torch.searchsorted(pages, block_table.to(torch.int64))
-    local_table = local_table.clamp_(max=pages.shape[0] - 1).to(torch.int32)
-    # Upstream's kernel stores the rotated output in out's dtype before rotating it back.
-    rotated_out = torch.empty_like(out)
-    # The decoded pages are plain fp32 pages: one unsplit launch of the paged kernel (the
-    # split-K arguments only shape upstream's own launch; the result is the same function).
-    ones = torch.ones(1, dtype=torch.float32, device=q.device)
-    launch = plan_paged_attention(
-        rotated_out, rotated_q, k_vals, v_vals, local_table, seqused_k, cu_seqlens_q,
-        "float32", ones, ones, softmax_scale / block, max_seqlen_q, max_seqlen_k,
+    int4_paged_attention(
+        out, q, k_cache, v_cache, k_scale_cache, v_scale_cache, block_table=block_table,
+        seq_lens=seqused_k, query_start_loc=cu_seqlens_q, softmax_scale=softmax_scale,
+        max_query_len=max_seqlen_q, max_seq_len=max_seqlen_k,
         sliding_window=window_size[0] + 1 if window_size[0] >= 0 else None,
-        logits_soft_cap=softcap if softcap > 0 else None, sinks=sinks, causal=True,
-        num_splits=1, mm_prefix_range=mm_prefix_range, alibi_slopes=alibi_slopes,
+        logits_soft_cap=softcap if softcap > 0 else None, sinks=sinks,
+        mm_prefix_range=mm_prefix_range, alibi_slopes=alibi_slopes,
         alibi_sqrt=use_alibi_sqrt, qq_bias=qq_bias,
     )  # fmt: skip
-    launch.kernel = paged_attention_kernel
-    launch.reducer = reduce_segments
-    launch()
-    rotated = rotated_out.float()
-    out.copy_((single_rht(rotated, inverse=True) / torch.full_like(rotated, block)).to(out.dtype))
 
 
 def triton_compile_cases() -> list[TritonCompileCase]:
