@@ -62,6 +62,8 @@ def test_the_parts() -> None:
         ("fp8+sink0", "unknown KV-cache encoding"),
         ("fp8/channel", "unknown KV-cache encoding"),
         ("bf16+offset", "key_offset: expected a quantized cache format"),
+        ("int4_per_token_head+offset", "key_offset: expected a format whose writers apply key"),
+        ("turboquant_k8v4+hadamard", "key_rotation: expected a format whose writers apply key"),
         ("bf16/head", "granularity: /head needs a format with a k_scale / v_scale"),
         ("int8_per_token_head+sink", "key_sink_tokens: expected an FP8 or NVFP4 cache"),
         ("fp8@interleave4", "k_scale_layout: only NVFP4 formats have block scales"),

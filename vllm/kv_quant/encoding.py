@@ -277,10 +277,15 @@ class KVCacheEncoding:
             ("key_rope", key.prerope),
             ("key_sink_tokens", sinks > 0),
         ):
-            if used and (not fmt.is_quantized or fmt.cache_kind is None):
+            if used and not fmt.is_quantized:
                 raise ValueError(
                     f"{name}: expected a quantized cache format (it only reduces quantization "
                     f"error), got {fmt.name!r}"
+                )
+            if used and fmt.cache_kind is None:
+                raise ValueError(
+                    f"{name}: expected a format whose writers apply key options (FP8, NVFP4, "
+                    f"per-token-head INT8 / FP8), got {fmt.name!r}"
                 )
         if sinks and not self.codec.reads_kv_scale:
             raise ValueError(
