@@ -208,6 +208,7 @@ ENGINE_MODULES: tuple[str, ...] = (
     "vllm.v1.engine",
     "vllm.v1.outputs",
     "vllm.v1.structured_output",
+    "vllm.v1.worker.gpu_worker",
     "vllm.distributed.kv_transfer.kv_connector.factory",
     "vllm.distributed.kv_transfer.kv_connector.v1.base",
     "vllm.distributed.kv_transfer.kv_connector.v1.example_connector",
