@@ -37,6 +37,7 @@ TURBOQUANT_FORMATS: tuple[KVCacheFormat, ...] = tuple(
             label=preset_name(mode).replace("turboquant", "tq"),
             row_dim=partial(turboquant_row_dim, mode),
             cache_kind=None,
+            has_kernel=False,
         )
     )
     for mode in TURBOQUANT_MODES
