@@ -321,9 +321,8 @@ def int4_paged_attention(
     launch.kernel = paged_attention_kernel
     launch.reducer = reduce_segments
     launch()
-    rotated = rotated_out.float()
-    block_v = torch.full_like(rotated, rht_block_size(head_size_v))
-    out.copy_((single_rht(rotated, inverse=True) / block_v).to(out.dtype))
+    rotated = single_rht(rotated_out.float(), inverse=True)
+    out.copy_((rotated / rht_block_size(head_size_v)).to(out.dtype))
 
 
 def unified_attention_int4(
