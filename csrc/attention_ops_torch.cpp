@@ -184,6 +184,11 @@ PagedAttentionParams prepare_paged_attention(
   }
 
   check_key_transform(rope_cos_sin, key_offset, sink_keys, num_seqs, kv_heads, head_size);
+  TORCH_CHECK(kind != CacheKind::kInt4PerTokenHead ||
+                  !(rope_cos_sin || key_offset || sink_keys || key_hadamard),
+              "kv_cache_dtype: expected a format that takes key transforms (rope_cos_sin, "
+              "key_offset, sink_keys, key_hadamard), got '",
+              kv_cache_dtype, "' (its keys are stored rotated)");
   TORCH_CHECK(!key_hadamard || (head_size & (head_size - 1)) == 0,
               "key_hadamard: expected a power-of-two head size, got ", head_size);
 

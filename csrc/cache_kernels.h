@@ -24,7 +24,8 @@ enum class CacheKind {
   kFp8E5M2 = 2,
   kNvfp4 = 3,
   kInt8PerTokenHead = 4,
-  kFp8PerTokenHead = 5
+  kFp8PerTokenHead = 5,
+  kInt4PerTokenHead = 6
 };
 
 // Placement of NVFP4 block scales inside each head's [block_size, head_size / 16] plane.
@@ -43,7 +44,8 @@ inline ScaleLayout default_scale_layout(int64_t block_size, int64_t head_size) {
 // Strides are in elements of the cache dtype (bytes for the quantized kinds); NHD and HND caches
 // differ only in token_stride / head_stride. For NVFP4, last_dim = head_size / 2 + head_size / 16
 // and each page holds [data | scales] as in docs/design.md §5; for the per-token-head kinds,
-// last_dim = head_size + 4 (the row's values, then its fp32 scale).
+// last_dim = head_size + 4 (the row's values, then its fp32 scale); for int4_per_token_head,
+// last_dim = head_size / 2 + 4 (int4_per_token_head.h).
 struct CacheSide {
   void* data;
   int64_t block_stride;
@@ -53,6 +55,8 @@ struct CacheSide {
   const float* scale;  // FP8 / NVFP4 dequantization scale, fp32, [1] or [num_heads]
   bool scale_per_head;
   ScaleLayout scale_layout;  // NVFP4 only
+  // int4_per_token_head only: the rotation's ±1 signs, fp32 [largest power of 2 dividing D].
+  const float* rht_signs;
 };
 
 struct ReshapeAndCacheParams {

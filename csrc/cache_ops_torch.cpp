@@ -16,6 +16,8 @@
 
 #include "cache_ops_checks.h"
 #include "dispatch_utils.h"
+#include "int4_per_token_head.h"
+#include "int4_rht_signs_torch.h"
 #include "kv_quant_math.h"
 #include "per_token_head.h"
 
@@ -106,6 +108,7 @@ void check_int_range(int64_t v, const char* what) {
 int64_t cache_last_dim(CacheKind kind, int64_t d) {
   if (kind == CacheKind::kNvfp4) return d / 2 + d / kNvfp4GroupSize;
   if (is_per_token_head(kind)) return d + kPerTokenHeadScaleBytes;
+  if (kind == CacheKind::kInt4PerTokenHead) return int4_row_bytes(d);
   return d;
 }
 
@@ -114,6 +117,7 @@ namespace {
 const char* cache_last_dim_formula(CacheKind kind) {
   if (kind == CacheKind::kNvfp4) return "F(D) = D/2 + D/16";
   if (is_per_token_head(kind)) return "D + 4";
+  if (kind == CacheKind::kInt4PerTokenHead) return "D/2 + 4";
   return "D";
 }
 
@@ -125,13 +129,19 @@ at::ScalarType quantized_cache_dtype(CacheKind kind) {
 }
 
 // Head-size rules of the packed kinds: NVFP4 groups of 16; per-token-head rows whose fp32 scale
-// stays 4-byte aligned (as upstream's fp32 view of the page needs). `name` is the argument whose
-// last dim is the head size.
+// stays 4-byte aligned (as upstream's fp32 view of the page needs: D / 2 + 4 bytes for int4, so D
+// a multiple of 8, rotated in a local array of at most kInt4MaxHeadSize values). `name` is the
+// argument whose last dim is the head size.
 void check_head_size(CacheKind kind, const std::string& kv_cache_dtype, int64_t d,
                      const char* name) {
-  const int64_t multiple = kind == CacheKind::kNvfp4 ? kNvfp4GroupSize
-                           : is_per_token_head(kind) ? kPerTokenHeadScaleBytes
-                                                     : 1;
+  if (kind == CacheKind::kInt4PerTokenHead) {
+    TORCH_CHECK(d <= kInt4MaxHeadSize, name, ": ", kv_cache_dtype, " needs a head size of at most ",
+                kInt4MaxHeadSize, ", got ", d);
+  }
+  const int64_t multiple = kind == CacheKind::kNvfp4              ? kNvfp4GroupSize
+                           : is_per_token_head(kind)              ? kPerTokenHeadScaleBytes
+                           : kind == CacheKind::kInt4PerTokenHead ? 2 * kInt4WordBytes
+                                                                  : 1;
   TORCH_CHECK(d % multiple == 0, name, ": ", kv_cache_dtype,
               " needs a head size that is a multiple of ", multiple, ", got ", d);
 }
@@ -196,6 +206,9 @@ CacheSide make_side(const at::Tensor& cache, const char* name, CacheKind kind, i
   side.scale = scale.data_ptr<float>();
   side.scale_per_head = scale_per_head;
   side.scale_layout = layout;
+  if (kind == CacheKind::kInt4PerTokenHead) {
+    side.rht_signs = int4_rht_signs(int4_rht_block(int(head_size)), cache.device());
+  }
   return side;
 }
 
@@ -448,6 +461,9 @@ ReshapeAndCacheParams prepare_reshape_and_cache_flash(
               " entries, got ", slot_mapping.size(0));
   const bool k_per_head = check_scale(k_scale, "k_scale", heads);
   const bool v_per_head = check_scale(v_scale, "v_scale", heads);
+  TORCH_CHECK(kind != CacheKind::kInt4PerTokenHead || !key_sinks,
+              "key_sinks: expected none for kv_cache_dtype '", kv_cache_dtype,
+              "' (its keys are stored rotated), got a tensor");
   const KeySinkRows sink_rows =
       make_key_sinks(key_sinks, key_sink_scale, num_blocks, block_size, heads, head_size);
 

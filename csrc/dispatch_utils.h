@@ -26,7 +26,7 @@ inline constexpr std::string_view kNvfp44over6DtypeString = "nvfp4_4over6";
 // tests/kv_quant/test_formats.py keeps the two equal (docs/design.md §2.1).
 inline constexpr std::string_view kKvCacheDtypeNames =
     "auto, float16, bfloat16, float32, float, fp8, fp8_e4m3, fp8_e5m2, nvfp4, nvfp4_mse, "
-    "nvfp4_4over6, int8_per_token_head, fp8_per_token_head";
+    "nvfp4_4over6, int8_per_token_head, fp8_per_token_head, int4_per_token_head";
 
 // The kinds that are not an FP8 variant of the element type: routed before
 // parse_fp8_kv_cache_data_type (whose kAuto / kFp8E4M3 / kFp8E5M2 is upstream's enum).
@@ -36,6 +36,7 @@ inline std::optional<CacheKind> parse_non_fp8_cache_kind(std::string_view s) {
   }
   if (s == "int8_per_token_head") return CacheKind::kInt8PerTokenHead;
   if (s == "fp8_per_token_head") return CacheKind::kFp8PerTokenHead;
+  if (s == "int4_per_token_head") return CacheKind::kInt4PerTokenHead;
   return std::nullopt;
 }
 
@@ -84,7 +85,7 @@ inline constexpr bool is_quantized(CacheKind kind) { return kind != CacheKind::k
 // scales, so the values passed are not read and need not be valid).
 inline constexpr bool reads_kv_scale(CacheKind kind) {
   return is_quantized(kind) && kind != CacheKind::kInt8PerTokenHead &&
-         kind != CacheKind::kFp8PerTokenHead;
+         kind != CacheKind::kFp8PerTokenHead && kind != CacheKind::kInt4PerTokenHead;
 }
 
 // Storage type of a float dtype (16-bit formats as raw bits), its exact widening to fp32 and the
@@ -139,7 +140,7 @@ void dispatch_source_type(SourceType t, Fn&& fn) {
 }
 
 // Calls fn(SourceTag<S>{}, CacheKindTag<K>{}) for the runtime pair (source, kind), instantiating
-// fn for all 18 combinations. fn reads the pair back as constants:
+// fn for all 21 combinations. fn reads the pair back as constants:
 //   dispatch_source_and_kind(p.source_type, p.cache_kind, [&](auto src, auto kind) {
 //     launch<decltype(src)::value, decltype(kind)::value>(p);
 //   });
@@ -159,6 +160,8 @@ void dispatch_source_and_kind(SourceType source, CacheKind kind, Fn&& fn) {
         return fn(source_tag, CacheKindTag<CacheKind::kInt8PerTokenHead>{});
       case CacheKind::kFp8PerTokenHead:
         return fn(source_tag, CacheKindTag<CacheKind::kFp8PerTokenHead>{});
+      case CacheKind::kInt4PerTokenHead:
+        return fn(source_tag, CacheKindTag<CacheKind::kInt4PerTokenHead>{});
     }
   };
   switch (source) {

@@ -18,11 +18,14 @@
 #define KV_HOST_DEVICE inline
 #endif
 
-// Full unrolling of short fixed-trip loops, spelled for nvcc and for GCC / Clang.
+// Full unrolling of short fixed-trip loops, and none of a loop whose unrolled copies would only
+// add register pressure, spelled for nvcc and for GCC / Clang.
 #if defined(__CUDACC__) || defined(__clang__)
 #define KV_UNROLL _Pragma("unroll")
+#define KV_NO_UNROLL _Pragma("unroll 1")
 #else
 #define KV_UNROLL _Pragma("GCC unroll 16")
+#define KV_NO_UNROLL _Pragma("GCC unroll 1")
 #endif
 
 namespace vllm_kv {

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vllm.kv_quant.codecs import codec_for
-from vllm.kv_quant.formats import formats
+from vllm.kv_quant.formats import CacheKind, formats
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -30,10 +30,14 @@ DEVICES = [
 """``device`` parameters: CPU, and CUDA (skipped without a GPU)."""
 
 PER_TOKEN_HEAD_DTYPES: list[str] = [
-    f.name for f in formats() if f.is_per_token_head and f.cache_kind is not None and f.has_kernel
+    f.name
+    for f in formats()
+    if f.cache_kind in (CacheKind.INT8_PER_TOKEN_HEAD, CacheKind.FP8_PER_TOKEN_HEAD)
+    and f.has_kernel
 ]
-"""The registry's per-token-head formats that the kernels write (``int8_per_token_head``,
-``fp8_per_token_head``)."""
+"""The registry's per-token-head formats of one byte per value that the kernels write
+(``int8_per_token_head``, ``fp8_per_token_head``; INT4 rows, rotated and packed, have their own
+tests)."""
 
 SCALED_DTYPES: list[str] = [
     name

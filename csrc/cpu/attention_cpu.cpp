@@ -21,6 +21,7 @@
 #include "cpu/cpu_op_utils.h"
 #include "cpu/paged_attention.h"
 #include "dispatch_utils.h"
+#include "int4_per_token_head.h"
 
 namespace vllm_kv {
 namespace {
@@ -97,6 +98,51 @@ void check_sequences(const PagedAttentionParams& p, int64_t query_rows, int64_t 
               " rows (query_start_loc[-1]), got ", out_rows);
 }
 
+void run_paged_attention(const PagedAttentionParams& p, const at::Tensor& query, SimdLevel level) {
+  const cpu::attention::AttentionPlan plan =
+      cpu::attention::plan_attention(p, at::get_num_threads());
+  const at::Tensor scratch = at::empty({plan.scratch_floats}, query.options().dtype(at::kFloat));
+  cpu::attention::paged_attention(p, plan, scratch.data_ptr<float>(), level,
+                                  [](int64_t begin, int64_t end, int64_t grain, const auto& fn) {
+                                    dynamic_parallel_for(begin, end, grain, fn);
+                                  });
+}
+
+// Rotates each of the first `rows` rows of x (fp32, [rows, width] contiguous) in place.
+void rotate_rows(at::Tensor& x, int64_t rows, const float* signs, bool inverse) {
+  const int width = int(x.size(-1));
+  const float factor = 1.0f / float(int4_rht_block(width));  // a power of two: exact
+  float* data = x.data_ptr<float>();
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      int4_rotate_row(data + r * width, width, signs, inverse, factor);
+  });
+}
+
+// int4_per_token_head pages hold rotated rows y; attention over the rows they stand for is
+// attention over y with the query rotated forward and the output rotated back (int4_rotate_row),
+// in fp32, so the kernel reads the pages once and decodes no row back.
+void run_int4_paged_attention(PagedAttentionParams p, at::Tensor& out, const at::Tensor& query,
+                              SimdLevel level) {
+  const int64_t tokens = p.query_start_loc[p.num_seqs];
+  const at::TensorOptions fp32 = query.options().dtype(at::kFloat);
+  at::Tensor q = at::empty({tokens, query.size(1), query.size(2)}, fp32);
+  q.copy_(query.narrow(0, 0, tokens));  // a copy even when query is fp32: rotated in place
+  at::Tensor o = at::empty({tokens, out.size(1), out.size(2)}, fp32);
+  const int64_t heads = q.size(1);
+  rotate_rows(q, tokens * heads, p.key_cache.rht_signs, /*inverse=*/false);
+  p.query = q.data_ptr();
+  p.query_token_stride = q.stride(0);
+  p.query_head_stride = q.stride(1);
+  p.out = o.data_ptr();
+  p.out_token_stride = o.stride(0);
+  p.out_head_stride = o.stride(1);
+  p.io_type = SourceType::kFloat32;
+  run_paged_attention(p, q, level);
+  rotate_rows(o, tokens * heads, p.value_cache.rht_signs, /*inverse=*/true);
+  out.narrow(0, 0, tokens).copy_(o);
+}
+
 void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                          const at::Tensor& value_cache, const at::Tensor& block_table,
                          const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
@@ -123,13 +169,11 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
     check_scale_values(k_scale, "k_scale", kv_cache_dtype);
     check_scale_values(v_scale, "v_scale", kv_cache_dtype);
   }
-  const cpu::attention::AttentionPlan plan =
-      cpu::attention::plan_attention(p, at::get_num_threads());
-  const at::Tensor scratch = at::empty({plan.scratch_floats}, query.options().dtype(at::kFloat));
-  cpu::attention::paged_attention(p, plan, scratch.data_ptr<float>(), level,
-                                  [](int64_t begin, int64_t end, int64_t grain, const auto& fn) {
-                                    dynamic_parallel_for(begin, end, grain, fn);
-                                  });
+  if (p.cache_kind == CacheKind::kInt4PerTokenHead) {
+    run_int4_paged_attention(p, out, query, level);
+  } else {
+    run_paged_attention(p, query, level);
+  }
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 
 #include "cache_kernels.h"
 #include "cpu/attention_simd.h"
+#include "int4_per_token_head.h"
 #include "kv_quant_math.h"
 #include "per_token_head.h"
 
@@ -109,8 +110,9 @@ inline __m512i fp8_to_bf16_x32(const uint8_t* src) {
 // Decodes one cache entry (a token's head) of `dim` elements to fp32 at dst. The formats:
 // unquantized fp32 / fp16 / bf16 (C), FP8 e4m3 / e5m2 (K), NVFP4 (data bytes + per-group scale
 // bytes at scales + group_offsets[g]), per-token-head int8 / e4m3 rows (values times the row's
-// inline scale, one fp32 multiply each, as the reference codec reads them). Per-tensor and
-// per-head dequantization scales are applied by the caller.
+// inline scale, one fp32 multiply each, as the reference codec reads them), int4 rows in their
+// rotated domain ((q - zp) * scale; the op rotates the query in and the output back). Per-tensor
+// and per-head dequantization scales are applied by the caller.
 template <CacheKind K, SourceType C, SimdLevel L>
 struct EntryDecoder {
   static void decode(const uint8_t* src, const uint8_t* scales, const int64_t* group_offsets,
@@ -118,6 +120,11 @@ struct EntryDecoder {
     if constexpr (is_per_token_head(K)) {
       const float row_scale = per_token_head_row_scale(src, dim);
       for (int i = 0; i < dim; ++i) dst[i] = per_token_head_decode<K>(src[i]) * row_scale;
+      return;
+    }
+    if constexpr (K == CacheKind::kInt4PerTokenHead) {  // rotated values: the op rotates q and out
+      const Int4RowScale row_scale = int4_row_scale(src, dim);
+      for (int i = 0; i < dim; ++i) dst[i] = int4_rotated_value(src, row_scale, i);
       return;
     }
     int i = 0;

@@ -34,6 +34,7 @@
 #include "cpu/attention_plan.h"
 #include "cpu/attention_rows.h"
 #include "cpu/attention_simd.h"
+#include "int4_per_token_head.h"
 #include "kv_quant_math.h"
 #include "per_token_head.h"
 
@@ -58,7 +59,8 @@ class PagedAttention {
                        p.sink_keys != nullptr || p.key_hadamard),
         // Per-token-head rows are decoded (times their inline scales) into the tiles only, and
         // so are keys rebuilt from pre-RoPE ones (transform_keys).
-        fused_(L != SimdLevel::kGeneric && !is_per_token_head(K) && !key_transform_ &&
+        fused_(L != SimdLevel::kGeneric && !is_per_token_head(K) &&
+               K != CacheKind::kInt4PerTokenHead && !key_transform_ &&
                geo_.head_size % kLanes == 0 && geo_.head_size_v % kLanes == 0),
         bf16_dot_(kBf16Dot && fused_ && p.io_type == SourceType::kBFloat16 &&
                   geo_.head_size % 32 == 0),
@@ -281,6 +283,7 @@ class PagedAttention {
   // order of the fp32 sums), values weighted by the softmax weights rounded to bf16.
 #if defined(VLLM_KV_HAVE_AVX512_BF16)
   static constexpr bool kBf16Dot = L == SimdLevel::kAvx512 && !is_per_token_head(K) &&
+                                   K != CacheKind::kInt4PerTokenHead &&
                                    (K != CacheKind::kUnquantized || C == SourceType::kBFloat16);
 #else
   static constexpr bool kBf16Dot = false;
@@ -327,7 +330,8 @@ class PagedAttention {
   int64_t page_bytes(int head_size) const {
     const int64_t last_dim = K == CacheKind::kNvfp4 ? head_size / 2 + head_size / kNvfp4GroupSize
                              : is_per_token_head(K) ? int64_t(head_size) + kPerTokenHeadScaleBytes
-                                                    : int64_t(head_size);
+                             : K == CacheKind::kInt4PerTokenHead ? int4_row_bytes(head_size)
+                                                                 : int64_t(head_size);
     return int64_t(p_.block_size) * p_.num_kv_heads * last_dim * kElementBytes;
   }
 
@@ -1285,6 +1289,9 @@ void paged_attention(const PagedAttentionParams& p, const AttentionPlan& plan, f
       break;
     case CacheKind::kFp8PerTokenHead:
       with_level(std::integral_constant<CacheKind, CacheKind::kFp8PerTokenHead>{}, F32{});
+      break;
+    case CacheKind::kInt4PerTokenHead:
+      with_level(std::integral_constant<CacheKind, CacheKind::kInt4PerTokenHead>{}, F32{});
       break;
     case CacheKind::kUnquantized: {
       using U = std::integral_constant<CacheKind, CacheKind::kUnquantized>;

@@ -19,6 +19,7 @@
 #include "cache_layout.h"
 #include "cpu/nvfp4_lanes.h"
 #include "dispatch_utils.h"
+#include "int4_per_token_head.h"
 #include "key_sink_rows.h"
 #include "kv_quant_math.h"
 #include "per_token_head.h"
@@ -364,6 +365,17 @@ void write_side(const typename SourceTraits<S>::Storage* src, int64_t src_token_
         quantize_per_token_head_row<K>([x](int j) { return SourceTraits<S>::to_float(x[j]); },
                                        head_size,
                                        cache + entry_offset(side, pos.block, pos.token, h));
+      }
+    } else if constexpr (K == CacheKind::kInt4PerTokenHead) {  // rotated, then like the above
+      uint8_t* cache = static_cast<uint8_t*>(side.data);
+      for (int h = 0; h < num_heads; ++h) {
+        const Storage* x = row + h * head_size;
+        float scratch[kInt4MaxHeadSize];
+        quantize_int4_per_token_head_row(
+            [x](int j) { return SourceTraits<S>::to_float(x[j]); },
+            [](float v) { return SourceTraits<S>::to_float(SourceTraits<S>::from_float(v)); },
+            side.rht_signs, head_size, scratch,
+            cache + entry_offset(side, pos.block, pos.token, h));
       }
     } else {  // FP8: q = fp8(clamp(x / scale)), one IEEE division per element
       uint8_t* cache = static_cast<uint8_t*>(side.data);

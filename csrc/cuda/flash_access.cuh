@@ -130,6 +130,7 @@ struct SourceOps;
 
 template <>
 struct SourceOps<SourceType::kFloat32> {
+  static constexpr SourceType kType = SourceType::kFloat32;
   static constexpr int kSize = 4;
   template <int N>
   static KV_HOST_DEVICE float element(const uint32_t (&w)[N], int i) {
@@ -139,6 +140,7 @@ struct SourceOps<SourceType::kFloat32> {
 
 template <>
 struct SourceOps<SourceType::kBFloat16> {
+  static constexpr SourceType kType = SourceType::kBFloat16;
   static constexpr int kSize = 2;
   template <int N>
   static KV_HOST_DEVICE float element(const uint32_t (&w)[N], int i) {
@@ -148,6 +150,7 @@ struct SourceOps<SourceType::kBFloat16> {
 
 template <>
 struct SourceOps<SourceType::kFloat16> {
+  static constexpr SourceType kType = SourceType::kFloat16;
   static constexpr int kSize = 2;
   template <int N>
   static KV_HOST_DEVICE float element(const uint32_t (&w)[N], int i) {

@@ -16,7 +16,7 @@ struct CudaLauncher {
   template <typename Src, CacheKind kKind, int kVec, bool kWide>
   void operator()(gpu::KernelTag<Src, kKind, kVec, kWide>) const {
     gpu::reshape_and_cache_flash_kernel<Src, kKind, kVec, kWide>
-        <<<plan.grid, plan.block, 0, stream>>>(plan.args);
+        <<<plan.grid, plan.block, plan.shared_bytes, stream>>>(plan.args);
   }
 };
 

@@ -15,9 +15,10 @@
 //                element (kv_fdiv = __fdiv_rn), FP8 encoding, one vector store of kVec bytes.
 //   NVFP4:       unit = one 16-element group (docs/design.md §5 steps 1-6), 8 data bytes stored at
 //                Nvfp4SideLayout::data_offset, 1 scale byte at Nvfp4SideLayout::scale_offset.
-//   per-token-head INT8 / FP8: unit = one whole row (a head of a token), since its scale depends
-//                on every element: quantize_per_token_head_row of per_token_head.h, the CPU
-//                writer's code, so the bytes are the same by construction (and host-replayable).
+//   per-token-head INT8 / FP8 / INT4: unit = one whole row (a head of a token), since its scale
+//                depends on every element: quantize_per_token_head_row of per_token_head.h or
+//                quantize_int4_per_token_head_row of int4_per_token_head.h, the CPU writer's
+//                code, so the bytes are the same by construction (and host-replayable).
 //   Key sink rows (key_sink_rows.h): a K unit of a page row below S also writes its elements'
 //                e4m3 bytes into the sink row, from the same loaded source words.
 //
@@ -41,6 +42,7 @@
 #include "../cache_kernels.h"
 #include "../cache_layout.h"
 #include "../dispatch_utils.h"
+#include "../int4_per_token_head.h"
 #include "../key_sink_rows.h"
 #include "../kv_quant_math.h"
 #include "../per_token_head.h"
@@ -51,6 +53,8 @@ namespace vllm_kv::gpu {
 
 constexpr int kThreadsPerBlock = 256;
 constexpr int kMaxVectorBytes = 16;
+// Shared memory an INT4 launch takes for its threads' row scratch (the default per-block limit).
+constexpr int kRowScratchBytes = 48 * 1024;
 
 // ---------------------------------------------------------------------------------------------
 // Kernel arguments.
@@ -73,6 +77,9 @@ struct FlashArgs {
   int units_k;                          // units of the K side per token
   int units_total;                      // units of K and V per token
   KeySinkRows key_sinks;                // rows == 0: none
+  // kInt4PerTokenHead: floats of shared memory per thread, each rotating one row at a time
+  // (max(D, Dv) + 1: the odd stride keeps the threads' slices in different banks); 0 otherwise.
+  int row_scratch_floats;
   bool key_bf16;  // the key is bf16 (the plain copy shares fp16's instantiations)
   // Always 0. The slot test also checks ((OR of the loaded source words and scale) & zero) != 0,
   // which makes it depend on those loads: otherwise ptxas sinks them below the test, and the
@@ -119,11 +126,16 @@ KV_HOST_DEVICE float sink_element(const FlashArgs& a, const uint32_t (&w)[kWords
   }
 }
 
+// The kinds whose unit is one whole row (a head of a token): each row computes its own scale.
+KV_HOST_DEVICE constexpr bool is_row_kind(CacheKind kind) {
+  return is_per_token_head(kind) || kind == CacheKind::kInt4PerTokenHead;
+}
+
 // Writes row `head` of token `token` of side `side` (0: K, 1: V) of a per-token-head cache (one
-// unit per row), and the row's key sink row if it has one.
+// unit per row, INT4 ones rotated first), and the row's key sink row if it has one.
 template <typename Src, CacheKind kKind>
-KV_HOST_DEVICE void write_per_token_head_row(const FlashArgs& a, int side, int64_t token,
-                                             int head) {
+KV_HOST_DEVICE void write_per_token_head_row(const FlashArgs& a, int side, int64_t token, int head,
+                                             float* scratch) {
   const FlashSideArgs& s = a.side[side];
   const int64_t slot = load_readonly(a.slot_mapping + token);
   if (slot < 0 || slot >= a.num_slots) return;
@@ -141,9 +153,15 @@ KV_HOST_DEVICE void write_per_token_head_row(const FlashArgs& a, int side, int64
     }
     return Src::element(word, 0);
   };
-  quantize_per_token_head_row<kKind>(
-      load, s.cache.head_size,
-      static_cast<uint8_t*>(s.cache.data) + entry_offset(s.cache, block, row, head));
+  uint8_t* dst = static_cast<uint8_t*>(s.cache.data) + entry_offset(s.cache, block, row, head);
+  if constexpr (kKind == CacheKind::kInt4PerTokenHead) {
+    using Traits = SourceTraits<Src::kType>;
+    const auto round_to_source = [](float v) { return Traits::to_float(Traits::from_float(v)); };
+    quantize_int4_per_token_head_row(load, round_to_source, s.cache.rht_signs, s.cache.head_size,
+                                     scratch, dst);
+  } else {
+    quantize_per_token_head_row<kKind>(load, s.cache.head_size, dst);
+  }
   if (side == 0 && row < a.key_sinks.rows) {
     write_key_sink_row(a.key_sinks, block, row, head, 0, s.cache.head_size, load);
   }
@@ -255,13 +273,14 @@ KV_HOST_DEVICE void write_vector_unit(const FlashArgs& a, int64_t token, int uni
   }
 }
 
-// Writes unit `unit` (in [0, units_total)) of token `token` (in [0, num_tokens)).
+// Writes unit `unit` (in [0, units_total)) of token `token` (in [0, num_tokens)); `scratch`: the
+// thread's a.row_scratch_floats floats (INT4 rows only).
 template <typename Src, CacheKind kKind, int kVec, bool kWide>
-KV_HOST_DEVICE void write_unit(const FlashArgs& a, int64_t token, int unit) {
-  if constexpr (is_per_token_head(kKind)) {
+KV_HOST_DEVICE void write_unit(const FlashArgs& a, int64_t token, int unit, float* scratch) {
+  if constexpr (is_row_kind(kKind)) {
     const bool is_value = unit >= a.units_k;
     write_per_token_head_row<Src, kKind>(a, is_value ? 1 : 0, token,
-                                         is_value ? unit - a.units_k : unit);
+                                         is_value ? unit - a.units_k : unit, scratch);
   } else {
     write_vector_unit<Src, kKind, kVec, kWide>(a, token, unit);
   }
@@ -270,12 +289,15 @@ KV_HOST_DEVICE void write_unit(const FlashArgs& a, int64_t token, int unit) {
 template <typename Src, CacheKind kKind, int kVec, bool kWide>
 __global__ void __launch_bounds__(kThreadsPerBlock)
     reshape_and_cache_flash_kernel(const __grid_constant__ FlashArgs args) {
+  extern __shared__ float row_scratch[];
   const int unit = static_cast<int>(blockIdx.y * blockDim.x + threadIdx.x);
   if (unit >= args.units_total) return;
+  float* scratch =
+      row_scratch + (threadIdx.y * blockDim.x + threadIdx.x) * unsigned(args.row_scratch_floats);
   const int64_t token_step = int64_t(gridDim.x) * blockDim.y;
   for (int64_t token = int64_t(blockIdx.x) * blockDim.y + threadIdx.y; token < args.num_tokens;
        token += token_step) {
-    write_unit<Src, kKind, kVec, kWide>(args, token, unit);
+    write_unit<Src, kKind, kVec, kWide>(args, token, unit, scratch);
   }
 }
 
@@ -289,6 +311,7 @@ struct FlashLaunchPlan {
   bool empty = true;  // nothing to write: no launch
   dim3 grid;
   dim3 block;
+  size_t shared_bytes = 0;  // dynamic shared memory of a launch (INT4 row scratch)
 };
 
 inline bool is_aligned(const void* p, int64_t alignment) {
@@ -370,7 +393,7 @@ inline FlashLaunchPlan plan_reshape_and_cache_flash(const ReshapeAndCacheParams&
   const void* srcs[2] = {p.key, p.value};
   const int64_t src_strides[2] = {p.key_token_stride, p.value_token_stride};
 
-  if (is_per_token_head(p.cache_kind)) {
+  if (is_row_kind(p.cache_kind)) {
     plan.vec = 1;  // unused: a unit is a whole row
   } else if (p.cache_kind == CacheKind::kNvfp4) {
     plan.vec = kNvfp4GroupSize;
@@ -395,7 +418,7 @@ inline FlashLaunchPlan plan_reshape_and_cache_flash(const ReshapeAndCacheParams&
     }
     s.src = static_cast<const uint8_t*>(srcs[i]);
     s.src_token_stride = src_strides[i];
-    s.units_per_head = is_per_token_head(p.cache_kind) ? 1 : s.cache.head_size / plan.vec;
+    s.units_per_head = is_row_kind(p.cache_kind) ? 1 : s.cache.head_size / plan.vec;
   }
   a.slot_mapping = p.slot_mapping;
   a.num_tokens = p.num_tokens;
@@ -408,11 +431,19 @@ inline FlashLaunchPlan plan_reshape_and_cache_flash(const ReshapeAndCacheParams&
   const int64_t units_total = units_k + int64_t(p.num_heads) * a.side[1].units_per_head;
   a.units_k = static_cast<int>(units_k);
   a.units_total = static_cast<int>(units_total);
+  const bool int4 = p.cache_kind == CacheKind::kInt4PerTokenHead;
+  a.row_scratch_floats = int4 ? std::max(p.key_cache.head_size, p.value_cache.head_size) + 1 : 0;
 
   plan.empty = p.num_tokens <= 0 || units_total <= 0 || a.num_slots <= 0;
   if (plan.empty) return plan;
-  const int block_x = static_cast<int>(std::min<int64_t>(units_total, kThreadsPerBlock));
-  const int block_y = std::max(1, kThreadsPerBlock / block_x);
+  // INT4: as many threads as the row scratch fits in kRowScratchBytes.
+  const int threads =
+      int4 ? std::min(kThreadsPerBlock,
+                      kRowScratchBytes / int(sizeof(float) * size_t(a.row_scratch_floats)))
+           : kThreadsPerBlock;
+  const int block_x = static_cast<int>(std::min<int64_t>(units_total, threads));
+  const int block_y = std::max(1, threads / block_x);
+  plan.shared_bytes = sizeof(float) * size_t(a.row_scratch_floats) * block_x * block_y;
   plan.block = dim3(block_x, block_y, 1);
   const int64_t grid_x = std::min<int64_t>((p.num_tokens + block_y - 1) / block_y, INT32_MAX);
   const int64_t grid_y = (units_total + block_x - 1) / block_x;
@@ -469,7 +500,7 @@ void dispatch_flash_kernel(const ReshapeAndCacheParams& p, const FlashLaunchPlan
         default:  // element-wide accesses
           return run(KernelTag<Src, K, 1, true>{});
       }
-    } else if constexpr (is_per_token_head(K)) {
+    } else if constexpr (is_row_kind(K)) {
       return run(KernelTag<SourceOps<S>, K, 1, true>{});
     } else if constexpr (K == CacheKind::kNvfp4) {
       using Src = SourceOps<S>;

@@ -121,8 +121,8 @@ def test_cli_rejects_cache_options(capsys: pytest.CaptureFixture) -> None:
 def test_run_reads_per_token_head_caches(tiny: None) -> None:
     """The per-token-head kinds run too (rows with random values and finite inline scales), their
     bytes counting the 4-byte scale of every row."""
-    kinds = ["int8_per_token_head", "fp8_per_token_head"]
-    assert attention.FORMATS[-2:] == tuple(kinds)
+    kinds = ["int8_per_token_head", "fp8_per_token_head", "int4_per_token_head"]
+    assert attention.FORMATS[-3:] == tuple(kinds)
     rows = attention.run(kinds, quick=True, repeats=2)
     assert [(r.phase, r.format) for r in rows] == [
         (phase, kind) for phase in ("decode", "prefill") for kind in kinds

@@ -29,14 +29,21 @@ def _needs_extension() -> None:
 
 
 def test_kinds_come_from_the_registry() -> None:
-    assert core.KINDS == ("auto", "fp8", "nvfp4", "int8_per_token_head", "fp8_per_token_head")
+    assert core.KINDS == (
+        "auto",
+        "fp8",
+        "nvfp4",
+        "int8_per_token_head",
+        "fp8_per_token_head",
+        "int4_per_token_head",
+    )
 
 
 def test_run_tiny() -> None:
     calls: list[tuple[int, int, str]] = []
     rows = core.run("cpu", core.KINDS, [1, 16], quick=True, progress=lambda *a: calls.append(a))
     assert [(r.kind, r.num_heads, r.num_tokens) for r in rows] == core.shapes(core.KINDS, [1, 16])
-    assert len(rows) == 10
+    assert len(rows) == 12
     for r in rows:
         assert r.device == "cpu" and r.mode == "cold"
         assert r.op_us > 0 and r.baseline_us > 0 and r.bytes_moved > 0
@@ -60,9 +67,10 @@ def test_run_tiny() -> None:
         "reference fp8_write_cache",
         "reference nvfp4_write_cache",
         "reference per_token_head_write_cache",
+        "reference int4_per_token_head_write_cache",
     }
     # One progress call before the roofline copy, one after it, one per row; total fixed.
-    assert [(d, t) for d, t, _ in calls] == [(i, 11) for i in range(12)]
+    assert [(d, t) for d, t, _ in calls] == [(i, 13) for i in range(14)]
 
 
 def test_run_warns_on_load(monkeypatch: pytest.MonkeyPatch) -> None:

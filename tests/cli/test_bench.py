@@ -137,6 +137,7 @@ def test_default_kinds_are_every_registry_kind(fake: list[dict]) -> None:
         "nvfp4",
         "int8_per_token_head",
         "fp8_per_token_head",
+        "int4_per_token_head",
     ]
 
 

@@ -16,7 +16,14 @@ from vllm.model_presets import DEFAULT_PRESET, available_presets, load_preset
 
 REPO = Path(__file__).resolve().parents[2]
 PRESETS = available_presets()
-COLUMNS = ("bfloat16", "fp8", "nvfp4", "int8_per_token_head", "fp8_per_token_head")
+COLUMNS = (
+    "bfloat16",
+    "fp8",
+    "nvfp4",
+    "int8_per_token_head",
+    "fp8_per_token_head",
+    "int4_per_token_head",
+)
 """The default columns: bf16 and one per quantization mode of the registry."""
 GiB = 2**30
 

@@ -122,6 +122,7 @@ def test_default_columns_stay_the_kernel_formats(capsys) -> None:
         "nvfp4",
         "int8_per_token_head",
         "fp8_per_token_head",
+        "int4_per_token_head",
     ]
 
 

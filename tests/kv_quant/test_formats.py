@@ -70,7 +70,7 @@ FACTS = {
                            "tq_3bit_nc", 51, None, (), False, None),
     # 64 values packed two per byte, then the scale word (zero point in its low 4 bits)
     "int4_per_token_head": ("int4_per_token_head", torch.uint8, KVQuantMode.INT4_PER_TOKEN_HEAD,
-                            "int4_pth", 68, None, (), False, None),
+                            "int4_pth", 68, None, (), False, "kInt4PerTokenHead"),
     # packed K+V slot of 128 + 2 * 4 bytes (FP4 codes, UE8M0 group scales); the row is half of it
     "ultraquant_4bit": ("ultraquant_4bit", torch.uint8, KVQuantMode.ULTRAQUANT_4BIT, "uq4",
                         68, None, (), False, None),
@@ -231,7 +231,13 @@ def test_quant_mode_formats_one_per_mode() -> None:
     """What plan's columns and bench's kinds show: the first selectable format of each quantized
     mode (fp8_e5m2 shares e4m3's pages; fp8_ds_mla is MLA-only)."""
     names = [f.name for f in registry.quant_mode_formats()]
-    assert names == ["fp8_e4m3", "nvfp4", "int8_per_token_head", "fp8_per_token_head"]
+    assert names == [
+        "fp8_e4m3",
+        "nvfp4",
+        "int8_per_token_head",
+        "fp8_per_token_head",
+        "int4_per_token_head",
+    ]
     assert len({f.quant_mode for f in registry.quant_mode_formats()}) == len(names)
 
 

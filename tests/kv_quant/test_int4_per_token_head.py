@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm.kv_quant.formats import KVQuantMode, kernel_cache_kind, lookup
+from vllm.kv_quant.formats import CacheKind, KVQuantMode, kernel_cache_kind, lookup
 from vllm.kv_quant.int4_per_token_head import (
     INT4_PER_TOKEN_HEAD,
     dequantize_int4_rows,
@@ -143,9 +143,8 @@ def test_row_dim_rejects_unaligned_head_sizes(head_size: int) -> None:
         int4_row_dim(head_size)
 
 
-def test_compiled_kernels_refuse_it_by_name() -> None:
-    with pytest.raises(ValueError, match="'int4_per_token_head' has no kernel support"):
-        kernel_cache_kind("int4_per_token_head")
+def test_compiled_kernels_take_it_as_its_own_kind() -> None:
+    assert kernel_cache_kind("int4_per_token_head") is CacheKind.INT4_PER_TOKEN_HEAD
 
 
 def test_write_read_cache_and_errors() -> None:

@@ -137,9 +137,9 @@ def _problem(fmt: str, batch: int, query_tokens: int, context: int) -> _Problem:
             pages_view[:, :, data:] = torch.randint(0x30, 0x40, pages_view[:, :, data:].shape)
         else:
             kv_cache[(kv_cache & 0x7F) == 0x7F] = 0x38
-        if cache_format.is_per_token_head:  # each row's scale: a finite positive fp32
+        if cache_format.is_per_token_head:  # each row's scale (word): a finite positive fp32
             row_scales = torch.rand(shape[:-1]) * 0.02 + 0.005
-            kv_cache[..., HEAD_SIZE:] = row_scales.unsqueeze(-1).view(torch.uint8)
+            kv_cache[..., shape[-1] - 4 :] = row_scales.unsqueeze(-1).view(torch.uint8)
         kv_cache = kv_cache.view(cache_format.storage_dtype)  # int8 for int8_per_token_head
     table = torch.randperm(num_blocks).reshape(batch, pages).to(torch.int32)
     kwargs = dict(num_kv_heads=NUM_KV_HEADS, kv_cache_dtype=fmt)

@@ -57,12 +57,13 @@ from vllm.kv_quant import (
     nvfp4_write_cache,
     per_token_head_write_cache,
 )
-from vllm.kv_quant.formats import AUTO, lookup, quant_mode_formats
+from vllm.kv_quant.formats import AUTO, CacheKind, lookup, quant_mode_formats
+from vllm.kv_quant.int4_per_token_head import int4_per_token_head_write_cache
 
 KINDS: tuple[str, ...] = (AUTO.name, *(f.accepted_names[0] for f in quant_mode_formats()))
 """The benchmarked ``kv_cache_dtype`` strings: ``auto`` (the model dtype, bf16), then one format
 of each quantization mode of the registry (``fp8``, ``nvfp4``, ``int8_per_token_head``,
-``fp8_per_token_head``)."""
+``fp8_per_token_head``, ``int4_per_token_head``)."""
 TOKENS = (1, 16, 256, 4096, 16384)
 QUICK_TOKENS = (1, 16, 256)
 """Token counts of a ``quick`` run when none are given."""
@@ -161,6 +162,13 @@ def _baseline(kind: str, s: _Setup) -> tuple[str, Callable[[], None]]:
             nvfp4_write_cache(s.value, s.value_cache, s.slots, s.scale)
 
         return "reference nvfp4_write_cache", nvfp4_reference
+    if fmt.cache_kind is CacheKind.INT4_PER_TOKEN_HEAD:
+
+        def int4_reference() -> None:
+            int4_per_token_head_write_cache(s.key, s.key_cache, s.slots)
+            int4_per_token_head_write_cache(s.value, s.value_cache, s.slots)
+
+        return "reference int4_per_token_head_write_cache", int4_reference
     if fmt.is_per_token_head:
 
         def per_token_head_reference() -> None:

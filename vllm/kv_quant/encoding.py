@@ -33,7 +33,14 @@ from enum import Enum
 from typing import Any
 
 from vllm.kv_quant.codecs import KVCodec, codec_for
-from vllm.kv_quant.formats import KVCacheFormat, cache_dtype_names, find_format, formats, lookup
+from vllm.kv_quant.formats import (
+    CacheKind,
+    KVCacheFormat,
+    cache_dtype_names,
+    find_format,
+    formats,
+    lookup,
+)
 from vllm.kv_quant.fp8 import FP8_E4M3_MAX
 from vllm.kv_quant.hadamard import HADAMARD, check_hadamard_head_size
 from vllm.kv_quant.key_rope import KeyRope
@@ -282,7 +289,8 @@ class KVCacheEncoding:
                     f"{name}: expected a quantized cache format (it only reduces quantization "
                     f"error), got {fmt.name!r}"
                 )
-            if used and fmt.cache_kind is None:
+            # INT4's writers rotate every row already (a fixed RHT), so they take none.
+            if used and fmt.cache_kind in (None, CacheKind.INT4_PER_TOKEN_HEAD):
                 raise ValueError(
                     f"{name}: expected a format whose writers apply key options (FP8, NVFP4, "
                     f"per-token-head INT8 / FP8), got {fmt.name!r}"

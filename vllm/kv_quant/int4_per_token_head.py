@@ -21,8 +21,8 @@ layout: the cache's last dim is ``D / 2 + 4``). Writing one row ``x[0..D-1]``:
    is ``scale``'s bits with the low 4 mantissa bits replaced by ``zp``.
 
 Reading: ``zp`` = the word's low 4 bits, ``scale'`` = the word with them cleared, ``y_i = (q_i -
-zp) * scale'`` (rotated domain), ``x ≈ RHT⁻¹(y) = H(y) * s / b``. Rows are assumed finite (upstream
-defines no NaN/Inf behaviour for this format).
+zp) * scale'`` (rotated domain), ``x ≈ RHT⁻¹(y) = H(y) * s / b``. Rows are assumed finite, and so
+their rotations in the source dtype (upstream defines no NaN/Inf behaviour for this format).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import torch
 
 from vllm.kv_quant.formats import (
     PER_TOKEN_HEAD_SCALE_BYTES,
+    CacheKind,
     KVCacheFormat,
     KVQuantMode,
     register_format,
@@ -48,6 +49,7 @@ __all__ = [
     "dequantize_int4_rows",
     "int4_per_token_head_read_cache",
     "int4_per_token_head_write_cache",
+    "int4_scale_words",
     "int4_row_dim",
     "quantize_int4_rows",
     "rht_block_size",
@@ -87,9 +89,7 @@ INT4_PER_TOKEN_HEAD = register_format(
         quant_mode=KVQuantMode.INT4_PER_TOKEN_HEAD,
         label="int4_pth",
         row_dim=int4_row_dim,
-        # The compiled writers do not take it yet: kernel_cache_kind refuses it by name.
-        cache_kind=None,
-        has_kernel=False,
+        cache_kind=CacheKind.INT4_PER_TOKEN_HEAD,
     )
 )
 
@@ -204,6 +204,12 @@ def _split_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     half = rows.shape[-1] - PER_TOKEN_HEAD_SCALE_BYTES
     word = rows[..., half:].contiguous().view(torch.float32).squeeze(-1)
     return rows[..., :half], word
+
+
+def int4_scale_words(side: torch.Tensor, head_size: int) -> torch.Tensor:
+    """The fp32 scale words ``[B, N, H]`` of a cache side ``(B, N, H, D / 2 + 4)`` uint8, a view:
+    each row's last 4 bytes (4-byte aligned, :func:`int4_row_dim`)."""
+    return side[..., head_size // 2 :].view(torch.float32).squeeze(-1)
 
 
 def int4_per_token_head_write_cache(

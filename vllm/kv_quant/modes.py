@@ -98,6 +98,7 @@ class CacheKind(IntEnum):
     NVFP4 = 3
     INT8_PER_TOKEN_HEAD = 4
     FP8_PER_TOKEN_HEAD = 5
+    INT4_PER_TOKEN_HEAD = 6
 
     @property
     def cpp_name(self) -> str:

@@ -98,7 +98,7 @@ bool run_problem(test::FlashTestProblem& t, const char* what) {
   std::memcpy(cache.data(), t.cache.data(), t.cache.size());
   const ReshapeAndCacheParams p =
       t.params(cache.data(), t.key.data(), t.value.data(), t.slots.data(), t.k_scale.data(),
-               t.v_scale.data(), t.sink_scale.data());
+               t.v_scale.data(), t.sink_scale.data(), t.k_signs.data(), t.v_signs.data());
   cpu::reshape_and_cache_flash(p, kSerial);
   const test::Bytes expected = t.expected();
   for (size_t i = 0; i < cache.size(); ++i) {
@@ -210,7 +210,7 @@ int bench(int tokens, int heads, int head_size, int reps, bool cold) {
     for (int i = 0; i < tokens; ++i) t.slots[i] = pages[i / 16] * 16 + i % 16;
     const ReshapeAndCacheParams p =
         t.params(t.cache.data(), t.key.data(), t.value.data(), t.slots.data(), t.k_scale.data(),
-                 t.v_scale.data(), t.sink_scale.data());
+                 t.v_scale.data(), t.sink_scale.data(), t.k_signs.data(), t.v_signs.data());
     double best = 1e30;
     for (int r = 0; r < reps; ++r) {
       for (size_t i = 0; i < flush.size(); i += 64) flush[i] += 1;

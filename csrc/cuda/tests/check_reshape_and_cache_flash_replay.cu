@@ -38,6 +38,7 @@ struct HostReplay {
     *instantiation = "src" + std::to_string(Src::kSize) + " kind" + std::to_string(int(kKind)) +
                      " vec" + std::to_string(kVec) + (kWide ? " wide" : " narrow");
     const gpu::FlashArgs& a = plan.args;
+    std::vector<float> scratch(size_t(a.row_scratch_floats) + 1);  // one thread's at a time
     for (unsigned bx = 0; bx < plan.grid.x; ++bx) {
       for (unsigned by = 0; by < plan.grid.y; ++by) {
         for (unsigned ty = 0; ty < plan.block.y; ++ty) {
@@ -47,7 +48,7 @@ struct HostReplay {
             const int64_t step = int64_t(plan.grid.x) * plan.block.y;
             for (int64_t token = int64_t(bx) * plan.block.y + ty; token < a.num_tokens;
                  token += step) {
-              gpu::write_unit<Src, kKind, kVec, kWide>(a, token, unit);
+              gpu::write_unit<Src, kKind, kVec, kWide>(a, token, unit, scratch.data());
             }
           }
         }
@@ -62,11 +63,12 @@ bool run_problem(std::mt19937_64& rng, std::map<std::string, int>& seen, bool ve
   std::memcpy(cache.data(), t.cache.data(), t.cache.size());
   const ReshapeAndCacheParams params =
       t.params(cache.data(), t.key.data(), t.value.data(), t.slots.data(), t.k_scale.data(),
-               t.v_scale.data(), t.sink_scale.data());
+               t.v_scale.data(), t.sink_scale.data(), t.k_signs.data(), t.v_signs.data());
   const gpu::FlashLaunchPlan plan = gpu::plan_reshape_and_cache_flash(params);
   std::string inst = "empty";
   if (!plan.empty) {
-    if (plan.block.x * plan.block.y > unsigned(gpu::kThreadsPerBlock) || plan.grid.y > 65535u) {
+    if (plan.block.x * plan.block.y > unsigned(gpu::kThreadsPerBlock) || plan.grid.y > 65535u ||
+        plan.shared_bytes > size_t(gpu::kRowScratchBytes)) {
       std::printf("FAILED bad launch shape for %s\n", t.describe().c_str());
       return false;
     }

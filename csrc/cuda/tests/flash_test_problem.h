@@ -17,6 +17,7 @@
 
 #include "cache_kernels.h"
 #include "dispatch_utils.h"
+#include "int4_per_token_head.h"
 #include "kv_quant_math.h"
 #include "per_token_head.h"
 
@@ -27,6 +28,17 @@ namespace vllm_kv::test {
 struct FloatRow {
   const float* values;
   KV_HOST_DEVICE float operator()(int j) const { return values[j]; }
+};
+
+// An fp32 rounded to the source dtype and widened back (int4_per_token_head's rotated rows), as
+// the __host__ __device__ row quantizer takes it.
+struct RoundToSource {
+  SourceType source;
+  KV_HOST_DEVICE float operator()(float v) const {
+    if (source == SourceType::kBFloat16) return bf16_bits_to_float(vllm_kv::float_to_bf16_bits(v));
+    if (source == SourceType::kFloat16) return fp16_bits_to_float(vllm_kv::float_to_fp16_bits(v));
+    return v;
+  }
 };
 
 // A byte buffer whose data() is 64-byte aligned (device allocations are at least 256-byte
@@ -115,6 +127,7 @@ struct FlashTestProblem {
   SidePlacement sinks;         // key sink rows (shape.sink_rows > 0), strides in bytes
   std::vector<int64_t> slots;  // what the op gets: skips (< 0) and out-of-range slots
   std::vector<float> k_scale, v_scale, sink_scale;
+  std::vector<float> k_signs, v_signs;  // int4_per_token_head rotation signs (random ±1)
 
   std::string describe() const {
     const Shape& p = shape;
@@ -137,8 +150,10 @@ struct FlashTestProblem {
   ReshapeAndCacheParams params(uint8_t* cache_image, const uint8_t* key_image,
                                const uint8_t* value_image, const int64_t* slot_mapping,
                                const float* k_scale_ptr, const float* v_scale_ptr,
-                               const float* sink_scale_ptr) const {
-    const auto side = [&](const SidePlacement& pl, int head_size, const float* scale, bool il4) {
+                               const float* sink_scale_ptr, const float* k_signs_ptr,
+                               const float* v_signs_ptr) const {
+    const auto side = [&](const SidePlacement& pl, int head_size, const float* scale, bool il4,
+                          const float* signs) {
       CacheSide s{};
       s.data = cache_image + pl.offset;
       s.block_stride = pl.block_stride;
@@ -148,6 +163,7 @@ struct FlashTestProblem {
       s.scale = scale;
       s.scale_per_head = shape.per_head;
       s.scale_layout = il4 ? ScaleLayout::kInterleave4 : ScaleLayout::kLinear;
+      s.rht_signs = signs;
       return s;
     };
     ReshapeAndCacheParams p{};
@@ -164,8 +180,8 @@ struct FlashTestProblem {
     p.cache_type = shape.cache;
     p.cache_kind = shape.kind;
     p.nvfp4_scale_policy = shape.scale_policy;
-    p.key_cache = side(pk, shape.head_k, k_scale_ptr, shape.interleave4_k);
-    p.value_cache = side(pv, shape.head_v, v_scale_ptr, shape.interleave4_v);
+    p.key_cache = side(pk, shape.head_k, k_scale_ptr, shape.interleave4_k, k_signs_ptr);
+    p.value_cache = side(pv, shape.head_v, v_scale_ptr, shape.interleave4_v, v_signs_ptr);
     if (shape.sink_rows > 0) {
       KeySinkRows& r = p.key_sinks;
       r.data = cache_image + sinks.offset;
@@ -220,6 +236,7 @@ struct FlashTestProblem {
         const int64_t off = side == 0 ? key_offset : value_offset;
         const int64_t stride = side == 0 ? key_stride : value_stride;
         const std::vector<float>& scales = side == 0 ? k_scale : v_scale;
+        const std::vector<float>& signs = side == 0 ? k_signs : v_signs;
         const bool il4 = side == 0 ? p.interleave4_k : p.interleave4_v;
         uint8_t* page = out.data() + pl.offset + block * pl.block_stride * cache_elem;
         for (int h = 0; h < p.num_heads; ++h) {
@@ -263,6 +280,17 @@ struct FlashTestProblem {
                   p.hnd ? int64_t(h) * p.block_size + row : row * p.num_heads + h;
               page[int64_t(p.block_size) * p.num_heads * (d / 2) + scale_entry * groups + col] = sf;
             }
+          } else if (p.kind == CacheKind::kInt4PerTokenHead) {
+            // Rows of d / 2 code bytes plus the scale word; the row arithmetic is the writers'
+            // shared one (checked against the torch codec by the CPU op's tests).
+            std::vector<float> widened(d);
+            for (int j = 0; j < d; ++j) {
+              widened[j] = source(image, off, stride, i, int64_t(h) * d + j);
+            }
+            std::vector<float> scratch(d);
+            quantize_int4_per_token_head_row(FloatRow{widened.data()}, RoundToSource{p.source},
+                                             signs.data(), d, scratch.data(),
+                                             page + entry * int4_row_bytes(d));
           } else if (is_per_token_head(p.kind)) {
             // Rows of d bytes plus the fp32 scale (entry * (d + 4)); the row arithmetic is the
             // writers' shared quantize_per_token_head_row, checked against the torch codec by
@@ -307,7 +335,8 @@ inline FlashTestProblem build_problem(const Shape& shape, std::mt19937_64& rng, 
   // Tensors are aligned to their element size: misalign by whole elements only.
   cache_base -= cache_base % elem;
   v_gap -= v_gap % elem;
-  const auto last_dim = [&](int d) {
+  const auto last_dim = [&](int d) -> int64_t {
+    if (p.kind == CacheKind::kInt4PerTokenHead) return int4_row_bytes(d);
     return nvfp4 ? d / 2 + d / 16 : is_per_token_head(p.kind) ? d + kPerTokenHeadScaleBytes : d;
   };
   const int64_t f_k = last_dim(p.head_k), f_v = last_dim(p.head_v);
@@ -380,6 +409,10 @@ inline FlashTestProblem build_problem(const Shape& shape, std::mt19937_64& rng, 
   for (auto& s : t.v_scale) s = random_values ? random_scale(rng) : 0.05f;
   t.sink_scale.resize(t.k_scale.size());
   for (auto& s : t.sink_scale) s = random_values ? random_scale(rng) : 0.05f;
+  for (auto [signs, d] : {std::pair{&t.k_signs, p.head_k}, std::pair{&t.v_signs, p.head_v}}) {
+    signs->resize(size_t(int4_rht_block(d)));
+    for (auto& s : *signs) s = rng() % 2 ? 1.0f : -1.0f;
+  }
   return t;
 }
 
@@ -387,7 +420,7 @@ inline FlashTestProblem build_problem(const Shape& shape, std::mt19937_64& rng, 
 inline FlashTestProblem make_random_problem(std::mt19937_64& rng) {
   Shape p;
   p.source = SourceType(rng() % 3);
-  p.kind = CacheKind(rng() % 6);
+  p.kind = CacheKind(rng() % 7);
   // Unquantized: half the problems cast to another float type.
   p.cache = p.kind == CacheKind::kUnquantized && rng() % 2 ? SourceType(rng() % 3) : p.source;
   const bool nvfp4 = p.kind == CacheKind::kNvfp4;
@@ -409,6 +442,10 @@ inline FlashTestProblem make_random_problem(std::mt19937_64& rng) {
     if (per_token_head) {  // multiples of 4 (the scale stays 4-byte aligned in the tensor)
       p.head_k = 4 * ((p.head_k + 3) / 4);
       p.head_v = 4 * ((p.head_v + 3) / 4);
+    }
+    if (p.kind == CacheKind::kInt4PerTokenHead) {  // D / 2 + 4 bytes: D a multiple of 8
+      p.head_k = 8 * ((p.head_k + 7) / 8);
+      p.head_v = 8 * ((p.head_v + 7) / 8);
     }
   }
   p.hnd = rng() % 2;

@@ -58,7 +58,7 @@ class DeviceBuffer {
 };
 
 struct DeviceProblem {
-  DeviceBuffer key, value, cache, slots, k_scale, v_scale, sink_scale;
+  DeviceBuffer key, value, cache, slots, k_scale, v_scale, sink_scale, k_signs, v_signs;
   explicit DeviceProblem(const test::FlashTestProblem& t)
       : key(t.key.data(), t.key.size()),
         value(t.value.data(), t.value.size()),
@@ -66,13 +66,17 @@ struct DeviceProblem {
         slots(t.slots.data(), t.slots.size() * sizeof(int64_t)),
         k_scale(t.k_scale.data(), t.k_scale.size() * sizeof(float)),
         v_scale(t.v_scale.data(), t.v_scale.size() * sizeof(float)),
-        sink_scale(t.sink_scale.data(), t.sink_scale.size() * sizeof(float)) {}
+        sink_scale(t.sink_scale.data(), t.sink_scale.size() * sizeof(float)),
+        k_signs(t.k_signs.data(), t.k_signs.size() * sizeof(float)),
+        v_signs(t.v_signs.data(), t.v_signs.size() * sizeof(float)) {}
   ReshapeAndCacheParams params(const test::FlashTestProblem& t) const {
     return t.params(cache.data(), key.data(), value.data(),
                     reinterpret_cast<const int64_t*>(slots.data()),
                     reinterpret_cast<const float*>(k_scale.data()),
                     reinterpret_cast<const float*>(v_scale.data()),
-                    reinterpret_cast<const float*>(sink_scale.data()));
+                    reinterpret_cast<const float*>(sink_scale.data()),
+                    reinterpret_cast<const float*>(k_signs.data()),
+                    reinterpret_cast<const float*>(v_signs.data()));
   }
 };
 
@@ -128,7 +132,8 @@ std::vector<BenchResult> bench(double roofline) {
                {CacheKind::kFp8E4M3, "fp8_e4m3", Nvfp4ScalePolicy::kNearest},
                {CacheKind::kNvfp4, "nvfp4", Nvfp4ScalePolicy::kNearest},
                {CacheKind::kNvfp4, "nvfp4_mse", Nvfp4ScalePolicy::kMse},
-               {CacheKind::kNvfp4, "nvfp4_4over6", Nvfp4ScalePolicy::k4over6}};
+               {CacheKind::kNvfp4, "nvfp4_4over6", Nvfp4ScalePolicy::k4over6},
+               {CacheKind::kInt4PerTokenHead, "int4_per_token_head", Nvfp4ScalePolicy::kNearest}};
   cudaEvent_t start, stop;
   CHECK_CUDA(cudaEventCreate(&start));
   CHECK_CUDA(cudaEventCreate(&stop));

@@ -16,7 +16,8 @@ from vllm.kv_quant import (
     nvfp4_write_cache,
     per_token_head_write_cache,
 )
-from vllm.kv_quant.formats import lookup
+from vllm.kv_quant.formats import CacheKind, lookup
+from vllm.kv_quant.int4_per_token_head import int4_per_token_head_write_cache
 
 HAS_CUDA = torch.cuda.is_available()
 # One launch of a Triton kernel as a spy records it: (grid, arguments, keyword arguments).
@@ -218,6 +219,8 @@ def reference_write(
 ) -> None:
     if lookup(kind).is_nvfp4:
         nvfp4_write_cache(x, side, slots, scale, layout, scale_search=lookup(kind).scale_search)
+    elif lookup(kind).cache_kind is CacheKind.INT4_PER_TOKEN_HEAD:
+        int4_per_token_head_write_cache(x, side, slots)
     elif lookup(kind).is_per_token_head:
         per_token_head_write_cache(x, side, slots, kind)
     elif kind.startswith("fp8"):

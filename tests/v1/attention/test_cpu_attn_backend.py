@@ -43,7 +43,11 @@ FORMATS = [
     ("nvfp4_4over6", "interleave4"),
 ]
 # Rows with their own inline scales (k_scale / v_scale ignored); no block-scale layout.
-PER_TOKEN_HEAD = [("int8_per_token_head", "linear"), ("fp8_per_token_head", "linear")]
+PER_TOKEN_HEAD = [
+    ("int8_per_token_head", "linear"),
+    ("fp8_per_token_head", "linear"),
+    ("int4_per_token_head", "linear"),
+]
 
 
 @dataclass
@@ -171,10 +175,18 @@ def test_matches_reference_every_format_layout_and_simd_level(
 
 @pytest.mark.parametrize("simd", SIMD_LEVELS)
 @pytest.mark.parametrize(
-    "cache_dtype", ["auto", "fp8_e4m3", "nvfp4", "int8_per_token_head", "fp8_per_token_head"]
+    "cache_dtype",
+    [
+        "auto",
+        "fp8_e4m3",
+        "nvfp4",
+        "int8_per_token_head",
+        "fp8_per_token_head",
+        "int4_per_token_head",
+    ],
 )
 def test_window_sinks_soft_cap_and_odd_shapes(cache_dtype: str, simd: str) -> None:
-    nvfp4 = cache_dtype == "nvfp4"
+    nvfp4 = cache_dtype == "nvfp4"  # INT4 rows: 40 and 24 are multiples of 8 (Hadamard blocks 8)
     check(
         Case(
             cache_dtype,

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from vllm.kv_quant.formats import KVQuantMode
+from vllm.kv_quant.int4_per_token_head import int4_scale_words
 from vllm.triton_utils import HAS_TRITON, triton_interpreted
 from vllm.v1.attention.backends.abstract import AttentionLayer, DeviceCapability
 from vllm.v1.attention.backends.reference import (
@@ -117,8 +118,8 @@ class TritonAttentionImpl(ReferenceAttentionImpl):
             key_cache,
             value_cache,
             slot_mapping,
-            k_scale_cache=_int4_scale_words(key_cache, self.head_size),
-            v_scale_cache=_int4_scale_words(value_cache, self.head_size_v),
+            k_scale_cache=int4_scale_words(key_cache, self.head_size),
+            v_scale_cache=int4_scale_words(value_cache, self.head_size_v),
         )
 
     def _check_forward(
@@ -216,8 +217,8 @@ class TritonAttentionImpl(ReferenceAttentionImpl):
             query,
             key_cache,
             value_cache,
-            _int4_scale_words(key_cache, self.head_size),
-            _int4_scale_words(value_cache, self.head_size_v),
+            int4_scale_words(key_cache, self.head_size),
+            int4_scale_words(value_cache, self.head_size_v),
             block_table=attn_metadata.block_table,
             seq_lens=attn_metadata.seq_lens,
             query_start_loc=attn_metadata.query_start_loc,
@@ -230,12 +231,6 @@ class TritonAttentionImpl(ReferenceAttentionImpl):
             causal=attn_metadata.causal,
             num_splits=1 if attn_metadata.max_query_len > 1 else self.num_splits,
         )
-
-
-def _int4_scale_words(side: torch.Tensor, head_size: int) -> torch.Tensor:
-    """The fp32 scale words ``[B, N, H]`` of an INT4 cache side ``(B, N, H, D/2 + 4)`` uint8:
-    each row's last 4 bytes (4-byte aligned: ``D`` is a multiple of 8)."""
-    return side[..., head_size // 2 :].view(torch.float32).squeeze(-1)
 
 
 def _on_device(args: dict[str, Any], device: torch.device) -> dict[str, Any]:

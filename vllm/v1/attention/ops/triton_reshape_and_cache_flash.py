@@ -4,14 +4,13 @@
 :func:`triton_reshape_and_cache_flash` writes every format the compiled op
 ``torch.ops._C_cache_ops.reshape_and_cache_flash`` writes, to the same bytes: unquantized caches
 (fp32 / fp16 / bf16, K/V of any float dtype rounded to the cache dtype), FP8 e4m3 / e5m2 with
-per-tensor or per-head scales, per-token-head INT8 / FP8 rows with their inline fp32 scale, and
-NVFP4 (``nvfp4`` and the block-scale policies of ``nvfp4_mse`` and ``nvfp4_4over6``) with
-linear or interleave4 block-scale layouts; NHD and HND pages; and, in the same program as a
-token's K rows, the optional key sink rows (e4m3 copies of the first S keys of each page). Its
-arguments go through the compiled op's own checks first (a zero-token call: the same errors,
-nothing written). Upstream's :func:`triton_reshape_and_cache_flash_per_token_head_quant`
-(separate fp32 scale caches) and :func:`triton_reshape_and_cache_flash_diffkv` (K and V in one
-row) share the kernel.
+per-tensor or per-head scales, per-token-head INT8 / FP8 rows with their inline fp32 scale
+(INT4 ones through upstream's ``reshape_and_cache_int4``), NVFP4 (``nvfp4``, ``nvfp4_mse``,
+``nvfp4_4over6``) with linear or interleave4 block-scale layouts; NHD and HND pages; in the same
+program as a token's K rows, the optional key sink rows (e4m3 copies of the first S keys of each
+page). Arguments go through the compiled op's checks first (a zero-token call, nothing written).
+Upstream's :func:`triton_reshape_and_cache_flash_per_token_head_quant` (separate fp32 scale
+caches) and :func:`triton_reshape_and_cache_flash_diffkv` (K and V in one row) share the kernel.
 
 One program writes the K rows, then the V rows, of up to :func:`heads_per_program` heads of one
 token (a ``[heads, D]`` tile per side: wide accesses, few programs). The encoders
@@ -34,6 +33,7 @@ from vllm.kv_quant.formats import (
     format_of_kind,
     lookup,
 )
+from vllm.kv_quant.int4_per_token_head import int4_scale_words
 from vllm.kv_quant.kv_scale import kv_scale_as_1d
 from vllm.kv_quant.per_token_head import PER_TOKEN_HEAD_SCALE_FLOOR, per_token_head_qmax
 from vllm.kv_quant.scale_layout import ScaleLayout
@@ -49,6 +49,13 @@ from vllm.v1.attention.ops.triton_kv_encode import (
     write_nvfp4_groups,
     write_per_token_head_rows,
     write_plain_rows,
+)
+from vllm.v1.attention.ops.triton_writer_checks import (
+    check,
+    check_paged,
+    check_slot_mapping,
+    check_sources,
+    dtype_name,
 )
 
 __all__ = [
@@ -212,83 +219,6 @@ def _ops() -> ModuleType:
     return _custom_ops
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _check(ok: bool, message: str) -> None:
-    """The compiled op's error type (TORCH_CHECK raises RuntimeError)."""
-    if not ok:
-        raise RuntimeError(message)
-
-
-def _check_slot_mapping(slot_mapping: object, tokens_padded: int, num_slots: int) -> None:
-    """The slot_mapping rules of csrc/cache_ops_torch.cpp and, for CPU tensors, the CPU op's
-    range check (a CUDA op skips slots >= num_slots instead of syncing to check them)."""
-    _check(
-        isinstance(slot_mapping, torch.Tensor),
-        f"slot_mapping: expected a torch.Tensor, got {type(slot_mapping).__name__}",
-    )
-    assert isinstance(slot_mapping, torch.Tensor)
-    _check(
-        slot_mapping.dtype == torch.int64,
-        f"slot_mapping: expected dtype int64, got {_dtype_name(slot_mapping.dtype)}",
-    )
-    _check(
-        slot_mapping.dim() == 1,
-        f"slot_mapping: expected a 1-D tensor [T], got shape {list(slot_mapping.shape)}",
-    )
-    _check(
-        slot_mapping.shape[0] <= 1 or slot_mapping.stride(0) == 1,
-        f"slot_mapping: expected a contiguous tensor, got stride {slot_mapping.stride(0)}",
-    )
-    _check(
-        slot_mapping.shape[0] <= tokens_padded,
-        f"slot_mapping: expected at most T_pad = key.size(0) = {tokens_padded} entries, "
-        f"got {slot_mapping.shape[0]}",
-    )
-    if slot_mapping.device.type == "cpu" and slot_mapping.numel() > 0:
-        bad = (slot_mapping >= num_slots).nonzero()
-        if bad.numel() > 0:
-            i = int(bad[0, 0])
-            raise RuntimeError(
-                f"slot_mapping: expected slots < num_blocks * block_size = {num_slots} "
-                f"(negative to skip a token), got slot_mapping[{i}] = {int(slot_mapping[i])}"
-            )
-
-
-def _check_source(x: object, name: str) -> torch.Tensor:
-    """key / value: [T_pad, H, D] float, each token's [H, D] contiguous (csrc check_source)."""
-    _check(isinstance(x, torch.Tensor), f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    assert isinstance(x, torch.Tensor)
-    _check(x.dim() == 3, f"{name}: expected a 3-D tensor [T_pad, H, D], got shape {list(x.shape)}")
-    _, heads, dim = x.shape
-    dense = (dim <= 1 or x.stride(2) == 1) and (heads <= 1 or x.stride(1) == dim)
-    apart = x.shape[0] <= 1 or x.stride(0) >= heads * dim
-    _check(
-        dense and apart,
-        f"{name}: expected each token's [H, D] contiguous and tokens at least H*D = "
-        f"{heads * dim} elements apart (strides [>= {heads * dim}, {dim}, 1]), got strides "
-        f"{list(x.stride())}",
-    )
-    _check(
-        x.dtype in _BITS_VIEW,
-        f"{name}: expected dtype float32, float16 or bfloat16, got {_dtype_name(x.dtype)}",
-    )
-    return x
-
-
-def _check_sources(key: object, value: object) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both sources checked, value in key's dtype."""
-    key, value = _check_source(key, "key"), _check_source(value, "value")
-    _check(
-        value.dtype == key.dtype,
-        f"value: expected dtype {_dtype_name(key.dtype)} (key's dtype), "
-        f"got {_dtype_name(value.dtype)}",
-    )
-    return key, value
-
-
 def _page_strides(cache: torch.Tensor, last_dim: int) -> tuple[int, int, int]:
     """(block, token, head) strides of a cache side whose pages are dense in NHD or HND order,
     size-1 dims given the canonical stride of the detected order (csrc make_side)."""
@@ -314,7 +244,7 @@ class WriterLaunch(NamedTuple):
     num_warps: int
 
     def __call__(self) -> None:
-        _check(HAS_TRITON, "triton: expected Triton installed (pip install triton), got none")
+        check(HAS_TRITON, "triton: expected Triton installed (pip install triton), got none")
         if self.grid[0] == 0:
             return
         reshape_and_cache_flash_kernel[self.grid](
@@ -410,7 +340,14 @@ def triton_reshape_and_cache_flash(
             v_scale, k_scale_layout, v_scale_layout, key_sinks, key_sink_scale,
         )  # fmt: skip
     num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
-    _check_slot_mapping(slot_mapping, key.shape[0], num_blocks * block_size)
+    check_slot_mapping(slot_mapping, key.shape[0], num_blocks * block_size)
+    if lookup(kv_cache_dtype).cache_kind is CacheKind.INT4_PER_TOKEN_HEAD:
+        # Rotated rows: upstream's own kernel (the codec's bytes too).
+        return reshape_and_cache_int4(
+            key, value, key_cache, value_cache, slot_mapping,
+            k_scale_cache=int4_scale_words(key_cache, key.shape[2]),
+            v_scale_cache=int4_scale_words(value_cache, value.shape[2]),
+        )  # fmt: skip
     plan_reshape_and_cache_flash(
         key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
         k_scale_layout, v_scale_layout, key_sinks, key_sink_scale,
@@ -472,15 +409,6 @@ def plan_reshape_and_cache_flash(
                  sinks=sinks)  # fmt: skip
 
 
-def _check_paged(cache: torch.Tensor, name: str, lead: list[int], last: int) -> None:
-    """``cache`` is ``[*lead, last]`` with a contiguous last dim (any other strides)."""
-    _check(
-        list(cache.shape) == [*lead, last] and (last <= 1 or cache.stride(-1) == 1),
-        f"{name}: expected shape {[*lead, last]} with a contiguous last dim, got shape "
-        f"{list(cache.shape)} and strides {list(cache.stride())}",
-    )
-
-
 def triton_reshape_and_cache_flash_per_token_head_quant(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -501,29 +429,29 @@ def triton_reshape_and_cache_flash_per_token_head_quant(
     if kv_quant_mode == KVQuantMode.INT4_PER_TOKEN_HEAD:
         scales = dict(k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache)
         return reshape_and_cache_int4(key, value, key_cache, value_cache, slot_mapping, **scales)
-    key, value = _check_sources(key, value)
+    key, value = check_sources(key, value)
     fp8 = key_cache.dtype in (torch.float8_e4m3fn, torch.uint8)
-    _check(
+    check(
         fp8 or key_cache.dtype == torch.int8,
         "key_cache: expected dtype int8 or float8_e4m3fn (uint8: e4m3 bytes), "
-        f"got {_dtype_name(key_cache.dtype)}",
+        f"got {dtype_name(key_cache.dtype)}",
     )
-    _check(
+    check(
         value_cache.dtype == key_cache.dtype,
-        f"value_cache: expected dtype {_dtype_name(key_cache.dtype)} (key_cache's), "
-        f"got {_dtype_name(value_cache.dtype)}",
+        f"value_cache: expected dtype {dtype_name(key_cache.dtype)} (key_cache's), "
+        f"got {dtype_name(value_cache.dtype)}",
     )
-    _check(key_cache.dim() == 4, f"key_cache: expected a 4-D tensor, got {list(key_cache.shape)}")
+    check(key_cache.dim() == 4, f"key_cache: expected a 4-D tensor, got {list(key_cache.shape)}")
     lead = [key_cache.shape[0], key_cache.shape[1], key.shape[1]]
-    _check_paged(key_cache, "key_cache", lead, key.shape[2])
-    _check_paged(value_cache, "value_cache", lead, value.shape[2])
+    check_paged(key_cache, "key_cache", lead, key.shape[2])
+    check_paged(value_cache, "value_cache", lead, value.shape[2])
     for name, sc in (("k_scale_cache", k_scale_cache), ("v_scale_cache", v_scale_cache)):
-        _check(
+        check(
             sc.dtype == torch.float32 and list(sc.shape) == lead,
-            f"{name}: expected a float32 tensor {lead}, got {_dtype_name(sc.dtype)} of shape "
+            f"{name}: expected a float32 tensor {lead}, got {dtype_name(sc.dtype)} of shape "
             f"{list(sc.shape)}",
         )
-    _check_slot_mapping(slot_mapping, key.shape[0], lead[0] * lead[1])
+    check_slot_mapping(slot_mapping, key.shape[0], lead[0] * lead[1])
     plan_per_token_head_quant(
         key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping
     )()
@@ -563,32 +491,32 @@ def triton_reshape_and_cache_flash_diffkv(
     and ``value [T_pad, H, Dv]`` into ``kv_cache [B, N, H, Dk + Dv]`` (K first), unquantized
     (rounded to the cache dtype) or FP8 (``x / scale``, per-tensor or per-head scales); any page
     strides with a contiguous last dim."""
-    key, value = _check_sources(key, value)
+    key, value = check_sources(key, value)
     fmt = lookup(kv_cache_dtype)
-    _check(
+    check(
         fmt.quant_mode in (KVQuantMode.NONE, KVQuantMode.FP8_PER_TENSOR) and not fmt.mla_only,
         "kv_cache_dtype: expected an unquantized or FP8 format for rows holding K and V, "
         f"got {kv_cache_dtype!r}",
     )
     floats = "float32, float16 or bfloat16"
-    wanted = floats if fmt.is_auto else _dtype_name(fmt.resolve_storage_dtype(kv_cache.dtype))
-    _check(
+    wanted = floats if fmt.is_auto else dtype_name(fmt.resolve_storage_dtype(kv_cache.dtype))
+    check(
         kv_cache.dtype in _BITS_VIEW if fmt.is_auto else kv_cache.dtype == fmt.storage_dtype,
         f"kv_cache: expected dtype {wanted} for kv_cache_dtype '{kv_cache_dtype}', "
-        f"got {_dtype_name(kv_cache.dtype)}",
+        f"got {dtype_name(kv_cache.dtype)}",
     )
     heads, d_k, d_v = key.shape[1], key.shape[2], value.shape[2]
-    _check(
+    check(
         list(value.shape[:2]) == list(key.shape[:2]),
         f"value: expected [T_pad, H] = {list(key.shape[:2])} (key's), got {list(value.shape)}",
     )
-    _check(kv_cache.dim() == 4, f"kv_cache: expected a 4-D tensor, got {list(kv_cache.shape)}")
+    check(kv_cache.dim() == 4, f"kv_cache: expected a 4-D tensor, got {list(kv_cache.shape)}")
     lead = [kv_cache.shape[0], kv_cache.shape[1], heads]
-    _check_paged(kv_cache, "kv_cache", lead, d_k + d_v)
+    check_paged(kv_cache, "kv_cache", lead, d_k + d_v)
     k_scale = kv_scale_as_1d(k_scale, "k_scale", heads)
     v_scale = kv_scale_as_1d(v_scale, "v_scale", heads)
     num_slots = lead[0] * lead[1]
-    _check_slot_mapping(slot_mapping, key.shape[0], num_slots)
+    check_slot_mapping(slot_mapping, key.shape[0], num_slots)
     kind = _kind_of(fmt)
     dst, bits = (
         _BITS_VIEW[kv_cache.dtype] if kind == CacheKind.UNQUANTIZED else (SRC_FP32, torch.uint8)
