@@ -27,7 +27,11 @@ class HiSparseConfig:
 
 @dataclass
 class AttentionConfig:
-    """Attention settings: only HiSparse's, the one the planner reads."""
+    """Attention settings the planner and the backends read: HiSparse's and TurboQuant's."""
 
     hisparse_config: HiSparseConfig | None = None
     """HiSparse options; None: HiSparse is off."""
+
+    tq_max_kv_splits_for_cuda_graph: int = 32
+    """TurboQuant's decode split count (key segments per request) under CUDA graphs: fixed so
+    that every capture has the same grid, and its stage buffers are reserved for it."""

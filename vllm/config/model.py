@@ -11,9 +11,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from vllm.config.parallel import ParallelConfig
 
 __all__ = ["ModelConfig", "ModelDType", "derive_max_model_len"]
 
@@ -75,6 +78,15 @@ class ModelConfig:
                 f"max_model_len: expected a positive int (tokens), or -1 to fit it to the "
                 f"KV-cache memory, got {length!r}"
             )
+
+    def get_num_attention_heads(
+        self, parallel_config: ParallelConfig, arch_config: Any | None = None
+    ) -> int:
+        """Query heads of one tensor-parallel rank (at least 1): ``num_attention_heads`` of
+        ``arch_config`` (one layer's config) or of ``hf_config``, over the ranks."""
+        source = self.hf_config if arch_config is None else arch_config
+        heads = getattr(source, "num_attention_heads", 0)
+        return max(1, heads // parallel_config.tensor_parallel_size)
 
 
 def derive_max_model_len(hf_config: Any) -> int:

@@ -244,6 +244,15 @@ class AttentionBackend(ABC):
         return False
 
     @classmethod
+    def get_preferred_block_size(cls, default_block_size: int) -> int:
+        """The page size (tokens) to use when the engine would use ``default_block_size``: it
+        when the kernels take it, else the smallest kernel block size they take."""
+        sizes = cls.get_supported_kernel_block_sizes()
+        if not sizes or cls.supports_block_size(default_block_size):
+            return default_block_size
+        return min(s.base if isinstance(s, MultipleOf) else s for s in sizes)
+
+    @classmethod
     def supports_compute_capability(cls, capability: DeviceCapability | None) -> bool:
         """Whether the backend runs on this device (``None`` = CPU). Default: anywhere."""
         return True
