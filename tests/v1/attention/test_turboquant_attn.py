@@ -2,9 +2,14 @@
 packing and cache shape against the registry's page math, the builder's decode / prefill split,
 and one mixed batch (decodes, a first-chunk prefill, a short and a long continuation) against
 attention in fp32 torch over what each path reads: the codec's decoded cache, or the batch's
-own keys and values. Kernels run under Triton's interpreter without a GPU (tests/conftest.py)."""
+own keys and values (also inside a workspace the builder reserved and locked), and the
+refusals. Kernels run under Triton's interpreter without a GPU (tests/conftest.py)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,6 +24,7 @@ from vllm.v1.attention.backends.turboquant_attn import (
     TurboQuantMetadataBuilder,
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode
+from vllm.v1.worker import workspace
 
 pytestmark = [
     pytest.mark.skipif(not HAS_TRITON, reason="Triton cannot launch kernels here"),
@@ -64,16 +70,45 @@ def test_builder_splits_decodes_from_prefills() -> None:
     assert metadata.is_prefill and metadata.num_actual_tokens == 10
 
 
-@pytest.mark.parametrize("preset", ["turboquant_k8v4", "turboquant_k3v4_nc"])
-def test_mixed_batch(preset: str) -> None:
+@contextmanager
+def _locked_workspace(hq: int, hk: int, d: int, max_model_len: int, splits: int) -> Iterator[None]:
+    """A workspace manager that the builder reserved for these shapes, then locked: a request
+    beyond the reservation is an AssertionError."""
+    workspace.init_workspace_manager(DEVICE)
+    config = SimpleNamespace(
+        scheduler_config=SimpleNamespace(max_num_seqs=2, max_num_batched_tokens=2048,
+                                         enable_chunked_prefill=True),
+        model_config=SimpleNamespace(max_model_len=max_model_len, dtype=torch.float16,
+                                     get_num_attention_heads=lambda parallel_config: hq),
+        parallel_config=SimpleNamespace(),
+        attention_config=SimpleNamespace(tq_max_kv_splits_for_cuda_graph=splits),
+    )  # fmt: skip
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=hk, head_size=d, dtype=torch.uint8,
+                             kv_quant_mode=KVQuantMode.TURBOQUANT_K3V4_NC)  # fmt: skip
+    try:
+        TurboQuantMetadataBuilder(spec, ["layers.0.attn"], config, DEVICE)
+        workspace.lock_workspace()
+        yield
+    finally:
+        workspace.reset_workspace_manager()
+
+
+@pytest.mark.parametrize(
+    ("preset", "reserved"),
+    [("turboquant_k8v4", False), ("turboquant_k3v4_nc", False), ("turboquant_k3v4_nc", True)],
+)
+def test_mixed_batch(preset: str, reserved: bool) -> None:
     """Two decodes, a first-chunk prefill (raw K/V), a short continuation (decode per token)
-    and a long one (codec prefix + raw chunk), GQA 2, block table shuffled."""
+    and a long one (codec prefix + raw chunk), GQA 2, block table shuffled; ``reserved``: run
+    inside a workspace the builder reserved and locked (the impl asks for no more)."""
     gen = torch.Generator().manual_seed(0)
     d, hk, hq = 64, 2, 4
     seq_lens = [20, 35, 6, 24, CONTINUATION_DECODE_THRESHOLD + 9]
     query_lens = [1, 1, 6, 5, CONTINUATION_DECODE_THRESHOLD + 1]
     impl = TurboQuantAttentionImpl(hq, d, 0.125, num_kv_heads=hk, kv_cache_dtype=preset)
     impl.max_num_kv_splits = 3
+    scope = _locked_workspace(hq, hk, d, max(seq_lens), 3) if reserved else nullcontext()
+    layer = torch.nn.Module()  # holds the impl's _tq_* tables
     pages = -(-max(seq_lens) // BLOCK)
     num_blocks = pages * len(seq_lens)
     shape = TurboQuantAttentionBackend.get_kv_cache_shape(num_blocks, BLOCK, hk, d, preset)
@@ -90,13 +125,14 @@ def test_mixed_batch(preset: str) -> None:
     for i, (n, q) in enumerate(zip(seq_lens, query_lens, strict=True)):
         if n > q:
             old_k, old_v = keys[i][: n - q].to(DEVICE), values[i][: n - q].to(DEVICE)
-            impl.do_kv_cache_update(None, old_k, old_v, cache, slots_of(i, range(n - q)).to(DEVICE))
+            old_slots = slots_of(i, range(n - q)).to(DEVICE)
+            impl.do_kv_cache_update(layer, old_k, old_v, cache, old_slots)
     new_k = torch.cat([k[n - q :] for k, n, q in zip(keys, seq_lens, query_lens, strict=True)])
     new_v = torch.cat([v[n - q :] for v, n, q in zip(values, seq_lens, query_lens, strict=True)])
     slot_mapping = torch.cat([slots_of(i, range(n - q, n)) for i, (n, q) in
                               enumerate(zip(seq_lens, query_lens, strict=True))])  # fmt: skip
     impl.do_kv_cache_update(
-        None, new_k.to(DEVICE), new_v.to(DEVICE), cache, slot_mapping.to(DEVICE)
+        layer, new_k.to(DEVICE), new_v.to(DEVICE), cache, slot_mapping.to(DEVICE)
     )
     qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     cam = CommonAttentionMetadata(
@@ -108,12 +144,14 @@ def test_mixed_batch(preset: str) -> None:
     )  # fmt: skip
     metadata = TurboQuantMetadataBuilder(None, [], None, DEVICE).build(0, cam)
     query = torch.randn(int(qsl[-1]), hq, d, generator=gen).to(DEVICE, torch.float16)
-    out = impl.forward(None, query.reshape(query.shape[0], -1), new_k.to(DEVICE, torch.float16),
-                       new_v.to(DEVICE, torch.float16), cache, metadata)  # fmt: skip
+    with scope:
+        out = impl.forward(layer, query.reshape(query.shape[0], -1),
+                           new_k.to(DEVICE, torch.float16), new_v.to(DEVICE, torch.float16),
+                           cache, metadata)  # fmt: skip
     assert out.shape == (query.shape[0], hq * d) and out.dtype == torch.float16
 
     cfg = TurboQuantConfig.from_cache_dtype(preset, d)
-    pi, centroids, _ = impl._tables_on(DEVICE)
+    pi, centroids = layer._tq_Pi, layer._tq_centroids
     dec_k, dec_v = turboquant_decode_slots(cache.transpose(1, 2), cfg, centroids, pi)
     for i, (n, q) in enumerate(zip(seq_lens, query_lens, strict=True)):
         pos = torch.arange(n)
@@ -122,10 +160,10 @@ def test_mixed_batch(preset: str) -> None:
         if q == n:  # first chunk: its own keys and values
             k, v = new_k[int(qsl[i]) : int(qsl[i + 1])], new_v[int(qsl[i]) : int(qsl[i + 1])]
             k, v = k.half().float(), v.half().float()
-        elif q > CONTINUATION_DECODE_THRESHOLD:  # codec prefix + own chunk
+        elif q > CONTINUATION_DECODE_THRESHOLD:  # codec prefix (held in fp16) + own chunk
             chunk = slice(int(qsl[i]), int(qsl[i + 1]))
-            k = torch.cat([k[: n - q], new_k[chunk].half().float()])
-            v = torch.cat([v[: n - q], new_v[chunk].half().float()])
+            k = torch.cat([k[: n - q].half().float(), new_k[chunk].half().float()])
+            v = torch.cat([v[: n - q].half().float(), new_v[chunk].half().float()])
         qq = query[int(qsl[i]) : int(qsl[i + 1])].float().transpose(0, 1)
         s = qq @ k.repeat_interleave(2, 1).permute(1, 2, 0) * 0.125
         mask = torch.arange(n)[None, :] > torch.arange(n - q, n)[:, None]
@@ -161,3 +199,7 @@ def test_registry_selects_turboquant_by_name() -> None:
     assert chosen is TurboQuantAttentionBackend
     with pytest.raises(ValueError, match="kv_cache_dtype 'auto' not supported by TURBOQUANT"):
         get_attn_backend(128, torch.bfloat16, "auto", 16, capability, backend="TURBOQUANT")
+    # Unnamed, on a GPU: the preset's own backend, before the generic readers (upstream's).
+    assert get_attn_backend(128, torch.float16, "turboquant_k8v4", 16, (9, 0)) is (
+        TurboQuantAttentionBackend
+    )

@@ -37,13 +37,28 @@ def _backends() -> list[AttentionBackendEnum]:
     return members
 
 
+def _stores(cache_dtype: str, head_size: int) -> bool:
+    """Whether the format has rows for this head size (``ultraquant_4bit``: multiples of 32)."""
+    fmt = find_format(cache_dtype)
+    assert fmt is not None, cache_dtype
+    try:
+        fmt.last_dim(head_size)
+    except ValueError:
+        return False
+    return True
+
+
 def _cases() -> list[tuple[str, str, int]]:
     cases = []
     for member in _backends():
         backend = member.get_class()
         head_sizes = (576,) if backend.is_mla else (64, 80, 128)
         for name in backend.supported_kv_cache_dtypes:
-            cases.extend((member.name, name, head_size) for head_size in head_sizes)
+            cases.extend(
+                (member.name, name, head_size)
+                for head_size in head_sizes
+                if backend.supports_head_size(head_size) and _stores(name, head_size)
+            )
     return cases
 
 

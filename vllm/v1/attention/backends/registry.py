@@ -9,10 +9,11 @@ overrides, by importing its class path.
 
 Selector: ``get_attn_backend`` validates a configuration against a named backend (or picks the
 first backend that serves it) before anything is allocated, and raises ``ValueError`` naming
-every missing piece otherwise. The order: on a GPU FLASHINFER, TRITON_ATTN then REFERENCE
-(FLASHINFER left out on a CUDA host where the flashinfer package does not import, unless it was
-overridden), on the CPU the compiled CPU_ATTN then REFERENCE (the reference backend is pure
-torch: it serves everything, slowly).
+every missing piece otherwise. The order: on a GPU FLASHINFER, the packed-slot TURBOQUANT and
+ULTRAQUANT (each serves only its own formats, which upstream resolves to them), TRITON_ATTN then
+REFERENCE (FLASHINFER left out on a CUDA host where the flashinfer package does not import,
+unless it was overridden), on the CPU the compiled CPU_ATTN then REFERENCE (the reference backend
+is pure torch: it serves everything, slowly).
 """
 
 from __future__ import annotations
@@ -172,6 +173,7 @@ class AttentionBackendEnum(_BackendRegistry, Enum, metaclass=_BackendEnumMeta):
     TRITON_ATTN = "vllm.v1.attention.backends.triton_attn.TritonAttentionBackend"
     MLA_COMMON = "vllm.v1.attention.backends.mla.common.MLACommonBackend"
     TURBOQUANT = "vllm.v1.attention.backends.turboquant_attn.TurboQuantAttentionBackend"
+    ULTRAQUANT = "vllm.v1.attention.backends.ultraquant_attn.UltraQuantAttentionBackend"
     # A slot for a third-party backend. None, not "": a value equal to another member's would
     # make CUSTOM an alias of that member, and registering CUSTOM would override it.
     CUSTOM = None
@@ -235,6 +237,8 @@ def register_backend(
 
 _PRIORITY = (
     AttentionBackendEnum.FLASHINFER,
+    AttentionBackendEnum.TURBOQUANT,
+    AttentionBackendEnum.ULTRAQUANT,
     AttentionBackendEnum.TRITON_ATTN,
     AttentionBackendEnum.REFERENCE,
 )
@@ -266,9 +270,9 @@ def get_attn_backend(
     ``device_capability`` is ``None`` for CPU (see
     :func:`~vllm.v1.attention.backends.abstract.get_device_capability`). With ``backend``
     given, that backend must serve it; otherwise the first that does of FLASHINFER,
-    TRITON_ATTN, REFERENCE on a GPU (FLASHINFER skipped when :func:`flashinfer_missing`),
-    CPU_ATTN, REFERENCE on the CPU (MLA: MLA_COMMON) is returned. ``ValueError`` lists
-    each candidate's reasons.
+    TURBOQUANT, ULTRAQUANT, TRITON_ATTN, REFERENCE on a GPU (FLASHINFER skipped when
+    :func:`flashinfer_missing`), CPU_ATTN, REFERENCE on the CPU (MLA: MLA_COMMON) is
+    returned. ``ValueError`` lists each candidate's reasons.
     """
     capability = as_device_capability(device_capability)
     if backend is not None:

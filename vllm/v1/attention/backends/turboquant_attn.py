@@ -13,15 +13,23 @@ batch) read the cache through the decode kernel; a first-chunk prefill attends c
 its own unquantized keys and values; a continuation chunk of at most
 :data:`CONTINUATION_DECODE_THRESHOLD` tokens runs the decode kernel once per query token
 (the cache already holds the chunk), a longer one attends over the cached prefix, decoded by
-the reference codec, followed by its own unquantized keys and values. Prefill attention is
-computed in fp32 torch. Decoder self-attention only, no window, sinks, ALiBi or soft cap.
+the reference codec into fp16 buffers, followed by its own unquantized keys and values.
+Prefill attention is computed in fp32 torch. Decoder self-attention only, no window, sinks,
+ALiBi or soft cap.
+
+Structure, as upstream's: :meth:`TurboQuantAttentionImpl.forward` splits the batch and calls the
+seams ``_ensure_on_device`` / ``_store_kv`` / ``_decode_attention`` / ``_prefill_attention``,
+which a packed-slot format's impl overrides (:mod:`.ultraquant_attn`). The per-layer tables live
+on the layer (``layer._tq_*``). Scratch (decode buffers, a long continuation's decoded prefix)
+comes from the worker's workspace (:mod:`vllm.v1.worker.workspace`) when it exists, reserved
+up front by the metadata builder.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
@@ -34,21 +42,33 @@ from vllm.kv_quant.turboquant import (
     turboquant_decode_slots,
 )
 from vllm.triton_utils import HAS_TRITON, triton_interpreted
+from vllm.utils.math_utils import round_up
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionImpl,
     AttentionLayer,
-    AttentionMetadata,
     AttentionMetadataBuilder,
     AttentionType,
     CommonAttentionMetadata,
 )
 from vllm.v1.attention.backends.abstract import DeviceCapability, check_kv_cache_shape_args
+from vllm.v1.attention.backends.packed_slot_attention import (
+    causal_attention,
+    prefill_requests,
+    scratch,
+    workspace_or_none,
+)
 from vllm.v1.attention.backends.triton_attn import MIN_CAPABILITY
+from vllm.v1.attention.backends.turboquant_metadata import (
+    TurboQuantMetadata,
+    decode_buffer_specs,
+    split_batch,
+)
 from vllm.v1.attention.ops.triton_turboquant_decode import triton_turboquant_decode_attention
 from vllm.v1.attention.ops.triton_turboquant_store import triton_turboquant_store
 from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.worker.workspace import current_workspace_manager, is_workspace_manager_initialized
 
 __all__ = [
     "CONTINUATION_DECODE_THRESHOLD",
@@ -93,7 +113,7 @@ class TurboQuantAttentionBackend(AttentionBackend):
 
     @classmethod
     def _runtime_reasons(cls) -> list[str]:
-        return [] if HAS_TRITON else ["TURBOQUANT needs Triton (not installed)"]
+        return [] if HAS_TRITON else [f"{cls.get_name()} needs Triton (not installed)"]
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
@@ -155,29 +175,11 @@ class TurboQuantAttentionBackend(AttentionBackend):
         return TurboQuantMetadata
 
 
-@dataclass
-class TurboQuantMetadata(AttentionMetadata):
-    """One batch: decode requests first (``num_decodes`` of them, ``num_decode_tokens``
-    tokens), then prefills. Lengths in tokens; ``query_start_loc_cpu`` / ``seq_lens_cpu``
-    (optional host copies) spare the prefill loop device syncs."""
-
-    seq_lens: torch.Tensor
-    slot_mapping: torch.Tensor
-    block_table: torch.Tensor
-    query_start_loc: torch.Tensor
-    num_actual_tokens: int = 0
-    max_query_len: int = 0
-    max_seq_len: int = 0
-    is_prefill: bool = False
-    num_decodes: int = 0
-    num_decode_tokens: int = 0
-    query_start_loc_cpu: torch.Tensor | None = None
-    seq_lens_cpu: torch.Tensor | None = None
-
-
 class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
     """Metadata from ``CommonAttentionMetadata``; the engine puts requests of one query token
-    first (``reorder_batch_threshold = 1``)."""
+    first (``reorder_batch_threshold = 1``). Built with a ``vllm_config`` while the worker's
+    workspace manager exists, it reserves the workspace the impl's decode and long
+    continuations take (:meth:`_reserve_workspace`), so that a locked workspace never grows."""
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
     reorder_batch_threshold: int | None = 1
@@ -190,6 +192,34 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
         device: torch.device,
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._reserve_workspace()
+
+    def _reserve_workspace(self) -> None:
+        """Grow the workspace to the largest requests of :class:`TurboQuantAttentionImpl`: the
+        decode's buffers at ``max_num_seqs`` sequences (``(B, Hq, splits, D + 1)`` fp32,
+        ``(B, Hq, D)`` in the model dtype, ``(B, Hq)`` fp32), and, where chunked prefill can
+        schedule a continuation longer than :data:`CONTINUATION_DECODE_THRESHOLD` tokens, the
+        fp16 ``(1, Hk, S, D)`` key and value buffers of a cached prefix of up to
+        ``max_model_len - 1`` tokens rounded up to whole blocks (``S``)."""
+        config = self.vllm_config
+        if config is None or not is_workspace_manager_initialized():
+            return
+        scheduler, model = config.scheduler_config, config.model_config
+        batch = scheduler.max_num_seqs
+        num_heads = model.get_num_attention_heads(config.parallel_config)
+        head_size = self.kv_cache_spec.head_size
+        splits = config.attention_config.tq_max_kv_splits_for_cuda_graph
+        current_workspace_manager().get_simultaneous(
+            *decode_buffer_specs(batch, num_heads, head_size, splits, model.dtype)
+        )
+        if not (
+            scheduler.enable_chunked_prefill
+            and scheduler.max_num_batched_tokens > CONTINUATION_DECODE_THRESHOLD
+        ):
+            return
+        prefix = round_up(max(0, model.max_model_len - 1), self.kv_cache_spec.block_size)
+        shape = (1, self.kv_cache_spec.num_kv_heads, prefix, head_size)
+        current_workspace_manager().get_simultaneous((shape, torch.float16), (shape, torch.float16))
 
     def build(
         self,
@@ -229,9 +259,16 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
 
 class TurboQuantAttentionImpl(AttentionImpl):
     """Store and attention of one layer over a TurboQuant cache (module docstring).
-    ``max_num_kv_splits`` (class attribute or per instance): the decode's key segments."""
+
+    :meth:`forward` and :meth:`do_kv_cache_update` orchestrate four seams a packed-slot format
+    overrides (ULTRAQUANT does): :meth:`_ensure_on_device` (the layer's ``_tq_*`` tables, read
+    by ``forward``), :meth:`_store_kv`, :meth:`_decode_attention`, :meth:`_prefill_attention`.
+    ``max_num_kv_splits`` (class attribute or per instance): the decode's key segments; the
+    builder reserves the decode's workspace for ``AttentionConfig.tq_max_kv_splits_for_cuda_graph``
+    of them, which it should equal (both 32 by default)."""
 
     max_num_kv_splits: int = 32
+    backend_name: ClassVar[str] = "TURBOQUANT"
 
     def __init__(
         self,
@@ -247,31 +284,51 @@ class TurboQuantAttentionImpl(AttentionImpl):
         kv_sharing_target_layer_name: str | None = None,
         **kwargs: Any,
     ) -> None:
+        self._init_layer(
+            num_heads, head_size, scale, num_kv_heads, kv_cache_dtype, list(TQ_PRESETS),
+            attn_type=attn_type, alibi_slopes=alibi_slopes, sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap, sinks=kwargs.get("sinks"),
+        )  # fmt: skip
+        self.tq_config = TurboQuantConfig.from_cache_dtype(kv_cache_dtype, head_size)
+        self.slot_bytes = self.tq_config.slot_size
+
+    def _init_layer(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None,
+        kv_cache_dtype: str,
+        presets: list[str],
+        attn_type: str,
+        **unserved: Any,
+    ) -> None:
+        """Check and keep what every packed-slot layer has: ``kv_cache_dtype`` one of
+        ``presets``, a decoder ``attn_type``; ``unserved``: the features the backend refuses
+        (each must be None)."""
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
             raise ValueError(
                 f"num_heads: expected a multiple of num_kv_heads={num_kv_heads}, got {num_heads}"
             )
-        if kv_cache_dtype not in TQ_PRESETS:
+        if kv_cache_dtype not in presets:
             raise ValueError(
-                f"kv_cache_dtype: expected one of {', '.join(TQ_PRESETS)}, got {kv_cache_dtype!r}"
+                f"kv_cache_dtype: expected one of {', '.join(presets)}, got {kv_cache_dtype!r}"
             )
         if head_size <= 0 or head_size & (head_size - 1):
             raise ValueError(
                 f"head_size: expected a power of two (the Hadamard rotation), got {head_size}"
             )
-        unserved = {
-            "attn_type": attn_type != AttentionType.DECODER,
-            "alibi_slopes": alibi_slopes is not None,
-            "sliding_window": sliding_window is not None,
-            "logits_soft_cap": logits_soft_cap is not None,
-            "sinks": kwargs.get("sinks") is not None,
-        }
-        for name, bad in unserved.items():
-            if bad:
+        if attn_type != AttentionType.DECODER:
+            raise ValueError(
+                f"attn_type: {self.backend_name} serves decoder self-attention only, got "
+                f"{attn_type}"
+            )
+        for name, given in unserved.items():
+            if given is not None:
                 raise ValueError(
-                    f"{name}: TURBOQUANT serves decoder self-attention without it, got "
-                    f"{attn_type if name == 'attn_type' else 'a value'}"
+                    f"{name}: {self.backend_name} serves decoder self-attention without it, got "
+                    "a value"
                 )
         self.num_heads = num_heads
         self.head_size = head_size
@@ -280,32 +337,41 @@ class TurboQuantAttentionImpl(AttentionImpl):
         self.num_kv_groups = num_heads // num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
-        self.tq_config = TurboQuantConfig.from_cache_dtype(kv_cache_dtype, head_size)
-        # The rotation and the Lloyd-Max tables, per device (copied on first use).
-        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def _tables_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(Pi, centroids, midpoints)`` fp32 on ``device``."""
-        tables = self._tables.get(device)
-        if tables is None:
-            centroids = get_centroids(self.head_size, self.tq_config.centroid_bits).float()
-            ordered = centroids.sort().values
-            midpoints = (ordered[:-1] + ordered[1:]) / 2
-            tables = tuple(t.to(device) for t in (_hadamard(self.head_size), centroids, midpoints))
-            self._tables[device] = tables  # type: ignore[assignment]
-        return tables  # type: ignore[return-value]
-
-    def _slots(self, kv_cache: torch.Tensor) -> torch.Tensor:
+    def _cache_view(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """The ``(B, N, H, slot)`` view the kernels take of a ``(B, H, N, slot)`` cache."""
-        cfg = self.tq_config
         if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 4 or (
-            kv_cache.shape[1] != self.num_kv_heads or kv_cache.shape[3] < cfg.slot_size
+            kv_cache.shape[1] != self.num_kv_heads or kv_cache.shape[3] < self.slot_bytes
         ):  # fmt: skip
             raise ValueError(
                 f"kv_cache: expected uint8 (num_blocks, {self.num_kv_heads}, block_size, "
-                f">= {cfg.slot_size}), got {kv_cache.dtype} of shape {list(kv_cache.shape)}"
+                f">= {self.slot_bytes}), got {kv_cache.dtype} of shape {list(kv_cache.shape)}"
             )
         return kv_cache.transpose(1, 2)
+
+    def _layer_state(self, layer: AttentionLayer | None) -> Any:
+        """``layer``, which holds the ``_tq_*`` tables (``ValueError`` for None)."""
+        if layer is None:
+            raise ValueError(
+                f"layer: expected the attention layer ({self.backend_name} keeps its tables "
+                "on it), got None"
+            )
+        return layer
+
+    def _ensure_on_device(self, layer: Any, device: torch.device) -> None:
+        """Put the layer's tables on ``device`` (once per device): ``_tq_Pi`` / ``_tq_PiT``
+        (the normalized Hadamard rotation, its own inverse), the Lloyd-Max ``_tq_centroids``
+        and ``_tq_midpoints`` (fp32); ``_tq_cached`` records the device."""
+        if getattr(layer, "_tq_cached", None) == device:
+            return
+        rotation = _hadamard(self.head_size).to(device)
+        centroids = get_centroids(self.head_size, self.tq_config.centroid_bits).float()
+        ordered = centroids.sort().values
+        layer._tq_Pi = rotation
+        layer._tq_PiT = rotation
+        layer._tq_centroids = centroids.to(device)
+        layer._tq_midpoints = ((ordered[:-1] + ordered[1:]) / 2).to(device)
+        layer._tq_cached = device
 
     def do_kv_cache_update(
         self,
@@ -320,87 +386,27 @@ class TurboQuantAttentionImpl(AttentionImpl):
         n = slot_mapping.shape[0]
         if n <= 0:
             return
-        slots = self._slots(kv_cache)
-        pi, _, midpoints = self._tables_on(key.device)
-        cfg = self.tq_config
+        cache = self._cache_view(kv_cache)
+        state = self._layer_state(layer)
+        self._ensure_on_device(state, key.device)
         shape = (n, self.num_kv_heads, self.head_size)
-        triton_turboquant_store(
-            key[:n].reshape(shape), value[:n].reshape(shape), slots, slot_mapping, pi,
-            midpoints, mse_bits=cfg.key_mse_bits, key_packed_size=cfg.key_packed_size,
-            value_quant_bits=cfg.effective_value_quant_bits, key_fp8=cfg.key_fp8,
-        )  # fmt: skip
+        self._store_kv(key[:n].reshape(shape), value[:n].reshape(shape), cache, slot_mapping, state)
 
-    def _decode(
-        self, query: torch.Tensor, slots: torch.Tensor, block_table: torch.Tensor,
-        seq_lens: torch.Tensor,
-    ) -> torch.Tensor:  # fmt: skip
-        pi, centroids, _ = self._tables_on(query.device)
-        cfg = self.tq_config
-        return triton_turboquant_decode_attention(
-            query, slots, block_table, seq_lens, pi, centroids, self.scale, cfg.key_mse_bits,
-            cfg.key_packed_size, cfg.effective_value_quant_bits, key_fp8=cfg.key_fp8,
-            norm_correction=cfg.norm_correction, PiT=pi,
-            max_num_kv_splits=self.max_num_kv_splits,
-        )  # fmt: skip
-
-    def _attend(
-        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
-    ) -> torch.Tensor:
-        """Causal fp32 attention of the last ``len(query)`` positions over ``keys`` /
-        ``values [S, Hk, D]``."""
-        q = query.float().transpose(0, 1)
-        k = keys.float().repeat_interleave(self.num_kv_groups, dim=1).transpose(0, 1)
-        v = values.float().repeat_interleave(self.num_kv_groups, dim=1).transpose(0, 1)
-        scores = q @ k.transpose(1, 2) * self.scale
-        first = keys.shape[0] - query.shape[0]
-        q_pos = torch.arange(first, keys.shape[0], device=query.device)
-        k_pos = torch.arange(keys.shape[0], device=query.device)
-        scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
-        return (torch.softmax(scores, dim=-1) @ v).transpose(0, 1)
-
-    def _cached_prefix(
-        self, slots: torch.Tensor, block_row: torch.Tensor, length: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The codec's keys (rotated back) and values ``[length, Hk, D]`` fp32 of a sequence's
-        first ``length`` cached tokens."""
-        pi, centroids, _ = self._tables_on(slots.device)
-        block_size = slots.shape[1]
-        pos = torch.arange(length, device=slots.device)
-        pages = block_row.to(device=slots.device, dtype=torch.int64)[pos // block_size]
-        rows = slots[pages, pos % block_size]
-        return turboquant_decode_slots(rows, self.tq_config, centroids, pi)
-
-    def _prefill(
+    def _store_kv(
         self,
-        query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        slots: torch.Tensor,
-        block_table: torch.Tensor,
-        query_start_loc: list[int],
-        seq_lens: list[int],
-    ) -> torch.Tensor:
-        """Prefill requests (query tokens ``[N, Hq, D]`` from 0, module docstring)."""
-        out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
-        for i, seq_len in enumerate(seq_lens):
-            start, stop = query_start_loc[i], query_start_loc[i + 1]
-            q_len = stop - start
-            if q_len <= 0:
-                continue
-            cached = seq_len - q_len
-            if cached > 0 and q_len <= CONTINUATION_DECODE_THRESHOLD:
-                # One decode per query token over the cache up to and including it.
-                lens = torch.arange(cached + 1, seq_len + 1, device=query.device)
-                table = block_table[i : i + 1].expand(q_len, -1)
-                out[start:stop] = self._decode(query[start:stop], slots, table, lens).float()
-                continue
-            keys, values = key[start:stop], value[start:stop]
-            if cached > 0:
-                old_k, old_v = self._cached_prefix(slots, block_table[i], cached)
-                keys = torch.cat([old_k, keys.float()])
-                values = torch.cat([old_v, values.float()])
-            out[start:stop] = self._attend(query[start:stop], keys, values)
-        return out
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        layer: Any,
+    ) -> None:
+        """Encode ``key`` / ``value [N, Hk, D]`` into ``kv_cache [B, N, H, slot]``."""
+        cfg = self.tq_config
+        triton_turboquant_store(
+            key, value, kv_cache, slot_mapping, layer._tq_PiT, layer._tq_midpoints,
+            mse_bits=cfg.key_mse_bits, key_packed_size=cfg.key_packed_size,
+            value_quant_bits=cfg.effective_value_quant_bits, key_fp8=cfg.key_fp8,
+        )  # fmt: skip
 
     def forward(
         self,
@@ -419,7 +425,9 @@ class TurboQuantAttentionImpl(AttentionImpl):
         unquantized) serve prefills. Written into ``output`` (``[T, Hq, D]`` or ``[T, Hq*D]``;
         allocated when None, zeros for a profiling run without metadata) and returned."""
         if output_scale is not None or output_block_scale is not None:
-            raise ValueError("output_scale: expected None (TURBOQUANT has no quantized output)")
+            raise ValueError(
+                f"output_scale: expected None ({self.backend_name} has no quantized output)"
+            )
         if output is None:
             output = torch.zeros(query.shape[0], self.num_heads * self.head_size,
                                  dtype=query.dtype, device=query.device)  # fmt: skip
@@ -427,29 +435,141 @@ class TurboQuantAttentionImpl(AttentionImpl):
             return output.fill_(0)
         n = attn_metadata.num_actual_tokens
         q = query[:n].reshape(n, self.num_heads, self.head_size)
-        slots = self._slots(kv_cache)
-        result = torch.empty(n, self.num_heads, self.head_size, dtype=q.dtype, device=q.device)
-        decodes, decode_tokens = attn_metadata.num_decodes, attn_metadata.num_decode_tokens
-        if not attn_metadata.is_prefill:
-            decodes, decode_tokens = attn_metadata.seq_lens.shape[0], n
-        if decode_tokens:
-            result[:decode_tokens] = self._decode(
-                q[:decode_tokens], slots, attn_metadata.block_table[:decodes],
-                attn_metadata.seq_lens[:decodes],
-            )  # fmt: skip
-        if decode_tokens < n:
+        cache = self._cache_view(kv_cache)
+        decode_meta, prefill_meta = split_batch(attn_metadata)
+        t = 0 if decode_meta is None else decode_meta.num_actual_tokens
+        own_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # a prefill's keys, values
+        if prefill_meta is not None:
             if key is None or value is None:
                 raise ValueError("key, value: expected the batch's keys and values for prefills")
             shape = (n, self.num_kv_heads, self.head_size)
-            qsl = attn_metadata.query_start_loc_cpu
-            qsl = (attn_metadata.query_start_loc if qsl is None else qsl).tolist()
-            lens = attn_metadata.seq_lens_cpu
-            lens = (attn_metadata.seq_lens if lens is None else lens).tolist()
-            result[decode_tokens:] = self._prefill(
-                q[decode_tokens:], key[:n].reshape(shape)[decode_tokens:],
-                value[:n].reshape(shape)[decode_tokens:], slots,
-                attn_metadata.block_table[decodes:],
-                [s - decode_tokens for s in qsl[decodes:]], lens[decodes:],
-            ).to(q.dtype)  # fmt: skip
+            own_kv = key[:n].reshape(shape)[t:], value[:n].reshape(shape)[t:]
+        tq_layer = self._layer_state(layer)
+        self._ensure_on_device(tq_layer, q.device)
+        pi, pit, centroids = tq_layer._tq_Pi, tq_layer._tq_PiT, tq_layer._tq_centroids
+        result = torch.empty(n, self.num_heads, self.head_size, dtype=q.dtype, device=q.device)
+        if decode_meta is not None:
+            result[:t] = self._decode_attention(
+                q[:t], cache, decode_meta, pi, centroids, pit, tq_layer
+            )
+        if prefill_meta is not None and own_kv is not None:  # both or neither
+            result[t:] = self._prefill_attention(
+                q[t:], *own_kv, cache, prefill_meta, pi, centroids, pit, layer=tq_layer
+            )
         output[:n] = result.reshape(output[:n].shape)
         return output
+
+    def _decode_attention(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: TurboQuantMetadata,
+        Pi: torch.Tensor,  # noqa: N803  (upstream's names)
+        centroids: torch.Tensor,
+        PiT: torch.Tensor | None = None,  # noqa: N803
+        layer: Any = None,
+    ) -> torch.Tensor:
+        """Decode attention of ``query [B, Hq, D]`` (one token per request) in its dtype; the
+        kernel's buffers come from the workspace when there is one."""
+        buffers = self._decode_buffers(query)
+        mid_o, out, lse = (None, None, None) if buffers is None else buffers
+        return self._tq_decode(
+            query, kv_cache, attn_metadata.block_table, attn_metadata.seq_lens, Pi, centroids,
+            PiT, mid_o_buf=mid_o, output_buf=out, lse_buf=lse, buf_holder=layer,
+        )  # fmt: skip
+
+    def _decode_buffers(self, query: torch.Tensor) -> list[torch.Tensor] | None:
+        """The decode's workspace buffers (:func:`decode_buffer_specs`) for ``query [B, Hq, D]``,
+        None without a workspace."""
+        batch, dtype = query.shape[0], query.dtype
+        specs = decode_buffer_specs(
+            batch, self.num_heads, self.head_size, self.max_num_kv_splits, dtype
+        )
+        return workspace_or_none(*specs)
+
+    def _tq_decode(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        Pi: torch.Tensor,  # noqa: N803
+        centroids: torch.Tensor,
+        PiT: torch.Tensor | None,  # noqa: N803
+        **buffers: Any,
+    ) -> torch.Tensor:
+        """The decode kernel with this layer's configuration."""
+        cfg = self.tq_config
+        return triton_turboquant_decode_attention(
+            query, kv_cache, block_table, seq_lens, Pi, centroids, self.scale, cfg.key_mse_bits,
+            cfg.key_packed_size, cfg.effective_value_quant_bits, key_fp8=cfg.key_fp8,
+            norm_correction=cfg.norm_correction, PiT=PiT,
+            max_num_kv_splits=self.max_num_kv_splits, **buffers,
+        )  # fmt: skip
+
+    def _prefill_attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: TurboQuantMetadata,
+        Pi: torch.Tensor,  # noqa: N803
+        centroids: torch.Tensor,
+        PiT: torch.Tensor | None = None,  # noqa: N803
+        layer: Any = None,
+    ) -> torch.Tensor:
+        """Prefill requests (query, key, value rows ``[N, H, D]`` from 0; module docstring),
+        in the query's dtype."""
+        out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+        for i, start, stop, seq_len in prefill_requests(attn_metadata):
+            q_len = stop - start
+            cached = seq_len - q_len
+            if cached <= 0:
+                out[start:stop] = causal_attention(
+                    query[start:stop], key[start:stop], value[start:stop], self.scale
+                )
+            elif q_len <= CONTINUATION_DECODE_THRESHOLD:
+                # One decode per query token over the cache up to and including it.
+                lens = torch.arange(cached + 1, seq_len + 1, device=query.device)
+                table = attn_metadata.block_table[i : i + 1].expand(q_len, -1)
+                out[start:stop] = self._tq_decode(
+                    query[start:stop], kv_cache, table, lens, Pi, centroids, PiT
+                ).float()
+            else:
+                out[start:stop] = self._continuation_prefill(
+                    layer, query[start:stop], key[start:stop], value[start:stop], kv_cache,
+                    attn_metadata.block_table[i : i + 1], cached, seq_len, Pi, centroids,
+                )  # fmt: skip
+        return out.to(query.dtype)
+
+    def _continuation_prefill(
+        self,
+        layer: Any,
+        query: torch.Tensor,
+        key_chunk: torch.Tensor,
+        val_chunk: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        cached_len: int,
+        seq_len: int,
+        Pi: torch.Tensor,  # noqa: N803
+        centroids: torch.Tensor,
+    ) -> torch.Tensor:
+        """fp32 attention of a long chunk over its ``cached_len`` cached tokens, read back by
+        the reference codec into fp16 workspace buffers (keys rotated back), then its own
+        unquantized keys and values (``seq_len`` tokens in all)."""
+        hk, d = key_chunk.shape[1:]
+        block_size = kv_cache.shape[1]
+        shape = (1, hk, round_up(cached_len, block_size), d)
+        k_buf, v_buf = scratch(query.device, (shape, torch.float16), (shape, torch.float16))
+        pos = torch.arange(cached_len, device=kv_cache.device)
+        pages = block_table[0].to(device=kv_cache.device, dtype=torch.int64)[pos // block_size]
+        old_k, old_v = turboquant_decode_slots(
+            kv_cache[pages, pos % block_size], self.tq_config, centroids, Pi
+        )
+        k_buf[0, :, :cached_len] = old_k.transpose(0, 1)
+        v_buf[0, :, :cached_len] = old_v.transpose(0, 1)
+        keys = torch.cat([k_buf[0, :, :cached_len].transpose(0, 1).float(), key_chunk.float()])
+        values = torch.cat([v_buf[0, :, :cached_len].transpose(0, 1).float(), val_chunk.float()])
+        return causal_attention(query, keys, values, self.scale)
