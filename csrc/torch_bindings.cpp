@@ -32,4 +32,9 @@ TORCH_LIBRARY(_C_cache_ops, m) {
       "Tensor? key_offset=None, Tensor? sink_keys=None, bool key_hadamard=False, "
       "Tensor? alibi_slopes=None, Tensor? seq_causal=None, bool key_split=True) -> ()");
   m.def("paged_attention_simd_levels() -> str[]");
+  // nvfp4_ds_mla records (352 bytes per token) of kv_c [T, 512] and k_pe [T, 64] bf16: the
+  // compiled writer behind concat_and_cache_mla (vllm/_mla_cache_ops.py) for that dtype.
+  m.def(
+      "concat_and_cache_nvfp4_ds_mla(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, "
+      "Tensor slot_mapping) -> ()");
 }

@@ -6,8 +6,9 @@ requests' entries into one. ``vllm._custom_ops`` re-exports them at upstream's n
 module is its MLA part, as :mod:`vllm._cpu_attn_args` is its CPU-attention part), and each is
 a ``torch.ops._C_cache_ops`` op as upstream's tests expect.
 
-The compiled extension has no MLA writer, so every format is written here, byte for byte as
-upstream's CUDA kernels write it:
+Every format is written byte for byte as upstream's CUDA kernels write it, here in torch except
+``nvfp4_ds_mla``, which the extension's ``concat_and_cache_nvfp4_ds_mla`` writes where it has a
+kernel for the cache's device (CPU; CUDA builds) and the codec otherwise:
 
 - ``auto`` / ``float16`` / ``bfloat16``: ``[kv_c, k_pe]`` in the cache's float dtype;
 - ``fp8`` / ``fp8_e4m3`` / ``fp8_e5m2``: ``[kv_c, k_pe] / scale`` as FP8 bytes
@@ -23,10 +24,13 @@ got Y``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from vllm.kv_quant.ds_mla_nvfp4 import (
     NVFP4_DS_MLA,
+    check_nvfp4_ds_mla_write,
     concat_and_cache_nvfp4_ds_mla,
 )
 from vllm.kv_quant.ds_mla_nvfp4 import (
@@ -235,7 +239,18 @@ def concat_and_cache_mla(
     )
 
 
-# The extension has no MLA writer, so the op upstream's tests call (and ``opcheck``) by its
+def _compiled_nvfp4_ds_mla(device: torch.device) -> Any | None:
+    """The extension's nvfp4_ds_mla writer when it has a kernel for ``device``, else None (an
+    extension built without it, or a CUDA cache with a CPU-only build)."""
+    try:
+        op = torch.ops._C_cache_ops.concat_and_cache_nvfp4_ds_mla.default
+    except (AttributeError, RuntimeError):
+        return None
+    key = "CUDA" if device.type == "cuda" else "CPU"
+    return op if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key) else None
+
+
+# The extension has no general MLA writer, so the op upstream's tests call (and ``opcheck``) by its
 # dispatcher name is defined here, in a fragment of the extension's namespace. A compiled
 # kernel of this name must replace this definition, not add to it.
 @torch.library.custom_op("_C_cache_ops::concat_and_cache_mla", mutates_args=("kv_cache",))
@@ -249,8 +264,14 @@ def _concat_and_cache_mla_op(
     skip_scale: bool = False,
 ) -> None:
     fmt = _check_args(kv_c, k_pe, kv_cache, kv_cache_dtype, scale, skip_scale)
-    if fmt is NVFP4_DS_MLA:
+    compiled = _compiled_nvfp4_ds_mla(kv_cache.device) if fmt is NVFP4_DS_MLA else None
+    if fmt is NVFP4_DS_MLA and compiled is None:
         concat_and_cache_nvfp4_ds_mla(kv_c, k_pe, kv_cache, slot_mapping)
+        return
+    if compiled is not None:
+        check_nvfp4_ds_mla_write(kv_c, k_pe, kv_cache, slot_mapping)
+        tokens = slot_mapping.shape[0]
+        compiled(kv_c[:tokens], k_pe[:tokens], kv_cache, slot_mapping)
         return
     rows = min(kv_c.shape[0], k_pe.shape[0])
     num_slots = kv_cache.shape[0] * kv_cache.shape[1]

@@ -15,8 +15,10 @@
 #include <string>
 
 #include "cache_ops_torch.h"
+#include "cuda/concat_and_cache_mla.h"
 #include "cuda/convert_fp8.h"
 #include "cuda/reshape_and_cache_flash.h"
+#include "ds_mla_ops_torch.h"
 
 namespace vllm_kv {
 namespace {
@@ -37,6 +39,17 @@ void reshape_and_cache_flash_cuda(const at::Tensor& key, const at::Tensor& value
   if (params.num_tokens == 0) return;
   const c10::cuda::CUDAGuard device_guard(key.device());
   launch_reshape_and_cache_flash(params, c10::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void concat_and_cache_nvfp4_ds_mla_cuda(const at::Tensor& kv_c, const at::Tensor& k_pe,
+                                        at::Tensor& kv_cache, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(kv_cache.is_cuda(), "kv_cache: expected a CUDA tensor, got device ",
+              kv_cache.device());
+  const DsMlaWriteArgs args = prepare_ds_mla_write(kv_c, k_pe, kv_cache, slot_mapping);
+  if (args.num_tokens == 0) return;
+  const c10::cuda::CUDAGuard device_guard(kv_cache.device());
+  launch_concat_and_cache_nvfp4_ds_mla(args, c10::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -124,6 +137,7 @@ TORCH_LIBRARY_IMPL(_C_cache_ops, CUDA, m) {
   m.impl("reshape_and_cache_flash", &vllm_kv::reshape_and_cache_flash_cuda);
   m.impl("swap_blocks", &vllm_kv::swap_blocks_cuda);
   m.impl("convert_fp8", &vllm_kv::convert_fp8_cuda);
+  m.impl("concat_and_cache_nvfp4_ds_mla", &vllm_kv::concat_and_cache_nvfp4_ds_mla_cuda);
 }
 
 // The descriptors are CPU tensors whatever memory they address, so the op dispatches on CPU.

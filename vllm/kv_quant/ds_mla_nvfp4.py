@@ -17,8 +17,9 @@ and saturated, ``q = e2m1(x * (1 / float(sf)))`` rounded to nearest even and sat
 Dequantization ``float(q) * float(sf)`` is exact in bf16 (at most 6 significant bits).
 
 The page is ``block_size * 352`` bytes, whatever the model dtype (upstream keys it on the
-dtype string). No compiled writer takes the format (``cache_kind=None``), so
-:func:`~vllm.kv_quant.formats.kernel_cache_kind` refuses it.
+dtype string). ``reshape_and_cache_flash`` does not take the format (``cache_kind=None``:
+:func:`~vllm.kv_quant.formats.kernel_cache_kind` refuses it); the extension's own writer,
+``concat_and_cache_nvfp4_ds_mla`` (``csrc/ds_mla_nvfp4.h``), writes these bytes.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ __all__ = [
     "NVFP4_DS_MLA_RECORD_BYTES",
     "NVFP4_DS_MLA_ROPE_DIM",
     "NVFP4_DS_MLA_SCALE_FLOOR",
+    "check_nvfp4_ds_mla_write",
     "concat_and_cache_nvfp4_ds_mla",
     "cp_gather_and_upconvert_nvfp4_kv_cache",
     "nvfp4_ds_mla_decode",
@@ -153,22 +155,34 @@ def nvfp4_ds_mla_decode(records: torch.Tensor) -> torch.Tensor:
     return torch.cat([nope, rope], dim=-1).to(torch.bfloat16).reshape(*lead, -1)
 
 
+def check_nvfp4_ds_mla_write(
+    kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """The checks of :func:`concat_and_cache_nvfp4_ds_mla` (every writer of the format runs
+    them before writing): ``ValueError`` naming the argument."""
+    _check_records("kv_cache", kv_cache)
+    if kv_cache.dim() != 3:
+        raise ValueError(f"kv_cache: expected shape (B, N, 352), got {list(kv_cache.shape)}")
+    _check_bf16("kv_c", kv_c, NVFP4_DS_MLA_NOPE_DIM)
+    _check_bf16("k_pe", k_pe, NVFP4_DS_MLA_ROPE_DIM)
+    for name, t in (("kv_c", kv_c), ("k_pe", k_pe)):
+        if t.device != kv_cache.device:
+            raise ValueError(
+                f"{name}: expected device {kv_cache.device} (the cache's), got {t.device}"
+            )
+    num_blocks, block_size, _ = kv_cache.shape
+    rows = min(kv_c.shape[0], k_pe.shape[0])
+    check_slot_mapping(slot_mapping, rows, num_blocks * block_size, kv_cache.device)
+
+
 def concat_and_cache_nvfp4_ds_mla(
     kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Write token ``t``'s record into slot ``slot_mapping[t]`` of ``kv_cache (B, N, 352)``
     (uint8); negative slots (padding) are skipped. Upstream's ``concat_and_cache_mla`` for this
     dtype: ``slot_mapping`` may be shorter than ``kv_c`` (padded inputs)."""
-    _check_records("kv_cache", kv_cache)
-    if kv_cache.dim() != 3:
-        raise ValueError(f"kv_cache: expected shape (B, N, 352), got {list(kv_cache.shape)}")
-    _check_bf16("kv_c", kv_c, NVFP4_DS_MLA_NOPE_DIM)
-    if kv_c.device != kv_cache.device:
-        raise ValueError(
-            f"kv_c: expected device {kv_cache.device} (the cache's), got {kv_c.device}"
-        )
-    num_blocks, block_size, _ = kv_cache.shape
-    check_slot_mapping(slot_mapping, kv_c.shape[0], num_blocks * block_size, kv_cache.device)
+    check_nvfp4_ds_mla_write(kv_c, k_pe, kv_cache, slot_mapping)
+    block_size = kv_cache.shape[1]
     num_tokens = slot_mapping.shape[0]
     records = nvfp4_ds_mla_encode(kv_c[:num_tokens], k_pe[:num_tokens])
     keep = slot_mapping >= 0
