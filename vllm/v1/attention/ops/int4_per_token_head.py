@@ -3,11 +3,16 @@ path, under its names (``reshape_and_cache_int4``, ``unified_attention_int4``, `
 
 The bytes are those of the reference codec :mod:`vllm.kv_quant.int4_per_token_head`: the writer
 rotates in torch (as upstream does) and its kernel quantizes one (token, head) row per program,
-every fp32 step rounded on its own (launched without FMA contraction). The reader decodes the
-pages a batch references into rotated-domain fp32 values with one kernel, runs this library's
-``unified_attention`` on them with the rotated query and ``softmax_scale / b`` into ``out``'s dtype,
-and rotates that output back (``H(out) * s / b``), as upstream: attention over the codec's
-decoded values, up to fp32 summation order.
+every fp32 step rounded on its own (launched without FMA contraction). The reader is one fused
+kernel (:func:`~.triton_packed_attention.packed_attention_kernel`) over the pages in place: each
+tile's ``code - zp`` (exact in the dot dtype) meets the query rotated once (``RHT(q)``, rounded
+back to its dtype as upstream), each key's scale multiplies its scores and each value's its
+probabilities (fp16: its values), softmax scale ``softmax_scale / b``; the rotated-domain output,
+in ``out``'s dtype, is rotated back once (``H(out) * s / b``), as upstream: attention over the
+codec's decoded values, up to fp32 summation order.
+
+Bytes per decoded (token, KV head): the two rows, ``2 * (D/2 + 4)`` (136 at D = 128); the
+previous reader also wrote and re-read every referenced page as fp32, ``+ 4 * 4 * D`` (2184).
 """
 
 from __future__ import annotations
@@ -21,14 +26,18 @@ from vllm.kv_quant.index_tensor import check_integer_tensor
 from vllm.kv_quant.int4_per_token_head import (
     INT4_QMAX,
     INT4_SCALE_FLOOR,
+    int4_scale_words,
     rht_block_size,
     single_rht,
 )
 from vllm.triton_utils import tl, triton
 from vllm.triton_utils.aot import TritonCompileCase, case_from_launch
-from vllm.v1.attention.ops.triton_attention_plan import plan_paged_attention
-from vllm.v1.attention.ops.triton_attention_reduce import reduce_segments
-from vllm.v1.attention.ops.triton_paged_attention import paged_attention_kernel
+from vllm.v1.attention.ops.triton_attention_plan import PagedAttentionLaunch
+from vllm.v1.attention.ops.triton_packed_attention import (
+    INT4_LAYOUT,
+    launch_case,
+    plan_packed_attention,
+)
 
 __all__ = [
     "int4_paged_attention",
@@ -189,65 +198,28 @@ def reshape_and_cache_int4(
                                  enable_fp_fusion=False)  # fmt: skip
 
 
-@triton.jit
-def _int4_decode_kernel(
-    cache_ptr,
-    scale_ptr,
-    page_ptr,
-    out_ptr,
-    cache_blk,
-    cache_slot,
-    cache_head,
-    scale_blk,
-    scale_slot,
-    scale_head,
-    num_heads,
-    D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HALF_PADDED: tl.constexpr,
-):
-    """Page ``page_ptr[pid0]``, head ``pid1`` -> ``(q - zp) * scale'`` fp32 rows of ``out``
-    (compact pages ``(P, N, H, D)``, contiguous)."""
-    p = tl.program_id(0)
-    head = tl.program_id(1)
-    page = tl.load(page_ptr + p).to(tl.int64)
-    n = tl.arange(0, BLOCK_N)
-    j = tl.arange(0, HALF_PADDED)
-    ok = j < D // 2
-    rows = cache_ptr + page * cache_blk + n[:, None] * cache_slot + head * cache_head
-    packed = tl.load(rows + j[None, :], mask=ok[None, :], other=0).to(tl.int32)
-    word = tl.load(scale_ptr + page * scale_blk + n * scale_slot + head * scale_head)
-    zp = (word & 0xF).to(tl.float32)
-    scale = (word & -16).to(tl.float32, bitcast=True)
-    lo = ((packed & 0xF).to(tl.float32) - zp[:, None]) * scale[:, None]
-    hi = (((packed >> 4) & 0xF).to(tl.float32) - zp[:, None]) * scale[:, None]
-    dst = out_ptr + ((p.to(tl.int64) * BLOCK_N + n[:, None]) * num_heads + head) * D
-    tl.store(dst + 2 * j[None, :], lo, mask=ok[None, :])
-    tl.store(dst + 2 * j[None, :] + 1, hi, mask=ok[None, :])
-
-
-def _decode_launch(cache: torch.Tensor, scales: torch.Tensor, pages: torch.Tensor,
-                   out: torch.Tensor, head_size: int) -> tuple[tuple[int, int], list[Any],
-                                                               dict[str, object]]:  # fmt: skip
-    args: list[Any] = [
-        cache, scales.view(torch.int32), pages, out, *cache.stride()[:3], *scales.stride(),
-        cache.shape[2],
-    ]  # fmt: skip
-    constexprs: dict[str, object] = dict(
-        D=head_size, BLOCK_N=cache.shape[1], HALF_PADDED=triton.next_power_of_2(head_size // 2)
-    )
-    return (pages.shape[0], cache.shape[2]), args, constexprs
-
-
-def _decode_pages(cache: torch.Tensor, scales: torch.Tensor, pages: torch.Tensor,
-                  head_size: int) -> torch.Tensor:  # fmt: skip
-    """Rotated-domain fp32 values ``(P, N, H, D)`` of cache pages ``pages [P]``."""
-    out = torch.empty(pages.shape[0], cache.shape[1], cache.shape[2], head_size,
-                      dtype=torch.float32, device=cache.device)  # fmt: skip
-    if pages.numel():
-        grid, args, constexprs = _decode_launch(cache, scales, pages, out, head_size)
-        _int4_decode_kernel[grid](*args, **constexprs, num_warps=_NUM_WARPS)
-    return out
+def _plan(
+    out: torch.Tensor,
+    rotated_q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale_cache: torch.Tensor,
+    v_scale_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    softmax_scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    **options: Any,
+) -> PagedAttentionLaunch:
+    """The fused launch over the INT4 sides in place (rotated-domain output into ``out``),
+    the scale words read as int32 (zero point in the low 4 bits)."""
+    return plan_packed_attention(
+        out, rotated_q, k_cache, v_cache, k_scale_cache.view(torch.int32),
+        v_scale_cache.view(torch.int32), None, INT4_LAYOUT, block_table, seq_lens,
+        query_start_loc, softmax_scale, max_query_len, max_seq_len, **options,
+    )  # fmt: skip
 
 
 def int4_paged_attention(
@@ -278,8 +250,9 @@ def int4_paged_attention(
     ``v_cache (B, N, Hkv, >= Dv/2)`` uint8 with scale words ``[B, N, Hkv]`` fp32, into
     ``out [T, Hq, Dv]``; the other arguments as
     :func:`~vllm.v1.attention.ops.triton_attention_plan.plan_paged_attention`'s (sliding window
-    in keys, ``None``: off). Shared by :func:`unified_attention_int4` (causal, one split) and the
-    ``TRITON_ATTN`` backend.
+    in keys, ``None``: off; ``num_splits`` ``None``: chosen for the GPU). The block table's
+    entries for the keys read must be pages of the cache (read in place). Shared by
+    :func:`unified_attention_int4` (causal, one split) and the ``TRITON_ATTN`` backend.
 
     ``q`` is rotated (and rounded back to its dtype, as upstream), ``softmax_scale`` divided by
     ``D``'s block ``b`` (the rotation's norm squared); the output, computed in V's rotated
@@ -299,28 +272,16 @@ def int4_paged_attention(
     _check_side(k_cache, k_scale_cache, "k_cache", lead, head_size)
     _check_side(v_cache, v_scale_cache, "v_cache", lead, head_size_v)
     rotated_q = single_rht(q.float()).to(q.dtype)
-    # Decode only the pages the batch references, renumbered 0..P-1 in the block table.
-    pages = torch.unique(block_table.to(torch.int64))
-    pages = pages[(pages >= 0) & (pages < lead[0])]
-    if pages.numel() == 0:  # nothing referenced: one page keeps the table's entries in range
-        pages = torch.zeros(1, dtype=torch.int64, device=block_table.device)
-    k_vals = _decode_pages(k_cache, k_scale_cache, pages, head_size)
-    v_vals = _decode_pages(v_cache, v_scale_cache, pages, head_size_v)
-    local_table = torch.searchsorted(pages, block_table.to(torch.int64))
-    local_table = local_table.clamp_(max=pages.shape[0] - 1).to(torch.int32)
     # Upstream's kernel stores the rotated output in out's dtype before rotating it back.
-    rotated_out = torch.empty_like(out)
-    ones = torch.ones(1, dtype=torch.float32, device=q.device)
-    launch = plan_paged_attention(
-        rotated_out, rotated_q, k_vals, v_vals, local_table, seq_lens, query_start_loc,
-        "float32", ones, ones, softmax_scale / rht_block_size(head_size), max_query_len,
+    # Zeros: a split-K launch leaves the rows of sequences without keys unwritten.
+    rotated_out = torch.zeros_like(out)
+    _plan(
+        rotated_out, rotated_q, k_cache, v_cache, k_scale_cache, v_scale_cache, block_table,
+        seq_lens, query_start_loc, softmax_scale / rht_block_size(head_size), max_query_len,
         max_seq_len, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
         sinks=sinks, causal=causal, num_splits=num_splits, mm_prefix_range=mm_prefix_range,
         alibi_slopes=alibi_slopes, alibi_sqrt=alibi_sqrt, qq_bias=qq_bias,
-    )  # fmt: skip
-    launch.kernel = paged_attention_kernel
-    launch.reducer = reduce_segments
-    launch()
+    )()  # fmt: skip
     rotated = single_rht(rotated_out.float(), inverse=True)
     out.copy_((rotated / rht_block_size(head_size_v)).to(out.dtype))
 
@@ -358,8 +319,8 @@ def unified_attention_int4(
     as :func:`~vllm.v1.attention.ops.triton_unified_attention.unified_attention`'s
     (:func:`int4_paged_attention` does the work).
 
-    The decoded pages are plain fp32 pages read in one unsplit launch: the split-K arguments
-    only shape upstream's own launch, the result is the same function. ``output_scale`` (an
+    The pages are read in place in one unsplit launch: the split-K arguments only shape
+    upstream's own launch, the result is the same function. ``output_scale`` (an
     FP8 output) is refused: upstream applies it before the inverse rotation, which leaves the
     rotated output's clamp in the result."""
     _check(output_scale is None, "output_scale: expected None for int4_per_token_head (no FP8 "
@@ -377,7 +338,8 @@ def unified_attention_int4(
 
 def triton_compile_cases() -> list[TritonCompileCase]:
     """The store at head sizes 128 and 96 (bf16 source, upstream's ``D/2 + 4``-byte rows) and
-    the page decode at 128, block size 16."""
+    the fused reader's bf16 decode at 128, block size 16 (more of its specialisations:
+    :mod:`~.triton_packed_attention`'s cases)."""
     cases = []
     for d in (128, 96):
         x = torch.zeros(1, 2, d, dtype=torch.bfloat16)
@@ -386,10 +348,14 @@ def triton_compile_cases() -> list[TritonCompileCase]:
         _, args, constexprs = _store_launch(x, cache, scales, torch.zeros(1, dtype=torch.int64))
         cases.append(case_from_launch(f"store/d{d}", _int4_store_kernel, args, constexprs,
                                       num_warps=_NUM_WARPS, enable_fp_fusion=False))  # fmt: skip
-    cache = torch.zeros(1, 16, 2, 68, dtype=torch.uint8)
-    pages = torch.zeros(1, dtype=torch.int64)
-    out = torch.zeros(1, 16, 2, 128)
-    _, args, constexprs = _decode_launch(cache, torch.zeros(1, 16, 2), pages, out, 128)
-    cases.append(case_from_launch("decode/d128", _int4_decode_kernel, args, constexprs,
-                                  num_warps=_NUM_WARPS))  # fmt: skip
+    # The fused reader: a bf16 decode batch (2 sequences, GQA 4, 2 key splits), D = 128.
+    cache = torch.zeros(2, 16, 2, 68, dtype=torch.uint8)
+    words = int4_scale_words(cache, 128)
+    q = torch.zeros(2, 8, 128, dtype=torch.bfloat16)
+    launch = _plan(
+        torch.zeros_like(q), q, cache, cache, words, words, torch.zeros(2, 2, dtype=torch.int32),
+        torch.full((2,), 32, dtype=torch.int32), torch.arange(3, dtype=torch.int32), 0.1, 1, 32,
+        num_splits=2,
+    )  # fmt: skip
+    cases.append(launch_case("decode/d128", launch))
     return cases

@@ -95,6 +95,8 @@ def _format_cases() -> list[_FormatCase]:
         kind, storage = fmt.cache_kind, fmt.storage_dtype
         if kind is None or not fmt.has_kernel or fmt.mla_only or (kind, storage) in seen:
             continue
+        if kind is CacheKind.INT4_PER_TOKEN_HEAD:
+            continue  # rotated rows: the packed kernel's cases (triton_packed_attention)
         if kind is CacheKind.UNQUANTIZED and storage is None:
             continue  # auto: one of the float storage dtypes
         seen.add((kind, storage))

@@ -186,3 +186,37 @@ def compute_tile_loop_bounds(
         loop_lo = tile_start
         loop_hi = tile_end
     return loop_lo, loop_hi, max_seq_prefix_len
+
+
+@triton.jit
+def query_tile_rows(
+    tile_seq_ptr,
+    tile_first_ptr,
+    query_start_ptr,
+    seq_lens_ptr,
+    num_seqs,
+    pid,
+    kv_head,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    """Query tile ``pid`` of the paged kernels' grid and its ``BLOCK_M`` rows (``BLOCK_Q``
+    query tokens x ``GROUP_PAD`` heads of KV head ``kv_head``): ``tile_seq`` maps a tile to its
+    sequence (``>= num_seqs``: a dead tile, ``live`` False, its query length 0), ``tile_first``
+    a sequence to its first tile. Returns ``live, seq, q_tile, q_start, q_len, seq_len, q_idx``
+    (each row's query index in the sequence), ``row_ok`` and ``head`` (each row's query head)."""
+    seq_raw = tl.load(tile_seq_ptr + pid)
+    live = seq_raw < num_seqs
+    seq = tl.minimum(seq_raw, num_seqs - 1)
+    q_tile = pid - tl.load(tile_first_ptr + seq)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.where(live, tl.load(query_start_ptr + seq + 1) - q_start, 0)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_tile * BLOCK_Q + rows // GROUP_PAD
+    head_in_group = rows % GROUP_PAD
+    row_ok = (q_idx < q_len) & (head_in_group < GROUP)
+    head = kv_head * GROUP + head_in_group
+    return live, seq, q_tile, q_start, q_len, seq_len, q_idx, row_ok, head

@@ -36,6 +36,7 @@ from vllm.v1.attention.ops.triton_attention_helpers import (
     apply_softcap,
     cdiv_fn,
     position_bias,
+    query_tile_rows,
     softmax_step,
 )
 from vllm.v1.attention.ops.triton_attention_reduce import E4M3_MAX, store_output
@@ -260,20 +261,11 @@ def paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    seq_raw = tl.load(tile_seq_ptr + pid)
-    live = seq_raw < num_seqs
-    seq = tl.minimum(seq_raw, num_seqs - 1)
-    q_tile = pid - tl.load(tile_first_ptr + seq)
-    q_start = tl.load(query_start_ptr + seq)
-    q_len = tl.where(live, tl.load(query_start_ptr + seq + 1) - q_start, 0)
-    seq_len = tl.load(seq_lens_ptr + seq)
+    live, seq, q_tile, q_start, q_len, seq_len, q_idx, row_ok, head = query_tile_rows(
+        tile_seq_ptr, tile_first_ptr, query_start_ptr, seq_lens_ptr, num_seqs, pid, kv_head,
+        BLOCK_M, BLOCK_Q, GROUP_PAD, GROUP,
+    )  # fmt: skip
     context = seq_len - q_len
-
-    rows = tl.arange(0, BLOCK_M)
-    q_idx = q_tile * BLOCK_Q + rows // GROUP_PAD
-    head_in_group = rows % GROUP_PAD
-    row_ok = (q_idx < q_len) & (head_in_group < GROUP)
-    head = kv_head * GROUP + head_in_group
     q_pos = context + q_idx
     token = (q_start + q_idx).to(tl.int64)
 
