@@ -5,7 +5,8 @@ straight from the cache bytes: it gathers the pages of each sequence through its
 and dequantizes them with :mod:`vllm.kv_quant`), with ``causal=False`` so that every query sees
 all of its sequence's keys. The dequantized K/V for the reconstruction metrics come from the
 same reference codecs, gathered slot by slot (:class:`~vllm.accuracy.codec_reader.CodecReader`).
-The packed-slot formats (:func:`backend_reads` False) are read by the codec reader.
+The packed-slot formats' attention is read by the backend too (their slots decoded by their
+codecs, :mod:`vllm.kv_quant.slot_codecs`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from vllm.accuracy.codec_reader import CodecReader
-from vllm.accuracy.formats import CacheFormat
 from vllm.accuracy.paged_cache import PagedCache
 
 
@@ -24,12 +24,6 @@ def backend_status() -> tuple[bool, str]:
     except Exception as e:
         return False, f"{type(e).__name__}: {e}"
     return True, "vllm.v1.attention.backends.reference"
-
-
-def backend_reads(fmt: CacheFormat) -> bool:
-    """Whether the reference backend reads ``fmt``'s pages (not the packed-slot formats, whose
-    K and V share a slot: the codec reader reads those)."""
-    return not fmt.is_packed
 
 
 class BackendReader:
@@ -46,15 +40,13 @@ class BackendReader:
     def attend(
         self, cache: PagedCache, query: torch.Tensor, query_lens: tuple[int, ...]
     ) -> torch.Tensor:
-        if not backend_reads(cache.fmt):
-            return self._codec.attend(cache, query, query_lens)
         from vllm.v1.attention.backends.abstract import AttentionLayerScales
         from vllm.v1.attention.backends.reference import (
             ReferenceAttentionImpl,
             ReferenceAttentionMetadata,
         )
 
-        num_kv_heads = cache.kv_cache.shape[3]
+        num_kv_heads = cache.kv_cache.shape[1 if cache.fmt.is_packed else 3]
         impl = ReferenceAttentionImpl(
             num_heads=query.shape[1],
             head_size=cache.head_size,

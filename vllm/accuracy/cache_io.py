@@ -1,7 +1,9 @@
 """Write K/V into a paged cache and read them back, for every format of the check.
 
 The cache is FlashInfer-shaped: logical ``(B, 2, N, H, D')`` (``D' = F(D)`` for NVFP4,
-docs/design.md §7), NHD or HND physical order. Each sequence gets its own pages, drawn in a
+docs/design.md §7), NHD or HND physical order; a packed-slot format's is the REFERENCE and
+TURBOQUANT backends' logical ``(B, H, N, slot_bytes)`` stored block, token, head, slot. Each
+sequence gets its own pages, drawn in a
 seeded random order so that logical and physical page order differ. Unwritten bytes hold seeded
 random garbage, so a writer that misses a slot or a reader that looks at the wrong one shows up as
 an error.
@@ -92,17 +94,39 @@ def has_kernel(fmt: CacheFormat) -> bool:
     return fmt.format.has_kernel and fmt.format.cache_kind is not None
 
 
-def _write_packed(
-    sample: KVSample, fmt: CacheFormat, num_blocks: int, block_size: int, slots: torch.Tensor
+def _packed_cache(
+    fmt: CacheFormat,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    device: torch.device | str,
+    seed: int,
 ) -> torch.Tensor:
-    """A ``(B, N, H, slot_bytes)`` cache of seeded garbage with the sample's slots written by
-    the format's packed-slot codec (one slot per token and head holds K and V)."""
-    codec = fmt.slot_codec(sample.head_size)
-    gen = torch.Generator().manual_seed(int(slots.numel()) + 1)
-    shape = (num_blocks, block_size, sample.num_kv_heads, codec.slot_bytes)
-    cache = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen).to(slots.device)
-    encoded = codec.encode(sample.key, sample.value)
-    cache[slots // block_size, slots % block_size, :, : encoded.shape[-1]] = encoded
+    """Logical ``(B, H, N, slot_bytes)`` uint8 view of seeded random ``(B, N, H, slot_bytes)``
+    pages: the packed-slot cache of the REFERENCE and TURBOQUANT backends."""
+    slot = fmt.slot_codec(head_size).slot_bytes
+    gen = torch.Generator().manual_seed(seed + 1)
+    shape = (num_blocks, block_size, num_kv_heads, slot)
+    raw = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+    return raw.to(device).transpose(1, 2)
+
+
+def _write_packed(
+    sample: KVSample,
+    fmt: CacheFormat,
+    num_blocks: int,
+    block_size: int,
+    slots: torch.Tensor,
+    seed: int,
+) -> torch.Tensor:
+    """A packed-slot cache (:func:`_packed_cache`) with the sample's slots written by the
+    format's codec (one slot per token and head holds K and V)."""
+    cache = _packed_cache(
+        fmt, num_blocks, block_size, sample.num_kv_heads, sample.head_size, slots.device, seed
+    )
+    encoded = fmt.slot_codec(sample.head_size).encode(sample.key, sample.value)
+    cache.transpose(1, 2)[slots // block_size, slots % block_size] = encoded
     return cache
 
 
@@ -118,14 +142,17 @@ def allocate_cache(
 ) -> torch.Tensor:
     """A logical ``(B, 2, N, H, D')`` cache in ``layout`` (``NHD`` or ``HND``) order over whole
     pages of the format's encoding (key sink rows after each page's K and V rows), filled with
-    seeded random bytes."""
-    shape = _cache_shape(fmt, num_blocks, block_size, num_kv_heads, head_size)
+    seeded random bytes. A packed-slot format has one page order whatever ``layout`` says: the
+    backends' logical ``(B, H, N, slot_bytes)`` stored block, token, head, slot."""
     if layout == "NHD":
         order = (0, 1, 2, 3, 4)
     elif layout == "HND":
         order = (0, 1, 3, 2, 4)
     else:
         raise ValueError(f"layout: expected 'NHD' or 'HND', got {layout!r}")
+    if fmt.is_packed:
+        return _packed_cache(fmt, num_blocks, block_size, num_kv_heads, head_size, device, seed)
+    shape = _cache_shape(fmt, num_blocks, block_size, num_kv_heads, head_size)
     physical = tuple(shape[i] for i in order)
     itemsize = 1 if fmt.is_quantized else 2
     page = fmt.page_bytes(num_kv_heads, head_size, head_size, block_size)
@@ -250,7 +277,7 @@ def write_cache(
     k_scale = k_scale.to(device=device, dtype=torch.float32)
     v_scale = v_scale.to(device=device, dtype=torch.float32)
     if fmt.is_packed:
-        kv_cache = _write_packed(sample, fmt, num_blocks, block_size, slot_mapping)
+        kv_cache = _write_packed(sample, fmt, num_blocks, block_size, slot_mapping, seed)
     else:
         kv_cache = allocate_cache(
             fmt, num_blocks, block_size, sample.num_kv_heads, sample.head_size, layout, device, seed

@@ -35,7 +35,8 @@ class CodecReader:
         n = cache.block_size
         page, row = cache.slot_mapping // n, cache.slot_mapping % n
         if cache.fmt.is_packed:
-            return cache.fmt.slot_codec(cache.head_size).decode(cache.kv_cache[page, row])
+            slots = cache.kv_cache.transpose(1, 2)[page, row]  # (B, H, N, slot) -> [T, H, slot]
+            return cache.fmt.slot_codec(cache.head_size).decode(slots)
         k = dequantize_side(
             cache, cache.key_cache, cache.k_scale, cache.k_scale_layout, cache.head_size
         )

@@ -26,7 +26,8 @@ class PagedCache:
     Attributes:
         fmt: the format the cache was written in.
         kv_cache: logical ``(B, 2, N, H, D')`` view (uint8 for quantized formats, else bf16);
-            ``(B, N, H, slot_bytes)`` uint8 for a packed-slot format (K and V in one slot).
+            ``(B, H, N, slot_bytes)`` uint8 for a packed-slot format (K and V in one slot; the
+            reference backend's shape, stored block, token, head, slot).
         slot_mapping: int64 ``[T]``, slot of each written token, in sample token order.
         block_tables: one int64 tensor of page ids per sequence.
         seq_lens: tokens of each sequence.
@@ -61,7 +62,7 @@ class PagedCache:
 
     @property
     def block_size(self) -> int:
-        return self.kv_cache.shape[1 if self.fmt.is_packed else 2]
+        return self.kv_cache.shape[2]
 
     def replace(self, **changes: object) -> PagedCache:
         """A copy with some fields replaced (the tensors are shared, not copied)."""

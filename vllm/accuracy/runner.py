@@ -232,7 +232,7 @@ def run_check(
     if no_kernel:
         report.notes.append(
             f"writer: {', '.join(no_kernel)} written by their reference codecs (no compiled "
-            "writer yet); packed K+V slots read by their codecs"
+            "writer yet)"
         )
     if writer == "auto" and any(
         w == "reference" and has_kernel(f) for f, w in writers.items() if f.is_quantized

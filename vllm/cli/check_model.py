@@ -145,8 +145,7 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 def backend_dtypes(backend: str) -> frozenset[str]:
     """The cache dtypes the model report's attention ``backend`` reads: CPU_ATTN's kernels', or
-    every format a reference codec reads per side (REFERENCE; packed K+V slots are not read by
-    either yet)."""
+    REFERENCE's (every format a reference codec reads, per side or packed K+V slots)."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
     from vllm.v1.attention.backends.reference import ReferenceAttentionBackend
 

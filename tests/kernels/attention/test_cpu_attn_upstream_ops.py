@@ -253,10 +253,13 @@ def select(kv_cache_dtype: str, use_mla: bool = False) -> str:
 
 
 def test_cpu_platform_selects_cpu_attn_for_every_format_its_kernels_read() -> None:
-    for dtype in ("auto", "bfloat16", "fp8", "fp8_e5m2", "nvfp4", "int8_per_token_head"):
+    kernels = ("auto", "bfloat16", "fp8", "fp8_e5m2", "nvfp4", "int8_per_token_head")
+    for dtype in (*kernels, "int4_per_token_head"):
         assert select(dtype).endswith("cpu_attn.CPUAttentionBackend")
-    with pytest.raises(ValueError, match="turboquant_k8v4"):
-        select("turboquant_k8v4")
+    # Packed K+V slots: no CPU_ATTN reader yet, the reference backend reads them.
+    assert select("turboquant_k8v4").endswith("reference.ReferenceAttentionBackend")
+    with pytest.raises(ValueError, match="nvfp4_ds_mla"):
+        select("nvfp4_ds_mla")
     assert "MLA" in select("auto", use_mla=True)
     with pytest.raises(ValueError, match="kv_cache_dtype: expected one of auto, bfloat16"):
         select("fp8", use_mla=True)

@@ -11,7 +11,9 @@ import math
 import pytest
 import torch
 
+from vllm.kv_quant import octave
 from vllm.kv_quant.formats import find_format
+from vllm.kv_quant.slot_codecs import OCTAVE_CHECK_ROPE_DIM, is_packed, slot_codec
 from vllm.utils.torch_utils import get_dtype_size
 from vllm.v1.attention.backends.abstract import MultipleOf
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -38,11 +40,15 @@ def _backends() -> list[AttentionBackendEnum]:
 
 
 def _stores(cache_dtype: str, head_size: int) -> bool:
-    """Whether the format has rows for this head size (``ultraquant_4bit``: multiples of 32)."""
+    """Whether the format has rows for this head size (``ultraquant_4bit``: multiples of 32,
+    TurboQuant: powers of two; Octave's block K at the model's rotary dims the test sets)."""
     fmt = find_format(cache_dtype)
     assert fmt is not None, cache_dtype
     try:
-        fmt.last_dim(head_size)
+        if is_packed(fmt):
+            slot_codec(fmt, head_size, OCTAVE_CHECK_ROPE_DIM)
+        else:
+            fmt.last_dim(head_size)
     except ValueError:
         return False
     return True
@@ -95,8 +101,11 @@ def test_every_registered_backend_is_covered() -> None:
 
 @pytest.mark.parametrize(("backend_name", "cache_dtype", "head_size"), _cases())
 def test_backend_shape_equals_spec_shape(
-    backend_name: str, cache_dtype: str, head_size: int
+    backend_name: str, cache_dtype: str, head_size: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Octave's block-K slot needs the model's rotary dims, as a model registers them.
+    monkeypatch.setattr(octave, "_rope_dims", {})
+    octave.register_rope_dim(head_size, OCTAVE_CHECK_ROPE_DIM)
     backend = AttentionBackendEnum[backend_name].get_class()
     spec = _spec(backend.is_mla, cache_dtype, head_size)
     itemsize = get_dtype_size(spec.kv_cache_format.resolve_storage_dtype(spec.dtype))

@@ -8,30 +8,41 @@ gathers the pages it needs, dequantizes them with the encoding's reference codec
 (:mod:`vllm.kv_quant.codecs`: unquantized, FP8 e4m3 / e5m2 with per-tensor or ``[H]`` scales,
 NVFP4 with linear or interleave4 block scales, K and V layouts independent, per-token-head
 rows), rebuilds keys as the encoding's key transform says, then attends in fp32.
+
+The packed-slot formats (TurboQuant, UltraQuant, Octave: K and V of a token and KV head in one
+slot) use TURBOQUANT's cache instead, ``(B, H, N, slot_bytes)`` uint8 stored block, token, head,
+slot, written and decoded by their reference codecs (:mod:`.reference_packed`).
 """
 
 from __future__ import annotations
 
-import math
 from typing import ClassVar
 
 import torch
 
-from vllm.kv_quant import KeyRope, KeyTransform, ScaleLayout, interleave4_index, kv_scale_as_1d
+from vllm.kv_quant import KeyRope, KeyTransform, ScaleLayout, interleave4_index
 from vllm.kv_quant.codecs import codec_dtype_names
-from vllm.kv_quant.encoding import KVCacheEncoding
-from vllm.kv_quant.formats import find_format
+from vllm.kv_quant.encoding import KVCacheEncoding, ScaleGranularity
+from vllm.kv_quant.formats import find_format, formats
 from vllm.kv_quant.key_sinks import key_sink_scale, write_key_sinks
-from vllm.utils import check_positive_int
+from vllm.kv_quant.slot_codecs import is_packed
 from vllm.v1.attention.backends.abstract import (
     AttentionBackend,
     AttentionImpl,
     AttentionLayer,
     KVCacheScaleLayouts,
+    check_kv_cache_shape_args,
     paged_kv_cache_shape,
     softmax_scale,
 )
 from vllm.v1.attention.backends.key_rebuild import KeyRebuild, key_positions, key_sink_rows
+from vllm.v1.attention.backends.reference_args import (
+    check_impl_args,
+    check_output,
+    check_scale,
+    check_side,
+    one_layout,
+)
 from vllm.v1.attention.backends.reference_attend import (
     attend_fp32,
     check_codec_write,
@@ -41,8 +52,8 @@ from vllm.v1.attention.backends.reference_attend import (
 from vllm.v1.attention.backends.reference_metadata import (
     CheckedForward,
     ReferenceAttentionMetadata,
-    as_int_list,
 )
+from vllm.v1.attention.backends.reference_packed import PackedSlots, packed_kv_cache_shape
 from vllm.v1.attention.backends.utils import check_sequences, key_window, split_kv_cache
 
 
@@ -50,7 +61,10 @@ class ReferenceAttentionBackend(AttentionBackend):
     """Pure-torch paged attention over every cache format, on CPU and any CUDA GPU."""
 
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list[str]] = list(codec_dtype_names())
+    supported_kv_cache_dtypes: ClassVar[list[str]] = [
+        *codec_dtype_names(),
+        *(f.name for f in formats() if is_packed(f)),
+    ]
     supports_head_size_v: ClassVar[bool] = True
     supported_features: ClassVar[frozenset[str]] = AttentionBackend.supported_features.union(
         ("has_sink", "has_sliding_window", "use_non_causal", "use_per_head_quant_scales")
@@ -69,7 +83,15 @@ class ReferenceAttentionBackend(AttentionBackend):
         cache_dtype_str: str = "auto",
     ) -> tuple[int, ...]:
         """``(num_blocks, 2, block_size, num_kv_heads, F(head_size) if nvfp4 else head_size)``,
-        the same as FlashInfer's."""
+        the same as FlashInfer's; a packed-slot format's is TURBOQUANT's ``(num_blocks,
+        num_kv_heads, block_size, slot_bytes)`` uint8, stored block, token, head, slot
+        (:data:`~vllm.v1.attention.backends.reference_packed.PACKED_STRIDE_ORDER`)."""
+        fmt = find_format(cache_dtype_str)
+        if fmt is not None and is_packed(fmt):
+            check_kv_cache_shape_args(
+                "ReferenceAttentionBackend", num_blocks, block_size, num_kv_heads, head_size
+            )
+            return packed_kv_cache_shape(fmt, num_blocks, block_size, num_kv_heads, head_size)
         return paged_kv_cache_shape(
             "ReferenceAttentionBackend",
             num_blocks,
@@ -90,19 +112,6 @@ class ReferenceAttentionBackend(AttentionBackend):
 
 _UNIT_SCALE = torch.ones(1, dtype=torch.float32)
 """The scale that an unquantized cache's reads and writes ignore (never written to)."""
-
-
-def _one_layout(
-    name: str, given: ScaleLayout | str | None, encoded: ScaleLayout | None
-) -> ScaleLayout | None:
-    """A side's block-scale layout from the constructor argument and the encoding (either may
-    name it; ``ValueError`` when both do, differently)."""
-    layout = None if given is None else ScaleLayout.parse(given)
-    if layout is not None and encoded is not None and layout is not encoded:
-        raise ValueError(
-            f"{name}: expected the encoding's {encoded.value} (or None), got {layout.value}"
-        )
-    return layout if layout is not None else encoded
 
 
 class ReferenceAttentionImpl(AttentionImpl):
@@ -148,28 +157,12 @@ class ReferenceAttentionImpl(AttentionImpl):
     ) -> None:
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         head_size_v = head_size if head_size_v is None else head_size_v
-        for name, value in (
-            ("num_heads", num_heads),
-            ("num_kv_heads", num_kv_heads),
-            ("head_size", head_size),
-            ("head_size_v", head_size_v),
-        ):
-            check_positive_int(name, value)
-        if num_heads % num_kv_heads != 0:
-            raise ValueError(
-                f"num_heads: expected a multiple of num_kv_heads={num_kv_heads} (GQA), "
-                f"got {num_heads}"
-            )
-        if sliding_window is not None and (
-            isinstance(sliding_window, bool)
-            or not isinstance(sliding_window, int)
-            or sliding_window <= 0
-        ):
-            raise ValueError(
-                f"sliding_window: expected None or a positive int (tokens), got {sliding_window!r}"
-            )
+        check_impl_args(
+            num_heads, num_kv_heads, head_size, head_size_v, sliding_window, logits_soft_cap, sinks
+        )
         encoding = KVCacheEncoding.of(kv_cache_dtype, include_mla_only=False)
         fmt = encoding.format
+        self._packed = self._packed_slots(encoding, num_kv_heads, head_size, head_size_v, key_rope)
         group = fmt.block_scale_group
         if group is not None:
             for name, value in (("head_size", head_size), ("head_size_v", head_size_v)):
@@ -178,18 +171,11 @@ class ReferenceAttentionImpl(AttentionImpl):
                         f"{name}: {fmt.label.upper()} KV cache needs a multiple of {group}, "
                         f"got {value}"
                     )
-        encoding.check_geometry(None, num_kv_heads, head_size, head_size_v)
+        if self._packed is None:
+            encoding.check_geometry(None, num_kv_heads, head_size, head_size_v)
         transform = KeyTransform.bind(encoding.key, key_rope)
         if key_rope is not None and encoding.key.rope is None:
             encoding = encoding.with_rope(key_rope)
-        if logits_soft_cap is not None and not logits_soft_cap > 0:
-            raise ValueError(
-                f"logits_soft_cap: expected None or a positive float, got {logits_soft_cap!r}"
-            )
-        if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != num_heads):
-            raise ValueError(
-                f"sinks: expected shape [num_heads] = [{num_heads}], got {list(sinks.shape)}"
-            )
         encoding.check_attention(logits_soft_cap, sinks is not None)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -205,18 +191,57 @@ class ReferenceAttentionImpl(AttentionImpl):
         self.kv_cache_format = fmt
         self.key_transform = transform
         """The encoding's key transform with the model's RoPE and the calibrated offset."""
-        self._cache_dims = {h: fmt.last_dim(h) for h in (head_size, head_size_v)}  # D -> D'
+        # D -> D' of the per-side rows (a packed-slot cache has none).
+        sizes = () if self._packed else (head_size, head_size_v)
+        self._cache_dims = {h: fmt.last_dim(h) for h in sizes}
         self.logits_soft_cap = logits_soft_cap
         self.sinks = sinks
         # None: the backend's default for the cache's geometry, known at the first cache.
-        self.k_scale_layout = _one_layout("k_scale_layout", k_scale_layout, encoding.k_scale_layout)
+        self.k_scale_layout = one_layout("k_scale_layout", k_scale_layout, encoding.k_scale_layout)
         v_given = v_scale_layout
         if v_given is None and k_scale_layout is not None:
             v_given = self.k_scale_layout
-        self.v_scale_layout = _one_layout("v_scale_layout", v_given, encoding.v_scale_layout)
+        self.v_scale_layout = one_layout("v_scale_layout", v_given, encoding.v_scale_layout)
         # Block size -> scale_layouts() checked to fit its pages; the layouts and head sizes
         # are fixed here, so an entry never goes stale.
         self._fitting_layouts: dict[int, KVCacheScaleLayouts] = {}
+
+    def _packed_slots(
+        self,
+        encoding: KVCacheEncoding,
+        num_kv_heads: int,
+        head_size: int,
+        head_size_v: int,
+        key_rope: KeyRope | None,
+    ) -> PackedSlots | None:
+        """The packed-slot codec of ``encoding``'s format (None for a per-side format), after
+        the checks such a format needs: read by this impl's own :meth:`forward` (an impl that
+        replaces it runs kernels that do not read these slots), no per-head scales or key
+        RoPE (the slot keeps its own scales and stores keys as given), K and V of one size."""
+        fmt = encoding.format
+        if not is_packed(fmt):
+            return None
+        if type(self).forward is not ReferenceAttentionImpl.forward:
+            raise ValueError(
+                f"kv_cache_dtype: expected a format {type(self).__name__} reads (the packed-slot "
+                f"formats are read by REFERENCE or their own backend), got {fmt.name!r}"
+            )
+        if encoding.granularity is ScaleGranularity.HEAD:
+            raise ValueError(
+                f"kv_cache_dtype: expected {fmt.name} without /head (a packed-slot format keeps "
+                f"its scales inside each slot), got {encoding.id!r}"
+            )
+        if key_rope is not None:
+            raise ValueError(
+                f"key_rope: expected None for {fmt.name} (a packed-slot format stores keys as "
+                "given), got a KeyRope"
+            )
+        if head_size_v != head_size:
+            raise ValueError(
+                f"head_size_v: expected head_size={head_size} (a {fmt.name} slot holds K and V "
+                f"of one size), got {head_size_v}"
+            )
+        return PackedSlots(fmt, num_kv_heads, head_size)
 
     def set_key_offset(self, offset: torch.Tensor | None) -> None:
         """Subtract ``offset`` (``[num_kv_heads, head_size]``, finite; calibrated state, e.g.
@@ -248,43 +273,23 @@ class ReferenceAttentionImpl(AttentionImpl):
 
     # ----------------------------------------------------------------------------- checks
 
-    def _check_side(self, side: torch.Tensor, name: str, head_size: int) -> None:
-        expected_dim = self._cache_dims[head_size]
-        if side.dim() != 4 or side.shape[2] != self.num_kv_heads or side.shape[3] != expected_dim:
-            raise ValueError(
-                f"{name}: expected a (B, N, {self.num_kv_heads}, {expected_dim}) cache side for "
-                f"kv_cache_dtype={self.kv_cache_dtype!r}, head size {head_size}, got shape "
-                f"{list(side.shape)}"
-            )
-        quantized = self.kv_cache_format.is_quantized
-        storage = self.kv_cache_format.storage_dtype
-        if quantized and side.dtype != storage:
-            raise ValueError(
-                f"{name}: expected dtype {storage} for a {self.kv_cache_dtype} cache, "
-                f"got {side.dtype}"
-            )
-        if not quantized and not side.dtype.is_floating_point:
-            raise ValueError(
-                f"{name}: expected a floating dtype for kv_cache_dtype="
-                f"{self.kv_cache_dtype!r}, got {side.dtype}"
-            )
-
-    def _check_scale(self, scale: torch.Tensor, name: str) -> torch.Tensor:
-        scale = kv_scale_as_1d(scale, name, self.num_kv_heads)
-        # One host copy of the (at most num_kv_heads) values: cheaper per call than tensor ops.
-        values = scale.tolist()
-        if not all(0 < v < math.inf for v in values):  # NaN fails too
-            raise ValueError(f"{name}: a quantized KV cache needs finite scales > 0, got {values}")
-        return scale
-
     def _cache_views(
         self, kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The checked cache sides and the key sink rows of their pages (None without sinks);
-        the layouts and the encoding checked against the pages."""
+        the layouts and the encoding checked against the pages. A packed-slot cache: its
+        ``(B, N, H, slot)`` view as both sides."""
+        if self._packed is not None:
+            view = self._packed.cache_view(kv_cache)
+            return view, view, None
         key_cache, value_cache = split_kv_cache(kv_cache)
-        self._check_side(key_cache, "key_cache", self.head_size)
-        self._check_side(value_cache, "value_cache", self.head_size_v)
+        for name, side, size in (
+            ("key_cache", key_cache, self.head_size),
+            ("value_cache", value_cache, self.head_size_v),
+        ):
+            dim = self._cache_dims[size]
+            fmt, dtype = self.kv_cache_format, self.kv_cache_dtype
+            check_side(side, name, self.num_kv_heads, dim, size, fmt, dtype)
         self._fitting_scale_layouts(key_cache.shape[1])
         sink_tokens = self.kv_cache_encoding.key.sink_tokens
         if not sink_tokens:
@@ -331,6 +336,9 @@ class ReferenceAttentionImpl(AttentionImpl):
         sink_rows: torch.Tensor | None,
     ) -> None:
         """:meth:`do_kv_cache_update` on checked cache views."""
+        if self._packed is not None:
+            self._packed.write(key, value, key_cache, slot_mapping)
+            return
         transform = self.key_transform
         if transform.rebuilds_keys:
             positions = key_positions(key, positions, self.kv_cache_encoding.id)
@@ -410,9 +418,10 @@ class ReferenceAttentionImpl(AttentionImpl):
         if query.device != device:
             raise ValueError(f"query: expected device {device} (the cache's), got {query.device}")
         k_scale = v_scale = _UNIT_SCALE
-        if self.kv_cache_encoding.codec.reads_kv_scale:  # per-token-head: scales unread
-            k_scale = self._check_scale(layer._k_scale, "k_scale").to(device)
-            v_scale = self._check_scale(layer._v_scale, "v_scale").to(device)
+        # Per-token-head rows and packed slots keep their own scales.
+        if self._packed is None and self.kv_cache_encoding.codec.reads_kv_scale:
+            k_scale = check_scale(layer._k_scale, "k_scale", self.num_kv_heads).to(device)
+            v_scale = check_scale(layer._v_scale, "v_scale", self.num_kv_heads).to(device)
 
         num_tokens = attn_metadata.num_actual_tokens
         if num_tokens > query.shape[0]:
@@ -425,20 +434,9 @@ class ReferenceAttentionImpl(AttentionImpl):
                 query.shape[0], self.num_heads, self.head_size_v, dtype=query.dtype, device=device
             )
         else:
-            self._check_output(output, query, num_tokens)
-        qsl = as_int_list(attn_metadata.query_start_loc, "query_start_loc")
-        seq_lens = as_int_list(attn_metadata.seq_lens, "seq_lens")
+            check_output(output, query, num_tokens, self.num_heads, self.head_size_v)
+        qsl, seq_lens = attn_metadata.checked_batch()
         block_table = attn_metadata.block_table
-        if len(qsl) != len(seq_lens) + 1 or qsl[0] != 0 or qsl[-1] != num_tokens:
-            raise ValueError(
-                f"query_start_loc: expected {len(seq_lens) + 1} entries from 0 to "
-                f"num_actual_tokens={num_tokens}, got {qsl}"
-            )
-        if block_table.dim() != 2 or block_table.shape[0] < len(seq_lens):
-            raise ValueError(
-                f"block_table: expected shape [{len(seq_lens)}, max_blocks], "
-                f"got {list(block_table.shape)}"
-            )
         check_sequences(qsl, seq_lens, block_table, block_size, num_blocks, self.sliding_window)
         rope = self.key_transform.rope
         longest = max(seq_lens, default=0)
@@ -452,28 +450,13 @@ class ReferenceAttentionImpl(AttentionImpl):
             query, key_cache, value_cache, output, k_scale, v_scale, qsl, seq_lens, sink_rows
         )
 
-    def _check_output(self, output: torch.Tensor, query: torch.Tensor, num_tokens: int) -> None:
-        if output.dim() != 3 or tuple(output.shape[1:]) != (self.num_heads, self.head_size_v):
-            raise ValueError(
-                f"output: expected shape [T, {self.num_heads}, {self.head_size_v}], "
-                f"got {list(output.shape)}"
-            )
-        if output.shape[0] < num_tokens:
-            raise ValueError(
-                f"output: expected at least num_actual_tokens={num_tokens} rows, "
-                f"got {output.shape[0]}"
-            )
-        if output.dtype != query.dtype or output.device != query.device:
-            raise ValueError(
-                f"output: expected dtype {query.dtype} on {query.device} (the query's), "
-                f"got {output.dtype} on {output.device}"
-            )
-
     def _fitting_scale_layouts(self, block_size: int) -> KVCacheScaleLayouts:
         """:meth:`scale_layouts`, checked (NVFP4) to fit pages of ``block_size`` tokens
         (interleave4's needs: ``ValueError``) with the encoding's page rules (key sinks within
         a page); computed once per block size."""
         layouts = self._fitting_layouts.get(block_size)
+        if layouts is None and self._packed is not None:  # no per-side rows to check
+            layouts = self._fitting_layouts[block_size] = self.scale_layouts(block_size)
         if layouts is None:
             self.kv_cache_encoding.check_geometry(
                 block_size, self.num_kv_heads, self.head_size, self.head_size_v
@@ -534,6 +517,24 @@ class ReferenceAttentionImpl(AttentionImpl):
             return query, output
         return query, torch.empty(output.shape, dtype=output.dtype, device=output.device)
 
+    def _read_pages(
+        self, checked: CheckedForward, pages: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 keys ``[len(pages) * N, Hkv, D]`` and values ``[..., Dv]`` of cache pages
+        ``pages``, token after token, as stored (the key transform's read half not applied)."""
+        if self._packed is not None:
+            return self._packed.read(checked.key_cache, pages)
+        k_layout, v_layout = self._fitting_scale_layouts(checked.key_cache.shape[1])
+        codec = self.kv_cache_encoding.codec
+        k_pages = gather_pages(checked.key_cache, pages)
+        v_pages = gather_pages(checked.value_cache, pages)
+        k = codec.read(k_pages, checked.k_scale, self.head_size, k_layout, torch.float32)
+        v = codec.read(v_pages, checked.v_scale, self.head_size_v, v_layout, torch.float32)
+        return (
+            k.reshape(-1, self.num_kv_heads, self.head_size),
+            v.reshape(-1, self.num_kv_heads, self.head_size_v),
+        )
+
     def forward(
         self,
         layer: AttentionLayer,
@@ -553,15 +554,12 @@ class ReferenceAttentionImpl(AttentionImpl):
         """
         checked = self._begin_forward(layer, query, key, value, kv_cache, attn_metadata, output)
         query, output = checked.query, checked.output
-        key_cache, value_cache = checked.key_cache, checked.value_cache
-        k_scale, v_scale = checked.k_scale, checked.v_scale
+        key_cache = checked.key_cache
         qsl, seq_lens = checked.query_start_loc, checked.seq_lens
         device = key_cache.device
         block_size = key_cache.shape[1]
-        k_layout, v_layout = self._fitting_scale_layouts(block_size)
         block_table = attn_metadata.block_table.to(device=device, dtype=torch.int64)
         rebuild = self._key_rebuild(checked, block_table)
-        codec = self.kv_cache_encoding.codec
 
         for i, seq_len in enumerate(seq_lens):
             q_start, q_end = qsl[i], qsl[i + 1]
@@ -574,12 +572,8 @@ class ReferenceAttentionImpl(AttentionImpl):
             pages = block_table[i, p0 : p1 + 1]
             start = first_key - p0 * block_size
             stop = last_key + 1 - p0 * block_size
-            k_pages = gather_pages(key_cache, pages)
-            v_pages = gather_pages(value_cache, pages)
-            k = codec.read(k_pages, k_scale, self.head_size, k_layout, torch.float32)
-            v = codec.read(v_pages, v_scale, self.head_size_v, v_layout, torch.float32)
-            k = k.reshape(-1, self.num_kv_heads, self.head_size)[start:stop]
-            v = v.reshape(-1, self.num_kv_heads, self.head_size_v)[start:stop]
+            k, v = self._read_pages(checked, pages)
+            k, v = k[start:stop], v[start:stop]
             key_pos = torch.arange(first_key, last_key + 1, device=device)
             if rebuild is not None:
                 k = rebuild.keys(k, i, key_pos)

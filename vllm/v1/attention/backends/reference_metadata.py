@@ -101,6 +101,25 @@ class ReferenceAttentionMetadata:
             causal=causal,
         )
 
+    def checked_batch(self) -> tuple[list[int], list[int]]:
+        """``(query_start_loc, seq_lens)`` as int lists, checked against each other,
+        ``num_actual_tokens`` and the block table's rows (``ValueError`` naming the field)."""
+        qsl = as_int_list(self.query_start_loc, "query_start_loc")
+        seq_lens = as_int_list(self.seq_lens, "seq_lens")
+        num_tokens = self.num_actual_tokens
+        if len(qsl) != len(seq_lens) + 1 or qsl[0] != 0 or qsl[-1] != num_tokens:
+            raise ValueError(
+                f"query_start_loc: expected {len(seq_lens) + 1} entries from 0 to "
+                f"num_actual_tokens={num_tokens}, got {qsl}"
+            )
+        table = self.block_table
+        if table.dim() != 2 or table.shape[0] < len(seq_lens):
+            raise ValueError(
+                f"block_table: expected shape [{len(seq_lens)}, max_blocks], "
+                f"got {list(table.shape)}"
+            )
+        return qsl, seq_lens
+
     def token_positions(self) -> torch.Tensor:
         """int64 ``[num_actual_tokens]``: each new token's position in its sequence (computed
         at the first call and kept: every layer of a step asks for it)."""

@@ -22,12 +22,13 @@ upstream's ``unified_attention_int4``); batches with several queries per sequenc
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from vllm.kv_quant.formats import KVQuantMode
+from vllm.kv_quant.formats import KVQuantMode, lookup
 from vllm.kv_quant.int4_per_token_head import int4_scale_words
+from vllm.kv_quant.slot_codecs import is_packed
 from vllm.triton_utils import HAS_TRITON, triton_interpreted
 from vllm.v1.attention.backends.abstract import AttentionLayer, DeviceCapability
 from vllm.v1.attention.backends.reference import (
@@ -43,8 +44,15 @@ MIN_CAPABILITY = (8, 0)
 
 
 class TritonAttentionBackend(ReferenceAttentionBackend):
-    """Triton paged attention over every cache format, on CUDA sm_80+ (and on the CPU under
-    Triton's interpreter)."""
+    """Triton paged attention over every cache format but the packed K+V slots (their own
+    backends: TURBOQUANT, ULTRAQUANT), on CUDA sm_80+ (and on the CPU under Triton's
+    interpreter)."""
+
+    supported_kv_cache_dtypes: ClassVar[list[str]] = [
+        name
+        for name in ReferenceAttentionBackend.supported_kv_cache_dtypes
+        if not is_packed(lookup(name))
+    ]
 
     @staticmethod
     def get_name() -> str:
