@@ -43,8 +43,9 @@ from vllm.v1.attention.ops.triton_attention_plan import (
 )
 from vllm.v1.attention.ops.triton_attention_reduce import store_output
 from vllm.v1.attention.ops.triton_packed_kv_tiles import (
-    PACKED_INT4,
+    INT4_FORMAT,
     PACKED_TURBOQUANT,
+    TURBOQUANT_FORMAT,
     int4_tile,
     turboquant_key_tile,
     turboquant_value_tile,
@@ -62,8 +63,8 @@ __all__ = [
 
 
 class PackedLayout(NamedTuple):
-    """The format constants of one packed cache: ``format`` (:data:`PACKED_TURBOQUANT` /
-    :data:`PACKED_INT4`) and, for TurboQuant, the config's key / value bits."""
+    """The format constants of one packed cache: ``format`` (:data:`TURBOQUANT_FORMAT` /
+    :data:`INT4_FORMAT`) and, for TurboQuant, the config's key / value bits."""
 
     format: int
     key_fp8: bool = False
@@ -74,7 +75,7 @@ class PackedLayout(NamedTuple):
     @classmethod
     def turboquant(cls, cfg: TurboQuantConfig) -> PackedLayout:
         return cls(
-            PACKED_TURBOQUANT.value,
+            TURBOQUANT_FORMAT,
             cfg.key_fp8,
             cfg.key_mse_bits,
             cfg.norm_correction,
@@ -82,7 +83,7 @@ class PackedLayout(NamedTuple):
         )
 
 
-INT4_LAYOUT = PackedLayout(PACKED_INT4.value)
+INT4_LAYOUT = PackedLayout(INT4_FORMAT)
 """The layout of an ``int4_per_token_head`` cache (no further constants)."""
 
 
@@ -399,7 +400,7 @@ def plan_packed_attention(
     per sequence, window W in keys, soft cap, sinks, per-sequence causal flags, split count,
     prefix ranges, ALiBi, q/q bias). Arguments are assumed checked by the caller, but for the
     query dtype TurboQuant's fp32 tiles need."""
-    if layout.format == PACKED_TURBOQUANT.value and query.dtype != torch.float32:
+    if layout.format == TURBOQUANT_FORMAT and query.dtype != torch.float32:
         raise ValueError(f"query: expected float32 for TurboQuant pages, got {query.dtype}")
     staging = FP32Staging.needed(query, out)
     if staging is not None:
@@ -493,7 +494,7 @@ def plan_packed_attention(
                              HEAD_SIZE_PADDED=dv_pad, query_start_len_ptr=qsl, BLOCK_Q=block_q,
                              NUM_SEGMENTS_PER_SEQ=num_splits, USE_FP8=False)  # fmt: skip
     # TurboQuant values are the codec's `code * scale + lo`, two roundings: no FMA contraction.
-    fusion = layout.format != PACKED_TURBOQUANT.value
+    fusion = layout.format != TURBOQUANT_FORMAT
     launch = PagedAttentionLaunch(
         (num_programs, num_kv_heads, num_splits), args, constexprs, reduce_args, reduce_kwargs,
         staging, fusion, tiling.num_warps,

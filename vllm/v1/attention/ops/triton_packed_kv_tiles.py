@@ -21,11 +21,15 @@ from __future__ import annotations
 from vllm.triton_utils import tl, triton
 from vllm.v1.attention.ops.triton_kv_decode import fp8_units
 
-PACKED_TURBOQUANT = tl.constexpr(0)
+TURBOQUANT_FORMAT = 0
 """The fused kernel's ``FORMAT`` for TurboQuant slots (key and value in one row)."""
 
-PACKED_INT4 = tl.constexpr(1)
+INT4_FORMAT = 1
 """The fused kernel's ``FORMAT`` for ``int4_per_token_head`` sides and their scale words."""
+
+# The same values as kernel constants (a plain int when Triton is not installed).
+PACKED_TURBOQUANT = tl.constexpr(TURBOQUANT_FORMAT)
+PACKED_INT4 = tl.constexpr(INT4_FORMAT)
 
 NORM_EPS = tl.constexpr(1e-16)
 """The codec's: added to the centroid vector's squared length under norm correction (an
