@@ -8,17 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from vllm import _custom_ops as ops
+from vllm import _extension
 
 
 def test_missing_extension_says_how_to_build(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ops, "_extension_path", lambda: None)
+    monkeypatch.setattr(_extension, "extension_path", lambda: None)
     with pytest.raises(ImportError, match=r"pip install --no-build-isolation -e \."):
-        ops._load_extension()
+        _extension.load_extension()
 
 
 def test_extension_is_found() -> None:
-    path = ops._extension_path()
+    path = _extension.extension_path()
     assert path is not None and path.name.startswith("_C")
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from vllm import _custom_ops as ops
+from vllm import _extension
 
 # libstdc++'s own definitions (mangled): a library that defines any of them carries a copy.
 LIBSTDCXX_PROBES = {
@@ -33,7 +34,7 @@ def _fs_io_path() -> Path:
 @pytest.mark.skipif(shutil.which("nm") is None, reason="needs binutils' nm")
 @pytest.mark.parametrize("extension", ["_C", "fs_io_C"])
 def test_extension_defines_no_libstdcxx_code(extension: str) -> None:
-    path = ops._extension_path() if extension == "_C" else _fs_io_path()
+    path = _extension.extension_path() if extension == "_C" else _fs_io_path()
     assert path is not None and path.is_file(), f"the extension {extension} is not built"
     out = subprocess.run(
         ["nm", "--defined-only", str(path)], capture_output=True, text=True, check=True, timeout=60

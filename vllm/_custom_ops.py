@@ -1,19 +1,19 @@
 """Python entry points of the compiled cache ops (``torch.ops._C_cache_ops``).
 
-Importing this module loads the extension ``vllm/_C`` built by ``setup.py`` and registers the
-fake (meta) implementations that ``torch.compile`` traces with.
+Importing this module loads the extension ``vllm/_C`` built by ``setup.py``
+(:mod:`vllm._extension`) and registers the fake (meta) implementations that ``torch.compile``
+traces with.
 """
 
 from __future__ import annotations
 
-import importlib.machinery
 import os
-from pathlib import Path
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from vllm import _cpu_attn_args as cpu_attn_args
+from vllm import _extension  # noqa: F401  (loads the compiled ops first)
 from vllm._cpu_attn_args import (  # upstream's name, re-exported
     cpu_attn_get_scheduler_metadata as cpu_attn_get_scheduler_metadata,
 )
@@ -25,29 +25,6 @@ from vllm.kv_quant.scale_layout import ScaleLayout
 DEBUG_CHECKS_ENV = "VLLM_KV_DEBUG_CHECKS"
 """Set to ``1`` to make :func:`reshape_and_cache_flash` check scale values on the host (a device
 sync on CUDA)."""
-
-
-def _extension_path() -> Path | None:
-    here = Path(__file__).resolve().parent
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        candidate = here / f"_C{suffix}"
-        if candidate.is_file():
-            return candidate
-    return None
-
-
-def _load_extension() -> None:
-    path = _extension_path()
-    if path is None:
-        raise ImportError(
-            "vllm._C (the compiled cache ops) is not built: run "
-            "`pip install --no-build-isolation -e .` in the repository root (needs torch, "
-            "cmake >= 3.22, ninja and a C++20 compiler)"
-        )
-    torch.ops.load_library(str(path))
-
-
-_load_extension()
 
 
 def _is_abstract(t: torch.Tensor) -> bool:

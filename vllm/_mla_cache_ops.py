@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from vllm import _extension  # noqa: F401  (the compiled writer's op, before its fake)
 from vllm.kv_quant.ds_mla_nvfp4 import (
     NVFP4_DS_MLA,
     check_nvfp4_ds_mla_write,
@@ -248,6 +249,14 @@ def _compiled_nvfp4_ds_mla(device: torch.device) -> Any | None:
         return None
     key = "CUDA" if device.type == "cuda" else "CPU"
     return op if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key) else None
+
+
+@torch.library.register_fake("_C_cache_ops::concat_and_cache_nvfp4_ds_mla")
+def _nvfp4_ds_mla_writer_fake(
+    kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    # Tracing rejects what the writer would (dtypes, shapes, devices); slot values are its own.
+    check_nvfp4_ds_mla_write(kv_c, k_pe, kv_cache, slot_mapping[:0])
 
 
 # The extension has no general MLA writer, so the op upstream's tests call (and ``opcheck``) by its

@@ -89,3 +89,14 @@ def test_bad_arguments_name_what_is_wrong(change: str, message: str) -> None:
     with pytest.raises(RuntimeError, match=message):
         torch.ops._C_cache_ops.concat_and_cache_nvfp4_ds_mla(kv_c, k_pe, cache, slots)
     assert torch.equal(cache, before)
+
+
+def test_fake_kernel_traces_and_checks_on_meta() -> None:
+    meta = torch.device("meta")
+    kv_c = torch.empty(4, NOPE, dtype=torch.bfloat16, device=meta)
+    k_pe = torch.empty(4, ROPE, dtype=torch.bfloat16, device=meta)
+    cache = torch.empty(2, 8, RECORD, dtype=torch.uint8, device=meta)
+    slots = torch.empty(4, dtype=torch.int64, device=meta)
+    torch.ops._C_cache_ops.concat_and_cache_nvfp4_ds_mla(kv_c, k_pe, cache, slots)
+    with pytest.raises(ValueError, match="kv_c: expected a torch.bfloat16 tensor"):
+        torch.ops._C_cache_ops.concat_and_cache_nvfp4_ds_mla(kv_c.float(), k_pe, cache, slots)
