@@ -4,8 +4,10 @@
 // the process so that a kernel still running on a stream never sees them freed.
 #include "int4_rht_signs_torch.h"
 
-#include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/bernoulli.h>
+#include <ATen/ops/full.h>
 
 #include <map>
 #include <mutex>
@@ -21,7 +23,7 @@ constexpr uint64_t kInt4RhtSeed = 0x9E3779B9u;
 at::Tensor draw_signs(int64_t block) {
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(kInt4RhtSeed);
   const at::Tensor draws = at::bernoulli(at::full({block}, 0.5, at::kFloat), gen);
-  return draws * 2.0 - 1.0;
+  return draws.mul(2.0).sub(1.0);
 }
 
 }  // namespace
