@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from kv_cache_test_utils import one_group
 
 from vllm.kv_quant import octave
 from vllm.kv_quant.formats import find_format, formats
@@ -25,6 +26,7 @@ from vllm.v1.attention.backends.reference_packed import PACKED_STRIDE_ORDER
 from vllm.v1.attention.backends.turboquant_attn import TurboQuantAttentionBackend
 from vllm.v1.attention.backends.ultraquant_attn import UltraQuantAttentionBackend
 from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.worker.gpu.attn_utils import init_layer_kv_caches
 
 PACKED = tuple(f.name for f in formats() if is_packed(f))
 """TurboQuant's four presets, ``ultraquant_4bit``, Octave's three."""
@@ -272,3 +274,79 @@ def test_unholdable_head_size_is_refused() -> None:
         ReferenceAttentionImpl(HQ, 80, num_kv_heads=H, kv_cache_dtype="ultraquant_4bit")
     with pytest.raises(ValueError, match="^num_blocks: ReferenceAttentionBackend"):
         ReferenceAttentionBackend.get_kv_cache_shape(-1, N, H, D, "turboquant_k8v4")
+
+
+# ------------------------------------------------------------------------ engine allocation
+
+
+@pytest.mark.parametrize("kernel_block_size", [N, N // 2])
+@pytest.mark.parametrize("dtype", PACKED)
+def test_engine_allocates_packed_caches(dtype: str, kernel_block_size: int, monkeypatch) -> None:
+    """``init_layer_kv_caches`` gives a packed layer the backend's ``(B, H, N, slot)`` view over
+    its buffer, stored block, token, head, slot (kernel blocks split a page's tokens), and the
+    impl writes the codec's bytes through it."""
+    monkeypatch.setattr(octave, "_rope_dims", {})
+    octave.register_rope_dim(D, OCTAVE_CHECK_ROPE_DIM)
+    fmt = find_format(dtype)
+    assert fmt is not None and fmt.storage_dtype is not None
+    spec = FullAttentionSpec(
+        block_size=N,
+        num_kv_heads=H,
+        head_size=D,
+        dtype=fmt.storage_dtype,
+        kv_quant_mode=fmt.quant_mode,
+    )
+    config = one_group(spec, spec.page_size_bytes * NUM_BLOCKS)
+    cache = init_layer_kv_caches(
+        config, [ReferenceAttentionBackend], "cpu", kernel_block_sizes=[kernel_block_size]
+    )["l0"]
+    assert isinstance(cache, torch.Tensor)
+    split = N // kernel_block_size
+    shape = ReferenceAttentionBackend.get_kv_cache_shape(
+        NUM_BLOCKS * split, kernel_block_size, H, D, dtype
+    )
+    assert tuple(cache.shape) == shape
+    slot_bytes = shape[-1]
+    assert cache.stride() == (kernel_block_size * H * slot_bytes, slot_bytes, H * slot_bytes, 1)
+    assert cache.untyped_storage().nbytes() == spec.page_size_bytes * NUM_BLOCKS
+
+    key, value = torch.randn(3, H, D), torch.randn(3, H, D)
+    slots = torch.tensor([0, N + 1, NUM_BLOCKS * N - 1])
+    impl = ReferenceAttentionImpl(HQ, D, num_kv_heads=H, kv_cache_dtype=dtype)
+    impl.do_kv_cache_update(AttentionLayerScales(), key, value, cache, slots)
+    encoded = slot_codec(fmt, D, OCTAVE_CHECK_ROPE_DIM).encode(key, value)
+    flat = cache.transpose(1, 2).reshape(-1, H, slot_bytes)  # every (token, head) in slot order
+    for i, slot in enumerate(slots.tolist()):
+        assert torch.equal(flat[slot], encoded[i])
+
+
+def test_engine_refuses_a_packed_cache_in_another_layout() -> None:
+    fmt = find_format("turboquant_4bit_nc")
+    assert fmt is not None and fmt.storage_dtype is not None
+    spec = FullAttentionSpec(
+        block_size=N,
+        num_kv_heads=H,
+        head_size=D,
+        dtype=fmt.storage_dtype,
+        kv_quant_mode=fmt.quant_mode,
+    )
+    config = one_group(spec, spec.page_size_bytes * NUM_BLOCKS)
+
+    class HeadMajor(ReferenceAttentionBackend):
+        @staticmethod
+        def get_kv_cache_stride_order(
+            include_num_layers_dimension: bool = False,
+        ) -> tuple[int, ...]:
+            return (0, 1, 2, 3)
+
+    class FiveDims(ReferenceAttentionBackend):
+        @staticmethod
+        def get_kv_cache_shape(*args: object, **kwargs: object) -> tuple[int, ...]:
+            return (NUM_BLOCKS, 1, H, N, spec.page_size_bytes // (H * N))
+
+    with pytest.raises(
+        ValueError, match=r"layer 'l0'.*order \(0, 1, 2, 3\); expected \(0, 2, 1, 3\)"
+    ):
+        init_layer_kv_caches(config, [HeadMajor], "cpu")
+    with pytest.raises(ValueError, match=r"layer 'l0'.*needs a \(B, H, N, slot\) cache"):
+        init_layer_kv_caches(config, [FiveDims], "cpu")

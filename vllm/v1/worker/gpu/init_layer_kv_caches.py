@@ -10,7 +10,8 @@ A layer's cache is returned as:
 - attention layers: the backend's logical ``(B, 2, N, H, D')`` view (``kv_cache[:, 0]`` /
   ``kv_cache[:, 1]`` are what ``reshape_and_cache_flash`` takes); with ``head_size_v !=
   head_size`` the pair ``(key_cache, value_cache)`` of ``(B, N, H, D')`` views over the K and
-  V regions of each page;
+  V regions of each page; packed-slot formats (TurboQuant, UltraQuant, Octave) the
+  ``(B, H, N, slot)`` uint8 view stored block, token, head, slot, whichever backend reads it;
 - MLA layers: ``(B, storage_block_size, head_size)`` in the storage dtype, or
   ``(B, storage_block_size, 584)`` uint8 for ``fp8_ds_mla`` records;
 - Mamba layers: a list with one ``(B, *shape_i)`` view per state tensor, at its byte offset in
@@ -32,12 +33,14 @@ from collections.abc import Collection, Mapping, Sequence
 import torch
 
 from vllm.config.cache import validate_cache_dtype
+from vllm.kv_quant.slot_codecs import is_packed
 from vllm.utils.torch_utils import get_dtype_size
 from vllm.v1.attention.backends.abstract import (
     AttentionBackend,
     KVCacheScaleLayouts,
     get_device_capability,
 )
+from vllm.v1.attention.backends.reference_packed import PACKED_STRIDE_ORDER
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     KVCacheConfig,
@@ -216,6 +219,11 @@ def _attention_view(
             )
         return _paged_view(raw, dtype, shape, order, kernel_page_elems, 0, what)
 
+    if is_packed(spec.kv_cache_format):
+        return _packed_view(
+            what, backend, raw, dtype, shape, order, kernel_page_elems, kernel_real_bytes
+        )
+
     head_size_v = spec.head_size_v if spec.head_size_v is not None else spec.head_size
     k_shape = shape
     if len(k_shape) != 5 or k_shape[1] != 2 or len(order) != 5:
@@ -254,6 +262,37 @@ def _attention_view(
     key_cache = _paged_view(raw, dtype, k_side, side_order, kernel_page_elems, 0, what)
     value_cache = _paged_view(raw, dtype, v_side, side_order, kernel_page_elems, k_elems, what)
     return key_cache, value_cache
+
+
+def _packed_view(
+    what: str,
+    backend: type[AttentionBackend],
+    raw: torch.Tensor,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    order: tuple[int, ...],
+    kernel_page_elems: int,
+    kernel_real_bytes: int,
+) -> torch.Tensor:
+    """A packed-slot layer's ``(B, H, N, slot)`` view, stored block, token, head, slot: the
+    formats' one page layout (:data:`PACKED_STRIDE_ORDER`), whatever backend reads it, so that
+    pages move between backends byte for byte."""
+    if len(shape) != 4:
+        raise ValueError(
+            f"{what}: backend {backend.get_name()} gives shape {shape}; a packed-slot layer "
+            "needs a (B, H, N, slot) cache"
+        )
+    if len(order) == 4 and order != PACKED_STRIDE_ORDER:
+        raise ValueError(
+            f"{what}: backend {backend.get_name()} stores a packed-slot cache in order {order}; "
+            f"expected {PACKED_STRIDE_ORDER} (block, token, head, slot)"
+        )
+    if math.prod(shape[1:]) * get_dtype_size(dtype) != kernel_real_bytes:
+        raise ValueError(
+            f"{what}: backend {backend.get_name()} shape {shape} ({dtype}) does not match "
+            f"the spec's {kernel_real_bytes} bytes per kernel page"
+        )
+    return _paged_view(raw, dtype, shape, PACKED_STRIDE_ORDER, kernel_page_elems, 0, what)
 
 
 def _mamba_views(
