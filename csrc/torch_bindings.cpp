@@ -37,4 +37,10 @@ TORCH_LIBRARY(_C_cache_ops, m) {
   m.def(
       "concat_and_cache_nvfp4_ds_mla(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, "
       "Tensor slot_mapping) -> ()");
+  // TurboQuant slots (docs/formats.md §6.3) of key / value [N, H, D] into kv_cache (num_blocks,
+  // block_size, H, slot bytes) uint8: key_bits 8 stores the key as e4m3; 3 or 4 code key = y, the
+  // rotated unit keys (fp32), with their key_norms and the Lloyd-Max midpoints.
+  m.def(
+      "turboquant_store(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, "
+      "Tensor? key_norms, Tensor? midpoints, int key_bits, int value_bits) -> ()");
 }

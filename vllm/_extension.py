@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import importlib.machinery
 from pathlib import Path
+from typing import Any
 
 import torch
 
-__all__ = ["extension_path", "load_extension"]
+__all__ = ["compiled_kernel", "extension_path", "load_extension"]
 
 
 def extension_path() -> Path | None:
@@ -32,6 +33,17 @@ def load_extension() -> None:
             "cmake >= 3.22, ninja and a C++20 compiler)"
         )
     torch.ops.load_library(str(path))
+
+
+def compiled_kernel(name: str, device: torch.device) -> Any | None:
+    """The extension's op ``_C_cache_ops::<name>`` when it has a kernel for ``device``, else None
+    (an extension built without the op, or a CUDA tensor with a CPU-only build)."""
+    try:
+        op = getattr(torch.ops._C_cache_ops, name).default
+    except (AttributeError, RuntimeError):
+        return None
+    key = "CUDA" if device.type == "cuda" else "CPU"
+    return op if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key) else None
 
 
 load_extension()

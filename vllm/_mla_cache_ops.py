@@ -24,11 +24,9 @@ got Y``).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from vllm import _extension  # noqa: F401  (the compiled writer's op, before its fake)
+from vllm._extension import compiled_kernel  # loads the extension: its ops before their fakes
 from vllm.kv_quant.ds_mla_nvfp4 import (
     NVFP4_DS_MLA,
     check_nvfp4_ds_mla_write,
@@ -240,17 +238,6 @@ def concat_and_cache_mla(
     )
 
 
-def _compiled_nvfp4_ds_mla(device: torch.device) -> Any | None:
-    """The extension's nvfp4_ds_mla writer when it has a kernel for ``device``, else None (an
-    extension built without it, or a CUDA cache with a CPU-only build)."""
-    try:
-        op = torch.ops._C_cache_ops.concat_and_cache_nvfp4_ds_mla.default
-    except (AttributeError, RuntimeError):
-        return None
-    key = "CUDA" if device.type == "cuda" else "CPU"
-    return op if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key) else None
-
-
 @torch.library.register_fake("_C_cache_ops::concat_and_cache_nvfp4_ds_mla")
 def _nvfp4_ds_mla_writer_fake(
     kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -273,7 +260,11 @@ def _concat_and_cache_mla_op(
     skip_scale: bool = False,
 ) -> None:
     fmt = _check_args(kv_c, k_pe, kv_cache, kv_cache_dtype, scale, skip_scale)
-    compiled = _compiled_nvfp4_ds_mla(kv_cache.device) if fmt is NVFP4_DS_MLA else None
+    compiled = (
+        compiled_kernel("concat_and_cache_nvfp4_ds_mla", kv_cache.device)
+        if fmt is NVFP4_DS_MLA
+        else None
+    )
     if fmt is NVFP4_DS_MLA and compiled is None:
         concat_and_cache_nvfp4_ds_mla(kv_c, k_pe, kv_cache, slot_mapping)
         return

@@ -14,11 +14,14 @@
 #include <optional>
 #include <string>
 
+#include "cache_ops_checks.h"
 #include "cache_ops_torch.h"
 #include "cuda/concat_and_cache_mla.h"
 #include "cuda/convert_fp8.h"
 #include "cuda/reshape_and_cache_flash.h"
+#include "cuda/turboquant_store.h"
 #include "ds_mla_ops_torch.h"
+#include "turboquant_ops_torch.h"
 
 namespace vllm_kv {
 namespace {
@@ -50,6 +53,21 @@ void concat_and_cache_nvfp4_ds_mla_cuda(const at::Tensor& kv_c, const at::Tensor
   if (args.num_tokens == 0) return;
   const c10::cuda::CUDAGuard device_guard(kv_cache.device());
   launch_concat_and_cache_nvfp4_ds_mla(args, c10::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void turboquant_store_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
+                           const at::Tensor& slot_mapping,
+                           const std::optional<at::Tensor>& key_norms,
+                           const std::optional<at::Tensor>& midpoints, int64_t key_bits,
+                           int64_t value_bits) {
+  TORCH_CHECK(kv_cache.is_cuda(), "kv_cache: expected a CUDA tensor, got device ",
+              kv_cache.device());
+  const TurboQuantWriteArgs args = prepare_turboquant_store(
+      key, value, kv_cache, slot_mapping, key_norms, midpoints, key_bits, value_bits);
+  if (args.num_tokens == 0 || args.num_heads == 0) return;
+  const c10::cuda::CUDAGuard device_guard(kv_cache.device());
+  launch_turboquant_store(args, source_type_of(value, "value"), c10::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -138,6 +156,7 @@ TORCH_LIBRARY_IMPL(_C_cache_ops, CUDA, m) {
   m.impl("swap_blocks", &vllm_kv::swap_blocks_cuda);
   m.impl("convert_fp8", &vllm_kv::convert_fp8_cuda);
   m.impl("concat_and_cache_nvfp4_ds_mla", &vllm_kv::concat_and_cache_nvfp4_ds_mla_cuda);
+  m.impl("turboquant_store", &vllm_kv::turboquant_store_cuda);
 }
 
 // The descriptors are CPU tensors whatever memory they address, so the op dispatches on CPU.

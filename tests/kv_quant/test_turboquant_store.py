@@ -113,9 +113,10 @@ def test_store_equals_upstream_store(preset: str, d: int, tmp_path: Path) -> Non
     assert torch.equal(ours.cpu(), theirs.cpu())
 
 
-def test_store_bad_input_writes_nothing() -> None:
+def bad_store_calls(cache: torch.Tensor) -> list[tuple[tuple, dict, str]]:
+    """``(positional, keyword arguments, message)`` of store calls that must fail, each with one
+    bad argument, into ``cache`` (uint8 ``[2, 4, 2, slot]`` for ``turboquant_k3v4_nc`` at D 64)."""
     cfg, (key, value, pit, midpoints) = _case("turboquant_k3v4_nc", 64, torch.float16, seed=1)
-    cache = torch.zeros(2, 4, 2, cfg.slot_size_aligned, dtype=torch.uint8, device=DEVICE)
     slots = torch.arange(4, dtype=torch.int32, device=DEVICE)
     args = dict(mse_bits=3, key_packed_size=cfg.key_packed_size, value_quant_bits=4)
     bad = [
@@ -123,19 +124,27 @@ def test_store_bad_input_writes_nothing() -> None:
         ((key, value, cache[..., :20], slots, pit, midpoints), args, "contiguous slots of >= 62"),
         ((key, value, cache, slots[:2], pit, midpoints), args, r"slot_mapping: expected"),
         ((key, value, cache, slots, pit.double(), midpoints), args, "PiT: expected float32"),
-        ((key, value, cache, slots, pit, midpoints[:3]), args, r"midpoints: expected \[7\]"),
+        ((key, value, cache, slots, pit, midpoints[:3]), args, r"midpoints: expected float32 \[7"),
         ((key, value, cache, slots, pit, midpoints), {**args, "key_packed_size": 50},
          "key_packed_size: expected 26 for head dim 64, got 50"),
         ((key, value, cache, slots, pit, midpoints), {**args, "mse_bits": 2},
          "mse_bits/value_quant_bits: expected 3 or 4"),
         ((key, value.int(), cache, slots, pit, midpoints), args, "value: expected dtype"),
+        ((key, value[:, :1], cache, slots, pit, midpoints), args, "value: expected key's shape"),
+        ((key, value.to("meta"), cache, slots, pit, midpoints), args, "value: expected device"),
     ]  # fmt: skip
     if DEVICE == "cpu":  # a GPU launch skips slots past the cache rather than syncing
         past = torch.tensor([0, 1, 8, 2], dtype=torch.int32)
         bad.append(((key, value, cache, past, pit, midpoints), args, "expected slots < 8"))
-    for positional, keywords, message in bad:
+    return bad
+
+
+def test_store_bad_input_writes_nothing() -> None:
+    cfg = TurboQuantConfig.from_cache_dtype("turboquant_k3v4_nc", 64)
+    cache = torch.zeros(2, 4, 2, cfg.slot_size_aligned, dtype=torch.uint8, device=DEVICE)
+    for positional, keywords, message in bad_store_calls(cache):
         with pytest.raises(ValueError, match=message):
-            triton_turboquant_store(*positional, **keywords)  # type: ignore[arg-type]
+            triton_turboquant_store(*positional, **keywords)
     assert not cache.any()
 
 

@@ -55,9 +55,9 @@ def test_matches_the_codec(device: str, tokens: int) -> None:
 
 
 def test_the_upstream_op_uses_the_compiled_writer_on_cpu() -> None:
-    from vllm._mla_cache_ops import _compiled_nvfp4_ds_mla
+    from vllm._extension import compiled_kernel
 
-    assert _compiled_nvfp4_ds_mla(torch.device("cpu")) is not None
+    assert compiled_kernel("concat_and_cache_nvfp4_ds_mla", torch.device("cpu")) is not None
 
 
 @pytest.mark.parametrize(

@@ -21,13 +21,14 @@ from __future__ import annotations
 import torch
 
 from vllm.kv_quant.fp8 import Fp8Format, fp8_bytes_to_fp32, fp32_to_fp8_bytes
-from vllm.kv_quant.turboquant.config import TurboQuantConfig
+from vllm.kv_quant.turboquant.config import TurboQuantConfig, kernel_config
 
 __all__ = [
     "KEY_NORM_EPS",
     "VALUE_SCALE_FLOOR",
     "check_turboquant_cache",
     "check_turboquant_inputs",
+    "check_turboquant_store",
     "rotate_unit_keys",
     "turboquant_encode_slots",
     "turboquant_decode_slots",
@@ -224,6 +225,38 @@ def check_turboquant_cache(
             f"slot_mapping: expected slots < {num_slots} (negative to skip a token), got "
             f"{int(slot_mapping.max())}"
         )
+
+
+def check_turboquant_store(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    PiT: torch.Tensor,
+    midpoints: torch.Tensor,
+    mse_bits: int,
+    key_packed_size: int,
+    value_quant_bits: int,
+    key_fp8: bool,
+) -> tuple[TurboQuantConfig, int, int]:
+    """``(cfg, N, H)`` of a store with upstream's ``triton_turboquant_store`` arguments, checked
+    (``ValueError`` on the first bad one): the config they describe, the inputs, the cache, the
+    devices and, for Lloyd-Max keys, ``PiT`` and ``midpoints``. Slot ranges are checked on a CPU
+    cache only: a GPU kernel skips slots past the cache rather than sync."""
+    d = key.shape[-1] if key.dim() else 0
+    cfg = kernel_config(d, mse_bits, key_packed_size, value_quant_bits, key_fp8)
+    n, h, _ = check_turboquant_inputs(key, value, cfg)
+    on_cpu = kv_cache.device.type == "cpu"
+    check_turboquant_cache(kv_cache, slot_mapping, n, h, cfg, check_range=on_cpu)
+    for name, t in (("key", key), ("value", value), ("slot_mapping", slot_mapping)):
+        if t.device != kv_cache.device:
+            raise ValueError(
+                f"{name}: expected device {kv_cache.device} (kv_cache's), got {t.device}"
+            )
+    if not cfg.key_fp8:
+        _check_rotation(PiT, d, "PiT")
+        _check_table(cfg, midpoints, "midpoints", 2**mse_bits - 1)
+    return cfg, n, h
 
 
 def _slot_index(

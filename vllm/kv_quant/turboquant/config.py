@@ -17,7 +17,14 @@ from typing import Any
 
 from vllm.kv_quant.modes import KVQuantMode
 
-__all__ = ["FP8_KEY_BITS", "TQ_PRESETS", "TURBOQUANT_MODES", "TurboQuantConfig", "preset_name"]
+__all__ = [
+    "FP8_KEY_BITS",
+    "TQ_PRESETS",
+    "TURBOQUANT_MODES",
+    "TurboQuantConfig",
+    "kernel_config",
+    "preset_name",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +161,36 @@ class TurboQuantConfig:
                 f"Valid presets: {', '.join(TQ_PRESETS)}"
             )
         return TurboQuantConfig(head_dim=head_dim, **preset)
+
+
+def kernel_config(
+    head_dim: int,
+    mse_bits: int,
+    key_packed_size: int,
+    value_quant_bits: int,
+    key_fp8: bool,
+    norm_correction: bool = False,
+) -> TurboQuantConfig:
+    """The :class:`TurboQuantConfig` that upstream's kernel arguments describe (the store's and
+    the decode's); ``ValueError`` when they describe none (bit widths, ``key_packed_size``)."""
+    key_bits = FP8_KEY_BITS if key_fp8 else mse_bits
+    if key_bits not in (3, 4, FP8_KEY_BITS) or value_quant_bits not in (3, 4):
+        raise ValueError(
+            f"mse_bits/value_quant_bits: expected 3 or 4 (mse_bits 0 with key_fp8), got "
+            f"{mse_bits}/{value_quant_bits} (key_fp8={key_fp8})"
+        )
+    cfg = TurboQuantConfig(
+        head_dim=head_dim,
+        key_quant_bits=key_bits,
+        value_quant_bits=value_quant_bits,
+        norm_correction=norm_correction,
+    )
+    if key_packed_size != cfg.key_packed_size:
+        raise ValueError(
+            f"key_packed_size: expected {cfg.key_packed_size} for head dim {head_dim}, got "
+            f"{key_packed_size}"
+        )
+    return cfg
 
 
 def _get_full_attention_layer_indices(model_config: Any) -> list[int]:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from vllm.kv_quant.index_tensor import check_integer_tensor
-from vllm.kv_quant.turboquant.config import TQ_PRESETS, TurboQuantConfig
+from vllm.kv_quant.turboquant.config import TQ_PRESETS, TurboQuantConfig, kernel_config
 from vllm.triton_utils.aot import TritonCompileCase
 from vllm.v1.attention.ops.triton_attention_plan import MAX_SPLITS, PagedAttentionLaunch
 from vllm.v1.attention.ops.triton_packed_attention import (
@@ -32,7 +32,6 @@ from vllm.v1.attention.ops.triton_packed_attention import (
     launch_case,
     plan_packed_attention,
 )
-from vllm.v1.attention.ops.triton_turboquant_store import kernel_config
 
 __all__ = ["triton_compile_cases", "triton_turboquant_decode_attention"]
 

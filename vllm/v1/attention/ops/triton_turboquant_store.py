@@ -18,11 +18,10 @@ from typing import Any
 import torch
 
 from vllm.kv_quant.turboquant.codec import (
-    check_turboquant_cache,
-    check_turboquant_inputs,
+    check_turboquant_store,
     rotate_unit_keys,
 )
-from vllm.kv_quant.turboquant.config import FP8_KEY_BITS, TQ_PRESETS, TurboQuantConfig
+from vllm.kv_quant.turboquant.config import TQ_PRESETS, TurboQuantConfig
 from vllm.triton_utils import tl, triton
 from vllm.triton_utils.aot import TritonCompileCase, case_from_launch
 from vllm.v1.attention.ops.triton_kv_encode import (
@@ -153,36 +152,6 @@ def _launch(
     return (n * h,), args, constexprs
 
 
-def kernel_config(
-    head_dim: int,
-    mse_bits: int,
-    key_packed_size: int,
-    value_quant_bits: int,
-    key_fp8: bool,
-    norm_correction: bool = False,
-) -> TurboQuantConfig:
-    """The :class:`TurboQuantConfig` that upstream's kernel arguments describe (the store's and
-    the decode's); ``ValueError`` when they describe none (bit widths, ``key_packed_size``)."""
-    key_bits = FP8_KEY_BITS if key_fp8 else mse_bits
-    if key_bits not in (3, 4, FP8_KEY_BITS) or value_quant_bits not in (3, 4):
-        raise ValueError(
-            f"mse_bits/value_quant_bits: expected 3 or 4 (mse_bits 0 with key_fp8), got "
-            f"{mse_bits}/{value_quant_bits} (key_fp8={key_fp8})"
-        )
-    cfg = TurboQuantConfig(
-        head_dim=head_dim,
-        key_quant_bits=key_bits,
-        value_quant_bits=value_quant_bits,
-        norm_correction=norm_correction,
-    )
-    if key_packed_size != cfg.key_packed_size:
-        raise ValueError(
-            f"key_packed_size: expected {cfg.key_packed_size} for head dim {head_dim}, got "
-            f"{key_packed_size}"
-        )
-    return cfg
-
-
 def triton_turboquant_store(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -200,18 +169,18 @@ def triton_turboquant_store(
     :func:`~vllm.kv_quant.turboquant.codec.turboquant_write_cache`. ``PiT`` (fp32 ``[D, D]``)
     and ``midpoints`` (fp32 ``[2**mse_bits - 1]``, ascending) serve Lloyd-Max keys; the bit
     widths and ``key_packed_size`` (bytes) are those of a :class:`TurboQuantConfig`."""
-    d = key.shape[-1] if key.dim() else 0
-    cfg = kernel_config(d, mse_bits, key_packed_size, value_quant_bits, key_fp8)
-    n, h, _ = check_turboquant_inputs(key, value, cfg)
-    # A CPU op checks slot ranges; a GPU kernel skips slots past the cache instead of syncing.
-    on_cpu = slot_mapping.device.type == "cpu"
-    check_turboquant_cache(kv_cache, slot_mapping, n, h, cfg, check_range=on_cpu)
-    if not cfg.key_fp8:
-        n_mid = 2**mse_bits - 1
-        if PiT.dtype != torch.float32 or PiT.shape != (d, d):
-            raise ValueError(f"PiT: expected float32 [{d}, {d}], got {PiT.dtype} {list(PiT.shape)}")
-        if midpoints.shape != (n_mid,):
-            raise ValueError(f"midpoints: expected [{n_mid}], got {list(midpoints.shape)}")
+    cfg, _, _ = check_turboquant_store(
+        key,
+        value,
+        kv_cache,
+        slot_mapping,
+        PiT,
+        midpoints,
+        mse_bits,
+        key_packed_size,
+        value_quant_bits,
+        key_fp8,
+    )
     if key.shape[0] == 0:
         return
     grid, args, constexprs = _launch(key, value, kv_cache, slot_mapping, PiT, midpoints, cfg)

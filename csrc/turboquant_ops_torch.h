@@ -1,0 +1,24 @@
+// Host-side validation of the compiled TurboQuant store, shared by its CPU and CUDA ops.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+#include "turboquant_slot.h"
+
+namespace vllm_kv {
+
+// Checks turboquant_store's arguments (dtypes, shapes, strides, devices; the slot values are the
+// device op's) and describes the call: key and value [N, H, D] with contiguous rows (FP8 keys:
+// the key in value's dtype; Lloyd-Max keys: y in fp32 with key_norms fp32 [N, H] and midpoints
+// fp32 [2^key_bits - 1], both contiguous), kv_cache (num_blocks, block_size, H, >= slot bytes)
+// uint8 with contiguous slots, slot_mapping contiguous int64 [N].
+TurboQuantWriteArgs prepare_turboquant_store(const at::Tensor& key, const at::Tensor& value,
+                                             const at::Tensor& kv_cache,
+                                             const at::Tensor& slot_mapping,
+                                             const std::optional<at::Tensor>& key_norms,
+                                             const std::optional<at::Tensor>& midpoints,
+                                             int64_t key_bits, int64_t value_bits);
+
+}  // namespace vllm_kv

@@ -1,0 +1,107 @@
+"""The extension's packed-slot cache writers, with upstream's argument lists: ``turboquant_store``
+takes what upstream's ``triton_turboquant_store`` takes and writes the bytes of the reference
+codec :mod:`vllm.kv_quant.turboquant.codec` with the compiled CPU or CUDA kernel
+(``_C_cache_ops::turboquant_store``; the codec itself where the extension has no kernel for the
+cache's device).
+
+Lloyd-Max presets: the key norms and the rotation ``y = k / (|k| + 1e-8) @ PiT`` are the codec's
+:func:`~vllm.kv_quant.turboquant.codec.rotate_unit_keys` (one torch matmul, shared with the
+codec and the Triton store, so all see the same ``y``); the kernel codes ``y``, packs the codes
+and the fp16 norm, and codes and packs the value. FP8 presets: the kernel rounds the key to e4m3.
+Everything is checked before anything is written (``ValueError``, ``<arg>: expected X, got Y``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm._extension import compiled_kernel  # loads the extension: its ops before their fakes
+from vllm.kv_quant.turboquant.codec import (
+    check_turboquant_cache,
+    check_turboquant_inputs,
+    check_turboquant_store,
+    rotate_unit_keys,
+    turboquant_write_cache,
+)
+from vllm.kv_quant.turboquant.config import FP8_KEY_BITS, TurboQuantConfig, kernel_config
+
+__all__ = ["turboquant_store"]
+
+
+def turboquant_store(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    PiT: torch.Tensor,
+    midpoints: torch.Tensor,
+    mse_bits: int,
+    key_packed_size: int,
+    value_quant_bits: int,
+    key_fp8: bool = False,
+) -> None:
+    """Store ``key`` / ``value`` ``[N, H, D]`` into ``kv_cache [num_blocks, block_size, H, slot
+    bytes]`` (uint8, contiguous slots) at ``slot_mapping [N]`` (negative: skipped), as
+    :func:`~vllm.kv_quant.turboquant.codec.turboquant_write_cache`; bytes past the slot (the
+    padding) are left as they are. ``PiT`` (fp32 ``[D, D]``) and ``midpoints`` (fp32
+    ``[2**mse_bits - 1]``, ascending) serve Lloyd-Max keys; the bit widths and
+    ``key_packed_size`` (bytes) are those of a :class:`TurboQuantConfig`."""
+    cfg, n, h = check_turboquant_store(
+        key,
+        value,
+        kv_cache,
+        slot_mapping,
+        PiT,
+        midpoints,
+        mse_bits,
+        key_packed_size,
+        value_quant_bits,
+        key_fp8,
+    )
+    op = compiled_kernel("turboquant_store", kv_cache.device)
+    if op is None:
+        turboquant_write_cache(key, value, kv_cache, slot_mapping, cfg, PiT, midpoints)
+        return
+    norms = mids = None
+    if cfg.key_fp8:
+        if key.dtype != value.dtype:  # the kernel reads both in one type: fp32 holds either
+            key, value = key.float(), value.float()
+    else:
+        y, norms = rotate_unit_keys(key, PiT.to(key.device))
+        key = y.reshape(n, h, -1)
+        mids = midpoints.to(kv_cache.device).contiguous()
+    key_bits = FP8_KEY_BITS if cfg.key_fp8 else mse_bits
+    op(
+        _rows(key),
+        _rows(value),
+        kv_cache,
+        slot_mapping.to(torch.int64).contiguous(),
+        norms,
+        mids,
+        key_bits,
+        value_quant_bits,
+    )
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` when its rows are contiguous (what the kernel reads), else a contiguous copy."""
+    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+
+
+@torch.library.register_fake("_C_cache_ops::turboquant_store")
+def _turboquant_store_fake(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    key_norms: torch.Tensor | None,
+    midpoints: torch.Tensor | None,
+    key_bits: int,
+    value_bits: int,
+) -> None:
+    # Tracing rejects what the kernel would (shapes, dtypes); slot values are the kernel's own.
+    d = value.shape[-1] if value.dim() else 0
+    cfg = TurboQuantConfig(head_dim=d, key_quant_bits=key_bits, value_quant_bits=value_bits)
+    kernel_config(d, cfg.key_mse_bits, cfg.key_packed_size, value_bits, cfg.key_fp8)  # the bits
+    n, h, _ = check_turboquant_inputs(value, value, cfg)
+    check_turboquant_cache(kv_cache, slot_mapping, n, h, cfg, check_range=False)
