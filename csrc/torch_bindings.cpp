@@ -43,4 +43,9 @@ TORCH_LIBRARY(_C_cache_ops, m) {
   m.def(
       "turboquant_store(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, "
       "Tensor? key_norms, Tensor? midpoints, int key_bits, int value_bits) -> ()");
+  // ultraquant_4bit slots (docs/formats.md §6.4) of key = the Hadamard-rotated keys (fp32) and
+  // value [N, H, D] into kv_cache (num_blocks, block_size, H, slot bytes) uint8.
+  m.def(
+      "ultraquant_store(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, "
+      "float constant_c) -> ()");
 }

@@ -13,6 +13,7 @@
 
 #include "dispatch_utils.h"
 #include "kv_quant_math.h"
+#include "packed_slot.h"
 
 namespace vllm_kv {
 
@@ -21,29 +22,13 @@ constexpr int kTurboQuantCodeGroup = 8;  // codes per packed group: b bytes hold
 constexpr float kTurboQuantValueScaleFloor = 1e-8f;
 constexpr int kTurboQuantMaxMidpoints = 15;  // 4-bit Lloyd-Max keys
 
-// One store of N tokens x H heads of D values into a cache (num_blocks, block_size, H, slot) uint8
-// with contiguous slots. Element strides for the rows, byte strides for the cache.
-struct TurboQuantWriteArgs {
+// One TurboQuant store (the shared geometry in PackedStoreArgs).
+struct TurboQuantWriteArgs : PackedStoreArgs {
   const void* key;         // [N, H, D]: the key (FP8 presets) or y, its rotated unit vector (fp32)
   const float* key_norms;  // [N * H] contiguous: the keys' L2 norms (Lloyd-Max presets)
-  const void* value;       // [N, H, D]
   const float* midpoints;  // [2^key_bits - 1] ascending (Lloyd-Max presets)
-  int64_t key_token_stride;
-  int64_t key_head_stride;
-  int64_t value_token_stride;
-  int64_t value_head_stride;
-  uint8_t* cache;
-  int64_t block_stride;
-  int64_t entry_stride;
-  int64_t head_stride;
-  const int64_t* slot_mapping;  // [N]; < 0 or >= num_slots: skipped
-  int64_t num_tokens;
-  int64_t num_slots;
-  int num_heads;
-  int head_dim;  // a multiple of kTurboQuantCodeGroup
-  int block_size;
-  int key_bits;    // 3 or 4 (Lloyd-Max codes) or kTurboQuantFp8KeyBits
-  int value_bits;  // 3 or 4
+  int key_bits;            // 3 or 4 (Lloyd-Max codes) or kTurboQuantFp8KeyBits
+  int value_bits;          // 3 or 4
 };
 
 // Key bytes of a slot: D e4m3 bytes, or the codes then the fp16 norm.
@@ -74,10 +59,8 @@ template <SourceType KS, SourceType VS>
 KV_HOST_DEVICE void write_turboquant_slot(const TurboQuantWriteArgs& a, int64_t token, int head) {
   using KeyT = typename SourceTraits<KS>::Storage;
   using ValueT = typename SourceTraits<VS>::Storage;
-  const int64_t slot = a.slot_mapping[token];
-  if (slot < 0 || slot >= a.num_slots) return;
-  uint8_t* dst = a.cache + (slot / a.block_size) * a.block_stride +
-                 (slot % a.block_size) * a.entry_stride + head * a.head_stride;
+  uint8_t* dst = packed_slot(a, token, head);
+  if (dst == nullptr) return;
   const int d = a.head_dim;
   const KeyT* key =
       static_cast<const KeyT*>(a.key) + token * a.key_token_stride + head * a.key_head_stride;

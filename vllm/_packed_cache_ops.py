@@ -1,8 +1,10 @@
-"""The extension's packed-slot cache writers, with upstream's argument lists: ``turboquant_store``
-takes what upstream's ``triton_turboquant_store`` takes and writes the bytes of the reference
-codec :mod:`vllm.kv_quant.turboquant.codec` with the compiled CPU or CUDA kernel
+"""The extension's packed-slot cache writers. ``turboquant_store`` takes what upstream's
+``triton_turboquant_store`` takes and writes the bytes of the reference codec
+:mod:`vllm.kv_quant.turboquant.codec` with the compiled CPU or CUDA kernel
 (``_C_cache_ops::turboquant_store``; the codec itself where the extension has no kernel for the
-cache's device).
+cache's device). The ``ultraquant_4bit`` store's kernel (``_C_cache_ops::ultraquant_store``) is
+called by upstream's entry point ``vllm.v1.attention.ops.ultraquant.triton_store.ultraquant_store``;
+its fake kernel is here.
 
 Lloyd-Max presets: the key norms and the rotation ``y = k / (|k| + 1e-8) @ PiT`` are the codec's
 :func:`~vllm.kv_quant.turboquant.codec.rotate_unit_keys` (one torch matmul, shared with the
@@ -24,6 +26,7 @@ from vllm.kv_quant.turboquant.codec import (
     turboquant_write_cache,
 )
 from vllm.kv_quant.turboquant.config import FP8_KEY_BITS, TurboQuantConfig, kernel_config
+from vllm.kv_quant.ultraquant import ultraquant_slot_size
 
 __all__ = ["turboquant_store"]
 
@@ -105,3 +108,29 @@ def _turboquant_store_fake(
     kernel_config(d, cfg.key_mse_bits, cfg.key_packed_size, value_bits, cfg.key_fp8)  # the bits
     n, h, _ = check_turboquant_inputs(value, value, cfg)
     check_turboquant_cache(kv_cache, slot_mapping, n, h, cfg, check_range=False)
+
+
+@torch.library.register_fake("_C_cache_ops::ultraquant_store")
+def _ultraquant_store_fake(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    constant_c: float,
+) -> None:
+    # Tracing rejects what the kernel would (shapes, dtypes); slot values are the kernel's own.
+    if key.dtype != torch.float32 or key.dim() != 3 or value.shape != key.shape:
+        raise ValueError(
+            f"key: expected float32 [N, H, D] (the rotated keys) of value's shape "
+            f"{list(value.shape)}, got {key.dtype} {list(key.shape)}"
+        )
+    n, h, d = key.shape
+    need = ultraquant_slot_size(d)
+    shape = tuple(kv_cache.shape)
+    if kv_cache.dtype != torch.uint8 or len(shape) != 4 or shape[2] != h or shape[3] < need:
+        raise ValueError(
+            f"kv_cache: expected uint8 [num_blocks, block_size, {h}, >= {need}], got "
+            f"{kv_cache.dtype} {list(kv_cache.shape)}"
+        )
+    if slot_mapping.shape != (n,):
+        raise ValueError(f"slot_mapping: expected [{n}], got {list(slot_mapping.shape)}")

@@ -18,10 +18,10 @@
 #include "cache_ops_torch.h"
 #include "cuda/concat_and_cache_mla.h"
 #include "cuda/convert_fp8.h"
+#include "cuda/packed_slot_store.h"
 #include "cuda/reshape_and_cache_flash.h"
-#include "cuda/turboquant_store.h"
 #include "ds_mla_ops_torch.h"
-#include "turboquant_ops_torch.h"
+#include "packed_slot_ops_torch.h"
 
 namespace vllm_kv {
 namespace {
@@ -68,6 +68,18 @@ void turboquant_store_cuda(const at::Tensor& key, const at::Tensor& value, at::T
   if (args.num_tokens == 0 || args.num_heads == 0) return;
   const c10::cuda::CUDAGuard device_guard(kv_cache.device());
   launch_turboquant_store(args, source_type_of(value, "value"), c10::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void ultraquant_store_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
+                           const at::Tensor& slot_mapping, double constant_c) {
+  TORCH_CHECK(kv_cache.is_cuda(), "kv_cache: expected a CUDA tensor, got device ",
+              kv_cache.device());
+  const UltraQuantWriteArgs args =
+      prepare_ultraquant_store(key, value, kv_cache, slot_mapping, constant_c);
+  if (args.num_tokens == 0 || args.num_heads == 0) return;
+  const c10::cuda::CUDAGuard device_guard(kv_cache.device());
+  launch_ultraquant_store(args, source_type_of(value, "value"), c10::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -157,6 +169,7 @@ TORCH_LIBRARY_IMPL(_C_cache_ops, CUDA, m) {
   m.impl("convert_fp8", &vllm_kv::convert_fp8_cuda);
   m.impl("concat_and_cache_nvfp4_ds_mla", &vllm_kv::concat_and_cache_nvfp4_ds_mla_cuda);
   m.impl("turboquant_store", &vllm_kv::turboquant_store_cuda);
+  m.impl("ultraquant_store", &vllm_kv::ultraquant_store_cuda);
 }
 
 // The descriptors are CPU tensors whatever memory they address, so the op dispatches on CPU.

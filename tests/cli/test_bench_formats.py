@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from vllm.benchmarks import formats as format_bench
 from vllm.cli.main import main
@@ -114,3 +115,22 @@ def test_bad_combinations_are_one_line(capsys, tmp_path, argv: list[str], expect
     assert captured.out == ""
     assert captured.err.startswith("vllm-kv bench: error: ") and captured.err.count("\n") == 1
     assert expected in captured.err and "Traceback" not in captured.err
+
+
+def test_packed_stores_are_timed_through_the_extension() -> None:
+    """TurboQuant's and UltraQuant's write rows time the compiled stores; what they write
+    decodes to values (their bytes equal the codecs': tests/kv_quant)."""
+    kinds = ["turboquant_4bit_nc", "ultraquant_4bit"]
+    rows = format_bench.run("cpu", kinds, [4], quick=True, repeats=1)
+    assert [(r.kind, r.stage, r.impl) for r in rows] == [
+        ("turboquant_4bit_nc", "write", "compiled op"),
+        ("turboquant_4bit_nc", "decode", "reference codec"),
+        ("ultraquant_4bit", "write", "compiled op"),
+        ("ultraquant_4bit", "decode", "reference codec"),
+    ]
+    for kind in kinds:
+        problem = format_bench._problem(kind, 4, torch.device("cpu"))
+        problem.write()
+        key, value = problem.decode()
+        assert key.shape == value.shape == (4, format_bench.NUM_HEADS, format_bench.HEAD_SIZE)
+        assert bool(value.abs().sum() > 0)

@@ -108,7 +108,7 @@ def test_raw_op_names_the_bad_argument() -> None:
     """The op's own checks, for callers that skip the Python wrapper."""
     op = torch.ops._C_cache_ops.turboquant_store
     y, value = torch.zeros(2, 1, 64), torch.zeros(2, 1, 64)
-    cache = torch.zeros(1, 4, 1, 64, dtype=torch.uint8)
+    cache = torch.zeros(1, 4, 1, 128, dtype=torch.uint8)
     slots, norms, mids = torch.tensor([0, 1]), torch.ones(2, 1), torch.zeros(7)
     cases = [
         ((y.half(), value, cache, slots, norms, mids, 3, 4), "key: expected dtype float32"),

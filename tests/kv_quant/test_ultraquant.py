@@ -26,6 +26,8 @@ from vllm.v1.attention.ops.ultraquant.reference import (
     ultraquant_encode_decode,
 )
 
+from .test_turboquant import load_upstream_module
+
 _LEVELS = sorted({abs(v) for v in FP4_BITS_TO_VALUE})
 
 
@@ -150,3 +152,39 @@ def test_reference_attention_shapes_and_sinks() -> None:
     assert sunk.abs().max() < 1e-6
     with pytest.raises(ValueError, match="query: expected a head count"):
         reference_ultraquant_attention(q[:, :3], k, v, scale=0.125)
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bytes_equal_upstreams_reference(rotate: bool, dtype: torch.dtype, tmp_path) -> None:
+    """Upstream v0.33.0's reference codec, run from its sdist, on rows spanning 24 decades of
+    magnitude, zeros, NaN / Inf groups and subnormals: the same codes and scale bytes."""
+    upstream = load_upstream_module("vllm/v1/attention/ops/ultraquant/reference.py", tmp_path)
+    gen = torch.Generator().manual_seed(11)
+    scales = 10.0 ** torch.linspace(-12, 12, 64).view(64, 1, 1)
+    x = torch.randn(64, 4, 128, generator=gen) * scales
+    x[0] = 0.0
+    x[1, 0, 5] = float("nan")
+    x[1, 1, 40] = float("inf")
+    x[2] = torch.randn(4, 128, generator=gen) * 1e-40  # subnormal groups
+    x = x.to(dtype)
+    ours = ultraquant_encode(x, rotate=rotate)
+    theirs = upstream.ultraquant_encode(x, rotate=rotate)
+    assert torch.equal(ours.scale_bytes, theirs.scale_bytes)
+    assert torch.equal(ours.codes_packed, theirs.codes_packed)
+
+
+def test_scale_snap_is_exact_on_the_boundary() -> None:
+    """``s_raw = m * 2^E`` snaps up exactly when ``m > sqrt(2)``: the fp32 mantissas either side
+    of ``sqrt(2)``, at exponents where upstream's fp32 ``floor(log2(s) + 0.5)`` rounds the one
+    below up as well (e.g. ``m = 0x3FB504F3``, E = 0: log2 = 0.49999997, + 0.5 rounds to 1).
+    ``constant_c = 1`` makes ``s_raw`` the group's amax."""
+    below = torch.tensor([0x3FB504F3], dtype=torch.int32).view(torch.float32).item()
+    above = torch.tensor([0x3FB504F4], dtype=torch.int32).view(torch.float32).item()
+    assert below < math.sqrt(2) < above
+    for e in (-100, -10, -3, 0, 5, 60):
+        for m, snapped in ((below, e), (above, e + 1)):
+            x = torch.zeros(1, 32)
+            x[0, 0] = m * 2.0**e
+            encoded = ultraquant_encode(x, rotate=False, constant_c=1.0)
+            assert encoded.scale_bytes.item() == snapped + 127

@@ -102,3 +102,78 @@ def test_unified_attention_decode_and_prefill() -> None:
         ultraquant_unified_attention(
             q[:, :3], cache, table, torch.tensor([n]), torch.tensor([0, 3]), 1.0
         )
+
+
+def _codec_slots(k: torch.Tensor, v: torch.Tensor, c: float | None = None) -> torch.Tensor:
+    rk = ultraquant_encode(k, constant_c=c)
+    rv = ultraquant_encode(v, rotate=False, constant_c=c)
+    return torch.cat([rk.codes_packed, rk.scale_bytes, rv.codes_packed, rv.scale_bytes], -1)
+
+
+def _edge_rows(d: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """K / V ``[6, 2, d]``: random rows over many magnitudes, then groups of zeros, a NaN, an
+    Inf, subnormals, values on every rounding boundary (V: ``amax`` 4 gives ``s = 1/2``, so
+    ``v = m / 2`` lands on midpoint ``m``) and huge values."""
+    gen = torch.Generator().manual_seed(d)
+    k = torch.randn(6, 2, d, generator=gen) * 10.0 ** torch.arange(-3, 3).view(6, 1, 1)
+    v = torch.randn(6, 2, d, generator=gen) * 10.0 ** torch.arange(2, -4, -1).view(6, 1, 1)
+    v[0, 0, :32] = 0.0
+    v[0, 1, 3] = float("nan")
+    k[1, 0, 7] = float("-inf")
+    v[1, 1, :32] = 1e-40
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    v[2, 0, :32] = torch.cat([mids, -mids, mids / 2, -mids / 2, torch.tensor([8.0] * 4)]) / 2
+    v[3, 1, :32] = 3e38 if dtype == torch.float32 else 6e4
+    return k.to(dtype), v.to(dtype)
+
+
+@pytest.mark.parametrize("d", [32, 64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_compiled_store_is_the_codecs_bytes(d: int, dtype: torch.dtype) -> None:
+    """The extension's kernel writes the slots here (the CPU op): byte for byte the codec's,
+    padding and unnamed slots untouched, on edge groups as on random ones."""
+    from vllm._extension import compiled_kernel
+
+    assert compiled_kernel("ultraquant_store", torch.device("cpu")) is not None
+    k, v = _edge_rows(d, dtype)
+    storage = torch.full((5, 4, 2, slot_size(d) + 3), 0xA5, dtype=torch.uint8)
+    cache = storage[::2]  # blocks not adjacent
+    slots = torch.tensor([0, 9, 5, 11, 2, -1])
+    ultraquant_store(k, v, cache, slots)
+    want = _codec_slots(k, v)
+    flat = cache.reshape(12, 2, -1)
+    for i, s in enumerate(slots.tolist()):
+        if s >= 0:
+            assert torch.equal(flat[s, :, : slot_size(d)], want[i]), (i, s)
+    assert flat[:, :, slot_size(d) :].eq(0xA5).all()
+    assert flat[[1, 3, 4, 6, 7, 8, 10]].eq(0xA5).all()
+
+
+def test_compiled_store_takes_constant_c_and_strided_rows() -> None:
+    k, v = _edge_rows(64, torch.float32)
+    k = k.transpose(0, 1).contiguous().transpose(0, 1)  # heads outermost
+    v = v[..., :64].clone()
+    wide = torch.zeros(6, 2, 96)
+    wide[..., :64] = v
+    v = wide[..., :64]
+    cache = _cache(3, 2, 64)
+    slots = torch.arange(6)
+    ultraquant_store(k, v, cache, slots, constant_c=0.3)
+    assert torch.equal(cache.reshape(12, 2, -1)[:6], _codec_slots(k, v, 0.3))
+
+
+def test_compiled_op_names_the_bad_argument() -> None:
+    op = torch.ops._C_cache_ops.ultraquant_store
+    k = torch.zeros(2, 1, 64)
+    cache, slots = _cache(1, 1, 64), torch.tensor([0, 1])
+    cases = [
+        ((k.half(), k, cache, slots, 0.156), "key: expected dtype float32"),
+        ((k, k[..., :48], cache, slots, 0.156), "value: expected a head dim that is a positive"),
+        ((k, k, cache[..., :60], slots, 0.156), r"kv_cache: expected a \(num_blocks"),
+        ((k, k, cache, slots, float("nan")), "constant_c: expected a finite value > 0"),
+        ((k, k, cache, torch.tensor([0, 4]), 0.156), "expected slots < num_blocks"),
+    ]
+    for args, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            op(*args)
+    assert cache.eq(0).all()

@@ -1,12 +1,13 @@
 """Write and decode throughput of every cache format with a reference codec (``vllm-kv bench
---op formats``), including v0.33's formats that no compiled kernel writes yet.
+--op formats``), v0.33's formats included.
 
 For each format and shape, two rows: ``write`` (bf16 K/V ``[T, H, 128]`` into scattered cache
 slots) and ``decode`` (the written slots back to K/V). Each row times the implementation that
 exists for the format on this machine and names it in its ``impl`` column:
 
 - ``compiled op``: ``reshape_and_cache_flash`` of the extension, for a format it writes
-  (:attr:`~vllm.kv_quant.formats.KVCacheFormat.has_kernel`);
+  (:attr:`~vllm.kv_quant.formats.KVCacheFormat.has_kernel`), or the extension's packed-slot
+  store (TurboQuant's four presets, ``ultraquant_4bit``: :mod:`vllm._packed_cache_ops`);
 - ``reference codec``: the pure-torch codec (:mod:`vllm.kv_quant.codecs`, or the packed K+V
   slot codecs of :mod:`vllm.kv_quant.slot_codecs`): a correctness reference, far from what a
   kernel reaches, so that nobody reads its GB/s as a kernel's.
@@ -30,8 +31,10 @@ import torch
 from vllm.benchmarks import noise
 from vllm.benchmarks.timing import REPEATS, Progress, Session, Timed, run_fields
 from vllm.kv_quant.codecs import codec_for, has_codec
-from vllm.kv_quant.formats import formats, lookup
+from vllm.kv_quant.formats import KVCacheFormat, formats, lookup
 from vllm.kv_quant.slot_codecs import OCTAVE_CHECK_ROPE_DIM, is_packed, slot_codec
+from vllm.kv_quant.turboquant import TurboQuantConfig
+from vllm.kv_quant.turboquant.centroids import turboquant_tables
 
 __all__ = ["FORMAT_KINDS", "Row", "format_table", "run", "to_json"]
 
@@ -106,13 +109,14 @@ def _problem(kind: str, num_tokens: int, device: torch.device) -> _Problem:
             encoded = codec.encode(key, value)
             cache[block, offset, :, : encoded.shape[-1]] = encoded
 
+        compiled = _compiled_packed_write(fmt, key, value, cache, slots)
         cache_bytes = num_tokens * NUM_HEADS * codec.slot_bytes
         return _Problem(
-            write_packed,
+            compiled or write_packed,
             lambda: codec.decode(cache[block, offset]),
             inputs + cache_bytes,
             cache_bytes + outputs,
-            REFERENCE,
+            COMPILED if compiled else REFERENCE,
         )
     side_codec = codec_for(fmt)
     assert fmt.storage_dtype is not None
@@ -149,6 +153,39 @@ def _problem(kind: str, num_tokens: int, device: torch.device) -> _Problem:
         2 * slots_held * (row_bytes + NUM_HEADS * HEAD_SIZE * 4),
         COMPILED if compiled else REFERENCE,
     )
+
+
+def _compiled_packed_write(
+    fmt: KVCacheFormat,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> Callable[[], None] | None:
+    """The extension's store of a packed format (TurboQuant, UltraQuant) into ``cache`` when it
+    has a kernel for the cache's device, else None."""
+    from vllm._extension import compiled_kernel  # loads the extension
+
+    if fmt.quant_mode.is_ultraquant:
+        if compiled_kernel("ultraquant_store", cache.device) is None:
+            return None
+        from vllm.v1.attention.ops.ultraquant.triton_store import ultraquant_store
+
+        return lambda: ultraquant_store(key, value, cache, slots)
+    if (
+        not fmt.quant_mode.is_turboquant
+        or compiled_kernel("turboquant_store", cache.device) is None
+    ):
+        return None
+    from vllm._packed_cache_ops import turboquant_store
+
+    cfg = TurboQuantConfig.from_cache_dtype(fmt.name, HEAD_SIZE)
+    tables = turboquant_tables(HEAD_SIZE, cfg.centroid_bits)
+    pit, mids = tables.rotation.to(cache.device), tables.midpoints.to(cache.device)
+    return lambda: turboquant_store(
+        key, value, cache, slots, pit, mids, cfg.key_mse_bits, cfg.key_packed_size,
+        cfg.value_quant_bits, cfg.key_fp8,
+    )  # fmt: skip
 
 
 def run(

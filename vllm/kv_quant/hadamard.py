@@ -21,7 +21,7 @@ import math
 
 import torch
 
-__all__ = ["HADAMARD", "hadamard_rotate", "check_hadamard_head_size"]
+__all__ = ["HADAMARD", "check_hadamard_head_size", "hadamard_matrix", "hadamard_rotate"]
 
 HADAMARD = "hadamard"
 """The name of the rotation (``key_rotation="hadamard"``)."""
@@ -52,3 +52,24 @@ def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
         h *= 2
     scale = torch.tensor(1.0 / math.sqrt(dim), dtype=torch.float32, device=y.device)
     return y * scale
+
+
+_HADAMARD_CACHE: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def hadamard_matrix(
+    dim: int, device: torch.device, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The ``dim x dim`` Sylvester Hadamard matrix scaled by ``1 / sqrt(dim)`` (orthonormal), built
+    in fp64 and cast once to ``dtype``; cached per ``(dim, device, dtype)``."""
+    if dim <= 0 or dim & (dim - 1):
+        raise ValueError(f"dim: expected a power of two, got {dim}")
+    key = (dim, torch.device(device), dtype)
+    h = _HADAMARD_CACHE.get(key)
+    if h is None:
+        h64 = torch.ones(1, 1, dtype=torch.float64)
+        while h64.shape[0] < dim:
+            h64 = torch.cat([torch.cat([h64, h64], 1), torch.cat([h64, -h64], 1)], 0)
+        h = (h64 / dim**0.5).to(device=device, dtype=dtype).contiguous()
+        _HADAMARD_CACHE[key] = h
+    return h

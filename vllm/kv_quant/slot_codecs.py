@@ -4,9 +4,9 @@ TurboQuant, UltraQuant and Octave do not store a K side and a V side (the per-si
 :class:`~vllm.kv_quant.codecs.KVCodec` interface); each (token, KV head) is one slot of
 ``slot_bytes`` bytes holding both, with its scales inside. :func:`slot_codec` gives the
 reference codec of such a format for one head size: ``encode(key, value) -> slots`` and
-``decode(slots) -> (key, value)`` in the original (unrotated) domain, in fp32. No compiled writer
-takes these formats yet: the tools (``vllm-kv check`` and ``bench``) write and read them with
-these codecs and say so.
+``decode(slots) -> (key, value)`` in the original (unrotated) domain, in fp32. The compiled
+writers of TurboQuant and UltraQuant are the extension's own ops (:mod:`vllm._packed_cache_ops`);
+Octave has none, and no compiled reader takes these formats yet.
 
 Octave's block K depends on the model's rotary dims: the ones registered for the head size
 (:func:`vllm.kv_quant.octave.register_rope_dim`, as a model does), else the caller's
@@ -27,10 +27,10 @@ from vllm.kv_quant.octave import HADAMARD_BLOCK, OctaveFormat, registered_rope_d
 from vllm.kv_quant.octave_codec import octave_decode, octave_encode
 from vllm.kv_quant.turboquant import (
     TurboQuantConfig,
-    get_centroids,
     turboquant_decode_slots,
     turboquant_encode_slots,
 )
+from vllm.kv_quant.turboquant.centroids import turboquant_tables
 from vllm.kv_quant.ultraquant import ultraquant_slot_size
 from vllm.kv_quant.ultraquant_codec import (
     UltraQuantEncoded,
@@ -64,11 +64,8 @@ class SlotCodec:
 
 def _turboquant(fmt: KVCacheFormat, head_size: int) -> SlotCodec:
     cfg = TurboQuantConfig.from_cache_dtype(fmt.name, head_size)
-    # Upstream's rotation: the orthonormal Sylvester Hadamard, its own inverse.
-    rotation = hadamard_matrix(head_size, torch.device("cpu"))
-    centroids = get_centroids(head_size, cfg.centroid_bits).to(torch.float32)
-    ordered = centroids.sort().values
-    midpoints = (ordered[:-1] + ordered[1:]) / 2
+    tables = turboquant_tables(head_size, cfg.centroid_bits)
+    rotation, centroids, midpoints = tables.rotation, tables.centroids, tables.midpoints
 
     def encode(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         dev = key.device

@@ -10,7 +10,8 @@ One slot per (token, KV head) packs both sides, ``D`` the head size (elements), 
 So a slot is ``D + 2G`` bytes (272 at ``D = 256``, 136 at ``D = 128``). K is Hadamard-rotated
 before quantization, V is not. The registry's rows are per side, so the row is half the slot and
 the two-sided page math (``2 * block_size * H * row``) gives the packed page, as upstream's spec
-does with ``state_content_bytes = slot_size(D)``. No compiled writer takes the format yet
+does with ``state_content_bytes = slot_size(D)``. Its compiled writer is its own op
+(``_C_cache_ops::ultraquant_store``, one packed K+V slot), not ``reshape_and_cache_flash``
 (``cache_kind=None``): :func:`~vllm.kv_quant.formats.kernel_cache_kind` refuses it.
 """
 
@@ -126,7 +127,7 @@ ULTRAQUANT_4BIT = register_format(
         quant_mode=KVQuantMode.ULTRAQUANT_4BIT,
         label="uq4",
         row_dim=ultraquant_row_dim,
-        # The compiled writers do not take it yet: kernel_cache_kind refuses it by name.
+        # reshape_and_cache_flash does not take it (its slots pack K and V): refused by name.
         cache_kind=None,
         has_kernel=False,
     )

@@ -6,9 +6,13 @@ Encoding one vector ``x`` of ``D`` values (``D`` a multiple of 32):
 
 1. K only: rotate, ``r = float32(x) @ H.T`` with ``H`` the normalised Sylvester Hadamard matrix
    (built in fp64, cast to fp32); V: ``r = float32(x)``;
-2. per group of 32: ``s_raw = c * max|r|`` (``c = 0.156``), snapped to ``s = 2^e`` with
-   ``e = floor(log2(s_raw) + 0.5)`` clamped to ``[-126, 127]``; scale byte ``e + 127``. A group
-   whose ``s_raw`` is 0 or not finite (all zeros, or NaN/Inf inside) gets byte 0 and zero codes;
+2. per group of 32: ``s_raw = c * max|r|`` (fp32, ``c = 0.156``), snapped to the power of two
+   ``s = 2^e`` nearest in the log domain: with ``s_raw = m * 2^E`` (``m`` in ``[1, 2)``),
+   ``e = E + (m > sqrt(2))``, clamped to ``[-126, 127]``; scale byte ``e + 127``. A group
+   whose ``s_raw`` is 0 or not finite (all zeros, or NaN/Inf inside) gets byte 0 and zero codes.
+   Upstream computes ``e = floor(log2(s_raw) + 0.5)`` in fp32, which rounds up some ``m`` just
+   below ``sqrt(2)`` (how many depends on ``E`` and on the device's ``log2``); this rule is that
+   formula in exact arithmetic, the same on every device;
 3. each value: the nearest E2M1 level of ``r / s`` (``torch.bucketize`` on the midpoints, so a
    tie takes the lower level; beyond ±6 saturates), written as its 4-bit code;
 4. codes pack two per byte, the even element in the low nibble.
@@ -18,10 +22,12 @@ Decoding: ``code value * 2^(byte - 127)`` (0 for byte 0), in the rotated basis f
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from vllm.kv_quant.hadamard import hadamard_matrix
 from vllm.kv_quant.ultraquant import (
     DEFAULT_CONSTANT_C,
     FP4_BITS_TO_VALUE,
@@ -36,10 +42,14 @@ from vllm.kv_quant.ultraquant import (
 __all__ = [
     "UltraQuantEncoded",
     "hadamard_matrix",
+    "rotate_keys",
     "ultraquant_dequant",
     "ultraquant_encode",
     "ultraquant_encode_decode",
 ]
+
+SQRT_HALF = math.sqrt(0.5)
+"""``sqrt(1/2)``, irrational: no fp32 mantissa equals it, so the snap has no ties."""
 
 _ZERO_SORTED_INDEX = MIDPOINTS_SORTED.index(-0.25) + 1
 """Sorted index of level 0 (code ``0b0000``), written for zero-scale groups."""
@@ -47,32 +57,22 @@ _ZERO_SORTED_INDEX = MIDPOINTS_SORTED.index(-0.25) + 1
 _BUCKETIZE_CHUNK = 2**30
 """Elements per ``torch.bucketize`` call: some backends index with int32 and fail at ``2**31``."""
 
-_HADAMARD_CACHE: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
 
-
-def hadamard_matrix(
-    dim: int, device: torch.device, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """The ``dim x dim`` Sylvester Hadamard matrix scaled by ``1 / sqrt(dim)`` (orthonormal), built
-    in fp64 and cast once to ``dtype``; cached per ``(dim, device, dtype)``."""
-    if dim <= 0 or dim & (dim - 1):
-        raise ValueError(f"dim: expected a power of two, got {dim}")
-    key = (dim, torch.device(device), dtype)
-    h = _HADAMARD_CACHE.get(key)
-    if h is None:
-        h64 = torch.ones(1, 1, dtype=torch.float64)
-        while h64.shape[0] < dim:
-            h64 = torch.cat([torch.cat([h64, h64], 1), torch.cat([h64, -h64], 1)], 0)
-        h = (h64 / dim**0.5).to(device=device, dtype=dtype).contiguous()
-        _HADAMARD_CACHE[key] = h
-    return h
+def rotate_keys(x: torch.Tensor) -> torch.Tensor:
+    """``float32(x) @ H.T`` (``[..., D]``, ``D`` a power of two): the key rotation, one torch
+    matmul that the codec and the compiled store share, so both code the same rows."""
+    return x.to(torch.float32) @ hadamard_matrix(x.shape[-1], x.device).T
 
 
 def _snap_scales(s_raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(2^e as fp32, UE8M0 byte)`` of each raw fp32 scale; 0 / non-finite → ``(0, 0)``."""
     is_zero = (s_raw <= 0) | ~torch.isfinite(s_raw)
-    log2_s = torch.log2(torch.where(is_zero, torch.ones_like(s_raw), s_raw))
-    exp = torch.floor(log2_s + 0.5).to(torch.int32).clamp(UE8M0_MIN_EXP, UE8M0_MAX_EXP)
+    mantissa, exponent = torch.frexp(torch.where(is_zero, torch.ones_like(s_raw), s_raw))
+    # s_raw = mantissa * 2^exponent with mantissa in [0.5, 1): the nearer power of two in the
+    # log domain is 2^exponent once mantissa > sqrt(1/2), else 2^(exponent - 1).
+    exp = (exponent - 1 + (mantissa > SQRT_HALF).to(torch.int32)).clamp(
+        UE8M0_MIN_EXP, UE8M0_MAX_EXP
+    )
     byte = torch.where(is_zero, 0, exp + UE8M0_BIAS).to(torch.uint8)
     scale = torch.where(is_zero, 0.0, torch.exp2(exp.to(torch.float32)))
     return scale, byte
@@ -117,9 +117,7 @@ def ultraquant_encode(
         )
     d = x.shape[-1]
     c = DEFAULT_CONSTANT_C if constant_c is None else constant_c
-    r = x.to(torch.float32)
-    if rotate:
-        r = r @ hadamard_matrix(d, x.device).T
+    r = rotate_keys(x) if rotate else x.to(torch.float32)
     groups = r.reshape(*x.shape[:-1], d // GROUP_SIZE, GROUP_SIZE)
     scale, scale_bytes = _snap_scales(groups.abs().amax(dim=-1) * c)
     scale = scale.unsqueeze(-1)

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
-__all__ = ["get_centroids", "solve_lloyd_max"]
+from vllm.kv_quant.hadamard import hadamard_matrix
+
+__all__ = ["TurboQuantTables", "get_centroids", "solve_lloyd_max", "turboquant_tables"]
 
 _TRAPEZOIDS = 200
 _INIT_SPAN_SIGMAS = 3.5  # initial centroids spread uniformly over +-3.5 sigma
@@ -81,3 +84,27 @@ def get_centroids(d: int, bits: int) -> torch.Tensor:
     """The centroids of :func:`solve_lloyd_max` ``(d, bits)``, computed once per pair (the same
     tensor object each call: do not modify it)."""
     return solve_lloyd_max(d, bits)[0]
+
+
+@dataclass(frozen=True)
+class TurboQuantTables:
+    """What a TurboQuant layer's writers and readers share, fp32 on the CPU: ``rotation`` the
+    normalized Sylvester Hadamard ``[D, D]`` (symmetric and orthonormal: both upstream's ``Pi``
+    and ``PiT``), the Lloyd-Max ``centroids`` ``[2**centroid_bits]`` of ``N(0, 1/D)`` and the
+    ``midpoints`` between the sorted centroids (the store's decision boundaries)."""
+
+    rotation: torch.Tensor
+    centroids: torch.Tensor
+    midpoints: torch.Tensor
+
+
+def turboquant_tables(head_size: int, centroid_bits: int) -> TurboQuantTables:
+    """The tables of heads of ``head_size`` (a power of two) with ``centroid_bits``-bit codes
+    (``TurboQuantConfig.centroid_bits``)."""
+    centroids = get_centroids(head_size, centroid_bits).to(torch.float32)
+    ordered = centroids.sort().values
+    return TurboQuantTables(
+        hadamard_matrix(head_size, torch.device("cpu")),
+        centroids,
+        (ordered[:-1] + ordered[1:]) / 2,
+    )

@@ -27,8 +27,6 @@ up front by the metadata builder.
 
 from __future__ import annotations
 
-import functools
-import math
 from dataclasses import replace
 from typing import Any, ClassVar
 
@@ -38,9 +36,9 @@ from vllm.config.compilation import AttentionCGSupport
 from vllm.kv_quant.turboquant import (
     TQ_PRESETS,
     TurboQuantConfig,
-    get_centroids,
     turboquant_decode_slots,
 )
+from vllm.kv_quant.turboquant.centroids import turboquant_tables
 from vllm.triton_utils import HAS_TRITON, triton_interpreted
 from vllm.utils.math_utils import round_up
 from vllm.v1.attention.backend import (
@@ -80,15 +78,6 @@ __all__ = [
 
 CONTINUATION_DECODE_THRESHOLD = 128
 """Longest continuation chunk (tokens) read through the decode kernel (upstream's value)."""
-
-
-@functools.cache
-def _hadamard(d: int) -> torch.Tensor:
-    """The normalized Sylvester Hadamard matrix ``H / sqrt(d)`` (symmetric, orthonormal), fp32."""
-    h = torch.ones(1, 1)
-    while h.shape[0] < d:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / math.sqrt(d)
 
 
 class TurboQuantAttentionBackend(AttentionBackend):
@@ -364,13 +353,12 @@ class TurboQuantAttentionImpl(AttentionImpl):
         and ``_tq_midpoints`` (fp32); ``_tq_cached`` records the device."""
         if getattr(layer, "_tq_cached", None) == device:
             return
-        rotation = _hadamard(self.head_size).to(device)
-        centroids = get_centroids(self.head_size, self.tq_config.centroid_bits).float()
-        ordered = centroids.sort().values
+        tables = turboquant_tables(self.head_size, self.tq_config.centroid_bits)
+        rotation = tables.rotation.to(device)
         layer._tq_Pi = rotation
         layer._tq_PiT = rotation
-        layer._tq_centroids = centroids.to(device)
-        layer._tq_midpoints = ((ordered[:-1] + ordered[1:]) / 2).to(device)
+        layer._tq_centroids = tables.centroids.to(device)
+        layer._tq_midpoints = tables.midpoints.to(device)
         layer._tq_cached = device
 
     def do_kv_cache_update(

@@ -1,15 +1,20 @@
 """``ultraquant_store``: writes K/V rows into an ``ultraquant_4bit`` paged cache (upstream's
 ``vllm.v1.attention.ops.ultraquant.triton_store`` entry point and signature).
 
-This implementation runs the torch reference codec (:mod:`.reference`) and scatters its bytes,
-so it is bit-exact with it by construction on every device; upstream's fused Triton kernel is
-not ported yet (its tests need a CUDA/HIP device).
+The bytes are the reference codec's (:mod:`.reference`): the extension's compiled store
+(``_C_cache_ops::ultraquant_store``, CPU and CUDA) writes them where it has a kernel for the
+cache's device, from keys rotated by the codec's own matmul; elsewhere the codec runs and its
+bytes are scattered. Upstream's fused Triton kernel is not ported (its tests need a CUDA/HIP
+device).
 """
 
 from __future__ import annotations
 
 import torch
 
+from vllm._extension import compiled_kernel
+from vllm.kv_quant.ultraquant import DEFAULT_CONSTANT_C
+from vllm.kv_quant.ultraquant_codec import rotate_keys
 from vllm.v1.attention.ops.ultraquant.format import slot_size
 from vllm.v1.attention.ops.ultraquant.reference import ultraquant_encode
 
@@ -68,6 +73,11 @@ def ultraquant_store(
         raise ValueError(
             f"slot_mapping: expected slots below {num_blocks * block_size}, got {int(slots.max())}"
         )
+    c = DEFAULT_CONSTANT_C if constant_c is None else constant_c
+    op = compiled_kernel("ultraquant_store", kv_cache.device)
+    if op is not None and kv_cache.stride(3) == 1:
+        op(rotate_keys(key), value.contiguous(), kv_cache, slots, c)
+        return
     k = ultraquant_encode(key, rotate=True, constant_c=constant_c)
     v = ultraquant_encode(value, rotate=False, constant_c=constant_c)
     rows = torch.cat([k.codes_packed, k.scale_bytes, v.codes_packed, v.scale_bytes], dim=-1)

@@ -1,4 +1,5 @@
-// Host-side validation of the compiled TurboQuant store, shared by its CPU and CUDA ops.
+// Host-side validation of the compiled packed-slot stores (TurboQuant, ultraquant_4bit), shared by
+// their CPU and CUDA ops.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -6,6 +7,7 @@
 #include <optional>
 
 #include "turboquant_slot.h"
+#include "ultraquant_slot.h"
 
 namespace vllm_kv {
 
@@ -20,5 +22,12 @@ TurboQuantWriteArgs prepare_turboquant_store(const at::Tensor& key, const at::Te
                                              const std::optional<at::Tensor>& key_norms,
                                              const std::optional<at::Tensor>& midpoints,
                                              int64_t key_bits, int64_t value_bits);
+
+// Checks ultraquant_store's arguments as above: key [N, H, D] the rotated keys in fp32, value
+// [N, H, D] fp32 / fp16 / bf16 (rows contiguous, D a multiple of 32), kv_cache and slot_mapping
+// as for TurboQuant, constant_c finite and > 0.
+UltraQuantWriteArgs prepare_ultraquant_store(const at::Tensor& key, const at::Tensor& value,
+                                             const at::Tensor& kv_cache,
+                                             const at::Tensor& slot_mapping, double constant_c);
 
 }  // namespace vllm_kv

@@ -1,0 +1,65 @@
+// CUDA packed-slot stores: TurboQuant one thread per (token, head) slot, ultraquant_4bit one
+// thread per group of 32 values, running the functions of turboquant_slot.h / ultraquant_slot.h,
+// so the bytes are the CPU ops' (which run the same functions in a loop) and the reference
+// codecs'. Torch-free.
+#include "packed_slot_store.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace vllm_kv {
+namespace {
+
+constexpr int kThreads = 128;
+
+// Grid of a grid-stride loop over `total` items.
+unsigned grid_for(int64_t total) {
+  return unsigned(std::min<int64_t>((total + kThreads - 1) / kThreads, 1 << 20));
+}
+
+template <SourceType KS, SourceType VS>
+__global__ void __launch_bounds__(kThreads)
+    turboquant_store_kernel(const __grid_constant__ TurboQuantWriteArgs a) {
+  const int64_t total = a.num_tokens * a.num_heads;
+  const int64_t step = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += step) {
+    write_turboquant_slot<KS, VS>(a, i / a.num_heads, int(i % a.num_heads));
+  }
+}
+
+template <SourceType VS>
+__global__ void __launch_bounds__(kThreads)
+    ultraquant_store_kernel(const __grid_constant__ UltraQuantWriteArgs a) {
+  const int units = ultraquant_units(a.head_dim);
+  const int64_t total = a.num_tokens * a.num_heads * units;
+  const int64_t step = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += step) {
+    const int64_t slot = i / units;
+    write_ultraquant_unit<VS>(a, slot / a.num_heads, int(slot % a.num_heads), int(i % units));
+  }
+}
+
+}  // namespace
+
+void launch_turboquant_store(const TurboQuantWriteArgs& a, SourceType value_type,
+                             cudaStream_t stream) {
+  const int64_t total = a.num_tokens * a.num_heads;
+  if (total <= 0) return;
+  dispatch_turboquant_types(a.key_bits == kTurboQuantFp8KeyBits, value_type, [&](auto ks, auto vs) {
+    turboquant_store_kernel<decltype(ks)::value, decltype(vs)::value>
+        <<<grid_for(total), kThreads, 0, stream>>>(a);
+  });
+}
+
+void launch_ultraquant_store(const UltraQuantWriteArgs& a, SourceType value_type,
+                             cudaStream_t stream) {
+  const int64_t total = a.num_tokens * a.num_heads * ultraquant_units(a.head_dim);
+  if (total <= 0) return;
+  dispatch_source_type(value_type, [&](auto vs) {
+    ultraquant_store_kernel<decltype(vs)::value><<<grid_for(total), kThreads, 0, stream>>>(a);
+  });
+}
+
+}  // namespace vllm_kv
