@@ -2,9 +2,9 @@
 ``triton_turboquant_store`` takes and writes the bytes of the reference codec
 :mod:`vllm.kv_quant.turboquant.codec` with the compiled CPU or CUDA kernel
 (``_C_cache_ops::turboquant_store``; the codec itself where the extension has no kernel for the
-cache's device). The ``ultraquant_4bit`` store's kernel (``_C_cache_ops::ultraquant_store``) is
-called by upstream's entry point ``vllm.v1.attention.ops.ultraquant.triton_store.ultraquant_store``;
-its fake kernel is here.
+cache's device). :func:`ultraquant_kernel_store` is the ``ultraquant_4bit`` kernel's glue, behind
+upstream's entry point ``vllm.v1.attention.ops.ultraquant.triton_store.ultraquant_store``.
+:func:`compiled_packed_store` gives the compiled store of a packed format, for the tools.
 
 Lloyd-Max presets: the key norms and the rotation ``y = k / (|k| + 1e-8) @ PiT`` are the codec's
 :func:`~vllm.kv_quant.turboquant.codec.rotate_unit_keys` (one torch matmul, shared with the
@@ -15,9 +15,13 @@ Everything is checked before anything is written (``ValueError``, ``<arg>: expec
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from vllm._extension import compiled_kernel  # loads the extension: its ops before their fakes
+from vllm.kv_quant.formats import KVCacheFormat
+from vllm.kv_quant.turboquant.centroids import turboquant_tables
 from vllm.kv_quant.turboquant.codec import (
     check_turboquant_cache,
     check_turboquant_inputs,
@@ -26,9 +30,10 @@ from vllm.kv_quant.turboquant.codec import (
     turboquant_write_cache,
 )
 from vllm.kv_quant.turboquant.config import FP8_KEY_BITS, TurboQuantConfig, kernel_config
-from vllm.kv_quant.ultraquant import ultraquant_slot_size
+from vllm.kv_quant.ultraquant import DEFAULT_CONSTANT_C, ultraquant_slot_size
+from vllm.kv_quant.ultraquant_codec import rotate_keys
 
-__all__ = ["turboquant_store"]
+__all__ = ["PackedStore", "compiled_packed_store", "turboquant_store", "ultraquant_kernel_store"]
 
 
 def turboquant_store(
@@ -89,6 +94,60 @@ def turboquant_store(
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` when its rows are contiguous (what the kernel reads), else a contiguous copy."""
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+
+
+def ultraquant_kernel_store(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    constant_c: float,
+) -> bool:
+    """Write ``ultraquant_4bit`` slots with the extension's kernel: keys rotated by the codec's
+    matmul (:func:`~vllm.kv_quant.ultraquant_codec.rotate_keys`), the rest in the kernel. The
+    arguments are those of upstream's ``ultraquant_store``, already checked by it. False, with
+    nothing written, when the extension has no kernel for the cache's device or the cache's
+    slots are not contiguous (the caller then writes with the codec)."""
+    op = compiled_kernel("ultraquant_store", kv_cache.device)
+    if op is None or kv_cache.stride(3) != 1:
+        return False
+    slots = slot_mapping.to(device=kv_cache.device, dtype=torch.int64).contiguous()
+    op(rotate_keys(key), value.contiguous(), kv_cache, slots, constant_c)
+    return True
+
+
+PackedStore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+"""``store(key, value, kv_cache, slot_mapping)``: ``[N, H, D]`` K and V into a cache
+``(num_blocks, block_size, H, slot bytes)`` uint8 at ``slot_mapping`` (negative: skipped)."""
+
+
+def compiled_packed_store(
+    fmt: KVCacheFormat, head_size: int, device: torch.device
+) -> PackedStore | None:
+    """The extension's store of the packed-slot format ``fmt`` (TurboQuant's presets with their
+    tables, ``ultraquant_4bit`` with its constant) for heads of ``head_size`` on ``device``, or
+    None where it has no kernel (Octave: none yet)."""
+    mode = fmt.quant_mode
+    if mode.is_ultraquant and compiled_kernel("ultraquant_store", device) is not None:
+
+        def ultraquant(k: torch.Tensor, v: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> None:
+            if not ultraquant_kernel_store(k, v, c, s, DEFAULT_CONSTANT_C):
+                raise ValueError(f"kv_cache: expected contiguous slots, got strides {c.stride()}")
+
+        return ultraquant
+    if not mode.is_turboquant or compiled_kernel("turboquant_store", device) is None:
+        return None
+    cfg = TurboQuantConfig.from_cache_dtype(fmt.name, head_size)
+    tables = turboquant_tables(head_size, cfg.centroid_bits)
+    pit, mids = tables.rotation.to(device), tables.midpoints.to(device)
+
+    def turboquant(k: torch.Tensor, v: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> None:
+        turboquant_store(
+            k, v, c, s, pit, mids, cfg.key_mse_bits, cfg.key_packed_size, cfg.value_quant_bits,
+            cfg.key_fp8,
+        )  # fmt: skip
+
+    return turboquant
 
 
 @torch.library.register_fake("_C_cache_ops::turboquant_store")

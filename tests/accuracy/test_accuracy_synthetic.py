@@ -173,6 +173,9 @@ def test_layouts_and_readers_agree(synth: KVSample, synth_report: CheckReport) -
         "nvfp4@interleave4",
         "int8_per_token_head",
         "fp8_per_token_head",
+        "turboquant_k8v4",
+        "turboquant_3bit_nc",
+        "ultraquant_4bit",
     ],
 )
 def test_op_and_reference_writers_agree(synth: KVSample, name: str) -> None:

@@ -56,8 +56,10 @@ def test_new_format_rows_from_their_codecs() -> None:
     compiled = extension_status()[0]
     for name in NEW:
         row = report.get(name)
-        # The extension writes INT4 rows; the packed-slot formats have codecs only.
-        assert row.writer == ("op" if compiled and name == "int4_per_token_head" else "reference")
+        # The extension writes INT4 rows and TurboQuant's and UltraQuant's packed slots (their
+        # own stores); Octave has its codec only.
+        with_op = name == "int4_per_token_head" or name.startswith(("turboquant", "ultraquant"))
+        assert row.writer == ("op" if compiled and with_op else "reference")
         m = row.metrics
         # Lossy but close: every format keeps the attention output's direction.
         assert 0 < m.k_rel_rms < 0.3 and 0 < m.v_rel_rms < 0.4, name
@@ -70,8 +72,10 @@ def test_new_format_rows_from_their_codecs() -> None:
     assert report.get("octave_k3v4").fmt.granularity == "slot"
     assert any("no compiled writer" in n and "octave_k3v4" in n for n in report.notes)
     table = report.to_table()
-    line = next(x for x in table.splitlines() if x.startswith("turboquant_3bit_nc"))
+    line = next(x for x in table.splitlines() if x.startswith("octave_k3v3"))
     assert line.split()[-1] == "reference"
+    line = next(x for x in table.splitlines() if x.startswith("turboquant_3bit_nc"))
+    assert line.split()[-1] == ("op" if compiled else "reference")
 
 
 def test_cli_rows_and_json(capsys: pytest.CaptureFixture) -> None:
@@ -79,7 +83,8 @@ def test_cli_rows_and_json(capsys: pytest.CaptureFixture) -> None:
     assert main(argv) == 0
     doc = json.loads(capsys.readouterr().out)
     rows = {f["format"]: f for f in doc["reports"][0]["formats"]}
-    assert rows["ultraquant_4bit"]["writer"] == "reference"
+    assert rows["ultraquant_4bit"]["writer"] == ("op" if extension_status()[0] else "reference")
+    assert rows["octave_k3v3_compact"]["writer"] == "reference"
     assert rows["octave_k3v3_compact"]["scale_granularity"] == "slot"
     assert rows["octave_k3v3_compact"]["metrics"]["out_cos_mean"] > 0.85
 

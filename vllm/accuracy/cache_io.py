@@ -8,7 +8,8 @@ seeded random order so that logical and physical page order differ. Unwritten by
 random garbage, so a writer that misses a slot or a reader that looks at the wrong one shows up as
 an error.
 
-Writers (``writer=``): ``op`` is the extension's ``vllm._custom_ops.reshape_and_cache_flash``;
+Writers (``writer=``): ``op`` is the extension's ``vllm._custom_ops.reshape_and_cache_flash``, or
+a packed-slot format's own compiled store (:func:`vllm._packed_cache_ops.compiled_packed_store`);
 ``reference`` the pure-torch codecs of :mod:`vllm.kv_quant`; ``auto`` the op when the extension
 is loaded and has a kernel for the device, else the codecs.
 
@@ -90,7 +91,11 @@ def _cache_shape(fmt: CacheFormat, num_blocks: int, block_size: int, h: int, d: 
 
 
 def has_kernel(fmt: CacheFormat) -> bool:
-    """Whether the compiled ``reshape_and_cache_flash`` writes ``fmt`` (else its codec does)."""
+    """Whether a compiled op writes ``fmt`` (else its codec does): ``reshape_and_cache_flash``,
+    or for a packed-slot format its own store (TurboQuant, UltraQuant)."""
+    mode = fmt.format.quant_mode
+    if fmt.is_packed:
+        return mode.is_turboquant or mode.is_ultraquant
     return fmt.format.has_kernel and fmt.format.cache_kind is not None
 
 
@@ -119,15 +124,25 @@ def _write_packed(
     block_size: int,
     slots: torch.Tensor,
     seed: int,
-) -> torch.Tensor:
-    """A packed-slot cache (:func:`_packed_cache`) with the sample's slots written by the
-    format's codec (one slot per token and head holds K and V)."""
+    writer: str,
+) -> tuple[torch.Tensor, str]:
+    """A packed-slot cache (:func:`_packed_cache`) with the sample's slots written (one slot per
+    token and head holds K and V), and the writer used: the format's compiled store for ``op``
+    where the extension has one for the device, else its codec."""
     cache = _packed_cache(
         fmt, num_blocks, block_size, sample.num_kv_heads, sample.head_size, slots.device, seed
     )
+    physical = cache.transpose(1, 2)  # (B, N, H, slot), as the stores take it
+    if writer == "op":
+        from vllm._packed_cache_ops import compiled_packed_store
+
+        store = compiled_packed_store(fmt.format, sample.head_size, slots.device)
+        if store is not None:
+            store(sample.key, sample.value, physical, slots)
+            return cache, "op"
     encoded = fmt.slot_codec(sample.head_size).encode(sample.key, sample.value)
-    cache.transpose(1, 2)[slots // block_size, slots % block_size] = encoded
-    return cache
+    physical[slots // block_size, slots % block_size] = encoded
+    return cache, "reference"
 
 
 def allocate_cache(
@@ -277,7 +292,9 @@ def write_cache(
     k_scale = k_scale.to(device=device, dtype=torch.float32)
     v_scale = v_scale.to(device=device, dtype=torch.float32)
     if fmt.is_packed:
-        kv_cache = _write_packed(sample, fmt, num_blocks, block_size, slot_mapping, seed)
+        kv_cache, used = _write_packed(
+            sample, fmt, num_blocks, block_size, slot_mapping, seed, used
+        )
     else:
         kv_cache = allocate_cache(
             fmt, num_blocks, block_size, sample.num_kv_heads, sample.head_size, layout, device, seed

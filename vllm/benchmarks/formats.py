@@ -31,10 +31,8 @@ import torch
 from vllm.benchmarks import noise
 from vllm.benchmarks.timing import REPEATS, Progress, Session, Timed, run_fields
 from vllm.kv_quant.codecs import codec_for, has_codec
-from vllm.kv_quant.formats import KVCacheFormat, formats, lookup
+from vllm.kv_quant.formats import formats, lookup
 from vllm.kv_quant.slot_codecs import OCTAVE_CHECK_ROPE_DIM, is_packed, slot_codec
-from vllm.kv_quant.turboquant import TurboQuantConfig
-from vllm.kv_quant.turboquant.centroids import turboquant_tables
 
 __all__ = ["FORMAT_KINDS", "Row", "format_table", "run", "to_json"]
 
@@ -109,7 +107,10 @@ def _problem(kind: str, num_tokens: int, device: torch.device) -> _Problem:
             encoded = codec.encode(key, value)
             cache[block, offset, :, : encoded.shape[-1]] = encoded
 
-        compiled = _compiled_packed_write(fmt, key, value, cache, slots)
+        from vllm._packed_cache_ops import compiled_packed_store  # loads the extension
+
+        store = compiled_packed_store(fmt, HEAD_SIZE, device)
+        compiled = (lambda: store(key, value, cache, slots)) if store else None
         cache_bytes = num_tokens * NUM_HEADS * codec.slot_bytes
         return _Problem(
             compiled or write_packed,
@@ -153,39 +154,6 @@ def _problem(kind: str, num_tokens: int, device: torch.device) -> _Problem:
         2 * slots_held * (row_bytes + NUM_HEADS * HEAD_SIZE * 4),
         COMPILED if compiled else REFERENCE,
     )
-
-
-def _compiled_packed_write(
-    fmt: KVCacheFormat,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    cache: torch.Tensor,
-    slots: torch.Tensor,
-) -> Callable[[], None] | None:
-    """The extension's store of a packed format (TurboQuant, UltraQuant) into ``cache`` when it
-    has a kernel for the cache's device, else None."""
-    from vllm._extension import compiled_kernel  # loads the extension
-
-    if fmt.quant_mode.is_ultraquant:
-        if compiled_kernel("ultraquant_store", cache.device) is None:
-            return None
-        from vllm.v1.attention.ops.ultraquant.triton_store import ultraquant_store
-
-        return lambda: ultraquant_store(key, value, cache, slots)
-    if (
-        not fmt.quant_mode.is_turboquant
-        or compiled_kernel("turboquant_store", cache.device) is None
-    ):
-        return None
-    from vllm._packed_cache_ops import turboquant_store
-
-    cfg = TurboQuantConfig.from_cache_dtype(fmt.name, HEAD_SIZE)
-    tables = turboquant_tables(HEAD_SIZE, cfg.centroid_bits)
-    pit, mids = tables.rotation.to(cache.device), tables.midpoints.to(cache.device)
-    return lambda: turboquant_store(
-        key, value, cache, slots, pit, mids, cfg.key_mse_bits, cfg.key_packed_size,
-        cfg.value_quant_bits, cfg.key_fp8,
-    )  # fmt: skip
 
 
 def run(

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm._extension import compiled_kernel
+from vllm._packed_cache_ops import ultraquant_kernel_store
 from vllm.kv_quant.ultraquant import DEFAULT_CONSTANT_C
-from vllm.kv_quant.ultraquant_codec import rotate_keys
 from vllm.v1.attention.ops.ultraquant.format import slot_size
 from vllm.v1.attention.ops.ultraquant.reference import ultraquant_encode
 
@@ -74,9 +73,7 @@ def ultraquant_store(
             f"slot_mapping: expected slots below {num_blocks * block_size}, got {int(slots.max())}"
         )
     c = DEFAULT_CONSTANT_C if constant_c is None else constant_c
-    op = compiled_kernel("ultraquant_store", kv_cache.device)
-    if op is not None and kv_cache.stride(3) == 1:
-        op(rotate_keys(key), value.contiguous(), kv_cache, slots, c)
+    if ultraquant_kernel_store(key, value, kv_cache, slots, c):
         return
     k = ultraquant_encode(key, rotate=True, constant_c=constant_c)
     v = ultraquant_encode(value, rotate=False, constant_c=constant_c)
