@@ -127,6 +127,18 @@ def _edge_rows(d: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return k.to(dtype), v.to(dtype)
 
 
+def _snap_boundary_rows() -> torch.Tensor:
+    """V ``[6, 2, 64]`` fp32 whose groups' amax is ``m * 2^e`` with ``m`` the fp32 mantissas
+    either side of ``sqrt(2)`` (0x3FB504F3, 0x3FB504F4): with ``constant_c = 1`` that is
+    ``s_raw``, and the snap must round the first down and the second up."""
+    below, above = torch.tensor([0x3FB504F3, 0x3FB504F4], dtype=torch.int32).view(torch.float32)
+    v = torch.randn(6, 2, 64, generator=torch.Generator().manual_seed(5)) * 0.1
+    for i, e in enumerate((-100, -10, -3, 0, 5, 60)):
+        v[i] *= 2.0**e
+        v[i, 0, 7], v[i, 1, 40] = below * 2.0**e, -above * 2.0**e
+    return v
+
+
 @pytest.mark.parametrize("d", [32, 64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_compiled_store_is_the_codecs_bytes(d: int, dtype: torch.dtype) -> None:
@@ -160,6 +172,9 @@ def test_compiled_store_takes_constant_c_and_strided_rows() -> None:
     slots = torch.arange(6)
     ultraquant_store(k, v, cache, slots, constant_c=0.3)
     assert torch.equal(cache.reshape(12, 2, -1)[:6], _codec_slots(k, v, 0.3))
+    v = _snap_boundary_rows()
+    ultraquant_store(k, v, cache, slots, constant_c=1.0)
+    assert torch.equal(cache.reshape(12, 2, -1)[:6], _codec_slots(k, v, 1.0))
 
 
 def test_compiled_op_names_the_bad_argument() -> None:

@@ -1,11 +1,10 @@
 """``ultraquant_store``: writes K/V rows into an ``ultraquant_4bit`` paged cache (upstream's
 ``vllm.v1.attention.ops.ultraquant.triton_store`` entry point and signature).
 
-The bytes are the reference codec's (:mod:`.reference`): the extension's compiled store
-(``_C_cache_ops::ultraquant_store``, CPU and CUDA) writes them where it has a kernel for the
-cache's device, from keys rotated by the codec's own matmul; elsewhere the codec runs and its
-bytes are scattered. Upstream's fused Triton kernel is not ported (its tests need a CUDA/HIP
-device).
+The bytes are the reference codec's (:mod:`.reference`), written from keys rotated by the
+codec's own matmul by the extension's compiled store (``_C_cache_ops::ultraquant_store``, CPU
+and CUDA) where it has a kernel for the cache's device, else on a GPU by the Triton store
+(:mod:`.triton_slot_store`), else by the codec, its bytes scattered.
 """
 
 from __future__ import annotations
@@ -14,8 +13,11 @@ import torch
 
 from vllm._packed_cache_ops import ultraquant_kernel_store
 from vllm.kv_quant.ultraquant import DEFAULT_CONSTANT_C
+from vllm.kv_quant.ultraquant_codec import rotate_keys
+from vllm.triton_utils import HAS_TRITON
 from vllm.v1.attention.ops.ultraquant.format import slot_size
 from vllm.v1.attention.ops.ultraquant.reference import ultraquant_encode
+from vllm.v1.attention.ops.ultraquant.triton_slot_store import triton_ultraquant_store
 
 __all__ = ["ultraquant_store"]
 
@@ -74,6 +76,9 @@ def ultraquant_store(
         )
     c = DEFAULT_CONSTANT_C if constant_c is None else constant_c
     if ultraquant_kernel_store(key, value, kv_cache, slots, c):
+        return
+    if kv_cache.is_cuda and HAS_TRITON and kv_cache.stride(3) == 1:
+        triton_ultraquant_store(rotate_keys(key), value, kv_cache, slots, c)
         return
     k = ultraquant_encode(key, rotate=True, constant_c=constant_c)
     v = ultraquant_encode(value, rotate=False, constant_c=constant_c)
