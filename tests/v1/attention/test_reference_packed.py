@@ -85,6 +85,19 @@ def _expected(
     return torch.cat(outs)
 
 
+def _packed_spec(dtype: str, head_size: int = D) -> FullAttentionSpec:
+    """The spec of a layer of ``H`` KV heads in packed format ``dtype``, ``N``-token pages."""
+    fmt = find_format(dtype)
+    assert fmt is not None and fmt.storage_dtype is not None
+    return FullAttentionSpec(
+        block_size=N,
+        num_kv_heads=H,
+        head_size=head_size,
+        dtype=fmt.storage_dtype,
+        kv_quant_mode=fmt.quant_mode,
+    )
+
+
 def _slots(table: torch.Tensor, seq: int, positions: torch.Tensor) -> torch.Tensor:
     return table[seq, positions // N] * N + positions % N
 
@@ -173,15 +186,7 @@ def test_pages_are_the_packed_backends_pages(dtype: str, other: type) -> None:
 def test_spec_page_is_the_backend_page(dtype: str, head_size: int, monkeypatch) -> None:
     monkeypatch.setattr(octave, "_rope_dims", {})
     octave.register_rope_dim(head_size, OCTAVE_CHECK_ROPE_DIM)
-    fmt = find_format(dtype)
-    assert fmt is not None and fmt.storage_dtype is not None
-    spec = FullAttentionSpec(
-        block_size=N,
-        num_kv_heads=H,
-        head_size=head_size,
-        dtype=fmt.storage_dtype,
-        kv_quant_mode=fmt.quant_mode,
-    )
+    spec = _packed_spec(dtype, head_size)
     shape = ReferenceAttentionBackend.get_kv_cache_shape(1, N, H, head_size, dtype)
     assert spec.page_size_bytes == math.prod(shape)
 
@@ -287,15 +292,8 @@ def test_engine_allocates_packed_caches(dtype: str, kernel_block_size: int, monk
     impl writes the codec's bytes through it."""
     monkeypatch.setattr(octave, "_rope_dims", {})
     octave.register_rope_dim(D, OCTAVE_CHECK_ROPE_DIM)
-    fmt = find_format(dtype)
-    assert fmt is not None and fmt.storage_dtype is not None
-    spec = FullAttentionSpec(
-        block_size=N,
-        num_kv_heads=H,
-        head_size=D,
-        dtype=fmt.storage_dtype,
-        kv_quant_mode=fmt.quant_mode,
-    )
+    spec = _packed_spec(dtype)
+    fmt = spec.kv_cache_format
     config = one_group(spec, spec.page_size_bytes * NUM_BLOCKS)
     cache = init_layer_kv_caches(
         config, [ReferenceAttentionBackend], "cpu", kernel_block_sizes=[kernel_block_size]
@@ -321,15 +319,7 @@ def test_engine_allocates_packed_caches(dtype: str, kernel_block_size: int, monk
 
 
 def test_engine_refuses_a_packed_cache_in_another_layout() -> None:
-    fmt = find_format("turboquant_4bit_nc")
-    assert fmt is not None and fmt.storage_dtype is not None
-    spec = FullAttentionSpec(
-        block_size=N,
-        num_kv_heads=H,
-        head_size=D,
-        dtype=fmt.storage_dtype,
-        kv_quant_mode=fmt.quant_mode,
-    )
+    spec = _packed_spec("turboquant_4bit_nc")
     config = one_group(spec, spec.page_size_bytes * NUM_BLOCKS)
 
     class HeadMajor(ReferenceAttentionBackend):
