@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "cache_kernels.h"
 #include "kv_quant_math.h"
 
 namespace vllm_kv {
@@ -27,6 +28,7 @@ struct PackedStoreArgs {
   int num_heads;
   int head_dim;
   int block_size;
+  SourceType value_type;  // the value's element type (the kernels are instantiated per type)
 };
 
 // The first byte of (token, head)'s slot, or nullptr when the token's slot is skipped.

@@ -36,12 +36,11 @@ void check_table(const std::optional<at::Tensor>& t, const char* name, int64_t n
 
 // The parts of a packed-slot store that both formats share: devices, value [N, H, D] with D a
 // positive multiple of `group`, key rows of value's shape, the cache (num_blocks, block_size, H,
-// >= slot_bytes_of(D)) uint8 with contiguous slots, slot_mapping int64 [N]. Fills `a` and
-// returns value's element type.
+// >= slot_bytes_of(D)) uint8 with contiguous slots, slot_mapping int64 [N]. Fills `a`.
 template <typename SlotBytes>
-SourceType check_store(const at::Tensor& key, const at::Tensor& value, const at::Tensor& kv_cache,
-                       const at::Tensor& slot_mapping, int64_t group,
-                       const SlotBytes& slot_bytes_of, PackedStoreArgs& a) {
+void check_store(const at::Tensor& key, const at::Tensor& value, const at::Tensor& kv_cache,
+                 const at::Tensor& slot_mapping, int64_t group, const SlotBytes& slot_bytes_of,
+                 PackedStoreArgs& a) {
   check_same_device(key, "key", kv_cache);
   check_same_device(value, "value", kv_cache);
   check_same_device(slot_mapping, "slot_mapping", kv_cache);
@@ -49,7 +48,7 @@ SourceType check_store(const at::Tensor& key, const at::Tensor& value, const at:
   const int64_t n = value.size(0), h = value.size(1), d = value.size(2);
   TORCH_CHECK(d > 0 && d % group == 0, "value: expected a head dim that is a positive multiple of ",
               group, ", got ", d);
-  const SourceType value_type = source_type_of(value, "value");
+  a.value_type = source_type_of(value, "value");
   check_rows(value, "value", n, h, d);
   check_rows(key, "key", n, h, d);
   const int64_t slot_bytes = slot_bytes_of(d);
@@ -81,7 +80,6 @@ SourceType check_store(const at::Tensor& key, const at::Tensor& value, const at:
   a.num_heads = int(h);
   a.head_dim = int(d);
   a.block_size = int(kv_cache.size(1));
-  return value_type;
 }
 
 // A CPU op's slot range check (a GPU kernel skips slots past the cache instead).
@@ -157,7 +155,7 @@ void turboquant_store_cpu(const at::Tensor& key, const at::Tensor& value, at::Te
       key, value, kv_cache, slot_mapping, key_norms, midpoints, key_bits, value_bits);
   check_slot_range(a.slot_mapping, a.num_tokens, a.num_slots);
   const bool key_fp8 = a.key_bits == kTurboQuantFp8KeyBits;
-  dispatch_turboquant_types(key_fp8, source_type_of(value, "value"), [&](auto ks, auto vs) {
+  dispatch_turboquant_types(key_fp8, a.value_type, [&](auto ks, auto vs) {
     at::parallel_for(0, a.num_tokens * a.num_heads, 64, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         write_turboquant_slot<decltype(ks)::value, decltype(vs)::value>(a, i / a.num_heads,
@@ -174,7 +172,7 @@ void ultraquant_store_cpu(const at::Tensor& key, const at::Tensor& value, at::Te
       prepare_ultraquant_store(key, value, kv_cache, slot_mapping, constant_c);
   check_slot_range(a.slot_mapping, a.num_tokens, a.num_slots);
   const int units = ultraquant_units(a.head_dim);
-  dispatch_source_type(source_type_of(value, "value"), [&](auto vs) {
+  dispatch_source_type(a.value_type, [&](auto vs) {
     at::parallel_for(0, a.num_tokens * a.num_heads, 16, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         for (int unit = 0; unit < units; ++unit) {

@@ -21,6 +21,7 @@ import torch
 
 from vllm._extension import compiled_kernel  # loads the extension: its ops before their fakes
 from vllm.kv_quant.formats import KVCacheFormat
+from vllm.kv_quant.slot_codecs import compiled_store_op
 from vllm.kv_quant.turboquant.centroids import turboquant_tables
 from vllm.kv_quant.turboquant.codec import (
     check_turboquant_cache,
@@ -127,16 +128,16 @@ def compiled_packed_store(
     """The extension's store of the packed-slot format ``fmt`` (TurboQuant's presets with their
     tables, ``ultraquant_4bit`` with its constant) for heads of ``head_size`` on ``device``, or
     None where it has no kernel (Octave: none yet)."""
-    mode = fmt.quant_mode
-    if mode.is_ultraquant and compiled_kernel("ultraquant_store", device) is not None:
+    op = compiled_store_op(fmt)
+    if op is None or compiled_kernel(op, device) is None:
+        return None
+    if fmt.quant_mode.is_ultraquant:
 
         def ultraquant(k: torch.Tensor, v: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> None:
             if not ultraquant_kernel_store(k, v, c, s, DEFAULT_CONSTANT_C):
                 raise ValueError(f"kv_cache: expected contiguous slots, got strides {c.stride()}")
 
         return ultraquant
-    if not mode.is_turboquant or compiled_kernel("turboquant_store", device) is None:
-        return None
     cfg = TurboQuantConfig.from_cache_dtype(fmt.name, head_size)
     tables = turboquant_tables(head_size, cfg.centroid_bits)
     pit, mids = tables.rotation.to(device), tables.midpoints.to(device)

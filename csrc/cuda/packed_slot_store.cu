@@ -43,21 +43,20 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-void launch_turboquant_store(const TurboQuantWriteArgs& a, SourceType value_type,
-                             cudaStream_t stream) {
+void launch_turboquant_store(const TurboQuantWriteArgs& a, cudaStream_t stream) {
   const int64_t total = a.num_tokens * a.num_heads;
   if (total <= 0) return;
-  dispatch_turboquant_types(a.key_bits == kTurboQuantFp8KeyBits, value_type, [&](auto ks, auto vs) {
-    turboquant_store_kernel<decltype(ks)::value, decltype(vs)::value>
-        <<<grid_for(total), kThreads, 0, stream>>>(a);
-  });
+  dispatch_turboquant_types(a.key_bits == kTurboQuantFp8KeyBits, a.value_type,
+                            [&](auto ks, auto vs) {
+                              turboquant_store_kernel<decltype(ks)::value, decltype(vs)::value>
+                                  <<<grid_for(total), kThreads, 0, stream>>>(a);
+                            });
 }
 
-void launch_ultraquant_store(const UltraQuantWriteArgs& a, SourceType value_type,
-                             cudaStream_t stream) {
+void launch_ultraquant_store(const UltraQuantWriteArgs& a, cudaStream_t stream) {
   const int64_t total = a.num_tokens * a.num_heads * ultraquant_units(a.head_dim);
   if (total <= 0) return;
-  dispatch_source_type(value_type, [&](auto vs) {
+  dispatch_source_type(a.value_type, [&](auto vs) {
     ultraquant_store_kernel<decltype(vs)::value><<<grid_for(total), kThreads, 0, stream>>>(a);
   });
 }

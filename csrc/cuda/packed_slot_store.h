@@ -10,13 +10,11 @@
 
 namespace vllm_kv {
 
-// One thread per (token, head) slot (write_turboquant_slot); value_type is the value's element
-// type. Slots < 0 or >= num_slots are skipped on the device; nothing for no slots.
-void launch_turboquant_store(const TurboQuantWriteArgs& a, SourceType value_type,
-                             cudaStream_t stream);
+// One thread per (token, head) slot (write_turboquant_slot), instantiated for a.value_type. Slots <
+// 0 or >= num_slots are skipped on the device; nothing for no slots.
+void launch_turboquant_store(const TurboQuantWriteArgs& a, cudaStream_t stream);
 
 // One thread per group of 32 values of a slot's side (write_ultraquant_unit), as above.
-void launch_ultraquant_store(const UltraQuantWriteArgs& a, SourceType value_type,
-                             cudaStream_t stream);
+void launch_ultraquant_store(const UltraQuantWriteArgs& a, cudaStream_t stream);
 
 }  // namespace vllm_kv

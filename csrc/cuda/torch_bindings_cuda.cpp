@@ -14,7 +14,6 @@
 #include <optional>
 #include <string>
 
-#include "cache_ops_checks.h"
 #include "cache_ops_torch.h"
 #include "cuda/concat_and_cache_mla.h"
 #include "cuda/convert_fp8.h"
@@ -67,7 +66,7 @@ void turboquant_store_cuda(const at::Tensor& key, const at::Tensor& value, at::T
       key, value, kv_cache, slot_mapping, key_norms, midpoints, key_bits, value_bits);
   if (args.num_tokens == 0 || args.num_heads == 0) return;
   const c10::cuda::CUDAGuard device_guard(kv_cache.device());
-  launch_turboquant_store(args, source_type_of(value, "value"), c10::cuda::getCurrentCUDAStream());
+  launch_turboquant_store(args, c10::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -79,7 +78,7 @@ void ultraquant_store_cuda(const at::Tensor& key, const at::Tensor& value, at::T
       prepare_ultraquant_store(key, value, kv_cache, slot_mapping, constant_c);
   if (args.num_tokens == 0 || args.num_heads == 0) return;
   const c10::cuda::CUDAGuard device_guard(kv_cache.device());
-  launch_ultraquant_store(args, source_type_of(value, "value"), c10::cuda::getCurrentCUDAStream());
+  launch_ultraquant_store(args, c10::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

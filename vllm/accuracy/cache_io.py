@@ -32,6 +32,7 @@ from vllm.accuracy.codec_reader import CodecReader, dequantize_side
 from vllm.accuracy.formats import CacheFormat
 from vllm.accuracy.paged_cache import CacheReader, PagedCache
 from vllm.accuracy.samples import KVSample
+from vllm.kv_quant.slot_codecs import compiled_store_op
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
@@ -93,9 +94,8 @@ def _cache_shape(fmt: CacheFormat, num_blocks: int, block_size: int, h: int, d: 
 def has_kernel(fmt: CacheFormat) -> bool:
     """Whether a compiled op writes ``fmt`` (else its codec does): ``reshape_and_cache_flash``,
     or for a packed-slot format its own store (TurboQuant, UltraQuant)."""
-    mode = fmt.format.quant_mode
     if fmt.is_packed:
-        return mode.is_turboquant or mode.is_ultraquant
+        return compiled_store_op(fmt.format) is not None
     return fmt.format.has_kernel and fmt.format.cache_kind is not None
 
 

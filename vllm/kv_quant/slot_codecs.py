@@ -39,7 +39,7 @@ from vllm.kv_quant.ultraquant_codec import (
     ultraquant_encode,
 )
 
-__all__ = ["OCTAVE_CHECK_ROPE_DIM", "SlotCodec", "is_packed", "slot_codec"]
+__all__ = ["OCTAVE_CHECK_ROPE_DIM", "SlotCodec", "compiled_store_op", "is_packed", "slot_codec"]
 
 OCTAVE_CHECK_ROPE_DIM = HADAMARD_BLOCK
 """Rotary dims of an Octave block K when the head size has none registered (64, the value
@@ -148,6 +148,16 @@ def is_packed(fmt: KVCacheFormat) -> bool:
     """Whether ``fmt`` stores K and V of a (token, head) in one slot read by :func:`slot_codec`."""
     mode = fmt.quant_mode
     return mode.is_turboquant or mode.is_ultraquant or mode.is_octave
+
+
+def compiled_store_op(fmt: KVCacheFormat) -> str | None:
+    """The name of the extension op (``_C_cache_ops::<name>``) that writes the packed-slot format
+    ``fmt``: ``turboquant_store`` for TurboQuant's presets, ``ultraquant_store`` for
+    ``ultraquant_4bit``; None for Octave and any other format."""
+    mode = fmt.quant_mode
+    if mode.is_turboquant:
+        return "turboquant_store"
+    return "ultraquant_store" if mode.is_ultraquant else None
 
 
 def slot_codec(
