@@ -1,0 +1,220 @@
+// The bf16 dot path of the CPU attention kernels (AVX-512 BF16 builds): cache rows whose values
+// are exact in bf16 (bf16, FP8, NVFP4) meet the query and the softmax weights in vdpbf16ps. Keys
+// are dotted with the bf16 query (rounding differs from the fp32 path only in the order of the
+// fp32 sums); values are weighted by the softmax weights rounded to bf16, as flash attention
+// rounds its probabilities for the PV product.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+#include "cache_kernels.h"
+#include "cpu/attention_decode.h"
+#include "cpu/attention_simd.h"
+#include "cpu/attention_tile.h"
+
+namespace vllm_kv::cpu::attention {
+
+#if defined(VLLM_KV_HAVE_AVX512_BF16)
+
+// acc + the vdpbf16ps of `values` with the bf16 pair at `pair` in every lane.
+inline __m512 dot_pair(__m512 acc, __m512bh values, const void* pair) {
+  int32_t bits;
+  std::memcpy(&bits, pair, sizeof(bits));
+  return _mm512_dpbf16_ps(acc, values, (__m512bh)_mm512_set1_epi32(bits));
+}
+
+// Rows of format K (groups: a side's NVFP4 group offsets) on the bf16 dot.
+template <CacheKind K>
+struct Bf16Dot {
+  static constexpr SimdLevel L = SimdLevel::kAvx512;
+  static constexpr int kLanes = attention::kLanes<L>;
+  using V = VecF<L>;
+
+  // Elements [d, d + 32) of a cache row as bf16, exactly: bf16 rows as they are; FP8 by
+  // fp8_to_bf16_x32; NVFP4 codes looked up in the kScaledE2M1 rows of the two groups' block
+  // scales. groups: the side's group offsets.
+  static __m512i row_bf16(const uint8_t* row, const uint8_t* scales, const int64_t* groups, int d) {
+    if constexpr (K == CacheKind::kNvfp4) {
+      // Word j: source byte j / 2 in both halves, shifted right by 4 for odd j, so that its low
+      // nibble is code j; bit 4 picks the table half of the element's group.
+      alignas(64) static constexpr auto kDuplicate = [] {
+        std::array<uint8_t, 64> index{};
+        for (int k = 0; k < 64; ++k) index[k] = uint8_t(k / 4);
+        return index;
+      }();
+      alignas(64) static constexpr auto kShift = [] {
+        std::array<uint16_t, 32> shift{};
+        for (int j = 0; j < 32; ++j) shift[j] = uint16_t(j % 2 == 0 ? 0 : 4);
+        return shift;
+      }();
+      const __m512i bytes =
+          _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d / 2)));
+      const __m512i words = _mm512_permutexvar_epi8(_mm512_load_si512(kDuplicate.data()), bytes);
+      const __m512i shifted = _mm512_srlv_epi16(words, _mm512_load_si512(kShift.data()));
+      const __m512i index = _mm512_ternarylogic_epi32(  // (shifted & 0xF) | half
+          shifted, _mm512_set1_epi16(0x0F), _mm512_maskz_set1_epi16(0xFFFF0000u, 16), 0xEA);
+      const uint8_t* first = kScaledE2M1.bits[scales[groups[d / kNvfp4GroupSize]]];
+      const uint8_t* second = kScaledE2M1.bits[scales[groups[d / kNvfp4GroupSize + 1]]];
+      const __m512i table = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(first))),
+          _mm256_load_si256(reinterpret_cast<const __m256i*>(second)), 1);
+      return _mm512_permutexvar_epi16(index, table);
+    } else if constexpr (K == CacheKind::kFp8E4M3 || K == CacheKind::kFp8E5M2) {
+      return fp8_to_bf16_x32<K>(row + d);
+    } else {
+      return _mm512_loadu_si512(row + 2 * d);
+    }
+  }
+
+  // TileMath::score_chunk for bf16 keys and a bf16 query: pairs of bf16 products summed in fp32
+  // (vdpbf16ps) straight from the cache, then times q_scale. Keys come kKeys per pass; each
+  // pass's partial sums are folded right away (the first two levels of the transposing
+  // reduction, see reduce_add_many), the last two levels once per kLanes keys.
+  template <int kRows>
+  static void score_chunk(const RowShape& s, const uint16_t* q, const uint8_t* const* k_rows,
+                          const uint8_t* const* k_scales, const int64_t* groups, int b, int e,
+                          float* scores, int g0, float q_scale) {
+    constexpr int kKeys = 4;
+    constexpr int kPasses = kLanes / kKeys;
+    static_assert(kLanes == 16, "folds below assume 16 lanes");
+    const V scale = splat<L>(q_scale);
+    for (int t0 = b - b % kLanes; t0 < e; t0 += kLanes) {
+      V folded[kRows][kPasses];  // per pass: kKeys keys x 4 partial sums
+      for (int pass = 0; pass < kPasses; ++pass) {
+        const int first = t0 + kKeys * pass;
+        const int lo = std::max(b, first);
+        const int hi = std::min(e, first + kKeys);
+        if (lo >= hi) {
+          for (int i = 0; i < kRows; ++i) folded[i][pass] = V{};
+          continue;
+        }
+        __m512 sum[kKeys][kRows];
+        for (int x = 0; x < kKeys; ++x) {
+          for (int i = 0; i < kRows; ++i) sum[x][i] = _mm512_setzero_ps();
+        }
+        for (int d = 0; d < s.head_size; d += 32) {
+          __m512bh kv[kKeys];
+          for (int x = 0; x < kKeys; ++x) {
+            // Keys outside [lo, hi) read a valid row; their sums are dropped below.
+            const int t = std::clamp(first + x, lo, hi - 1);
+            kv[x] = (__m512bh)row_bf16(k_rows[t], k_scales[t], groups, d);
+          }
+          for (int i = 0; i < kRows; ++i) {
+            const auto qv = (__m512bh)_mm512_loadu_si512(q + int64_t(g0 + i) * s.dim_k + d);
+            for (int x = 0; x < kKeys; ++x) sum[x][i] = _mm512_dpbf16_ps(sum[x][i], qv, kv[x]);
+          }
+        }
+        for (int x = 0; x < kKeys; ++x) {
+          if (first + x >= lo && first + x < hi) continue;
+          for (int i = 0; i < kRows; ++i) sum[x][i] = _mm512_setzero_ps();
+        }
+        for (int i = 0; i < kRows; ++i) {
+          folded[i][pass] =
+              fold<8>(fold<16>(V(sum[0][i]), V(sum[1][i])), fold<16>(V(sum[2][i]), V(sum[3][i])));
+        }
+      }
+      const int tb = std::max(b, t0);
+      const int te = std::min(e, t0 + kLanes);
+      for (int i = 0; i < kRows; ++i) {
+        float* row = scores + int64_t(g0 + i) * s.tokens;
+        const V s =
+            fold<2>(fold<4>(folded[i][0], folded[i][1]), fold<4>(folded[i][2], folded[i][3])) *
+            scale;
+        if (tb == t0 && te == t0 + kLanes) {
+          store<L>(row + t0, s);
+        } else {
+          for (int t = tb; t < te; ++t) row[t] = s[t - t0];
+        }
+      }
+    }
+  }
+
+  // One level of the transposing reduction (fold_pair) over kLanes lanes: a and b hold
+  // kLanes / kPartials keys of kPartials partial sums each.
+  template <int kPartials>
+  static V fold(V a, V b) {
+    return fold_pair<kLanes, kPartials>(a, b, std::make_index_sequence<kLanes>{});
+  }
+
+  // TileMath::accumulate_chunk by vdpbf16ps, keys in pairs: the V rows of keys t and t + 1,
+  // interleaved element by element, meet the pair (w[g][t], w[g][t + 1]) rounded to bf16 (as flash
+  // attention rounds its probabilities for the PV product); sums in fp32. A lone last key pairs
+  // with zeros.
+  template <int kRows>
+  static void accumulate_chunk(const RowShape& s, const float* weights,
+                               const uint8_t* const* v_rows, const uint8_t* const* v_scales,
+                               const int64_t* groups, int b, int e, float* acc, int g0) {
+    for (int tb = b; tb < e; tb += 16) {
+      const int te = std::min(e, tb + 16);
+      // Row i's weights of keys [tb, te) in bf16, zero past te: pair j is pairs[i][j].
+      alignas(32) uint32_t pairs[kRows][8];
+      const __mmask16 valid = __mmask16((1u << (te - tb)) - 1);
+      for (int i = 0; i < kRows; ++i) {
+        const __m512 w = _mm512_maskz_loadu_ps(valid, weights + int64_t(g0 + i) * s.tokens + tb);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[i]), (__m256i)_mm512_cvtneps_pbh(w));
+      }
+      int d = 0;
+      if constexpr (kRows <= 4) {  // two slices of 32 per pass: enough chains in flight
+        for (; d + 64 <= s.head_size_v; d += 64) {
+          accumulate_slices<kRows, 2>(s, pairs, v_rows, v_scales, groups, tb, te, acc, g0, d);
+        }
+      }
+      for (; d < s.head_size_v; d += 32) {
+        accumulate_slices<kRows, 1>(s, pairs, v_rows, v_scales, groups, tb, te, acc, g0, d);
+      }
+    }
+  }
+
+  // Elements [d, d + 32 kSlices) of the rows' accumulators over keys [tb, te) (see above).
+  template <int kRows, int kSlices>
+  static void accumulate_slices(const RowShape& s, const uint32_t (*pairs)[8],
+                                const uint8_t* const* v_rows, const uint8_t* const* v_scales,
+                                const int64_t* groups, int tb, int te, float* acc, int g0, int d) {
+    // Lane 2j of the interleave: element j (of the half) of key t; lane 2j + 1: of key t + 1.
+    alignas(64) static constexpr uint16_t kFirst[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                                        37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                                        11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    const __m512i first_half = _mm512_load_si512(kFirst);
+    const __m512i second_half = _mm512_add_epi16(first_half, _mm512_set1_epi16(16));
+    __m512 a[kSlices][2][kRows];
+    for (int c = 0; c < kSlices; ++c) {
+      for (int h = 0; h < 2; ++h) {
+        for (int i = 0; i < kRows; ++i) {
+          a[c][h][i] = _mm512_loadu_ps(acc + int64_t(g0 + i) * s.dim_v + d + 32 * c + 16 * h);
+        }
+      }
+    }
+    for (int t = tb; t < te; t += 2) {
+      const bool partner = t + 1 < te;
+      __m512bh w[kRows];
+      for (int i = 0; i < kRows; ++i)
+        w[i] = (__m512bh)_mm512_set1_epi32(int(pairs[i][(t - tb) / 2]));
+      for (int c = 0; c < kSlices; ++c) {
+        const __m512i x = row_bf16(v_rows[t], v_scales[t], groups, d + 32 * c);
+        const __m512i y = partner ? row_bf16(v_rows[t + 1], v_scales[t + 1], groups, d + 32 * c)
+                                  : _mm512_setzero_si512();
+        const auto lo = (__m512bh)_mm512_permutex2var_epi16(x, first_half, y);
+        const auto hi = (__m512bh)_mm512_permutex2var_epi16(x, second_half, y);
+        for (int i = 0; i < kRows; ++i) {
+          a[c][0][i] = _mm512_dpbf16_ps(a[c][0][i], lo, w[i]);
+          a[c][1][i] = _mm512_dpbf16_ps(a[c][1][i], hi, w[i]);
+        }
+      }
+    }
+    for (int c = 0; c < kSlices; ++c) {
+      for (int h = 0; h < 2; ++h) {
+        for (int i = 0; i < kRows; ++i) {
+          _mm512_storeu_ps(acc + int64_t(g0 + i) * s.dim_v + d + 32 * c + 16 * h, a[c][h][i]);
+        }
+      }
+    }
+  }
+};
+
+#endif  // VLLM_KV_HAVE_AVX512_BF16
+
+}  // namespace vllm_kv::cpu::attention

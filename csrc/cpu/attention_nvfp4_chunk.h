@@ -1,0 +1,457 @@
+// The NVFP4 chunk path of the CPU attention kernels (AVX-512 BF16 builds): NVFP4 pages of head
+// size 128 on both sides, attended 16 keys at a time.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "cache_kernels.h"
+#include "cache_layout.h"
+#include "cpu/attention_bf16.h"
+#include "cpu/attention_decode.h"
+#include "cpu/attention_simd.h"
+#include "cpu/attention_tile.h"
+#include "kv_quant_math.h"
+
+namespace vllm_kv::cpu::attention {
+
+#if defined(VLLM_KV_HAVE_AVX512_BF16)
+
+// NVFP4 in chunks of kChunkKeys keys (head size kChunkHeadSize on both sides). E2M1 codes become
+// bf16 unscaled (exact) by one vpermw from a register, and the block scales are applied in fp32:
+// no per-group table is loaded and no lane sums are folded. Keys: the chunk's rows transposed
+// so that lanes are keys, each group's dot products multiplied by the keys' block scales.
+// Values: keys in pairs, interleaved element by element, against the softmax weight times the
+// key's block scale, rounded to bf16 (as the weights alone are on the other formats' path).
+class Nvfp4ChunkAttention {
+ public:
+  // Keys per chunk, the head size it takes (one 64-byte row of codes per key) and its block-scale
+  // groups.
+  static constexpr int kChunkKeys = 16;
+  static constexpr int kChunkHeadSize = 128;
+  static constexpr int kChunkGroups = kChunkHeadSize / kNvfp4GroupSize;
+  // Byte offsets of the first eight scale-plane rows of a chunk, from its first.
+  using ChunkScaleRows = std::array<int64_t, 8>;
+  // Byte g * kChunkKeys + t: where the scale of (key t, group g) is among a chunk's scale-plane
+  // rows (kChunkGroups bytes each, concatenated).
+  using ChunkScaleSelect = std::array<uint8_t, kChunkGroups * kChunkKeys>;
+
+  static ChunkScaleSelect chunk_scale_select(ScaleLayout layout) {
+    ChunkScaleSelect select{};
+    for (int g = 0; g < kChunkGroups; ++g) {
+      for (int t = 0; t < kChunkKeys; ++t) {
+        int row = t;
+        int col = g;
+        if (layout == ScaleLayout::kInterleave4) interleave4_position(t, g, kChunkGroups, row, col);
+        select[g * kChunkKeys + t] = uint8_t(row * kChunkGroups + col);
+      }
+    }
+    return select;
+  }
+
+  static ChunkScaleRows chunk_scale_rows(const Nvfp4SideLayout& layout) {
+    ChunkScaleRows rows{};
+    for (int r = 0; r < 8; ++r) rows[r] = r * layout.token_step * layout.num_groups;
+    return rows;
+  }
+
+  // Whether a call's pages fit the chunks (head sizes, whole chunks per page).
+  static bool fits(int head_size, int head_size_v, int block_size) {
+    return head_size == kChunkHeadSize && head_size_v == kChunkHeadSize &&
+           block_size % kChunkKeys == 0;
+  }
+
+  Nvfp4ChunkAttention() = default;
+  Nvfp4ChunkAttention(const RowShape& shape, const CacheSide& key, const Nvfp4SideLayout& k_layout,
+                      const CacheSide& value, const Nvfp4SideLayout& v_layout)
+      : s_(shape),
+        key_(key),
+        value_(value),
+        k_layout_(k_layout),
+        v_layout_(v_layout),
+        k_scale_select_(chunk_scale_select(key.scale_layout)),
+        v_scale_select_(chunk_scale_select(value.scale_layout)),
+        k_scale_rows_(chunk_scale_rows(k_layout)),
+        v_scale_rows_(chunk_scale_rows(v_layout)) {}
+
+  // One chunk (page tokens [t0, t0 + kChunkKeys)) of one KV head for the item's rows of that head:
+  // scores, online softmax, values. q / scores / m / l / acc: the head's first row.
+  template <typename FinishScores>
+  void attend(int64_t block, int page_start, int t0, int kv_head,
+              const std::vector<std::pair<int, int>>& ranges, int first_q_pos, int lo, int hi,
+              const uint16_t* q, float q_scale, float* scores, float* m, float* l, float* acc,
+              const FinishScores& finish_scores) const {
+    const int rows = int(ranges.size()) * s_.group;
+    __m512 scale[kChunkGroups];
+    const Nvfp4Chunk keys = chunk_at(key_, k_layout_, block, t0, kv_head);
+    chunk_scales(keys, k_scale_rows_, k_scale_select_, scale);
+    int r = 0;
+    for (; r + 4 <= rows; r += 4) {
+      score_nvfp4_chunk<4>(keys, scale, q + int64_t(r) * s_.dim_k, q_scale,
+                           scores + int64_t(r) * s_.tokens + t0);
+    }
+    for (; r < rows; ++r) {
+      score_nvfp4_chunk<1>(keys, scale, q + int64_t(r) * s_.dim_k, q_scale,
+                           scores + int64_t(r) * s_.tokens + t0);
+    }
+    __mmask16 valid[kMaxFusedRows];
+    const int chunk_lo = std::max(lo, page_start + t0);
+    const int chunk_hi = std::min(hi, page_start + t0 + kChunkKeys);
+    for (int jt = 0; jt < int(ranges.size()); ++jt) {
+      const int b = std::max(ranges[jt].first, chunk_lo) - page_start;
+      const int e = std::min(ranges[jt].second, chunk_hi) - page_start;
+      const int r0 = jt * s_.group;
+      const __mmask16 mask =
+          b < e ? __mmask16(((1u << (e - t0)) - 1) & ~((1u << (b - t0)) - 1)) : __mmask16(0);
+      for (int g = 0; g < s_.group; ++g) valid[r0 + g] = mask;
+      if (b < e) {
+        finish_scores(scores + int64_t(r0) * s_.tokens, b, e, kv_head, first_q_pos + jt,
+                      page_start);
+      }
+    }
+    const Nvfp4Chunk values = chunk_at(value_, v_layout_, block, t0, kv_head);
+    chunk_scales(values, v_scale_rows_, v_scale_select_, scale);
+    for (r = 0; r + 4 <= rows; r += 4) {
+      __m512 weights[4];
+      softmax_chunk<4>(scores + int64_t(r) * s_.tokens + t0, valid + r, m + r, l + r,
+                       acc + int64_t(r) * s_.dim_v, weights);
+      accumulate_nvfp4_chunk<4>(values, scale, weights, valid + r, acc + int64_t(r) * s_.dim_v);
+    }
+    for (; r < rows; ++r) {
+      __m512 weights[1];
+      softmax_chunk<1>(scores + int64_t(r) * s_.tokens + t0, valid + r, m + r, l + r,
+                       acc + int64_t(r) * s_.dim_v, weights);
+      accumulate_nvfp4_chunk<1>(values, scale, weights, valid + r, acc + int64_t(r) * s_.dim_v);
+    }
+  }
+
+ private:
+  // Where a side's key rows and scale-plane rows of one chunk of one head are.
+  struct Nvfp4Chunk {
+    const uint8_t* data;    // the chunk's first key row
+    int64_t data_step;      // bytes between key rows
+    const uint8_t* scales;  // the chunk's first scale-plane row (kChunkGroups bytes per row)
+  };
+
+  static Nvfp4Chunk chunk_at(const CacheSide& side, const Nvfp4SideLayout& layout, int64_t block,
+                             int t0, int head) {
+    const auto* base = static_cast<const uint8_t*>(side.data);
+    // The scale plane's rows are the linear layout's entries, whatever the layout puts in them.
+    return {base + layout.data_offset(block, t0, head), layout.token_step * layout.data_bytes,
+            base + layout.scale_base(block, t0, head, ScaleLayout::kLinear)};
+  }
+
+  // scale[g] lane t: block scale of group g of key t, fp32 (exact). The chunk's kChunkKeys
+  // scale-plane rows are gathered and permuted by `select` (chunk_scale_select).
+  static void chunk_scales(const Nvfp4Chunk& chunk, const ChunkScaleRows& rows,
+                           const ChunkScaleSelect& select, __m512 (&scale)[kChunkGroups]) {
+    // (The masked and maskz forms of the intrinsics below: GCC 12 warns about the undefined
+    // vectors of the plain ones.)
+    const __m512i index = _mm512_load_si512(rows.data());
+    const __m512i first =
+        _mm512_mask_i64gather_epi64(_mm512_setzero_si512(), 0xFF, index, chunk.scales, 1);
+    const __m512i second = _mm512_mask_i64gather_epi64(_mm512_setzero_si512(), 0xFF, index,
+                                                       chunk.scales + 8 * rows[1], 1);
+    const __m512i low = _mm512_permutex2var_epi8(first, _mm512_load_si512(select.data()), second);
+    const __m512i high =
+        _mm512_permutex2var_epi8(first, _mm512_load_si512(select.data() + 64), second);
+    const auto to_fp32 = [](__m128i bytes) {
+      const __m256i half =
+          EntryDecoder<CacheKind::kNvfp4, SourceType::kFloat32,
+                       SimdLevel::kAvx512>::e4m3_as_fp16_bits(_mm256_cvtepu8_epi16(bytes));
+      return _mm512_mul_ps(_mm512_maskz_cvtph_ps(0xFFFF, half), _mm512_set1_ps(256.0f));
+    };
+    scale[0] = to_fp32(_mm512_maskz_extracti32x4_epi32(0xF, low, 0));
+    scale[1] = to_fp32(_mm512_maskz_extracti32x4_epi32(0xF, low, 1));
+    scale[2] = to_fp32(_mm512_maskz_extracti32x4_epi32(0xF, low, 2));
+    scale[3] = to_fp32(_mm512_maskz_extracti32x4_epi32(0xF, low, 3));
+    scale[4] = to_fp32(_mm512_maskz_extracti32x4_epi32(0xF, high, 0));
+    scale[5] = to_fp32(_mm512_maskz_extracti32x4_epi32(0xF, high, 1));
+    scale[6] = to_fp32(_mm512_maskz_extracti32x4_epi32(0xF, high, 2));
+    scale[7] = to_fp32(_mm512_maskz_extracti32x4_epi32(0xF, high, 3));
+  }
+
+  // bf16 bits of the E2M1 values, twice: vpermw reads an index's low five bits, so bit 4 (left
+  // over from the neighbouring nibble) may be anything.
+  static __m512i e2m1_bf16_table() {
+    alignas(64) static constexpr auto kTable = [] {
+      std::array<uint16_t, 32> bits{};
+      for (int i = 0; i < 32; ++i)
+        bits[i] = uint16_t(std::bit_cast<uint32_t>(kE2M1Values[i % 16]) >> 16);
+      return bits;
+    }();
+    return _mm512_load_si512(kTable.data());
+  }
+
+  // In place: r[j] lane t becomes r[t] lane j (a 16 x 16 transpose of 32-bit elements).
+  static void transpose_16x16(__m512i (&r)[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+      t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+      t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    // r[4i + c], 128-bit lane b: column 4b + c of rows 4i .. 4i + 3.
+    for (int i = 0; i < 16; i += 4) {
+      r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+      r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+      r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+      r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int c = 0; c < 4; ++c) {
+      const __m512i u = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44);
+      const __m512i v = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+      const __m512i w = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
+      const __m512i x = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
+      t[c] = _mm512_shuffle_i32x4(u, v, 0x88);
+      t[4 + c] = _mm512_shuffle_i32x4(u, v, 0xDD);
+      t[8 + c] = _mm512_shuffle_i32x4(w, x, 0x88);
+      t[12 + c] = _mm512_shuffle_i32x4(w, x, 0xDD);
+    }
+    for (int i = 0; i < 16; ++i) r[i] = t[i];
+  }
+
+  // scores[i][t] = q_i . k_t (times q_scale) for the chunk's keys t, kRows query rows (bf16, row
+  // stride s_.dim_k). Byte p of every key row holds elements 2p, 2p + 1: after the transpose a
+  // vpmultishiftqb puts both nibbles of byte p of each key where vpermw reads its index.
+  template <int kRows>
+  void score_nvfp4_chunk(const Nvfp4Chunk& chunk, const __m512 (&scale)[kChunkGroups],
+                         const uint16_t* q, float q_scale, float* scores) const {
+    // Per 64-bit lane (two keys): the bit offsets of byte k's low and high nibble of each key.
+    alignas(64) static constexpr auto kNibbles = [] {
+      std::array<std::array<uint8_t, 64>, 4> control{};
+      for (int k = 0; k < 4; ++k) {
+        for (int b = 0; b < 64; ++b) {
+          const int key = (b / 4) % 2;
+          const int high = (b / 2) % 2;
+          control[k][b] = uint8_t(32 * key + 8 * k + 4 * high);
+        }
+      }
+      return control;
+    }();
+    __m512i column[kChunkKeys];
+    for (int t = 0; t < kChunkKeys; ++t) {
+      column[t] = _mm512_loadu_si512(chunk.data + t * chunk.data_step);
+    }
+    transpose_16x16(column);  // column[j] lane t: bytes [4j, 4j + 4) of key t
+    const __m512i table = e2m1_bf16_table();
+    __m512 score[kRows];
+    for (int i = 0; i < kRows; ++i) score[i] = _mm512_setzero_ps();
+    // Unrolled whole: column[] stays in registers.
+#pragma GCC unroll 8
+    for (int g = 0; g < kChunkGroups; ++g) {
+      __m512 sum[kRows];
+      for (int i = 0; i < kRows; ++i) sum[i] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+      for (int p = g * kNvfp4GroupSize / 2; p < (g + 1) * kNvfp4GroupSize / 2; ++p) {
+        const __m512i index =
+            _mm512_multishift_epi64_epi8(_mm512_load_si512(kNibbles[p % 4].data()), column[p / 4]);
+        const auto codes = (__m512bh)_mm512_permutexvar_epi16(index, table);
+        for (int i = 0; i < kRows; ++i) sum[i] = dot_pair(sum[i], codes, q + i * s_.dim_k + 2 * p);
+      }
+      for (int i = 0; i < kRows; ++i) score[i] = _mm512_fmadd_ps(sum[i], scale[g], score[i]);
+    }
+    for (int i = 0; i < kRows; ++i) {
+      _mm512_storeu_ps(scores + int64_t(i) * s_.tokens,
+                       _mm512_mul_ps(score[i], _mm512_set1_ps(q_scale)));
+    }
+  }
+
+  // acc_i += sum_t w[i][t] v_t over the chunk's keys for kRows rows (weights: row stride s_.tokens;
+  // valid[i]: the keys row i attends).
+  template <int kRows>
+  void accumulate_nvfp4_chunk(const Nvfp4Chunk& chunk, const __m512 (&scale)[kChunkGroups],
+                              const __m512 (&weights)[kRows], const __mmask16* valid,
+                              float* acc) const {
+    // A key pair's values, element by element (dword j of a group: element j of the first key,
+    // then of the second), in two steps. kGather: 64-bit lane q of a quad of groups holds byte q
+    // of each of the four groups of the first key (bytes 0-3), then of the second (4-7), which
+    // are elements 2q and 2q + 1 of each. kNibbles[k]: each word of lane q takes the nibble of
+    // group k of the quad that it decodes (vpermw reads an index's low five bits; the fifth,
+    // from the neighbouring nibble, is ignored by the doubled table).
+    constexpr int kQuads = kChunkGroups / 4;
+    alignas(64) static constexpr auto kGather = [] {
+      std::array<std::array<uint8_t, 64>, kQuads> index{};
+      for (int quad = 0; quad < kQuads; ++quad) {
+        for (int b = 0; b < 64; ++b) {
+          const int lane = b / 8;
+          const int second = (b % 8) / 4;
+          const int group = 4 * quad + b % 4;
+          index[quad][b] = uint8_t(64 * second + 8 * group + lane);
+        }
+      }
+      return index;
+    }();
+    alignas(64) static constexpr auto kNibbles = [] {
+      std::array<std::array<uint8_t, 64>, 4> control{};
+      for (int k = 0; k < 4; ++k) {
+        for (int b = 0; b < 64; ++b) {
+          const int word = (b / 2) % 4;  // element 2q (words 0, 1) or 2q + 1 (2, 3); key word % 2
+          control[k][b] = uint8_t(8 * (4 * (word % 2) + k) + 4 * (word / 2));
+        }
+      }
+      return control;
+    }();
+    // pairs[g][i][m]: row i's weights of keys 2m, 2m + 1 times their group-g scales, in bf16.
+    alignas(32) uint32_t pairs[kChunkGroups][kRows][kChunkKeys / 2];
+    __mmask16 keys = 0;
+    for (int i = 0; i < kRows; ++i) {
+      keys |= valid[i];
+      // (Masked: a key outside valid[i] may have any scale byte, NaN included.)
+      for (int g = 0; g < kChunkGroups; ++g) {
+        _mm256_store_si256(
+            reinterpret_cast<__m256i*>(pairs[g][i]),
+            (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mul_ps(valid[i], weights[i], scale[g])));
+      }
+    }
+    const __m512i table = e2m1_bf16_table();
+    // kGroups groups (whole quads) per pass: each pair of key rows is loaded once for all of
+    // them, and the kGroups * kRows accumulators are enough independent vdpbf16ps chains to hide
+    // its latency.
+    constexpr int kGroups = kRows >= 4 ? 4 : kChunkGroups;
+    for (int g0 = 0; g0 < kChunkGroups; g0 += kGroups) {
+      __m512 a[kGroups][kRows];
+      for (int h = 0; h < kGroups; ++h) {
+        for (int i = 0; i < kRows; ++i) {
+          a[h][i] = _mm512_loadu_ps(acc + int64_t(i) * s_.dim_v + (g0 + h) * kNvfp4GroupSize);
+        }
+      }
+      for (int pair = 0; pair < kChunkKeys / 2; ++pair) {
+        if (((keys >> (2 * pair)) & 3) == 0) continue;
+        const __m512i x = _mm512_loadu_si512(chunk.data + 2 * pair * chunk.data_step);
+        const __m512i y = _mm512_loadu_si512(chunk.data + (2 * pair + 1) * chunk.data_step);
+        __m512i quads[kGroups / 4];
+        for (int u = 0; u < kGroups / 4; ++u) {
+          quads[u] = _mm512_permutex2var_epi8(x, _mm512_load_si512(kGather[g0 / 4 + u].data()), y);
+        }
+        for (int h = 0; h < kGroups; ++h) {
+          const __m512i index =
+              _mm512_multishift_epi64_epi8(_mm512_load_si512(kNibbles[h % 4].data()), quads[h / 4]);
+          const auto values = (__m512bh)_mm512_permutexvar_epi16(index, table);
+          for (int i = 0; i < kRows; ++i)
+            a[h][i] = dot_pair(a[h][i], values, &pairs[g0 + h][i][pair]);
+        }
+      }
+      for (int h = 0; h < kGroups; ++h) {
+        for (int i = 0; i < kRows; ++i) {
+          _mm512_storeu_ps(acc + int64_t(i) * s_.dim_v + (g0 + h) * kNvfp4GroupSize, a[h][i]);
+        }
+      }
+    }
+  }
+
+  // exp(x) for x <= 0 (-inf gives 0): 2^k * 2^f with t = x log2(e), k = round(t), f = t - k in
+  // [-1/2, 1/2], 2^f by its degree-6 Taylor polynomial (relative error ~1e-7 plus t's rounding),
+  // the product by vscalefps (t clamped at -200: 0 exactly).
+  static __m512 exp_scalef(__m512 x) {
+    const __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                   _mm512_set1_ps(-200.0f));
+    const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, k);
+    // ln(2)^n / n!
+    __m512 p = _mm512_set1_ps(1.5403530393381609e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, k);
+  }
+
+  // out[i] = op-reduction of the 16 lanes of v[i]. Four rows share one transposing tree.
+  template <int kRows, typename Op>
+  static void reduce_rows(const __m512 (&v)[kRows], Op op, float (&out)[kRows]) {
+    if constexpr (kRows == 4) {
+      // a: lanes 0-7 v[0]'s halves combined, 8-15 v[1]'s; b likewise for v[2], v[3]; c: 128-bit
+      // lane r holds row r's four partials; then within each 128-bit lane.
+      const __m512 a =
+          op(_mm512_shuffle_f32x4(v[0], v[1], 0x44), _mm512_shuffle_f32x4(v[0], v[1], 0xEE));
+      const __m512 b =
+          op(_mm512_shuffle_f32x4(v[2], v[3], 0x44), _mm512_shuffle_f32x4(v[2], v[3], 0xEE));
+      const __m512 c = op(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+      const __m512 d = op(c, _mm512_permute_ps(c, 0x4E));
+      const __m512 e = op(d, _mm512_permute_ps(d, 0xB1));
+      alignas(64) float lanes[16];
+      _mm512_store_ps(lanes, e);
+      for (int i = 0; i < 4; ++i) out[i] = lanes[4 * i];
+    } else {
+      for (int i = 0; i < kRows; ++i) {
+        __m512 x = v[i];
+        x = op(x, _mm512_shuffle_f32x4(x, x, 0x4E));
+        x = op(x, _mm512_shuffle_f32x4(x, x, 0xB1));
+        x = op(x, _mm512_permute_ps(x, 0x4E));
+        x = op(x, _mm512_permute_ps(x, 0xB1));
+        out[i] = _mm512_cvtss_f32(x);
+      }
+    }
+  }
+
+  // Online-softmax update of kRows rows with a chunk's scores (row stride s_.tokens; keys outside
+  // valid[i] ignored): new maxima, sums, accumulators rescaled; weights[i] = exp(s - max) on
+  // valid[i], 0 elsewhere. A row without a finite score keeps its state (weights 0), as
+  // softmax_step does.
+  template <int kRows>
+  void softmax_chunk(const float* scores, const __mmask16* valid, float* m, float* l, float* acc,
+                     __m512 (&weights)[kRows]) const {
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    __m512 s[kRows];
+    float top[kRows];
+    for (int i = 0; i < kRows; ++i) {
+      s[i] =
+          _mm512_mask_loadu_ps(_mm512_set1_ps(neg_inf), valid[i], scores + int64_t(i) * s_.tokens);
+    }
+    reduce_rows<kRows>(s, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); }, top);
+    for (int i = 0; i < kRows; ++i) {
+      if (top[i] == neg_inf) {
+        weights[i] = _mm512_setzero_ps();
+        continue;
+      }
+      const float new_max = std::max(m[i], top[i]);
+      weights[i] =
+          _mm512_maskz_mov_ps(valid[i], exp_scalef(_mm512_sub_ps(s[i], _mm512_set1_ps(new_max))));
+      if (new_max != m[i]) {
+        const float correction = std::exp(m[i] - new_max);  // 0 for the first keys
+        l[i] *= correction;
+        float* a = acc + int64_t(i) * s_.dim_v;
+        for (int d = 0; d < kChunkHeadSize; d += 16) {
+          _mm512_storeu_ps(a + d,
+                           _mm512_mul_ps(_mm512_loadu_ps(a + d), _mm512_set1_ps(correction)));
+        }
+        m[i] = new_max;
+      }
+    }
+    float sums[kRows];
+    reduce_rows<kRows>(weights, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); }, sums);
+    for (int i = 0; i < kRows; ++i) l[i] += sums[i];
+  }
+
+  RowShape s_{};
+  CacheSide key_{};
+  CacheSide value_{};
+  Nvfp4SideLayout k_layout_{};
+  Nvfp4SideLayout v_layout_{};
+  alignas(64) ChunkScaleSelect k_scale_select_{};
+  alignas(64) ChunkScaleSelect v_scale_select_{};
+  alignas(64) ChunkScaleRows k_scale_rows_{};
+  alignas(64) ChunkScaleRows v_scale_rows_{};
+};
+
+#endif  // VLLM_KV_HAVE_AVX512_BF16
+
+// Whether a call's NVFP4 pages may go through Nvfp4ChunkAttention (false in builds without it).
+inline bool nvfp4_chunks_fit([[maybe_unused]] int head_size, [[maybe_unused]] int head_size_v,
+                             [[maybe_unused]] int block_size) {
+#if defined(VLLM_KV_HAVE_AVX512_BF16)
+  return Nvfp4ChunkAttention::fits(head_size, head_size_v, block_size);
+#else
+  return false;
+#endif
+}
+
+}  // namespace vllm_kv::cpu::attention
