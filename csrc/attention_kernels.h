@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "cache_kernels.h"
+#include "packed_slot_read.h"
 
 namespace vllm_kv {
 
@@ -62,6 +63,10 @@ struct PagedAttentionParams {
   const float* sink_keys;   // fp32 [num_seqs, num_sink_keys, num_kv_heads, head_size]
   int num_sink_keys;
   bool key_hadamard;
+  // cache_kind kPackedSlotKind: the format. key_cache and value_cache then both describe the one
+  // packed cache (slot bytes per entry): keys are read in the format's key frame (the query given
+  // in it), Octave values in their rotated frame (out is in it too).
+  PackedSlotFormat packed;
 };
 
 }  // namespace vllm_kv

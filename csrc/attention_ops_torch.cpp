@@ -4,6 +4,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <string>
+#include <string_view>
 
 #include "cache_ops_checks.h"
 #include "cache_ops_torch.h"
@@ -65,10 +67,13 @@ PagedAttentionParams prepare_paged_attention(
     bool rope_is_neox, const std::optional<at::Tensor>& key_offset,
     const std::optional<at::Tensor>& sink_keys, bool key_hadamard,
     const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& seq_causal,
-    bool key_split) {
-  const CacheKind kind = get_cache_kind(kv_cache_dtype);
+    bool key_split, const PackedSlotFormat* packed) {
+  // A packed cache is one tensor for both sides: errors name it as its op does.
+  const char* const k_name = packed != nullptr ? "kv_cache" : "key_cache";
+  const char* const v_name = packed != nullptr ? "kv_cache" : "value_cache";
+  const CacheKind kind = packed != nullptr ? kPackedSlotKind : get_cache_kind(kv_cache_dtype);
   for (const auto& [t, name] :
-       {std::pair{&out, "out"}, std::pair{&query, "query"}, std::pair{&value_cache, "value_cache"},
+       {std::pair{&out, "out"}, std::pair{&query, "query"}, std::pair{&value_cache, v_name},
         std::pair{&block_table, "block_table"}, std::pair{&seq_lens, "seq_lens"},
         std::pair{&query_start_loc, "query_start_loc"}, std::pair{&k_scale, "k_scale"},
         std::pair{&v_scale, "v_scale"}}) {
@@ -103,19 +108,28 @@ PagedAttentionParams prepare_paged_attention(
               out.strides());
 
   const bool quantized = kind != CacheKind::kUnquantized;
-  TORCH_CHECK(key_cache.dim() == 4,
-              "key_cache: expected a 4-D tensor [num_blocks, block_size, "
-              "num_kv_heads, head_dim], got shape ",
+  TORCH_CHECK(key_cache.dim() == 4, k_name,
+              ": expected a 4-D tensor [num_blocks, block_size, num_kv_heads, head_dim], "
+              "got shape ",
               shape_str(key_cache));
   const int64_t kv_heads = key_cache.size(2);
-  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0,
-              "key_cache: expected num_kv_heads dividing "
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, k_name,
+              ": expected num_kv_heads dividing "
               "num_heads = ",
               heads, " (GQA) at dim 2, got shape ", shape_str(key_cache));
   check_head_size(kind, kv_cache_dtype, head_size, "query");
   check_head_size(kind, kv_cache_dtype, head_size_v, "out");
-  for (const auto& [cache, name, dim] : {std::tuple{&key_cache, "key_cache", head_size},
-                                         std::tuple{&value_cache, "value_cache", head_size_v}}) {
+  if (packed != nullptr) {
+    TORCH_CHECK(head_size == packed->head_dim && head_size_v == packed->head_dim,
+                "out: expected the query's head size ", packed->head_dim, " for kv_cache_dtype '",
+                kv_cache_dtype, "' (K and V of a slot are one size), got ", head_size_v);
+  }
+  // The last dim of a side's entries for head size d.
+  const auto last_dim = [&](int64_t d) {
+    return packed != nullptr ? packed_slot_geometry(*packed).slot_bytes : cache_last_dim(kind, d);
+  };
+  for (const auto& [cache, name, dim] :
+       {std::tuple{&key_cache, k_name, head_size}, std::tuple{&value_cache, v_name, head_size_v}}) {
     if (quantized) {
       TORCH_CHECK(cache->scalar_type() == quantized_cache_dtype(kind), name, ": expected dtype ",
                   dtype_str(quantized_cache_dtype(kind)), " for kv_cache_dtype '", kv_cache_dtype,
@@ -125,10 +139,10 @@ PagedAttentionParams prepare_paged_attention(
     }
     TORCH_CHECK(cache->dim() == 4 && cache->size(0) == key_cache.size(0) &&
                     cache->size(1) == key_cache.size(1) && cache->size(2) == kv_heads &&
-                    cache->size(3) == cache_last_dim(kind, dim),
+                    cache->size(3) == last_dim(dim),
                 name, ": expected shape [", key_cache.size(0), ", ", key_cache.size(1), ", ",
-                kv_heads, ", ", cache_last_dim(kind, dim), "] for head size ", dim,
-                " and kv_cache_dtype '", kv_cache_dtype, "', got ", shape_str(*cache));
+                kv_heads, ", ", last_dim(dim), "] for head size ", dim, " and kv_cache_dtype '",
+                kv_cache_dtype, "', got ", shape_str(*cache));
   }
   TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), "value_cache: expected dtype ",
               dtype_str(key_cache.scalar_type()), " (key_cache's), got ",
@@ -184,7 +198,7 @@ PagedAttentionParams prepare_paged_attention(
   }
 
   check_key_transform(rope_cos_sin, key_offset, sink_keys, num_seqs, kv_heads, head_size);
-  TORCH_CHECK(kind != CacheKind::kInt4PerTokenHead ||
+  TORCH_CHECK((kind != CacheKind::kInt4PerTokenHead && kind != kPackedSlotKind) ||
                   !(rope_cos_sin || key_offset || sink_keys || key_hadamard),
               "kv_cache_dtype: expected a format that takes key transforms (rope_cos_sin, "
               "key_offset, sink_keys, key_hadamard), got '",
@@ -202,10 +216,11 @@ PagedAttentionParams prepare_paged_attention(
   p.io_type = io_type;
   p.cache_kind = kind;
   p.cache_type = quantized ? SourceType::kFloat32 : source_type_of(key_cache, "key_cache");
-  p.key_cache = make_side(key_cache, "key_cache", kind, head_size, cache_last_dim(kind, head_size),
-                          k_scale, k_per_head, k_layout);
-  p.value_cache = make_side(value_cache, "value_cache", kind, head_size_v,
-                            cache_last_dim(kind, head_size_v), v_scale, v_per_head, v_layout);
+  p.key_cache = make_side(key_cache, k_name, kind, head_size, last_dim(head_size), k_scale,
+                          k_per_head, k_layout);
+  p.value_cache = make_side(value_cache, v_name, kind, head_size_v, last_dim(head_size_v), v_scale,
+                            v_per_head, v_layout);
+  if (packed != nullptr) p.packed = *packed;
   p.block_table = block_table.data_ptr<int32_t>();
   p.block_table_stride = block_table.stride(0);
   p.seq_lens = seq_lens.data_ptr<int32_t>();
@@ -230,6 +245,76 @@ PagedAttentionParams prepare_paged_attention(
   p.num_sink_keys = sink_keys ? int(sink_keys->size(1)) : 0;
   p.key_hadamard = key_hadamard;
   return p;
+}
+
+PackedSlotFormat parse_packed_slot_format(const std::string& kv_cache_dtype, int64_t head_size,
+                                          int64_t key_bits, int64_t value_bits,
+                                          bool norm_correction, int64_t rope_dim,
+                                          const std::optional<at::Tensor>& codebook) {
+  const std::string_view name = kv_cache_dtype;
+  PackedSlotFormat f{};
+  int64_t codebook_size = 0;
+  int64_t multiple = 1;  // of the head size
+  if (name.rfind("turboquant_", 0) == 0) {
+    f.family = PackedFamily::kTurboQuant;
+    TORCH_CHECK(key_bits == 3 || key_bits == 4 || key_bits == kTurboQuantFp8KeyBits,
+                "key_bits: expected 3 or 4 (Lloyd-Max keys) or ", kTurboQuantFp8KeyBits,
+                " (e4m3 keys) for '", kv_cache_dtype, "', got ", key_bits);
+    TORCH_CHECK(value_bits == 3 || value_bits == 4, "value_bits: expected 3 or 4 for '",
+                kv_cache_dtype, "', got ", value_bits);
+    codebook_size = key_bits == kTurboQuantFp8KeyBits ? 0 : int64_t(1) << key_bits;
+    multiple = 8;  // whole bytes of codes
+  } else if (name == "ultraquant_4bit") {
+    f.family = PackedFamily::kUltraQuant;
+    TORCH_CHECK(key_bits == 4 && value_bits == 4, "key_bits/value_bits: expected 4/4 for '",
+                kv_cache_dtype, "', got ", key_bits, "/", value_bits);
+    multiple = kUltraQuantGroup;
+  } else if (name.rfind("octave_", 0) == 0) {
+    f.family = PackedFamily::kOctave;
+    f.compact = name.size() > 8 && name.substr(name.size() - 8) == "_compact";
+    TORCH_CHECK(key_bits == kOctaveNopeBits, "key_bits: expected ", kOctaveNopeBits, " for '",
+                kv_cache_dtype, "', got ", key_bits);
+    TORCH_CHECK(value_bits == 3 || value_bits == 4, "value_bits: expected 3 or 4 for '",
+                kv_cache_dtype, "', got ", value_bits);
+    const bool power_of_two = head_size > 0 && (head_size & (head_size - 1)) == 0;
+    TORCH_CHECK(!f.compact || (rope_dim == 0 && power_of_two),
+                "rope_dim: compact Octave K takes rope_dim 0 and a power-of-two head size, got "
+                "rope_dim ",
+                rope_dim, " and head size ", head_size);
+    TORCH_CHECK(rope_dim >= 0 && rope_dim % kOctaveBlock == 0 && rope_dim <= head_size,
+                "rope_dim: expected a multiple of ", kOctaveBlock, " in [0, head size ", head_size,
+                "], got ", rope_dim);
+    codebook_size = kOctaveCodebookSize;
+    multiple = kOctaveBlock;
+  } else {
+    TORCH_CHECK(false,
+                "kv_cache_dtype: expected a packed-slot format (turboquant_*, "
+                "ultraquant_4bit, octave_*), got '",
+                kv_cache_dtype, "'");
+  }
+  TORCH_CHECK(head_size > 0 && head_size % multiple == 0 && head_size <= INT_MAX, "query: '",
+              kv_cache_dtype, "' needs a head size that is a multiple of ", multiple, ", got ",
+              head_size);
+  TORCH_CHECK(!norm_correction || (f.family == PackedFamily::kTurboQuant && codebook_size > 0),
+              "norm_correction: expected false for '", kv_cache_dtype,
+              "' (TurboQuant's Lloyd-Max keys only), got true");
+  if (codebook_size == 0) {
+    TORCH_CHECK(!codebook, "codebook: expected None for '", kv_cache_dtype, "', got a tensor");
+  } else {
+    TORCH_CHECK(codebook && codebook->scalar_type() == at::kFloat && codebook->dim() == 1 &&
+                    codebook->size(0) == codebook_size && codebook->is_contiguous(),
+                "codebook: expected a contiguous float32 tensor [", codebook_size, "] for '",
+                kv_cache_dtype, "', got ",
+                codebook ? dtype_str(codebook->scalar_type()) + " of shape " + shape_str(*codebook)
+                         : std::string("None"));
+    f.codebook = codebook->data_ptr<float>();
+  }
+  f.head_dim = int(head_size);
+  f.key_bits = int(key_bits);
+  f.value_bits = int(value_bits);
+  f.norm_correction = norm_correction;
+  f.rope_dim = int(rope_dim);
+  return f;
 }
 
 }  // namespace vllm_kv

@@ -28,6 +28,12 @@ enum class CacheKind {
   kInt4PerTokenHead = 6
 };
 
+// The kind paged attention gives packed K+V slot caches (TurboQuant, ultraquant_4bit, Octave): a
+// value past the enumerators above, which mirror the registry's row encodings (Python's
+// CacheKind), since a slot is no row of one side. No writer takes it (the slot stores are their
+// own ops) and get_cache_kind never returns it.
+inline constexpr CacheKind kPackedSlotKind{7};
+
 // Placement of NVFP4 block scales inside each head's [block_size, head_size / 16] plane.
 enum class ScaleLayout { kLinear = 0, kInterleave4 = 1 };
 

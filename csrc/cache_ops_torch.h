@@ -45,7 +45,9 @@ ReshapeAndCacheParams prepare_reshape_and_cache_flash(
 // NVFP4 and interleave4 divisibility, scale and metadata shapes, the optional pre-RoPE key
 // tensors rope_cos_sin / key_offset / sink_keys, alibi_slopes, seq_causal) and returns the kernel
 // parameter block pointing into the given tensors. Does not read tensor values: the per-sequence
-// checks (lengths, page ids, seq_len <= max_positions of rope_cos_sin) are the device op's.
+// checks (lengths, page ids, seq_len <= max_positions of rope_cos_sin) are the device op's. With
+// `packed` (parse_packed_slot_format), key_cache and value_cache are the one packed cache
+// [B, N, H, slot bytes] and kv_cache_dtype only names it in errors.
 PagedAttentionParams prepare_paged_attention(
     const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
     const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
@@ -57,7 +59,15 @@ PagedAttentionParams prepare_paged_attention(
     bool rope_is_neox, const std::optional<at::Tensor>& key_offset,
     const std::optional<at::Tensor>& sink_keys, bool key_hadamard,
     const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& seq_causal,
-    bool key_split);
+    bool key_split, const PackedSlotFormat* packed = nullptr);
+
+// The packed K+V slot format that packed_paged_attention's arguments describe for heads of
+// head_size (kv_cache_dtype's family, bit widths, rope_dim, codebook: fp32 contiguous, on the
+// cache's device), checked; the codebook pointer stays valid while the tensor lives.
+PackedSlotFormat parse_packed_slot_format(const std::string& kv_cache_dtype, int64_t head_size,
+                                          int64_t key_bits, int64_t value_bits,
+                                          bool norm_correction, int64_t rope_dim,
+                                          const std::optional<at::Tensor>& codebook);
 
 // Validates the arguments of swap_blocks: block_mapping is an int64 CPU [n, 2] tensor of
 // (src page, dst page) ids, block_size_in_bytes > 0, and every id addresses a whole page inside

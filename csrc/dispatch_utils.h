@@ -85,7 +85,8 @@ inline constexpr bool is_quantized(CacheKind kind) { return kind != CacheKind::k
 // scales, so the values passed are not read and need not be valid).
 inline constexpr bool reads_kv_scale(CacheKind kind) {
   return is_quantized(kind) && kind != CacheKind::kInt8PerTokenHead &&
-         kind != CacheKind::kFp8PerTokenHead && kind != CacheKind::kInt4PerTokenHead;
+         kind != CacheKind::kFp8PerTokenHead && kind != CacheKind::kInt4PerTokenHead &&
+         kind != kPackedSlotKind;
 }
 
 // Storage type of a float dtype (16-bit formats as raw bits), its exact widening to fp32 and the

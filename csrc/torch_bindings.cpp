@@ -32,6 +32,17 @@ TORCH_LIBRARY(_C_cache_ops, m) {
       "Tensor? key_offset=None, Tensor? sink_keys=None, bool key_hadamard=False, "
       "Tensor? alibi_slopes=None, Tensor? seq_causal=None, bool key_split=True) -> ()");
   m.def("paged_attention_simd_levels() -> str[]");
+  // Paged attention over a packed K+V slot cache (TurboQuant, ultraquant_4bit, Octave: kv_cache
+  // [num_blocks, block_size, H, slot bytes] uint8) in the format's frames: the query is given in
+  // the key frame and out is written in the value frame (csrc/packed_slot_read.h). The format:
+  // kv_cache_dtype's family, key_bits / value_bits / norm_correction (TurboQuant; Octave's value
+  // bits), rope_dim (Octave block K) and codebook (TurboQuant Lloyd-Max keys; Octave).
+  m.def(
+      "packed_paged_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_table, "
+      "Tensor seq_lens, Tensor query_start_loc, str kv_cache_dtype, int key_bits, int value_bits, "
+      "bool norm_correction, int rope_dim, Tensor? codebook, float scale, int sliding_window, "
+      "float logits_soft_cap, Tensor? sinks, bool causal, str simd=\"auto\", "
+      "Tensor? alibi_slopes=None, Tensor? seq_causal=None, bool key_split=True) -> ()");
   // nvfp4_ds_mla records (352 bytes per token) of kv_c [T, 512] and k_pe [T, 64] bf16: the
   // compiled writer behind concat_and_cache_mla (vllm/_mla_cache_ops.py) for that dtype.
   m.def(

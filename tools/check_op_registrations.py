@@ -24,6 +24,7 @@ COMPOSITE_KEYS = ("CompositeExplicitAutograd", "CompositeImplicitAutograd")
 DEVICE_SCOPED_OPS: dict[str, tuple[str, ...]] = {
     # The CPU attention backend's kernel (CPU_ATTN); GPUs attend with FlashInfer.
     f"{NAMESPACE}::paged_attention": ("CPU", "Meta"),
+    f"{NAMESPACE}::packed_paged_attention": ("CPU", "Meta"),
     # Address descriptors are CPU tensors whatever memory they name; the CUDA build's CPU kernel
     # copies device memory too.
     f"{NAMESPACE}::swap_blocks_batch": ("CPU", "Meta"),

@@ -18,6 +18,9 @@ from vllm._cpu_attn_args import (  # upstream's name, re-exported
     cpu_attn_get_scheduler_metadata as cpu_attn_get_scheduler_metadata,
 )
 from vllm._mla_cache_ops import *  # noqa: F403  (upstream's MLA cache ops)
+from vllm._packed_attention_ops import (  # the compiled packed-slot reader
+    packed_paged_attention as packed_paged_attention,
+)
 from vllm._packed_cache_ops import turboquant_store as turboquant_store  # the compiled writer
 from vllm.kv_quant.formats import find_format, kernel_cache_kind
 from vllm.kv_quant.kv_scale import kv_scale_as_1d

@@ -11,12 +11,14 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/ones.h>
 #include <c10/util/irange.h>
 #include <torch/library.h>
 
 #include <string>
 #include <vector>
 
+#include "cache_ops_checks.h"
 #include "cache_ops_torch.h"
 #include "cpu/cpu_op_utils.h"
 #include "cpu/paged_attention.h"
@@ -176,11 +178,40 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
   }
 }
 
+// Paged attention over a packed K+V slot cache, in the format's frames (the caller rotates the
+// query into the key frame and the output back from the value frame).
+void packed_paged_attention_cpu(
+    at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+    const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+    const std::string& kv_cache_dtype, int64_t key_bits, int64_t value_bits, bool norm_correction,
+    int64_t rope_dim, const std::optional<at::Tensor>& codebook, double scale,
+    int64_t sliding_window, double logits_soft_cap, const std::optional<at::Tensor>& sinks,
+    bool causal, const std::string& simd, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& seq_causal, bool key_split) {
+  check_cpu(kv_cache, "kv_cache");
+  if (codebook) check_cpu(*codebook, "codebook");
+  const SimdLevel level = parse_simd_level(simd);
+  TORCH_CHECK(query.dim() == 3,
+              "query: expected a 3-D tensor [T, num_heads, head_size], got shape ",
+              shape_str(query));
+  const PackedSlotFormat format = parse_packed_slot_format(
+      kv_cache_dtype, query.size(2), key_bits, value_bits, norm_correction, rope_dim, codebook);
+  const at::Tensor unit = at::ones({1}, kv_cache.options().dtype(at::kFloat));
+  const PagedAttentionParams p = prepare_paged_attention(
+      out, query, kv_cache, kv_cache, block_table, seq_lens, query_start_loc, kv_cache_dtype, unit,
+      unit, scale, sliding_window, logits_soft_cap, sinks, causal, std::nullopt, std::nullopt,
+      std::nullopt, true, std::nullopt, std::nullopt, false, alibi_slopes, seq_causal, key_split,
+      &format);
+  check_sequences(p, query.size(0), out.size(0), kv_cache.size(0), block_table.size(1), -1);
+  run_paged_attention(p, query, level);
+}
+
 }  // namespace
 }  // namespace vllm_kv
 
 TORCH_LIBRARY_IMPL(_C_cache_ops, CPU, m) {
   m.impl("paged_attention", &vllm_kv::paged_attention_cpu);
+  m.impl("packed_paged_attention", &vllm_kv::packed_paged_attention_cpu);
 }
 
 TORCH_LIBRARY_IMPL(_C_cache_ops, CompositeExplicitAutograd, m) {

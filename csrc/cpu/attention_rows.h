@@ -59,10 +59,10 @@ inline void load_query_row(const void* query, int64_t index, SourceType type, fl
 }
 
 // The per-tensor / per-head scale of a side; 1 without one (unquantized caches, and per-token-head
-// rows, int4 ones included, whose scales the decoder applies).
+// rows, int4 ones included, and packed slots, whose scales the decoder applies).
 inline float side_scale(const CacheSide& side, int head, CacheKind kind) {
   if (kind == CacheKind::kUnquantized || is_per_token_head(kind) ||
-      kind == CacheKind::kInt4PerTokenHead) {
+      kind == CacheKind::kInt4PerTokenHead || kind == kPackedSlotKind) {
     return 1.0f;
   }
   return side.scale[side.scale_per_head ? head : 0];

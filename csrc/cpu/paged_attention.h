@@ -10,7 +10,8 @@
 // exact in bf16 go through vdpbf16ps, the softmax weights rounded to bf16 for the values' sums,
 // as in flash attention). Per-tensor or per-head scales are constant within
 // an item: the K scale is folded into the query, the V scale into the output. Per-token-head rows
-// (int8 / e4m3 values + their own inline fp32 scale) are decoded times that scale into the tiles.
+// (int8 / e4m3 values + their own inline fp32 scale) are decoded times that scale into the tiles,
+// and so are packed K+V slots (packed_slot_read.h, in the format's key / value frames).
 // Long key ranges of few items are split (split-K); the splits' (max, sum, accumulator) partials
 // are merged after. Keys stored before RoPE (rope_cos_sin / key_offset / sink_keys given) are
 // decoded into the tile and rebuilt there (transform_keys), never fused.
@@ -66,7 +67,7 @@ class PagedAttention {
         // Per-token-head rows are decoded (times their inline scales) into the tiles only, and
         // so are keys rebuilt from pre-RoPE ones (transform_keys).
         fused_(L != SimdLevel::kGeneric && !is_per_token_head(K) &&
-               K != CacheKind::kInt4PerTokenHead && !key_transform_ &&
+               K != CacheKind::kInt4PerTokenHead && K != kPackedSlotKind && !key_transform_ &&
                geo_.head_size % kLanes == 0 && geo_.head_size_v % kLanes == 0),
         bf16_dot_(kBf16Dot && fused_ && p.io_type == SourceType::kBFloat16 &&
                   geo_.head_size % 32 == 0),
@@ -74,7 +75,8 @@ class PagedAttention {
         nvfp4_chunks_(K == CacheKind::kNvfp4 && bf16_dot_ && bf16_v_ &&
                       nvfp4_chunks_fit(geo_.head_size, geo_.head_size_v, p.block_size)),
         k_page_bytes_(page_bytes(geo_.head_size)),
-        v_page_bytes_(page_bytes(geo_.head_size_v)) {
+        // A packed page holds both sides: it is fetched once, with the keys.
+        v_page_bytes_(K == kPackedSlotKind ? 0 : page_bytes(geo_.head_size_v)) {
     if constexpr (K == CacheKind::kNvfp4) {
       k_layout_ = Nvfp4SideLayout(p.key_cache, p.block_size, p.num_kv_heads);
       v_layout_ = Nvfp4SideLayout(p.value_cache, p.block_size, p.num_kv_heads);
@@ -293,9 +295,9 @@ class PagedAttention {
   // BF16 builds): keys dotted with a bf16 query (rounding differs from the fp32 path only in the
   // order of the fp32 sums), values weighted by the softmax weights rounded to bf16.
 #if defined(VLLM_KV_HAVE_AVX512_BF16)
-  static constexpr bool kBf16Dot =
-      L == SimdLevel::kAvx512 && !is_per_token_head(K) && K != CacheKind::kInt4PerTokenHead &&
-      (K != CacheKind::kUnquantized || C == SourceType::kBFloat16);
+  static constexpr bool kBf16Dot = L == SimdLevel::kAvx512 && !is_per_token_head(K) &&
+                                   K != CacheKind::kInt4PerTokenHead && K != kPackedSlotKind &&
+                                   (K != CacheKind::kUnquantized || C == SourceType::kBFloat16);
 #else
   static constexpr bool kBf16Dot = false;
 #endif
@@ -309,7 +311,8 @@ class PagedAttention {
     const int64_t last_dim = K == CacheKind::kNvfp4 ? head_size / 2 + head_size / kNvfp4GroupSize
                              : is_per_token_head(K) ? int64_t(head_size) + kPerTokenHeadScaleBytes
                              : K == CacheKind::kInt4PerTokenHead ? int4_row_bytes(head_size)
-                                                                 : int64_t(head_size);
+                             : K == kPackedSlotKind ? packed_slot_geometry(p_.packed).slot_bytes
+                                                    : int64_t(head_size);
     return int64_t(p_.block_size) * p_.num_kv_heads * last_dim * kElementBytes;
   }
 
@@ -338,7 +341,8 @@ class PagedAttention {
         __builtin_prefetch(base + layout.scale_base(block, t, head, side.scale_layout));
       } else {
         row = base + entry_offset(side, block, t, head) * kElementBytes;
-        bytes = dim * kElementBytes;
+        bytes =
+            K == kPackedSlotKind ? packed_slot_geometry(p_.packed).slot_bytes : dim * kElementBytes;
       }
       for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b);
     }
@@ -361,6 +365,14 @@ class PagedAttention {
         Decoder::decode(base + layout.data_offset(block, t, head),
                         base + layout.scale_base(block, t, head, side.scale_layout), groups.data(),
                         dim, dst);
+      } else if constexpr (K == kPackedSlotKind) {
+        // Both sides are the one packed cache: the side says which half of the slot to read.
+        const uint8_t* slot = base + entry_offset(side, block, t, head);
+        if (&side == &p_.key_cache) {
+          read_packed_key(p_.packed, slot, dst);
+        } else {
+          read_packed_value(p_.packed, slot, dst);
+        }
       } else {
         Decoder::decode(base + entry_offset(side, block, t, head) * kElementBytes, nullptr, nullptr,
                         dim, dst);
@@ -534,6 +546,9 @@ void paged_attention(const PagedAttentionParams& p, const AttentionPlan& plan, f
     }
   };
   using F32 = std::integral_constant<SourceType, SourceType::kFloat32>;
+  if (p.cache_kind == kPackedSlotKind) {  // past the enumerators: no case below takes it
+    with_level(std::integral_constant<CacheKind, kPackedSlotKind>{}, F32{});
+  }
   switch (p.cache_kind) {
     case CacheKind::kFp8E4M3:
       with_level(std::integral_constant<CacheKind, CacheKind::kFp8E4M3>{}, F32{});

@@ -118,11 +118,20 @@ def test_cli_rejects_cache_options(capsys: pytest.CaptureFixture) -> None:
     assert _exit_status(["bench", "--op", "attention", "--device", "cuda"]) == USAGE
 
 
+def _check_problem_matches_reference(kind: str) -> None:
+    """The benchmark's problem of ``kind`` is finite and CPU_ATTN reads it as REFERENCE does."""
+    problem = attention._problem(kind, 2, 3, 40)
+    args = (problem.layer, problem.query, None, None, problem.kv_cache, problem.metadata)
+    got, want = problem.impl.forward(*args), problem.reference.forward(*args)
+    assert bool(got.isfinite().all())
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_run_reads_per_token_head_caches(tiny: None) -> None:
     """The per-token-head kinds run too (rows with random values and finite inline scales), their
     bytes counting the 4-byte scale of every row."""
     kinds = ["int8_per_token_head", "fp8_per_token_head", "int4_per_token_head"]
-    assert attention.FORMATS[-3:] == tuple(kinds)
+    assert attention.KINDS[-3:] == tuple(kinds)
     rows = attention.run(kinds, quick=True, repeats=2)
     assert [(r.phase, r.format) for r in rows] == [
         (phase, kind) for phase in ("decode", "prefill") for kind in kinds
@@ -130,12 +139,22 @@ def test_run_reads_per_token_head_caches(tiny: None) -> None:
     assert all(r.op_us > 0 and r.speedup_vs_reference > 0 for r in rows)
     assert attention.cache_bytes_per_token(kinds[0]) == 2 * 8 * (128 + 4)
     for kind in kinds:
-        problem = attention._problem(kind, 2, 3, 40)
-        got = problem.impl.forward(
-            problem.layer, problem.query, None, None, problem.kv_cache, problem.metadata
-        )
-        want = problem.reference.forward(
-            problem.layer, problem.query, None, None, problem.kv_cache, problem.metadata
-        )
-        assert bool(got.isfinite().all())
-        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+        _check_problem_matches_reference(kind)
+
+
+def test_run_reads_packed_slot_caches_when_named(tiny: None, capsys: pytest.CaptureFixture) -> None:
+    """The packed-slot formats run when named (not by default): slots the codec wrote, bytes of
+    one slot per token and KV head, CPU_ATTN's output equal to the reference backend's."""
+    named = {"turboquant_k3v4_nc", "ultraquant_4bit", "octave_k3v3_compact"}
+    assert (*attention.KINDS, *attention.PACKED_FORMATS) == attention.FORMATS
+    kinds = [kind for kind in attention.PACKED_FORMATS if kind in named]  # the rows' order
+    assert len(kinds) == len(named)
+    rows = attention.run(kinds, quick=True, repeats=2)
+    assert [(r.phase, r.format) for r in rows] == [
+        (phase, kind) for phase in ("decode", "prefill") for kind in kinds
+    ]
+    assert attention.cache_bytes_per_token("ultraquant_4bit") == 8 * (128 + 128 // 16)
+    for kind in kinds:
+        _check_problem_matches_reference(kind)
+    assert _exit_status(["bench", "--op", "attention", "--quick", "--kinds", "nvfp4_mse"]) == USAGE
+    assert "--kinds: expected some of auto, fp8" in capsys.readouterr().err

@@ -13,6 +13,7 @@ from vllm.accuracy.cache_io import extension_status
 from vllm.accuracy.formats import DEFAULT_FORMATS, MEASURED_FORMATS, parse_formats
 from vllm.accuracy.runner import run_check
 from vllm.accuracy.synthetic import synthetic_sample
+from vllm.cli import check_model
 from vllm.cli.check_model import model_formats
 from vllm.cli.main import main
 from vllm.kv_quant.codecs import has_codec
@@ -109,31 +110,33 @@ def test_impossible_new_format_ids_are_one_line(
 
 
 def test_model_report_takes_what_its_backend_reads() -> None:
+    """CPU_ATTN and REFERENCE read the same formats: the packed K+V slots included."""
     cpu = [f.name for f in model_formats(argparse.Namespace(attention=None, formats=None))]
     assert "int4_per_token_head" in cpu and "nvfp4/head" in cpu
-    assert not any(is_packed(f.format) for f in parse_formats(",".join(cpu)))
-    ref = [f.name for f in model_formats(argparse.Namespace(attention="REFERENCE", formats=None))]
-    packed = [f.name for f in parse_formats(",".join(ref)) if is_packed(f.format)]
+    packed = [f.name for f in parse_formats(",".join(cpu)) if is_packed(f.format)]
     assert set(packed) == set(NEW) - {"int4_per_token_head"}
-    assert [n for n in ref if n not in packed] == cpu
+    ref = [f.name for f in model_formats(argparse.Namespace(attention="REFERENCE", formats=None))]
+    assert ref == cpu
 
 
-@pytest.mark.parametrize(
-    ("argv", "expected"),
-    [
-        (["--formats", "octave_k3v4"], "no CPU_ATTN reader for it yet; --attention REFERENCE"),
-        (["--formats", "bf16,ultraquant_4bit"], "; vllm-kv check without --model measures it"),
-    ],
-)
+@pytest.mark.parametrize("backend", [None, "REFERENCE"])
 def test_model_report_refuses_formats_its_backend_cannot_read(
-    capsys: pytest.CaptureFixture, argv: list[str], expected: str
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, backend: str | None
 ) -> None:
+    """A format the backend has no reader for (here: one taken from its list) is named."""
     if not extension_status()[0]:
         pytest.skip("check --model needs the compiled extension first")
-    assert main(["check", "--model", "smollm2-135m", *argv]) == 2
+    reads = check_model.backend_dtypes
+    monkeypatch.setattr(
+        check_model, "backend_dtypes", lambda name: reads(name) - {"ultraquant_4bit"}
+    )
+    argv = ["check", "--model", "smollm2-135m", "--formats", "bf16,ultraquant_4bit"]
+    assert main(argv + ([] if backend is None else ["--attention", backend])) == 2
     err = capsys.readouterr().err
-    assert err.startswith("vllm-kv check: error: --formats: expected formats the ")
-    assert expected in err and err.count("\n") == 1
+    name = backend or "CPU_ATTN"
+    assert err.startswith(f"vllm-kv check: error: --formats: expected formats the {name} ")
+    assert "got ultraquant_4bit (no " in err and err.count("\n") == 1
+    assert "; vllm-kv check without --model measures it)" in err
 
 
 def test_a_head_size_a_format_cannot_hold_is_a_note_not_a_crash() -> None:

@@ -7,7 +7,10 @@ Model shape: 32 query heads, 8 KV heads of 128 (GQA 4), pages of 16 tokens, bf16
 Formats: the cache-write benchmark's kinds (one per quantization mode of the registry): ``auto``
 (bf16 cache), ``fp8`` (e4m3, per-tensor scale), ``nvfp4`` (the writer's default block-scale
 layout, interleave4 at this shape), ``int8_per_token_head`` / ``fp8_per_token_head`` (rows with
-their own inline scales).
+their own inline scales), ``int4_per_token_head``; and, when named, the packed-slot formats
+(TurboQuant's presets, ``ultraquant_4bit``, Octave's, its block K with 64 rotary dims), whose
+caches hold slots the codec wrote (a pool of them repeated: valid norms and scales).
+Each query row of a packed layer is rotated into the key frame per call (part of the time).
 Bytes counted per call: the cache bytes of every key position read (K and V, NVFP4 block
 scales and per-token-head row scales included) plus the query read and the output written; the
 roofline copy counts read + written bytes the same way. Cold cache by default (the last-level
@@ -42,10 +45,16 @@ from vllm.benchmarks.timing import (
     run_fields,
     then,
 )
-from vllm.kv_quant.formats import lookup
+from vllm.kv_quant.formats import find_format, lookup
+from vllm.kv_quant.formats import formats as registered_formats
+from vllm.kv_quant.slot_codecs import OCTAVE_CHECK_ROPE_DIM, is_packed, slot_codec
 
-FORMATS: tuple[str, ...] = KINDS
-"""The benchmarked ``kv_cache_dtype`` strings (``fp8`` is e4m3): the cache-write kinds."""
+PACKED_FORMATS: tuple[str, ...] = tuple(f.name for f in registered_formats() if is_packed(f))
+FORMATS: tuple[str, ...] = (*KINDS, *PACKED_FORMATS)
+"""The ``kv_cache_dtype`` strings that can be benchmarked (``fp8`` is e4m3): the cache-write
+kinds (the default), then the packed-slot formats."""
+PACKED_POOL = 4096
+"""Distinct slots the codec writes for a packed cache, repeated over its pages."""
 NUM_HEADS = 32
 NUM_KV_HEADS = 8
 HEAD_SIZE = 128
@@ -86,8 +95,18 @@ class AttentionRow(noise.RepeatStats):
     mode: str = "cold"
 
 
+def _slot_bytes(fmt: str) -> int | None:
+    """Bytes of a packed format's slot at this head size; None for a per-side format."""
+    found = find_format(fmt)
+    if found is None or not is_packed(found):
+        return None
+    return slot_codec(found, HEAD_SIZE, OCTAVE_CHECK_ROPE_DIM).slot_bytes
+
+
 def cache_bytes_per_token(fmt: str) -> int:
     """Bytes of K plus V per cached token (all KV heads)."""
+    if (slot := _slot_bytes(fmt)) is not None:
+        return NUM_KV_HEADS * slot
     cache_format = lookup(fmt)
     element_bytes = cache_format.resolve_storage_dtype(QUERY_DTYPE).itemsize
     return 2 * NUM_KV_HEADS * cache_format.last_dim(HEAD_SIZE) * element_bytes
@@ -127,7 +146,9 @@ def _problem(fmt: str, batch: int, query_tokens: int, context: int) -> _Problem:
     shape = CPUAttentionBackend.get_kv_cache_shape(
         num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, fmt
     )
-    if not cache_format.is_quantized:
+    if is_packed(cache_format):
+        kv_cache = _packed_cache(fmt, shape)
+    elif not cache_format.is_quantized:
         kv_cache = torch.randn(shape, dtype=QUERY_DTYPE)
     else:
         kv_cache = torch.randint(0, 256, shape, dtype=torch.uint8)
@@ -153,6 +174,18 @@ def _problem(fmt: str, batch: int, query_tokens: int, context: int) -> _Problem:
     return _Problem(impl, reference, AttentionLayerScales(scale, scale), kv_cache, metadata, query)
 
 
+def _packed_cache(fmt: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A logical ``(B, H, N, slot)`` cache stored block, token, head, slot (TURBOQUANT's order),
+    each slot one of :data:`PACKED_POOL` the codec wrote from random K / V, drawn at random."""
+    codec = slot_codec(lookup(fmt), HEAD_SIZE, OCTAVE_CHECK_ROPE_DIM)
+    pool = codec.encode(
+        torch.randn(PACKED_POOL, 1, HEAD_SIZE), torch.randn(PACKED_POOL, 1, HEAD_SIZE)
+    ).reshape(PACKED_POOL, -1)
+    blocks, heads, tokens, slot = shape
+    picks = torch.randint(0, PACKED_POOL, (blocks * tokens * heads,))
+    return pool[picks].reshape(blocks, tokens, heads, slot).transpose(1, 2)
+
+
 def shapes(quick: bool = False) -> list[tuple[str, int, int, int]]:
     """(phase, batch, query tokens, context) of every row, each run for every format."""
     decode = QUICK_DECODE_SHAPES if quick else DECODE_SHAPES
@@ -161,7 +194,7 @@ def shapes(quick: bool = False) -> list[tuple[str, int, int, int]]:
 
 
 def run(
-    formats: Sequence[str] = FORMATS,
+    formats: Sequence[str] = KINDS,
     quick: bool = False,
     progress: Progress | None = None,
     warm: bool = False,

@@ -24,10 +24,10 @@ outside the timed region, so the op, its baseline and the roofline copy all stre
 ``mode`` say which.
 
 ``--op attention`` benchmarks the CPU attention backend instead (:mod:`vllm.benchmarks.attention`):
-decode (batch 1..64, context 1k..32k) and prefill per format (``--kinds``, the same as the cache
-write's), with the median µs and spread, GB/s of cache read, % of the copy roofline, × the
-reference backend, the time relative to bf16 and the same flags; ``--plot`` draws decode GB/s
-against context.
+decode (batch 1..64, context 1k..32k) and prefill per format (``--kinds``: the cache write's by
+default, the packed-slot formats when named), with the median µs and spread, GB/s of cache read,
+% of the copy roofline, × the reference backend, the time relative to bf16 and the same flags;
+``--plot`` draws decode GB/s against context.
 
 ``--op formats`` times the write and the decode of every format with a reference codec
 (:mod:`vllm.benchmarks.formats`; ``--kinds`` picks some), v0.33's new formats included: GB/s and
@@ -183,10 +183,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--kinds",
         nargs="+",
-        choices=list(dict.fromkeys((*core.KINDS, *format_bench.FORMAT_KINDS))),
+        choices=list(dict.fromkeys((*core.KINDS, *format_bench.FORMAT_KINDS, *attention.FORMATS))),
         metavar="KIND",
         help="kv_cache_dtype kinds: for the cache write and --op attention one per quantization "
-        f"mode of the registry ({', '.join(core.KINDS)}; default all); for --op formats any "
+        f"mode of the registry ({', '.join(core.KINDS)}; default all), --op attention also the "
+        "packed-slot formats (TurboQuant, ultraquant_4bit, Octave); for --op formats any "
         "format with a reference codec (default all of them)",
     )
     parser.add_argument(
@@ -253,9 +254,11 @@ def check_arguments(args: argparse.Namespace) -> str:
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--plot", f"needs matplotlib: {PLOT_HINT}")
     distinct_outputs((("--json", args.json), ("--plot", args.plot)))
-    kinds = format_bench.FORMAT_KINDS if args.op == "formats" else core.KINDS
+    kinds = {"formats": format_bench.FORMAT_KINDS, "attention": attention.FORMATS}.get(
+        args.op, core.KINDS
+    )
     if args.kinds is None:
-        args.kinds = list(kinds)
+        args.kinds = list(core.KINDS if args.op == "attention" else kinds)
     elif wrong := [k for k in args.kinds if k not in kinds]:
         raise UsageError(
             "--kinds", f"expected some of {', '.join(kinds)} with --op {args.op}, got {wrong[0]}"

@@ -144,8 +144,8 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def backend_dtypes(backend: str) -> frozenset[str]:
-    """The cache dtypes the model report's attention ``backend`` reads: CPU_ATTN's kernels', or
-    REFERENCE's (every format a reference codec reads, per side or packed K+V slots)."""
+    """The cache dtypes the model report's attention ``backend`` reads: CPU_ATTN's kernels' or
+    REFERENCE's codecs' (today the same: every format, per side or packed K+V slots)."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
     from vllm.v1.attention.backends.reference import ReferenceAttentionBackend
 
@@ -166,13 +166,11 @@ def model_formats(args: argparse.Namespace) -> list[CacheFormat]:
         ]
     for fmt in args.formats:
         if fmt.kv_cache_dtype not in readable:
-            other = [b for b in ATTENTION_BACKENDS if fmt.kv_cache_dtype in backend_dtypes(b)]
-            hint = f"; --attention {other[0]} reads it" if other else ""
             raise UsageError(
                 "--formats",
                 f"expected formats the {backend} backend reads in the model report, got "
-                f"{fmt.name} (no {backend} reader for it yet{hint}; vllm-kv check without "
-                "--model measures it)",
+                f"{fmt.name} (no {backend} reader for it yet; vllm-kv check without --model "
+                "measures it)",
             )
     return list(args.formats)
 

@@ -6,7 +6,8 @@ TurboQuant, UltraQuant and Octave do not store a K side and a V side (the per-si
 reference codec of such a format for one head size: ``encode(key, value) -> slots`` and
 ``decode(slots) -> (key, value)`` in the original (unrotated) domain, in fp32. The compiled
 writers of TurboQuant and UltraQuant are the extension's own ops (:mod:`vllm._packed_cache_ops`);
-Octave has none, and no compiled reader takes these formats yet.
+Octave has none. The compiled reader (:mod:`vllm._packed_attention_ops`) reads every one of them
+with its :class:`SlotReader`: keys in their rotated frame, against a query rotated the same way.
 
 Octave's block K depends on the model's rotary dims: the ones registered for the head size
 (:func:`vllm.kv_quant.octave.register_rope_dim`, as a model does), else the caller's
@@ -21,10 +22,18 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm.kv_quant.formats import KVCacheFormat
+from vllm.kv_quant.formats import KVCacheFormat, find_format
 from vllm.kv_quant.modes import KVQuantMode
-from vllm.kv_quant.octave import HADAMARD_BLOCK, OctaveFormat, registered_rope_dim
-from vllm.kv_quant.octave_codec import octave_decode, octave_encode
+from vllm.kv_quant.octave import HADAMARD_BLOCK, NOPE_BITS, OctaveFormat, registered_rope_dim
+from vllm.kv_quant.octave_codec import (
+    LUT,
+    octave_decode,
+    octave_encode,
+    rotate,
+    signs,
+    unrotate,
+    v_block,
+)
 from vllm.kv_quant.turboquant import (
     TurboQuantConfig,
     turboquant_decode_slots,
@@ -39,11 +48,44 @@ from vllm.kv_quant.ultraquant_codec import (
     ultraquant_encode,
 )
 
-__all__ = ["OCTAVE_CHECK_ROPE_DIM", "SlotCodec", "compiled_store_op", "is_packed", "slot_codec"]
+__all__ = [
+    "OCTAVE_CHECK_ROPE_DIM",
+    "SlotCodec",
+    "SlotReader",
+    "compiled_store_op",
+    "is_packed",
+    "packed_cache_codec",
+    "slot_codec",
+]
 
 OCTAVE_CHECK_ROPE_DIM = HADAMARD_BLOCK
 """Rotary dims of an Octave block K when the head size has none registered (64, the value
 upstream's ROCm kernels take)."""
+
+
+Frame = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _same_frame(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+@dataclass(frozen=True)
+class SlotReader:
+    """How the compiled reader (``_C_cache_ops::packed_paged_attention``) takes a packed-slot
+    format: its arguments (``key_bits``, ``value_bits``, ``norm_correction``, ``rope_dim``, and
+    ``codebook``, fp32 on the CPU or None), and the frames it reads in. A slot's key decodes to
+    ``k = K(k_read)`` with ``K`` orthogonal, so ``q . k = key_frame(q) . k_read``; its value to
+    ``v = value_out(v_read)``, linear, so attention's output is ``value_out`` of the output over
+    the values as read. Both map fp32 ``[..., D]`` rows."""
+
+    key_bits: int
+    value_bits: int
+    norm_correction: bool
+    rope_dim: int
+    codebook: torch.Tensor | None
+    key_frame: Frame
+    value_out: Frame
 
 
 @dataclass(frozen=True)
@@ -52,7 +94,8 @@ class SlotCodec:
 
     ``encode(key, value)``: ``[T, H, D]`` each → uint8 slots ``[T, H, slot_bytes]``.
     ``decode(slots)``: uint8 ``[..., slot_bytes]`` → fp32 ``(key, value)`` ``[..., D]``.
-    ``source`` names the implementation (the check prints it next to the row)."""
+    ``source`` names the implementation (the check prints it next to the row); ``reader`` is
+    what the compiled reader needs."""
 
     dtype: str
     head_size: int
@@ -60,6 +103,7 @@ class SlotCodec:
     encode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     decode: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     source: str
+    reader: SlotReader
 
 
 def _turboquant(fmt: KVCacheFormat, head_size: int) -> SlotCodec:
@@ -79,6 +123,17 @@ def _turboquant(fmt: KVCacheFormat, head_size: int) -> SlotCodec:
             return turboquant_decode_slots(slots, cfg)
         return turboquant_decode_slots(slots, cfg, centroids.to(dev), rotation.to(dev))
 
+    # Lloyd-Max keys decode to (norm * c) @ Pi, Pi = rotation: q . k = (q @ Pi^T) . (norm * c).
+    key_frame = _same_frame if cfg.key_fp8 else lambda q: q.float() @ rotation.to(q.device).T
+    reader = SlotReader(
+        cfg.key_quant_bits,
+        cfg.value_quant_bits,
+        cfg.norm_correction and not cfg.key_fp8,
+        0,
+        None if cfg.key_fp8 else centroids,
+        key_frame,
+        _same_frame,
+    )
     return SlotCodec(
         fmt.name,
         head_size,
@@ -86,6 +141,7 @@ def _turboquant(fmt: KVCacheFormat, head_size: int) -> SlotCodec:
         encode,
         decode,
         "reference codec (vllm.kv_quant.turboquant.codec)",
+        reader,
     )
 
 
@@ -109,6 +165,10 @@ def _ultraquant(fmt: KVCacheFormat, head_size: int) -> SlotCodec:
         # K was stored rotated (x @ H^T); H is orthonormal and symmetric.
         return k.float() @ hadamard_matrix(head_size, slots.device), v.float()
 
+    def key_frame(q: torch.Tensor) -> torch.Tensor:  # k = k_read @ H: q . k = (q @ H^T) . k_read
+        return q.float() @ hadamard_matrix(head_size, q.device).T
+
+    reader = SlotReader(4, 4, False, 0, None, key_frame, _same_frame)
     return SlotCodec(
         fmt.name,
         head_size,
@@ -116,6 +176,7 @@ def _ultraquant(fmt: KVCacheFormat, head_size: int) -> SlotCodec:
         encode,
         decode,
         "reference codec (vllm.kv_quant.ultraquant_codec)",
+        reader,
     )
 
 
@@ -134,6 +195,16 @@ def _octave(fmt: KVCacheFormat, head_size: int, default_rope_dim: int | None) ->
         k, v = octave_decode(slots.reshape(-1, shape[-2], shape[-1]), geometry)
         return k.view(*shape[:-1], head_size), v.view(*shape[:-1], head_size)
 
+    # Keys and values decode to unrotate(read) (signs times an orthonormal symmetric transform).
+    reader = SlotReader(
+        NOPE_BITS,
+        geometry.v_bits,
+        False,
+        geometry.rope_dim,
+        torch.tensor(LUT[3] + LUT[4], dtype=torch.float32),
+        lambda q: rotate(q, signs(head_size, q.device), geometry.k_rotation_block),
+        lambda o: unrotate(o, signs(head_size, o.device), v_block(head_size)),
+    )
     return SlotCodec(
         fmt.name,
         head_size,
@@ -141,6 +212,7 @@ def _octave(fmt: KVCacheFormat, head_size: int, default_rope_dim: int | None) ->
         lambda key, value: octave_encode(key, value, geometry),
         decode,
         f"reference codec (vllm.kv_quant.octave_codec, {rope} rotary dims)",
+        reader,
     )
 
 
@@ -174,3 +246,36 @@ def slot_codec(
     if mode.is_octave:
         return _octave(fmt, head_size, default_rope_dim)
     raise ValueError(f"format: expected a packed-slot format, got {fmt.name!r}")
+
+
+def packed_cache_codec(
+    kv_cache_dtype: str,
+    kv_cache: torch.Tensor,
+    head_size: int,
+    default_rope_dim: int | None = None,
+) -> tuple[KVCacheFormat, SlotCodec]:
+    """The format and codec of a packed-slot cache ``kv_cache`` (uint8, logical ``(num_blocks,
+    num_kv_heads, block_size, slot_bytes)``) of ``kv_cache_dtype`` for heads of ``head_size``, as
+    the compiled readers take it; ``ValueError`` naming ``kv_cache_dtype`` (not a packed-slot
+    format) or ``kv_cache`` (another type, dtype or shape)."""
+    fmt = find_format(kv_cache_dtype)
+    if fmt is None or not is_packed(fmt):
+        raise ValueError(
+            f"kv_cache_dtype: expected a packed-slot format (turboquant_*, ultraquant_4bit, "
+            f"octave_*), got {kv_cache_dtype!r}"
+        )
+    codec = slot_codec(fmt, head_size, default_rope_dim)
+    if not isinstance(kv_cache, torch.Tensor):
+        got = type(kv_cache).__name__
+    elif (
+        kv_cache.dtype != torch.uint8
+        or kv_cache.dim() != 4
+        or kv_cache.shape[3] != codec.slot_bytes
+    ):
+        got = f"{kv_cache.dtype} {list(kv_cache.shape)}"
+    else:
+        return fmt, codec
+    raise ValueError(
+        f"kv_cache: expected a uint8 (num_blocks, num_kv_heads, block_size, {codec.slot_bytes}) "
+        f"tensor for {fmt.name} at head size {head_size}, got {got}"
+    )

@@ -256,8 +256,9 @@ def test_cpu_platform_selects_cpu_attn_for_every_format_its_kernels_read() -> No
     kernels = ("auto", "bfloat16", "fp8", "fp8_e5m2", "nvfp4", "int8_per_token_head")
     for dtype in (*kernels, "int4_per_token_head"):
         assert select(dtype).endswith("cpu_attn.CPUAttentionBackend")
-    # Packed K+V slots: no CPU_ATTN reader yet, the reference backend reads them.
-    assert select("turboquant_k8v4").endswith("reference.ReferenceAttentionBackend")
+    # Packed K+V slots: CPU_ATTN reads them too (packed_paged_attention).
+    for dtype in ("turboquant_k8v4", "turboquant_3bit_nc", "ultraquant_4bit", "octave_k3v3"):
+        assert select(dtype).endswith("cpu_attn.CPUAttentionBackend")
     with pytest.raises(ValueError, match="nvfp4_ds_mla"):
         select("nvfp4_ds_mla")
     assert "MLA" in select("auto", use_mla=True)

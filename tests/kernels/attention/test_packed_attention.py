@@ -279,7 +279,7 @@ def test_turboquant_plan_needs_an_fp32_query() -> None:
     cfg = TurboQuantConfig.from_cache_dtype("turboquant_k8v4", 64)
     cache = torch.zeros(1, BLOCK, 1, cfg.slot_size_aligned, dtype=torch.uint8)
     q = torch.zeros(1, 1, 64, dtype=torch.float16)
-    with pytest.raises(ValueError, match="query: expected float32 for TurboQuant pages"):
+    with pytest.raises(ValueError, match="query: expected float32 for packed-slot pages"):
         plan_packed_attention(
             torch.zeros(1, 1, 64), q, cache, cache, None, None, None,
             PackedLayout.turboquant(cfg), torch.zeros(1, 1, dtype=torch.int32),

@@ -23,6 +23,7 @@ from vllm.v1.attention.backends.reference import (
     ReferenceAttentionMetadata,
 )
 from vllm.v1.attention.backends.reference_packed import PACKED_STRIDE_ORDER
+from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
 from vllm.v1.attention.backends.turboquant_attn import TurboQuantAttentionBackend
 from vllm.v1.attention.backends.ultraquant_attn import UltraQuantAttentionBackend
 from vllm.v1.kv_cache_interface import FullAttentionSpec
@@ -102,11 +103,17 @@ def _slots(table: torch.Tensor, seq: int, positions: torch.Tensor) -> torch.Tens
     return table[seq, positions // N] * N + positions % N
 
 
+@pytest.mark.parametrize(
+    "impl_cls", [ReferenceAttentionImpl, CPUAttentionImpl, TritonAttentionImpl]
+)
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("dtype", FORMATS)
-def test_output_is_attention_over_decoded_values(dtype: str, window: int | None) -> None:
+def test_output_is_attention_over_decoded_values(
+    dtype: str, window: int | None, impl_cls: type[ReferenceAttentionImpl]
+) -> None:
     """A batch of a chunked prefill over a cached prefix, a decode and a first prefill (sinks
-    with the window): the impl writes the new tokens and attends over every cached one."""
+    with the window): the impl (REFERENCE, CPU_ATTN's compiled kernel, TRITON_ATTN's packed
+    kernel under the interpreter) writes the new tokens and attends over every cached one."""
     gen = torch.Generator().manual_seed(1)
     seq_lens, query_lens = [37, 21, 18], [5, 1, 18]
     total = sum(seq_lens)
@@ -115,9 +122,7 @@ def test_output_is_attention_over_decoded_values(dtype: str, window: int | None)
     query = torch.randn(sum(query_lens), HQ, D, generator=gen)
     sinks = torch.randn(HQ, generator=gen) if window else None
     table = torch.tensor([[7, 2, 9], [4, 0, 0], [1, 5, 0]])
-    impl = ReferenceAttentionImpl(
-        HQ, D, num_kv_heads=H, kv_cache_dtype=dtype, sliding_window=window, sinks=sinks
-    )
+    impl = impl_cls(HQ, D, num_kv_heads=H, kv_cache_dtype=dtype, sliding_window=window, sinks=sinks)
     layer, cache = AttentionLayerScales(), _cache(dtype)
     starts = [0, *torch.tensor(seq_lens).cumsum(0).tolist()]
     # The cached prefixes first (one write), then the new tokens through forward.
@@ -224,8 +229,15 @@ def test_key_rope_and_kernel_impls_are_refused() -> None:
         "key_rope: expected None for turboquant_k8v4 (a packed-slot format stores keys as "
         "given), got a KeyRope"
     )
-    with pytest.raises(ValueError, match="^kv_cache_dtype: expected a format CPUAttentionImpl"):
-        CPUAttentionImpl(HQ, D, num_kv_heads=H, kv_cache_dtype="octave_k3v3")
+    with pytest.raises(ValueError, match="^kv_cache_dtype: expected a format _OwnKernels reads"):
+        _OwnKernels(HQ, D, num_kv_heads=H, kv_cache_dtype="octave_k3v3")
+
+
+class _OwnKernels(CPUAttentionImpl):
+    """An impl whose forward replaces CPU_ATTN's without saying it reads packed slots."""
+
+    def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("never reached: the constructor refuses packed formats")
 
 
 @pytest.mark.parametrize("dtype", PACKED)

@@ -9,7 +9,9 @@ head, query block, key split) it decodes one page at a time (unquantized, FP8 e4
 per-tensor or per-head scales, NVFP4 with linear or interleave4 block scales, per-token-head
 INT8 / FP8 rows times their inline scales, into the fp32 tile) with SIMD decoders and attends
 with an online softmax in fp32 (GQA, causal and chunked prefill, sliding window, sinks, logits
-soft cap, ``head_size_v``).
+soft cap, ``head_size_v``). Packed-slot layers (TurboQuant, UltraQuant, Octave; the reference
+backend's TURBOQUANT-shaped cache) run ``packed_paged_attention``
+(:mod:`vllm._packed_attention_ops`), the same kernel over slots decoded in the formats' frames.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import ClassVar
 import torch
 
 from vllm.kv_quant.formats import formats
+from vllm.kv_quant.slot_codecs import OCTAVE_CHECK_ROPE_DIM, is_packed
 from vllm.v1.attention.backends.abstract import AttentionLayer, DeviceCapability
 from vllm.v1.attention.backends.reference import (
     ReferenceAttentionBackend,
@@ -37,7 +40,7 @@ class CPUAttentionBackend(ReferenceAttentionBackend):
     supported_kv_cache_dtypes: ClassVar[list[str]] = [
         name
         for fmt in formats()
-        if not fmt.mla_only and fmt.cache_kind is not None and fmt.has_kernel
+        if not fmt.mla_only and (is_packed(fmt) or (fmt.cache_kind is not None and fmt.has_kernel))
         for name in fmt.accepted_names
     ]
 
@@ -129,6 +132,10 @@ class CPUAttentionImpl(ReferenceAttentionImpl):
     simd: str = "auto"
     cache_device_type: ClassVar[str | None] = "cpu"
 
+    def _reads_packed_slots(self) -> bool:
+        """This impl's :meth:`forward` reads them (``packed_paged_attention``)."""
+        return type(self).forward is CPUAttentionImpl.forward
+
     def _check_forward(
         self,
         layer: AttentionLayer,
@@ -159,15 +166,60 @@ class CPUAttentionImpl(ReferenceAttentionImpl):
     ) -> torch.Tensor:
         """Attention of ``query [T, num_heads, D]`` (or ``[T, num_heads*D]``) over the cache,
         as :meth:`ReferenceAttentionImpl.forward` (same arguments, result and errors)."""
-        from vllm import _custom_ops as ops
-
         checked = self._begin_forward(layer, query, key, value, kv_cache, attn_metadata, output)
         query, target = self._kernel_io(checked)
         output = checked.output
-        device = checked.key_cache.device
         sinks = None
         if self.sinks is not None:
             sinks = self.sinks.to(device=query.device, dtype=torch.float32).contiguous()
+        if self._packed is not None:
+            self._packed_forward(checked, query, target, sinks, attn_metadata)
+        else:
+            self._paged_forward(checked, query, target, sinks, attn_metadata)
+        if target is not output:
+            rows = attn_metadata.num_actual_tokens
+            output[:rows] = target[:rows]
+        return output
+
+    def _packed_forward(
+        self,
+        checked: CheckedForward,
+        query: torch.Tensor,
+        target: torch.Tensor,
+        sinks: torch.Tensor | None,
+        attn_metadata: ReferenceAttentionMetadata,
+    ) -> None:
+        from vllm._packed_attention_ops import packed_paged_attention
+
+        device = checked.key_cache.device
+        packed_paged_attention(
+            target,
+            query,
+            checked.key_cache.transpose(1, 2),  # the logical (B, H, N, slot) cache
+            _int32(attn_metadata.block_table, device),
+            _int32(attn_metadata.seq_lens, device),
+            _int32(attn_metadata.query_start_loc, device),
+            self.kv_cache_dtype,
+            self.scale,
+            self.sliding_window,
+            self.logits_soft_cap,
+            sinks,
+            attn_metadata.causal,
+            simd=self.simd,
+            default_rope_dim=OCTAVE_CHECK_ROPE_DIM,
+        )
+
+    def _paged_forward(
+        self,
+        checked: CheckedForward,
+        query: torch.Tensor,
+        target: torch.Tensor,
+        sinks: torch.Tensor | None,
+        attn_metadata: ReferenceAttentionMetadata,
+    ) -> None:
+        from vllm import _custom_ops as ops
+
+        device = checked.key_cache.device
         rebuild = self._key_rebuild(checked, attn_metadata.block_table)
         ops.paged_attention(
             target,
@@ -190,7 +242,3 @@ class CPUAttentionImpl(ReferenceAttentionImpl):
             simd=self.simd,
             **({} if rebuild is None else rebuild.kernel_args()),
         )
-        if target is not output:
-            rows = attn_metadata.num_actual_tokens
-            output[:rows] = target[:rows]
-        return output

@@ -215,13 +215,13 @@ class ReferenceAttentionImpl(AttentionImpl):
         key_rope: KeyRope | None,
     ) -> PackedSlots | None:
         """The packed-slot codec of ``encoding``'s format (None for a per-side format), after
-        the checks such a format needs: read by this impl's own :meth:`forward` (an impl that
-        replaces it runs kernels that do not read these slots), no per-head scales or key
+        the checks such a format needs: read by this impl's :meth:`forward`
+        (:meth:`_reads_packed_slots`), no per-head scales or key
         RoPE (the slot keeps its own scales and stores keys as given), K and V of one size."""
         fmt = encoding.format
         if not is_packed(fmt):
             return None
-        if type(self).forward is not ReferenceAttentionImpl.forward:
+        if not self._reads_packed_slots():
             raise ValueError(
                 f"kv_cache_dtype: expected a format {type(self).__name__} reads (the packed-slot "
                 f"formats are read by REFERENCE or their own backend), got {fmt.name!r}"
@@ -242,6 +242,11 @@ class ReferenceAttentionImpl(AttentionImpl):
                 f"of one size), got {head_size_v}"
             )
         return PackedSlots(fmt, num_kv_heads, head_size)
+
+    def _reads_packed_slots(self) -> bool:
+        """Whether this impl's :meth:`forward` reads packed-slot caches: the reference one does;
+        an impl that replaces it with kernels says so by overriding this."""
+        return type(self).forward is ReferenceAttentionImpl.forward
 
     def set_key_offset(self, offset: torch.Tensor | None) -> None:
         """Subtract ``offset`` (``[num_kv_heads, head_size]``, finite; calibrated state, e.g.

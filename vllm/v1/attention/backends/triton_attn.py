@@ -18,6 +18,11 @@ there.
 :func:`~vllm.v1.attention.ops.int4_per_token_head.int4_paged_attention` (the reader behind
 upstream's ``unified_attention_int4``); batches with several queries per sequence run unsplit
 (upstream's 2D-only INT4 launcher), decode batches may split.
+
+The packed-slot formats (TurboQuant, ``ultraquant_4bit``, Octave) take the reference backend's
+TURBOQUANT-shaped cache and writer (their codecs) and are read by
+:func:`~vllm.v1.attention.ops.triton_slot_attention.triton_packed_slot_attention`: the fused
+packed kernel over the slots, the query rotated into the key frame, the output back.
 """
 
 from __future__ import annotations
@@ -26,9 +31,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from vllm.kv_quant.formats import KVQuantMode, lookup
+from vllm.kv_quant.formats import KVQuantMode
 from vllm.kv_quant.int4_per_token_head import int4_scale_words
-from vllm.kv_quant.slot_codecs import is_packed
+from vllm.kv_quant.slot_codecs import OCTAVE_CHECK_ROPE_DIM
 from vllm.triton_utils import HAS_TRITON, triton_interpreted
 from vllm.v1.attention.backends.abstract import AttentionLayer, DeviceCapability
 from vllm.v1.attention.backends.reference import (
@@ -44,15 +49,12 @@ MIN_CAPABILITY = (8, 0)
 
 
 class TritonAttentionBackend(ReferenceAttentionBackend):
-    """Triton paged attention over every cache format but the packed K+V slots (their own
-    backends: TURBOQUANT, ULTRAQUANT), on CUDA sm_80+ (and on the CPU under Triton's
-    interpreter)."""
+    """Triton paged attention over every cache format, the packed K+V slots included, on
+    CUDA sm_80+ (and on the CPU under Triton's interpreter)."""
 
-    supported_kv_cache_dtypes: ClassVar[list[str]] = [
-        name
-        for name in ReferenceAttentionBackend.supported_kv_cache_dtypes
-        if not is_packed(lookup(name))
-    ]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = list(
+        ReferenceAttentionBackend.supported_kv_cache_dtypes
+    )
 
     @staticmethod
     def get_name() -> str:
@@ -97,6 +99,10 @@ class TritonAttentionImpl(ReferenceAttentionImpl):
     def _int4(self) -> bool:
         """Whether the cache is ``int4_per_token_head`` (its own writer and reader)."""
         return self.kv_cache_format.quant_mode is KVQuantMode.INT4_PER_TOKEN_HEAD
+
+    def _reads_packed_slots(self) -> bool:
+        """This impl's :meth:`forward` reads them (``triton_packed_slot_attention``)."""
+        return type(self).forward is TritonAttentionImpl.forward
 
     def _write(
         self,
@@ -179,6 +185,8 @@ class TritonAttentionImpl(ReferenceAttentionImpl):
         rows = attn_metadata.num_actual_tokens
         if self._int4:
             self._int4_forward(target[:rows], query[:rows], checked, attn_metadata)
+        elif self._packed is not None:
+            self._packed_forward(target[:rows], query[:rows], checked, attn_metadata)
         else:
             k_layout, v_layout = self._fitting_scale_layouts(checked.key_cache.shape[1])
             rebuild = self._key_rebuild(checked, attn_metadata.block_table)
@@ -208,6 +216,36 @@ class TritonAttentionImpl(ReferenceAttentionImpl):
         if target is not output:
             output[:rows] = target[:rows]
         return output
+
+    def _packed_forward(
+        self,
+        out: torch.Tensor,
+        query: torch.Tensor,
+        checked: CheckedForward,
+        attn_metadata: ReferenceAttentionMetadata,
+    ) -> None:
+        """Attention over a packed-slot cache (``checked.key_cache`` its ``(B, N, H, slot)``
+        view) into ``out``."""
+        from vllm.v1.attention.ops.triton_slot_attention import triton_packed_slot_attention
+
+        triton_packed_slot_attention(
+            out,
+            query,
+            checked.key_cache.transpose(1, 2),  # the logical (B, H, N, slot) cache
+            attn_metadata.block_table,
+            attn_metadata.seq_lens,
+            attn_metadata.query_start_loc,
+            self.kv_cache_dtype,
+            self.scale,
+            attn_metadata.max_query_len,
+            attn_metadata.max_seq_len,
+            sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap,
+            sinks=self.sinks,
+            causal=attn_metadata.causal,
+            num_splits=self.num_splits,
+            default_rope_dim=OCTAVE_CHECK_ROPE_DIM,
+        )
 
     def _int4_forward(
         self,

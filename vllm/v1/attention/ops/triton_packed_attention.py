@@ -44,11 +44,16 @@ from vllm.v1.attention.ops.triton_attention_plan import (
 from vllm.v1.attention.ops.triton_attention_reduce import store_output
 from vllm.v1.attention.ops.triton_packed_kv_tiles import (
     INT4_FORMAT,
+    PACKED_INT4,
+    PACKED_OCTAVE,
     PACKED_TURBOQUANT,
+    PACKED_ULTRAQUANT,
     TURBOQUANT_FORMAT,
     int4_tile,
+    octave_tile,
     turboquant_key_tile,
     turboquant_value_tile,
+    ultraquant_tile,
 )
 from vllm.v1.attention.ops.triton_paged_attention import PIPELINE_STAGES, choose_tiling
 
@@ -63,14 +68,17 @@ __all__ = [
 
 
 class PackedLayout(NamedTuple):
-    """The format constants of one packed cache: ``format`` (:data:`TURBOQUANT_FORMAT` /
-    :data:`INT4_FORMAT`) and, for TurboQuant, the config's key / value bits."""
+    """The format constants of one packed cache: ``format`` (``*_FORMAT`` of
+    :mod:`~.triton_packed_kv_tiles`), TurboQuant's key / value bits, Octave's value bits,
+    ``rope_dim`` (K dims with 4-bit codes) and ``k_scale_block`` (K dims per scale)."""
 
     format: int
     key_fp8: bool = False
     mse_bits: int = 0
     norm_correction: bool = False
     value_bits: int = 0
+    rope_dim: int = 0
+    k_scale_block: int = 0
 
     @classmethod
     def turboquant(cls, cfg: TurboQuantConfig) -> PackedLayout:
@@ -228,6 +236,8 @@ def packed_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     IS_3D: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    ROPE_DIM: tl.constexpr = 0,
+    K_SCALE_BLOCK: tl.constexpr = 0,
 ):
     """Grid ``(query tiles, num_kv_heads, NUM_SPLITS)``, the query-tile map and masks of
     :func:`~.triton_paged_attention.paged_attention_kernel` (``tile_seq``, ``tile_first``,
@@ -235,9 +245,12 @@ def packed_attention_kernel(
     q/q bias, ``IS_3D`` segments). Pages: TurboQuant ``k_ptr`` / ``v_ptr`` the key and value
     parts of the slots (byte strides), ``centroid_ptr`` fp32 ``[2**MSE_BITS]``; INT4 the two
     sides' packed bytes and int32 scale words ``k_word_ptr`` / ``v_word_ptr`` (element
-    strides). ``FP32_DOT``: IEEE fp32 dots (fp32 queries; every TurboQuant launch)."""
+    strides); ``ultraquant_4bit`` the slots' key and value sides, Octave the whole slots (both),
+    ``centroid_ptr`` their level tables. ``FP32_DOT``: IEEE fp32 dots (fp32 queries; every launch
+    but INT4's with 16-bit queries)."""
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     TURBOQUANT: tl.constexpr = FORMAT == PACKED_TURBOQUANT
+    INT4: tl.constexpr = FORMAT == PACKED_INT4
     if FP32_DOT:
         DOT_DTYPE: tl.constexpr = tl.float32
     else:
@@ -305,6 +318,13 @@ def packed_attention_kernel(
                 k_ptr, k_rows, key_ok, centroid_ptr, HEAD_SIZE, D_PAD, KEY_FP8, MSE_BITS,
                 NORM_CORRECTION,
             )  # fmt: skip
+        elif not INT4:  # ultraquant_4bit and Octave: the element values, no per-key factor
+            if FORMAT == PACKED_ULTRAQUANT:
+                k = ultraquant_tile(k_ptr, k_rows, key_ok, centroid_ptr, HEAD_SIZE, D_PAD)
+            else:
+                k = octave_tile(k_ptr, k_rows, key_ok, centroid_ptr, HEAD_SIZE, D_PAD, ROPE_DIM,
+                                K_SCALE_BLOCK, VALUE_BITS, True)  # fmt: skip
+            k_factor = tl.where(key_ok, 1.0, 0.0)
         else:
             k_words = page * stride_kw_page + tok * stride_kw_tok + kv_head64 * stride_kw_head
             k, k_factor = int4_tile(k_ptr, k_word_ptr, k_rows, k_words, key_ok, HEAD_SIZE,
@@ -325,6 +345,11 @@ def packed_attention_kernel(
         m_i, l_i, p, alpha = softmax_step(s, m_i, l_i)
         if TURBOQUANT:
             v = turboquant_value_tile(v_ptr, v_rows, key_ok, HEAD_SIZE_V, DV_PAD, VALUE_BITS)
+        elif FORMAT == PACKED_ULTRAQUANT:
+            v = ultraquant_tile(v_ptr, v_rows, key_ok, centroid_ptr, HEAD_SIZE_V, DV_PAD)
+        elif FORMAT == PACKED_OCTAVE:
+            v = octave_tile(v_ptr, v_rows, key_ok, centroid_ptr, HEAD_SIZE_V, DV_PAD, ROPE_DIM,
+                            K_SCALE_BLOCK, VALUE_BITS, False)  # fmt: skip
         else:
             v_words = page * stride_vw_page + tok * stride_vw_tok + kv_head64 * stride_vw_head
             v, v_row = int4_tile(v_ptr, v_word_ptr, v_rows, v_words, key_ok, HEAD_SIZE_V,
@@ -400,8 +425,8 @@ def plan_packed_attention(
     per sequence, window W in keys, soft cap, sinks, per-sequence causal flags, split count,
     prefix ranges, ALiBi, q/q bias). Arguments are assumed checked by the caller, but for the
     query dtype TurboQuant's fp32 tiles need."""
-    if layout.format == TURBOQUANT_FORMAT and query.dtype != torch.float32:
-        raise ValueError(f"query: expected float32 for TurboQuant pages, got {query.dtype}")
+    if layout.format != INT4_FORMAT and query.dtype != torch.float32:
+        raise ValueError(f"query: expected float32 for packed-slot pages, got {query.dtype}")
     staging = FP32Staging.needed(query, out)
     if staging is not None:
         query, out = staging.query_fp32, staging.out_fp32
@@ -485,6 +510,8 @@ def plan_packed_attention(
         NUM_SPLITS=num_splits,
         IS_3D=is_3d,
         NUM_STAGES=PIPELINE_STAGES,
+        ROPE_DIM=layout.rope_dim,
+        K_SCALE_BLOCK=layout.k_scale_block,
     )
     reduce_args = reduce_kwargs = None
     if scratch is not None:
@@ -493,8 +520,9 @@ def plan_packed_attention(
         reduce_kwargs = dict(TILE_SIZE=tiling.tile_n, HEAD_SIZE=head_size_v,
                              HEAD_SIZE_PADDED=dv_pad, query_start_len_ptr=qsl, BLOCK_Q=block_q,
                              NUM_SEGMENTS_PER_SEQ=num_splits, USE_FP8=False)  # fmt: skip
-    # TurboQuant values are the codec's `code * scale + lo`, two roundings: no FMA contraction.
-    fusion = layout.format != TURBOQUANT_FORMAT
+    # TurboQuant values are the codec's `code * scale + lo`, two roundings: no FMA contraction
+    # (nor for the other slot formats, whose tiles are the codecs' products).
+    fusion = layout.format == INT4_FORMAT
     launch = PagedAttentionLaunch(
         (num_programs, num_kv_heads, num_splits), args, constexprs, reduce_args, reduce_kwargs,
         staging, fusion, tiling.num_warps,
