@@ -17,6 +17,7 @@ else a ``ValueError`` naming the head size.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -68,6 +69,16 @@ Frame = Callable[[torch.Tensor], torch.Tensor]
 
 def _same_frame(x: torch.Tensor) -> torch.Tensor:
     return x
+
+
+def _hadamard_frame(head_size: int) -> Frame:
+    """``q -> q @ H^T`` with ``H`` the normalised Hadamard matrix (cached per device): the key
+    frame of keys stored as ``k @ H^T`` and read back as ``k_read @ H``."""
+
+    def key_frame(q: torch.Tensor) -> torch.Tensor:
+        return q.float() @ hadamard_matrix(head_size, q.device).T
+
+    return key_frame
 
 
 @dataclass(frozen=True)
@@ -123,8 +134,8 @@ def _turboquant(fmt: KVCacheFormat, head_size: int) -> SlotCodec:
             return turboquant_decode_slots(slots, cfg)
         return turboquant_decode_slots(slots, cfg, centroids.to(dev), rotation.to(dev))
 
-    # Lloyd-Max keys decode to (norm * c) @ Pi, Pi = rotation: q . k = (q @ Pi^T) . (norm * c).
-    key_frame = _same_frame if cfg.key_fp8 else lambda q: q.float() @ rotation.to(q.device).T
+    # Lloyd-Max keys decode to (norm * c) @ Pi, Pi = rotation, the normalised Hadamard matrix.
+    key_frame = _same_frame if cfg.key_fp8 else _hadamard_frame(head_size)
     reader = SlotReader(
         cfg.key_quant_bits,
         cfg.value_quant_bits,
@@ -165,10 +176,7 @@ def _ultraquant(fmt: KVCacheFormat, head_size: int) -> SlotCodec:
         # K was stored rotated (x @ H^T); H is orthonormal and symmetric.
         return k.float() @ hadamard_matrix(head_size, slots.device), v.float()
 
-    def key_frame(q: torch.Tensor) -> torch.Tensor:  # k = k_read @ H: q . k = (q @ H^T) . k_read
-        return q.float() @ hadamard_matrix(head_size, q.device).T
-
-    reader = SlotReader(4, 4, False, 0, None, key_frame, _same_frame)
+    reader = SlotReader(4, 4, False, 0, None, _hadamard_frame(head_size), _same_frame)
     return SlotCodec(
         fmt.name,
         head_size,
@@ -180,14 +188,20 @@ def _ultraquant(fmt: KVCacheFormat, head_size: int) -> SlotCodec:
     )
 
 
-def _octave(fmt: KVCacheFormat, head_size: int, default_rope_dim: int | None) -> SlotCodec:
-    compact = fmt.quant_mode == KVQuantMode.OCTAVE_K3V3_COMPACT
+def _octave_rope_dim(fmt: KVCacheFormat, head_size: int, default_rope_dim: int | None) -> int:
+    """Octave's rotary dims for heads of ``head_size``: 0 for compact K (one rotation), else the
+    registered ones, else ``default_rope_dim`` (``ValueError`` when that is None too)."""
+    if fmt.quant_mode == KVQuantMode.OCTAVE_K3V3_COMPACT:
+        return 0
     try:
-        rope = 0 if compact else registered_rope_dim(head_size)  # compact K: one rotation
+        return registered_rope_dim(head_size)
     except ValueError:
         if default_rope_dim is None:
             raise
-        rope = default_rope_dim
+        return default_rope_dim
+
+
+def _octave(fmt: KVCacheFormat, head_size: int, rope: int) -> SlotCodec:
     geometry = OctaveFormat.from_cache_dtype(fmt.name, head_size, rope)
 
     def decode(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,14 +252,22 @@ def slot_codec(
     """The reference codec of the packed-slot format ``fmt`` for heads of ``head_size``;
     ``default_rope_dim``: Octave's rotary dims when the model registered none for the head size.
     ``ValueError`` for another format, or a head size the format cannot hold."""
+    if not is_packed(fmt):
+        raise ValueError(f"format: expected a packed-slot format, got {fmt.name!r}")
+    rope = _octave_rope_dim(fmt, head_size, default_rope_dim) if fmt.quant_mode.is_octave else 0
+    return _built_codec(fmt, head_size, rope)
+
+
+@functools.lru_cache(maxsize=64)
+def _built_codec(fmt: KVCacheFormat, head_size: int, rope: int) -> SlotCodec:
+    """The codec of ``fmt`` at ``head_size`` (Octave: ``rope`` rotary dims), built once: the
+    readers ask for it on every call, and its tables are not rebuilt for that."""
     mode = fmt.quant_mode
     if mode.is_turboquant:
         return _turboquant(fmt, head_size)
     if mode.is_ultraquant:
         return _ultraquant(fmt, head_size)
-    if mode.is_octave:
-        return _octave(fmt, head_size, default_rope_dim)
-    raise ValueError(f"format: expected a packed-slot format, got {fmt.name!r}")
+    return _octave(fmt, head_size, rope)
 
 
 def packed_cache_codec(

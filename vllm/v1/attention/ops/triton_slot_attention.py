@@ -28,6 +28,9 @@ from vllm.v1.attention.ops.triton_packed_kv_tiles import OCTAVE_FORMAT, ULTRAQUA
 
 __all__ = ["slot_pages", "triton_compile_cases", "triton_packed_slot_attention"]
 
+_E2M1_LEVELS = torch.tensor(FP4_BITS_TO_VALUE, dtype=torch.float32)
+"""The ``ultraquant_4bit`` kernel tiles' level table (code -> E2M1 value), built once."""
+
 
 def slot_pages(
     fmt: KVCacheFormat, codec: SlotCodec, view: torch.Tensor
@@ -42,8 +45,8 @@ def slot_pages(
         return PackedLayout.turboquant(cfg), view[..., :kps], view[..., kps:], reader.codebook
     if mode.is_ultraquant:
         side = d // 2 + d // GROUP_SIZE
-        levels = torch.tensor(FP4_BITS_TO_VALUE, dtype=torch.float32)
-        return PackedLayout(ULTRAQUANT_FORMAT), view[..., :side], view[..., side:], levels
+        layout = PackedLayout(ULTRAQUANT_FORMAT)
+        return layout, view[..., :side], view[..., side:], _E2M1_LEVELS
     geometry = OctaveFormat.from_cache_dtype(fmt.name, d, reader.rope_dim)
     layout = PackedLayout(
         OCTAVE_FORMAT,
