@@ -9,9 +9,12 @@ kernels follow up to summation order):
    ``D`` is a power of two, else 64-dim blocks).
 2. Per block (each 64-dim K block, all of compact K, all of V): ``ss = sum(x^2)``,
    ``rms = max(sqrt(ss / n), 1e-12)``, code = the Lloyd-Max bucket of ``x / rms * MULT`` (ties to
-   the lower code), ``scale = ss / dot(x, LUT[code]) * 64`` (0 when the dot is not positive),
-   stored as fp16. A code ``c`` reads back as ``LUT[c] * (scale / 64)``; the scale makes
-   ``x . x_hat = |x|^2`` rather than a least-squares fit, which would shrink the vector.
+   the lower code, NaN to the top one), ``scale = ss / dot(x, LUT[code]) * 64`` (0 when the dot
+   is not positive), stored as fp16. A code ``c`` reads back as ``LUT[c] * (scale / 64)``; the
+   scale makes ``x . x_hat = |x|^2`` rather than a least-squares fit, which would shrink the
+   vector. Both sums run in :func:`tree_sum`'s fixed order (upstream's reference leaves the order
+   to torch, which differs between CPUs and devices, so its fp16 scales can differ from these by
+   an ulp in a few slots in 10^4; the codes agree).
 3. Pack: 4-bit codes as little-endian words of 8 dims (byte ``j`` holds dim ``j`` low and
    ``j + 4`` high); 3-bit codes as a 2-bit plane (word per 16 dims, dims ``4i..4i+3`` at bits
    ``2i`` of bytes 0..3) then a 1-bit plane (word per 32 dims, dims ``4i..4i+3`` at bit ``i``).
@@ -34,6 +37,7 @@ __all__ = [
     "LUT_MULT",
     "LUT_ONE",
     "SIGN_SEED",
+    "check_octave_store",
     "fwht_blocks",
     "octave_cache_store",
     "octave_decode",
@@ -41,6 +45,7 @@ __all__ = [
     "rotate",
     "sign_bits",
     "signs",
+    "tree_sum",
     "unrotate",
     "v_block",
 ]
@@ -122,15 +127,30 @@ def _lut(bits: int, device: torch.device) -> torch.Tensor:
     return torch.tensor(LUT[bits], dtype=torch.float32, device=device)
 
 
+def tree_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum (``[..., 1]``) of the last dim in a fixed pairwise order: zero-padded to a power of
+    two, then halved (``x[:n/2] + x[n/2:]``) until one value is left. Every writer adds in this
+    order, so the sums, and the bytes, are the same on every device."""
+    n = x.shape[-1]
+    width = 1 << (n - 1).bit_length()
+    if width != n:
+        x = torch.nn.functional.pad(x, (0, width - n))
+    while width > 1:
+        width //= 2
+        x = x[..., :width] + x[..., width:]
+    return x
+
+
 def _quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes (uint8) of each row of the last dim and its scale (fp32, ``[..., 1]``)."""
     lut = _lut(bits, x.device)
-    ss = x.pow(2).sum(-1, keepdim=True)
+    ss = tree_sum(x * x)
     rms = (ss / x.shape[-1]).sqrt().clamp_min(_RMS_FLOOR)
     codes = torch.bucketize(x / rms * LUT_MULT[bits], (lut[1:] + lut[:-1]) / 2)
-    dot = (x * lut[codes]).sum(-1, keepdim=True)
+    dot = tree_sum(x * lut[codes])
     scale = torch.where(dot > 0, ss / dot.clamp_min(_DOT_FLOOR), 0.0) * LUT_ONE
-    return codes.to(torch.uint8), scale
+    # abs: a NaN scale (an Inf in the input) is stored as the positive quiet NaN on every device.
+    return codes.to(torch.uint8), scale.abs()
 
 
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -242,6 +262,25 @@ def octave_cache_store(
     """Write token ``t``'s slots into ``cache (B, H, N, slot_bytes)`` (uint8, any strides) at
     flat slot ``slot_mapping[t]`` (block ``s // N``, offset ``s % N``); negative slots
     (padding) leave the cache unchanged."""
+    check_octave_store(key, value, cache, slot_mapping, fmt)
+    keep = slot_mapping >= 0
+    n = slot_mapping.shape[0]
+    slots = octave_encode(key[:n][keep], value[:n][keep], fmt)
+    flat = slot_mapping[keep]
+    block_size = cache.shape[2]
+    cache[flat // block_size, :, flat % block_size] = slots
+
+
+def check_octave_store(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    fmt: OctaveFormat,
+) -> None:
+    """``ValueError`` (``<arg>: expected X, got Y``) unless :func:`octave_cache_store` can take
+    these arguments: ``key`` / ``value [T, H, D]``, ``cache (B, H, N, slot_bytes)`` uint8 on
+    their device, ``slot_mapping`` int64 ``[<= T]`` within the cache or negative."""
     _check_kv(key, value, fmt)
     if cache.dtype != torch.uint8 or cache.dim() != 4 or cache.shape[-1] != fmt.slot_bytes:
         raise ValueError(
@@ -255,8 +294,3 @@ def octave_cache_store(
         )
     num_blocks, _, block_size, _ = cache.shape
     check_slot_mapping(slot_mapping, key.shape[0], num_blocks * block_size, cache.device)
-    keep = slot_mapping >= 0
-    n = slot_mapping.shape[0]
-    slots = octave_encode(key[:n][keep], value[:n][keep], fmt)
-    flat = slot_mapping[keep]
-    cache[flat // block_size, :, flat % block_size] = slots
