@@ -1,12 +1,13 @@
-// The compiled packed-slot stores' glue (TurboQuant, ultraquant_4bit): validation shared by the CPU
-// and CUDA ops, and the CPU ops, which run the CUDA kernels' per-unit functions (turboquant_slot.h,
-// ultraquant_slot.h) in a loop.
+// The compiled packed-slot stores' glue (TurboQuant, ultraquant_4bit, Octave): validation shared by
+// the CPU and CUDA ops, and the CPU ops, which run the CUDA kernels' per-unit functions
+// (turboquant_slot.h, ultraquant_slot.h, octave_slot.h) in a loop.
 #include "packed_slot_ops_torch.h"
 
 #include <c10/util/irange.h>
 #include <torch/library.h>
 
 #include <cmath>
+#include <string>
 
 #include "cache_ops_checks.h"
 #include "cache_ops_torch.h"
@@ -145,6 +146,64 @@ UltraQuantWriteArgs prepare_ultraquant_store(const at::Tensor& key, const at::Te
 
 namespace {
 
+void check_signs(const at::Tensor& t, const char* name, int64_t d, const at::Tensor& cache) {
+  check_same_device(t, name, cache);
+  TORCH_CHECK(
+      t.scalar_type() == at::kInt && t.dim() == 1 && t.size(0) == d / 32 && t.is_contiguous(), name,
+      ": expected a contiguous int32 [", d / 32,
+      "] tensor (octave_codec.sign_bits(head dim)), got ", dtype_str(t.scalar_type()), " of shape ",
+      shape_str(t));
+}
+
+}  // namespace
+
+OctaveWriteArgs prepare_octave_store(const at::Tensor& key, const at::Tensor& value,
+                                     const at::Tensor& cache, const at::Tensor& slot_mapping,
+                                     const at::Tensor& k_signs, const at::Tensor& v_signs,
+                                     int64_t fmt) {
+  const int64_t value_bits = fmt & ~int64_t(kOctaveCompactFlag);
+  TORCH_CHECK(value_bits == 3 || value_bits == 4,
+              "fmt: expected 3 or 4 (block K, V bits), or 19 (compact K), got ", fmt);
+  OctaveWriteArgs a{};
+  a.value_bits = int(value_bits);
+  a.compact = (fmt & kOctaveCompactFlag) != 0;
+  TORCH_CHECK(value.dim() == 3, "value: expected shape [N, H, D], got ", shape_str(value));
+  const int64_t h = value.size(1), d = value.size(2);
+  TORCH_CHECK(d > 0 && d % kOctaveBlock == 0 && d <= kOctaveMaxHeadDim &&
+                  (!a.compact || (d & (d - 1)) == 0),
+              "value: expected a head dim that is a multiple of ", kOctaveBlock, " up to ",
+              kOctaveMaxHeadDim, a.compact ? " and a power of two (compact K)" : "", ", got ", d);
+  TORCH_CHECK(cache.scalar_type() == at::kByte && cache.dim() == 4 && cache.size(1) == h,
+              "cache: expected a uint8 (num_blocks, ", h, ", block_size, slot bytes) tensor, got ",
+              dtype_str(cache.scalar_type()), " of shape ", shape_str(cache));
+  // Block K's slot grows by 8 bytes per 64 rotary dims: its size names them.
+  const int slot = int(cache.size(3));
+  a.rope_dim = -1;
+  std::string sizes;
+  for (int r = 0; r <= (a.compact ? 0 : d); r += kOctaveBlock) {
+    const int bytes = octave_slot_bytes(int(d), r, a.value_bits, a.compact);
+    sizes += (sizes.empty() ? "" : ", ") + std::to_string(bytes);
+    if (bytes == slot && a.rope_dim < 0) a.rope_dim = r;
+  }
+  TORCH_CHECK(a.rope_dim >= 0, "cache: expected slots of ", sizes, " bytes (fmt ", fmt,
+              ", head dim ", d, a.compact ? "" : "; 0, 64, ... rotary dims", "), got ", slot);
+  TORCH_CHECK(cache.stride(3) == 1, "cache: expected contiguous slots, got strides ",
+              cache.strides());
+  TORCH_CHECK(key.scalar_type() == value.scalar_type(), "key: expected dtype ",
+              dtype_str(value.scalar_type()), " (value's), got ", dtype_str(key.scalar_type()));
+  check_store(
+      key, value, cache.transpose(1, 2), slot_mapping, kOctaveBlock,
+      [&](int64_t) { return int64_t(slot); }, a);
+  check_signs(k_signs, "k_signs", d, cache);
+  check_signs(v_signs, "v_signs", d, cache);
+  a.key = key.data_ptr();
+  a.key_signs = k_signs.data_ptr<int32_t>();
+  a.value_signs = v_signs.data_ptr<int32_t>();
+  return a;
+}
+
+namespace {
+
 void turboquant_store_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
                           const at::Tensor& slot_mapping,
                           const std::optional<at::Tensor>& key_norms,
@@ -184,8 +243,30 @@ void ultraquant_store_cpu(const at::Tensor& key, const at::Tensor& value, at::Te
   });
 }
 
+void octave_cache_store_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& cache,
+                            const at::Tensor& slot_mapping, const at::Tensor& k_signs,
+                            const at::Tensor& v_signs, int64_t fmt) {
+  check_cpu(cache, "cache");
+  const OctaveWriteArgs a =
+      prepare_octave_store(key, value, cache, slot_mapping, k_signs, v_signs, fmt);
+  check_slot_range(a.slot_mapping, a.num_tokens, a.num_slots);
+  dispatch_source_type(a.value_type, [&](auto vs) {
+    at::parallel_for(
+        0, a.num_tokens * a.num_heads * kOctaveSides, 16, [&](int64_t begin, int64_t end) {
+          OctaveScratch scratch;
+          for (int64_t i = begin; i < end; ++i) {
+            const int64_t slot = i / kOctaveSides;
+            write_octave_side<decltype(vs)::value>(SerialTeam{}, scratch, a, slot / a.num_heads,
+                                                   int(slot % a.num_heads), int(i % kOctaveSides));
+          }
+        });
+  });
+}
+
 }  // namespace
 }  // namespace vllm_kv
+
+TORCH_LIBRARY_IMPL(_C, CPU, m) { m.impl("octave_cache_store", &vllm_kv::octave_cache_store_cpu); }
 
 TORCH_LIBRARY_IMPL(_C_cache_ops, CPU, m) {
   m.impl("turboquant_store", &vllm_kv::turboquant_store_cpu);

@@ -1,11 +1,12 @@
-// Host-side validation of the compiled packed-slot stores (TurboQuant, ultraquant_4bit), shared by
-// their CPU and CUDA ops.
+// Host-side validation of the compiled packed-slot stores (TurboQuant, ultraquant_4bit, Octave),
+// shared by their CPU and CUDA ops.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <optional>
 
+#include "octave_slot.h"
 #include "turboquant_slot.h"
 #include "ultraquant_slot.h"
 
@@ -29,5 +30,15 @@ TurboQuantWriteArgs prepare_turboquant_store(const at::Tensor& key, const at::Te
 UltraQuantWriteArgs prepare_ultraquant_store(const at::Tensor& key, const at::Tensor& value,
                                              const at::Tensor& kv_cache,
                                              const at::Tensor& slot_mapping, double constant_c);
+
+// Checks octave_cache_store's arguments (upstream's op): key and value [N, H, D] of one type
+// (fp32 / fp16 / bf16, rows contiguous, D a multiple of 64 up to kOctaveMaxHeadDim), cache
+// (num_blocks, H, block_size, slot bytes) uint8 with contiguous slots (block K's rotary dims are
+// the ones its slot size implies), slot_mapping int64 [N], k_signs / v_signs int32 [D / 32], fmt
+// the V bits (3 or 4) plus kOctaveCompactFlag for compact K.
+OctaveWriteArgs prepare_octave_store(const at::Tensor& key, const at::Tensor& value,
+                                     const at::Tensor& cache, const at::Tensor& slot_mapping,
+                                     const at::Tensor& k_signs, const at::Tensor& v_signs,
+                                     int64_t fmt);
 
 }  // namespace vllm_kv

@@ -12,18 +12,13 @@
 
 #include "cache_kernels.h"
 #include "kv_quant_math.h"
+#include "octave_slot.h"
 #include "turboquant_slot.h"
 #include "ultraquant_slot.h"
 
 namespace vllm_kv {
 
 enum class PackedFamily { kTurboQuant = 0, kUltraQuant = 1, kOctave = 2 };
-
-constexpr int kOctaveBlock = 64;             // dims per K Hadamard block (octave.HADAMARD_BLOCK)
-constexpr int kOctaveRopeBits = 4;           // K codes of the RoPE dims of block K
-constexpr int kOctaveNopeBits = 3;           // the other K codes, all of compact K
-constexpr float kOctaveScaleOne = 64.0f;     // fixed point of the fp16 scales (LUT_ONE)
-constexpr int kOctaveCodebookSize = 8 + 16;  // the 3-bit codebook, then the 4-bit one
 
 // One packed format at one head size, as a reader needs it.
 struct PackedSlotFormat {
@@ -48,20 +43,8 @@ struct PackedSlotGeometry {
   int slot_bytes;
 };
 
-// Octave: byte offsets of K's 3-bit codes, V's codes and the fp16 scales.
-struct OctaveOffsets {
-  int k_nope;
-  int v;
-  int scales;
-};
-
 KV_HOST_DEVICE OctaveOffsets octave_offsets(const PackedSlotFormat& f) {
-  const int wide = f.compact ? 0 : f.rope_dim;
-  OctaveOffsets o{};
-  o.k_nope = wide * kOctaveRopeBits / 8;
-  o.v = o.k_nope + (f.head_dim - wide) * kOctaveNopeBits / 8;
-  o.scales = o.v + f.head_dim * f.value_bits / 8;
-  return o;
+  return octave_offsets(f.head_dim, f.rope_dim, f.value_bits, f.compact);
 }
 
 KV_HOST_DEVICE PackedSlotGeometry packed_slot_geometry(const PackedSlotFormat& f) {
@@ -76,12 +59,8 @@ KV_HOST_DEVICE PackedSlotGeometry packed_slot_geometry(const PackedSlotFormat& f
       const int side = d / 2 + d / kUltraQuantGroup;
       return {side, 2 * side};
     }
-    case PackedFamily::kOctave: {
-      const OctaveOffsets o = octave_offsets(f);
-      const int scales = (f.compact ? 1 : d / kOctaveBlock) + 1;
-      const int align = f.compact ? 4 : 8;
-      return {o.v, (o.scales + 2 * scales + align - 1) / align * align};
-    }
+    case PackedFamily::kOctave:
+      return {octave_offsets(f).v, octave_slot_bytes(d, f.rope_dim, f.value_bits, f.compact)};
   }
   return {0, 0};
 }
@@ -223,7 +202,7 @@ KV_HOST_DEVICE void read_packed_value(const PackedSlotFormat& f, const uint8_t* 
       read_ultraquant_side(side, d, out);
       return;
     case PackedFamily::kOctave: {
-      const int k_scales = f.compact ? 1 : d / kOctaveBlock;
+      const int k_scales = octave_num_k_scales(d, f.compact);
       const float scale = octave_scale_at(slot + octave_offsets(f).scales + 2 * k_scales);
       const float* lut = octave_codebook(f, f.value_bits);
       octave_codes(side, d, f.value_bits,

@@ -1,5 +1,6 @@
-// Schemas of the _C_cache_ops ops. The CPU kernels register in csrc/cpu/, the CUDA kernels in
-// csrc/cuda/; the fake (meta) implementations for torch.compile live in vllm/_custom_ops.py.
+// Schemas of the _C_cache_ops ops and of the _C ops upstream keeps there. The CPU kernels register
+// in csrc/cpu/, the CUDA kernels in csrc/cuda/; the fake (meta) implementations for torch.compile
+// live in vllm/_custom_ops.py.
 #include <torch/library.h>
 
 TORCH_LIBRARY(_C_cache_ops, m) {
@@ -59,4 +60,14 @@ TORCH_LIBRARY(_C_cache_ops, m) {
   m.def(
       "ultraquant_store(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, "
       "float constant_c) -> ()");
+}
+
+// Upstream's Octave store (its _C namespace, its schema): key / value [N, H, D] into cache
+// (num_blocks, H, block_size, slot bytes) uint8, signs from octave_codec.sign_bits(D), fmt the V
+// bits plus 16 for compact K (OctaveFormat.kernel_code); block K's rotary dims follow from the
+// slot size.
+TORCH_LIBRARY_FRAGMENT(_C, m) {
+  m.def(
+      "octave_cache_store(Tensor key, Tensor value, Tensor! cache, Tensor slot_mapping, "
+      "Tensor k_signs, Tensor v_signs, int fmt) -> ()");
 }

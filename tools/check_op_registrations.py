@@ -1,5 +1,5 @@
-"""Prints which dispatch keys have a kernel for every op of ``torch.ops._C_cache_ops`` and exits 1
-if one lacks a required key.
+"""Prints which dispatch keys have a kernel for every op of ``torch.ops._C_cache_ops`` (and of
+``torch.ops._C``, where upstream's Octave store lives) and exits 1 if one lacks a required key.
 
     python tools/check_op_registrations.py [--require CPU,CUDA,Meta]
 
@@ -19,6 +19,7 @@ import sys
 import torch
 
 NAMESPACE = "_C_cache_ops"
+NAMESPACES = (NAMESPACE, "_C")
 KEYS = ("CPU", "CUDA", "Meta")
 COMPOSITE_KEYS = ("CompositeExplicitAutograd", "CompositeImplicitAutograd")
 DEVICE_SCOPED_OPS: dict[str, tuple[str, ...]] = {
@@ -32,9 +33,10 @@ DEVICE_SCOPED_OPS: dict[str, tuple[str, ...]] = {
 
 
 def namespace_ops() -> list[str]:
-    """Qualified names (``_C_cache_ops::name``) of every op the dispatcher knows, sorted."""
-    prefix = f"{NAMESPACE}::"
-    return sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith(prefix))
+    """Qualified names (``<namespace>::name``) of every op of :data:`NAMESPACES` the dispatcher
+    knows, sorted."""
+    prefixes = tuple(f"{n}::" for n in NAMESPACES)
+    return sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith(prefixes))
 
 
 def registered_keys(op: str) -> list[str]:

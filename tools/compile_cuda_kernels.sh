@@ -17,7 +17,8 @@
 # quantization must be IEEE fp32 with subnormals, to match the reference bytes), and, unless
 # --no-host-checks, builds and runs the host checks in csrc/cuda/tests/ (the exhaustive
 # equivalence proof of the branch-free encoders of kv_quant_fast.h; the host replay of the kernels
-# against an independent scalar reference) and builds the GPU check program (run on a GPU only).
+# against an independent scalar reference; the Octave store's steps in a warp's lane orders) and
+# builds the GPU check program (run on a GPU only).
 #
 # Environment: NVCC (default: nvcc on PATH, else /usr/local/cuda/bin/nvcc), CXX (default g++),
 # JOBS (parallel compiles, default: number of cores), CUDA_ARCHS (default "80 90a 100a 120a").
@@ -154,33 +155,37 @@ for src in "${SOURCES[@]}"; do
   fi
 done
 
+# host_check LABEL NAME [RUN_ARGS...] -- BUILD_COMMAND...: builds $OUT/NAME with the command (its
+# -o added), runs it with RUN_ARGS, prints PASS with its last line or FAIL with its log.
+host_check() {
+  local label="$1" name="$2" run_args=() t0
+  shift 2
+  while [[ "$1" != "--" ]]; do run_args+=("$1"); shift; done
+  shift
+  t0=$(date +%s.%N)
+  if "$@" -o "$OUT/$name" > "$OUT/$name.log" 2>&1 \
+    && "$OUT/$name" "${run_args[@]}" >> "$OUT/$name.log" 2>&1; then
+    printf 'PASS host check: %s (%ss): %s\n' "$label" "$(elapsed "$t0")" \
+      "$(tail -n 1 "$OUT/$name.log")"
+  else
+    echo "FAIL host check: $label"
+    sed 's/^/    /' "$OUT/$name.log" | tail -n 40
+    FAILURES=$((FAILURES + 1))
+  fi
+}
+
 if [[ $HOST_CHECKS == 1 ]]; then
-  t0=$(date +%s.%N)
-  OPENMP_FLAG=-fopenmp
+  OPENMP_FLAG=()
   echo 'int main(){}' > "$OUT/omp.cpp"
-  "$CXX" -fopenmp "$OUT/omp.cpp" -o "$OUT/omp" > /dev/null 2>&1 || OPENMP_FLAG=""
-  if "$CXX" -std=c++17 -O2 $OPENMP_FLAG -Wall -Wextra -Werror -I csrc \
-      csrc/cuda/tests/check_kv_quant_fast.cpp -o "$OUT/check_kv_quant_fast" > "$OUT/fast.log" 2>&1 \
-    && "$OUT/check_kv_quant_fast" >> "$OUT/fast.log" 2>&1; then
-    printf 'PASS host check: encoders of kv_quant_fast.h == kv_quant_math.h (%ss): %s\n' \
-      "$(elapsed "$t0")" "$(tail -n 1 "$OUT/fast.log")"
-  else
-    echo "FAIL host check: kv_quant_fast.h"
-    sed 's/^/    /' "$OUT/fast.log" | tail -n 40
-    FAILURES=$((FAILURES + 1))
-  fi
-  t0=$(date +%s.%N)
-  if "$NVCC" -std=c++20 -O1 -I csrc -Xcompiler=-Wall,-Wextra,-Wno-unknown-pragmas \
-      csrc/cuda/tests/check_reshape_and_cache_flash_replay.cu -o "$OUT/check_replay" \
-      > "$OUT/replay.log" 2>&1 \
-    && "$OUT/check_replay" 6000 >> "$OUT/replay.log" 2>&1; then
-    printf 'PASS host check: kernel replay == scalar reference (%ss): %s\n' \
-      "$(elapsed "$t0")" "$(tail -n 1 "$OUT/replay.log")"
-  else
-    echo "FAIL host check: kernel replay vs scalar reference"
-    sed 's/^/    /' "$OUT/replay.log" | tail -n 40
-    FAILURES=$((FAILURES + 1))
-  fi
+  "$CXX" -fopenmp "$OUT/omp.cpp" -o "$OUT/omp" > /dev/null 2>&1 && OPENMP_FLAG=(-fopenmp)
+  host_check "encoders of kv_quant_fast.h == kv_quant_math.h" check_kv_quant_fast -- \
+    "$CXX" -std=c++17 -O2 "${OPENMP_FLAG[@]}" -Wall -Wextra -Werror -I csrc \
+    csrc/cuda/tests/check_kv_quant_fast.cpp
+  host_check "Octave store, warp lane orders == one loop" check_octave -- \
+    "$CXX" -std=c++17 -O2 -Wall -Wextra -Werror -I csrc csrc/cuda/tests/check_octave_team_replay.cpp
+  host_check "kernel replay == scalar reference" check_replay 6000 -- \
+    "$NVCC" -std=c++20 -O1 -I csrc -Xcompiler=-Wall,-Wextra,-Wno-unknown-pragmas \
+    csrc/cuda/tests/check_reshape_and_cache_flash_replay.cu
   t0=$(date +%s.%N)
   if "$NVCC" -std=c++20 -O2 -I csrc -Xcompiler=-Wall,-Wextra,-Werror,-Wno-unknown-pragmas \
       -gencode arch=compute_90a,code=sm_90a csrc/cuda/reshape_and_cache_flash.cu \

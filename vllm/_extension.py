@@ -1,5 +1,6 @@
 """Loads the compiled cache ops: the extension ``vllm/_C`` built by ``setup.py`` registers
-``torch.ops._C_cache_ops`` when this module is imported. :mod:`vllm._custom_ops` and its MLA part
+``torch.ops._C_cache_ops`` (and upstream's ``torch.ops._C.octave_cache_store``) when this module
+is imported. :mod:`vllm._custom_ops` and its MLA part
 import it before they register the ops' fake kernels (which need the ops defined)."""
 
 from __future__ import annotations
@@ -36,10 +37,12 @@ def load_extension() -> None:
 
 
 def compiled_kernel(name: str, device: torch.device) -> Any | None:
-    """The extension's op ``_C_cache_ops::<name>`` when it has a kernel for ``device``, else None
-    (an extension built without the op, or a CUDA tensor with a CPU-only build)."""
+    """The extension's op ``name`` (``<namespace>::<op>``; a bare op name is
+    ``_C_cache_ops``'s) when it has a kernel for ``device``, else None (an extension built
+    without the op, or a CUDA tensor with a CPU-only build)."""
+    namespace, _, op_name = name.rpartition("::")
     try:
-        op = getattr(torch.ops._C_cache_ops, name).default
+        op = getattr(getattr(torch.ops, namespace or "_C_cache_ops"), op_name).default
     except (AttributeError, RuntimeError):
         return None
     key = "CUDA" if device.type == "cuda" else "CPU"

@@ -4,7 +4,8 @@
 (``_C_cache_ops::turboquant_store``; the codec itself where the extension has no kernel for the
 cache's device). :func:`ultraquant_kernel_store` is the ``ultraquant_4bit`` kernel's glue, behind
 upstream's entry point ``vllm.v1.attention.ops.ultraquant.triton_store.ultraquant_store``.
-:func:`compiled_packed_store` gives the compiled store of a packed format, for the tools.
+:func:`compiled_packed_store` gives the compiled store of a packed format (Octave's is upstream's
+op ``_C::octave_cache_store``), for the tools and the backends.
 
 Lloyd-Max presets: the key norms and the rotation ``y = k / (|k| + 1e-8) @ PiT`` are the codec's
 :func:`~vllm.kv_quant.turboquant.codec.rotate_unit_keys` (one torch matmul, shared with the
@@ -21,6 +22,8 @@ import torch
 
 from vllm._extension import compiled_kernel  # loads the extension: its ops before their fakes
 from vllm.kv_quant.formats import KVCacheFormat
+from vllm.kv_quant.octave import OctaveFormat
+from vllm.kv_quant.octave_codec import sign_bits
 from vllm.kv_quant.slot_codecs import compiled_store_op
 from vllm.kv_quant.turboquant.centroids import turboquant_tables
 from vllm.kv_quant.turboquant.codec import (
@@ -34,7 +37,13 @@ from vllm.kv_quant.turboquant.config import FP8_KEY_BITS, TurboQuantConfig, kern
 from vllm.kv_quant.ultraquant import DEFAULT_CONSTANT_C, ultraquant_slot_size
 from vllm.kv_quant.ultraquant_codec import rotate_keys
 
-__all__ = ["PackedStore", "compiled_packed_store", "turboquant_store", "ultraquant_kernel_store"]
+__all__ = [
+    "OCTAVE_MAX_HEAD_SIZE",
+    "PackedStore",
+    "compiled_packed_store",
+    "turboquant_store",
+    "ultraquant_kernel_store",
+]
 
 
 def turboquant_store(
@@ -126,11 +135,15 @@ def compiled_packed_store(
     fmt: KVCacheFormat, head_size: int, device: torch.device
 ) -> PackedStore | None:
     """The extension's store of the packed-slot format ``fmt`` (TurboQuant's presets with their
-    tables, ``ultraquant_4bit`` with its constant) for heads of ``head_size`` on ``device``, or
-    None where it has no kernel (Octave: none yet)."""
-    op = compiled_store_op(fmt)
-    if op is None or compiled_kernel(op, device) is None:
+    tables, ``ultraquant_4bit`` with its constant, Octave with its signs) for heads of
+    ``head_size`` on ``device``, or None where it has no kernel (Octave: heads over
+    :data:`OCTAVE_MAX_HEAD_SIZE`)."""
+    op_name = compiled_store_op(fmt)
+    op = None if op_name is None else compiled_kernel(op_name, device)
+    if op is None:
         return None
+    if fmt.quant_mode.is_octave:
+        return _octave_store(op, fmt, head_size, device)
     if fmt.quant_mode.is_ultraquant:
 
         def ultraquant(k: torch.Tensor, v: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> None:
@@ -149,6 +162,56 @@ def compiled_packed_store(
         )  # fmt: skip
 
     return turboquant
+
+
+OCTAVE_MAX_HEAD_SIZE = 512
+"""The largest head the compiled Octave store takes (its scratch, ``kOctaveMaxHeadDim``)."""
+
+
+def _octave_store(
+    op: Callable[..., None], fmt: KVCacheFormat, head_size: int, device: torch.device
+) -> PackedStore | None:
+    if head_size > OCTAVE_MAX_HEAD_SIZE:
+        return None
+    code = OctaveFormat.from_cache_dtype(fmt.name, head_size, 0).kernel_code
+    signs = sign_bits(head_size).to(device)
+
+    def octave(k: torch.Tensor, v: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> None:
+        if k.dtype != v.dtype:  # the op reads both in one type: fp32 holds either
+            k, v = k.float(), v.float()
+        op(_rows(k), _rows(v), c.transpose(1, 2), s.to(torch.int64).contiguous(), signs, signs,
+           code)  # fmt: skip
+
+    return octave
+
+
+@torch.library.register_fake("_C::octave_cache_store")
+def _octave_cache_store_fake(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_signs: torch.Tensor,
+    v_signs: torch.Tensor,
+    fmt: int,
+) -> None:
+    # Tracing rejects what the kernel would (shapes, dtypes); slot values are the kernel's own.
+    if value.dim() != 3 or key.shape != value.shape or key.dtype != value.dtype:
+        raise ValueError(
+            f"key: expected value's shape and dtype {list(value.shape)} {value.dtype}, got "
+            f"{list(key.shape)} {key.dtype}"
+        )
+    n, h, d = value.shape
+    if cache.dtype != torch.uint8 or cache.dim() != 4 or cache.shape[1] != h:
+        raise ValueError(
+            f"cache: expected a uint8 (num_blocks, {h}, block_size, slot bytes) tensor, got "
+            f"{cache.dtype} of shape {list(cache.shape)}"
+        )
+    if slot_mapping.shape != (n,):
+        raise ValueError(f"slot_mapping: expected [{n}], got {list(slot_mapping.shape)}")
+    for name, t in (("k_signs", k_signs), ("v_signs", v_signs)):
+        if t.dtype != torch.int32 or tuple(t.shape) != (d // 32,):
+            raise ValueError(f"{name}: expected int32 [{d // 32}], got {t.dtype} {list(t.shape)}")
 
 
 @torch.library.register_fake("_C_cache_ops::turboquant_store")

@@ -1,7 +1,7 @@
 // CUDA packed-slot stores: TurboQuant one thread per (token, head) slot, ultraquant_4bit one
-// thread per group of 32 values, running the functions of turboquant_slot.h / ultraquant_slot.h,
-// so the bytes are the CPU ops' (which run the same functions in a loop) and the reference
-// codecs'. Torch-free.
+// thread per group of 32 values, Octave one warp per side of a slot, running the functions of
+// turboquant_slot.h / ultraquant_slot.h / octave_slot.h, so the bytes are the CPU ops' (which run
+// the same functions in a loop) and the reference codecs'. Torch-free.
 #include "packed_slot_store.h"
 
 #include <cuda_runtime.h>
@@ -41,6 +41,35 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+constexpr int kWarp = 32;
+constexpr int kOctaveWarps = kThreads / kWarp;
+
+// The lanes of one warp as an octave_slot.h team: each step's indices strided over the lanes,
+// then a warp barrier (the next step reads what other lanes wrote).
+struct WarpTeam {
+  int lane;
+  template <typename Fn>
+  __device__ void run(int n, const Fn& fn) const {
+    for (int i = lane; i < n; i += kWarp) fn(i);
+    __syncwarp();
+  }
+};
+
+template <SourceType VS>
+__global__ void __launch_bounds__(kThreads)
+    octave_store_kernel(const __grid_constant__ OctaveWriteArgs a) {
+  __shared__ OctaveScratch scratch[kOctaveWarps];
+  const int warp = int(threadIdx.x) / kWarp;
+  const WarpTeam team{int(threadIdx.x) % kWarp};
+  const int64_t total = a.num_tokens * a.num_heads * kOctaveSides;
+  const int64_t step = int64_t(gridDim.x) * kOctaveWarps;
+  for (int64_t i = int64_t(blockIdx.x) * kOctaveWarps + warp; i < total; i += step) {
+    const int64_t slot = i / kOctaveSides;
+    write_octave_side<VS>(team, scratch[warp], a, slot / a.num_heads, int(slot % a.num_heads),
+                          int(i % kOctaveSides));
+  }
+}
+
 }  // namespace
 
 void launch_turboquant_store(const TurboQuantWriteArgs& a, cudaStream_t stream) {
@@ -58,6 +87,16 @@ void launch_ultraquant_store(const UltraQuantWriteArgs& a, cudaStream_t stream) 
   if (total <= 0) return;
   dispatch_source_type(a.value_type, [&](auto vs) {
     ultraquant_store_kernel<decltype(vs)::value><<<grid_for(total), kThreads, 0, stream>>>(a);
+  });
+}
+
+void launch_octave_store(const OctaveWriteArgs& a, cudaStream_t stream) {
+  const int64_t units = a.num_tokens * a.num_heads * kOctaveSides;
+  if (units <= 0) return;
+  const unsigned grid =
+      unsigned(std::min<int64_t>((units + kOctaveWarps - 1) / kOctaveWarps, 1 << 20));
+  dispatch_source_type(a.value_type, [&](auto vs) {
+    octave_store_kernel<decltype(vs)::value><<<grid, kThreads, 0, stream>>>(a);
   });
 }
 

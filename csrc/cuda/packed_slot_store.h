@@ -5,6 +5,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "../octave_slot.h"
 #include "../turboquant_slot.h"
 #include "../ultraquant_slot.h"
 
@@ -16,5 +17,9 @@ void launch_turboquant_store(const TurboQuantWriteArgs& a, cudaStream_t stream);
 
 // One thread per group of 32 values of a slot's side (write_ultraquant_unit), as above.
 void launch_ultraquant_store(const UltraQuantWriteArgs& a, cudaStream_t stream);
+
+// One warp per side (K or V) of a slot (write_octave_side over a warp team, its scratch in shared
+// memory), as above.
+void launch_octave_store(const OctaveWriteArgs& a, cudaStream_t stream);
 
 }  // namespace vllm_kv

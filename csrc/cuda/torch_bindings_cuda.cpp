@@ -1,8 +1,8 @@
-// CUDA implementations of the _C_cache_ops ops (compiled only when torch has CUDA). The schemas
-// are registered in csrc/torch_bindings.cpp; validation is shared with the CPU ops
-// (csrc/cache_ops_torch.h); the kernels are torch-free (reshape_and_cache_flash.h). Only c10's CUDA
-// stream/guard headers, not ATen/cuda/CUDAContext.h (which drags in cuBLAS and cuSPARSE):
-// tools/check_glue_headers.py keeps it that way.
+// CUDA implementations of the _C_cache_ops ops and of _C::octave_cache_store (compiled only when
+// torch has CUDA). The schemas are registered in csrc/torch_bindings.cpp; validation is shared with
+// the CPU ops (csrc/cache_ops_torch.h); the kernels are torch-free (reshape_and_cache_flash.h).
+// Only c10's CUDA stream/guard headers, not ATen/cuda/CUDAContext.h (which drags in cuBLAS and
+// cuSPARSE): tools/check_glue_headers.py keeps it that way.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -79,6 +79,18 @@ void ultraquant_store_cuda(const at::Tensor& key, const at::Tensor& value, at::T
   if (args.num_tokens == 0 || args.num_heads == 0) return;
   const c10::cuda::CUDAGuard device_guard(kv_cache.device());
   launch_ultraquant_store(args, c10::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void octave_cache_store_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& cache,
+                             const at::Tensor& slot_mapping, const at::Tensor& k_signs,
+                             const at::Tensor& v_signs, int64_t fmt) {
+  TORCH_CHECK(cache.is_cuda(), "cache: expected a CUDA tensor, got device ", cache.device());
+  const OctaveWriteArgs args =
+      prepare_octave_store(key, value, cache, slot_mapping, k_signs, v_signs, fmt);
+  if (args.num_tokens == 0 || args.num_heads == 0) return;
+  const c10::cuda::CUDAGuard device_guard(cache.device());
+  launch_octave_store(args, c10::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -170,6 +182,8 @@ TORCH_LIBRARY_IMPL(_C_cache_ops, CUDA, m) {
   m.impl("turboquant_store", &vllm_kv::turboquant_store_cuda);
   m.impl("ultraquant_store", &vllm_kv::ultraquant_store_cuda);
 }
+
+TORCH_LIBRARY_IMPL(_C, CUDA, m) { m.impl("octave_cache_store", &vllm_kv::octave_cache_store_cuda); }
 
 // The descriptors are CPU tensors whatever memory they address, so the op dispatches on CPU.
 TORCH_LIBRARY_IMPL(_C_cache_ops, CPU, m) {

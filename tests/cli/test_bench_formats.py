@@ -41,8 +41,8 @@ def test_tiny_real_run_names_the_implementation() -> None:
         ("octave_k3v3_compact", "write"),
         ("octave_k3v3_compact", "decode"),
     ]
-    # The compiled op writes INT4 (its decode is the codec's); no kernel writes Octave yet.
-    impls = ["compiled op", "reference codec", "reference codec", "reference codec"]
+    # The compiled ops write INT4 and Octave (_C::octave_cache_store); decodes are the codecs'.
+    impls = ["compiled op", "reference codec", "compiled op", "reference codec"]
     assert [r.impl for r in rows] == impls
     for r in rows:
         assert r.op_us > 0 and r.op_gbps > 0 and r.pct_roofline > 0 and r.roofline_gbps > 0

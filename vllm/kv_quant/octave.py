@@ -15,9 +15,10 @@ So the slot is 248 / 216 / 196 bytes at ``D = 256, R = 64``. Block K's size depe
 which the cache dtype does not name: as upstream, the model registers it per head size
 (:func:`register_rope_dim`) before caches are sized. The registry's rows are per side, so the
 row is half the slot and the two-sided page math gives ``block_size * H * slot`` bytes, as
-upstream's spec does once its backend sets ``state_content_bytes`` to the slot. No compiled
-writer takes the formats (``cache_kind=None``): :func:`~vllm.kv_quant.formats.kernel_cache_kind`
-refuses them.
+upstream's spec does once its backend sets ``state_content_bytes`` to the slot. Their compiled
+writer is upstream's own op, ``_C::octave_cache_store`` (:mod:`vllm._packed_cache_ops`), not
+``reshape_and_cache_flash`` (``cache_kind=None``:
+:func:`~vllm.kv_quant.formats.kernel_cache_kind` refuses them).
 """
 
 from __future__ import annotations
@@ -196,7 +197,7 @@ OCTAVE_FORMATS: tuple[KVCacheFormat, ...] = tuple(
             quant_mode=KVQuantMode[name.upper()],
             label=_VARIANTS[name][2],
             row_dim=_row_dim(name),
-            # ROCm kernels upstream; the compiled writers here do not take it.
+            # Written by _C::octave_cache_store, not by reshape_and_cache_flash.
             cache_kind=None,
             has_kernel=False,
         )

@@ -237,13 +237,16 @@ def is_packed(fmt: KVCacheFormat) -> bool:
 
 
 def compiled_store_op(fmt: KVCacheFormat) -> str | None:
-    """The name of the extension op (``_C_cache_ops::<name>``) that writes the packed-slot format
-    ``fmt``: ``turboquant_store`` for TurboQuant's presets, ``ultraquant_store`` for
-    ``ultraquant_4bit``; None for Octave and any other format."""
+    """The extension op (``<namespace>::<name>``) that writes the packed-slot format ``fmt``:
+    ``_C_cache_ops::turboquant_store`` for TurboQuant's presets, ``_C_cache_ops::ultraquant_store``
+    for ``ultraquant_4bit``, upstream's ``_C::octave_cache_store`` for Octave; None for any
+    other format."""
     mode = fmt.quant_mode
     if mode.is_turboquant:
-        return "turboquant_store"
-    return "ultraquant_store" if mode.is_ultraquant else None
+        return "_C_cache_ops::turboquant_store"
+    if mode.is_ultraquant:
+        return "_C_cache_ops::ultraquant_store"
+    return "_C::octave_cache_store" if mode.is_octave else None
 
 
 def slot_codec(
