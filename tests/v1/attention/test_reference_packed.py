@@ -158,6 +158,9 @@ def test_write_is_the_codec_bytes_and_skips_negative_slots(dtype: str) -> None:
             assert torch.equal(pages[slot // N, slot % N], encoded[i])
     untouched = ~written.view(NUM_BLOCKS, N)
     assert torch.equal(pages[untouched], before.transpose(1, 2)[untouched])
+    # The bytes above came from the format's compiled store (the extension is built here).
+    assert impl._packed is not None
+    assert impl._packed._compiled_store(cache.device) is not None
 
 
 def test_int4_per_token_head_write_skips_negative_slots() -> None:

@@ -5,8 +5,9 @@ of one (token, KV head) in one uint8 slot of ``slot_bytes`` bytes
 The cache is the TURBOQUANT backend's: logical ``(num_blocks, num_kv_heads, block_size,
 slot_bytes)`` stored block, token, head, slot (stride order :data:`PACKED_STRIDE_ORDER`), so a
 page (``block_size * num_kv_heads * slot_bytes`` bytes) moves between the two backends byte for
-byte. :class:`PackedSlots` writes slots with the format's reference codec and decodes a
-sequence's pages to fp32 K and V for the reference reader.
+byte. :class:`PackedSlots` writes slots with the format's compiled store (the reference codec
+where the extension has none) and decodes a sequence's pages to fp32 K and V for the reference
+reader.
 
 Octave's block K follows the model's rotary dims: the ones registered for the head size, else
 :data:`~vllm.kv_quant.slot_codecs.OCTAVE_CHECK_ROPE_DIM` (upstream's kernels' value), as the
@@ -15,12 +16,17 @@ tools read these formats.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from vllm.kv_quant.formats import KVCacheFormat
 from vllm.kv_quant.nvfp4_cache import check_slot_mapping
 from vllm.kv_quant.slot_codecs import OCTAVE_CHECK_ROPE_DIM, SlotCodec, slot_codec
 from vllm.v1.attention.backends.reference_attend import check_codec_write
+
+if TYPE_CHECKING:  # importing it loads the extension
+    from vllm._packed_cache_ops import PackedStore
 
 __all__ = ["PACKED_STRIDE_ORDER", "PackedSlots", "packed_kv_cache_shape", "packed_slot_codec"]
 
@@ -58,6 +64,19 @@ class PackedSlots:
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
         self.codec = packed_slot_codec(fmt, head_size)
+        self._stores: dict[torch.device, PackedStore | None] = {}
+
+    def _compiled_store(self, device: torch.device) -> PackedStore | None:
+        """The extension's store of this format on ``device`` (None when the extension is not
+        built or has no kernel there); looked up once per device."""
+        if device not in self._stores:
+            try:
+                from vllm._packed_cache_ops import compiled_packed_store
+            except (ImportError, OSError, RuntimeError):
+                self._stores[device] = None
+            else:
+                self._stores[device] = compiled_packed_store(self.fmt, self.head_size, device)
+        return self._stores[device]
 
     def cache_view(self, kv_cache: object) -> torch.Tensor:
         """The ``(B, N, H, slot)`` view of a logical ``(B, H, N, slot)`` uint8 cache
@@ -90,16 +109,22 @@ class PackedSlots:
     ) -> None:
         """Encode the first ``T`` tokens of ``key`` / ``value [T_pad, H, D]`` into the slots
         ``slot_mapping [T]`` (int64; negative: skipped) of ``view`` (:meth:`cache_view`); every
-        argument is checked before the first byte is written."""
+        argument is checked before the first byte is written. Uses the extension's store of
+        the format when it has one for the cache's device, else the codec (the same bytes by
+        contract)."""
         sizes = (self.head_size, self.head_size)
         check_codec_write(key, value, sizes, view, None)
         num_blocks, block_size = view.shape[0], view.shape[1]
         check_slot_mapping(slot_mapping, key.shape[0], num_blocks * block_size, view.device)
+        n = slot_mapping.shape[0]
+        store = self._compiled_store(view.device)
+        if store is not None:
+            store(key[:n], value[:n], view, slot_mapping)
+            return
         keep = slot_mapping >= 0
         slots = slot_mapping[keep]
         if slots.numel() == 0:
             return
-        n = slot_mapping.shape[0]
         encoded = self.codec.encode(key[:n][keep], value[:n][keep])
         view[slots // block_size, slots % block_size] = encoded
 
