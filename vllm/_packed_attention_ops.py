@@ -38,13 +38,16 @@ def packed_paged_attention(
     seq_causal: torch.Tensor | None = None,
     key_split: bool = True,
     default_rope_dim: int | None = None,
+    *,
+    query_in_key_frame: bool = False,
 ) -> None:
     """Paged attention of ``query [T, Hq, D]`` over the packed-slot cache ``kv_cache`` (uint8,
     logical ``(num_blocks, Hkv, block_size, slot_bytes)``, TURBOQUANT's shape, any strides whose
     slots are contiguous) of format ``kv_cache_dtype``, into ``out [T, Hq, D]`` (query's dtype).
     The metadata and options are :func:`vllm._custom_ops.paged_attention`'s (no key transforms:
     these formats store keys as given). ``default_rope_dim``: Octave's rotary dims when the model
-    registered none for ``D``."""
+    registered none for ``D``. ``query_in_key_frame``: the caller rotated the query into the key
+    frame itself (UltraQuant's unified attention rounds the rotated query through FP8)."""
     for name, t in (("out", out), ("query", query)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             got = f"shape {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
@@ -57,7 +60,8 @@ def packed_paged_attention(
             f"on (CPU), got {kv_cache.device}"
         )
     codebook = None if reader.codebook is None else reader.codebook.to(kv_cache.device)
-    query_in_frame = reader.key_frame(query.float()).contiguous()
+    query_in_frame = query.float() if query_in_key_frame else reader.key_frame(query.float())
+    query_in_frame = query_in_frame.contiguous()
     out_in_frame = torch.empty(out.shape, dtype=torch.float32, device=out.device)
     torch.ops._C_cache_ops.packed_paged_attention(
         out_in_frame,

@@ -1,13 +1,17 @@
-"""``ultraquant_store`` / ``ultraquant_full_dequant_kv`` (upstream's paths) on CPU: slot bytes
-equal the reference codec's, skipped slots stay untouched, bad input fails before any write."""
+"""``ultraquant_store`` / ``ultraquant_full_dequant_kv`` / ``ultraquant_unified_attention``
+(upstream's paths) on CPU: slot bytes equal the reference codec's, skipped slots stay untouched,
+the attention kernels (compiled CPU, Triton under the interpreter) equal the torch definition,
+bad input fails before any write."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from vllm.triton_utils import HAS_TRITON
 from vllm.v1.attention.ops.ultraquant.format import slot_size
 from vllm.v1.attention.ops.ultraquant.reference import (
+    hadamard_matrix,
     reference_ultraquant_attention,
     ultraquant_dequant,
     ultraquant_encode,
@@ -15,6 +19,7 @@ from vllm.v1.attention.ops.ultraquant.reference import (
 from vllm.v1.attention.ops.ultraquant.triton_dequant import ultraquant_full_dequant_kv
 from vllm.v1.attention.ops.ultraquant.triton_store import ultraquant_store
 from vllm.v1.attention.ops.ultraquant.triton_unified_attention import (
+    reference_unified_attention,
     ultraquant_unified_attention,
 )
 
@@ -192,3 +197,58 @@ def test_compiled_op_names_the_bad_argument() -> None:
         with pytest.raises(RuntimeError, match=message):
             op(*args)
     assert cache.eq(0).all()
+
+
+def _paged_requests(lens: list[int], hk: int, d: int, pad: int) -> tuple[torch.Tensor, ...]:
+    """A padded-slot cache of 4-token blocks holding requests of ``lens`` tokens in shuffled
+    blocks, and their block table."""
+    gen = torch.Generator().manual_seed(sum(lens))
+    per_request = -(-max(lens) // 4)
+    blocks = torch.randperm(len(lens) * per_request, generator=gen).view(len(lens), per_request)
+    cache = _cache(len(lens) * per_request, hk, d, pad=pad)
+    for i, n in enumerate(lens):
+        key = torch.randn(n, hk, d, generator=gen, dtype=torch.bfloat16)
+        value = torch.randn(n, hk, d, generator=gen, dtype=torch.bfloat16)
+        pos = torch.arange(n)
+        ultraquant_store(key, value, cache, blocks[i][pos // 4] * 4 + pos % 4)
+    return cache, blocks.int()
+
+
+@pytest.mark.parametrize("window,with_sinks", [(None, False), (5, True)])
+def test_unified_attention_kernels_equal_the_definition(window: int | None, with_sinks) -> None:
+    """The compiled CPU kernel (what ultraquant_unified_attention runs here) and the fused Triton
+    packed kernel, both given the rotated FP8-rounded query, against the torch definition: GQA
+    4, decode and prefill rows, shuffled blocks, a window and sinks; with padded slots (which
+    the readers do not take) the definition itself runs."""
+    lens, q_lens, hk, hq, d = [9, 14, 3], [1, 6, 3], 2, 8, 64
+    cache, table = _paged_requests(lens, hk, d, pad=0)
+    gen = torch.Generator().manual_seed(5)
+    query = torch.randn(sum(q_lens), hq, d, generator=gen)
+    sinks = torch.randn(hq, generator=gen) if with_sinks else None
+    starts = [0, 1, 7, 10]
+    seq_lens, qsl = torch.tensor(lens), torch.tensor(starts)
+    got = ultraquant_unified_attention(
+        query, cache, table, seq_lens, qsl, 0.2, sinks=sinks, sliding_window=window
+    )
+    q = (query @ hadamard_matrix(d, "cpu")).to(torch.float8_e4m3fn).float()
+    want = reference_unified_attention(
+        q, cache, table, lens, starts, 0.2, torch.empty_like(query), sinks, window
+    )
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    padded, _ = _paged_requests(lens, hk, d, pad=4)
+    assert torch.equal(padded[..., : slot_size(d)], cache)
+    again = ultraquant_unified_attention(
+        query, padded, table, seq_lens, qsl, 0.2, sinks=sinks, sliding_window=window
+    )
+    torch.testing.assert_close(again, want, rtol=2e-5, atol=2e-5)
+    if not HAS_TRITON:
+        return
+    from vllm.v1.attention.ops.triton_slot_attention import triton_packed_slot_attention
+
+    out = torch.zeros_like(query)
+    triton_packed_slot_attention(
+        out, q, cache.transpose(1, 2), table, seq_lens.int(), qsl.int(),
+        "ultraquant_4bit", 0.2, max(q_lens), max(lens), sliding_window=window, sinks=sinks,
+        query_in_key_frame=True,
+    )  # fmt: skip
+    torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)

@@ -75,16 +75,19 @@ def triton_packed_slot_attention(
     causal: bool | torch.Tensor = True,
     num_splits: int | None = None,
     default_rope_dim: int | None = None,
+    query_in_key_frame: bool = False,
 ) -> None:
     """Attention of ``query [T, Hq, D]`` over the packed-slot cache ``kv_cache`` (uint8,
     logical ``(num_blocks, Hkv, block_size, slot_bytes)``, TURBOQUANT's shape, contiguous slots)
     of format ``kv_cache_dtype`` into the first ``query_start_loc[-1]`` rows of ``out [T, Hq,
     D]``; the metadata and options are :func:`~.triton_packed_attention.plan_packed_attention`'s.
-    ``default_rope_dim``: Octave's rotary dims when the model registered none for ``D``."""
+    ``default_rope_dim``: Octave's rotary dims when the model registered none for ``D``;
+    ``query_in_key_frame``: the caller rotated the query into the key frame itself."""
     fmt, codec = packed_cache_codec(kv_cache_dtype, kv_cache, query.shape[-1], default_rope_dim)
     layout, key_pages, value_pages, table = slot_pages(fmt, codec, kv_cache.transpose(1, 2))
     rows = int(query_start_loc[-1])
-    q = codec.reader.key_frame(query[:rows].float()).contiguous()
+    q = query[:rows].float()
+    q = (q if query_in_key_frame else codec.reader.key_frame(q)).contiguous()
     o = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     plan_packed_attention(
         o,
