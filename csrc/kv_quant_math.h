@@ -28,6 +28,24 @@
 #define KV_NO_UNROLL _Pragma("GCC unroll 1")
 #endif
 
+// Inlines every call in the function's body (a loop's per-index lambda, so that the loop
+// vectorizes); host code only.
+#if defined(__CUDACC__) || !defined(__GNUC__)
+#define KV_FLATTEN
+#else
+#define KV_FLATTEN __attribute__((flatten))
+#endif
+
+// A loop whose iterations are independent (none reads what another writes), which the compiler
+// may vectorize without proving it; nothing for nvcc, which does not vectorize.
+#if defined(__CUDACC__)
+#define KV_INDEPENDENT_ITERATIONS
+#elif defined(__clang__)
+#define KV_INDEPENDENT_ITERATIONS _Pragma("clang loop vectorize(assume_safety)")
+#else
+#define KV_INDEPENDENT_ITERATIONS _Pragma("GCC ivdep")
+#endif
+
 namespace vllm_kv {
 
 constexpr int kNvfp4GroupSize = 16;

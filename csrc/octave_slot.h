@@ -2,11 +2,12 @@
 // CUDA ops, operation for operation the reference codec vllm/kv_quant/octave_codec.py, so every
 // writer produces its bytes. Framework-free; host and device.
 //
-// A side (K or V) is coded in steps that a team of workers runs index by index with a barrier
-// after each: sign flips, the Walsh-Hadamard butterflies (one step per stride), the two sums of
-// each quantization group as fixed halving trees (the codec's tree_sum), the codes, the scales,
-// the packed bytes. Within a step no index reads what another writes, so any split of the indices
-// over workers (the CPU op's one loop, a CUDA warp's 32 lanes) yields the same bits.
+// A side (K or V) is coded in steps that a team of workers runs index by index (run(n, fn): fn(i)
+// for i < n; run2(outer, log2_inner, fn): fn(o, i) for a 2-D range) with a barrier after each: sign
+// flips, the Walsh-Hadamard butterflies (one step per stride), the two sums of each quantization
+// group as fixed halving trees (the codec's tree_sum), the codes, the scales, the packed bytes.
+// Within a step no index reads what another writes, so any split of the indices over workers (the
+// CPU op's one loop, a CUDA warp's 32 lanes) yields the same bits.
 #pragma once
 
 #include <cstdint>
@@ -66,6 +67,9 @@ struct OctaveWriteArgs : PackedStoreArgs {
   bool compact;                // K rotated and coded over all dims
 };
 
+// log2 of the run of values whose short butterflies and last sum levels one index does.
+constexpr int kOctaveRun = 3;
+
 // Units of work of a slot: its K side, then its V side.
 constexpr int kOctaveSides = 2;
 
@@ -93,11 +97,16 @@ KV_HOST_DEVICE int octave_pow2_ceil(int n) {
   return p;
 }
 
+KV_HOST_DEVICE int octave_log2(int power_of_two) {
+  int log2 = 0;
+  while ((1 << log2) < power_of_two) ++log2;
+  return log2;
+}
+
 // 1 / sqrt(block) for a power-of-two block as fp32: the codec's constant (a double rounded to
 // fp32), built exactly from 2^-k and fp32 1/sqrt(2) so that no double arithmetic runs.
 KV_HOST_DEVICE float octave_rotation_norm(int block) {
-  int log2 = 0;
-  while ((1 << log2) < block) ++log2;
+  const int log2 = octave_log2(block);
   float v = (log2 & 1) ? 0.70710677f : 1.0f;
   for (int k = 0; k < log2 / 2; ++k) v = kv_fmul(v, 0.5f);
   return v;
@@ -105,7 +114,7 @@ KV_HOST_DEVICE float octave_rotation_norm(int block) {
 
 // Level `code` of the Lloyd-Max codebook of `bits` bits (octave_codec.LUT, int8 units). The levels
 // are bytes of 64-bit words, not an array a thread would index in local memory.
-KV_HOST_DEVICE int octave_lut(int bits, int code) {
+KV_HOST_DEVICE constexpr int octave_lut(int bits, int code) {
   // 3 bits: -127, -79, -45, -14, 14, 45, 79, 127.
   constexpr uint64_t kLut3 = 0x7F4F2D0EF2D3B181ull;
   // 4 bits: -126, -95, -74, -58, -43, -30, -18, -6, then 6 .. 126 as their negatives.
@@ -115,15 +124,19 @@ KV_HOST_DEVICE int octave_lut(int bits, int code) {
   return int(int8_t(uint8_t(word >> (8 * (code % 8)))));
 }
 
+// Midpoint c of the codebook of `bits` bits: between levels c and c + 1 (exact in fp32).
+KV_HOST_DEVICE constexpr float octave_midpoint(int bits, int c) {
+  return float(octave_lut(bits, c) + octave_lut(bits, c + 1)) * 0.5f;
+}
+
 // The Lloyd-Max bucket of t: how many midpoints of adjacent levels are below it (a tie takes the
-// lower code; NaN, below none, the top code, as torch.bucketize).
-KV_HOST_DEVICE uint8_t octave_bucket(float t, int bits) {
-  const int levels = 1 << bits;
+// lower code; NaN, below none, the top code, as torch.bucketize). Branch-free compares with
+// constant midpoints (the loop unrolled), so the loop over values vectorizes.
+template <int kBits>
+KV_HOST_DEVICE uint8_t octave_bucket(float t) {
   int code = 0;
-  for (int c = 0; c + 1 < levels; ++c) {
-    const float mid = float(octave_lut(bits, c) + octave_lut(bits, c + 1)) * 0.5f;  // exact
-    code += !(t <= mid);
-  }
+  KV_UNROLL
+  for (int c = 0; c + 1 < (1 << kBits); ++c) code += !(t <= octave_midpoint(kBits, c));
   return uint8_t(code);
 }
 
@@ -131,12 +144,24 @@ KV_HOST_DEVICE uint8_t octave_bucket(float t, int bits) {
 // codec's tree_sum (width a power of two).
 template <typename Team>
 KV_HOST_DEVICE void octave_tree_sums(const Team& team, float* lanes, int groups, int width) {
-  for (int w = width / 2; w >= 1; w /= 2) {
-    team.run(groups * w, [&](int j) {
-      float* row = lanes + (j / w) * width + j % w;
+  const int log2_width = octave_log2(width);
+  for (int level = log2_width - 1; level >= kOctaveRun; --level) {
+    const int w = 1 << level;
+    team.run2(groups, level, [&](int g, int i) {
+      float* row = lanes + (g << log2_width) + i;
       row[0] = kv_fadd(row[0], row[w]);
     });
   }
+  // The last levels (8 values to 1) in one step, one index per group: short levels as steps of
+  // their own would run a few adds per barrier (and would not vectorize on the CPU).
+  team.run(groups, [&](int g) {
+    float* row = lanes + (g << log2_width);
+    KV_UNROLL
+    for (int w = (1 << kOctaveRun) / 2; w >= 1; w /= 2) {
+      KV_UNROLL
+      for (int i = 0; i < w; ++i) row[i] = kv_fadd(row[i], row[i + w]);
+    }
+  });
 }
 
 // n codes from `code` packed at `out` (octave_codec._pack): 4-bit words of 8 dims, or a 2-bit
@@ -175,11 +200,26 @@ KV_HOST_DEVICE void octave_code_side(const Team& team, OctaveScratch& s, int d,
     const bool negate = (uint32_t(signs[i / 32]) >> (i % 32)) & 1u;
     s.x[i] = kv_fmul(load(i), negate ? -1.0f : 1.0f);
   });
-  const int half = side.rotation_block / 2;
-  for (int stride = 1; stride <= half; stride *= 2) {
-    team.run(d / 2, [&](int p) {
-      const int q = p % half;
-      float* a = s.x + p / half * side.rotation_block + q / stride * 2 * stride + q % stride;
+  // Butterflies of stride 2^level: each run of 2 * stride values (the blocks are made of whole
+  // runs) pairs value i with value i + stride. Strides 1, 2, 4 in one step, one index per run of
+  // 8 values (the same adds in the same order per value).
+  team.run(d >> kOctaveRun, [&](int run) {
+    float* a = s.x + (run << kOctaveRun);
+    KV_UNROLL
+    for (int stride = 1; stride < (1 << kOctaveRun); stride *= 2) {
+      KV_UNROLL
+      for (int i = 0; i < (1 << kOctaveRun); ++i) {
+        if (i & stride) continue;
+        const float lo = a[i], hi = a[i + stride];
+        a[i] = kv_fadd(lo, hi);
+        a[i + stride] = kv_fsub(lo, hi);
+      }
+    }
+  });
+  for (int level = kOctaveRun; (2 << level) <= side.rotation_block; ++level) {
+    const int stride = 1 << level;
+    team.run2(d >> (level + 1), level, [&](int run, int i) {
+      float* a = s.x + (run << (level + 1)) + i;
       const float lo = a[0], hi = a[stride];
       a[0] = kv_fadd(lo, hi);
       a[stride] = kv_fsub(lo, hi);
@@ -190,13 +230,15 @@ KV_HOST_DEVICE void octave_code_side(const Team& team, OctaveScratch& s, int d,
 
   const int groups = d / side.group;
   const int width = octave_pow2_ceil(side.group);
+  const int log2_width = octave_log2(width);
+  // A side of several groups has groups of kOctaveBlock; one group may be any size.
+  const int log2_group = groups == 1 ? 30 : octave_log2(side.group);
   const auto bits_of = [&](int g) {
     return g < side.wide_groups ? kOctaveRopeBits : side.narrow_bits;
   };
-  team.run(groups * width, [&](int j) {
-    const int i = j % width;
-    const float x = i < side.group ? s.x[j / width * side.group + i] : 0.0f;
-    s.lanes[j] = kv_fmul(x, x);
+  team.run2(groups, log2_width, [&](int g, int i) {
+    const float x = i < side.group ? s.x[g * side.group + i] : 0.0f;
+    s.lanes[(g << log2_width) + i] = kv_fmul(x, x);
   });
   octave_tree_sums(team, s.lanes, groups, width);
   team.run(groups, [&](int g) {
@@ -210,15 +252,16 @@ KV_HOST_DEVICE void octave_code_side(const Team& team, OctaveScratch& s, int d,
     s.group_rms[g] = rms < kOctaveRmsFloor ? kOctaveRmsFloor : rms;  // NaN stays NaN
   });
   team.run(d, [&](int i) {
-    const int g = i / side.group;
-    const int bits = bits_of(g);
-    const float mult = bits == kOctaveRopeBits ? 46.0f : 59.0f;  // octave_codec.LUT_MULT
-    s.code[i] = octave_bucket(kv_fmul(kv_fdiv(s.x[i], s.group_rms[g]), mult), bits);
+    const int g = i >> log2_group;
+    const bool four = bits_of(g) == 4;
+    const float t = kv_fmul(kv_fdiv(s.x[i], s.group_rms[g]), four ? 46.0f : 59.0f);  // LUT_MULT
+    s.code[i] = four ? octave_bucket<4>(t) : octave_bucket<3>(t);
   });
-  team.run(groups * width, [&](int j) {
-    const int g = j / width, i = j % width;
+  team.run2(groups, log2_width, [&](int g, int i) {
     const int k = g * side.group + i;
-    s.lanes[j] = i < side.group ? kv_fmul(s.x[k], float(octave_lut(bits_of(g), s.code[k]))) : 0.0f;
+    const float term =
+        i < side.group ? kv_fmul(s.x[k], float(octave_lut(bits_of(g), s.code[k]))) : 0.0f;
+    s.lanes[(g << log2_width) + i] = term;
   });
   octave_tree_sums(team, s.lanes, groups, width);
   team.run(groups, [&](int g) {
@@ -273,11 +316,21 @@ KV_HOST_DEVICE void write_octave_side(const Team& team, OctaveScratch& s, const 
   team.run(end - used, [&](int i) { dst[used + i] = 0; });  // the codec's zero padding
 }
 
-// A team of one: every step is a plain loop (the CPU op; the CUDA kernel's replay on the host).
+// A team of one, host only: every step is a plain loop (the CPU op), its body inlined so that the
+// loop vectorizes.
 struct SerialTeam {
   template <typename Fn>
-  KV_HOST_DEVICE void run(int n, const Fn& fn) const {
+  KV_FLATTEN void run(int n, const Fn& fn) const {
+    KV_INDEPENDENT_ITERATIONS
     for (int i = 0; i < n; ++i) fn(i);
+  }
+  // fn(o, i) for o < outer, i < 2^log2_inner.
+  template <typename Fn>
+  KV_FLATTEN void run2(int outer, int log2_inner, const Fn& fn) const {
+    for (int o = 0; o < outer; ++o) {
+      KV_INDEPENDENT_ITERATIONS
+      for (int i = 0; i < (1 << log2_inner); ++i) fn(o, i);
+    }
   }
 };
 

@@ -1,6 +1,5 @@
-// The compiled packed-slot stores' glue (TurboQuant, ultraquant_4bit, Octave): validation shared by
-// the CPU and CUDA ops, and the CPU ops, which run the CUDA kernels' per-unit functions
-// (turboquant_slot.h, ultraquant_slot.h, octave_slot.h) in a loop.
+// The compiled packed-slot stores' validation (TurboQuant, ultraquant_4bit, Octave), shared by the
+// CPU ops (cpu/packed_slot_store_cpu.cpp) and the CUDA ops.
 #include "packed_slot_ops_torch.h"
 
 #include <c10/util/irange.h>
@@ -11,7 +10,6 @@
 
 #include "cache_ops_checks.h"
 #include "cache_ops_torch.h"
-#include "cpu/cpu_op_utils.h"
 
 namespace vllm_kv {
 
@@ -83,16 +81,15 @@ void check_store(const at::Tensor& key, const at::Tensor& value, const at::Tenso
   a.block_size = int(kv_cache.size(1));
 }
 
-// A CPU op's slot range check (a GPU kernel skips slots past the cache instead).
-void check_slot_range(const int64_t* slots, int64_t n, int64_t num_slots) {
-  for (const int64_t i : c10::irange(n)) {
-    TORCH_CHECK(slots[i] < num_slots,
-                "slot_mapping: expected slots < num_blocks * block_size = ", num_slots,
-                " (negative to skip a token), got slot_mapping[", i, "] = ", slots[i]);
+}  // namespace
+
+void check_slot_range(const PackedStoreArgs& a) {
+  for (const int64_t i : c10::irange(a.num_tokens)) {
+    TORCH_CHECK(a.slot_mapping[i] < a.num_slots,
+                "slot_mapping: expected slots < num_blocks * block_size = ", a.num_slots,
+                " (negative to skip a token), got slot_mapping[", i, "] = ", a.slot_mapping[i]);
   }
 }
-
-}  // namespace
 
 TurboQuantWriteArgs prepare_turboquant_store(const at::Tensor& key, const at::Tensor& value,
                                              const at::Tensor& kv_cache,
@@ -202,73 +199,4 @@ OctaveWriteArgs prepare_octave_store(const at::Tensor& key, const at::Tensor& va
   return a;
 }
 
-namespace {
-
-void turboquant_store_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
-                          const at::Tensor& slot_mapping,
-                          const std::optional<at::Tensor>& key_norms,
-                          const std::optional<at::Tensor>& midpoints, int64_t key_bits,
-                          int64_t value_bits) {
-  check_cpu(kv_cache, "kv_cache");
-  const TurboQuantWriteArgs a = prepare_turboquant_store(
-      key, value, kv_cache, slot_mapping, key_norms, midpoints, key_bits, value_bits);
-  check_slot_range(a.slot_mapping, a.num_tokens, a.num_slots);
-  const bool key_fp8 = a.key_bits == kTurboQuantFp8KeyBits;
-  dispatch_turboquant_types(key_fp8, a.value_type, [&](auto ks, auto vs) {
-    at::parallel_for(0, a.num_tokens * a.num_heads, 64, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        write_turboquant_slot<decltype(ks)::value, decltype(vs)::value>(a, i / a.num_heads,
-                                                                        int(i % a.num_heads));
-      }
-    });
-  });
-}
-
-void ultraquant_store_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
-                          const at::Tensor& slot_mapping, double constant_c) {
-  check_cpu(kv_cache, "kv_cache");
-  const UltraQuantWriteArgs a =
-      prepare_ultraquant_store(key, value, kv_cache, slot_mapping, constant_c);
-  check_slot_range(a.slot_mapping, a.num_tokens, a.num_slots);
-  const int units = ultraquant_units(a.head_dim);
-  dispatch_source_type(a.value_type, [&](auto vs) {
-    at::parallel_for(0, a.num_tokens * a.num_heads, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        for (int unit = 0; unit < units; ++unit) {
-          write_ultraquant_unit<decltype(vs)::value>(a, i / a.num_heads, int(i % a.num_heads),
-                                                     unit);
-        }
-      }
-    });
-  });
-}
-
-void octave_cache_store_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& cache,
-                            const at::Tensor& slot_mapping, const at::Tensor& k_signs,
-                            const at::Tensor& v_signs, int64_t fmt) {
-  check_cpu(cache, "cache");
-  const OctaveWriteArgs a =
-      prepare_octave_store(key, value, cache, slot_mapping, k_signs, v_signs, fmt);
-  check_slot_range(a.slot_mapping, a.num_tokens, a.num_slots);
-  dispatch_source_type(a.value_type, [&](auto vs) {
-    at::parallel_for(
-        0, a.num_tokens * a.num_heads * kOctaveSides, 16, [&](int64_t begin, int64_t end) {
-          OctaveScratch scratch;
-          for (int64_t i = begin; i < end; ++i) {
-            const int64_t slot = i / kOctaveSides;
-            write_octave_side<decltype(vs)::value>(SerialTeam{}, scratch, a, slot / a.num_heads,
-                                                   int(slot % a.num_heads), int(i % kOctaveSides));
-          }
-        });
-  });
-}
-
-}  // namespace
 }  // namespace vllm_kv
-
-TORCH_LIBRARY_IMPL(_C, CPU, m) { m.impl("octave_cache_store", &vllm_kv::octave_cache_store_cpu); }
-
-TORCH_LIBRARY_IMPL(_C_cache_ops, CPU, m) {
-  m.impl("turboquant_store", &vllm_kv::turboquant_store_cpu);
-  m.impl("ultraquant_store", &vllm_kv::ultraquant_store_cpu);
-}

@@ -31,6 +31,10 @@ UltraQuantWriteArgs prepare_ultraquant_store(const at::Tensor& key, const at::Te
                                              const at::Tensor& kv_cache,
                                              const at::Tensor& slot_mapping, double constant_c);
 
+// A CPU op's slot range check (a GPU kernel skips slots past the cache instead): every slot of
+// a.slot_mapping below a.num_slots.
+void check_slot_range(const PackedStoreArgs& a);
+
 // Checks octave_cache_store's arguments (upstream's op): key and value [N, H, D] of one type
 // (fp32 / fp16 / bf16, rows contiguous, D a multiple of 64 up to kOctaveMaxHeadDim), cache
 // (num_blocks, H, block_size, slot bytes) uint8 with contiguous slots (block K's rotary dims are

@@ -53,10 +53,18 @@ struct WarpTeam {
     for (int i = lane; i < n; i += kWarp) fn(i);
     __syncwarp();
   }
+  template <typename Fn>
+  __device__ void run2(int outer, int log2_inner, const Fn& fn) const {
+    const int mask = (1 << log2_inner) - 1;
+    for (int i = lane; i < (outer << log2_inner); i += kWarp) fn(i >> log2_inner, i & mask);
+    __syncwarp();
+  }
 };
 
+// At least 4 blocks per SM (at most 128 registers a thread): without that bound ptxas spills a few
+// registers on sm_80 / sm_90 (its allocation, not a shortage: the kernel uses fewer).
 template <SourceType VS>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 4)
     octave_store_kernel(const __grid_constant__ OctaveWriteArgs a) {
   __shared__ OctaveScratch scratch[kOctaveWarps];
   const int warp = int(threadIdx.x) / kWarp;

@@ -27,12 +27,23 @@ struct ReversedLanesTeam {
       for (int i = lane; i < n; i += 32) fn(i);
     }
   }
+  template <typename Fn>
+  void run2(int outer, int log2_inner, const Fn& fn) const {
+    const int mask = (1 << log2_inner) - 1;
+    run(outer << log2_inner, [&](int i) { fn(i >> log2_inner, i & mask); });
+  }
 };
 
 struct BackwardsTeam {
   template <typename Fn>
   void run(int n, const Fn& fn) const {
     for (int i = n - 1; i >= 0; --i) fn(i);
+  }
+  template <typename Fn>
+  void run2(int outer, int log2_inner, const Fn& fn) const {
+    for (int o = outer - 1; o >= 0; --o) {
+      for (int i = (1 << log2_inner) - 1; i >= 0; --i) fn(o, i);
+    }
   }
 };
 
