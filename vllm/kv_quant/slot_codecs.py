@@ -5,9 +5,10 @@ TurboQuant, UltraQuant and Octave do not store a K side and a V side (the per-si
 ``slot_bytes`` bytes holding both, with its scales inside. :func:`slot_codec` gives the
 reference codec of such a format for one head size: ``encode(key, value) -> slots`` and
 ``decode(slots) -> (key, value)`` in the original (unrotated) domain, in fp32. The compiled
-writers of TurboQuant and UltraQuant are the extension's own ops (:mod:`vllm._packed_cache_ops`);
-Octave has none. The compiled reader (:mod:`vllm._packed_attention_ops`) reads every one of them
-with its :class:`SlotReader`: keys in their rotated frame, against a query rotated the same way.
+writers are the extension's own ops (:func:`compiled_store_op`; Octave's is upstream's
+``_C::octave_cache_store``). The compiled reader (:mod:`vllm._packed_attention_ops`) reads
+every one of them with its :class:`SlotReader`: keys in their rotated frame, against a query
+rotated the same way.
 
 Octave's block K depends on the model's rotary dims: the ones registered for the head size
 (:func:`vllm.kv_quant.octave.register_rope_dim`, as a model does), else the caller's
