@@ -13,6 +13,7 @@ a power of two runs padded with zeros to the next one (the codec pads V's sums t
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -201,6 +202,14 @@ def _octave_store_kernel(
         tl.store(base + used + pad, tl.zeros([8], tl.uint8), mask=pad < SLOT - used)
 
 
+@functools.cache
+def _tables(head_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ±1 pattern and the codebooks (3-bit, then 4-bit) on ``device``, built once (a launch
+    would otherwise copy them to the GPU every step)."""
+    codebooks = torch.tensor(LUT[3] + LUT[4], dtype=torch.float32, device=device)
+    return signs(head_size, device), codebooks
+
+
 def _launch(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -217,8 +226,7 @@ def _launch(
         value.float().reshape(n * h, d).contiguous(),
         cache,
         slot_mapping.to(torch.int64).contiguous(),
-        signs(d, cache.device),
-        torch.tensor(LUT[3] + LUT[4], dtype=torch.float32, device=cache.device),
+        *_tables(d, cache.device),
         cache.stride(0),
         cache.stride(1),
         cache.stride(2),
