@@ -53,6 +53,26 @@ KV_HOST_DEVICE void turboquant_put_fp16(uint8_t* dst, float x) {
   dst[1] = uint8_t(bits >> 8);
 }
 
+// 1 where the Lloyd-Max key y is at or above midpoint m: a key's code is the number of midpoints it
+// is at or above (searchsorted, right side); a NaN is above none, code 0.
+KV_HOST_DEVICE uint32_t turboquant_at_or_above(float y, float midpoint) {
+  return midpoint <= y ? 1u : 0u;
+}
+
+// The value's uniform step over [lo, hi] in `levels` steps, floored.
+KV_HOST_DEVICE float turboquant_value_scale(float lo, float hi, int levels) {
+  const float scale = kv_fdiv(kv_fsub(hi, lo), float(levels));
+  return scale > kTurboQuantValueScaleFloor ? scale : kTurboQuantValueScaleFloor;
+}
+
+// trunc((v - lo) / scale + 0.5) clamped to [0, levels]; finite rows stay within. Branch-free, so
+// loops over it vectorize.
+KV_HOST_DEVICE uint32_t turboquant_value_code(float v, float lo, float scale, int levels) {
+  const float t = kv_fadd(kv_fdiv(kv_fsub(v, lo), scale), 0.5f);
+  const float clamped = t < float(levels) ? t : float(levels);
+  return uint32_t(clamped > 0.0f ? int(clamped) : 0);
+}
+
 // Writes the slot of (token, head). KS: element type of the key rows (fp32 for Lloyd-Max keys,
 // whose rows are y); VS: the value's. Values are assumed finite, as the codec assumes.
 template <SourceType KS, SourceType VS>
@@ -75,7 +95,7 @@ KV_HOST_DEVICE void write_turboquant_slot(const TurboQuantWriteArgs& a, int64_t 
       // The number of midpoints <= y (searchsorted, right side); a NaN compares false: code 0.
       const float y = SourceTraits<KS>::to_float(key[i]);
       uint32_t code = 0;
-      for (int m = 0; m < num_mid; ++m) code += a.midpoints[m] <= y ? 1u : 0u;
+      for (int m = 0; m < num_mid; ++m) code += turboquant_at_or_above(y, a.midpoints[m]);
       turboquant_push_code(dst, word, code, i % kTurboQuantCodeGroup, a.key_bits);
     }
     turboquant_put_fp16(dst, a.key_norms[token * a.num_heads + head]);
@@ -84,24 +104,22 @@ KV_HOST_DEVICE void write_turboquant_slot(const TurboQuantWriteArgs& a, int64_t 
 
   const ValueT* value = static_cast<const ValueT*>(a.value) + token * a.value_token_stride +
                         head * a.value_head_stride;
+  // The first of equal extremes wins (torch's amin / amax): -0.0 and +0.0 differ in the stored lo.
   float lo = SourceTraits<VS>::to_float(value[0]);
   float hi = lo;
   for (int i = 1; i < d; ++i) {
     const float v = SourceTraits<VS>::to_float(value[i]);
-    lo = fminf(lo, v);
-    hi = fmaxf(hi, v);
+    lo = v < lo ? v : lo;
+    hi = v > hi ? v : hi;
   }
   const int levels = (1 << a.value_bits) - 1;
-  float scale = kv_fdiv(kv_fsub(hi, lo), float(levels));
-  scale = scale > kTurboQuantValueScaleFloor ? scale : kTurboQuantValueScaleFloor;
+  const float scale = turboquant_value_scale(lo, hi, levels);
   uint32_t word = 0;
   KV_NO_UNROLL
   for (int i = 0; i < d; ++i) {
-    const float v = SourceTraits<VS>::to_float(value[i]);
-    // trunc((v - lo) / scale + 0.5) clamped to [0, levels]; finite rows stay within.
-    const float t = fminf(kv_fadd(kv_fdiv(kv_fsub(v, lo), scale), 0.5f), float(levels));
-    const int code = t > 0.0f ? int(t) : 0;
-    turboquant_push_code(dst, word, uint32_t(code), i % kTurboQuantCodeGroup, a.value_bits);
+    const uint32_t code =
+        turboquant_value_code(SourceTraits<VS>::to_float(value[i]), lo, scale, levels);
+    turboquant_push_code(dst, word, code, i % kTurboQuantCodeGroup, a.value_bits);
   }
   turboquant_put_fp16(dst, scale);
   turboquant_put_fp16(dst + 2, lo);

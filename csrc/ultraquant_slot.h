@@ -42,13 +42,41 @@ KV_HOST_DEVICE int ultraquant_scale_exponent(float s_raw) {
   return e < kUltraQuantMaxExp ? e : kUltraQuantMaxExp;
 }
 
+// Midpoint m (in [0, 14)) of the 15 sorted levels -6 .. -0.5, 0, 0.5 .. 6 (signed E2M1 values).
+KV_HOST_DEVICE constexpr float ultraquant_midpoint(int m) {
+  const int k = m < 7 ? 6 - m : m - 7;  // the magnitude's index: 0.25, 0.75, ..., 5
+  const float magnitude =
+      k < 4 ? 0.25f + 0.5f * float(k) : (k == 4 ? 2.5f : (k == 5 ? 3.5f : 5.0f));
+  return m < 7 ? -magnitude : magnitude;
+}
+
+constexpr int kUltraQuantMidpoints = 14;
+
+// The E2M1 code of the level of sorted index idx: -6 .. -0.5 are codes 15 .. 9; 0 .. 6: 0 .. 7.
+// Int is int, or a vector of lanes on the CPU.
+template <typename Int>
+KV_HOST_DEVICE Int ultraquant_code_of_index(Int idx) {
+  return idx < 7 ? 15 - idx : idx - 7;
+}
+
 // The E2M1 code of t: its index among the 15 sorted levels is the number of midpoints below t
 // (a tie takes the lower level, as torch.bucketize), then the sorted index's code.
 KV_HOST_DEVICE uint8_t ultraquant_code(float t) {
-  const int idx = (t > -5.0f) + (t > -3.5f) + (t > -2.5f) + (t > -1.75f) + (t > -1.25f) +
-                  (t > -0.75f) + (t > -0.25f) + (t > 0.25f) + (t > 0.75f) + (t > 1.25f) +
-                  (t > 1.75f) + (t > 2.5f) + (t > 3.5f) + (t > 5.0f);
-  return uint8_t(idx < 7 ? 15 - idx : idx - 7);  // -6 .. -0.5 are codes 15 .. 9; 0 .. 6: 0 .. 7
+  int idx = 0;
+  KV_UNROLL
+  for (int m = 0; m < kUltraQuantMidpoints; ++m) idx += t > ultraquant_midpoint(m) ? 1 : 0;
+  return uint8_t(ultraquant_code_of_index(idx));
+}
+
+// The scale exponent of a group from its largest magnitude and whether all its values are finite;
+// below kUltraQuantMinExp (the group is stored as zero codes and scale byte 0) for a NaN or Inf
+// value, or an s_raw that is 0 or overflows.
+KV_HOST_DEVICE int ultraquant_group_exponent(float amax, bool finite, float constant_c) {
+  const float s_raw = kv_fmul(amax, constant_c);
+  if (!finite || !(s_raw > 0.0f) || (float_as_bits(s_raw) & 0x7F800000u) == 0x7F800000u) {
+    return kUltraQuantMinExp - 1;
+  }
+  return ultraquant_scale_exponent(s_raw);
 }
 
 // Quantizes one group of 32 values (load(i) widens element i to fp32) into 16 code bytes and its
@@ -64,13 +92,12 @@ KV_HOST_DEVICE void ultraquant_group(const Load& load, float constant_c, uint8_t
     finite = finite && (float_as_bits(v) & 0x7F800000u) != 0x7F800000u;
     amax = fmaxf(amax, fabsf(v));
   }
-  const float s_raw = kv_fmul(amax, constant_c);
-  if (!finite || !(s_raw > 0.0f) || (float_as_bits(s_raw) & 0x7F800000u) == 0x7F800000u) {
+  const int e = ultraquant_group_exponent(amax, finite, constant_c);
+  if (e < kUltraQuantMinExp) {
     for (int j = 0; j < kUltraQuantGroup / 2; ++j) codes[j] = 0;
     *scale_byte = 0;
     return;
   }
-  const int e = ultraquant_scale_exponent(s_raw);
   const float scale = bits_as_float(uint32_t(e + kUltraQuantBias) << 23);
   KV_NO_UNROLL
   for (int j = 0; j < kUltraQuantGroup / 2; ++j) {

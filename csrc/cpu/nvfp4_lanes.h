@@ -6,6 +6,7 @@
 // products); the instruction set is the build's (-march), chosen at compile time. Framework-free.
 #pragma once
 
+#include <algorithm>
 #include <bit>
 #include <cstdint>
 #include <cstring>

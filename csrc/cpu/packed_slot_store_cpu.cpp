@@ -1,11 +1,12 @@
-// The CPU packed-slot stores (TurboQuant, ultraquant_4bit, Octave): the CUDA kernels' per-unit
-// functions (turboquant_slot.h, ultraquant_slot.h, octave_slot.h) in a parallel loop, after the
-// shared validation (packed_slot_ops_torch.h). Compiled with the CPU kernels' -march, so that the
-// loops of those functions vectorize.
+// The CPU packed-slot stores (TurboQuant, ultraquant_4bit, Octave) after the shared validation
+// (packed_slot_ops_torch.h), a parallel loop over slots: TurboQuant and ultraquant_4bit row at a
+// time (cpu/packed_slot_rows.h), Octave with the CUDA kernel's steps (octave_slot.h) run by one
+// worker. Compiled with the CPU kernels' -march, so that their loops vectorize.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "cpu/cpu_op_utils.h"
+#include "cpu/packed_slot_rows.h"
 #include "packed_slot_ops_torch.h"
 
 namespace vllm_kv {
@@ -24,8 +25,8 @@ void turboquant_store_cpu(const at::Tensor& key, const at::Tensor& value, at::Te
   dispatch_turboquant_types(key_fp8, a.value_type, [&](auto ks, auto vs) {
     at::parallel_for(0, a.num_tokens * a.num_heads, 64, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
-        write_turboquant_slot<decltype(ks)::value, decltype(vs)::value>(a, i / a.num_heads,
-                                                                        int(i % a.num_heads));
+        cpu::write_turboquant_slot_rows<decltype(ks)::value, decltype(vs)::value>(
+            a, i / a.num_heads, int(i % a.num_heads));
       }
     });
   });
@@ -37,14 +38,11 @@ void ultraquant_store_cpu(const at::Tensor& key, const at::Tensor& value, at::Te
   const UltraQuantWriteArgs a =
       prepare_ultraquant_store(key, value, kv_cache, slot_mapping, constant_c);
   check_slot_range(a);
-  const int units = ultraquant_units(a.head_dim);
   dispatch_source_type(a.value_type, [&](auto vs) {
     at::parallel_for(0, a.num_tokens * a.num_heads, 16, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
-        for (int unit = 0; unit < units; ++unit) {
-          write_ultraquant_unit<decltype(vs)::value>(a, i / a.num_heads, int(i % a.num_heads),
-                                                     unit);
-        }
+        cpu::write_ultraquant_slot_rows<decltype(vs)::value>(a, i / a.num_heads,
+                                                             int(i % a.num_heads));
       }
     });
   });

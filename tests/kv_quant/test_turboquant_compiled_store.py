@@ -40,6 +40,34 @@ def test_store_equals_codec(preset: str, d: int, dtype: torch.dtype) -> None:
     assert bool((cache[0, 1] == 0x5A).all())  # a slot no token names
 
 
+@pytest.mark.parametrize("preset", ["turboquant_k8v4", "turboquant_k3v4_nc"])
+@pytest.mark.parametrize("d", [40, 72, 256])
+def test_row_writer_edges(preset: str, d: int) -> None:
+    """The CPU writer codes rows in vector lanes and hands some rows to the per-value writer:
+    head sizes that are no multiple of the lanes (40, 72), value rows whose extreme is a signed
+    zero with the other zero later (the first one's sign is stored), a NaN value first or later
+    (the codec assumes finite values: those slots are only written, not compared), a huge value."""
+    cfg, (key, value, pit, midpoints) = _case(preset, d, torch.float32, seed=d, heads=4)
+    for head, (first, second) in enumerate([(0.0, -0.0), (-0.0, 0.0)]):
+        value[0, head] = torch.rand(d) + 0.5  # all positive: the minimum is a zero
+        value[0, head, 3], value[0, head, d - 2] = first, second
+        value[1, head] = -torch.rand(d) - 0.5  # all negative: the maximum is a zero
+        value[1, head, 5], value[1, head, d - 1] = first, second
+    value[0, 2, 0] = 0.0  # a zero extreme in the first position
+    value[2, 0, 0] = float("nan")
+    value[2, 1, d // 2] = float("nan")
+    value[2, 2, 7] = 3e38
+    cache = torch.zeros(2, 4, 4, cfg.slot_size_aligned, dtype=torch.uint8, device=DEVICE)
+    want = cache.clone()
+    slots = torch.tensor([0, 5, 2, 7], device=DEVICE)
+    _store(cfg, key, value, cache, slots, pit, midpoints, store=turboquant_store)
+    turboquant_write_cache(key, value, want, slots, cfg, pit, midpoints)
+    finite = torch.isfinite(value).all(-1).cpu()
+    assert int((~finite).sum()) == 2
+    block, offset = slots.cpu() // 4, slots.cpu() % 4
+    assert torch.equal(cache.cpu()[block, offset][finite], want.cpu()[block, offset][finite])
+
+
 @pytest.mark.parametrize("preset", list(TQ_PRESETS))
 def test_mixed_dtypes_and_strided_rows(preset: str) -> None:
     """A bf16 key with an fp32 value; heads spaced apart and rows read through a transpose."""
