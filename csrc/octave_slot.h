@@ -164,29 +164,45 @@ KV_HOST_DEVICE void octave_tree_sums(const Team& team, float* lanes, int groups,
   });
 }
 
-// n codes from `code` packed at `out` (octave_codec._pack): 4-bit words of 8 dims, or a 2-bit
-// plane (words of 16 dims) then a 1-bit plane (words of 32 dims).
+// Four code bytes as one little-endian word (byte b: code b), and a word stored as four bytes.
+KV_HOST_DEVICE uint32_t octave_code_word(const uint8_t* c) {
+  return uint32_t(c[0]) | uint32_t(c[1]) << 8 | uint32_t(c[2]) << 16 | uint32_t(c[3]) << 24;
+}
+
+KV_HOST_DEVICE void octave_put_word(uint8_t* out, uint32_t word) {
+  KV_UNROLL
+  for (int b = 0; b < 4; ++b) out[b] = uint8_t(word >> (8 * b));
+}
+
+// n codes (a multiple of 32) from `code` packed at `out` (octave_codec._pack), one 4-byte word
+// per index: 4-bit words of 8 dims (byte q: dim q low, dim q + 4 high), or a 2-bit plane (words
+// of 16 dims, byte b: dims 4q + b at bits 2q) then a 1-bit plane (words of 32 dims, byte b: bit 2
+// of dims 4q + b at bit q). Codes are bytes, so each word is a few whole-word operations.
 template <typename Team>
 KV_HOST_DEVICE void octave_pack(const Team& team, const uint8_t* code, int n, int bits,
                                 uint8_t* out) {
   if (bits == 4) {
-    team.run(n / 2, [&](int b) {
-      const uint8_t* c = code + b / 4 * 8 + b % 4;
-      out[b] = uint8_t(c[0] | (c[4] << 4));
+    team.run(n / 8, [&](int w) {
+      const uint8_t* c = code + 8 * w;
+      octave_put_word(out + 4 * w, octave_code_word(c) | octave_code_word(c + 4) << 4);
     });
     return;
   }
-  team.run(n / 4 + n / 8, [&](int b) {
-    int byte = 0;
-    if (b < n / 4) {
-      const uint8_t* c = code + b / 4 * 16 + b % 4;
-      for (int q = 0; q < 4; ++q) byte |= (c[4 * q] & 3) << (2 * q);
-    } else {
-      const int p = b - n / 4;
-      const uint8_t* c = code + p / 4 * 32 + p % 4;
-      for (int q = 0; q < 8; ++q) byte |= (c[4 * q] >> 2) << q;
+  team.run(n / 16, [&](int w) {
+    uint32_t word = 0;
+    KV_UNROLL
+    for (int q = 0; q < 4; ++q) {
+      word |= (octave_code_word(code + 16 * w + 4 * q) & 0x03030303u) << (2 * q);
     }
-    out[b] = uint8_t(byte);
+    octave_put_word(out + 4 * w, word);
+  });
+  team.run(n / 32, [&](int w) {
+    uint32_t word = 0;
+    KV_UNROLL
+    for (int q = 0; q < 8; ++q) {
+      word |= (octave_code_word(code + 32 * w + 4 * q) >> 2 & 0x01010101u) << q;
+    }
+    octave_put_word(out + n / 4 + 4 * w, word);
   });
 }
 
@@ -273,11 +289,24 @@ KV_HOST_DEVICE void octave_code_side(const Team& team, OctaveScratch& s, int d,
   });
 }
 
+// Codes a side with the team steps of octave_code_side (the CUDA kernel's coder; the CPU op has a
+// vector-lane one with the same operations, cpu/octave_lanes.h).
+struct OctaveTeamCoder {
+  template <typename Team, typename Load, typename PutScale>
+  KV_HOST_DEVICE void operator()(const Team& team, OctaveScratch& s, int d, const OctaveSide& side,
+                                 const int32_t* signs, const Load& load,
+                                 const PutScale& put_scale) const {
+    octave_code_side(team, s, d, side, signs, load, put_scale);
+  }
+};
+
 // Writes side `side` (0: K, 1: V) of (token, head)'s slot with `team` (all its workers call it
-// with the same arguments). VS: the key's and value's element type.
-template <SourceType VS, typename Team>
+// with the same arguments), its codes and scales by `code_side`. VS: the key's and value's
+// element type.
+template <SourceType VS, typename Team, typename Coder = OctaveTeamCoder>
 KV_HOST_DEVICE void write_octave_side(const Team& team, OctaveScratch& s, const OctaveWriteArgs& a,
-                                      int64_t token, int head, int side) {
+                                      int64_t token, int head, int side,
+                                      const Coder& code_side = Coder{}) {
   using T = typename SourceTraits<VS>::Storage;
   uint8_t* dst = packed_slot(a, token, head);
   if (dst == nullptr) return;
@@ -294,7 +323,7 @@ KV_HOST_DEVICE void write_octave_side(const Team& team, OctaveScratch& s, const 
     const OctaveSide k = a.compact ? OctaveSide{d, d, 0, kOctaveNopeBits}
                                    : OctaveSide{kOctaveBlock, kOctaveBlock,
                                                 a.rope_dim / kOctaveBlock, kOctaveNopeBits};
-    octave_code_side(
+    code_side(
         team, s, d, k, a.key_signs, [&](int i) { return SourceTraits<VS>::to_float(row[i]); },
         [&](int g, uint16_t bits) { put(scales + 2 * g, bits); });
     const int wide = a.compact ? 0 : a.rope_dim;
@@ -306,7 +335,7 @@ KV_HOST_DEVICE void write_octave_side(const Team& team, OctaveScratch& s, const 
       static_cast<const T*>(a.value) + token * a.value_token_stride + head * a.value_head_stride;
   const int block = (d & (d - 1)) == 0 ? d : kOctaveBlock;  // octave_codec.v_block
   const int k_scales = octave_num_k_scales(d, a.compact);
-  octave_code_side(
+  code_side(
       team, s, d, OctaveSide{block, d, 0, a.value_bits}, a.value_signs,
       [&](int i) { return SourceTraits<VS>::to_float(row[i]); },
       [&](int, uint16_t bits) { put(scales + 2 * k_scales, bits); });

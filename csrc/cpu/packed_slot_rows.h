@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "cpu/nvfp4_lanes.h"
+#include "cpu/packed_lanes.h"
 #include "turboquant_slot.h"
 #include "ultraquant_slot.h"
 
@@ -37,40 +37,6 @@ inline void pack_code_stream(const uint8_t* codes, int n, uint8_t* dst) {
   }
 }
 
-using I32v = Vec<int32_t>;
-
-// kLanes elements of type S widened to fp32.
-template <SourceType S>
-inline F32v load_lanes(const typename SourceTraits<S>::Storage* x) {
-  float widened[kLanes];
-  for (int i = 0; i < kLanes; ++i) widened[i] = SourceTraits<S>::to_float(x[i]);
-  F32v v;
-  std::memcpy(&v, widened, sizeof(v));
-  return v;
-}
-
-// The low byte of each lane, kLanes bytes.
-inline void store_lane_bytes(U32v lanes, uint8_t* dst) {
-#if defined(__AVX512F__)
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
-                   _mm512_maskz_cvtepi32_epi8(0xFFFF, std::bit_cast<__m512i>(lanes)));
-#else
-  for (int l = 0; l < kLanes; ++l) dst[l] = uint8_t(lanes[l]);
-#endif
-}
-
-// 4-bit codes in lanes, two per byte (lane 2j in byte j's low nibble): kLanes / 2 bytes.
-inline void store_nibble_pairs(U32v codes, uint8_t* dst) {
-  const U64v pairs = std::bit_cast<U64v>(codes);  // lane 2j low, lane 2j + 1 high
-  const U64v bytes = pairs | (pairs >> 28);
-#if defined(__AVX512F__)
-  _mm_storel_epi64(reinterpret_cast<__m128i*>(dst),
-                   _mm512_maskz_cvtepi64_epi8(0xFF, std::bit_cast<__m512i>(bytes)));
-#else
-  for (int j = 0; j < kLanes / 2; ++j) dst[j] = uint8_t(bytes[j]);
-#endif
-}
-
 // Lane codes at value i of a chunk: 4-bit ones straight into the chunk's bytes (`nibbles`, the
 // stream of 4-bit codes), others into `codes` for pack_code_stream.
 inline void store_codes(U32v code, int bits, int i, uint8_t* codes, uint8_t* nibbles) {
@@ -79,33 +45,6 @@ inline void store_codes(U32v code, int bits, int i, uint8_t* codes, uint8_t* nib
   } else {
     store_lane_bytes(code, codes + i);
   }
-}
-
-// The largest lane, and all lanes or-ed.
-inline uint32_t lanes_max(U32v v) {
-  uint32_t m = v[0];
-  for (int l = 1; l < kLanes; ++l) m = v[l] > m ? v[l] : m;
-  return m;
-}
-
-inline uint32_t lanes_or(U32v v) {
-  uint32_t m = 0;
-  for (int l = 0; l < kLanes; ++l) m |= v[l];
-  return m;
-}
-
-// count + 1 in the lanes where x > threshold (kAtOrAbove: x >= threshold); a NaN lane is neither.
-template <bool kAtOrAbove>
-inline I32v count_above(I32v count, F32v x, float threshold) {
-#if defined(__AVX512F__)
-  constexpr int kPredicate = kAtOrAbove ? _CMP_GE_OQ : _CMP_GT_OQ;
-  const __mmask16 above =
-      _mm512_cmp_ps_mask(std::bit_cast<__m512>(x), _mm512_set1_ps(threshold), kPredicate);
-  const __m512i c = std::bit_cast<__m512i>(count);
-  return std::bit_cast<I32v>(_mm512_mask_sub_epi32(c, above, c, _mm512_set1_epi32(-1)));
-#else
-  return count - (kAtOrAbove ? x >= threshold : x > threshold);  // lanes of -1 where true
-#endif
 }
 
 // Whether the row writer takes a head size: whole vectors of lanes.
@@ -166,9 +105,8 @@ inline void write_turboquant_slot_rows(const TurboQuantWriteArgs& a, int64_t tok
       const int n = d - start < kPackedRowChunk ? d - start : kPackedRowChunk;
       for (int i = 0; i < n; i += kLanes) {
         const F32v y = load_lanes<KS>(key + start + i);
-        I32v code{};
-        // turboquant_at_or_above, lane by lane.
-        for (int m = 0; m < num_mid; ++m) code = count_above<true>(code, y, a.midpoints[m]);
+        // turboquant_at_or_above summed over the midpoints, lane by lane.
+        const I32v code = count_above_sorted<Above::kAtOrAbove>(y, a.midpoints, num_mid);
         store_codes(std::bit_cast<U32v>(code), a.key_bits, i, codes, dst + start / 2);
       }
       if (a.key_bits != 4) pack_code_stream<3>(codes, n, dst + start * 3 / 8);
@@ -201,6 +139,12 @@ template <SourceType S>
 inline void ultraquant_group_row(const typename SourceTraits<S>::Storage* src, float constant_c,
                                  uint8_t* codes, uint8_t* scale_byte) {
   constexpr int kVectors = kUltraQuantGroup / kLanes;
+  static constexpr float kMidpoints[kUltraQuantMidpoints] = {
+      ultraquant_midpoint(0),  ultraquant_midpoint(1),  ultraquant_midpoint(2),
+      ultraquant_midpoint(3),  ultraquant_midpoint(4),  ultraquant_midpoint(5),
+      ultraquant_midpoint(6),  ultraquant_midpoint(7),  ultraquant_midpoint(8),
+      ultraquant_midpoint(9),  ultraquant_midpoint(10), ultraquant_midpoint(11),
+      ultraquant_midpoint(12), ultraquant_midpoint(13)};
   F32v x[kVectors];
   U32v amax_bits{};  // of finite values, the largest magnitude's bits: the largest bits
   U32v nonfinite{};
@@ -223,10 +167,7 @@ inline void ultraquant_group_row(const typename SourceTraits<S>::Storage* src, f
       bits_as_float(e < kUltraQuantMaxExp ? uint32_t(kUltraQuantBias - e) << 23 : 0x00400000u);
   for (int k = 0; k < kVectors; ++k) {
     const F32v t = x[k] * inverse_scale;  // ultraquant_code lane by lane
-    I32v idx{};
-    for (int m = 0; m < kUltraQuantMidpoints; ++m) {
-      idx = count_above<false>(idx, t, ultraquant_midpoint(m));
-    }
+    const I32v idx = count_above_sorted<Above::kGreater>(t, kMidpoints, kUltraQuantMidpoints);
     store_nibble_pairs(std::bit_cast<U32v>(ultraquant_code_of_index(idx)),
                        codes + k * (kLanes / 2));
   }

@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include "cpu/cpu_op_utils.h"
+#include "cpu/octave_lanes.h"
 #include "cpu/packed_slot_rows.h"
 #include "packed_slot_ops_torch.h"
 
@@ -62,7 +63,8 @@ void octave_cache_store_cpu(const at::Tensor& key, const at::Tensor& value, at::
           for (int64_t i = begin; i < end; ++i) {
             const int64_t slot = i / kOctaveSides;
             write_octave_side<decltype(vs)::value>(SerialTeam{}, scratch, a, slot / a.num_heads,
-                                                   int(slot % a.num_heads), int(i % kOctaveSides));
+                                                   int(slot % a.num_heads), int(i % kOctaveSides),
+                                                   cpu::OctaveLaneCoder{});
           }
         });
   });

@@ -1,9 +1,11 @@
 // Torch-free check of the CPU row writers of TurboQuant and ultraquant_4bit slots
-// (csrc/cpu/packed_slot_rows.h) against the per-value writers the CUDA kernels run
-// (turboquant_slot.h, ultraquant_slot.h), byte for byte, for the instruction set this file is
+// (csrc/cpu/packed_slot_rows.h) and of Octave's lane coder (csrc/cpu/octave_lanes.h) against the
+// per-value writers and team steps the CUDA kernels run (turboquant_slot.h, ultraquant_slot.h,
+// octave_slot.h), byte for byte, for the instruction set this file is
 // compiled for (tools/check_cpu_kernels.sh builds it for AVX-512, AVX2 and SSE2): every key and
 // value bit width, fp32 / fp16 / bf16 sources, head sizes that are and are not whole vectors,
-// random rows and adversarial ones (signed-zero extremes in either order, NaN first and later,
+// Octave's block, compact and 3- / 4-bit value formats with 0 to all rotary dims; random rows and
+// adversarial ones (signed-zero extremes in either order, NaN first and later,
 // Inf, constant rows, values on the decision boundaries, subnormals, scales at both ends of
 // UE8M0's range, 2^-126 and 2^127).
 //
@@ -14,6 +16,7 @@
 #include <random>
 #include <vector>
 
+#include "cpu/octave_lanes.h"
 #include "cpu/packed_slot_rows.h"
 
 namespace {
@@ -191,6 +194,48 @@ bool check_ultraquant(int d, float constant_c, std::mt19937& rng) {
   return ok;
 }
 
+template <SourceType S>
+bool check_octave(int d, int rope_dim, int value_bits, bool compact, std::mt19937& rng) {
+  const float edges[] = {0.0f, 1e-20f, -3.5f, 1e30f, 2.0f, -0.0f, 7.0f};
+  std::vector<float> key = make_rows(d, 1.0f, rng, edges, 7);
+  const std::vector<float> value = make_rows(d, 2.0f, rng, edges, 7);
+  for (size_t i = 0; i < key.size(); i += 37) key[i] *= 40.0f;  // outlier channels
+  const auto key_source = as_source<S>(key);
+  const auto value_source = as_source<S>(value);
+  std::vector<int32_t> signs(d / 32);
+  for (int32_t& w : signs) w = int32_t(rng());
+  const int slot_bytes = octave_slot_bytes(d, rope_dim, value_bits, compact);
+  std::vector<uint8_t> want(size_t(kTokens) * kHeads * slot_bytes, 0x5A), got = want;
+  const std::vector<int64_t> slots = slot_order();
+  OctaveWriteArgs a{};
+  a.value = value_source.data();
+  a.key = key_source.data();
+  a.value_type = S;
+  a.key_signs = a.value_signs = signs.data();
+  a.rope_dim = rope_dim;
+  a.value_bits = value_bits;
+  a.compact = compact;
+  OctaveScratch scratch;
+  const auto run = [&](uint8_t* cache, auto coder) {
+    set_geometry(a, d, slot_bytes, slots, cache);
+    for (int t = 0; t < kTokens; ++t) {
+      for (int h = 0; h < kHeads; ++h) {
+        for (int side = 0; side < kOctaveSides; ++side) {
+          write_octave_side<S>(SerialTeam{}, scratch, a, t, h, side, coder);
+        }
+      }
+    }
+  };
+  run(want.data(), OctaveTeamCoder{});
+  run(got.data(), cpu::OctaveLaneCoder{});
+  const bool ok = want == got;
+  if (!ok) {
+    std::printf("FAILED octave d=%d rope=%d value_bits=%d%s source=%d\n", d, rope_dim, value_bits,
+                compact ? " compact" : "", int(S));
+  }
+  return ok;
+}
+
 }  // namespace
 
 int main() {
@@ -214,6 +259,20 @@ int main() {
       count(check_ultraquant<SourceType::kBFloat16>(d, c, rng));
     }
   }
-  std::printf("row writers == per-value writers: %d passed, %d failed\n", passed, failed);
+  for (const int d : {64, 128, 192, 256, 512}) {
+    for (const int value_bits : {3, 4}) {
+      for (int rope_dim = 0; rope_dim <= d; rope_dim += d / 2 >= 64 ? d / 2 / 64 * 64 : 64) {
+        count(check_octave<SourceType::kFloat32>(d, rope_dim, value_bits, false, rng));
+        count(check_octave<SourceType::kBFloat16>(d, rope_dim, value_bits, false, rng));
+      }
+    }
+    if ((d & (d - 1)) == 0) {
+      count(check_octave<SourceType::kFloat16>(d, 0, 3, true, rng));
+      count(check_octave<SourceType::kFloat32>(d, 0, 3, true, rng));
+    }
+  }
+  std::printf(
+      "row writers and lane coder == per-value writers and team steps: %d passed, %d failed\n",
+      passed, failed);
   return failed == 0 ? 0 : 1;
 }
