@@ -11,10 +11,17 @@ import pytest
 import torch
 from kv_cache_test_utils import one_group
 
+from vllm._extension import compiled_kernel
 from vllm.kv_quant import octave
 from vllm.kv_quant.formats import find_format, formats
 from vllm.kv_quant.int4_per_token_head import dequantize_int4_rows, quantize_int4_rows
-from vllm.kv_quant.slot_codecs import OCTAVE_CHECK_ROPE_DIM, is_packed, slot_codec
+from vllm.kv_quant.slot_codecs import (
+    OCTAVE_CHECK_ROPE_DIM,
+    compiled_store_op,
+    is_packed,
+    slot_codec,
+)
+from vllm.triton_utils import HAS_TRITON
 from vllm.v1.attention.backends.abstract import AttentionLayerScales
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionImpl
 from vllm.v1.attention.backends.reference import (
@@ -22,10 +29,11 @@ from vllm.v1.attention.backends.reference import (
     ReferenceAttentionImpl,
     ReferenceAttentionMetadata,
 )
-from vllm.v1.attention.backends.reference_packed import PACKED_STRIDE_ORDER
+from vllm.v1.attention.backends.reference_packed import PACKED_STRIDE_ORDER, PackedSlots
 from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
 from vllm.v1.attention.backends.turboquant_attn import TurboQuantAttentionBackend
 from vllm.v1.attention.backends.ultraquant_attn import UltraQuantAttentionBackend
+from vllm.v1.attention.ops.triton_packed_store import triton_packed_store
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.worker.gpu.attn_utils import init_layer_kv_caches
 
@@ -160,7 +168,32 @@ def test_write_is_the_codec_bytes_and_skips_negative_slots(dtype: str) -> None:
     assert torch.equal(pages[untouched], before.transpose(1, 2)[untouched])
     # The bytes above came from the format's compiled store (the extension is built here).
     assert impl._packed is not None
-    assert impl._packed._compiled_store(cache.device) is not None
+    assert impl._packed._store(cache.device) is not None
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton cannot launch kernels here")
+@pytest.mark.parametrize("dtype", PACKED)
+def test_triton_store_is_the_gpu_fallback_and_writes_the_codec_bytes(dtype: str) -> None:
+    """On a GPU the extension has no kernel for, the layer writes with the format's Triton
+    store (picked for a CUDA device here, whose extension has CPU kernels only); its bytes, run
+    here under the interpreter on CPU tensors, are the codec's, negative slots skipped."""
+    fmt = find_format(dtype)
+    packed = PackedSlots(fmt, H, D)
+    cuda = torch.device("cuda")
+    if compiled_kernel(compiled_store_op(fmt) or "", cuda) is None:
+        assert packed._store(cuda) is not None
+    gen = torch.Generator().manual_seed(3)
+    key, value = torch.randn(4, H, D, generator=gen), torch.randn(4, H, D, generator=gen)
+    cache = _cache(dtype)
+    before = cache.clone()
+    view = packed.cache_view(cache)
+    slots = torch.tensor([9, -1, 0, 30])
+    triton_packed_store(fmt, D, packed.codec.reader.rope_dim)(key, value, view, slots)
+    encoded = packed.codec.encode(key, value)
+    want = before.transpose(1, 2).clone()
+    keep = slots >= 0
+    want[slots[keep] // N, slots[keep] % N, :, : encoded.shape[-1]] = encoded[keep]
+    assert torch.equal(view, want)
 
 
 def test_int4_per_token_head_write_skips_negative_slots() -> None:

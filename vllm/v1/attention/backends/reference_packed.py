@@ -23,6 +23,7 @@ import torch
 from vllm.kv_quant.formats import KVCacheFormat
 from vllm.kv_quant.nvfp4_cache import check_slot_mapping
 from vllm.kv_quant.slot_codecs import OCTAVE_CHECK_ROPE_DIM, SlotCodec, slot_codec
+from vllm.triton_utils import HAS_TRITON
 from vllm.v1.attention.backends.reference_attend import check_codec_write
 
 if TYPE_CHECKING:  # importing it loads the extension
@@ -66,16 +67,24 @@ class PackedSlots:
         self.codec = packed_slot_codec(fmt, head_size)
         self._stores: dict[torch.device, PackedStore | None] = {}
 
-    def _compiled_store(self, device: torch.device) -> PackedStore | None:
-        """The extension's store of this format on ``device`` (None when the extension is not
-        built or has no kernel there); looked up once per device."""
+    def _store(self, device: torch.device) -> PackedStore | None:
+        """The kernel store of this format on ``device``: the extension's where it has one
+        there, else on a GPU with Triton the Triton store, else None (the codec writes); looked
+        up once per device."""
         if device not in self._stores:
+            store = None
             try:
                 from vllm._packed_cache_ops import compiled_packed_store
             except (ImportError, OSError, RuntimeError):
-                self._stores[device] = None
+                pass
             else:
-                self._stores[device] = compiled_packed_store(self.fmt, self.head_size, device)
+                store = compiled_packed_store(self.fmt, self.head_size, device)
+            if store is None and device.type == "cuda" and HAS_TRITON:
+                from vllm.v1.attention.ops.triton_packed_store import triton_packed_store
+
+                rope_dim = self.codec.reader.rope_dim
+                store = triton_packed_store(self.fmt, self.head_size, rope_dim)
+            self._stores[device] = store
         return self._stores[device]
 
     def cache_view(self, kv_cache: object) -> torch.Tensor:
@@ -109,15 +118,15 @@ class PackedSlots:
     ) -> None:
         """Encode the first ``T`` tokens of ``key`` / ``value [T_pad, H, D]`` into the slots
         ``slot_mapping [T]`` (int64; negative: skipped) of ``view`` (:meth:`cache_view`); every
-        argument is checked before the first byte is written. Uses the extension's store of
-        the format when it has one for the cache's device, else the codec (the same bytes by
-        contract)."""
+        argument is checked before the first byte is written. Uses the kernel store of the
+        format for the cache's device (:meth:`_store`) where there is one, else the codec (the
+        same bytes by contract)."""
         sizes = (self.head_size, self.head_size)
         check_codec_write(key, value, sizes, view, None)
         num_blocks, block_size = view.shape[0], view.shape[1]
         check_slot_mapping(slot_mapping, key.shape[0], num_blocks * block_size, view.device)
         n = slot_mapping.shape[0]
-        store = self._compiled_store(view.device)
+        store = self._store(view.device)
         if store is not None:
             store(key[:n], value[:n], view, slot_mapping)
             return
