@@ -16,7 +16,10 @@ from vllm.v1.attention.ops.ultraquant.reference import (
     ultraquant_dequant,
     ultraquant_encode,
 )
-from vllm.v1.attention.ops.ultraquant.triton_dequant import ultraquant_full_dequant_kv
+from vllm.v1.attention.ops.ultraquant.triton_dequant import (
+    triton_ultraquant_full_dequant_kv,
+    ultraquant_full_dequant_kv,
+)
 from vllm.v1.attention.ops.ultraquant.triton_store import ultraquant_store
 from vllm.v1.attention.ops.ultraquant.triton_unified_attention import (
     reference_unified_attention,
@@ -53,6 +56,35 @@ def test_store_bytes_and_round_trip(dtype: torch.dtype) -> None:
         assert torch.equal(k_out[0, :, p], ultraquant_dequant(rk, 64)[i].to(dtype))
         assert torch.equal(v_out[0, :, p], ultraquant_dequant(rv, 64)[i].to(dtype))
     assert k_out[0, :, 5].eq(0).all()
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton cannot launch kernels here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("d", [64, 96])
+def test_triton_full_dequant_equals_the_torch_path(dtype: torch.dtype, d: int) -> None:
+    """The GPU dequant kernel (here under the interpreter on CPU tensors) against the torch
+    path on every byte value: all codes, scale bytes 0 (zero), 1 (subnormal products), 254 and
+    255 (overflow to Inf); three requests over a shuffled block table (int32), an allocation
+    that ends inside a block, a head size whose row is no power of two, outputs with padded
+    positions (left untouched past the allocation). Not bf16 outputs: the interpreter's bf16
+    rounding is not the GPU's."""
+    gen = torch.Generator().manual_seed(d)
+    cache = torch.randint(0, 256, (7, 4, 2, slot_size(d)), generator=gen, dtype=torch.uint8)
+    scales = cache[..., d // 2 : d // 2 + d // 32]
+    scales[0, 0, 0, 0], scales[1, 1, 0, 0], scales[2, 2, 1, 0], scales[3, 0, 1, 0] = 0, 1, 254, 255
+    table = torch.tensor([[3, 0, 6], [1, 2, 5], [4, 6, 0]], dtype=torch.int32)
+    want_k = torch.full((3, 2, 12, d), 7.0, dtype=dtype)
+    want_v = want_k.clone()
+    got_k, got_v = want_k.clone(), want_v.clone()
+    ultraquant_full_dequant_kv(cache, table, want_k, want_v, alloc_len=10)
+    triton_ultraquant_full_dequant_kv(cache, table, got_k, got_v, alloc_len=10)
+    for got, want in ((got_k, want_k), (got_v, want_v)):
+        nan = want.isnan()  # code 0 under scale byte 255: 0 * Inf
+        assert torch.equal(got.isnan(), nan)
+        bits = torch.int32 if dtype == torch.float32 else torch.int16
+        assert torch.equal(got.view(bits)[~nan], want.view(bits)[~nan])  # -0.0 included
+    assert bool(got_k[:, :, 10:].eq(7).all())
+    assert bool(torch.isinf(want_k).any()) and bool((want_k == 0).any())
 
 
 def test_bad_input_writes_nothing() -> None:
