@@ -15,7 +15,7 @@ import torch
 
 from vllm.triton_utils import HAS_TRITON, tl, triton
 from vllm.triton_utils.aot import TritonCompileCase, case_from_launch
-from vllm.v1.attention.ops.triton_kv_encode import from_bits
+from vllm.v1.attention.ops.triton_kv_encode import e2m1_to_f32, from_bits
 from vllm.v1.attention.ops.ultraquant.format import (
     k_scales_offset,
     v_codes_offset,
@@ -34,18 +34,6 @@ _NUM_WARPS = 4
 
 
 @triton.jit
-def _e2m1_value(code):
-    """The value of 4-bit E2M1 ``code`` (sign bit 3; code 8 is -0.0)."""
-    m = code & 7
-    magnitude = tl.where(
-        m < 4,
-        m.to(tl.float32) * 0.5,
-        tl.where(m == 4, 2.0, tl.where(m == 5, 3.0, tl.where(m == 6, 4.0, 6.0))),
-    )
-    return tl.where((code & 8) != 0, -magnitude, magnitude)
-
-
-@triton.jit
 def _decode_side(slot, CODES: tl.constexpr, SCALES: tl.constexpr, d, mask):
     """fp32 values of one side of a slot: code ``d`` in the low (even ``d``) or high nibble of
     byte ``d // 2``, times ``2^(byte - 127)`` of its group's UE8M0 byte (its bits shifted into
@@ -53,7 +41,7 @@ def _decode_side(slot, CODES: tl.constexpr, SCALES: tl.constexpr, d, mask):
     byte = tl.load(slot + CODES + d // 2, mask=mask, other=0).to(tl.uint32)
     code = (byte >> ((d % 2) * 4).to(tl.uint32)) & 0xF
     scale_byte = tl.load(slot + SCALES + d // 32, mask=mask, other=0).to(tl.uint32)
-    return _e2m1_value(code) * from_bits(scale_byte << 23)
+    return e2m1_to_f32(code) * from_bits(scale_byte << 23)
 
 
 @triton.jit
