@@ -11,7 +11,7 @@
 #include <cstring>
 #include <utility>
 
-#include "cpu/packed_lanes.h"
+#include "cpu/writer_lanes.h"
 #include "octave_slot.h"
 
 namespace vllm_kv::cpu {

@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "cpu/packed_lanes.h"
+#include "cpu/writer_lanes.h"
 #include "turboquant_slot.h"
 #include "ultraquant_slot.h"
 

@@ -18,6 +18,7 @@
 #include "cache_kernels.h"
 #include "cache_layout.h"
 #include "cpu/nvfp4_lanes.h"
+#include "cpu/per_token_head_lanes.h"
 #include "dispatch_utils.h"
 #include "int4_per_token_head.h"
 #include "key_sink_rows.h"
@@ -362,9 +363,8 @@ void write_side(const typename SourceTraits<S>::Storage* src, int64_t src_token_
       uint8_t* cache = static_cast<uint8_t*>(side.data);
       for (int h = 0; h < num_heads; ++h) {
         const Storage* x = row + h * head_size;
-        quantize_per_token_head_row<K>([x](int j) { return SourceTraits<S>::to_float(x[j]); },
-                                       head_size,
-                                       cache + entry_offset(side, pos.block, pos.token, h));
+        quantize_per_token_head_row_lanes<K, S>(
+            x, head_size, cache + entry_offset(side, pos.block, pos.token, h));
       }
     } else if constexpr (K == CacheKind::kInt4PerTokenHead) {  // rotated, then like the above
       uint8_t* cache = static_cast<uint8_t*>(side.data);

@@ -1,6 +1,6 @@
-// Vector-lane helpers of the CPU packed-slot writers (cpu/packed_slot_rows.h, cpu/octave_lanes.h),
-// on nvfp4_lanes.h's vectors: widening loads, narrowing stores, counts of compares, reductions.
-// Framework-free, host only.
+// Vector-lane helpers of the CPU writers (cpu/packed_slot_rows.h, cpu/octave_lanes.h,
+// cpu/per_token_head_lanes.h) on nvfp4_lanes.h's vectors: widening loads, narrowing stores,
+// counts of compares, reductions. Framework-free, host only.
 #pragma once
 
 #include <bit>
