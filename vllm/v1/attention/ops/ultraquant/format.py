@@ -4,6 +4,8 @@ this module adds upstream's per-field byte counts and offsets within one slot (b
 
 from __future__ import annotations
 
+import torch
+
 from vllm.kv_quant.ultraquant import (
     DEFAULT_CONSTANT_C,
     FP4_BITS_TO_VALUE,
@@ -28,6 +30,7 @@ __all__ = [
     "MIDPOINTS_SORTED",
     "SORTED_TO_BITS",
     "UE8M0_BIAS",
+    "check_paged_cache",
     "get_constant_c",
     "get_group_size",
     "k_codes_bytes",
@@ -88,3 +91,16 @@ def v_codes_offset(head_dim: int, group_size: int | None = None) -> int:
 
 def v_scales_offset(head_dim: int, group_size: int | None = None) -> int:
     return v_codes_offset(head_dim, group_size) + v_codes_bytes(head_dim)
+
+
+def check_paged_cache(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
+    """``ValueError``/``TypeError`` unless ``kv_cache`` is a uint8 ``[num_blocks, block_size,
+    num_kv_heads, >= slot_size(head_dim)]`` page tensor."""
+    if kv_cache.dtype != torch.uint8:
+        raise TypeError(f"kv_cache: expected dtype torch.uint8, got {kv_cache.dtype}")
+    need = slot_size(head_dim)
+    if kv_cache.dim() != 4 or kv_cache.shape[2] != num_kv_heads or kv_cache.shape[3] < need:
+        raise ValueError(
+            f"kv_cache: expected [num_blocks, block_size, {num_kv_heads}, >= {need}], got "
+            f"{tuple(kv_cache.shape)}"
+        )

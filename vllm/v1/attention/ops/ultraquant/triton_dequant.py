@@ -17,12 +17,12 @@ from vllm.triton_utils import HAS_TRITON, tl, triton
 from vllm.triton_utils.aot import TritonCompileCase, case_from_launch
 from vllm.v1.attention.ops.triton_kv_encode import e2m1_to_f32, from_bits
 from vllm.v1.attention.ops.ultraquant.format import (
+    check_paged_cache,
     k_scales_offset,
     v_codes_offset,
     v_scales_offset,
 )
 from vllm.v1.attention.ops.ultraquant.reference import UltraQuantEncoded, ultraquant_dequant
-from vllm.v1.attention.ops.ultraquant.triton_store import check_paged_cache
 
 __all__ = [
     "triton_compile_cases",

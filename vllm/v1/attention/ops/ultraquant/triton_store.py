@@ -15,26 +15,13 @@ from vllm._packed_cache_ops import ultraquant_kernel_store
 from vllm.kv_quant.ultraquant import DEFAULT_CONSTANT_C
 from vllm.kv_quant.ultraquant_codec import rotate_keys
 from vllm.triton_utils import HAS_TRITON
-from vllm.v1.attention.ops.ultraquant.format import slot_size
+from vllm.v1.attention.ops.ultraquant.format import check_paged_cache
 from vllm.v1.attention.ops.ultraquant.reference import ultraquant_encode
 from vllm.v1.attention.ops.ultraquant.triton_slot_store import triton_ultraquant_store
 
 __all__ = ["ultraquant_store"]
 
 _INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def check_paged_cache(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
-    """``ValueError``/``TypeError`` unless ``kv_cache`` is a uint8 ``[num_blocks, block_size,
-    num_kv_heads, >= slot_size(head_dim)]`` page tensor."""
-    if kv_cache.dtype != torch.uint8:
-        raise TypeError(f"kv_cache: expected dtype torch.uint8, got {kv_cache.dtype}")
-    need = slot_size(head_dim)
-    if kv_cache.dim() != 4 or kv_cache.shape[2] != num_kv_heads or kv_cache.shape[3] < need:
-        raise ValueError(
-            f"kv_cache: expected [num_blocks, block_size, {num_kv_heads}, >= {need}], got "
-            f"{tuple(kv_cache.shape)}"
-        )
 
 
 def ultraquant_store(
