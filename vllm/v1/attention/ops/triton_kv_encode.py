@@ -203,14 +203,15 @@ def f32_to_e2m1(v):
 
 @triton.jit
 def e2m1_to_f32(code):
-    """E2M1 code (uint32) -> fp32; code 8 is -0.0."""
+    """E2M1 code (uint32) -> fp32; code 8 is -0.0 (the sign set as a bit: some Triton versions
+    negate as ``0 - x``, which gives +0.0)."""
     m = code & 0x7
     magnitude = tl.where(
         m < 4,
         m.to(tl.float32) * 0.5,
         tl.where(m == 4, 2.0, tl.where(m == 5, 3.0, tl.where(m == 6, 4.0, 6.0))),
     )
-    return tl.where((code & 0x8) != 0, -magnitude, magnitude)
+    return from_bits(as_bits(magnitude) | ((code & 0x8) << 28))
 
 
 @triton.jit
