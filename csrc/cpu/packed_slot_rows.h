@@ -1,8 +1,9 @@
 // Row-at-a-time CPU writers of TurboQuant and ultraquant_4bit slots. The per-value arithmetic is
 // turboquant_slot.h's and ultraquant_slot.h's (so the bytes are the CUDA kernels' and the codecs'),
-// here in loops over whole rows that the compiler vectorizes: extremes as integer reductions, codes
-// into a byte array, then packed eight codes at a time. The shared writers push one code at a
-// time, which suits a CUDA thread, not a vector unit. Framework-free, host only.
+// here in vector lanes (cpu/writer_lanes.h): extremes as integer-ordered lane reductions, codes as
+// counts of midpoints, 4-bit codes packed from lane pairs, 3-bit ones eight at a time. The shared
+// writers push one code at a time, which suits a CUDA thread, not a vector unit. Framework-free,
+// host only.
 #pragma once
 
 #include <bit>
