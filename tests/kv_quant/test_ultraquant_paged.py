@@ -107,6 +107,12 @@ def test_bad_input_writes_nothing() -> None:
         ultraquant_full_dequant_kv(cache, torch.tensor([[0]]), out, out.clone(), alloc_len=8)
     with pytest.raises(ValueError, match="k_out: expected"):
         ultraquant_full_dequant_kv(cache, torch.tensor([[0]]), out, out[..., :32], alloc_len=1)
+    # Ids out of the cache, in the columns the allocation uses (4 tokens a block).
+    for table, alloc_len in (([[1]], 4), ([[-1]], 1), ([[0, 5]], 5)):
+        with pytest.raises(ValueError, match=r"block_table: expected block ids in \[0, 1\)"):
+            ultraquant_full_dequant_kv(cache, torch.tensor(table), out, out.clone(), alloc_len)
+    assert out.eq(0).all()
+    ultraquant_full_dequant_kv(cache, torch.tensor([[0, 5]]), out, out.clone(), alloc_len=4)
 
 
 def test_unified_attention_decode_and_prefill() -> None:

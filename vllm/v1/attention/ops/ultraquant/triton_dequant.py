@@ -182,6 +182,12 @@ def ultraquant_full_dequant_kv(
         raise ValueError(
             f"block_table: expected >= {need_blocks} blocks per request, got {block_table.shape[1]}"
         )
+    used = block_table[:, :need_blocks]
+    if used.numel() and bool(((used < 0) | (used >= kv_cache.shape[0])).any()):
+        raise ValueError(
+            f"block_table: expected block ids in [0, {kv_cache.shape[0]}) in the first "
+            f"{need_blocks} columns, got {used.min().item()} .. {used.max().item()}"
+        )
     if (
         kv_cache.is_cuda
         and HAS_TRITON
