@@ -20,8 +20,12 @@ namespace vllm_kv::cpu {
 // Values coded per step of a row: a multiple of the 8-code packing group, in L1 with its codes.
 constexpr int kPackedRowChunk = 64;
 
-// fp32 bits as an int32 ordered as the floats are (-0.0 just below +0.0); an involution.
-inline int32_t ordered_float_bits(int32_t bits) { return bits ^ ((bits >> 31) & INT32_MAX); }
+// fp32 bits as an int32 ordered as the floats are (-0.0 just below +0.0); an involution. Int is
+// int32_t or a vector of them.
+template <typename Int>
+inline Int ordered_float_bits(Int bits) {
+  return bits ^ ((bits >> 31) & INT32_MAX);
+}
 
 // n codes (n a multiple of 8, each < 2^kBits) as a little-endian bit stream: code j in bits
 // [kBits * j, kBits * j + kBits), kBits bytes per 8 codes.
@@ -61,17 +65,15 @@ inline bool turboquant_row_extremes(const typename SourceTraits<VS>::Storage* ro
   I32v hi_bits = I32v{} + INT32_MIN;
   for (int i = 0; i < d; i += kLanes) {
     const I32v bits = std::bit_cast<I32v>(load_lanes<VS>(row + i));
-    const I32v ordered = bits ^ ((bits >> 31) & INT32_MAX);
+    const I32v ordered = ordered_float_bits(bits);
     const I32v number = (bits & INT32_MAX) <= int32_t(0x7F800000u);  // lanes of -1: not NaN
     lo_bits = (number & (ordered < lo_bits)) != 0 ? ordered : lo_bits;
     hi_bits = (number & (ordered > hi_bits)) != 0 ? ordered : hi_bits;
   }
-  int32_t lo_lane = INT32_MAX;
-  int32_t hi_lane = INT32_MIN;
-  for (int l = 0; l < kLanes; ++l) {
-    lo_lane = lo_bits[l] < lo_lane ? lo_bits[l] : lo_lane;
-    hi_lane = hi_bits[l] > hi_lane ? hi_bits[l] : hi_lane;
-  }
+  const int32_t lo_lane =
+      fold_lanes<kLanes>(lo_bits, [](I32v a, I32v b) { return a < b ? a : b; })[0];
+  const int32_t hi_lane =
+      fold_lanes<kLanes>(hi_bits, [](I32v a, I32v b) { return a > b ? a : b; })[0];
   lo = bits_as_float(uint32_t(ordered_float_bits(lo_lane)));
   hi = bits_as_float(uint32_t(ordered_float_bits(hi_lane)));
   return !is_nan(SourceTraits<VS>::to_float(row[0])) && lo != 0.0f && hi != 0.0f;
@@ -189,9 +191,9 @@ inline void write_ultraquant_slot_rows(const UltraQuantWriteArgs& a, int64_t tok
   uint8_t* value_side = dst + d / 2 + groups;
   for (int g = 0; g < groups; ++g) {
     ultraquant_group_row<SourceType::kFloat32>(key + g * kUltraQuantGroup, a.constant_c,
-                                               dst + g * 16, dst + d / 2 + g);
-    ultraquant_group_row<VS>(value + g * kUltraQuantGroup, a.constant_c, value_side + g * 16,
-                             value_side + d / 2 + g);
+                                               dst + g * kUltraQuantGroup / 2, dst + d / 2 + g);
+    ultraquant_group_row<VS>(value + g * kUltraQuantGroup, a.constant_c,
+                             value_side + g * kUltraQuantGroup / 2, value_side + d / 2 + g);
   }
 }
 
