@@ -1,11 +1,13 @@
 """Pure-torch reference codecs for every KV-cache byte format (FP8, NVFP4, per-token-head INT8
-and FP8, scale layouts), and the engines' KV-scale calibration (:class:`KVScaleObserver`).
+and FP8, scale layouts), and the engines' calibration (:class:`KVCacheCalibrator` for a whole
+encoding, :class:`KVScaleObserver` for the scales alone).
 
 These functions are the single source of truth for the cache formats of docs/design.md §5: compiled
 kernels (CPU and CUDA) are tested against them bit for bit. They run on the input's device.
 """
 
 from vllm.kv_quant.calibration import KVScaleObserver, kv_scale_max, kv_scales_from_amax
+from vllm.kv_quant.calibrator import KVCacheCalibrator
 from vllm.kv_quant.ds_mla_nvfp4 import NVFP4_DS_MLA  # noqa: F401  (registers it)
 from vllm.kv_quant.fp8 import (
     FP8_E4M3_MAX,
@@ -65,6 +67,7 @@ from vllm.kv_quant.ultraquant import ULTRAQUANT_4BIT  # noqa: F401  (registers i
 
 __all__ = [
     "HADAMARD",
+    "KVCacheCalibrator",
     "KeyRope",
     "KeyTransform",
     "key_sink_scale",
