@@ -16,21 +16,20 @@ forward call's keyword arguments, so ``transformers``' own attention is untouche
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import inspect
 import math
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from real_kv_samples.smollm2 import LoadedModel
 from vllm.accuracy.cache_io import allocate_cache
-from vllm.accuracy.formats import CacheFormat, compute_scales
-from vllm.kv_quant import KeyRope, KeyTransform, KVScaleObserver
-from vllm.kv_quant.calibrated import KVCacheCalibration, LayerCalibration
+from vllm.accuracy.formats import CacheFormat, parse_format
+from vllm.kv_quant import KVCacheCalibrator
+from vllm.kv_quant.calibrated import KVCacheCalibration
 from vllm.utils import check_positive_int
 from vllm.v1.attention.backends.abstract import AttentionLayerScales
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionImpl, CPUAttentionMetadata
@@ -47,48 +46,50 @@ BACKENDS: tuple[str, ...] = ("CPU_ATTN", "REFERENCE")
 backend (fp32 throughout: ``CPU_ATTN`` weights values by softmax weights rounded to bf16)."""
 
 
-class KVRecorder:
-    """Collects each layer's post-RoPE K/V (fp32 ``[T, H, D]``) and their positions as a run
-    writes them, to calibrate the scales of the quantized formats."""
+class CalibrationFeed:
+    """Hands the K/V a run writes (post-RoPE, with positions) to calibrators, layer ``i`` named
+    ``"i"``: what an engine's calibration loop does in each attention layer."""
 
-    def __init__(self, num_layers: int) -> None:
-        self._keys: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
-        self._values: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
-        self._positions: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+    def __init__(self, calibrators: Sequence[KVCacheCalibrator]) -> None:
+        self.calibrators = list(calibrators)
 
     def observe(
         self, layer: int, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor
     ) -> None:
-        """Record ``key`` / ``value [T, H, D]`` of tokens at ``positions [T]``."""
-        self._keys[layer].append(key.detach().to(torch.float32).clone())
-        self._values[layer].append(value.detach().to(torch.float32).clone())
-        self._positions[layer].append(positions.detach().to(torch.int64).clone())
+        for calibrator in self.calibrators:
+            calibrator.observe(str(layer), key, value, positions)
 
-    def calibrate(self, fmt: CacheFormat, rope: KeyRope | None = None) -> KVCacheCalibration:
-        """``fmt``'s calibration (layers ``"0"``, ``"1"``, ...) from everything observed: with
-        ``+prerope`` keys are stored before ``rope`` (the model's, bound into the encoding);
-        the key offset (with ``+offset``) is the mean key (pre-RoPE with ``+prerope``) per
-        head and channel (:meth:`~vllm.kv_quant.KVScaleObserver.key_mean`), and the scales
-        follow the check's rule (:func:`~vllm.accuracy.formats.compute_scales`: ``amax / MAX``
-        per tensor or per head) on the keys as the writer receives them (offset and rotated)."""
-        if fmt.key_prerope and rope is None:
-            raise ValueError(f"rope: expected the model's RoPE for {fmt.name}, got None")
-        encoding = fmt.encoding.with_rope(rope if fmt.key_prerope else None)
-        layers = zip(self._keys, self._values, self._positions, strict=True)
-        calibrated = {}
-        for index, (keys, values, positions) in enumerate(layers):
-            if not keys:
-                raise ValueError("recorder: expected K/V observed for every layer, got none")
-            key, value, position = torch.cat(keys), torch.cat(values), torch.cat(positions)
-            transform = KeyTransform.bind(encoding.key, rope if fmt.key_prerope else None)
-            if fmt.key_offset:
-                observer = KVScaleObserver()
-                unroped = transform.rope.unrotate(key, position) if transform.rope else key
-                observer.observe(unroped, value)
-                transform = dataclasses.replace(transform, offset=observer.key_mean())
-            k_scale, v_scale = compute_scales(transform.stored_key(key, position), value, fmt)
-            calibrated[str(index)] = LayerCalibration(k_scale, v_scale, transform.offset)
-        return KVCacheCalibration(encoding, calibrated)
+
+def calibrate_formats(
+    lm: LoadedModel, formats: Sequence[CacheFormat], sequences: Sequence[torch.Tensor], chunk: int
+) -> dict[str, KVCacheCalibration]:
+    """Each quantized format's calibration (:class:`~vllm.kv_quant.KVCacheCalibrator`, layers
+    ``"0"``, ``"1"``, ...; keyed by format name) from the K/V of bf16 runs over ``sequences``
+    (int64 token ids, prefilled together in chunks of ``chunk`` tokens): one run per pass, every
+    format's calibrator fed by the same run; keys stored before RoPE take the model's."""
+    rope = lm.key_rope()
+    calibrators = {
+        fmt.name: KVCacheCalibrator(fmt.encoding, rope if fmt.key_prerope else None)
+        for fmt in formats
+        if fmt.is_quantized
+    }
+    longest = max((s.numel() for s in sequences), default=0)
+    while pending := [c for c in calibrators.values() if not c.done]:
+        feed = CalibrationFeed(pending)
+        run = PagedKVRun(lm, parse_format("bf16"), [s.numel() for s in sequences], observer=feed)
+        for start in range(0, longest, chunk):
+            run.step([s[start : start + chunk] for s in sequences])
+        for calibrator in pending:
+            calibrator.finish_pass()
+    return {name: c.calibration() for name, c in calibrators.items()}
+
+
+class KVObserver(Protocol):
+    """What sees every K/V a run writes (:class:`CalibrationFeed`)."""
+
+    def observe(
+        self, layer: int, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor
+    ) -> None: ...
 
 
 class PagedKVRun:
@@ -97,7 +98,7 @@ class PagedKVRun:
 
     ``capacities`` is the most tokens each sequence will hold; ``calibration`` the format's
     calibrated values per layer (layers ``"0"``, ``"1"``, ...; None: unit scales and no key
-    offset, for bf16 and the per-token-head formats); ``recorder`` sees every K/V written;
+    offset, for bf16 and the per-token-head formats); ``observer`` sees every K/V written;
     ``backend`` is one of :data:`BACKENDS`. Each layer's impl applies the encoding's key
     transform itself (keys stored before RoPE take the model's RoPE). Unwritten cache bytes
     are seeded garbage, so a read of a wrong slot shows up.
@@ -114,7 +115,7 @@ class PagedKVRun:
         fmt: CacheFormat,
         capacities: Sequence[int],
         calibration: KVCacheCalibration | None = None,
-        recorder: KVRecorder | None = None,
+        observer: KVObserver | None = None,
         backend: str = "CPU_ATTN",
         layout: str = "NHD",
         seed: int = 0,
@@ -130,7 +131,7 @@ class PagedKVRun:
             )
         self.lm = lm
         self.fmt = fmt
-        self.recorder = recorder
+        self.observer = observer
         self.seq_lens = [0] * len(capacities)
         self.capacities = list(capacities)
         pages = [math.ceil(c / BLOCK_SIZE) for c in capacities]
@@ -209,8 +210,8 @@ class PagedKVRun:
         q = query[0].transpose(0, 1).contiguous()
         k = key[0].transpose(0, 1).contiguous()
         v = value[0].transpose(0, 1).contiguous()
-        if self.recorder is not None:
-            self.recorder.observe(layer, k, v, self._positions)
+        if self.observer is not None:
+            self.observer.observe(layer, k, v, self._positions)
         impl, cache = self.impls[layer], self.caches[layer]
         out = impl.forward(self.layers[layer], q, k, v, cache, self._metadata)
         self.kv_slots_written += int(self._metadata.slot_mapping.numel())

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from real_kv_samples import smollm2
-from real_kv_samples.paged_llama import BLOCK_SIZE, KVRecorder, PagedKVRun
+from real_kv_samples.paged_llama import BLOCK_SIZE, PagedKVRun, calibrate_formats
 from real_kv_samples.smollm2 import LoadedModel
 from vllm.accuracy.formats import CacheFormat, parse_format
 from vllm.cli import args as cli_args
@@ -271,15 +271,12 @@ def shared_prefix_len(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 def calibrate(lm: LoadedModel, fmt: CacheFormat, prompts: Sequence[torch.Tensor]) -> Calibration:
-    """``fmt``'s calibrated values from the K/V of a bf16 pass over ``prompts`` (as the model
-    report calibrates, :meth:`~real_kv_samples.paged_llama.KVRecorder.calibrate`); None for the
+    """``fmt``'s calibrated values from the K/V of a bf16 pass over ``prompts`` prefilled as
+    one batch (:func:`~real_kv_samples.paged_llama.calibrate_formats`); None for the
     unquantized cache."""
     if not fmt.is_quantized:
         return None
-    recorder = KVRecorder(lm.num_layers)
-    run = PagedKVRun(lm, parse_format("bf16"), [p.numel() for p in prompts], recorder=recorder)
-    run.step(list(prompts))
-    return recorder.calibrate(fmt, lm.key_rope())
+    return calibrate_formats(lm, [fmt], prompts, max(p.numel() for p in prompts))[fmt.name]
 
 
 def shared_prefix_prompts(lm: LoadedModel) -> tuple[torch.Tensor, torch.Tensor]:

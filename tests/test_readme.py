@@ -19,28 +19,33 @@ def test_readme_python_example_runs() -> None:
 
 
 def test_readme_engine_loop_runs() -> None:
-    """The engine loop (``AttentionKVCache`` + ``KVScaleObserver``) runs as written, then the
+    """The engine loop (``AttentionKVCache`` + ``KVCacheCalibrator``) runs as written, then the
     key-options block and the pre-RoPE block that follow it, in the same namespace."""
+    from vllm.kv_quant import NVFP4_SCALE_MAX
+
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
     engine, options, pre_rope = [b for b in blocks if "AttentionKVCache" in b]
     namespace: dict[str, object] = {}
     exec(compile(engine, str(README), "exec"), namespace)
-    out = namespace["out"]
+    out, cache, k = namespace["out"], namespace["cache"], namespace["k"]
     assert isinstance(out, torch.Tensor) and out.shape == (1, 9, 64)
     assert torch.isfinite(out).all()
+    assert torch.equal(cache.k_scale, k.float().abs().amax() / NVFP4_SCALE_MAX)
     exec(compile(options, str(README), "exec"), namespace)
-    out = namespace["out"]
+    out, cache = namespace["out"], namespace["cache"]
     assert isinstance(out, torch.Tensor) and out.shape == (32, 9, 64)
-    assert torch.isfinite(out).all() and namespace["cache"].key_offset is not None
+    assert torch.isfinite(out).all() and cache.key_offset is not None
+    assert namespace["calibrator"].passes == 2 and cache.k_scale.shape == (3,)
     exec(compile(pre_rope, str(README), "exec"), namespace)
     out, cache = namespace["out"], namespace["cache"]
     assert isinstance(out, torch.Tensor) and out.shape == (1, 9, 64)
     assert torch.isfinite(out).all() and cache.key_transform.rebuilds_keys
     assert cache.key_sinks is not None and cache.key_sinks.any()
     assert cache.spec.page_size_bytes == 3648
-    serving = namespace["serving"]
-    assert torch.equal(serving.key_offset, cache.key_offset)
-    assert torch.equal(serving.k_scale, cache.k_scale) and serving.encoding == cache.encoding
+    calibrated = namespace["calibrator"].calibration()
+    values = calibrated.layers["layers.0"]
+    assert torch.equal(cache.key_offset, values.key_offset)
+    assert torch.equal(cache.k_scale, values.k_scale) and cache.encoding == calibrated.encoding
 
 
 def test_model_setup_is_one_command_that_ci_runs_as_written() -> None:

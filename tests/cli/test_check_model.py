@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from real_kv_samples import lm_report, smollm2
-from real_kv_samples.lm_report import FormatResult, ModelReport, TextInfo
+from real_kv_samples.lm_report import CalibrationInfo, FormatResult, ModelReport, TextInfo
 from vllm.accuracy.formats import parse_formats
 from vllm.cli import check_model
 from vllm.cli.args import EXIT_USAGE
@@ -54,25 +54,83 @@ def test_missing_extra_is_one_line(monkeypatch, capsys) -> None:
         (["--model", "smollm2-135m", "--reader", "codec"], "--reader"),
         (["--model", "smollm2-135m", "--device", "cuda"], "--device"),
         (["--formats", "fp8+hadamard"], "--formats"),
+        (["--text", "a.txt"], "--text"),
+        (["--calibration-text", "a.txt"], "--calibration-text"),
+        (["--model", "smollm2-135m", "--text", "missing.txt"], "--text"),
+        (["--model", "smollm2-135m", "--text", "empty.txt"], "--text"),
+        (["--model", "smollm2-135m", "--text", "latin1.txt"], "--text"),
+        (["--model", "smollm2-135m", "--calibration-text", "missing.txt"], "--calibration-text"),
+        (["--model", "smollm2-135m", "--text", "a.txt", "--text", "sub/a.txt"], "--text"),
+        (["--model", "smollm2-135m", "--text", "a.txt", "--calibration-text", "b.txt"], "--cal"),
+        (["--model", "smollm2-135m", "--calibration-text", "shipped.txt"], "--calibration-text"),
     ],
 )
 def test_bad_arguments(argv: list[str], flag: str, tmp_path: Path, monkeypatch, capsys) -> None:
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub").mkdir()
+    for name in ("a.txt", "sub/a.txt", "b.txt"):  # b: the same text as a
+        (tmp_path / name).write_text("Some text to score.\n")
+    (tmp_path / "empty.txt").write_text(" \n")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (tmp_path / "shipped.txt").write_text(smollm2.scored_texts()[1].content)
     monkeypatch.setattr(smollm2, "missing_packages", lambda: [])  # never reached: errors first
     assert _exit_status(["check", *argv]) == EXIT_USAGE
     assert flag in _error_line(capsys)
 
 
+def test_text_errors_say_what_is_wrong(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.txt").write_text("Some text.")
+    monkeypatch.setattr(smollm2, "missing_packages", lambda: [])
+    model = ["check", "--model", "smollm2-135m"]
+    cases = [
+        (["--text", "no.txt"], "--text: no.txt: expected a readable UTF-8 text file, got No such"),
+        (
+            ["--text", "a.txt", "--calibration-text", "a.txt"],
+            "--calibration-text: expected a text that is not scored (the report is held out), "
+            "got the text of a.txt",
+        ),
+        (
+            ["--text", "a.txt", "--text", "./a.txt"],
+            "--text: expected files of distinct names (a text is named by its file's stem), got "
+            "two named 'a'",
+        ),
+    ]
+    for argv, message in cases:
+        assert main([*model, *argv]) == EXIT_USAGE
+        assert _error_line(capsys).startswith(f"vllm-kv check: error: {message}")
+
+
+def test_short_text_is_a_usage_error(tmp_path: Path, monkeypatch, capsys) -> None:
+    """A text of under 2 tokens is only known once tokenized: the report's error becomes the
+    option's."""
+
+    def short(formats, *, calibration, **_: object) -> ModelReport:
+        raise lm_report.ShortTextError(
+            "calibration text", f"{calibration.title}: expected at least 2 tokens, got 1"
+        )
+
+    (tmp_path / "c.txt").write_text("Hi")
+    monkeypatch.setattr(smollm2, "missing_packages", lambda: [])
+    monkeypatch.setattr(lm_report, "run_model_report", short)
+    argv = ["check", "--model", "smollm2-135m", "--calibration-text", str(tmp_path / "c.txt")]
+    assert main(argv) == EXIT_USAGE
+    assert _error_line(capsys).endswith(
+        "--calibration-text: " + str(tmp_path / "c.txt") + ": expected at least 2 tokens, got 1"
+    )
+
+
 def _made_up_report() -> ModelReport:
     texts = [TextInfo("a", "text A", 100, 10.0), TextInfo("b", "text B", 100, 20.0)]
 
-    def row(name: str, ppl: float, nbytes: int) -> FormatResult:
+    def row(name: str, ppl: float, nbytes: int, change_b: float | None = None) -> FormatResult:
         return FormatResult(
             format=name,
             scale_method="rule",
             kv_bytes_per_token=nbytes,
+            bits_per_value=nbytes * 8 / 11_520,
             perplexity={"a": ppl, "b": 2 * ppl},
-            perplexity_change={"a": ppl / 10 - 1, "b": ppl / 10 - 1},
+            perplexity_change={"a": ppl / 10 - 1, "b": change_b or ppl / 10 - 1},
             top1_vs_bf16={"a": 1.0, "b": 1.0},
             top1_vs_transformers={"a": 1.0, "b": 1.0},
             greedy_vs_bf16=8,
@@ -80,8 +138,14 @@ def _made_up_report() -> ModelReport:
             decode_tokens_per_s=12.5,
         )
 
-    rows = [row("bf16", 10.0, 23_040), row("nvfp4", 11.0, 6_480)]
-    return ModelReport("M", "CPU_ATTN", 16, 256, texts, 2, 4, rows)
+    rows = [
+        row("bf16", 10.0, 23_040),
+        row("nvfp4", 11.0, 6_480),
+        row("fp8", 10.01, 11_520, change_b=0.0015),
+        row("fp8/head", 10.001, 11_600, change_b=0.003),
+    ]
+    calibration = CalibrationInfo("c", "text C", 100)
+    return ModelReport("M", "CPU_ATTN", 16, 256, calibration, texts, 2, 4, rows)
 
 
 def test_table_and_dict() -> None:
@@ -90,7 +154,31 @@ def test_table_and_dict() -> None:
     assert "ppl a" in table and "ppl b" in table
     nvfp4 = next(line for line in table.splitlines() if line.startswith("nvfp4"))
     assert "6,480" in nvfp4 and "11.000 (+10.0%)" in nvfp4 and "8/8" in nvfp4 and "7/8" in nvfp4
-    assert report.to_dict()["greedy_total"] == 8
+    assert " 4.50 " in nvfp4  # bits per value
+    assert "calibrated on: c (100 tok: text C), never scored" in table
+    doc = report.to_dict()
+    assert doc["greedy_total"] == 8
+    assert doc["calibration_text"] == {"name": "c", "title": "text C", "tokens": 100}
+
+
+def test_byte_classes() -> None:
+    """Each class takes the row with the smallest change on its worst text among the quantized
+    rows that fit it, and says how far it is from the goal."""
+    report = _made_up_report()
+    classes = {c.max_bits: c for c in report.byte_classes()}
+    assert classes[3.5].best_format is None and not classes[3.5].met
+    four = classes[4.75]  # nvfp4 alone: +10% on both texts
+    assert (four.best_format, four.worst_text, four.met) == ("nvfp4", "a", False)
+    assert four.worst_change == pytest.approx(0.1)
+    eight = classes[8.5]  # fp8 (worst: b +0.15%) beats fp8/head (8.06 bits; worst b +0.3%)
+    assert (eight.best_format, eight.worst_text, eight.met) == ("fp8", "b", True)
+    assert eight.bits_per_value == 8.0
+    assert classes[6.5].best_format == "nvfp4"
+    table = report.to_table()
+    assert "(no format)" in table and "(met)" in table and "+8.00% short" in table
+    doc = report.to_dict()["byte_classes"]
+    assert [c["max_bits"] for c in doc] == [3.5, 4.75, 6.5, 8.5]
+    assert doc[3]["met"] is True and doc[1]["met"] is False
 
 
 @pytest.mark.skipif(
@@ -115,53 +203,6 @@ def test_common_prefix() -> None:
     assert lm_report._common_prefix(a, torch.tensor([0, 2, 3, 4])) == 0
 
 
-def test_recorder_calibrates_key_options() -> None:
-    from real_kv_samples.paged_llama import KVRecorder
-    from vllm.accuracy.formats import compute_scales, parse_format
-    from vllm.kv_quant import hadamard_rotate
-
-    gen = torch.Generator().manual_seed(0)
-    recorder = KVRecorder(num_layers=2)
-    keys = [torch.randn(10, 3, 16, generator=gen) + 5 * i for i in range(2)]
-    values_of = [torch.randn(10, 3, 16, generator=gen) for _ in range(2)]
-    for layer in range(2):
-        recorder.observe(layer, keys[layer][:6], values_of[layer][:6], torch.arange(6))
-        recorder.observe(layer, keys[layer][6:], values_of[layer][6:], torch.arange(6, 10))
-    fmt = parse_format("fp8/head+hadamard+offset")
-    calibration = recorder.calibrate(fmt)
-    assert calibration.encoding.id == "fp8_e4m3/head+hadamard+offset"
-    for layer in range(2):
-        values = calibration.layers[str(layer)]
-        assert values.key_offset is not None
-        torch.testing.assert_close(values.key_offset, keys[layer].mean(0))
-        stored = hadamard_rotate(keys[layer] - values.key_offset)
-        want_k, want_v = compute_scales(stored, values_of[layer], fmt)
-        torch.testing.assert_close(values.k_scale, want_k)
-        assert torch.equal(values.v_scale, want_v)
-    plain = recorder.calibrate(parse_format("fp8"))
-    assert all(v.key_offset is None for v in plain.layers.values())
-    assert plain.encoding.key.is_identity
-    # +prerope: the offset is the mean of the keys with RoPE undone at their positions
-    from vllm.kv_quant import KeyRope
-    from vllm.kv_quant.encoding import RopeIdentity
-
-    rope = KeyRope.from_base(16, 12)
-    pre = parse_format("nvfp4+hadamard+offset+prerope+sink")
-    with pytest.raises(ValueError, match="rope: expected the model's RoPE for nvfp4"):
-        recorder.calibrate(pre)
-    calibration = recorder.calibrate(pre, rope)
-    assert calibration.encoding.key.rope == RopeIdentity.of(rope)
-    assert calibration.encoding.key.sink_tokens == 1
-    positions = torch.arange(10)
-    for layer in range(2):
-        values = calibration.layers[str(layer)]
-        unroped = rope.unrotate(keys[layer], positions)
-        assert values.key_offset is not None
-        torch.testing.assert_close(values.key_offset, unroped.mean(0))
-        stored = hadamard_rotate(unroped - values.key_offset)
-        torch.testing.assert_close(values.k_scale, compute_scales(stored, values_of[layer], pre)[0])
-
-
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
@@ -170,6 +211,7 @@ def test_recorder_calibrates_key_options() -> None:
             [
                 "bf16",
                 "nvfp4",
+                "nvfp4_4over6",
                 "fp8_e4m3/head+hadamard+offset",
                 "nvfp4_mse+offset+prerope+sink",
             ],

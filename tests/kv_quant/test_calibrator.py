@@ -176,7 +176,7 @@ def test_errors() -> None:
 def test_saved_calibration_serves_a_cache(tmp_path) -> None:
     """The README's recipe: calibrate offline, save, load into a serving cache of the encoding;
     the serving cache then writes the same bytes as a cache given the values by hand."""
-    pytest.importorskip("vllm._custom_ops", reason="AttentionKVCache on the CPU needs the extension")
+    pytest.importorskip("vllm._custom_ops", reason="a CPU AttentionKVCache needs the extension")
     from vllm.v1.worker.attention_kv_cache import AttentionKVCache
 
     data = _data(2)

@@ -88,7 +88,13 @@ def test_short_report(lm: smollm2.LoadedModel, tmp_path: Path, capsys) -> None:
     doc = json.loads(out_json.read_text())
     assert doc["tool"] == "vllm-kv check" and doc["threads"] == 1
     report = doc["model_report"]
+    assert [t["name"] for t in report["texts"]] == ["execmodel", "import"]
     assert [t["tokens"] for t in report["texts"]] == [512, 512]
+    assert (report["calibration_text"]["name"], report["calibration_text"]["tokens"]) == (
+        "assignment",
+        512,
+    )
+    assert "calibrated on: assignment (512 tok" in table and "byte classes" in table
     total = report["greedy_total"]
     assert total == 16
     bf16, nvfp4 = report["rows"]
@@ -109,6 +115,63 @@ def test_short_report(lm: smollm2.LoadedModel, tmp_path: Path, capsys) -> None:
     assert bf16["decode_tokens_per_s"] > 0 and nvfp4["decode_tokens_per_s"] > 0
     if _has_matplotlib():
         assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@needs_model
+def test_report_on_the_users_texts(lm: smollm2.LoadedModel, tmp_path: Path, capsys) -> None:
+    """--text / --calibration-text: the texts are named by their files' stems, the formats
+    calibrated on the calibration text (the offset and the prerope run two passes), and a text
+    of one token is the option's error, not a traceback."""
+    paths = {}
+    for name, text in (
+        ("notes", "The quick brown fox jumps over the lazy dog near the river bank today."),
+        ("story", "Once upon a time a small robot learned to paint the morning sky blue."),
+        ("cal", "Calibration text: a few sentences about caches, pages, keys and values."),
+        ("one", "Hi"),
+    ):
+        paths[name] = tmp_path / f"{name}.txt"
+        paths[name].write_text(text)
+    out_json = tmp_path / "r.json"
+    argv = ["check", "--model", "smollm2-135m", "--prompts", "1", "--new-tokens", "2"]
+    argv += ["--formats", "fp8_e4m3/head+hadamard+offset,nvfp4_mse+offset+prerope+sink"]
+    texts = ["--text", str(paths["notes"]), "--text", str(paths["story"])]
+    cal = ["--calibration-text", str(paths["cal"])]
+    assert main([*argv, *texts, *cal, "--json", str(out_json)]) == 0
+    report = json.loads(out_json.read_text())["model_report"]
+    assert [t["name"] for t in report["texts"]] == ["notes", "story"]
+    assert report["calibration_text"]["name"] == "cal"
+    assert report["calibration_text"]["tokens"] > 2
+    for row in report["rows"][1:]:
+        for name in ("notes", "story"):
+            assert 0 <= abs(row["perplexity_change"][name]) < 0.5
+    capsys.readouterr()
+    assert main([*argv, *texts, "--calibration-text", str(paths["one"])]) != 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert f"--calibration-text: {paths['one']}: expected at least 2 tokens, got 1" in err
+
+
+@needs_model
+def test_calibrate_formats_feeds_one_calibrator_per_format(lm: smollm2.LoadedModel) -> None:
+    from real_kv_samples.paged_llama import calibrate_formats
+    from vllm.accuracy.formats import parse_formats
+    from vllm.kv_quant.encoding import RopeIdentity
+
+    formats = parse_formats("bf16,fp8/head,nvfp4_mse+offset+prerope+sink,int8_per_token_head")
+    ids = lm.encode(smollm2.calibration_text().content)[:40]
+    with torch.inference_mode():
+        calibrations = calibrate_formats(lm, formats, [ids[:24], ids[24:]], chunk=16)
+    assert sorted(calibrations) == sorted(f.name for f in formats[1:])  # bf16 needs none
+    names = sorted(str(i) for i in range(lm.num_layers))
+    for calibration in calibrations.values():
+        assert sorted(calibration.layers) == names
+    head = calibrations["fp8_e4m3/head"].layers["0"]
+    assert head.k_scale.shape == (lm.num_kv_heads,) and head.key_offset is None
+    pre = calibrations["nvfp4_mse+offset+prerope+sink"]
+    assert pre.encoding.key.rope == RopeIdentity.of(lm.key_rope())
+    offset = pre.layers["0"].key_offset
+    assert offset is not None and offset.shape == (lm.num_kv_heads, lm.head_size)
+    assert calibrations["int8_per_token_head"].layers["0"].k_scale.item() == 1.0
 
 
 def _has_matplotlib() -> bool:

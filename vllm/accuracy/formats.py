@@ -82,12 +82,14 @@ fp8_e4m3/head, fp8_e5m2, fp8_e5m2/head, nvfp4, nvfp4/head and the per-token-head
 
 MODEL_DEFAULT_FORMATS: tuple[str, ...] = (
     *DEFAULT_FORMATS,
+    "nvfp4_4over6",
     "fp8_e4m3/head+hadamard+offset",
     "nvfp4_mse+offset+prerope+sink",
 )
-"""What ``vllm-kv check --model`` measures when ``--formats`` is not given: the defaults and the
-best FP8 and NVFP4 key options measured on the model (docs/accuracy.md), those its attention
-backend reads (:func:`vllm.cli.check_model.model_formats`)."""
+"""What ``vllm-kv check --model`` measures when ``--formats`` is not given: the defaults, upstream's
+``nvfp4_4over6`` (so that every upstream format is a row), and the best FP8 and NVFP4 key
+options measured on the model (docs/accuracy.md), those its attention backend reads
+(:func:`vllm.cli.check_model.model_formats`)."""
 
 
 @dataclass(frozen=True)

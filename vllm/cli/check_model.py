@@ -26,6 +26,7 @@ from vllm.cli.output import deliver, writing
 
 if TYPE_CHECKING:
     from real_kv_samples.lm_report import ModelReport
+    from real_kv_samples.smollm2 import Text
 
 MODELS: tuple[str, ...] = ("smollm2-135m",)
 """``--model`` values."""
@@ -39,6 +40,8 @@ MAX_TEXT_TOKENS = 2048
 PLOT_HINT = 'pip install "vllm-kvcache[plot]"  (or: pip install matplotlib)'
 
 MODEL_ONLY_OPTIONS: tuple[str, ...] = (
+    "--text",
+    "--calibration-text",
     "--max-tokens",
     "--new-tokens",
     "--prompts",
@@ -61,9 +64,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "accelerate transformers); bf16 is always run first",
     )
     group.add_argument(
+        "--text",
+        action="append",
+        metavar="PATH",
+        help="a UTF-8 text file to score, named by its file's stem (repeatable; default: the "
+        "two shipped Python Language Reference chapters)",
+    )
+    group.add_argument(
+        "--calibration-text",
+        metavar="PATH",
+        help="the UTF-8 text file every format is calibrated on, never scored (default: the "
+        "shipped 'assignment' chapter)",
+    )
+    group.add_argument(
         "--max-tokens",
         type=cli_args.int_in_range(16, MAX_TEXT_TOKENS, f"an integer from 16 to {MAX_TEXT_TOKENS}"),
-        help="tokens of each text scored (default 1536)",
+        help="tokens of each text scored and of the calibration text (default 1536; a shorter "
+        "text runs whole)",
     )
     group.add_argument(
         "--new-tokens",
@@ -134,6 +151,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     model_formats(args)
     from real_kv_samples import smollm2
 
+    model_texts(args)
     missing = smollm2.missing_packages()
     if missing:
         raise UsageError(
@@ -175,30 +193,74 @@ def model_formats(args: argparse.Namespace) -> list[CacheFormat]:
     return list(args.formats)
 
 
+def model_texts(args: argparse.Namespace) -> tuple[list[Text], Text]:
+    """The scored texts (``--text``, else the shipped ones) and the calibration text
+    (``--calibration-text``, else the shipped one), read and checked: readable UTF-8 with some
+    text, distinct names, the calibration text not among the scored ones (:class:`UsageError`
+    naming the option otherwise)."""
+    from real_kv_samples import smollm2
+
+    def read(flag: str, path: str) -> Text:
+        try:
+            return smollm2.Text.from_file(path)
+        except ValueError as exc:
+            raise UsageError(flag, str(exc)) from None
+
+    texts = smollm2.scored_texts() if args.text is None else [read("--text", p) for p in args.text]
+    calibration = (
+        smollm2.calibration_text()
+        if args.calibration_text is None
+        else read("--calibration-text", args.calibration_text)
+    )
+    seen: set[str] = set()
+    for text in texts:
+        if text.name in seen:
+            raise UsageError(
+                "--text",
+                f"expected files of distinct names (a text is named by its file's stem), got "
+                f"two named {text.name!r}",
+            )
+        seen.add(text.name)
+        if text.content == calibration.content:
+            raise UsageError(
+                "--calibration-text",
+                f"expected a text that is not scored (the report is held out), got the text of "
+                f"{text.title}",
+            )
+    return texts, calibration
+
+
 def _progress(text: str) -> None:
     print(f"vllm-kv check: {text}", file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
     """``vllm-kv check --model``: the report as a table, ``--json`` and ``--plot``."""
-    from real_kv_samples.lm_report import run_model_report
+    from real_kv_samples.lm_report import ShortTextError, run_model_report
 
     if args.threads:
         torch.set_num_threads(args.threads)
     formats = model_formats(args)
+    texts, calibration = model_texts(args)
     given = {
         "max_tokens": args.max_tokens,
         "new_tokens": args.new_tokens,
         "prompts": args.prompts,
         "backend": args.attention,
     }
-    report = run_model_report(
-        formats,
-        layout=args.layout,
-        seed=args.seed,
-        progress=_progress,
-        **{name: value for name, value in given.items() if value is not None},
-    )
+    try:
+        report = run_model_report(
+            formats,
+            texts=texts,
+            calibration=calibration,
+            layout=args.layout,
+            seed=args.seed,
+            progress=_progress,
+            **{name: value for name, value in given.items() if value is not None},
+        )
+    except ShortTextError as exc:
+        flag = "--text" if exc.role == "text" else "--calibration-text"
+        raise UsageError(flag, str(exc)) from None
 
     def json_text() -> str:
         doc = {
@@ -241,7 +303,11 @@ def write_plot(report: ModelReport, path: str | Path) -> None:
         ax.set_title(f"{text.name} ({text.tokens} tokens)")
         ax.grid(True, alpha=0.3)
         ax.margins(x=0.15)  # room for the names
-    fig.suptitle(f"{report.model}: perplexity per cache format ({report.backend})")
+    cal = report.calibration_text.name
+    fig.suptitle(
+        f"{report.model}: perplexity per cache format ({report.backend}; every format "
+        f"calibrated on {cal}, never scored)"
+    )
     fig.tight_layout()
     fig.savefig(str(path), format="png", dpi=110)
     plt.close(fig)
