@@ -6,8 +6,9 @@
 // for i < n; run2(outer, log2_inner, fn): fn(o, i) for a 2-D range) with a barrier after each: sign
 // flips, the Walsh-Hadamard butterflies (one step per stride), the two sums of each quantization
 // group as fixed halving trees (the codec's tree_sum), the codes, the scales, the packed bytes.
-// Within a step no index reads what another writes, so any split of the indices over workers (the
-// CPU op's one loop, a CUDA warp's 32 lanes) yields the same bits.
+// Within a step no index reads what another writes, so any split of the indices over workers (a
+// CUDA warp's 32 lanes, one host loop) yields the same bits. The CPU op runs the same operations
+// on kLanes slots at once (cpu/octave_slot_lanes.h).
 #pragma once
 
 #include <cstdint>
@@ -289,24 +290,26 @@ KV_HOST_DEVICE void octave_code_side(const Team& team, OctaveScratch& s, int d,
   });
 }
 
-// Codes a side with the team steps of octave_code_side (the CUDA kernel's coder; the CPU op has a
-// vector-lane one with the same operations, cpu/octave_lanes.h).
-struct OctaveTeamCoder {
-  template <typename Team, typename Load, typename PutScale>
-  KV_HOST_DEVICE void operator()(const Team& team, OctaveScratch& s, int d, const OctaveSide& side,
-                                 const int32_t* signs, const Load& load,
-                                 const PutScale& put_scale) const {
-    octave_code_side(team, s, d, side, signs, load, put_scale);
-  }
-};
+// How each side of a slot of store `a` is rotated and grouped: K in 64-dim blocks with 4-bit codes
+// on the RoPE dims (compact: one block and group over all dims, 3-bit), V over the whole head
+// (blocks of 64 where the head size is no power of two: octave_codec.v_block) with one scale.
+KV_HOST_DEVICE OctaveSide octave_key_side(const OctaveWriteArgs& a) {
+  if (a.compact) return OctaveSide{a.head_dim, a.head_dim, 0, kOctaveNopeBits};
+  return OctaveSide{kOctaveBlock, kOctaveBlock, a.rope_dim / kOctaveBlock, kOctaveNopeBits};
+}
+
+KV_HOST_DEVICE OctaveSide octave_value_side(const OctaveWriteArgs& a) {
+  const int d = a.head_dim;
+  const int block = (d & (d - 1)) == 0 ? d : kOctaveBlock;
+  return OctaveSide{block, d, 0, a.value_bits};
+}
 
 // Writes side `side` (0: K, 1: V) of (token, head)'s slot with `team` (all its workers call it
-// with the same arguments), its codes and scales by `code_side`. VS: the key's and value's
-// element type.
-template <SourceType VS, typename Team, typename Coder = OctaveTeamCoder>
+// with the same arguments): the CUDA kernel's writer (the CPU op codes kLanes slots at once with
+// the same operations, cpu/octave_slot_lanes.h). VS: the key's and value's element type.
+template <SourceType VS, typename Team>
 KV_HOST_DEVICE void write_octave_side(const Team& team, OctaveScratch& s, const OctaveWriteArgs& a,
-                                      int64_t token, int head, int side,
-                                      const Coder& code_side = Coder{}) {
+                                      int64_t token, int head, int side) {
   using T = typename SourceTraits<VS>::Storage;
   uint8_t* dst = packed_slot(a, token, head);
   if (dst == nullptr) return;
@@ -320,11 +323,9 @@ KV_HOST_DEVICE void write_octave_side(const Team& team, OctaveScratch& s, const 
   if (side == 0) {
     const T* row =
         static_cast<const T*>(a.key) + token * a.key_token_stride + head * a.key_head_stride;
-    const OctaveSide k = a.compact ? OctaveSide{d, d, 0, kOctaveNopeBits}
-                                   : OctaveSide{kOctaveBlock, kOctaveBlock,
-                                                a.rope_dim / kOctaveBlock, kOctaveNopeBits};
-    code_side(
-        team, s, d, k, a.key_signs, [&](int i) { return SourceTraits<VS>::to_float(row[i]); },
+    octave_code_side(
+        team, s, d, octave_key_side(a), a.key_signs,
+        [&](int i) { return SourceTraits<VS>::to_float(row[i]); },
         [&](int g, uint16_t bits) { put(scales + 2 * g, bits); });
     const int wide = a.compact ? 0 : a.rope_dim;
     octave_pack(team, s.code, wide, kOctaveRopeBits, dst);
@@ -333,10 +334,9 @@ KV_HOST_DEVICE void write_octave_side(const Team& team, OctaveScratch& s, const 
   }
   const T* row =
       static_cast<const T*>(a.value) + token * a.value_token_stride + head * a.value_head_stride;
-  const int block = (d & (d - 1)) == 0 ? d : kOctaveBlock;  // octave_codec.v_block
   const int k_scales = octave_num_k_scales(d, a.compact);
-  code_side(
-      team, s, d, OctaveSide{block, d, 0, a.value_bits}, a.value_signs,
+  octave_code_side(
+      team, s, d, octave_value_side(a), a.value_signs,
       [&](int i) { return SourceTraits<VS>::to_float(row[i]); },
       [&](int, uint16_t bits) { put(scales + 2 * k_scales, bits); });
   octave_pack(team, s.code, d, a.value_bits, dst + o.v);
@@ -345,8 +345,8 @@ KV_HOST_DEVICE void write_octave_side(const Team& team, OctaveScratch& s, const 
   team.run(end - used, [&](int i) { dst[used + i] = 0; });  // the codec's zero padding
 }
 
-// A team of one, host only: every step is a plain loop (the CPU op), its body inlined so that the
-// loop vectorizes.
+// A team of one, host only: every step is a plain loop, its body inlined (the host checks'
+// reference writer).
 struct SerialTeam {
   template <typename Fn>
   KV_FLATTEN void run(int n, const Fn& fn) const {

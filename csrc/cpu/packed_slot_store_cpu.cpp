@@ -1,12 +1,16 @@
 // The CPU packed-slot stores (TurboQuant, ultraquant_4bit, Octave) after the shared validation
 // (packed_slot_ops_torch.h), a parallel loop over slots: TurboQuant and ultraquant_4bit row at a
-// time (cpu/packed_slot_rows.h), Octave with the CUDA kernel's steps (octave_slot.h) run by one
-// worker. Compiled with the CPU kernels' -march, so that their loops vectorize.
+// time (cpu/packed_slot_rows.h), Octave kLanes slots at a time (cpu/octave_slot_lanes.h).
+// Compiled with the CPU kernels' -march, so that their loops vectorize.
 #include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <memory>
+
 #include <torch/library.h>
 
 #include "cpu/cpu_op_utils.h"
-#include "cpu/octave_lanes.h"
+#include "cpu/octave_slot_lanes.h"
 #include "cpu/packed_slot_rows.h"
 #include "packed_slot_ops_torch.h"
 
@@ -56,17 +60,17 @@ void octave_cache_store_cpu(const at::Tensor& key, const at::Tensor& value, at::
   const OctaveWriteArgs a =
       prepare_octave_store(key, value, cache, slot_mapping, k_signs, v_signs, fmt);
   check_slot_range(a);
+  const int64_t slots = a.num_tokens * a.num_heads;
   dispatch_source_type(a.value_type, [&](auto vs) {
-    at::parallel_for(
-        0, a.num_tokens * a.num_heads * kOctaveSides, 16, [&](int64_t begin, int64_t end) {
-          OctaveScratch scratch;
-          for (int64_t i = begin; i < end; ++i) {
-            const int64_t slot = i / kOctaveSides;
-            write_octave_side<decltype(vs)::value>(SerialTeam{}, scratch, a, slot / a.num_heads,
-                                                   int(slot % a.num_heads), int(i % kOctaveSides),
-                                                   cpu::OctaveLaneCoder{});
-          }
-        });
+    at::parallel_for(0, (slots + cpu::kLanes - 1) / cpu::kLanes, 4,
+                     [&](int64_t begin, int64_t end) {
+                       const auto scratch = std::make_unique<cpu::OctaveSlotLanes>();
+                       for (int64_t run = begin; run < end; ++run) {
+                         const int64_t first = run * cpu::kLanes;
+                         const int count = int(std::min<int64_t>(cpu::kLanes, slots - first));
+                         cpu::write_octave_slots<decltype(vs)::value>(a, *scratch, first, count);
+                       }
+                     });
   });
 }
 

@@ -1,4 +1,4 @@
-// Vector-lane helpers of the CPU writers (cpu/packed_slot_rows.h, cpu/octave_lanes.h,
+// Vector-lane helpers of the CPU writers (cpu/packed_slot_rows.h, cpu/octave_slot_lanes.h,
 // cpu/per_token_head_lanes.h) on nvfp4_lanes.h's vectors: widening loads, narrowing stores,
 // counts of compares, reductions. Framework-free, host only.
 #pragma once
@@ -88,10 +88,13 @@ inline I32v count_above_sorted(F32v x, const float* thresholds, int n) {
   const __m512 table = _mm512_maskz_loadu_ps(__mmask16((1u << n) - 1u), thresholds);
   const __m512 v = std::bit_cast<__m512>(x);
   const __m512i limit = _mm512_set1_epi32(n);
+  // n = 2^k - 1 thresholds (the codebooks' midpoints): k steps from 2^(k-1), every candidate
+  // a threshold; otherwise four steps from 8, candidates past n masked off.
+  const bool full = (n & (n + 1)) == 0;
   __m512i count = _mm512_setzero_si512();
-  for (int step = 8; step >= 1; step /= 2) {  // the largest count whose threshold x is above
+  for (int step = full ? (n + 1) / 2 : 8; step >= 1; step /= 2) {  // the largest count below x
     const __m512i candidate = _mm512_add_epi32(count, _mm512_set1_epi32(step));
-    const __mmask16 valid = _mm512_cmple_epi32_mask(candidate, limit);
+    const __mmask16 valid = full ? __mmask16(0xFFFF) : _mm512_cmple_epi32_mask(candidate, limit);
     const __m512 threshold = _mm512_maskz_permutexvar_ps(
         0xFFFF, _mm512_sub_epi32(candidate, _mm512_set1_epi32(1)), table);
     const __mmask16 above = _mm512_mask_cmp_ps_mask(valid, v, threshold, kPredicate);

@@ -13,7 +13,6 @@ import torch
 from real_kv_samples import lm_report, smollm2
 from real_kv_samples.lm_report import CalibrationInfo, FormatResult, ModelReport, TextInfo
 from vllm.accuracy.formats import parse_formats
-from vllm.cli import check_model
 from vllm.cli.args import EXIT_USAGE
 from vllm.cli.main import main
 
@@ -185,9 +184,25 @@ def test_byte_classes() -> None:
     importlib.util.find_spec("matplotlib") is None, reason="--plot needs matplotlib"
 )
 def test_plot(tmp_path: Path) -> None:
+    from vllm.cli.check_model_plot import write_plot
+
     path = tmp_path / "p.png"
-    check_model.write_plot(_made_up_report(), path)
+    write_plot(_made_up_report(), path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_parts() -> None:
+    from vllm.cli.check_model_plot import frontier, is_library_encoding
+
+    assert frontier([(8.0, 1.0), (4.5, 10.0), (4.5, 3.0), (6.25, 5.0), (16.0, 0.1)]) == (
+        [4.5, 8.0, 16.0],
+        [3.0, 1.0, 0.1],
+    )
+    assert frontier([]) == ([], [])
+    ours = ["nvfp4_mse", "nvfp4_mse+offset+prerope+sink", "fp8_e4m3/head+hadamard+offset"]
+    upstream = ["nvfp4", "nvfp4_4over6", "fp8", "turboquant_k8v4", "int4_per_token_head"]
+    assert all(map(is_library_encoding, ours))
+    assert not any(map(is_library_encoding, upstream))
 
 
 def test_bf16_runs_first() -> None:

@@ -13,8 +13,7 @@ import importlib.util
 import json
 import os
 import sys
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,7 +24,6 @@ from vllm.cli.args import UsageError, distinct_outputs
 from vllm.cli.output import deliver, writing
 
 if TYPE_CHECKING:
-    from real_kv_samples.lm_report import ModelReport
     from real_kv_samples.smollm2 import Text
 
 MODELS: tuple[str, ...] = ("smollm2-135m",)
@@ -274,47 +272,9 @@ def run(args: argparse.Namespace) -> int:
 
     deliver(report.to_table, json_text, args.json)
     if args.plot:
+        from vllm.cli.check_model_plot import write_plot
+
         with writing("--plot", args.plot):
             write_plot(report, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
-
-
-def write_plot(report: ModelReport, path: str | Path) -> None:
-    """Perplexity against KV bytes per token, one panel per text, each point named by its
-    format (names of points at the same size alternate sides); the bf16 cache's dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    texts = report.texts
-    fig, axes = plt.subplots(1, len(texts), figsize=(6 * len(texts), 5), squeeze=False)
-    x = [r.kv_bytes_per_token for r in report.rows]
-    for ax, text in zip(axes[0], texts, strict=True):
-        y = [r.perplexity[text.name] for r in report.rows]
-        ax.plot(x, y, "o")
-        ax.axhline(y[0], ls="--", lw=0.8, color="grey")
-        for label, xi, yi in zip((r.format for r in report.rows), x, y, strict=True):
-            rank = sum(1 for j in range(len(x)) if x[j] == xi and y[j] < yi)
-            _annotate(ax, label, xi, yi, left=rank % 2 == 1)
-        ax.set_xlabel("KV-cache bytes per token (all layers)")
-        ax.set_ylabel("perplexity")
-        ax.set_title(f"{text.name} ({text.tokens} tokens)")
-        ax.grid(True, alpha=0.3)
-        ax.margins(x=0.15)  # room for the names
-    cal = report.calibration_text.name
-    fig.suptitle(
-        f"{report.model}: perplexity per cache format ({report.backend}; every format "
-        f"calibrated on {cal}, never scored)"
-    )
-    fig.tight_layout()
-    fig.savefig(str(path), format="png", dpi=110)
-    plt.close(fig)
-
-
-def _annotate(ax: Any, label: str, x: float, y: float, left: bool) -> None:
-    offset, align = (-5, "right") if left else (5, "left")
-    ax.annotate(
-        label, (x, y), textcoords="offset points", xytext=(offset, -3), fontsize=7, ha=align
-    )

@@ -1,6 +1,7 @@
 // Torch-free check of the CPU row writers of TurboQuant and ultraquant_4bit slots
-// (csrc/cpu/packed_slot_rows.h) and of Octave's lane coder (csrc/cpu/octave_lanes.h) against the
-// per-value writers and team steps the CUDA kernels run (turboquant_slot.h, ultraquant_slot.h,
+// (csrc/cpu/packed_slot_rows.h) and of Octave's slot-lanes writer (csrc/cpu/octave_slot_lanes.h,
+// runs of kLanes slots, a partial run included) against the per-value writers and team steps the
+// CUDA kernels run (turboquant_slot.h, ultraquant_slot.h,
 // octave_slot.h), byte for byte, for the instruction set this file is
 // compiled for (tools/check_cpu_kernels.sh builds it for AVX-512, AVX2 and SSE2): every key and
 // value bit width, fp32 / fp16 / bf16 sources, head sizes that are and are not whole vectors,
@@ -11,12 +12,14 @@
 //
 //   g++ -std=c++20 -O3 -march=native -ffp-contract=off -I csrc
 //       csrc/cpu/tests/check_packed_slot_rows_cpu.cpp -o /tmp/check_rows && /tmp/check_rows
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <vector>
 
-#include "cpu/octave_lanes.h"
+#include "cpu/octave_slot_lanes.h"
 #include "cpu/packed_slot_rows.h"
 
 namespace {
@@ -216,18 +219,21 @@ bool check_octave(int d, int rope_dim, int value_bits, bool compact, std::mt1993
   a.value_bits = value_bits;
   a.compact = compact;
   OctaveScratch scratch;
-  const auto run = [&](uint8_t* cache, auto coder) {
-    set_geometry(a, d, slot_bytes, slots, cache);
-    for (int t = 0; t < kTokens; ++t) {
-      for (int h = 0; h < kHeads; ++h) {
-        for (int side = 0; side < kOctaveSides; ++side) {
-          write_octave_side<S>(SerialTeam{}, scratch, a, t, h, side, coder);
-        }
+  set_geometry(a, d, slot_bytes, slots, want.data());
+  for (int t = 0; t < kTokens; ++t) {
+    for (int h = 0; h < kHeads; ++h) {
+      for (int side = 0; side < kOctaveSides; ++side) {
+        write_octave_side<S>(SerialTeam{}, scratch, a, t, h, side);
       }
     }
-  };
-  run(want.data(), OctaveTeamCoder{});
-  run(got.data(), cpu::OctaveLaneCoder{});
+  }
+  set_geometry(a, d, slot_bytes, slots, got.data());
+  const auto lanes = std::make_unique<cpu::OctaveSlotLanes>();
+  // A run of 3 slots first, so that the later runs start mid-token and the last one is partial.
+  for (int64_t first = 0, count = 3; first < int64_t(kTokens) * kHeads; first += count) {
+    count = std::min<int64_t>(first == 0 ? 3 : cpu::kLanes, int64_t(kTokens) * kHeads - first);
+    cpu::write_octave_slots<S>(a, *lanes, first, int(count));
+  }
   const bool ok = want == got;
   if (!ok) {
     std::printf("FAILED octave d=%d rope=%d value_bits=%d%s source=%d\n", d, rope_dim, value_bits,
@@ -272,7 +278,7 @@ int main() {
     }
   }
   std::printf(
-      "row writers and lane coder == per-value writers and team steps: %d passed, %d failed\n",
+      "row writers and slot lanes == per-value writers and team steps: %d passed, %d failed\n",
       passed, failed);
   return failed == 0 ? 0 : 1;
 }
