@@ -8,7 +8,11 @@ page of each block id):
 - store put: cascade jobs of the writer's Mooncake tier, primary (CPU) rows into the store
   (fresh keys every repetition);
 - store get: promotion jobs of the reader's Mooncake tier, store objects into its primary rows
-  (header and size checks included);
+  (the header check included);
+- batch put / batch get: Mooncake's own batch calls (``batch_put_from_multi_buffers``,
+  ``batch_get_into_multi_buffers``) moving the same blocks between the same rows, one call each,
+  without the tier (its baseline: ``store put`` / ``store get`` over these is the tier's cost;
+  the tier and the call take turns going first);
 - P2P: ``send_blocks`` from the writer into the reader's pages until the send is reported;
 - memcpy: ``dst.copy_(src)`` of the same number of bytes in one contiguous buffer, in the same
   run (the machine's plain copy speed, the baseline).
@@ -46,6 +50,9 @@ from vllm.v1.kv_cache_interface import (
 
 LOOPBACK = "127.0.0.1"
 _WAIT_S = 60.0
+_POLL_S = 0.0001
+"""How often a tier job's end is polled: a tenth of a millisecond, so that the poll adds little
+to the job's time (an engine sees it at its next scheduler step)."""
 
 
 @dataclass(frozen=True)
@@ -153,7 +160,23 @@ class _Side:
                     return time.perf_counter() - start
             if time.perf_counter() - start > _WAIT_S:
                 raise TimeoutError(f"tier job {job.job_id} did not finish in {_WAIT_S} s")
-            time.sleep(0.0005)
+            time.sleep(_POLL_S)
+
+    def batch_call(self, hashes: list[bytes], rows: list[int], put: bool) -> float:
+        """Seconds of one Mooncake batch call moving the blocks ``hashes`` (keys of their own)
+        between ``rows`` and the store, as the tier's rows do, without the tier."""
+        store = self.tier.rows
+        size = self.rows.shape[1]
+        keys = [f"bench-batch/{h.hex()}" for h in hashes]
+        addresses = [[self.rows.data_ptr() + row * size] for row in rows]
+        sizes = [[store.page_format.block_bytes]] * len(rows)
+        start = time.perf_counter()
+        codes = (store.client.put_from if put else store.client.get_into)(keys, addresses, sizes)
+        seconds = time.perf_counter() - start
+        expected = 0 if put else store.page_format.block_bytes
+        if any(code != expected for code in codes):
+            raise RuntimeError(f"mooncake batch {'put' if put else 'get'} failed: {set(codes)}")
+        return seconds
 
     def offload(self, hashes: list[bytes], rows: list[int]) -> float:
         return self.job(hashes, rows, promotion=False)
@@ -189,6 +212,8 @@ def _reader_main(conn: Any, args: dict[str, Any]) -> None:
         cmd, payload = conn.recv()
         if cmd == "load":
             conn.send(side.load(*payload))
+        elif cmd == "batch_get":
+            conn.send(side.batch_call(*payload, put=False))
         elif cmd == "expect":
             request_id, producer, blocks = payload
             conn.send(
@@ -285,12 +310,29 @@ def run(layers: int, blocks: int, reps: int, master: str | None, progress: bool 
             src = list(range(blocks))
             dst = list(range(blocks, 2 * blocks))
             total = blocks * block_bytes
-            times: dict[str, list[float]] = {"store put": [], "store get": [], "P2P": []}
+            times: dict[str, list[float]] = {
+                "store put": [],
+                "batch put": [],
+                "store get": [],
+                "batch get": [],
+                "P2P": [],
+            }
             for rep in range(reps + 1):  # the first repetition warms up, not counted
                 hashes = [os.urandom(32) for _ in range(blocks)]
-                put = writer.offload(hashes, src)
-                parent.send(("load", (hashes, dst)))
-                get = parent.recv()
+                # The tier and the batch call take turns going first (a first mover may pay
+                # for the other's warm caches and segments).
+                if rep % 2:
+                    batch_put = writer.batch_call(hashes, src, put=True)
+                    put = writer.offload(hashes, src)
+                else:
+                    put = writer.offload(hashes, src)
+                    batch_put = writer.batch_call(hashes, src, put=True)
+                gets = [("load", (hashes, dst)), ("batch_get", (hashes, dst))]
+                answers = {}
+                for cmd, payload in gets[::-1] if rep % 2 else gets:
+                    parent.send((cmd, payload))
+                    answers[cmd] = parent.recv()
+                get, batch_get = answers["load"], answers["batch_get"]
                 request_id = f"bench-{rep}"
                 parent.send(("expect", (request_id, producer, dst)))
                 slot = parent.recv()
@@ -301,12 +343,18 @@ def run(layers: int, blocks: int, reps: int, master: str | None, progress: bool 
                 parent.send(("wait_recv", request_id))
                 parent.recv()
                 if rep:
-                    times["store put"].append(put)
-                    times["store get"].append(get)
-                    times["P2P"].append(p2p)
+                    for path, seconds in (
+                        ("store put", put),
+                        ("batch put", batch_put),
+                        ("store get", get),
+                        ("batch get", batch_get),
+                        ("P2P", p2p),
+                    ):
+                        times[path].append(seconds)
                 log(
-                    f"rep {rep}/{reps}{' (warm-up)' if rep == 0 else ''}: put {put * 1e3:.1f} ms, "
-                    f"get {get * 1e3:.1f} ms, P2P {p2p * 1e3:.1f} ms for {total / 2**20:.0f} MiB"
+                    f"rep {rep}/{reps}{' (warm-up)' if rep == 0 else ''}: put {put * 1e3:.1f} ms "
+                    f"(batch call {batch_put * 1e3:.1f}), get {get * 1e3:.1f} ms (batch call "
+                    f"{batch_get * 1e3:.1f}), P2P {p2p * 1e3:.1f} ms for {total / 2**20:.0f} MiB"
                 )
             memcpy = _memcpy_seconds(total, max(reps, 5))
             pages = blocks * layers
@@ -331,17 +379,34 @@ def run(layers: int, blocks: int, reps: int, master: str | None, progress: bool 
     return results
 
 
+BASELINES = {"store put": "batch put", "store get": "batch get"}
+"""The tier's paths and the Mooncake batch call each is compared with."""
+
+
+def versus_batch_call(results: list[BenchResult]) -> dict[str, float]:
+    """Per tier path, its speed over that of Mooncake's batch call in the same run (1: the
+    tier costs nothing over the call)."""
+    by_path = {r.path: r for r in results}
+    return {
+        path: by_path[base].seconds / by_path[path].seconds
+        for path, base in BASELINES.items()
+        if path in by_path and base in by_path
+    }
+
+
 def markdown(results: list[BenchResult]) -> str:
     memcpy = results[0]
+    ratios = versus_batch_call(results)
     lines = [
-        "| path | blocks | pages | MiB | ms (median) | pages/s | GB/s | × memcpy |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| path | blocks | pages | MiB | ms (median) | pages/s | GB/s | × memcpy | × batch call |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
+        ratio = f"{ratios[r.path]:.2f}" if r.path in ratios else ""
         lines.append(
             f"| {r.path} | {r.blocks} | {r.pages} | {r.bytes / 2**20:.0f} | "
             f"{r.seconds * 1e3:.2f} | {r.pages_per_s:,.0f} | {r.gb_per_s:.2f} | "
-            f"{r.gb_per_s / memcpy.gb_per_s:.3f} |"
+            f"{r.gb_per_s / memcpy.gb_per_s:.3f} | {ratio} |"
         )
     return "\n".join(lines)
 
@@ -371,7 +436,12 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(
                 [
-                    {**asdict(r), "pages_per_s": r.pages_per_s, "gb_per_s": r.gb_per_s}
+                    {
+                        **asdict(r),
+                        "pages_per_s": r.pages_per_s,
+                        "gb_per_s": r.gb_per_s,
+                        "vs_batch_call": versus_batch_call(results).get(r.path),
+                    }
                     for r in results
                 ],
                 f,

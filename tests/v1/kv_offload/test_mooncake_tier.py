@@ -18,7 +18,10 @@ import torch
 from tiering_test_utils import stub_spec, wait_until
 
 from vllm.config import ParallelConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import OBJECT_TOO_LARGE
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import (
+    OBJECT_TOO_LARGE,
+    RPC_FAILED,
+)
 from vllm.v1.attention.backends.utils import kv_cache_layout
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
 from vllm.v1.kv_offload.tiering.base import TransferJob
@@ -32,6 +35,9 @@ from vllm.v1.kv_offload.tiering.mooncake.manager import (
 )
 
 CTX = ReqContext(req_id="r")
+
+TRANSFER_FAILED = -800
+"""Mooncake's answer to a read whose buffers are larger than the object."""
 
 
 class FakeStore:
@@ -63,31 +69,33 @@ class FakeClient:
         return [len(self.store.objects.get(k, b"")) or OBJECT_NOT_FOUND for k in keys]
 
     def put_from(self, keys, buffers, sizes) -> list[int]:
+        """Mooncake's answers: 0, and an object already there kept as it is."""
+        if self.store.down:
+            return [RPC_FAILED] * len(keys)
         for key, ptrs, lens in zip(keys, buffers, sizes, strict=True):
-            self.store.objects[key] = b"".join(
-                ctypes.string_at(p, n) for p, n in zip(ptrs, lens, strict=True)
+            self.store.objects.setdefault(
+                key, b"".join(ctypes.string_at(p, n) for p, n in zip(ptrs, lens, strict=True))
             )
         return [0] * len(keys)
 
-    def put_same(self, keys, buffer: torch.Tensor) -> list[int]:
-        data = buffer.numpy().tobytes()
-        for key in keys:
-            self.store.objects[key] = data
-        return [0] * len(keys)
-
     def get_into(self, keys, buffers, sizes) -> list[int]:
+        """Mooncake's answers: the object scattered over the buffers when it fills them
+        exactly, else a code and nothing written."""
         codes = []
         for key, ptrs, lens in zip(keys, buffers, sizes, strict=True):
             data = self.store.objects.get(key)
             if data is None:
                 codes.append(OBJECT_NOT_FOUND)
-                continue
-            assert len(ptrs) == 1
-            if len(data) > lens[0]:
+            elif len(data) > sum(lens):
                 codes.append(OBJECT_TOO_LARGE)
-                continue
-            ctypes.memmove(ptrs[0], data, len(data))
-            codes.append(len(data))
+            elif len(data) < sum(lens):
+                codes.append(TRANSFER_FAILED)
+            else:
+                start = 0
+                for ptr, n in zip(ptrs, lens, strict=True):
+                    ctypes.memmove(ptr, data[start : start + n], n)
+                    start += n
+                codes.append(len(data))
         return codes
 
     def remove(self, keys) -> list[int]:
@@ -183,8 +191,7 @@ def test_nhd_and_hnd_instances_never_share_blocks(by_option: bool) -> None:
     assert (nhd.page_format.kv_cache_layout, hnd.page_format.kv_cache_layout) == ("NHD", "HND")
     assert nhd.page_format.fingerprint != hnd.page_format.fingerprint
     name = offload_key_name(keys("n")[0])
-    assert nhd.rows.data_key(name) != hnd.rows.data_key(name)
-    assert nhd.rows.header_key(name) != hnd.rows.header_key(name)
+    assert nhd.rows.key(name) != hnd.rows.key(name)
     assert run(nhd, 0, keys("n"), [0], promotion=False)
     assert hnd.lookup(keys("n")[0], CTX) is LookupResult.MISS
     assert not run(hnd, 1, keys("n"), [1], promotion=True) and not hnd_rows.any()
@@ -199,32 +206,40 @@ def test_nhd_and_hnd_instances_never_share_blocks(by_option: bool) -> None:
         tier.shutdown()
 
 
-def test_a_corrupt_block_fails_its_promotion_writes_no_row_and_stays_a_miss(fake_client) -> None:
+def test_a_corrupt_block_fails_its_promotion_and_stays_a_miss(fake_client) -> None:
+    """A short object fails the promotion (the rows of a failed promotion are never handed out:
+    the tiering manager drops them) and is not retried; offloaded again, it is replaced."""
     writer, w_rows = make_tier()
     reader, r_rows = make_tier()
     w_rows[:] = 7
     ks = keys("x", "y")
     assert run(writer, 0, ks, [0, 1], promotion=False)
-    data_key = writer.rows.data_key(offload_key_name(ks[1]))
-    fake_client.objects[data_key] = b"\1" * 10
+    key = writer.rows.key(offload_key_name(ks[1]))
+    header = writer.page_format.header()
+    assert fake_client.objects[key] == header + bytes(w_rows[1])  # the header, then the block
+    fake_client.objects[key] = b"\1" * 10
     assert not run(reader, 1, ks, [2, 3], promotion=True)
-    assert not r_rows.any()  # checked before any row was written
+    assert not r_rows[3].any()  # Mooncake writes nothing of an object of another size
     error = reader.failure(ks[1])
-    assert isinstance(error, ValueError) and f"got {10}" in str(error)
+    object_bytes = len(header) + writer.page_format.block_bytes
+    assert isinstance(error, ValueError)
+    assert f"expected {object_bytes} bytes (header and block), got 10 bytes" in str(error)
     assert reader.lookup(ks[1], CTX) is LookupResult.MISS  # not retried: recomputed
     assert reader.lookup(ks[0], CTX) is LookupResult.HIT
     # Recomputed and offloaded again by the reader: the bad object is replaced, then loads.
     r_rows[4] = 5
     assert run(reader, 5, ks[1:], [4], promotion=False)
     assert reader.lookup(ks[1], CTX) is LookupResult.HIT
-    assert fake_client.objects[data_key] == bytes(r_rows[4])
-    r_rows[4] = 0
-    # A foreign header (another model's format) is refused the same way.
+    assert fake_client.objects[key] == header + bytes(r_rows[4])
+    # A foreign header (another model's format, the same size) is refused the same way.
     foreign, _ = make_tier(model="other/model")
-    header_key = writer.rows.header_key(offload_key_name(ks[0]))
-    fake_client.objects[header_key] = foreign.page_format.header()
+    key = writer.rows.key(offload_key_name(ks[0]))
+    assert len(foreign.page_format.header()) == len(header)
+    fake_client.objects[key] = (
+        foreign.page_format.header() + fake_client.objects[key][len(header) :]
+    )
     assert not run(reader, 2, ks[:1], [2], promotion=True)
-    assert "header of block" in str(reader.failure(ks[0])) and not r_rows.any()
+    assert "header of block" in str(reader.failure(ks[0]))
     for tier in (writer, reader, foreign):
         tier.shutdown()
 
@@ -249,6 +264,18 @@ def test_an_unreachable_store_is_a_fast_miss_then_retried(fake_client) -> None:
     assert "unreachable" in str(tier.failure(keys("later")[0]))
     time.sleep(0.25)
     assert tier.lookup(ks[0], CTX) is LookupResult.HIT
+    tier.shutdown()
+
+
+def test_a_put_the_master_does_not_answer_starts_the_back_off(fake_client) -> None:
+    """No existence query precedes a put: a put the master does not answer marks the store
+    unreachable itself, so lookups miss at once during the back-off."""
+    tier, _ = make_tier(retry_after_s=60.0)
+    fake_client.down = True
+    assert not run(tier, 0, keys("p"), [0], promotion=False)
+    assert type(tier.failure(keys("p")[0])).__name__ == "StoreUnreachable"
+    fake_client.down = False
+    assert tier.lookup(keys("p")[0], CTX) is LookupResult.MISS  # no query: backing off
     tier.shutdown()
 
 
@@ -317,15 +344,15 @@ def test_key_names() -> None:
         offload_key_name(make_offload_key(b"", 0))
 
 
-def test_an_oversized_header_is_a_bad_object(fake_client) -> None:
+def test_an_oversized_object_is_a_bad_object(fake_client) -> None:
     writer, _ = make_tier()
     reader, r_rows = make_tier()
     k = keys("big")
     assert run(writer, 0, k, [0], promotion=False)
-    header_key = writer.rows.header_key(offload_key_name(k[0]))
-    fake_client.objects[header_key] += b"\0" * 64
+    fake_client.objects[writer.rows.key(offload_key_name(k[0]))] += b"\0" * 64
     assert not run(reader, 1, k, [1], promotion=True)
     assert type(reader.failure(k[0])).__name__ == "BadStoreObject"
+    assert "got a larger object" in str(reader.failure(k[0]))
     assert reader.lookup(k[0], CTX) is LookupResult.MISS and not r_rows.any()
     for tier in (writer, reader):
         tier.shutdown()
@@ -335,8 +362,7 @@ def test_bad_rows_remove_nothing_and_bad_flags_survive_other_failures(fake_clien
     tier, _ = make_tier(retry_after_s=60.0)
     k = keys("b")
     assert run(tier, 0, k, [0], promotion=False)
-    data_key = tier.rows.data_key(offload_key_name(k[0]))
-    fake_client.objects[data_key] = b"x"
+    fake_client.objects[tier.rows.key(offload_key_name(k[0]))] = b"x"
     assert not run(tier, 1, k, [1], promotion=True)  # now flagged bad
     before = dict(fake_client.objects)
     assert not run(tier, 2, k, [99], promotion=False)  # a row out of range: nothing removed

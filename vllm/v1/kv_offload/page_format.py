@@ -21,6 +21,7 @@ import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
+from functools import cached_property
 from typing import Any
 
 from vllm.kv_quant.calibrated import KVCacheCalibration
@@ -194,9 +195,10 @@ class KVPageFormat:
         of ``num_workers`` workers."""
         return self.num_workers * self.block_size_factor * sum(self.page_sizes_bytes)
 
-    @property
+    @cached_property
     def digest(self) -> bytes:
-        """SHA-256 (32 bytes) of the canonical JSON of every field."""
+        """SHA-256 (32 bytes) of the canonical JSON of every field (computed once: every store
+        key and header carries it)."""
         return canonical_sha256(asdict(self))
 
     @property

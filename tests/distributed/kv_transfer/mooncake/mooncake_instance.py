@@ -358,17 +358,20 @@ class InstanceState:
         return {"count": count, "seconds": time.monotonic() - start}
 
     def replace_object(self, cache: str, hash_hex: str, part: str, data_hex: str) -> int:
-        """Replace a block's header (``part="header"``) or data with other bytes, as a foreign
-        or corrupt writer would; returns the put's status code."""
+        """Replace a block's object, as a foreign or corrupt writer would: with ``data_hex`` as
+        its header and zeros as its block (``part="header"``: an object of the right size),
+        or with ``data_hex`` alone; returns the put's status code."""
         store = self.caches[cache].store
         assert store is not None
         rows = store.tier.rows
-        name = offload_key_name(keys_of([hash_hex])[0])
-        key = rows.header_key(name) if part == "header" else rows.data_key(name)
+        key = rows.key(offload_key_name(keys_of([hash_hex])[0]))
+        payload = bytes.fromhex(data_hex)
+        if part == "header":
+            payload = payload.ljust(rows.object_bytes, b"\0")
         rows.client.remove([key])
-        payload = torch.frombuffer(bytearray(bytes.fromhex(data_hex)), dtype=torch.uint8)
-        rows.client.register(payload)
-        return rows.client.put_same([key], payload)[0]
+        buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        rows.client.register(buffer)
+        return rows.client.put_from([key], [[buffer.data_ptr()]], [[buffer.numel()]])[0]
 
     def header_of(self, cache: str) -> str:
         store = self.caches[cache].store

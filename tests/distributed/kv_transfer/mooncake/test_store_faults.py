@@ -136,8 +136,8 @@ def check_killed_writer(master, spawn) -> None:
     if result["success"]:  # the objects happened to live in the reader's own segment
         assert reader.call("digest", blocks=targets) == expected
     else:
-        # Blocks that vanish between the header check and the zero-copy read fail the job,
-        # whose own pages may then be partly written; no other page is touched.
+        # Blocks that vanish with their holder fail the job, whose own pages may then be
+        # partly written; no other page is touched.
         assert "StoreMiss" in result["error"] or "MooncakeStoreError" in result["error"], result
     assert reader.call("digest", blocks=others) == before
     # Once the master has dropped the dead client's segment, its blocks are misses.
@@ -203,8 +203,8 @@ def test_foreign_or_corrupt_object_writes_nothing(shared_master, pair, part: str
         payload = writer.call("header_of", cache=writer.cache + "-nvfp4")
         expect = "header of block"
     else:
-        payload = "ab" * 1000  # a data object 1000 bytes long instead of 16 KiB
-        expect = "expected 16384 bytes, got 1000"
+        payload = "ab" * 1000  # an object 1000 bytes long instead of a header and 16 KiB
+        expect = "bytes (header and block), got 1000 bytes"
     assert writer.call("replace_object", hash_hex=hashes[1], part=part, data_hex=payload) == 0
     before = reader.call("digest_all")
     assert_miss_untouched(reader, hashes, [6, 7], before, expect)

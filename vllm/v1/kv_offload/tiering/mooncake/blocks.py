@@ -1,22 +1,23 @@
 """Primary-tier rows in a Mooncake distributed store: whole offloaded blocks in and out.
 
 An offloaded block (one row of the primary tier: every worker's pages of the block) is one
-store object, put straight from the row and read straight into it (zero-copy: the rows are
-registered with the store). Beside it lives a small header object
-(:meth:`~vllm.v1.kv_offload.page_format.KVPageFormat.header`: format digest, block bytes, page
-sizes). Keys: ``<prefix>/<format fingerprint>/<block hash hex>_g<group>`` and the same with
-``.hdr``, so blocks of another model, format or geometry never match.
+store object: its header (:meth:`~vllm.v1.kv_offload.page_format.KVPageFormat.header`: format
+digest, block bytes, page sizes), then the block, put straight from the row and read straight
+into it (zero-copy: the rows are registered with the store). Keys:
+``<prefix>/<format fingerprint>/<block hash hex>_g<group>``, so blocks of another model, format
+or geometry never match.
 
-A load writes nothing into a row unless, for every block of the batch, the header matches this
-tier's format exactly and the data object's size is exactly the row size; only then are the
-data objects read. A put writes the data first and the header second, so a reader never trusts
-a block whose data is not complete. Failures are raised, never hidden: a missing or evicted
-block is a :class:`StoreMiss`, a foreign header or a wrong size a :class:`BadStoreObject` (a
-``ValueError``), a store that
-cannot be reached a :class:`MooncakeStoreError`. A block that vanishes after the checks (its
-holder died between the check and the read) is a :class:`StoreMiss` too; its row, read in
-place, may then hold part of the data, which is why the tiering manager drops the rows of a
-failed promotion.
+One Mooncake batch call per direction and batch (the header travels in the object): a put is
+one ``put_from`` of header and row per block (Mooncake keeps an object that is already there
+and answers 0 without moving it, so no existence query comes first); a load is one
+``get_into`` of each object into the block's header staging slot and its row, which Mooncake
+answers only when the object has exactly the header's and the row's size, and then every header
+is checked. So a failed load may have written the batch's rows (never any other row): the
+tiering manager drops the rows of a failed promotion, and nothing of it is ever read as a value.
+Failures are raised, never hidden: a missing, evicted or vanished block is a
+:class:`StoreMiss`, a foreign header or a wrong size a :class:`BadStoreObject` (a
+``ValueError``), a store that cannot be reached a :class:`StoreUnreachable`, any other refusal a
+:class:`MooncakeStoreError`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import (
     OBJECT_NOT_FOUND,
     OBJECT_TOO_LARGE,
+    RPC_FAILED,
     MooncakeStoreClient,
     MooncakeStoreError,
 )
@@ -123,20 +125,20 @@ class MooncakeRowStore:
         ).view(max_blocks_per_batch, len(header))
         client.register(self._header)
         client.register(self._header_staging)
-        # One staging buffer: promotions running on two threads take turns checking headers.
+        # One staging buffer: promotions running on two threads take turns reading headers.
         self._staging_lock = threading.Lock()
 
-    def data_key(self, name: str) -> str:
-        """Store key of a block's data (``name``: :func:`offload_key_name`)."""
+    @property
+    def object_bytes(self) -> int:
+        """Bytes of a block's store object: its header, then the block."""
+        return self._header.numel() + self.page_format.block_bytes
+
+    def key(self, name: str) -> str:
+        """Store key of a block's object (``name``: :func:`offload_key_name`)."""
         return f"{self.key_prefix}/{self.page_format.fingerprint}/{name}"
 
-    def header_key(self, name: str) -> str:
-        """Store key of a block's header."""
-        return self.data_key(name) + ".hdr"
-
-    def _row_addresses(self, rows: Sequence[int]) -> list[list[int]]:
-        base, size = self.rows.data_ptr(), self.rows.shape[1]
-        return [[base + int(row) * size] for row in rows]
+    def _row_address(self, row: int) -> int:
+        return self.rows.data_ptr() + int(row) * self.rows.shape[1]
 
     def _check_rows(self, names: Sequence[str], rows: np.ndarray) -> None:
         if rows.shape != (len(names),):
@@ -151,134 +153,126 @@ class MooncakeRowStore:
             )
 
     def present(self, names: Sequence[str]) -> list[bool]:
-        """Per block: data and header are both in the store (one existence query per
+        """Per block: its object is in the store (one existence query per
         ``max_blocks_per_batch`` blocks). :class:`StoreUnreachable` when the store cannot
         say."""
         found: list[bool] = []
         for part in _chunks(len(names), self.max_blocks_per_batch):
-            chunk = names[part]
-            codes = self.client.exists(
-                [self.data_key(n) for n in chunk] + [self.header_key(n) for n in chunk]
-            )
+            codes = self.client.exists([self.key(n) for n in names[part]])
             if any(c < 0 for c in codes):
                 raise StoreUnreachable(
                     f"mooncake store: existence query failed with codes "
                     f"{sorted({c for c in codes if c < 0})}"
                 )
-            n = len(chunk)
-            found.extend(codes[i] == 1 and codes[n + i] == 1 for i in range(n))
+            found.extend(c == 1 for c in codes)
         return found
 
     def remove(self, names: Sequence[str]) -> None:
-        """Remove the blocks' data and header objects (missing ones are no error)."""
-        keys = [self.data_key(n) for n in names] + [self.header_key(n) for n in names]
-        codes = self.client.remove(keys)
+        """Remove the blocks' objects (missing ones are no error)."""
+        codes = self.client.remove([self.key(n) for n in names])
         failed = [c for c in codes if c not in (0, OBJECT_NOT_FOUND)]
         if failed:
             raise MooncakeStoreError(f"mooncake store: remove failed with codes {sorted(failed)}")
 
     def store(self, names: Sequence[str], rows: np.ndarray, replace: Collection[str] = ()) -> int:
-        """Put the blocks not yet in the store from their rows (the blocks named in ``replace``
-        are removed first, so that they are put again); returns the bytes put.
+        """Put the blocks from their rows, one batch call per ``max_blocks_per_batch`` blocks
+        (the blocks named in ``replace`` are removed first, so that they are put again; the
+        others already in the store stay as they are); returns the bytes handed to the store.
 
-        ``MooncakeStoreError`` when a put fails (the store full of pinned objects, an object
-        larger than every segment, the master unreachable). Nothing is removed or put unless
-        ``rows`` holds one valid row per block.
+        :class:`StoreUnreachable` when the master does not answer, ``MooncakeStoreError`` when
+        a put fails otherwise (the store full of pinned objects, an object larger than every
+        segment). Nothing is removed or put unless ``rows`` holds one valid row per block.
         """
         self._check_rows(names, rows)
-        self.remove([n for n in names if n in replace])
-        moved = 0
+        if replace:
+            self.remove([n for n in names if n in replace])
+        header, block_bytes = self._header, self.page_format.block_bytes
         for part in _chunks(len(names), self.max_blocks_per_batch):
-            chunk = list(names[part])
-            todo = [i for i, held in enumerate(self.present(chunk)) if not held]
-            if not todo:
-                continue
-            data_keys = [self.data_key(chunk[i]) for i in todo]
-            addresses = self._row_addresses(rows[part][todo])
-            size = [[self.page_format.block_bytes]] * len(todo)
-            put = self.client.put_from(data_keys, addresses, size)
-            failed = {k: c for k, c in zip(data_keys, put, strict=True) if c != 0}
-            stored = [self.header_key(chunk[i]) for i, c in zip(todo, put, strict=True) if c == 0]
-            head = self.client.put_same(stored, self._header)
-            failed.update({k: c for k, c in zip(stored, head, strict=True) if c != 0})
+            keys = [self.key(n) for n in names[part]]
+            codes = self.client.put_from(
+                keys,
+                [[header.data_ptr(), self._row_address(row)] for row in rows[part]],
+                [[header.numel(), block_bytes]] * len(keys),
+            )
+            failed = {k: c for k, c in zip(keys, codes, strict=True) if c != 0}
+            if failed and all(c == RPC_FAILED for c in failed.values()):
+                raise StoreUnreachable(
+                    f"mooncake store: put of {len(failed)} blocks failed with code {RPC_FAILED} "
+                    "(the master did not answer)"
+                )
             if failed:
                 raise MooncakeStoreError(
-                    f"mooncake store: put failed for {len(failed)} of {2 * len(todo)} objects, "
+                    f"mooncake store: put failed for {len(failed)} of {len(keys)} blocks, "
                     f"codes {sorted(set(failed.values()))} (first key {next(iter(failed))})"
                 )
-            moved += len(todo) * self.page_format.block_bytes
-        return moved
-
-    def _check_headers(self, names: Sequence[str]) -> None:
-        """Every block's header matches and its data object has exactly the row's size."""
-        with self._staging_lock:
-            self._check_headers_locked(names)
-
-    def _check_headers_locked(self, names: Sequence[str]) -> None:
-        for part in _chunks(len(names), self.max_blocks_per_batch):
-            chunk = names[part]
-            staging = self._header_staging[: len(chunk)]
-            staging.zero_()
-            width = staging.shape[1]
-            codes = self.client.get_into(
-                [self.header_key(n) for n in chunk],
-                [[staging[i].data_ptr()] for i in range(len(chunk))],
-                [[width]] * len(chunk),
-            )
-            missing = [n for n, c in zip(chunk, codes, strict=True) if c == OBJECT_NOT_FOUND]
-            if missing:
-                raise StoreMiss(
-                    f"mooncake store: {len(missing)} blocks not in the store, first {missing[0]}"
-                )
-            for n, code, row in zip(chunk, codes, staging, strict=True):
-                if code == OBJECT_TOO_LARGE or code > width:
-                    raise BadStoreObject(
-                        f"header of block {n}: expected at most {width} bytes, got a larger object",
-                        n,
-                    )
-                if code < 0:
-                    raise MooncakeStoreError(
-                        f"mooncake store: reading the header of block {n} failed with code {code}"
-                    )
-                try:
-                    self.page_format.check_header(
-                        row[:code].numpy().tobytes(), where=f"header of block {n}"
-                    )
-                except ValueError as e:
-                    raise BadStoreObject(str(e), n) from None
-            sizes = self.client.sizes([self.data_key(n) for n in chunk])
-            for n, size in zip(chunk, sizes, strict=True):
-                if size == OBJECT_NOT_FOUND:
-                    raise StoreMiss(f"mooncake store: the data of block {n} is not in the store")
-                if size != self.page_format.block_bytes:
-                    raise BadStoreObject(
-                        f"store object of block {n}: expected {self.page_format.block_bytes} "
-                        f"bytes, got {size}",
-                        n,
-                    )
+        return len(names) * block_bytes
 
     def load(self, names: Sequence[str], rows: np.ndarray) -> int:
-        """Read the blocks into their rows; returns the bytes read.
+        """Read the blocks into their rows (one batch call per ``max_blocks_per_batch``
+        blocks); returns the bytes read.
 
-        Every header and object size is checked before the first data byte is read; a miss
-        raises :class:`StoreMiss`, a foreign header or size :class:`BadStoreObject`, and no
-        row is written. A block that disappears after the checks raises :class:`StoreMiss` too, and
-        then the rows of the batch may be partly written (never any other row).
+        A miss raises :class:`StoreMiss`, an object of another size or with a foreign header
+        :class:`BadStoreObject`, a master that does not answer :class:`StoreUnreachable`; the
+        rows of the batch may then be partly written (never any other row).
         """
         self._check_rows(names, rows)
-        self._check_headers(names)
-        block_bytes = self.page_format.block_bytes
-        for part in _chunks(len(names), self.max_blocks_per_batch):
-            chunk = list(names[part])
-            codes = self.client.get_into(
-                [self.data_key(n) for n in chunk],
-                self._row_addresses(rows[part]),
-                [[block_bytes]] * len(chunk),
-            )
-            bad = {n: c for n, c in zip(chunk, codes, strict=True) if c != block_bytes}
-            if bad:
-                raise StoreMiss(
-                    f"mooncake store: {len(bad)} blocks could not be read (codes "
-                    f"{sorted(set(bad.values()))}), first {next(iter(bad))}"
+        with self._staging_lock:
+            for part in _chunks(len(names), self.max_blocks_per_batch):
+                self._load_chunk(list(names[part]), rows[part])
+        return len(names) * self.page_format.block_bytes
+
+    def _load_chunk(self, names: list[str], rows: np.ndarray) -> None:
+        staging = self._header_staging[: len(names)]
+        width, block_bytes = staging.shape[1], self.page_format.block_bytes
+        base = staging.data_ptr()
+        codes = self.client.get_into(
+            [self.key(n) for n in names],
+            [[base + i * width, self._row_address(row)] for i, row in enumerate(rows)],
+            [[width, block_bytes]] * len(names),
+        )
+        if any(c != width + block_bytes for c in codes):
+            self._raise_for(names, codes)
+        matches = (staging.numpy() == self._header.numpy()).all(axis=1)
+        for name, header, ok in zip(names, staging, matches, strict=True):
+            if ok:
+                continue
+            try:  # the first field that differs, named
+                self.page_format.check_header(
+                    header.numpy().tobytes(), where=f"header of block {name}"
                 )
-        return len(names) * block_bytes
+            except ValueError as e:
+                raise BadStoreObject(str(e), name) from None
+            raise AssertionError("check_header: accepted a header unlike the format's")
+
+    def _raise_for(self, names: list[str], codes: list[int]) -> None:
+        """The error of a read that did not return every object whole: the first block's that
+        did not (its size asked of the master when the read's code does not say)."""
+        expected = self.object_bytes
+        for name, code in zip(names, codes, strict=True):
+            if code == expected:
+                continue
+            if code == OBJECT_NOT_FOUND:
+                raise StoreMiss(f"mooncake store: block {name} is not in the store")
+            if code == RPC_FAILED:
+                raise StoreUnreachable(
+                    f"mooncake store: reading block {name} failed with code {code} (the master "
+                    "did not answer)"
+                )
+            size = (
+                OBJECT_TOO_LARGE
+                if code == OBJECT_TOO_LARGE
+                else self.client.sizes([self.key(name)])[0]
+            )
+            if size == OBJECT_NOT_FOUND:
+                raise StoreMiss(f"mooncake store: block {name} left the store during the read")
+            if size == OBJECT_TOO_LARGE or size != expected:
+                got = "a larger object" if size == OBJECT_TOO_LARGE else f"{size} bytes"
+                raise BadStoreObject(
+                    f"store object of block {name}: expected {expected} bytes (header and "
+                    f"block), got {got}",
+                    name,
+                )
+            raise StoreMiss(
+                f"mooncake store: block {name} could not be read (code {code}); it may have "
+                "left the store"
+            )

@@ -1,17 +1,17 @@
 """The Mooncake secondary tier: offloaded blocks in a Mooncake distributed store, shared by
 every engine instance that uses the same store and page format.
 
-A cascade puts a primary row (every worker's pages of one offloaded block) as one store object
-plus a header; a promotion checks every header and size of the job, then reads the objects
-straight into the reserved primary rows (see :mod:`.blocks`). Copies run on one load-first and
-one store-first thread, so the scheduler never waits on the store; ``lookup`` is one existence
-query. A store that cannot be reached is a miss: after a failed existence query (a lookup's, or
-the one a cascade starts with), lookups answer ``MISS`` at once and jobs fail at once for
-``retry_after_s`` seconds instead of stalling the scheduler on each key; a promotion that cannot
-reach the store just fails (a miss). A block whose
-promotion found a foreign or corrupt object is a miss from then on, so the engine recomputes it
-instead of retrying the same bad object; when it is offloaded again, this tier replaces the bad
-objects.
+A cascade puts each primary row (every worker's pages of one offloaded block) behind its header
+as one store object; a promotion reads the objects straight into the reserved primary rows and
+then checks every header (sizes are checked by the read itself): one Mooncake batch call per
+direction (see :mod:`.blocks`). Copies run on one load-first and one store-first thread, so the
+scheduler never waits on the store; ``lookup`` is one existence query. A store that cannot be
+reached is a miss: after a query or put the master did not answer (a lookup's, or a cascade's),
+lookups answer ``MISS`` at once and jobs fail at once for ``retry_after_s`` seconds instead of
+stalling the scheduler on each key; a promotion that cannot reach the store just fails (a miss),
+and the rows of a failed promotion are dropped, never read. A block whose promotion found a
+foreign or corrupt object is a miss from then on, so the engine recomputes it instead of
+retrying the same bad object; when it is offloaded again, this tier replaces the bad objects.
 """
 
 from __future__ import annotations
@@ -252,8 +252,8 @@ class MooncakeTierManager(SecondaryTierManager):
                     if job.is_promotion:
                         self.rows.load(names, rows)
                     else:
-                        # Bad objects this tier found would be kept by the put (it skips
-                        # blocks present): the store replaces them.
+                        # Bad objects this tier found would be kept by the put (Mooncake
+                        # keeps an object already there): the store replaces them.
                         bad = {n for k, n in zip(keys, names, strict=True) if self._is_bad(k)}
                         self.rows.store(names, rows, replace=bad)
                         replaced = [k for k, n in zip(keys, names, strict=True) if n in bad]

@@ -25,6 +25,9 @@ OBJECT_TOO_LARGE = -600
 """Mooncake's status code for a read whose buffers are smaller than the object (nothing
 written)."""
 
+RPC_FAILED = -900
+"""Mooncake's status code for a call the master did not answer (stopped or unreachable)."""
+
 
 class MooncakeStoreError(RuntimeError):
     """The store could not be reached or refused an operation."""
