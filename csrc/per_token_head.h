@@ -87,6 +87,64 @@ KV_HOST_DEVICE void quantize_per_token_head_row(const Load& load, int head_size,
   for (int b = 0; b < kPerTokenHeadScaleBytes; ++b) row[head_size + b] = uint8_t(bits >> (8 * b));
 }
 
+// The CUDA writer's split of a row over the lanes of a warp: lane l takes the runs of kRowRun
+// elements starting at kRowRun * (l + k * kRowLanes), so a warp's loads and 4-byte stores are
+// contiguous; every lane derives the scale from the whole row's statistics, merged across lanes
+// (max and or: the same result in any order).
+constexpr int kRowLanes = 32;
+constexpr int kRowRun = 4;
+
+KV_HOST_DEVICE PerTokenHeadStats merge_stats(PerTokenHeadStats a, const PerTokenHeadStats& b) {
+  a.finite_amax = fmaxf(a.finite_amax, b.finite_amax);  // both >= +0, never NaN
+  a.has_nan = a.has_nan || b.has_nan;
+  return a;
+}
+
+// The statistics of lane `lane`'s runs of a row of head_size values (load(i): element i).
+template <typename Load>
+KV_HOST_DEVICE PerTokenHeadStats per_token_head_lane_stats(const Load& load, int head_size,
+                                                           int lane) {
+  PerTokenHeadStats stats;
+  for (int start = lane * kRowRun; start < head_size; start += kRowLanes * kRowRun) {
+    const int end = start + kRowRun < head_size ? start + kRowRun : head_size;
+    for (int i = start; i < end; ++i) stats.add(load(i));
+  }
+  return stats;
+}
+
+// Lane `lane`'s bytes of the row quantize_per_token_head_row writes, given the whole row's
+// statistics: its runs' value bytes (one 4-byte store per whole run where the row is 4-byte
+// aligned) and, from lane 0, the scale. run(start, n): called after each run is stored.
+template <CacheKind K, typename Load, typename AfterRun>
+KV_HOST_DEVICE void quantize_per_token_head_lane(const Load& load, int head_size, int lane,
+                                                 const PerTokenHeadStats& stats, uint8_t* row,
+                                                 const AfterRun& after_run) {
+  const float scale = per_token_head_scale<K>(stats);
+  const float inv = kv_fdiv(1.0f, scale);  // finite: scale >= 1e-6 (unused for a NaN row)
+  const bool aligned = reinterpret_cast<uintptr_t>(row) % 4 == 0;
+  for (int start = lane * kRowRun; start < head_size; start += kRowLanes * kRowRun) {
+    const int n = start + kRowRun < head_size ? kRowRun : head_size - start;
+    uint32_t word = 0;
+    for (int i = 0; i < n; ++i) {
+      const uint8_t q =
+          stats.has_nan ? uint8_t{0} : per_token_head_encode<K>(kv_fmul(load(start + i), inv));
+      word |= uint32_t(q) << (8 * i);
+    }
+    if (aligned && n == kRowRun) {
+      *reinterpret_cast<uint32_t*>(row + start) = word;
+    } else {
+      for (int i = 0; i < n; ++i) row[start + i] = uint8_t(word >> (8 * i));
+    }
+    after_run(start, n);
+  }
+  if (lane == 0) {
+    const uint32_t bits = float_as_bits(scale);
+    for (int b = 0; b < kPerTokenHeadScaleBytes; ++b) {
+      row[head_size + b] = uint8_t(bits >> (8 * b));
+    }
+  }
+}
+
 // The value of byte q of a per-token-head row (before the scale): int8 or e4m3.
 template <CacheKind K>
 KV_HOST_DEVICE float per_token_head_decode(uint8_t q) {

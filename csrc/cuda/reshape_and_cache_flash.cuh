@@ -15,10 +15,14 @@
 //                element (kv_fdiv = __fdiv_rn), FP8 encoding, one vector store of kVec bytes.
 //   NVFP4:       unit = one 16-element group (docs/design.md §5 steps 1-6), 8 data bytes stored at
 //                Nvfp4SideLayout::data_offset, 1 scale byte at Nvfp4SideLayout::scale_offset.
-//   per-token-head INT8 / FP8 / INT4: unit = one whole row (a head of a token), since its scale
-//                depends on every element: quantize_per_token_head_row of per_token_head.h or
-//                quantize_int4_per_token_head_row of int4_per_token_head.h, the CPU writer's
-//                code, so the bytes are the same by construction (and host-replayable).
+//   per-token-head INT8 / FP8: unit = one lane of a row (a head of a token), a warp per row:
+//                each lane loads and stores runs of 4 elements (contiguous across the warp), the
+//                row's scale comes from the lanes' statistics merged by warp shuffles (max and
+//                or, order-free), then each lane quantizes its runs (per_token_head.h's lane
+//                split of quantize_per_token_head_row, the CPU writer's arithmetic).
+//   per-token-head INT4: unit = one whole row, since it is rotated first: quantize_int4_per_token_
+//                head_row of int4_per_token_head.h, the CPU writer's code, so the bytes are the
+//                same by construction (and host-replayable).
 //   Key sink rows (key_sink_rows.h): a K unit of a page row below S also writes its elements'
 //                e4m3 bytes into the sink row, from the same loaded source words.
 //
@@ -126,16 +130,45 @@ KV_HOST_DEVICE float sink_element(const FlashArgs& a, const uint32_t (&w)[kWords
   }
 }
 
-// The kinds whose unit is one whole row (a head of a token): each row computes its own scale.
+// The kinds whose units are rows (a head of a token): each row computes its own scale.
 KV_HOST_DEVICE constexpr bool is_row_kind(CacheKind kind) {
   return is_per_token_head(kind) || kind == CacheKind::kInt4PerTokenHead;
 }
 
-// Writes row `head` of token `token` of side `side` (0: K, 1: V) of a per-token-head cache (one
-// unit per row, INT4 ones rotated first), and the row's key sink row if it has one.
+// Units per row: a warp's lanes for INT8 / FP8 rows (per_token_head.h's kRowLanes split), one
+// thread for an INT4 row (its rotation runs over the whole row in the thread's scratch).
+KV_HOST_DEVICE constexpr int row_lanes(CacheKind kind) {
+  return is_per_token_head(kind) ? kRowLanes : 1;
+}
+
+// The whole row's statistics from each lane's (lane_stats(l)): on the GPU the warp's lanes (one
+// row per warp) exchange theirs; on the host (the replay) one lane merges them all. Max and or:
+// the same result in any order.
+template <typename LaneStats>
+KV_HOST_DEVICE PerTokenHeadStats row_stats(int lane, const LaneStats& lane_stats) {
+#if defined(__CUDA_ARCH__)
+  PerTokenHeadStats stats = lane_stats(lane);
+  KV_DEVICE_UNROLL
+  for (int offset = kRowLanes / 2; offset > 0; offset /= 2) {
+    const float other = __shfl_xor_sync(0xFFFFFFFFu, stats.finite_amax, offset);
+    const int other_nan = __shfl_xor_sync(0xFFFFFFFFu, int(stats.has_nan), offset);
+    stats = merge_stats(stats, PerTokenHeadStats{other, other_nan != 0});
+  }
+  return stats;
+#else
+  (void)lane;
+  PerTokenHeadStats stats;
+  for (int l = 0; l < kRowLanes; ++l) stats = merge_stats(stats, lane_stats(l));
+  return stats;
+#endif
+}
+
+// Writes lane `lane` of row `head` of token `token` of side `side` (0: K, 1: V) of a
+// per-token-head cache (INT8 / FP8: a warp per row; INT4: one thread, lane 0, rotating the row
+// first), and its part of the row's key sink row if it has one.
 template <typename Src, CacheKind kKind>
 KV_HOST_DEVICE void write_per_token_head_row(const FlashArgs& a, int side, int64_t token, int head,
-                                             float* scratch) {
+                                             int lane, float* scratch) {
   const FlashSideArgs& s = a.side[side];
   const int64_t slot = load_readonly(a.slot_mapping + token);
   if (slot < 0 || slot >= a.num_slots) return;
@@ -154,16 +187,23 @@ KV_HOST_DEVICE void write_per_token_head_row(const FlashArgs& a, int side, int64
     return Src::element(word, 0);
   };
   uint8_t* dst = static_cast<uint8_t*>(s.cache.data) + entry_offset(s.cache, block, row, head);
+  const bool sink = side == 0 && row < a.key_sinks.rows;
   if constexpr (kKind == CacheKind::kInt4PerTokenHead) {
     using Traits = SourceTraits<Src::kType>;
     const auto round_to_source = [](float v) { return Traits::to_float(Traits::from_float(v)); };
     quantize_int4_per_token_head_row(load, round_to_source, s.cache.rht_signs, s.cache.head_size,
                                      scratch, dst);
+    if (sink) write_key_sink_row(a.key_sinks, block, row, head, 0, s.cache.head_size, load);
   } else {
-    quantize_per_token_head_row<kKind>(load, s.cache.head_size, dst);
-  }
-  if (side == 0 && row < a.key_sinks.rows) {
-    write_key_sink_row(a.key_sinks, block, row, head, 0, s.cache.head_size, load);
+    const int d = s.cache.head_size;
+    const PerTokenHeadStats stats =
+        row_stats(lane, [&](int l) { return per_token_head_lane_stats(load, d, l); });
+    quantize_per_token_head_lane<kKind>(load, d, lane, stats, dst, [&](int start, int n) {
+      if (sink) {
+        write_key_sink_row(a.key_sinks, block, row, head, start, n,
+                           [&](int i) { return load(start + i); });
+      }
+    });
   }
 }
 
@@ -279,8 +319,10 @@ template <typename Src, CacheKind kKind, int kVec, bool kWide>
 KV_HOST_DEVICE void write_unit(const FlashArgs& a, int64_t token, int unit, float* scratch) {
   if constexpr (is_row_kind(kKind)) {
     const bool is_value = unit >= a.units_k;
-    write_per_token_head_row<Src, kKind>(a, is_value ? 1 : 0, token,
-                                         is_value ? unit - a.units_k : unit, scratch);
+    const int local = is_value ? unit - a.units_k : unit;
+    constexpr int kLanes = row_lanes(kKind);
+    write_per_token_head_row<Src, kKind>(a, is_value ? 1 : 0, token, local / kLanes, local % kLanes,
+                                         scratch);
   } else {
     write_vector_unit<Src, kKind, kVec, kWide>(a, token, unit);
   }
@@ -418,7 +460,8 @@ inline FlashLaunchPlan plan_reshape_and_cache_flash(const ReshapeAndCacheParams&
     }
     s.src = static_cast<const uint8_t*>(srcs[i]);
     s.src_token_stride = src_strides[i];
-    s.units_per_head = is_row_kind(p.cache_kind) ? 1 : s.cache.head_size / plan.vec;
+    s.units_per_head =
+        is_row_kind(p.cache_kind) ? row_lanes(p.cache_kind) : s.cache.head_size / plan.vec;
   }
   a.slot_mapping = p.slot_mapping;
   a.num_tokens = p.num_tokens;
