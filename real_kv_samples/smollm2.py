@@ -138,7 +138,7 @@ class LoadedModel:
 
 @functools.cache
 def load_model() -> LoadedModel:
-    """Load the model once per process (about 20-30 s); offline, from :func:`model_file`."""
+    """Load the model once per process; offline, from :func:`model_file`."""
     path = model_file()
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer

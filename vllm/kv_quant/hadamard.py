@@ -4,9 +4,8 @@ Rotating keys before they are quantized spreads a few large channels over all of
 rotating the query by the same matrix leaves every score unchanged in exact arithmetic:
 ``(c H q) . (c H k) = c^2 D (q . k)`` with ``H`` the ``D x D`` Sylvester Hadamard matrix
 (``H H^T = D I``) and ``c = fp32(1 / sqrt(D))``, so ``c^2 D = 1`` up to the rounding of ``c``
-(relative 2^-24). On SmolLM2-135M with its attention on the paged cache it takes the FP8 cache
-from +2.1% / +2.0% perplexity over the bf16 cache to +0.7% / +0.4% on the two texts of
-docs/accuracy.md (keys only; rotating values as well measured worse).
+(relative 2^-24). What it does to a real model's perplexity (keys only; rotating values as well
+measured worse) is in docs/accuracy.md.
 
 The bytes are fixed by one sequence of fp32 operations, the same on every device that keeps
 subnormals (IEEE adds, subtracts and one multiply per element, no reassociation): the input is

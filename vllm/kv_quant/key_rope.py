@@ -4,8 +4,8 @@ A key's post-RoPE value rotates its channel pairs by angles that grow with the t
 so a channel whose mean is large before RoPE spins around zero after it: the per-channel key
 offset of docs/design.md §5.5 then removes only what does not spin. Stored before RoPE (offset
 subtracted, quantized), a key is rebuilt by the reader as ``rope(p)(dequantized + offset)`` at
-its position ``p`` in the sequence (with FP8 key sinks, :mod:`vllm.kv_quant.key_sinks`, what
-brings NVFP4 within 2% of bf16 perplexity in docs/accuracy.md).
+its position ``p`` in the sequence (with FP8 key sinks, :mod:`vllm.kv_quant.key_sinks`: the
+NVFP4 key options of docs/accuracy.md).
 
 The table follows the usual ``cos_sin_cache`` layout: row ``p`` holds ``cos(p f_i)`` for the
 ``rotary_dim / 2`` frequencies ``f_i``, then ``sin(p f_i)``. Neox style pairs channels

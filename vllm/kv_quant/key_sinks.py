@@ -2,10 +2,9 @@
 
 Most heads put much of their attention on the first token of a sequence (the attention sink), so
 its score is the largest and an error in its key moves every other weight. 4-bit codes give it
-the same relative error as any key; FP8 (3 mantissa bits instead of 1) takes that error out.
-Measured on SmolLM2-135M with pre-RoPE NVFP4 keys (:mod:`vllm.kv_quant.key_rope`, Hadamard
-rotation, offset, scale search; fp32 reader): +3.4% / +4.1% perplexity without, +1.0% / +2.5%
-with the first key in FP8 (docs/accuracy.md). A simulation found FP8 as good as an exact key.
+the same relative error as any key; FP8 (3 mantissa bits instead of 1) takes that error out
+(measured with pre-RoPE NVFP4 keys, :mod:`vllm.kv_quant.key_rope`, in docs/accuracy.md; a
+simulation found FP8 as good as an exact key).
 
 The rows are ``[num_blocks, S, H, D]`` FP8 E4M3 bytes: page ``b``'s first ``S`` keys, in the
 form the page holds them (offset, pre-RoPE), at the FP8 scale of the page's own K scale
