@@ -57,8 +57,41 @@ def test_run_rows(tiny: None) -> None:
         assert set(r.flags) <= set(noise.FLAGS)
     assert rows[0].time_vs_bf16 == 1.0
     assert rows[1].time_vs_bf16 == pytest.approx(rows[1].op_us / rows[0].op_us)
-    with pytest.raises(ValueError, match=r"formats: unknown \['int4'\]"):
+    with pytest.raises(ValueError, match="formats: unknown KV-cache dtype 'int4'"):
         attention.run(["int4"])
+    with pytest.raises(ValueError, match="or an encoding id with key options .* got 'nvfp4/head'"):
+        attention.run(["nvfp4/head"])
+
+
+def test_key_option_rows(tiny: None) -> None:
+    """Encodings with key options: their bytes count the sink rows, their caches come from their
+    own writer (valid pages: finite outputs), and their time is compared with the base format's
+    at the same shape when it ran too."""
+    pre = "nvfp4_mse+offset+prerope+sink"
+    assert attention.cache_bytes_per_token(pre) == 1152 + 8 * 128 // 16  # + one sink row a page
+    assert attention.base_kind(attention.transform_encoding(pre)) == "nvfp4"
+    rows = attention.run(["nvfp4", pre, "fp8_e4m3/head+hadamard+offset"], quick=True, repeats=2)
+    assert [r.format for r in rows[:3]] == ["nvfp4", pre, "fp8_e4m3/head+hadamard+offset"]
+    nvfp4, rebuilt, fp8 = rows[:3]
+    assert nvfp4.time_vs_base is None and fp8.time_vs_base is None  # no fp8 row ran
+    assert rebuilt.time_vs_base == pytest.approx(rebuilt.op_us / nvfp4.op_us)
+    problem = attention._problem(pre, 2, 1, 48)
+    out = problem.impl.forward(
+        problem.layer, problem.query, None, None, problem.kv_cache, problem.metadata
+    )
+    assert torch.isfinite(out).all()
+
+
+def test_attention_runs_one_thread_on_a_contended_machine(monkeypatch) -> None:
+    from vllm.cli import bench
+
+    monkeypatch.setattr(noise, "cpu_count", lambda: 2)
+    monkeypatch.setattr(noise, "load_average", lambda: 2.5)
+    assert bench.default_threads() == 1
+    monkeypatch.setattr(noise, "load_average", lambda: 0.4)
+    assert bench.default_threads() is None
+    monkeypatch.setattr(noise, "load_average", lambda: None)
+    assert bench.default_threads() is None
     with pytest.raises(ValueError, match="repeats must be positive"):
         attention.run(["auto"], repeats=0)
 
@@ -92,7 +125,7 @@ def test_cli_table_json_plot(tiny: None, tmp_path: Path, capsys: pytest.CaptureF
     data = json.loads(out_json.read_text())
     for cells, r in zip(body, data["rows"], strict=True):
         assert cells[5:7] == [f"{r['op_us']:.1f}", f"{r['op_spread_pct']:.1f}"]
-        assert cells[11:] == ([",".join(r["flags"])] if r["flags"] else [])
+        assert cells[12:] == ([",".join(r["flags"])] if r["flags"] else [])
     assert lines[8] == "" and lines[9].startswith("median of 5 repeats")
     assert data["benchmark"] == "attention" and data["model"]["num_kv_heads"] == 8
     assert [r["format"] for r in data["rows"]] == ["auto", "fp8", "auto", "fp8"]

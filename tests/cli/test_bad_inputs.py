@@ -154,7 +154,23 @@ CASES = [
     case("bench", ["--tokens", "-5"], "--tokens: expected a positive integer, got '-5'"),
     case("bench", ["--threads", "1000000"], "--threads: expected a thread count"),
     case("bench", ["--threads", "0"], "--threads: expected a thread count"),
-    case("bench", ["--kinds", "int4"], "--kinds: expected one of 'auto', 'fp8', 'nvfp4'"),
+    case(
+        "bench",
+        ["--kinds", "int4"],
+        "--kinds: expected some of auto, fp8, nvfp4, int8_per_token_head, fp8_per_token_head, "
+        "int4_per_token_head with --op reshape_and_cache_flash, got int4",
+    ),
+    case(
+        "bench",
+        ["--op", "attention", "--kinds", "nvfp4+bogus"],
+        "--kinds: expected some of auto, fp8, nvfp4",
+    ),
+    case(
+        "bench",
+        ["--kinds", "nvfp4+offset"],
+        "--kinds: expected some of auto, fp8, nvfp4, int8_per_token_head, fp8_per_token_head, "
+        "int4_per_token_head with --op reshape_and_cache_flash, got nvfp4+offset",
+    ),
     case("bench", ["--op", "matmul"], "--op: expected one of"),
     case("bench", ["--op", "attention", "--tokens", "16"], "--tokens: not used by --op attention"),
     case("bench", ["--json", "{tmp}/x", "--plot", "{tmp}/./x"], "--plot: "),
@@ -165,7 +181,7 @@ CASES = [
     case("bench", ["--plot", "/proc/x.png"], "--plot: expected a path in a writable directory"),
     case("bench", ["--json", "/dev/full"], f"--json: {FULL}"),
     case("bench", ["--plot", "/dev/full"], f"--plot: {FULL}"),
-    case("bench", ["--json", "--quick", "--kinds", "x"], "--kinds: expected one of"),
+    case("bench", ["--json", "--quick", "--kinds", "x"], "--kinds: expected some of"),
 ]
 
 

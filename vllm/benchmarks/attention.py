@@ -11,6 +11,10 @@ their own inline scales), ``int4_per_token_head``; and, when named, the packed-s
 (TurboQuant's presets, ``ultraquant_4bit``, Octave's, its block K with 64 rotary dims), whose
 caches hold slots the codec wrote (a pool of them repeated: valid norms and scales).
 Each query row of a packed layer is rotated into the key frame per call (part of the time).
+Encodings with key options (an encoding id such as ``nvfp4_mse+offset+prerope+sink`` or
+``fp8_e4m3/head+hadamard+offset``, when named) read caches their own writer filled from random
+K / V with a random key offset and a RoPE table of the context's length; their rows also give
+the time over their base format's (``nvfp4`` or ``fp8``) at the same shape when it runs too.
 Bytes counted per call: the cache bytes of every key position read (K and V, NVFP4 block
 scales and per-token-head row scales included) plus the query read and the output written; the
 roofline copy counts read + written bytes the same way. Cold cache by default (the last-level
@@ -45,6 +49,7 @@ from vllm.benchmarks.timing import (
     run_fields,
     then,
 )
+from vllm.kv_quant.encoding import KVCacheEncoding
 from vllm.kv_quant.formats import find_format, lookup
 from vllm.kv_quant.formats import formats as registered_formats
 from vllm.kv_quant.slot_codecs import OCTAVE_CHECK_ROPE_DIM, is_packed, slot_codec
@@ -92,7 +97,29 @@ class AttentionRow(noise.RepeatStats):
     speedup_vs_reference: float | None
     time_vs_bf16: float | None  # op time / the bf16 (auto) op time of the same shape
     threads: int
+    time_vs_base: float | None = None  # key options: op time / its base format's, same shape
     mode: str = "cold"
+
+
+def transform_encoding(fmt: str) -> KVCacheEncoding | None:
+    """The encoding an id with key options names (``ValueError`` for an id that is neither
+    one nor a format of :data:`FORMATS`); None for a format of :data:`FORMATS`."""
+    if fmt in FORMATS:
+        return None
+    encoding = KVCacheEncoding.parse(fmt, "formats", include_mla_only=False)
+    if encoding.key.is_identity:
+        raise ValueError(
+            f"formats: expected one of {', '.join(FORMATS)} or an encoding id with key options "
+            f"(+hadamard, +offset, +prerope, +sink), got {fmt!r}"
+        )
+    return encoding
+
+
+def base_kind(encoding: KVCacheEncoding) -> str:
+    """The format of :data:`KINDS` whose reader an encoding with key options extends (``nvfp4``
+    for every NVFP4 variant, ``fp8`` for e4m3, ...)."""
+    mode = encoding.format.quant_mode
+    return next(k for k in KINDS if lookup(k).quant_mode == mode)
 
 
 def _slot_bytes(fmt: str) -> int | None:
@@ -104,7 +131,11 @@ def _slot_bytes(fmt: str) -> int | None:
 
 
 def cache_bytes_per_token(fmt: str) -> int:
-    """Bytes of K plus V per cached token (all KV heads)."""
+    """Bytes of K plus V per cached token (all KV heads; an encoding's key sink rows shared by
+    the page's tokens)."""
+    if (encoding := transform_encoding(fmt)) is not None:
+        page = encoding.page_bytes(BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, HEAD_SIZE)
+        return -(-page // BLOCK_SIZE)
     if (slot := _slot_bytes(fmt)) is not None:
         return NUM_KV_HEADS * slot
     cache_format = lookup(fmt)
@@ -140,9 +171,16 @@ def _problem(fmt: str, batch: int, query_tokens: int, context: int) -> _Problem:
     from vllm.v1.attention.backends import AttentionLayerScales, ReferenceAttentionImpl
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionImpl
 
-    cache_format = lookup(fmt)
     pages = (context + BLOCK_SIZE - 1) // BLOCK_SIZE
     num_blocks = batch * pages
+    table = torch.randperm(num_blocks).reshape(batch, pages).to(torch.int32)
+    metadata = CPUAttentionBackend.get_metadata_cls().build(
+        [context] * batch, [query_tokens] * batch, table, BLOCK_SIZE
+    )
+    query = torch.randn(batch * query_tokens, NUM_HEADS, HEAD_SIZE, dtype=QUERY_DTYPE)
+    if transform_encoding(fmt) is not None:
+        return _transform_problem(fmt, batch, context, table, metadata, query)
+    cache_format = lookup(fmt)
     shape = CPUAttentionBackend.get_kv_cache_shape(
         num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, fmt
     )
@@ -162,16 +200,47 @@ def _problem(fmt: str, batch: int, query_tokens: int, context: int) -> _Problem:
             row_scales = torch.rand(shape[:-1]) * 0.02 + 0.005
             kv_cache[..., shape[-1] - 4 :] = row_scales.unsqueeze(-1).view(torch.uint8)
         kv_cache = kv_cache.view(cache_format.storage_dtype)  # int8 for int8_per_token_head
-    table = torch.randperm(num_blocks).reshape(batch, pages).to(torch.int32)
     kwargs = dict(num_kv_heads=NUM_KV_HEADS, kv_cache_dtype=fmt)
     impl = CPUAttentionImpl(NUM_HEADS, HEAD_SIZE, **kwargs)
     reference = ReferenceAttentionImpl(NUM_HEADS, HEAD_SIZE, **kwargs)
-    metadata = CPUAttentionBackend.get_metadata_cls().build(
-        [context] * batch, [query_tokens] * batch, table, BLOCK_SIZE
-    )
-    query = torch.randn(batch * query_tokens, NUM_HEADS, HEAD_SIZE, dtype=QUERY_DTYPE)
     scale = torch.tensor([0.05])
     return _Problem(impl, reference, AttentionLayerScales(scale, scale), kv_cache, metadata, query)
+
+
+def _transform_problem(
+    fmt: str, batch: int, context: int, table: torch.Tensor, metadata: Any, query: torch.Tensor
+) -> _Problem:
+    """An encoding with key options: the cache its own writer filled from random K / V (a
+    random key offset, a RoPE table of the context's length), every page valid."""
+    from vllm.accuracy.cache_io import allocate_cache
+    from vllm.accuracy.formats import parse_format
+    from vllm.kv_quant import KeyRope
+    from vllm.v1.attention.backends import AttentionLayerScales, ReferenceAttentionImpl
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionImpl
+
+    encoding = transform_encoding(fmt)
+    assert encoding is not None
+    rope = KeyRope.from_base(HEAD_SIZE, context) if encoding.key.prerope else None
+    kwargs = dict(num_kv_heads=NUM_KV_HEADS, kv_cache_dtype=fmt, key_rope=rope)
+    impl = CPUAttentionImpl(NUM_HEADS, HEAD_SIZE, **kwargs)
+    reference = ReferenceAttentionImpl(NUM_HEADS, HEAD_SIZE, **kwargs)
+    if encoding.key.offset:
+        offset = torch.randn(NUM_KV_HEADS, HEAD_SIZE)
+        impl.set_key_offset(offset)
+        reference.set_key_offset(offset)
+    scale = torch.tensor(0.05)
+    layer = AttentionLayerScales(scale, scale)
+    kv_cache = allocate_cache(parse_format(fmt), table.numel(), BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
+    positions = torch.arange(context).repeat(batch)
+    pages = table.to(torch.int64)[:, positions[:context] // BLOCK_SIZE]  # [batch, context]
+    slots = (pages * BLOCK_SIZE + positions[:context] % BLOCK_SIZE).reshape(-1)
+    for start in range(0, slots.numel(), 16384):  # the writer's own bytes, in chunks
+        part = slice(start, start + 16384)
+        n = slots[part].numel()
+        key = torch.randn(n, NUM_KV_HEADS, HEAD_SIZE, dtype=QUERY_DTYPE)
+        value = torch.randn(n, NUM_KV_HEADS, HEAD_SIZE, dtype=QUERY_DTYPE)
+        impl.do_kv_cache_update(layer, key, value, kv_cache, slots[part], positions=positions[part])
+    return _Problem(impl, reference, layer, kv_cache, metadata, query)
 
 
 def _packed_cache(fmt: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -208,12 +277,11 @@ def run(
 
     Raises ``ValueError`` for an unknown format or a non-positive repeat count, ``ImportError``
     when the extension is not built."""
-    if unknown := sorted(set(formats) - set(FORMATS)):
-        raise ValueError(f"formats: unknown {unknown}, expected some of {', '.join(FORMATS)}")
+    transforms = [f for f in dict.fromkeys(formats) if transform_encoding(f) is not None]
     from vllm import _custom_ops  # noqa: F401  (ImportError when the extension is not built)
 
     device = torch.device("cpu")
-    ordered = [f for f in FORMATS if f in formats]
+    ordered = [f for f in FORMATS if f in formats] + transforms
     todo = [(shape, fmt) for shape in shapes(quick) for fmt in ordered]
     session = Session(
         device,
@@ -243,7 +311,7 @@ def run(
         nbytes = bytes_moved(fmt, batch, q_tokens, context)
         m = session.measure(Timed(problem.op, 500, before), nbytes, reference)
         key = (phase, batch, q_tokens, context)
-        if not lookup(fmt).is_quantized:
+        if fmt == KINDS[0]:  # auto: the bf16 cache
             bf16_us[key] = m.op_s * 1e6
         row = AttentionRow(
             phase=phase,
@@ -261,6 +329,7 @@ def run(
             speedup_vs_reference=None if m.baseline_s is None else m.baseline_s / m.op_s,
             time_vs_bf16=m.op_s * 1e6 / bf16_us[key] if key in bf16_us else None,
             threads=torch.get_num_threads(),
+            time_vs_base=_time_vs_base(rows, fmt, key, m.op_s * 1e6),
             mode=session.mode,
             **noise.stats_of(m),
         )
@@ -275,6 +344,20 @@ def run(
     return rows
 
 
+def _time_vs_base(
+    rows: Sequence[AttentionRow], fmt: str, shape: tuple[str, int, int, int], op_us: float
+) -> float | None:
+    """An encoding with key options: its time over its base format's row of the same shape."""
+    encoding = transform_encoding(fmt)
+    if encoding is None:
+        return None
+    base = base_kind(encoding)
+    for row in rows:
+        if row.format == base and (row.phase, row.batch, row.query_tokens, row.context) == shape:
+            return op_us / row.op_us
+    return None
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -285,15 +368,17 @@ def to_markdown(rows: Sequence[AttentionRow]) -> str:
     mode = rows[0].mode if rows else "cold"
     lines = [
         f"| phase | format | batch | query | context | µs ({mode}, median) | spread % "
-        "| MB read + written | GB/s | % of copy roofline | × reference | time / bf16 | flags |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| MB read + written | GB/s | % of copy roofline | × reference | time / bf16 "
+        "| time / base | flags |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r.phase} | {r.format} | {r.batch} | {r.query_tokens} | {r.context} "
             f"| {r.op_us:.1f} | {r.op_spread_pct:.1f} | {r.bytes_moved / 1e6:.2f} "
             f"| {r.op_gbps:.2f} | {r.pct_roofline:.1f} | {_fmt(r.speedup_vs_reference, '.0f')} "
-            f"| {_fmt(r.time_vs_bf16, '.2f')} | {', '.join(r.flags)} |"
+            f"| {_fmt(r.time_vs_bf16, '.2f')} | {_fmt(r.time_vs_base, '.2f')} "
+            f"| {', '.join(r.flags)} |"
         )
     return "\n".join([*lines, "", *noise.notes(rows)]) + "\n"
 
@@ -313,6 +398,7 @@ def format_table(rows: Sequence[AttentionRow]) -> str:
         "% roofline",
         "x reference",
         "time/bf16",
+        "time/base",
         "flags",
     ]
     body = [
@@ -328,6 +414,7 @@ def format_table(rows: Sequence[AttentionRow]) -> str:
             f"{r.pct_roofline:.1f}",
             _fmt(r.speedup_vs_reference, ".0f"),
             _fmt(r.time_vs_bf16, ".2f"),
+            _fmt(r.time_vs_base, ".2f"),
             ",".join(r.flags),
         ]
         for r in rows

@@ -25,9 +25,15 @@ outside the timed region, so the op, its baseline and the roofline copy all stre
 
 ``--op attention`` benchmarks the CPU attention backend instead (:mod:`vllm.benchmarks.attention`):
 decode (batch 1..64, context 1k..32k) and prefill per format (``--kinds``: the cache write's by
-default, the packed-slot formats when named), with the median µs and spread, GB/s of cache read,
-% of the copy roofline, × the reference backend, the time relative to bf16 and the same flags;
-``--plot`` draws decode GB/s against context.
+default, the packed-slot formats and encoding ids with key options such as
+``nvfp4_mse+offset+prerope+sink`` when named), with the median µs and spread, GB/s of cache read,
+% of the copy roofline, × the reference backend, the time relative to bf16 (and, for an encoding
+with key options, to its base format) and the same flags; ``--plot`` draws decode GB/s against
+context.
+
+Threads: ``--threads N``, else torch's default; ``--op attention`` on a contended machine (the
+load average at or above the CPU count at the start) runs one thread instead, since more would
+wait for CPUs that other work holds (its table's title and JSON give the count).
 
 ``--op formats`` times the write and the decode of every format with a reference codec
 (:mod:`vllm.benchmarks.formats`; ``--kinds`` picks some), v0.33's new formats included: GB/s and
@@ -183,12 +189,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--kinds",
         nargs="+",
-        choices=list(dict.fromkeys((*core.KINDS, *format_bench.FORMAT_KINDS, *attention.FORMATS))),
         metavar="KIND",
         help="kv_cache_dtype kinds: for the cache write and --op attention one per quantization "
         f"mode of the registry ({', '.join(core.KINDS)}; default all), --op attention also the "
-        "packed-slot formats (TurboQuant, ultraquant_4bit, Octave); for --op formats any "
-        "format with a reference codec (default all of them)",
+        "packed-slot formats (TurboQuant, ultraquant_4bit, Octave) and encoding ids with key "
+        "options (e.g. nvfp4_mse+offset+prerope+sink); for --op formats any format with a "
+        "reference codec (default all of them)",
     )
     parser.add_argument(
         "--tokens",
@@ -199,7 +205,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--threads",
         type=cli_args.bounded_int(4 * (os.cpu_count() or 1), "a thread count (4 per CPU)"),
-        help="torch CPU threads",
+        help="torch CPU threads (default torch's; --op attention: 1 when the load average is "
+        "already at the CPU count, as more threads would wait for CPUs held by others)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.set_defaults(func=run)
@@ -248,6 +255,24 @@ def _check_extension(op: str) -> None:
         ) from None
 
 
+def _attention_encoding(args: argparse.Namespace, kind: str) -> bool:
+    """``kind`` is an encoding id with key options that ``--op attention`` measures."""
+    if args.op != "attention":
+        return False
+    try:
+        return attention.transform_encoding(kind) is not None
+    except ValueError:
+        return False
+
+
+def default_threads() -> int | None:
+    """1 when the machine is contended (the 1-minute load average at or above its CPUs: torch's
+    threads would wait for CPUs others hold, and every call would pay for it), else None
+    (torch's default)."""
+    load = noise.load_average()
+    return 1 if load is not None and load >= noise.cpu_count() else None
+
+
 def check_arguments(args: argparse.Namespace) -> str:
     """Checks of ``args`` that need more than one value or the machine, before the run;
     returns the device to run on."""
@@ -259,9 +284,11 @@ def check_arguments(args: argparse.Namespace) -> str:
     )
     if args.kinds is None:
         args.kinds = list(core.KINDS if args.op == "attention" else kinds)
-    elif wrong := [k for k in args.kinds if k not in kinds]:
+    elif wrong := [k for k in args.kinds if k not in kinds and not _attention_encoding(args, k)]:
+        also = " or an encoding id with key options" if args.op == "attention" else ""
         raise UsageError(
-            "--kinds", f"expected some of {', '.join(kinds)} with --op {args.op}, got {wrong[0]}"
+            "--kinds",
+            f"expected some of {', '.join(kinds)}{also} with --op {args.op}, got {wrong[0]}",
         )
     if args.op == "formats" and args.plot:
         raise UsageError("--plot", "not drawn for --op formats (see its table or --json)")
@@ -284,8 +311,9 @@ def run(args: argparse.Namespace) -> int:
     """Handler of ``vllm-kv bench``; returns the exit status; a bad argument raises
     :class:`~vllm.cli.args.UsageError` before the run."""
     device = check_arguments(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = args.threads or (default_threads() if args.op == "attention" else None)
+    if threads:  # the table's title and the JSON say how many ran
+        torch.set_num_threads(threads)
     if args.op == "attention":
 
         def measure(bar: ProgressBar | None) -> Sequence[Any]:
