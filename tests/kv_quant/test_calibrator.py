@@ -142,6 +142,10 @@ def test_errors() -> None:
         calibrator.observe("a", key, key)
     with pytest.raises(ValueError, match=r"positions: expected \[4\] \(one per key\), got \[3\]"):
         calibrator.observe("a", key, key, torch.arange(3))
+    with pytest.raises(ValueError, match=r"key: expected a float tensor \[T, H, D\], got list"):
+        calibrator.observe("a", [1.0], key, torch.arange(4))
+    with pytest.raises(ValueError, match=r"key: expected a float tensor .* got torch.int64"):
+        calibrator.observe("a", torch.zeros(4, H, D, dtype=torch.int64), key, torch.arange(4))
     with pytest.raises(ValueError, match="layer: expected a non-empty layer name"):
         calibrator.observe("", key, key, torch.arange(4))
     with pytest.raises(ValueError, match="value: expected 3 KV heads, got 2"):

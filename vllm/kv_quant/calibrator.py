@@ -92,10 +92,17 @@ class KVCacheCalibrator:
                 f"layer: expected one of the layers of the first pass "
                 f"({', '.join(self._layers)}), got {layer!r}"
             )
+        if not isinstance(key, torch.Tensor) or not key.dtype.is_floating_point or key.dim() != 3:
+            got = (
+                f"{key.dtype} of shape {list(key.shape)}"
+                if isinstance(key, torch.Tensor)
+                else (type(key).__name__)
+            )
+            raise ValueError(f"key: expected a float tensor [T, H, D], got {got}")
         observer = self._observers.get(layer)
         if observer is None:
             observer = KVScaleObserver(per_head=self.encoding.per_head_scales)
-        if isinstance(key, torch.Tensor) and key.dim() == 3 and key.shape[0] == 0:
+        if key.shape[0] == 0:
             observer.observe(key, value)  # its shape checks; an empty batch changes nothing
         elif self._offset_pass:
             unroped = key
@@ -122,8 +129,6 @@ class KVCacheCalibrator:
         self, layer: str, key: torch.Tensor, positions: torch.Tensor | None
     ) -> torch.Tensor:
         """``key`` as the writer receives it with this layer's offset (the first pass's)."""
-        if not isinstance(key, torch.Tensor) or key.dim() != 3:
-            return key  # the observer names what is wrong
         if self._transform.rope is not None:
             self._check_positions(key, positions)
         transform = self._transform
