@@ -229,6 +229,7 @@ def test_common_prefix() -> None:
                 "nvfp4_4over6",
                 "fp8_e4m3/head+hadamard+offset",
                 "nvfp4_mse+offset+prerope+sink",
+                "nvfp4_4over6+hadamard+offset+prerope+sink",
             ],
         ),
         (["--formats", "nvfp4"], ["nvfp4"]),

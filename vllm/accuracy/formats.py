@@ -85,6 +85,7 @@ MODEL_DEFAULT_FORMATS: tuple[str, ...] = (
     "nvfp4_4over6",
     "fp8_e4m3/head+hadamard+offset",
     "nvfp4_mse+offset+prerope+sink",
+    "nvfp4_4over6+hadamard+offset+prerope+sink",
 )
 """What ``vllm-kv check --model`` measures when ``--formats`` is not given: the defaults, upstream's
 ``nvfp4_4over6`` (so that every upstream format is a row), and the best FP8 and NVFP4 key

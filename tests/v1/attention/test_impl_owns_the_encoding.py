@@ -34,6 +34,7 @@ CHUNKS = ((0, 23), (23, 24), (24, 40))
 ENCODINGS = [
     "fp8_e4m3/head+hadamard+offset",
     "nvfp4_mse+offset+prerope+sink",
+    "nvfp4_4over6+hadamard+offset+prerope+sink",
     "fp8_e5m2+sink2",
     "nvfp4+hadamard+prerope",
     "int8_per_token_head",
