@@ -71,6 +71,18 @@ KV_HOST_DEVICE uint8_t per_token_head_encode(float y) {
   }
 }
 
+// The stored byte of value x of a row whose scale's inverse is inv: 0 in a row holding a NaN.
+template <CacheKind K>
+KV_HOST_DEVICE uint8_t per_token_head_byte(float x, float inv, bool row_has_nan) {
+  return row_has_nan ? uint8_t{0} : per_token_head_encode<K>(kv_fmul(x, inv));
+}
+
+// The row's fp32 scale as 4 bytes after its head_size values, little-endian, one at a time.
+KV_HOST_DEVICE void put_per_token_head_scale(uint8_t* row, int head_size, float scale) {
+  const uint32_t bits = float_as_bits(scale);
+  for (int b = 0; b < kPerTokenHeadScaleBytes; ++b) row[head_size + b] = uint8_t(bits >> (8 * b));
+}
+
 // Quantizes one row of head_size values (load(i): element i widened to fp32 exactly) into row:
 // head_size value bytes, then the fp32 scale's 4 bytes, little-endian, one byte at a time (rows
 // of a padded or odd-strided page need not be 4-byte aligned).
@@ -80,11 +92,8 @@ KV_HOST_DEVICE void quantize_per_token_head_row(const Load& load, int head_size,
   for (int i = 0; i < head_size; ++i) stats.add(load(i));
   const float scale = per_token_head_scale<K>(stats);
   const float inv = kv_fdiv(1.0f, scale);  // finite: scale >= 1e-6 (unused for a NaN row)
-  for (int i = 0; i < head_size; ++i) {
-    row[i] = stats.has_nan ? uint8_t{0} : per_token_head_encode<K>(kv_fmul(load(i), inv));
-  }
-  const uint32_t bits = float_as_bits(scale);
-  for (int b = 0; b < kPerTokenHeadScaleBytes; ++b) row[head_size + b] = uint8_t(bits >> (8 * b));
+  for (int i = 0; i < head_size; ++i) row[i] = per_token_head_byte<K>(load(i), inv, stats.has_nan);
+  put_per_token_head_scale(row, head_size, scale);
 }
 
 // The CUDA writer's split of a row over the lanes of a warp: lane l takes the runs of kRowRun
@@ -126,9 +135,7 @@ KV_HOST_DEVICE void quantize_per_token_head_lane(const Load& load, int head_size
     const int n = start + kRowRun < head_size ? kRowRun : head_size - start;
     uint32_t word = 0;
     for (int i = 0; i < n; ++i) {
-      const uint8_t q =
-          stats.has_nan ? uint8_t{0} : per_token_head_encode<K>(kv_fmul(load(start + i), inv));
-      word |= uint32_t(q) << (8 * i);
+      word |= uint32_t(per_token_head_byte<K>(load(start + i), inv, stats.has_nan)) << (8 * i);
     }
     if (aligned && n == kRowRun) {
       *reinterpret_cast<uint32_t*>(row + start) = word;
@@ -137,12 +144,7 @@ KV_HOST_DEVICE void quantize_per_token_head_lane(const Load& load, int head_size
     }
     after_run(start, n);
   }
-  if (lane == 0) {
-    const uint32_t bits = float_as_bits(scale);
-    for (int b = 0; b < kPerTokenHeadScaleBytes; ++b) {
-      row[head_size + b] = uint8_t(bits >> (8 * b));
-    }
-  }
+  if (lane == 0) put_per_token_head_scale(row, head_size, scale);
 }
 
 // The value of byte q of a per-token-head row (before the scale): int8 or e4m3.

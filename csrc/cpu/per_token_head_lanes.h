@@ -1,6 +1,6 @@
 // The per-token-head INT8 / FP8 row writer of the CPU reshape_and_cache_flash in vector lanes:
-// per_token_head.h's quantize_per_token_head_row (which the CUDA writer runs) with the same
-// operations, its amax an integer max over magnitude bits, its codes kLanes at a time.
+// per_token_head.h's quantize_per_token_head_row (the CUDA writer runs its lane split) with the
+// same operations, its amax an integer max over magnitude bits, its codes kLanes at a time.
 // Framework-free, host only.
 #pragma once
 

@@ -236,13 +236,12 @@ class MooncakeRowStore:
         for name, header, ok in zip(names, staging, matches, strict=True):
             if ok:
                 continue
-            try:  # the first field that differs, named
+            try:  # raises for bytes unlike the header, naming the first field that differs
                 self.page_format.check_header(
                     header.numpy().tobytes(), where=f"header of block {name}"
                 )
             except ValueError as e:
                 raise BadStoreObject(str(e), name) from None
-            raise AssertionError("check_header: accepted a header unlike the format's")
 
     def _raise_for(self, names: list[str], codes: list[int]) -> None:
         """The error of a read that did not return every object whole: the first block's that
