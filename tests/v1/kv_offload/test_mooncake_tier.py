@@ -267,6 +267,32 @@ def test_an_unreachable_store_is_a_fast_miss_then_retried(fake_client) -> None:
     tier.shutdown()
 
 
+def test_one_batch_call_per_direction(monkeypatch) -> None:
+    """A cascade is one put and a promotion one read (header inside the object): no existence,
+    size or header-object call beside them."""
+    calls: list[str] = []
+    for name in ("exists", "sizes", "put_from", "get_into", "remove"):
+        method = getattr(FakeClient, name)
+
+        def counted(self, *args, _method=method, _name=name):
+            calls.append(_name)
+            return _method(self, *args)
+
+        monkeypatch.setattr(FakeClient, name, counted)
+    writer, w_rows = make_tier()
+    reader, r_rows = make_tier()
+    w_rows[:] = np.random.default_rng(1).integers(0, 256, w_rows.shape, dtype=np.uint8)
+    ks = keys("one", "two", "three")
+    calls.clear()
+    assert run(writer, 0, ks, [0, 1, 2], promotion=False)
+    assert calls == ["put_from"]
+    calls.clear()
+    assert run(reader, 1, ks, [3, 4, 5], promotion=True)
+    assert calls == ["get_into"] and np.array_equal(r_rows[3:6], w_rows[0:3])
+    for tier in (writer, reader):
+        tier.shutdown()
+
+
 def test_a_put_the_master_does_not_answer_starts_the_back_off(fake_client) -> None:
     """No existence query precedes a put: a put the master does not answer marks the store
     unreachable itself, so lookups miss at once during the back-off."""
