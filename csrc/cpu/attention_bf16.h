@@ -1,8 +1,10 @@
 // The bf16 dot path of the CPU attention kernels (AVX-512 BF16 builds): cache rows whose values
-// are exact in bf16 (bf16, FP8, NVFP4) meet the query and the softmax weights in vdpbf16ps. Keys
-// are dotted with the bf16 query (rounding differs from the fp32 path only in the order of the
-// fp32 sums); values are weighted by the softmax weights rounded to bf16, as flash attention
-// rounds its probabilities for the PV product.
+// are exact in bf16 (bf16, FP8, NVFP4, per-token-head int8 / e4m3) meet the query and the softmax
+// weights in vdpbf16ps. Keys are dotted with the bf16 query (rounding differs from the fp32 path
+// only in the order of the fp32 sums); values are weighted by the softmax weights rounded to
+// bf16, as flash attention rounds its probabilities for the PV product. A per-token-head row's
+// inline scale multiplies its score (keys) and its softmax weight before that rounding (values),
+// not each element.
 #pragma once
 
 #include <algorithm>
@@ -15,6 +17,7 @@
 #include "cpu/attention_decode.h"
 #include "cpu/attention_simd.h"
 #include "cpu/attention_tile.h"
+#include "per_token_head.h"
 
 namespace vllm_kv::cpu::attention {
 
@@ -65,8 +68,28 @@ struct Bf16Dot {
       return _mm512_permutexvar_epi16(index, table);
     } else if constexpr (K == CacheKind::kFp8E4M3 || K == CacheKind::kFp8E5M2) {
       return fp8_to_bf16_x32<K>(row + d);
+    } else if constexpr (K == CacheKind::kFp8PerTokenHead) {
+      return fp8_to_bf16_x32<CacheKind::kFp8E4M3>(row + d);
+    } else if constexpr (K == CacheKind::kInt8PerTokenHead) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + d));
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
+      const __m512 hi =
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
+      return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
     } else {
       return _mm512_loadu_si512(row + 2 * d);
+    }
+  }
+
+  // Lane t - t0 of keys t in [tb, te): the row scales of per-token-head rows (the fp32 after the
+  // row's head_size values), 0 in the other lanes; ones for the other formats.
+  static V row_scales(const uint8_t* const* rows, int head_size, int t0, int tb, int te) {
+    if constexpr (!is_per_token_head(K)) {
+      return splat<L>(1.0f);
+    } else {
+      alignas(64) float scales[kLanes] = {};
+      for (int t = tb; t < te; ++t) scales[t - t0] = per_token_head_row_scale(rows[t], head_size);
+      return load<L>(scales);
     }
   }
 
@@ -119,11 +142,12 @@ struct Bf16Dot {
       }
       const int tb = std::max(b, t0);
       const int te = std::min(e, t0 + kLanes);
+      const V key_scales = scale * row_scales(k_rows, s.head_size, t0, tb, te);
       for (int i = 0; i < kRows; ++i) {
         float* row = scores + int64_t(g0 + i) * s.tokens;
         const V s =
             fold<2>(fold<4>(folded[i][0], folded[i][1]), fold<4>(folded[i][2], folded[i][3])) *
-            scale;
+            key_scales;
         if (tb == t0 && te == t0 + kLanes) {
           store<L>(row + t0, s);
         } else {
@@ -153,8 +177,10 @@ struct Bf16Dot {
       // Row i's weights of keys [tb, te) in bf16, zero past te: pair j is pairs[i][j].
       alignas(32) uint32_t pairs[kRows][8];
       const __mmask16 valid = __mmask16((1u << (te - tb)) - 1);
+      const V value_scales = row_scales(v_rows, s.head_size_v, tb, tb, te);
       for (int i = 0; i < kRows; ++i) {
-        const __m512 w = _mm512_maskz_loadu_ps(valid, weights + int64_t(g0 + i) * s.tokens + tb);
+        const __m512 w =
+            _mm512_maskz_loadu_ps(valid, weights + int64_t(g0 + i) * s.tokens + tb) * value_scales;
         _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[i]), (__m256i)_mm512_cvtneps_pbh(w));
       }
       int d = 0;

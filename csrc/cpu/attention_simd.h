@@ -199,7 +199,10 @@ inline VecF<L> vexp(VecF<L> x) {
   const I bits = (__builtin_convertvector(k, I) + 127) << 23;
   V two_k;
   std::memcpy(&two_k, &bits, sizeof(two_k));
-  return x < splat<L>(-87.0f) ? splat<L>(0.0f) : p * two_k;
+  // NaN stays NaN (the clamp above would turn it into a weight of ~0): a NaN score poisons its
+  // row, as in the reference.
+  const V e = x < splat<L>(-87.0f) ? splat<L>(0.0f) : p * two_k;
+  return x != x ? x : e;
 }
 
 }  // namespace vllm_kv::cpu::attention

@@ -10,8 +10,9 @@
 // exact in bf16 go through vdpbf16ps, the softmax weights rounded to bf16 for the values' sums,
 // as in flash attention). Per-tensor or per-head scales are constant within
 // an item: the K scale is folded into the query, the V scale into the output. Per-token-head rows
-// (int8 / e4m3 values + their own inline fp32 scale) are decoded times that scale into the tiles,
-// and so are packed K+V slots (packed_slot_read.h, in the format's key / value frames).
+// (int8 / e4m3 values + their own inline fp32 scale) take the bf16 dot in decode (the row scale on
+// the score and on the softmax weight); elsewhere they are decoded times that scale into the
+// tiles, and so are packed K+V slots (packed_slot_read.h, in the format's key / value frames).
 // Long key ranges of few items are split (split-K); the splits' (max, sum, accumulator) partials
 // are merged after. Keys stored before RoPE (rope_cos_sin / key_offset / sink_keys given) are
 // decoded into the tile and rebuilt there (transform_keys), never fused.
@@ -64,11 +65,11 @@ class PagedAttention {
                round_up(p.block_size)},
         key_transform_(p.rope_cos_sin != nullptr || p.key_offset != nullptr ||
                        p.sink_keys != nullptr || p.key_hadamard),
-        // Per-token-head rows are decoded (times their inline scales) into the tiles only, and
-        // so are keys rebuilt from pre-RoPE ones (transform_keys).
-        fused_(L != SimdLevel::kGeneric && !is_per_token_head(K) &&
-               K != CacheKind::kInt4PerTokenHead && K != kPackedSlotKind && !key_transform_ &&
-               geo_.head_size % kLanes == 0 && geo_.head_size_v % kLanes == 0),
+        // Keys rebuilt from pre-RoPE ones (transform_keys) are decoded into the tiles only, and
+        // so are per-token-head rows off the bf16 dot (their scales are applied per row there).
+        fused_(L != SimdLevel::kGeneric && K != CacheKind::kInt4PerTokenHead &&
+               K != kPackedSlotKind && !key_transform_ && geo_.head_size % kLanes == 0 &&
+               geo_.head_size_v % kLanes == 0 && (!is_per_token_head(K) || bf16_dot_fits(p, geo_))),
         bf16_dot_(kBf16Dot && fused_ && p.io_type == SourceType::kBFloat16 &&
                   geo_.head_size % 32 == 0),
         bf16_v_(kBf16Dot && fused_ && geo_.head_size_v % 32 == 0),
@@ -295,15 +296,28 @@ class PagedAttention {
   // BF16 builds): keys dotted with a bf16 query (rounding differs from the fp32 path only in the
   // order of the fp32 sums), values weighted by the softmax weights rounded to bf16.
 #if defined(VLLM_KV_HAVE_AVX512_BF16)
-  static constexpr bool kBf16Dot = L == SimdLevel::kAvx512 && !is_per_token_head(K) &&
-                                   K != CacheKind::kInt4PerTokenHead && K != kPackedSlotKind &&
+  static constexpr bool kBf16Dot = L == SimdLevel::kAvx512 && K != CacheKind::kInt4PerTokenHead &&
+                                   K != kPackedSlotKind &&
                                    (K != CacheKind::kUnquantized || C == SourceType::kBFloat16);
 #else
   static constexpr bool kBf16Dot = false;
 #endif
 
+  // Both sides of a call take the bf16 dot (a bf16 query, head sizes of whole 32-element vectors):
+  // what a per-token-head call needs to decode in registers.
+  static bool bf16_dot_fits(const PagedAttentionParams& p, const AttentionGeometry& geo) {
+    return kBf16Dot && p.io_type == SourceType::kBFloat16 && geo.head_size % 32 == 0 &&
+           geo.head_size_v % 32 == 0;
+  }
+
   // Pages prefetched ahead of the one being attended when items take some heads of a page.
   static constexpr int kPrefetchPages = 2;
+
+  // Prefetches go to L2 (prefetcht1), not L1: a page ahead of every head is larger than L1d, so
+  // requesting it into L1 evicts the page being attended and stalls on the L1 miss queue.
+  static void prefetch_line(const void* line) {
+    __builtin_prefetch(line, /*rw=*/0, /*locality=*/2);
+  }
 
   // Bytes of one page of a side (all heads; pages are dense in NHD and HND alike, unless HND heads
   // are spaced: prefetches then cover the first heads only, a hint that costs nothing more).
@@ -324,7 +338,7 @@ class PagedAttention {
         static_cast<const char*>(side.data) + block * side.block_stride * kElementBytes;
     const int64_t lines = (bytes + 63) / 64;
     for (int64_t line = lines * slice / slices; line < lines * (slice + 1) / slices; ++line) {
-      __builtin_prefetch(page + 64 * line);
+      prefetch_line(page + 64 * line);
     }
   }
 
@@ -338,13 +352,13 @@ class PagedAttention {
       if constexpr (K == CacheKind::kNvfp4) {
         row = base + layout.data_offset(block, t, head);
         bytes = dim / 2;
-        __builtin_prefetch(base + layout.scale_base(block, t, head, side.scale_layout));
+        prefetch_line(base + layout.scale_base(block, t, head, side.scale_layout));
       } else {
         row = base + entry_offset(side, block, t, head) * kElementBytes;
         bytes =
             K == kPackedSlotKind ? packed_slot_geometry(p_.packed).slot_bytes : dim * kElementBytes;
       }
-      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b);
+      for (int64_t b = 0; b < bytes; b += 64) prefetch_line(row + b);
     }
   }
 

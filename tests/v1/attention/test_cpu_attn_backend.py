@@ -415,6 +415,48 @@ def test_raw_cache_bytes(cache_dtype: str, scale_layout: str, simd: str) -> None
     torch.testing.assert_close(got, expected, atol=1e-3 * expected.abs().max(), rtol=1e-4)
 
 
+@pytest.mark.parametrize("simd", SIMD_LEVELS)
+@pytest.mark.parametrize("cache_dtype", ["int8_per_token_head", "fp8_per_token_head"])
+def test_per_token_head_raw_rows_on_the_bf16_dot(cache_dtype: str, simd: str) -> None:
+    """Decode with a bf16 query at head size 128 (the bf16 dot on AVX-512 BF16 builds, the row
+    scale applied to the score and the softmax weight): rows of random value bytes (every int8,
+    every e4m3 code but NaN) and random positive scales agree with the reference; a key row whose
+    scale is NaN (a row that held a NaN) makes its KV head's outputs NaN, as in the reference."""
+    case = Case(
+        cache_dtype,
+        num_kv_heads=2,
+        group=4,
+        head_size=128,
+        head_size_v=128,
+        seq_lens=[40, 17],
+        query_lens=[1, 1],
+    )
+    reference, cpu, layer, kv_cache, metadata, query = setup(case)
+    cpu.simd = simd
+    gen = torch.Generator().manual_seed(3)
+    for side in kv_cache:
+        raw = side.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+        if cache_dtype == "fp8_per_token_head":
+            raw[(raw & 0x7F) == 0x7F] = 0x3C
+        scales = torch.rand(raw.shape[:-1], generator=gen) * 0.02 + 0.005
+        raw[..., case.head_size :] = scales.unsqueeze(-1).view(torch.uint8)
+    expected = reference.forward(layer, query, None, None, kv_cache, metadata).float()
+    got = cpu.forward(layer, query, None, None, kv_cache, metadata).float()
+    assert torch.isfinite(expected).all()
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+
+    block = int(metadata.block_table[0, 1])  # key 16 of sequence 0, KV head 1
+    nan_scale = torch.tensor([float("nan")]).view(torch.uint8)
+    kv_cache[0].view(torch.uint8)[block, 0, 1, case.head_size :] = nan_scale
+    expected = reference.forward(layer, query, None, None, kv_cache, metadata).float()
+    got = cpu.forward(layer, query, None, None, kv_cache, metadata).float()
+    assert torch.isnan(expected[0, 4:8]).all() and torch.isfinite(expected[0, :4]).all()
+    assert torch.isnan(got[0, 4:8]).all()
+    torch.testing.assert_close(got[0, :4], expected[0, :4], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got[1], expected[1], atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize(
     ("k_scale", "v_scale"),
     [
