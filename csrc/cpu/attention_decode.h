@@ -18,6 +18,12 @@ namespace vllm_kv::cpu::attention {
 
 // ---------------------------------------------------------------------------- format decode
 
+// Bytes per stored element of a cache of format K holding source type C (unquantized caches
+// store C; every other format is addressed in bytes).
+template <CacheKind K, SourceType C>
+inline constexpr int64_t kCacheElementBytes =
+    K == CacheKind::kUnquantized ? (C == SourceType::kFloat32 ? 4 : 2) : 1;
+
 // E2M1 code (bit 3 = sign) -> value.
 alignas(64) inline constexpr float kE2M1Values[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,
                                                       4.0f,  6.0f,  -0.0f, -0.5f, -1.0f, -1.5f,

@@ -189,33 +189,6 @@ class Nvfp4ChunkAttention {
     return _mm512_load_si512(kTable.data());
   }
 
-  // In place: r[j] lane t becomes r[t] lane j (a 16 x 16 transpose of 32-bit elements).
-  static void transpose_16x16(__m512i (&r)[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-      t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-      t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    // r[4i + c], 128-bit lane b: column 4b + c of rows 4i .. 4i + 3.
-    for (int i = 0; i < 16; i += 4) {
-      r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-      r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-      r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-      r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int c = 0; c < 4; ++c) {
-      const __m512i u = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44);
-      const __m512i v = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
-      const __m512i w = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
-      const __m512i x = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
-      t[c] = _mm512_shuffle_i32x4(u, v, 0x88);
-      t[4 + c] = _mm512_shuffle_i32x4(u, v, 0xDD);
-      t[8 + c] = _mm512_shuffle_i32x4(w, x, 0x88);
-      t[12 + c] = _mm512_shuffle_i32x4(w, x, 0xDD);
-    }
-    for (int i = 0; i < 16; ++i) r[i] = t[i];
-  }
-
   // scores[i][t] = q_i . k_t (times q_scale) for the chunk's keys t, kRows query rows (bf16, row
   // stride s_.dim_k). Byte p of every key row holds elements 2p, 2p + 1: after the transpose a
   // vpmultishiftqb puts both nibbles of byte p of each key where vpermw reads its index.

@@ -37,6 +37,8 @@
 #include "cpu/attention_key_transform.h"
 #include "cpu/attention_nvfp4_chunk.h"
 #include "cpu/attention_plan.h"
+#include "cpu/attention_prefetch.h"
+#include "cpu/attention_prefill_bf16.h"
 #include "cpu/attention_rows.h"
 #include "cpu/attention_simd.h"
 #include "cpu/attention_tile.h"
@@ -73,11 +75,11 @@ class PagedAttention {
         bf16_dot_(kBf16Dot && fused_ && p.io_type == SourceType::kBFloat16 &&
                   geo_.head_size % 32 == 0),
         bf16_v_(kBf16Dot && fused_ && geo_.head_size_v % 32 == 0),
+        blocked_(bf16_dot_ && bf16_v_ && geo_.head_size <= kMaxBlockedHeadSize &&
+                 geo_.head_size_v <= kMaxBlockedHeadSize),
         nvfp4_chunks_(K == CacheKind::kNvfp4 && bf16_dot_ && bf16_v_ &&
                       nvfp4_chunks_fit(geo_.head_size, geo_.head_size_v, p.block_size)),
-        k_page_bytes_(page_bytes(geo_.head_size)),
-        // A packed page holds both sides: it is fetched once, with the keys.
-        v_page_bytes_(K == kPackedSlotKind ? 0 : page_bytes(geo_.head_size_v)) {
+        prefetch_(p, geo_.head_size, geo_.head_size_v) {
     if constexpr (K == CacheKind::kNvfp4) {
       k_layout_ = Nvfp4SideLayout(p.key_cache, p.block_size, p.num_kv_heads);
       v_layout_ = Nvfp4SideLayout(p.value_cache, p.block_size, p.num_kv_heads);
@@ -109,6 +111,8 @@ class PagedAttention {
     const bool fused = fused_ && head_rows <= kMaxFusedRows;
     const bool bf16_dot = fused && bf16_dot_;
     const bool bf16_v = fused && bf16_v_;
+    // Many rows per KV head (prefill) on the bf16 dot: pages packed once for all of them.
+    const bool blocked = blocked_ && !fused;
     // Per-thread buffers, reused across items.
     thread_local std::vector<float> buffer;
     // (The bf16 query rows of the bf16 dot path take rows * shape_.dim_k / 2 floats; counted
@@ -145,7 +149,7 @@ class PagedAttention {
                                int64_t(kv_head * geo_.group + g) * p_.query_head_stride;
           float* row = q + int64_t(r) * shape_.dim_k;
           load_query_row(p_.query, base, p_.io_type, q_scale, geo_.head_size, row);
-          if (bf16_dot) {
+          if (bf16_dot || blocked) {
             // The query as given (bf16); its scale is applied to the scores.
             std::memcpy(q_bf16 + int64_t(r) * shape_.dim_k,
                         static_cast<const uint16_t*>(p_.query) + base,
@@ -174,26 +178,18 @@ class PagedAttention {
     const uint8_t** v_rows = k_scales + p_.block_size;
     const uint8_t** v_scales = v_rows + p_.block_size;
 
+#if defined(VLLM_KV_HAVE_AVX512_BF16)
+    thread_local Bf16PrefillPage<K> prefill;
+    if (blocked) prefill.reshape(shape_);
+#endif
     const int32_t* pages = p_.block_table + int64_t(item.seq) * p_.block_table_stride;
     for (int page_start = item.key_begin - item.key_begin % p_.block_size;
          page_start < item.key_end; page_start += p_.block_size) {
       const int lo = std::max(page_start, item.key_begin);
       const int hi = std::min(page_start + p_.block_size, item.key_end);
       const int64_t block = pages[page_start / p_.block_size];
-      // Pages come in block-table order, not address order, and a head's rows of a page are
-      // too few for the hardware prefetchers: request a later page's rows now so that their
-      // misses overlap this page's work. Whole pages (all heads) are requested one page ahead,
-      // a slice per head (below): the whole page at once would be a burst of misses that fills
-      // the miss queues and stalls this page's own loads.
-      const bool whole_pages = heads == p_.num_kv_heads;
-      const int ahead = page_start + (whole_pages ? 1 : kPrefetchPages) * p_.block_size;
-      const int64_t next = ahead < item.key_end ? pages[ahead / p_.block_size] : -1;
-      if (next >= 0 && !whole_pages) {
-        for (int h = item.kv_begin; h < item.kv_end; ++h) {
-          prefetch_page(p_.key_cache, k_layout_, next, h, geo_.head_size);
-          prefetch_page(p_.value_cache, v_layout_, next, h, geo_.head_size_v);
-        }
-      }
+      const int64_t next =
+          prefetch_.start(pages, page_start, item.key_end, item.kv_begin, item.kv_end);
       // Whether any query token sees a key of this page (causal prefill skips the future).
       bool any = false;
       for (const auto& [b, e] : ranges) any |= std::max(b, lo) < std::min(e, hi);
@@ -201,10 +197,7 @@ class PagedAttention {
       for (int hh = 0; hh < heads; ++hh) {
         const int kv_head = item.kv_begin + hh;
         const int h0 = hh * head_rows;
-        if (next >= 0 && whole_pages) {
-          prefetch_slice(p_.key_cache, next, k_page_bytes_, hh, heads);
-          prefetch_slice(p_.value_cache, next, v_page_bytes_, hh, heads);
-        }
+        prefetch_.slice(next, hh, heads);
 #if defined(VLLM_KV_HAVE_AVX512_BF16)
         if constexpr (K == CacheKind::kNvfp4 && kBf16Dot) {
           if (bf16_dot && nvfp4_chunks_) {
@@ -222,6 +215,24 @@ class PagedAttention {
                              scores + int64_t(h0) * shape_.tokens, m + h0, l + h0,
                              acc + int64_t(h0) * shape_.dim_v, finish);
             }
+            continue;
+          }
+        }
+        if constexpr (kBf16Dot) {
+          if (blocked) {
+            locate_page(p_.key_cache, k_layout_, block, lo - page_start, hi - page_start, kv_head,
+                        k_rows, k_scales);
+            locate_page(p_.value_cache, v_layout_, block, lo - page_start, hi - page_start, kv_head,
+                        v_rows, v_scales);
+            prefill.pack(k_rows, k_scales, k_groups_.data(), v_rows, v_scales, v_groups_.data(),
+                         lo - page_start, hi - page_start);
+            const auto finish = [&](float* s, int b, int e, int q_pos) {
+              finish_scores(s, b, e, kv_head, q_pos, page_start);
+            };
+            prefill.attend(ranges, lo - page_start, hi - page_start, page_start, first_q_pos,
+                           q_bf16 + int64_t(h0) * shape_.dim_k, p_.scale * query_key_scale(kv_head),
+                           scores + int64_t(h0) * shape_.tokens, m + h0, l + h0,
+                           acc + int64_t(h0) * shape_.dim_v, finish);
             continue;
           }
         }
@@ -289,8 +300,7 @@ class PagedAttention {
  private:
   static int round_up(int n) { return (n + kLanes - 1) / kLanes * kLanes; }
 
-  static constexpr int64_t kElementBytes =
-      K == CacheKind::kUnquantized ? (C == SourceType::kFloat32 ? 4 : 2) : 1;
+  static constexpr int64_t kElementBytes = kCacheElementBytes<K, C>;
 
   // Cache rows whose values are exact in bf16 (bf16, FP8, NVFP4) go through vdpbf16ps (AVX-512
   // BF16 builds): keys dotted with a bf16 query (rounding differs from the fp32 path only in the
@@ -310,57 +320,12 @@ class PagedAttention {
            geo.head_size_v % 32 == 0;
   }
 
-  // Pages prefetched ahead of the one being attended when items take some heads of a page.
-  static constexpr int kPrefetchPages = 2;
+#if defined(VLLM_KV_HAVE_AVX512_BF16)
+  static constexpr int kMaxBlockedHeadSize = Bf16PrefillPage<K>::kMaxHeadSize;
 
-  // Prefetches go to L2 (prefetcht1), not L1: a page ahead of every head is larger than L1d, so
-  // requesting it into L1 evicts the page being attended and stalls on the L1 miss queue.
-  static void prefetch_line(const void* line) {
-    __builtin_prefetch(line, /*rw=*/0, /*locality=*/2);
-  }
-
-  // Bytes of one page of a side (all heads; pages are dense in NHD and HND alike, unless HND heads
-  // are spaced: prefetches then cover the first heads only, a hint that costs nothing more).
-  int64_t page_bytes(int head_size) const {
-    const int64_t last_dim = K == CacheKind::kNvfp4 ? head_size / 2 + head_size / kNvfp4GroupSize
-                             : is_per_token_head(K) ? int64_t(head_size) + kPerTokenHeadScaleBytes
-                             : K == CacheKind::kInt4PerTokenHead ? int4_row_bytes(head_size)
-                             : K == kPackedSlotKind ? packed_slot_geometry(p_.packed).slot_bytes
-                                                    : int64_t(head_size);
-    return int64_t(p_.block_size) * p_.num_kv_heads * last_dim * kElementBytes;
-  }
-
-  // Requests slice `slice` of `slices` of the first `bytes` bytes of page `block` of a side (a
-  // side's page is dense, NHD and HND alike), one request per line.
-  void prefetch_slice(const CacheSide& side, int64_t block, int64_t bytes, int slice,
-                      int slices) const {
-    const char* page =
-        static_cast<const char*>(side.data) + block * side.block_stride * kElementBytes;
-    const int64_t lines = (bytes + 63) / 64;
-    for (int64_t line = lines * slice / slices; line < lines * (slice + 1) / slices; ++line) {
-      prefetch_line(page + 64 * line);
-    }
-  }
-
-  // Start loading the rows of head `head` of page `block` (and NVFP4 scales) into the cache.
-  void prefetch_page(const CacheSide& side, const Nvfp4SideLayout& layout, int64_t block, int head,
-                     int dim) const {
-    const auto* base = static_cast<const char*>(side.data);
-    for (int t = 0; t < p_.block_size; ++t) {
-      const char* row;
-      int64_t bytes;
-      if constexpr (K == CacheKind::kNvfp4) {
-        row = base + layout.data_offset(block, t, head);
-        bytes = dim / 2;
-        prefetch_line(base + layout.scale_base(block, t, head, side.scale_layout));
-      } else {
-        row = base + entry_offset(side, block, t, head) * kElementBytes;
-        bytes =
-            K == kPackedSlotKind ? packed_slot_geometry(p_.packed).slot_bytes : dim * kElementBytes;
-      }
-      for (int64_t b = 0; b < bytes; b += 64) prefetch_line(row + b);
-    }
-  }
+#else
+  static constexpr int kMaxBlockedHeadSize = 0;
+#endif
 
   // The K scale folded into the query rows: 1 when the key tile holds rebuilt keys (they are
   // in real units, as the sink keys and the offset are given).
@@ -517,13 +482,14 @@ class PagedAttention {
   bool bf16_dot_;
   // V rows are accumulated by the bf16 dot (kBf16Dot, head size of whole 32-element vectors).
   bool bf16_v_;
+  // Prefill rows take the bf16 dot over packed pages (Bf16PrefillPage).
+  bool blocked_;
   // NVFP4 pages go through chunks_ (bf16 dot on both sides, Nvfp4ChunkAttention::fits).
   bool nvfp4_chunks_;
 #if defined(VLLM_KV_HAVE_AVX512_BF16)
   Nvfp4ChunkAttention chunks_;
 #endif
-  int64_t k_page_bytes_;
-  int64_t v_page_bytes_;
+  PagePrefetch<K, C> prefetch_;
   Nvfp4SideLayout k_layout_{};
   Nvfp4SideLayout v_layout_{};
   std::vector<int64_t> k_groups_;
