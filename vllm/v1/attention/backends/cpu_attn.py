@@ -7,10 +7,11 @@ either backend reads what the other wrote; same metadata and impl constructor. T
 ``torch.ops._C_cache_ops.paged_attention`` (``csrc/cpu/paged_attention.h``): per (sequence, KV
 head, query block, key split) it decodes one page at a time (unquantized, FP8 e4m3 / e5m2 with
 per-tensor or per-head scales, NVFP4 with linear or interleave4 block scales, per-token-head
-INT8 / FP8 rows times their inline scales, into the fp32 tile) with SIMD decoders and attends
-with an online softmax in fp32 (GQA, causal and chunked prefill, sliding window, sinks, logits
-soft cap, ``head_size_v``). Packed-slot layers (TurboQuant, UltraQuant, Octave; the reference
-backend's TURBOQUANT-shaped cache) run ``packed_paged_attention``
+INT8 / FP8 rows with their inline scales) with SIMD decoders, in registers or bf16-dot panels
+where the values are exact in bf16, and attends with an online softmax in fp32 (GQA, causal and
+chunked prefill, sliding window, sinks, logits soft cap, ``head_size_v``). Packed-slot layers
+(TurboQuant, UltraQuant, Octave; the reference backend's TURBOQUANT-shaped cache) run
+``packed_paged_attention``
 (:mod:`vllm._packed_attention_ops`), the same kernel over slots decoded in the formats' frames.
 """
 
