@@ -90,6 +90,25 @@ inline __m512i fp8_to_bf16_x32(const uint8_t* src) {
   }();
   const __m512i bytes =
       _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+  if constexpr (kE4m3) {
+    // The bf16 bits of all 128 magnitudes in four registers: two 64-entry vpermi2w lookups (index
+    // bits 0-5) and bit 6 picking between them; then the sign.
+    alignas(64) static constexpr auto kMagnitudes = [] {
+      std::array<uint16_t, 128> bits{};
+      for (int m = 0; m < 128; ++m)
+        bits[m] = uint16_t(std::bit_cast<uint32_t>(e4m3_value(m)) >> 16);
+      return bits;
+    }();
+    const auto* table = reinterpret_cast<const __m512i*>(kMagnitudes.data());
+    const __m512i low =
+        _mm512_permutex2var_epi16(_mm512_load_si512(table), bytes, _mm512_load_si512(table + 1));
+    const __m512i high = _mm512_permutex2var_epi16(_mm512_load_si512(table + 2), bytes,
+                                                   _mm512_load_si512(table + 3));
+    const __m512i bits =
+        _mm512_mask_blend_epi16(_mm512_test_epi16_mask(bytes, _mm512_set1_epi16(0x40)), low, high);
+    return _mm512_ternarylogic_epi32(bits, _mm512_slli_epi16(bytes, 8),
+                                     _mm512_set1_epi16(int16_t(0x8000)), 0xF8);
+  }
   const __m512i magnitude = _mm512_and_si512(bytes, _mm512_set1_epi16(0x7F));
   // e4m3 s.eeee.mmm: exponent + 120, mantissa << 4; e5m2 s.eeeee.mm: exponent + 112, mantissa << 5.
   __m512i bits =
