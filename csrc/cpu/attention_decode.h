@@ -71,56 +71,49 @@ alignas(64) inline constexpr ScaledE2M1Table kScaledE2M1{};
 
 #if defined(VLLM_KV_HAVE_AVX512_BF16)
 // 32 FP8 bytes -> their values as bf16, exactly (FP8 values have at most 4 significant bits and
-// exponents within bf16's range), by bit arithmetic: normal codes shift their exponent and
-// mantissa into place and rebias; subnormal codes (exponent 0) come from a table; e4m3's NaN
-// codes and e5m2's Inf / NaN codes are mapped explicitly.
+// exponents within bf16's range). e4m3: the 128 magnitudes (NaN included) looked up whole, then
+// the sign. e5m2, by bit arithmetic: normal codes shift their exponent and mantissa into place
+// and rebias; subnormal codes (exponent 0) come from a table; Inf / NaN codes are mapped
+// explicitly.
 template <CacheKind K>
 inline __m512i fp8_to_bf16_x32(const uint8_t* src) {
   static_assert(K == CacheKind::kFp8E4M3 || K == CacheKind::kFp8E5M2);
-  constexpr bool kE4m3 = K == CacheKind::kFp8E4M3;
-  // bf16 bits of the subnormal magnitudes m * 2^-9 (e4m3, m < 8) / m * 2^-16 (e5m2, m < 4).
-  alignas(64) static constexpr auto kSubnormal = [] {
-    std::array<uint16_t, 32> bits{};
-    for (int m = 1; m < (kE4m3 ? 8 : 4); ++m) {
-      float value = float(m);
-      for (int e = 0; e < (kE4m3 ? 9 : 16); ++e) value /= 2.0f;
-      bits[m] = uint16_t(std::bit_cast<uint32_t>(value) >> 16);
-    }
-    return bits;
-  }();
   const __m512i bytes =
       _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-  if constexpr (kE4m3) {
-    // The bf16 bits of all 128 magnitudes in four registers: two 64-entry vpermi2w lookups (index
-    // bits 0-5) and bit 6 picking between them; then the sign.
+  __m512i bits;
+  if constexpr (K == CacheKind::kFp8E4M3) {
+    // Two 64-entry vpermi2w lookups (index bits 0-5), bit 6 picking between them.
     alignas(64) static constexpr auto kMagnitudes = [] {
-      std::array<uint16_t, 128> bits{};
-      for (int m = 0; m < 128; ++m)
-        bits[m] = uint16_t(std::bit_cast<uint32_t>(e4m3_value(m)) >> 16);
-      return bits;
+      std::array<uint16_t, 128> table{};
+      for (int m = 0; m < 128; ++m) {
+        table[m] = uint16_t(std::bit_cast<uint32_t>(e4m3_value(m)) >> 16);
+      }
+      return table;
     }();
     const auto* table = reinterpret_cast<const __m512i*>(kMagnitudes.data());
     const __m512i low =
         _mm512_permutex2var_epi16(_mm512_load_si512(table), bytes, _mm512_load_si512(table + 1));
     const __m512i high = _mm512_permutex2var_epi16(_mm512_load_si512(table + 2), bytes,
                                                    _mm512_load_si512(table + 3));
-    const __m512i bits =
+    bits =
         _mm512_mask_blend_epi16(_mm512_test_epi16_mask(bytes, _mm512_set1_epi16(0x40)), low, high);
-    return _mm512_ternarylogic_epi32(bits, _mm512_slli_epi16(bytes, 8),
-                                     _mm512_set1_epi16(int16_t(0x8000)), 0xF8);
-  }
-  const __m512i magnitude = _mm512_and_si512(bytes, _mm512_set1_epi16(0x7F));
-  // e4m3 s.eeee.mmm: exponent + 120, mantissa << 4; e5m2 s.eeeee.mm: exponent + 112, mantissa << 5.
-  __m512i bits =
-      kE4m3 ? _mm512_add_epi16(_mm512_slli_epi16(magnitude, 4), _mm512_set1_epi16(120 << 7))
-            : _mm512_add_epi16(_mm512_slli_epi16(magnitude, 5), _mm512_set1_epi16(112 << 7));
-  const __mmask32 subnormal = _mm512_cmplt_epu16_mask(magnitude, _mm512_set1_epi16(kE4m3 ? 8 : 4));
-  bits = _mm512_mask_permutexvar_epi16(bits, subnormal, magnitude,
-                                       _mm512_load_si512(kSubnormal.data()));
-  if constexpr (kE4m3) {
-    const __mmask32 nan = _mm512_cmpeq_epi16_mask(magnitude, _mm512_set1_epi16(0x7F));
-    bits = _mm512_mask_mov_epi16(bits, nan, _mm512_set1_epi16(0x7FC0));
   } else {
+    // bf16 bits of the subnormal magnitudes m * 2^-16 (m < 4).
+    alignas(64) static constexpr auto kSubnormal = [] {
+      std::array<uint16_t, 32> table{};
+      for (int m = 1; m < 4; ++m) {
+        float value = float(m);
+        for (int e = 0; e < 16; ++e) value /= 2.0f;
+        table[m] = uint16_t(std::bit_cast<uint32_t>(value) >> 16);
+      }
+      return table;
+    }();
+    const __m512i magnitude = _mm512_and_si512(bytes, _mm512_set1_epi16(0x7F));
+    // s.eeeee.mm: exponent + 112, mantissa << 5.
+    bits = _mm512_add_epi16(_mm512_slli_epi16(magnitude, 5), _mm512_set1_epi16(112 << 7));
+    const __mmask32 subnormal = _mm512_cmplt_epu16_mask(magnitude, _mm512_set1_epi16(4));
+    bits = _mm512_mask_permutexvar_epi16(bits, subnormal, magnitude,
+                                         _mm512_load_si512(kSubnormal.data()));
     const __mmask32 inf = _mm512_cmpeq_epi16_mask(magnitude, _mm512_set1_epi16(0x7C));
     const __mmask32 nan = _mm512_cmpgt_epu16_mask(magnitude, _mm512_set1_epi16(0x7C));
     bits = _mm512_mask_mov_epi16(bits, inf, _mm512_set1_epi16(0x7F80));
