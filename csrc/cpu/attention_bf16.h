@@ -50,6 +50,22 @@ inline void transpose_16x16(__m512i (&r)[16]) {
   for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
+// Half `kHalf` (elements 16 kHalf .. 16 kHalf + 15) of two rows of 32 bf16 interleaved element by
+// element: lane 2j holds element j of the half of x, lane 2j + 1 that of y (the operand of a
+// vdpbf16ps against a pair of weights of two keys).
+template <int kHalf>
+inline __m512i interleave_pairs(__m512i x, __m512i y) {
+  alignas(64) static constexpr auto kIndex = [] {
+    std::array<uint16_t, 32> index{};
+    for (int j = 0; j < 16; ++j) {
+      index[2 * j] = uint16_t(16 * kHalf + j);
+      index[2 * j + 1] = uint16_t(32 + 16 * kHalf + j);
+    }
+    return index;
+  }();
+  return _mm512_permutex2var_epi16(x, _mm512_load_si512(kIndex.data()), y);
+}
+
 // acc + the vdpbf16ps of `values` with the bf16 pair at `pair` in every lane.
 inline __m512 dot_pair(__m512 acc, __m512bh values, const void* pair) {
   int32_t bits;
@@ -227,12 +243,6 @@ struct Bf16Dot {
   static void accumulate_slices(const RowShape& s, const uint32_t (*pairs)[8],
                                 const uint8_t* const* v_rows, const uint8_t* const* v_scales,
                                 const int64_t* groups, int tb, int te, float* acc, int g0, int d) {
-    // Lane 2j of the interleave: element j (of the half) of key t; lane 2j + 1: of key t + 1.
-    alignas(64) static constexpr uint16_t kFirst[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
-                                                        37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
-                                                        11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-    const __m512i first_half = _mm512_load_si512(kFirst);
-    const __m512i second_half = _mm512_add_epi16(first_half, _mm512_set1_epi16(16));
     __m512 a[kSlices][2][kRows];
     for (int c = 0; c < kSlices; ++c) {
       for (int h = 0; h < 2; ++h) {
@@ -250,8 +260,8 @@ struct Bf16Dot {
         const __m512i x = row_bf16(v_rows[t], v_scales[t], groups, d + 32 * c);
         const __m512i y = partner ? row_bf16(v_rows[t + 1], v_scales[t + 1], groups, d + 32 * c)
                                   : _mm512_setzero_si512();
-        const auto lo = (__m512bh)_mm512_permutex2var_epi16(x, first_half, y);
-        const auto hi = (__m512bh)_mm512_permutex2var_epi16(x, second_half, y);
+        const auto lo = (__m512bh)interleave_pairs<0>(x, y);
+        const auto hi = (__m512bh)interleave_pairs<1>(x, y);
         for (int i = 0; i < kRows; ++i) {
           a[c][0][i] = _mm512_dpbf16_ps(a[c][0][i], lo, w[i]);
           a[c][1][i] = _mm512_dpbf16_ps(a[c][1][i], hi, w[i]);

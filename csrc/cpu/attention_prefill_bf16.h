@@ -14,7 +14,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -79,18 +78,13 @@ class Bf16PrefillPage {
       }
       // Values: rows 2p and 2p + 1 interleaved element by element, 32 elements (two blocks) at a
       // time.
-      alignas(64) static constexpr uint16_t kFirst[32] = {
-          0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
-          8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-      const __m512i first_half = _mm512_load_si512(kFirst);
-      const __m512i second_half = _mm512_add_epi16(first_half, _mm512_set1_epi16(16));
       for (int p = 0; p < kTileKeys / 2; ++p) {
         uint32_t* panel = values_ + (size_t(tile) * (kTileKeys / 2) + p) * v_blocks * kLanes<L>;
         for (int d = 0; d < s_.head_size_v; d += 32) {
           const __m512i x = _mm512_load_si512(v_tile + 2 * p * kMaxHeadSize + d);
           const __m512i y = _mm512_load_si512(v_tile + (2 * p + 1) * kMaxHeadSize + d);
-          _mm512_store_si512(panel + d, _mm512_permutex2var_epi16(x, first_half, y));
-          _mm512_store_si512(panel + d + kLanes<L>, _mm512_permutex2var_epi16(x, second_half, y));
+          _mm512_store_si512(panel + d, interleave_pairs<0>(x, y));
+          _mm512_store_si512(panel + d + kLanes<L>, interleave_pairs<1>(x, y));
         }
       }
     }
