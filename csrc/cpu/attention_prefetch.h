@@ -2,9 +2,11 @@
 // order, not address order, and a head's rows of a page are too few for the hardware prefetchers:
 // a later page's rows are requested while this page is attended, so that their misses overlap its
 // work. Items over all KV heads (decode) request the next page whole, a slice per head; items over
-// some heads request those heads' rows kAheadPages pages ahead.
+// some heads request those heads' rows kAheadPages pages ahead. Keys stored before RoPE also
+// request the RoPE table's rows of that page's positions (as large as an NVFP4 page's keys).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "attention_kernels.h"
@@ -36,18 +38,27 @@ class PagePrefetch {
     }
   }
 
+  // A page to request: its block (-1: none), the position of its first key and its keys in range.
+  struct Next {
+    int64_t block;
+    int position;
+    int keys;
+  };
+
   // Before attending the page at page_start (of a sequence's `pages`, keys up to key_end) with
-  // heads [kv_begin, kv_end): the page to request (-1: none), its heads' rows requested now
-  // unless the item takes every head (then by slice()).
-  int64_t start(const int32_t* pages, int page_start, int key_end, int kv_begin, int kv_end) const {
+  // heads [kv_begin, kv_end): the page to request, its heads' rows requested now unless the item
+  // takes every head (then by slice()).
+  Next start(const int32_t* pages, int page_start, int key_end, int kv_begin, int kv_end) const {
     const bool whole = kv_end - kv_begin == p_.num_kv_heads;
     const int ahead = page_start + (whole ? 1 : kAheadPages) * p_.block_size;
-    const int64_t next = ahead < key_end ? pages[ahead / p_.block_size] : -1;
-    if (next >= 0 && !whole) {
+    const Next next{ahead < key_end ? pages[ahead / p_.block_size] : -1, ahead,
+                    std::min(p_.block_size, key_end - ahead)};
+    if (next.block >= 0 && !whole) {
       for (int h = kv_begin; h < kv_end; ++h) {
-        rows(p_.key_cache, k_layout_, next, h, head_size_);
-        rows(p_.value_cache, v_layout_, next, h, head_size_v_);
+        rows(p_.key_cache, k_layout_, next.block, h, head_size_);
+        rows(p_.value_cache, v_layout_, next.block, h, head_size_v_);
       }
+      rope_rows(next, 0, 1);
     }
     return next;
   }
@@ -55,10 +66,15 @@ class PagePrefetch {
   // Before attending head `slice` of `slices` (an item over every head): that slice of page
   // `next` of both sides. The whole page at once would be a burst of misses that fills the miss
   // queues and stalls this page's own loads.
-  void slice(int64_t next, int slice, int slices) const {
-    if (next < 0 || slices != p_.num_kv_heads) return;
-    lines(p_.key_cache, next, k_page_bytes_, slice, slices);
-    lines(p_.value_cache, next, v_page_bytes_, slice, slices);
+  void slice(const Next& next, int slice, int slices) const {
+    if (next.block < 0 || slices != p_.num_kv_heads) return;
+    lines(static_cast<const char*>(p_.key_cache.data) +
+              next.block * p_.key_cache.block_stride * kElementBytes,
+          k_page_bytes_, slice, slices);
+    lines(static_cast<const char*>(p_.value_cache.data) +
+              next.block * p_.value_cache.block_stride * kElementBytes,
+          v_page_bytes_, slice, slices);
+    rope_rows(next, slice, slices);
   }
 
  private:
@@ -87,15 +103,20 @@ class PagePrefetch {
     return int64_t(p_.block_size) * p_.num_kv_heads * last_dim * kElementBytes;
   }
 
-  // Slice `slice` of `slices` of the first `bytes` bytes of page `block` of a side, a request per
-  // line.
-  void lines(const CacheSide& side, int64_t block, int64_t bytes, int slice, int slices) const {
-    const char* page =
-        static_cast<const char*>(side.data) + block * side.block_stride * kElementBytes;
+  // Slice `slice` of `slices` of the `bytes` bytes at `from`, a request per line.
+  static void lines(const char* from, int64_t bytes, int slice, int slices) {
     const int64_t count = (bytes + 63) / 64;
     for (int64_t i = count * slice / slices; i < count * (slice + 1) / slices; ++i) {
-      line(page + 64 * i);
+      line(from + 64 * i);
     }
+  }
+
+  // Slice `slice` of `slices` of the RoPE table's rows of page `next`'s positions.
+  void rope_rows(const Next& next, int slice, int slices) const {
+    if (p_.rope_cos_sin == nullptr) return;
+    const int64_t row_bytes = int64_t(p_.rotary_dim) * sizeof(float);
+    lines(reinterpret_cast<const char*>(p_.rope_cos_sin) + next.position * row_bytes,
+          next.keys * row_bytes, slice, slices);
   }
 
   // The rows of head `head` of page `block` (and NVFP4 scales).

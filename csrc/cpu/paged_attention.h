@@ -14,8 +14,9 @@
 // the score and on the softmax weight); elsewhere they are decoded times that scale into the
 // tiles, and so are packed K+V slots (packed_slot_read.h, in the format's key / value frames).
 // Long key ranges of few items are split (split-K); the splits' (max, sum, accumulator) partials
-// are merged after. Keys stored before RoPE (rope_cos_sin / key_offset / sink_keys given) are
-// decoded into the tile and rebuilt there (transform_keys), never fused.
+// are merged after. Keys stored before RoPE (rope_cos_sin / key_offset / sink_keys /
+// key_hadamard) are decoded into the key tile and rebuilt there in vector lanes (KeyRebuild),
+// scored in fp32 (a rebuilt key is not exact in bf16); the values still decode in registers.
 #pragma once
 
 #include <algorithm>
@@ -67,14 +68,18 @@ class PagedAttention {
                round_up(p.block_size)},
         key_transform_(p.rope_cos_sin != nullptr || p.key_offset != nullptr ||
                        p.sink_keys != nullptr || p.key_hadamard),
-        // Keys rebuilt from pre-RoPE ones (transform_keys) are decoded into the tiles only, and
-        // so are per-token-head rows off the bf16 dot (their scales are applied per row there).
-        fused_(L != SimdLevel::kGeneric && K != CacheKind::kInt4PerTokenHead &&
-               K != kPackedSlotKind && !key_transform_ && geo_.head_size % kLanes == 0 &&
-               geo_.head_size_v % kLanes == 0 && (!is_per_token_head(K) || bf16_dot_fits(p, geo_))),
+        // Per-token-head rows off the bf16 dot are decoded into the tiles only (scales per row).
+        fused_v_(L != SimdLevel::kGeneric && K != CacheKind::kInt4PerTokenHead &&
+                 K != kPackedSlotKind && geo_.head_size % kLanes == 0 &&
+                 geo_.head_size_v % kLanes == 0 &&
+                 (!is_per_token_head(K) || bf16_dot_fits(p, geo_))),
+        // Keys rebuilt from pre-RoPE ones are decoded into the key tile only.
+        fused_(fused_v_ && !key_transform_),
         bf16_dot_(kBf16Dot && fused_ && p.io_type == SourceType::kBFloat16 &&
                   geo_.head_size % 32 == 0),
-        bf16_v_(kBf16Dot && fused_ && geo_.head_size_v % 32 == 0),
+        // A bf16 query's output tolerates weights rounded to bf16; fp32 / fp16 ones keep fp32.
+        bf16_v_(kBf16Dot && fused_v_ && p.io_type == SourceType::kBFloat16 &&
+                geo_.head_size_v % 32 == 0),
         blocked_(bf16_dot_ && bf16_v_ && geo_.head_size <= kMaxBlockedHeadSize &&
                  geo_.head_size_v <= kMaxBlockedHeadSize),
         nvfp4_chunks_(K == CacheKind::kNvfp4 && bf16_dot_ && bf16_v_ &&
@@ -108,9 +113,10 @@ class PagedAttention {
     const int rows = heads * head_rows;
     // Decode in registers when each K / V vector serves one pass over few rows (decode); with
     // many query rows (prefill) a page decoded once into the tiles serves them all.
-    const bool fused = fused_ && head_rows <= kMaxFusedRows;
+    const bool fused_v = fused_v_ && head_rows <= kMaxFusedRows;
+    const bool fused = fused_v && fused_;
     const bool bf16_dot = fused && bf16_dot_;
-    const bool bf16_v = fused && bf16_v_;
+    const bool bf16_v = fused_v && bf16_v_;
     // Many rows per KV head (prefill) on the bf16 dot: pages packed once for all of them.
     const bool blocked = blocked_ && !fused;
     // Per-thread buffers, reused across items.
@@ -188,7 +194,7 @@ class PagedAttention {
       const int lo = std::max(page_start, item.key_begin);
       const int hi = std::min(page_start + p_.block_size, item.key_end);
       const int64_t block = pages[page_start / p_.block_size];
-      const int64_t next =
+      const auto next =
           prefetch_.start(pages, page_start, item.key_end, item.kv_begin, item.kv_end);
       // Whether any query token sees a key of this page (causal prefill skips the future).
       bool any = false;
@@ -240,13 +246,11 @@ class PagedAttention {
         if (fused) {
           locate_page(p_.key_cache, k_layout_, block, lo - page_start, hi - page_start, kv_head,
                       k_rows, k_scales);
+        } else if (key_transform_) {
+          rebuild_keys(item.seq, kv_head, block, page_start, lo, hi, k_rows, k_scales, k_tile);
         } else {
           decode_page(p_.key_cache, k_layout_, k_groups_, block, lo - page_start, hi - page_start,
                       kv_head, geo_.head_size, shape_.dim_k, k_tile);
-          if (key_transform_) {
-            transform_keys(p_, item.seq, kv_head, page_start, lo - page_start, hi - page_start,
-                           k_tile, shape_.dim_k);
-          }
         }
         for (int jt = 0; jt < tokens; ++jt) {
           const int b = std::max(ranges[jt].first, lo) - page_start;
@@ -264,7 +268,7 @@ class PagedAttention {
                                l[r0 + g], acc + int64_t(r0 + g) * shape_.dim_v);
           }
         }
-        if (fused) {
+        if (fused_v) {
           locate_page(p_.value_cache, v_layout_, block, lo - page_start, hi - page_start, kv_head,
                       v_rows, v_scales);
         } else {
@@ -276,7 +280,7 @@ class PagedAttention {
           const int e = std::min(ranges[jt].second, hi) - page_start;
           if (b >= e) continue;
           const int r0 = h0 + jt * geo_.group;
-          accumulate_rows(scores + int64_t(r0) * shape_.tokens, fused ? nullptr : v_tile, v_rows,
+          accumulate_rows(scores + int64_t(r0) * shape_.tokens, fused_v ? nullptr : v_tile, v_rows,
                           v_scales, b, e, acc + int64_t(r0) * shape_.dim_v, bf16_v);
         }
       }
@@ -322,7 +326,6 @@ class PagedAttention {
 
 #if defined(VLLM_KV_HAVE_AVX512_BF16)
   static constexpr int kMaxBlockedHeadSize = Bf16PrefillPage<K>::kMaxHeadSize;
-
 #else
   static constexpr int kMaxBlockedHeadSize = 0;
 #endif
@@ -357,6 +360,29 @@ class PagedAttention {
                         dim, dst);
       }
     }
+  }
+
+  // Keys [lo, hi) of page `block` (from page_start) of KV head `kv_head` rebuilt into the key
+  // tile (KeyRebuild), decoded in registers where the fused decoder gives the codec's values.
+  void rebuild_keys(int seq, int kv_head, int64_t block, int page_start, int lo, int hi,
+                    const uint8_t** k_rows, const uint8_t** k_scales, float* k_tile) const {
+    const int t0 = lo - page_start;
+    const int t1 = hi - page_start;
+    const bool in_registers = KeyRebuild<L>::in_registers(p_);
+    const bool fused = in_registers && fused_v_ && !is_per_token_head(K);
+    if (fused) {
+      locate_page(p_.key_cache, k_layout_, block, t0, t1, kv_head, k_rows, k_scales);
+    } else {
+      decode_page(p_.key_cache, k_layout_, k_groups_, block, t0, t1, kv_head, geo_.head_size,
+                  shape_.dim_k, k_tile);
+    }
+    if (!in_registers) {
+      KeyRebuild<L>::scalar_rows(p_, seq, kv_head, page_start, t0, t1, k_tile, shape_.dim_k);
+      return;
+    }
+    const float* tile = fused ? nullptr : k_tile;
+    const auto key = [&](int t, int d) { return key_vector(tile, k_rows, k_scales, t, d); };
+    KeyRebuild<L>::register_rows(p_, seq, kv_head, page_start, t0, t1, key, k_tile, shape_.dim_k);
   }
 
   // Addresses of rows [t0, t1) of head `head` of page `block` (data; NVFP4 scale base).
@@ -473,14 +499,16 @@ class PagedAttention {
   const PagedAttentionParams& p_;
   AttentionGeometry geo_;
   RowShape shape_;
-  // rope_cos_sin, key_offset or sink_keys given: keys are rebuilt by transform_keys.
+  // rope_cos_sin, key_offset, sink_keys or key_hadamard given: keys are rebuilt (KeyRebuild).
   bool key_transform_;
   // Decode in registers inside the dot products is possible (vector levels, head sizes of whole
-  // vectors, keys as stored); otherwise pages are always decoded into the fp32 tiles first.
+  // vectors): for the values; for the keys too (fused_) when they are read as stored. Otherwise
+  // pages are decoded into the fp32 tiles first.
+  bool fused_v_;
   bool fused_;
-  // The bf16 dot path applies (kBf16Dot, a bf16 query, head size of whole 32-element vectors).
+  // K rows are dotted (bf16_dot_), V rows accumulated (bf16_v_) by the bf16 dot: kBf16Dot, a
+  // bf16 query, head size of whole 32-element vectors.
   bool bf16_dot_;
-  // V rows are accumulated by the bf16 dot (kBf16Dot, head size of whole 32-element vectors).
   bool bf16_v_;
   // Prefill rows take the bf16 dot over packed pages (Bf16PrefillPage).
   bool blocked_;

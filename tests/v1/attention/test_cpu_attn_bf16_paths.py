@@ -96,3 +96,30 @@ def test_prefill_infinite_value_next_to_a_window_edge() -> None:
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
     with_inf = reference.forward(layer, query, None, None, kv_cache, metadata).float()
     assert torch.isinf(with_inf[20:27, :, 3]).all() and torch.isinf(with_inf[21:28, :, 5]).all()
+
+
+@pytest.mark.parametrize("simd", SIMD_LEVELS)
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cache_dtype", ["fp8_e4m3", "fp8_e5m2", "nvfp4"])
+def test_other_query_dtypes_weight_values_in_fp32(
+    cache_dtype: str, model_dtype: torch.dtype, simd: str
+) -> None:
+    """Decode rows of caches exact in bf16 with an fp32 or fp16 query: the values are weighted
+    in fp32 (only a bf16 query's output tolerates weights rounded to bf16), so an fp32 query
+    agrees with the reference to fp32 summation order, an fp16 one to its own rounding."""
+    case = Case(
+        cache_dtype,
+        num_kv_heads=2,
+        group=4,
+        head_size=128,
+        head_size_v=128,
+        seq_lens=[300, 45],
+        query_lens=[1, 1],
+        model_dtype=model_dtype,
+    )
+    reference, cpu, layer, kv_cache, metadata, query = setup(case)
+    cpu.simd = simd
+    expected = reference.forward(layer, query, None, None, kv_cache, metadata).float()
+    got = cpu.forward(layer, query, None, None, kv_cache, metadata).float()
+    tol = 1e-5 if model_dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(got, expected, atol=tol, rtol=tol)

@@ -245,6 +245,28 @@ def test_partial_rotary_dim(rotary_dim: int, neox: bool, simd: str) -> None:
     check(Case("auto", rotary_dim=rotary_dim, neox=neox, query_dtype=torch.float32), simd)
 
 
+@pytest.mark.parametrize("simd", SIMD_LEVELS)
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize(("head_size", "rotary_dim"), [(32, 32), (96, 96), (96, 64), (256, 128)])
+@pytest.mark.parametrize("cache_dtype", ["auto", "nvfp4"])
+def test_head_sizes_in_and_out_of_registers(
+    cache_dtype: str, head_size: int, rotary_dim: int, neox: bool, simd: str
+) -> None:
+    """Rows rebuilt in registers (2 to 16 whole vectors, rotary pairs of whole vectors) and
+    through the scalar loops (a rotary half or a head that is not whole vectors at the level);
+    decode, chunked prefill and prefill rows; fp32 queries keep the tolerance tight."""
+    case = Case(
+        cache_dtype,
+        head_size=head_size,
+        rotary_dim=rotary_dim,
+        neox=neox,
+        query_dtype=torch.float32,
+        seq_lens=[40, 19],
+        query_lens=[1, 19],
+    )
+    check(case, simd)
+
+
 @pytest.mark.parametrize("sink_tokens", [1, 3])
 @pytest.mark.parametrize("cache_dtype", ["auto", "int8_per_token_head", "nvfp4"])
 def test_sequences_shorter_than_the_sinks(cache_dtype: str, sink_tokens: int) -> None:
