@@ -15,6 +15,16 @@ namespace vllm_kv::cpu {
 
 // float_to_int8_rne_sat lane by lane (y never NaN).
 inline U32v float_to_int8_rne_sat(F32v y) {
+#if defined(__AVX512F__)
+  if constexpr (sizeof(F32v) == sizeof(__m512)) {  // clamp, then one conversion rounding to even
+    const __m512 clamped = _mm512_min_ps(
+        _mm512_max_ps(std::bit_cast<__m512>(y), _mm512_set1_ps(-kInt8PerTokenHeadMax)),
+        _mm512_set1_ps(kInt8PerTokenHeadMax));
+    const __m512i rounded =
+        _mm512_cvt_roundps_epi32(clamped, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return std::bit_cast<U32v>(rounded) & 0xFFu;
+  }
+#endif
   const F32v low = F32v{} - kInt8PerTokenHeadMax;
   const F32v high = F32v{} + kInt8PerTokenHeadMax;
   const F32v clamped_low = y > low ? y : low;

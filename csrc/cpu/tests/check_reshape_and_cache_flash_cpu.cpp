@@ -246,6 +246,10 @@ int main(int argc, char** argv) {
   count(check_all_floats(
       "float_to_e4m3_satfinite (vector)",
       [](cpu::F32v v) { return cpu::float_to_e4m3_satfinite(v); }, float_to_e4m3_satfinite, never));
+  count(check_all_floats(
+      "float_to_int8_rne_sat (vector, non-NaN)",
+      [](cpu::F32v v) { return cpu::float_to_int8_rne_sat(v); }, float_to_int8_rne_sat,
+      [](uint32_t bits) { return (bits & 0x7FFFFFFFu) > 0x7F800000u; }));
   count(check_e4m3_decode());
 #if defined(__AVX512BW__)
   // bf16_pair_e2m1 on x = +-1.0 and m = |v|: both codes of dword l must be float_to_e2m1(v[l]).
