@@ -2,7 +2,7 @@
 before RoPE or keep FP8 key sinks (:mod:`vllm.v1.attention.backends.key_rebuild`).
 
 :func:`rebuilt_key_tile` gives the fp32 keys ``[TILE_N, D_PAD]`` of one tile in real units, as
-the CPU kernel's ``transform_keys`` and :meth:`~vllm.kv_quant.KeyTransform.rebuild_key` define
+the CPU kernel's ``KeyRebuild`` and :meth:`~vllm.kv_quant.KeyTransform.rebuild_key` define
 them: the sequence's sink row at positions ``p < S`` (else the page row times its scale), then
 the Hadamard rotation back (:func:`hadamard_tile`: the butterflies of
 :func:`vllm.kv_quant.hadamard_rotate` in their order, then the one multiply), plus the per-head
