@@ -37,9 +37,8 @@ class KeyRebuild {
 
   // Rebuilds the keys of tile rows [t0, t1) (positions page_start + t of sequence `seq`, KV head
   // `head`) from pre-RoPE keys: the sink key or the decoded key times the K scale (the reference
-  // codec's value), rotated back by the Hadamard rotation, plus the head's offset, then the
-  // forward RoPE rotation of row `position` of rope_cos_sin. key(t, d): vector d of page row t's
-  // decoded key.
+  // codec's value), rotated back by the Hadamard rotation, plus the head's offset, then RoPE by
+  // the rope_cos_sin row of the key's position. key(t, d): vector d of page row t's decoded key.
   template <typename Key>
   static void register_rows(const PagedAttentionParams& p, int seq, int head, int page_start,
                             int t0, int t1, const Key& key, float* tile, int row_stride) {
