@@ -23,29 +23,31 @@ namespace vllm_kv::cpu::attention {
 
 #if defined(VLLM_KV_HAVE_AVX512_BF16)
 
-// In place: r[j] lane t becomes r[t] lane j (a 16 x 16 transpose of 32-bit elements).
+// In place: r[j] lane t becomes r[t] lane j (a 16 x 16 transpose of 32-bit elements). (The
+// shuffles in their zero-masking forms under a full mask: the plain ones pass GCC 12's
+// self-initialised undefined vector, which -Wuninitialized flags where they are inlined.)
 inline void transpose_16x16(__m512i (&r)[16]) {
   __m512i t[16];
   for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    t[i] = _mm512_maskz_unpacklo_epi32(0xFFFF, r[i], r[i + 1]);
+    t[i + 1] = _mm512_maskz_unpackhi_epi32(0xFFFF, r[i], r[i + 1]);
   }
   // r[4i + c], 128-bit lane b: column 4b + c of rows 4i .. 4i + 3.
   for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    r[i] = _mm512_maskz_unpacklo_epi64(0xFF, t[i], t[i + 2]);
+    r[i + 1] = _mm512_maskz_unpackhi_epi64(0xFF, t[i], t[i + 2]);
+    r[i + 2] = _mm512_maskz_unpacklo_epi64(0xFF, t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_maskz_unpackhi_epi64(0xFF, t[i + 1], t[i + 3]);
   }
   for (int c = 0; c < 4; ++c) {
-    const __m512i u = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44);
-    const __m512i v = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
-    const __m512i w = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
-    const __m512i x = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
-    t[c] = _mm512_shuffle_i32x4(u, v, 0x88);
-    t[4 + c] = _mm512_shuffle_i32x4(u, v, 0xDD);
-    t[8 + c] = _mm512_shuffle_i32x4(w, x, 0x88);
-    t[12 + c] = _mm512_shuffle_i32x4(w, x, 0xDD);
+    const __m512i u = _mm512_maskz_shuffle_i32x4(0xFFFF, r[c], r[4 + c], 0x44);
+    const __m512i v = _mm512_maskz_shuffle_i32x4(0xFFFF, r[8 + c], r[12 + c], 0x44);
+    const __m512i w = _mm512_maskz_shuffle_i32x4(0xFFFF, r[c], r[4 + c], 0xEE);
+    const __m512i x = _mm512_maskz_shuffle_i32x4(0xFFFF, r[8 + c], r[12 + c], 0xEE);
+    t[c] = _mm512_maskz_shuffle_i32x4(0xFFFF, u, v, 0x88);
+    t[4 + c] = _mm512_maskz_shuffle_i32x4(0xFFFF, u, v, 0xDD);
+    t[8 + c] = _mm512_maskz_shuffle_i32x4(0xFFFF, w, x, 0x88);
+    t[12 + c] = _mm512_maskz_shuffle_i32x4(0xFFFF, w, x, 0xDD);
   }
   for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
@@ -99,14 +101,15 @@ struct Bf16Dot {
       }();
       const __m512i bytes =
           _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d / 2)));
-      const __m512i words = _mm512_permutexvar_epi8(_mm512_load_si512(kDuplicate.data()), bytes);
+      const __m512i words =  // (zero-masking forms: see transpose_16x16)
+          _mm512_maskz_permutexvar_epi8(~__mmask64(0), _mm512_load_si512(kDuplicate.data()), bytes);
       const __m512i shifted = _mm512_srlv_epi16(words, _mm512_load_si512(kShift.data()));
       const __m512i index = _mm512_ternarylogic_epi32(  // (shifted & 0xF) | half
           shifted, _mm512_set1_epi16(0x0F), _mm512_maskz_set1_epi16(0xFFFF0000u, 16), 0xEA);
       const uint8_t* first = kScaledE2M1.bits[scales[groups[d / kNvfp4GroupSize]]];
       const uint8_t* second = kScaledE2M1.bits[scales[groups[d / kNvfp4GroupSize + 1]]];
-      const __m512i table = _mm512_inserti64x4(
-          _mm512_castsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(first))),
+      const __m512i table = _mm512_maskz_inserti64x4(
+          0xFF, _mm512_castsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(first))),
           _mm256_load_si256(reinterpret_cast<const __m256i*>(second)), 1);
       return _mm512_permutexvar_epi16(index, table);
     } else if constexpr (K == CacheKind::kFp8E4M3 || K == CacheKind::kFp8E5M2) {

@@ -267,6 +267,33 @@ def test_head_sizes_in_and_out_of_registers(
     check(case, simd)
 
 
+@pytest.mark.parametrize("extras", [False, True])
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize(
+    ("scale_layout", "per_head_scale"), [("linear", False), ("interleave4", True)]
+)
+def test_nvfp4_values_on_the_bf16_dot_under_rebuilt_keys(
+    scale_layout: str, per_head_scale: bool, neox: bool, extras: bool
+) -> None:
+    """Head size 128 (the NVFP4 chunk geometry), a bf16 query, decode and chunked rows (4 and 8
+    per KV head): keys rebuilt and scored in fp32 from the tile, values on the bf16 dot (AVX-512
+    BF16 builds); with a sliding window, a soft cap and logit sinks too."""
+    case = Case(
+        "nvfp4",
+        scale_layout,
+        per_head_scale,
+        group=4,
+        head_size=128,
+        rotary_dim=128,
+        neox=neox,
+        seq_lens=[70, 33, 16],
+        query_lens=[1, 2, 1],
+    )
+    if extras:
+        case = replace(case, sliding_window=40, logits_soft_cap=15.0, logit_sinks=True)
+    check(case)
+
+
 @pytest.mark.parametrize("sink_tokens", [1, 3])
 @pytest.mark.parametrize("cache_dtype", ["auto", "int8_per_token_head", "nvfp4"])
 def test_sequences_shorter_than_the_sinks(cache_dtype: str, sink_tokens: int) -> None:
