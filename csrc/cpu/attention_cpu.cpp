@@ -1,6 +1,6 @@
 // CPU implementation of _C_cache_ops::paged_attention: shared validation, the per-sequence value
 // checks (lengths, page ids, scale values) that need the tensors' contents, then the torch-free
-// kernel of cpu/paged_attention.h.
+// kernel of cpu/paged_attention.h (through cpu/attention_dispatch.h).
 
 // GCC 12 reports its own AVX-512 intrinsics (their undefined pass-through operands) as
 // maybe-uninitialized (GCC bug 105593, fixed in 13). The pragma has to come before the first
@@ -20,8 +20,8 @@
 
 #include "cache_ops_checks.h"
 #include "cache_ops_torch.h"
+#include "cpu/attention_dispatch.h"
 #include "cpu/cpu_op_utils.h"
-#include "cpu/paged_attention.h"
 #include "dispatch_utils.h"
 #include "int4_per_token_head.h"
 

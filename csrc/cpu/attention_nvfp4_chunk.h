@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "attention_kernels.h"
 #include "cache_kernels.h"
 #include "cache_layout.h"
 #include "cpu/attention_bf16.h"
@@ -67,6 +68,45 @@ class Nvfp4ChunkAttention {
            block_size % kChunkKeys == 0;
   }
 
+  // Keys stored before RoPE, rebuilt on the chunk's lanes (KeyRebuild's operations in its order,
+  // so the reference's bits): the code times its block scale times k_scale, plus offset (head_size
+  // values, or nullptr), then RoPE by `rope` (rope_lanes of the chunk; nullptr: none). q: the
+  // head's first fp32 query row (softmax scale folded in; row stride dim_k).
+  struct RebuiltKeys {
+    const float* q;
+    float k_scale;
+    const float* offset;
+    const float* rope;
+    int rotary_dim;
+    bool neox;
+  };
+
+  // Whether a call's key transform can be rebuilt on the lanes: no Hadamard rotation; RoPE over
+  // whole 16-position transposes and, neox, pairs of whole bytes. (Sink positions are not: their
+  // chunks take the key tile.)
+  static bool rebuild_fits(const PagedAttentionParams& p) {
+    return !p.key_hadamard && (p.rope_cos_sin == nullptr ||
+                               (p.rotary_dim % kChunkKeys == 0 && p.rotary_dim <= kChunkHeadSize &&
+                                (!p.rope_is_neox || p.rotary_dim % 4 == 0)));
+  }
+
+  // out[i * kChunkKeys + t]: element i of the RoPE table row of position first + t (its cos, then
+  // its sin), t clamped into [t_lo, t_hi) (keys outside have no row to read; their lanes are
+  // masked later).
+  static void rope_lanes(const PagedAttentionParams& p, int first, int t_lo, int t_hi, float* out) {
+    for (int i0 = 0; i0 < p.rotary_dim; i0 += kChunkKeys) {
+      __m512i rows[kChunkKeys];
+      for (int t = 0; t < kChunkKeys; ++t) {
+        const int64_t position = first + std::clamp(t, t_lo, t_hi - 1);
+        rows[t] = _mm512_loadu_si512(p.rope_cos_sin + position * p.rotary_dim + i0);
+      }
+      transpose_16x16(rows);
+      for (int i = 0; i < kChunkKeys; ++i) {
+        _mm512_storeu_si512(out + int64_t(i0 + i) * kChunkKeys, rows[i]);
+      }
+    }
+  }
+
   Nvfp4ChunkAttention() = default;
   Nvfp4ChunkAttention(const RowShape& shape, const CacheSide& key, const Nvfp4SideLayout& k_layout,
                       const CacheSide& value, const Nvfp4SideLayout& v_layout)
@@ -86,12 +126,20 @@ class Nvfp4ChunkAttention {
   void attend(int64_t block, int page_start, int t0, int kv_head,
               const std::vector<std::pair<int, int>>& ranges, int first_q_pos, int lo, int hi,
               const uint16_t* q, float q_scale, float* scores, float* m, float* l, float* acc,
-              const FinishScores& finish_scores) const {
+              const FinishScores& finish_scores, const RebuiltKeys* rebuilt = nullptr) const {
     const int rows = int(ranges.size()) * s_.group;
     __m512 scale[kChunkGroups];
     const Nvfp4Chunk keys = chunk_at(key_, k_layout_, block, t0, kv_head);
     chunk_scales(keys, k_scale_rows_, k_scale_select_, scale);
     int r = 0;
+    if (rebuilt != nullptr) {
+      for (; r + 4 <= rows; r += 4) {
+        score_rebuilt_chunk<4>(keys, scale, *rebuilt, r, scores + int64_t(r) * s_.tokens + t0);
+      }
+      for (; r < rows; ++r) {
+        score_rebuilt_chunk<1>(keys, scale, *rebuilt, r, scores + int64_t(r) * s_.tokens + t0);
+      }
+    }
     for (; r + 4 <= rows; r += 4) {
       score_nvfp4_chunk<4>(keys, scale, q + int64_t(r) * s_.dim_k, q_scale,
                            scores + int64_t(r) * s_.tokens + t0);
@@ -189,13 +237,10 @@ class Nvfp4ChunkAttention {
     return _mm512_load_si512(kTable.data());
   }
 
-  // scores[i][t] = q_i . k_t (times q_scale) for the chunk's keys t, kRows query rows (bf16, row
-  // stride s_.dim_k). Byte p of every key row holds elements 2p, 2p + 1: after the transpose a
-  // vpmultishiftqb puts both nibbles of byte p of each key where vpermw reads its index.
-  template <int kRows>
-  void score_nvfp4_chunk(const Nvfp4Chunk& chunk, const __m512 (&scale)[kChunkGroups],
-                         const uint16_t* q, float q_scale, float* scores) const {
-    // Per 64-bit lane (two keys): the bit offsets of byte k's low and high nibble of each key.
+  // Per 64-bit lane (two keys): the bit offsets of byte k's low and high nibble of each key (the
+  // vpmultishiftqb control that puts both nibbles of byte k of a transposed key where vpermw reads
+  // its index).
+  static __m512i key_nibbles(int k) {
     alignas(64) static constexpr auto kNibbles = [] {
       std::array<std::array<uint8_t, 64>, 4> control{};
       for (int k = 0; k < 4; ++k) {
@@ -207,11 +252,30 @@ class Nvfp4ChunkAttention {
       }
       return control;
     }();
-    __m512i column[kChunkKeys];
+    return _mm512_load_si512(kNibbles[k].data());
+  }
+
+  // The chunk's key rows transposed: column[j] lane t holds bytes [4j, 4j + 4) of key t.
+  static void key_columns(const Nvfp4Chunk& chunk, __m512i (&column)[kChunkKeys]) {
     for (int t = 0; t < kChunkKeys; ++t) {
       column[t] = _mm512_loadu_si512(chunk.data + t * chunk.data_step);
     }
-    transpose_16x16(column);  // column[j] lane t: bytes [4j, 4j + 4) of key t
+    transpose_16x16(column);
+  }
+
+  // Lane t word 2t / 2t + 1: the unscaled E2M1 values of elements 2p / 2p + 1 of key t, in bf16.
+  static __m512i key_byte(const __m512i (&column)[kChunkKeys], __m512i table, int p) {
+    const __m512i index = _mm512_multishift_epi64_epi8(key_nibbles(p % 4), column[p / 4]);
+    return _mm512_permutexvar_epi16(index, table);
+  }
+
+  // scores[i][t] = q_i . k_t (times q_scale) for the chunk's keys t, kRows query rows (bf16, row
+  // stride s_.dim_k). Byte p of every key row holds elements 2p, 2p + 1.
+  template <int kRows>
+  void score_nvfp4_chunk(const Nvfp4Chunk& chunk, const __m512 (&scale)[kChunkGroups],
+                         const uint16_t* q, float q_scale, float* scores) const {
+    __m512i column[kChunkKeys];
+    key_columns(chunk, column);
     const __m512i table = e2m1_bf16_table();
     __m512 score[kRows];
     for (int i = 0; i < kRows; ++i) score[i] = _mm512_setzero_ps();
@@ -222,9 +286,7 @@ class Nvfp4ChunkAttention {
       for (int i = 0; i < kRows; ++i) sum[i] = _mm512_setzero_ps();
 #pragma GCC unroll 8
       for (int p = g * kNvfp4GroupSize / 2; p < (g + 1) * kNvfp4GroupSize / 2; ++p) {
-        const __m512i index =
-            _mm512_multishift_epi64_epi8(_mm512_load_si512(kNibbles[p % 4].data()), column[p / 4]);
-        const auto codes = (__m512bh)_mm512_permutexvar_epi16(index, table);
+        const auto codes = (__m512bh)key_byte(column, table, p);
         for (int i = 0; i < kRows; ++i) sum[i] = dot_pair(sum[i], codes, q + i * s_.dim_k + 2 * p);
       }
       for (int i = 0; i < kRows; ++i) score[i] = _mm512_fmadd_ps(sum[i], scale[g], score[i]);
@@ -233,6 +295,78 @@ class Nvfp4ChunkAttention {
       _mm512_storeu_ps(scores + int64_t(i) * s_.tokens,
                        _mm512_mul_ps(score[i], _mm512_set1_ps(q_scale)));
     }
+  }
+
+  // The same for keys rebuilt on the lanes (RebuiltKeys), rows r0 .. r0 + kRows - 1 of k.q, in
+  // fp32 (a rebuilt key is not exact in bf16). Each element: the code in fp32 (its bf16 bits
+  // widened), times the block scale (exact), times the K scale, plus the offset; RoPE pairs
+  // (neox: bytes p and p + rotary_dim / 4, elements 2p + e and 2p + e + rotary_dim / 2; GPT-J:
+  // the two elements of byte p) rotated as KeyRebuild does; then into the rows' sums.
+  template <int kRows>
+  void score_rebuilt_chunk(const Nvfp4Chunk& chunk, const __m512 (&scale)[kChunkGroups],
+                           const RebuiltKeys& k, int r0, float* scores) const {
+    __m512i column[kChunkKeys];
+    key_columns(chunk, column);
+    const __m512i table = e2m1_bf16_table();
+    const float* q = k.q + int64_t(r0) * s_.dim_k;
+    const __m512 k_scale = _mm512_set1_ps(k.k_scale);
+    __m512 score[kRows];
+    for (int i = 0; i < kRows; ++i) score[i] = _mm512_setzero_ps();
+    // Elements 2p (x[0]) and 2p + 1 (x[1]) of every key, rebuilt up to RoPE.
+    const auto byte = [&](int p, __m512(&x)[2]) {
+      const __m512i codes = key_byte(column, table, p);
+      x[0] = _mm512_castsi512_ps(_mm512_slli_epi32(codes, 16));
+      x[1] = _mm512_castsi512_ps(_mm512_and_si512(codes, _mm512_set1_epi32(int(0xFFFF0000u))));
+      for (int e = 0; e < 2; ++e) {
+        x[e] = _mm512_mul_ps(_mm512_mul_ps(x[e], scale[p / (kNvfp4GroupSize / 2)]), k_scale);
+        if (k.offset != nullptr) x[e] = _mm512_add_ps(x[e], _mm512_set1_ps(k.offset[2 * p + e]));
+      }
+    };
+    const auto dot = [&](int d, __m512 x) {
+      for (int i = 0; i < kRows; ++i) {
+        score[i] = _mm512_fmadd_ps(x, _mm512_set1_ps(q[int64_t(i) * s_.dim_k + d]), score[i]);
+      }
+    };
+    // a, b of a pair by the table's column c: a c - b s, b c + a s.
+    const auto rotate = [&](__m512& a, __m512& b, int c) {
+      const __m512 cos = _mm512_loadu_ps(k.rope + int64_t(c) * kChunkKeys);
+      const __m512 sin = _mm512_loadu_ps(k.rope + int64_t(c + k.rotary_dim / 2) * kChunkKeys);
+      const __m512 a0 = a;
+      a = _mm512_sub_ps(_mm512_mul_ps(a0, cos), _mm512_mul_ps(b, sin));
+      b = _mm512_add_ps(_mm512_mul_ps(b, cos), _mm512_mul_ps(a0, sin));
+    };
+    const int rotary = k.rope == nullptr ? 0 : k.rotary_dim;
+    int p = 0;
+    if (k.neox) {
+      const int span = rotary / 4;  // bytes between the two elements of a pair
+      for (; p < span; ++p) {
+        __m512 x[2];
+        __m512 y[2];
+        byte(p, x);
+        byte(p + span, y);
+        for (int e = 0; e < 2; ++e) {
+          rotate(x[e], y[e], 2 * p + e);
+          dot(2 * p + e, x[e]);
+          dot(2 * p + e + rotary / 2, y[e]);
+        }
+      }
+      p = rotary / 2;
+    } else {
+      for (; p < rotary / 2; ++p) {
+        __m512 x[2];
+        byte(p, x);
+        rotate(x[0], x[1], p);
+        dot(2 * p, x[0]);
+        dot(2 * p + 1, x[1]);
+      }
+    }
+    for (; p < kChunkHeadSize / 2; ++p) {
+      __m512 x[2];
+      byte(p, x);
+      dot(2 * p, x[0]);
+      dot(2 * p + 1, x[1]);
+    }
+    for (int i = 0; i < kRows; ++i) _mm512_storeu_ps(scores + int64_t(i) * s_.tokens, score[i]);
   }
 
   // acc_i += sum_t w[i][t] v_t over the chunk's keys for kRows rows (weights: row stride s_.tokens;
@@ -422,6 +556,16 @@ inline bool nvfp4_chunks_fit([[maybe_unused]] int head_size, [[maybe_unused]] in
                              [[maybe_unused]] int block_size) {
 #if defined(VLLM_KV_HAVE_AVX512_BF16)
   return Nvfp4ChunkAttention::fits(head_size, head_size_v, block_size);
+#else
+  return false;
+#endif
+}
+
+// Whether a call's keys stored before RoPE may be rebuilt on the chunk lanes (false in builds
+// without them).
+inline bool nvfp4_rebuild_fits([[maybe_unused]] const PagedAttentionParams& p) {
+#if defined(VLLM_KV_HAVE_AVX512_BF16)
+  return Nvfp4ChunkAttention::rebuild_fits(p);
 #else
   return false;
 #endif

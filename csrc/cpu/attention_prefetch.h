@@ -1,8 +1,9 @@
 // Software prefetch of the pages a CPU attention work item reads next. Pages come in block-table
 // order, not address order, and a head's rows of a page are too few for the hardware prefetchers:
 // a later page's rows are requested while this page is attended, so that their misses overlap its
-// work. Items over all KV heads (decode) request the next page whole, a slice per head; items over
-// some heads request those heads' rows kAheadPages pages ahead. Keys stored before RoPE also
+// work. Items over all KV heads (decode) request the next page whole, a slice per head in parts
+// spread over the head's work; items over some heads request those heads' rows kAheadPages pages
+// ahead. Keys stored before RoPE also
 // request the RoPE table's rows of that page's positions (as large as an NVFP4 page's keys).
 #pragma once
 
@@ -63,18 +64,23 @@ class PagePrefetch {
     return next;
   }
 
-  // Before attending head `slice` of `slices` (an item over every head): that slice of page
-  // `next` of both sides. The whole page at once would be a burst of misses that fills the miss
-  // queues and stalls this page's own loads.
-  void slice(const Next& next, int slice, int slices) const {
+  // Parts of a head's slice (below), requested at points spread over that head's work.
+  static constexpr int kParts = 4;
+
+  // While attending head `slice` of `slices` (an item over every head): part `part` of kParts of
+  // that slice of page `next`, both sides. The whole page at once, or a head's slice at once, is a
+  // burst of misses that fills the miss queues and stalls this page's own loads.
+  void slice(const Next& next, int slice, int slices, int part) const {
     if (next.block < 0 || slices != p_.num_kv_heads) return;
+    const int piece = slice * kParts + part;
+    const int pieces = slices * kParts;
     lines(static_cast<const char*>(p_.key_cache.data) +
               next.block * p_.key_cache.block_stride * kElementBytes,
-          k_page_bytes_, slice, slices);
+          k_page_bytes_, piece, pieces);
     lines(static_cast<const char*>(p_.value_cache.data) +
               next.block * p_.value_cache.block_stride * kElementBytes,
-          v_page_bytes_, slice, slices);
-    rope_rows(next, slice, slices);
+          v_page_bytes_, piece, pieces);
+    rope_rows(next, piece, pieces);
   }
 
  private:

@@ -68,6 +68,26 @@ inline float side_scale(const CacheSide& side, int head, CacheKind kind) {
   return side.scale[side.scale_per_head ? head : 0];
 }
 
+// The logits soft cap, then the ALiBi bias (each if any), on scores [b, e) (page offsets: keys
+// at positions page_start + t) of the `group` rows (`row_stride` floats apart) of the query token
+// at position q_pos.
+inline void finish_scores(const PagedAttentionParams& p, int group, int64_t row_stride,
+                          float* scores, int b, int e, int kv_head, int q_pos, int page_start) {
+  if (p.logits_soft_cap > 0.0f) {
+    const float cap = p.logits_soft_cap;
+    for (int g = 0; g < group; ++g) {
+      float* s = scores + g * row_stride;
+      for (int t = b; t < e; ++t) s[t] = cap * std::tanh(s[t] / cap);
+    }
+  }
+  if (p.alibi_slopes == nullptr) return;
+  for (int g = 0; g < group; ++g) {
+    const float slope = p.alibi_slopes[kv_head * group + g];
+    float* s = scores + g * row_stride;
+    for (int t = b; t < e; ++t) s[t] += slope * float(page_start + t - q_pos);
+  }
+}
+
 // Writes the finished rows of one item: out = acc / l (softmax with the sink logit of each query
 // head in the denominator) times the V scale.
 inline void finish_rows(const PagedAttentionParams& p, const AttentionGeometry& geo, int seq,

@@ -15,8 +15,10 @@
 // tiles, and so are packed K+V slots (packed_slot_read.h, in the format's key / value frames).
 // Long key ranges of few items are split (split-K); the splits' (max, sum, accumulator) partials
 // are merged after. Keys stored before RoPE (rope_cos_sin / key_offset / sink_keys /
-// key_hadamard) are decoded into the key tile and rebuilt there in vector lanes (KeyRebuild),
-// scored in fp32 (a rebuilt key is not exact in bf16); the values still decode in registers.
+// key_hadamard) are rebuilt in fp32 (a rebuilt key is not exact in bf16) and scored in fp32:
+// NVFP4 decode rows without the Hadamard rotation on the chunk path's lanes (keys; pages past the
+// sink positions), others into the key tile in vector lanes (KeyRebuild); the values still
+// decode in registers. The dispatch over kinds and SIMD levels is attention_dispatch.h.
 #pragma once
 
 #include <algorithm>
@@ -84,6 +86,9 @@ class PagedAttention {
                  geo_.head_size_v <= kMaxBlockedHeadSize),
         nvfp4_chunks_(K == CacheKind::kNvfp4 && bf16_dot_ && bf16_v_ &&
                       nvfp4_chunks_fit(geo_.head_size, geo_.head_size_v, p.block_size)),
+        rebuilt_chunks_(K == CacheKind::kNvfp4 && kBf16Dot && key_transform_ && bf16_v_ &&
+                        nvfp4_chunks_fit(geo_.head_size, geo_.head_size_v, p.block_size) &&
+                        nvfp4_rebuild_fits(p)),
         prefetch_(p, geo_.head_size, geo_.head_size_v) {
     if constexpr (K == CacheKind::kNvfp4) {
       k_layout_ = Nvfp4SideLayout(p.key_cache, p.block_size, p.num_kv_heads);
@@ -95,7 +100,7 @@ class PagedAttention {
         v_groups_.push_back(v_layout_.scale_group_offset(g, p.value_cache.scale_layout));
       }
 #if defined(VLLM_KV_HAVE_AVX512_BF16)
-      if (nvfp4_chunks_) {
+      if (nvfp4_chunks_ || rebuilt_chunks_) {
         chunks_ = Nvfp4ChunkAttention(shape_, p.key_cache, k_layout_, p.value_cache, v_layout_);
       }
 #endif
@@ -124,7 +129,7 @@ class PagedAttention {
     // (The bf16 query rows of the bf16 dot path take rows * shape_.dim_k / 2 floats; counted
     // whole.)
     const int64_t need = int64_t(rows) * (2 * shape_.dim_k + shape_.dim_v + shape_.tokens + 2) +
-                         int64_t(p_.block_size) * (shape_.dim_k + shape_.dim_v);
+                         int64_t(p_.block_size) * (shape_.dim_k + shape_.dim_v + p_.rotary_dim);
     if (int64_t(buffer.size()) < need) buffer.assign(need, 0.0f);
     float* q = buffer.data();
     float* acc = q + int64_t(rows) * shape_.dim_k;
@@ -133,7 +138,9 @@ class PagedAttention {
     float* l = m + rows;
     float* k_tile = l + rows;
     float* v_tile = k_tile + int64_t(p_.block_size) * shape_.dim_k;
-    auto* q_bf16 = reinterpret_cast<uint16_t*>(v_tile + int64_t(p_.block_size) * shape_.dim_v);
+    // The page's RoPE table rows on chunk lanes (rebuilt_chunks_).
+    float* rope_lanes = v_tile + int64_t(p_.block_size) * shape_.dim_v;
+    auto* q_bf16 = reinterpret_cast<uint16_t*>(rope_lanes + int64_t(p_.block_size) * p_.rotary_dim);
     const float neg_inf = -std::numeric_limits<float>::infinity();
 
     // Key range of each query token, within the item's.
@@ -200,26 +207,53 @@ class PagedAttention {
       bool any = false;
       for (const auto& [b, e] : ranges) any |= std::max(b, lo) < std::min(e, hi);
       if (!any) continue;
+      // Decode rows of keys rebuilt on the NVFP4 chunk lanes (pages past the sink positions).
+      [[maybe_unused]] const bool rebuilt_chunks =
+          rebuilt_chunks_ && bf16_v && page_start >= p_.num_sink_keys;
+#if defined(VLLM_KV_HAVE_AVX512_BF16)
+      constexpr int kChunkKeys = Nvfp4ChunkAttention::kChunkKeys;
+      for (int t0 = 0; rebuilt_chunks && p_.rope_cos_sin && t0 < p_.block_size; t0 += kChunkKeys) {
+        const int t_lo = std::max(lo - page_start - t0, 0);
+        const int t_hi = std::min(hi - page_start - t0, kChunkKeys);
+        if (t_lo >= t_hi) continue;
+        Nvfp4ChunkAttention::rope_lanes(p_, page_start + t0, t_lo, t_hi,
+                                        rope_lanes + int64_t(t0) * p_.rotary_dim);
+      }
+#endif
       for (int hh = 0; hh < heads; ++hh) {
         const int kv_head = item.kv_begin + hh;
         const int h0 = hh * head_rows;
-        prefetch_.slice(next, hh, heads);
+        const auto ahead = [&](int part) { prefetch_.slice(next, hh, heads, part); };
+        ahead(0);
 #if defined(VLLM_KV_HAVE_AVX512_BF16)
         if constexpr (K == CacheKind::kNvfp4 && kBf16Dot) {
-          if (bf16_dot && nvfp4_chunks_) {
+          if ((bf16_dot && nvfp4_chunks_) || rebuilt_chunks) {
+            // (An NVFP4 slice is small: requested whole.)
+            for (int part = 1; part < PagePrefetch<K, C>::kParts; ++part) ahead(part);
             const float q_scale = p_.scale * side_scale(p_.key_cache, kv_head, K);
+            Nvfp4ChunkAttention::RebuiltKeys rebuilt{
+                q + int64_t(h0) * shape_.dim_k,
+                side_scale(p_.key_cache, kv_head, K),
+                p_.key_offset != nullptr ? p_.key_offset + int64_t(kv_head) * geo_.head_size
+                                         : nullptr,
+                nullptr,
+                p_.rotary_dim,
+                p_.rope_is_neox};
             const auto finish = [&](float* s, int b, int e, int head, int q_pos, int start) {
-              finish_scores(s, b, e, head, q_pos, start);
+              finish_scores(p_, geo_.group, shape_.tokens, s, b, e, head, q_pos, start);
             };
             for (int t0 = 0; t0 < p_.block_size; t0 += Nvfp4ChunkAttention::kChunkKeys) {
               if (std::max(page_start + t0, lo) >=
                   std::min(page_start + t0 + Nvfp4ChunkAttention::kChunkKeys, hi)) {
                 continue;
               }
+              if (p_.rope_cos_sin != nullptr)
+                rebuilt.rope = rope_lanes + int64_t(t0) * p_.rotary_dim;
               chunks_.attend(block, page_start, t0, kv_head, ranges, first_q_pos, lo, hi,
                              q_bf16 + int64_t(h0) * shape_.dim_k, q_scale,
                              scores + int64_t(h0) * shape_.tokens, m + h0, l + h0,
-                             acc + int64_t(h0) * shape_.dim_v, finish);
+                             acc + int64_t(h0) * shape_.dim_v, finish,
+                             rebuilt_chunks ? &rebuilt : nullptr);
             }
             continue;
           }
@@ -232,13 +266,16 @@ class PagedAttention {
                         v_rows, v_scales);
             prefill.pack(k_rows, k_scales, k_groups_.data(), v_rows, v_scales, v_groups_.data(),
                          lo - page_start, hi - page_start);
+            ahead(1);
             const auto finish = [&](float* s, int b, int e, int q_pos) {
-              finish_scores(s, b, e, kv_head, q_pos, page_start);
+              finish_scores(p_, geo_.group, shape_.tokens, s, b, e, kv_head, q_pos, page_start);
             };
             prefill.attend(ranges, lo - page_start, hi - page_start, page_start, first_q_pos,
                            q_bf16 + int64_t(h0) * shape_.dim_k, p_.scale * query_key_scale(kv_head),
                            scores + int64_t(h0) * shape_.tokens, m + h0, l + h0,
                            acc + int64_t(h0) * shape_.dim_v, finish);
+            ahead(2);
+            ahead(3);
             continue;
           }
         }
@@ -252,22 +289,31 @@ class PagedAttention {
           decode_page(p_.key_cache, k_layout_, k_groups_, block, lo - page_start, hi - page_start,
                       kv_head, geo_.head_size, shape_.dim_k, k_tile);
         }
+        // Keys [b, e) of the page (page offsets) that query token jt sees.
+        const auto span = [&](int jt) {
+          return std::pair{std::max(ranges[jt].first, lo) - page_start,
+                           std::min(ranges[jt].second, hi) - page_start};
+        };
         for (int jt = 0; jt < tokens; ++jt) {
-          const int b = std::max(ranges[jt].first, lo) - page_start;
-          const int e = std::min(ranges[jt].second, hi) - page_start;
+          const auto [b, e] = span(jt);
           const int r0 = h0 + jt * geo_.group;
           if (b >= e) continue;
           score_rows(q + int64_t(r0) * shape_.dim_k, fused ? nullptr : k_tile, k_rows, k_scales, b,
                      e, scores + int64_t(r0) * shape_.tokens,
                      bf16_dot ? q_bf16 + int64_t(r0) * shape_.dim_k : nullptr,
                      p_.scale * query_key_scale(kv_head));
-          finish_scores(scores + int64_t(r0) * shape_.tokens, b, e, kv_head, first_q_pos + jt,
-                        page_start);
-          for (int g = 0; g < geo_.group; ++g) {
-            Tile::softmax_step(shape_, scores + int64_t(r0 + g) * shape_.tokens, b, e, m[r0 + g],
-                               l[r0 + g], acc + int64_t(r0 + g) * shape_.dim_v);
+          finish_scores(p_, geo_.group, shape_.tokens, scores + int64_t(r0) * shape_.tokens, b, e,
+                        kv_head, first_q_pos + jt, page_start);
+        }
+        ahead(1);
+        for (int jt = 0; jt < tokens; ++jt) {
+          const auto [b, e] = span(jt);
+          for (int r = h0 + jt * geo_.group; b < e && r < h0 + (jt + 1) * geo_.group; ++r) {
+            Tile::softmax_step(shape_, scores + int64_t(r) * shape_.tokens, b, e, m[r], l[r],
+                               acc + int64_t(r) * shape_.dim_v);
           }
         }
+        ahead(2);
         if (fused_v) {
           locate_page(p_.value_cache, v_layout_, block, lo - page_start, hi - page_start, kv_head,
                       v_rows, v_scales);
@@ -276,13 +322,13 @@ class PagedAttention {
                       kv_head, geo_.head_size_v, shape_.dim_v, v_tile);
         }
         for (int jt = 0; jt < tokens; ++jt) {
-          const int b = std::max(ranges[jt].first, lo) - page_start;
-          const int e = std::min(ranges[jt].second, hi) - page_start;
+          const auto [b, e] = span(jt);
           if (b >= e) continue;
           const int r0 = h0 + jt * geo_.group;
           accumulate_rows(scores + int64_t(r0) * shape_.tokens, fused_v ? nullptr : v_tile, v_rows,
                           v_scales, b, e, acc + int64_t(r0) * shape_.dim_v, bf16_v);
         }
+        ahead(3);
       }
     }
 
@@ -430,24 +476,6 @@ class PagedAttention {
     for (; g < geo_.group; ++g) Tile::template score_chunk<1>(shape_, keys, q, b, e, scores, g);
   }
 
-  // The logits soft cap, then the ALiBi bias (each if any), on scores [b, e) (page offsets: keys
-  // at positions page_start + t) of the group's rows of the query token at position q_pos.
-  void finish_scores(float* scores, int b, int e, int kv_head, int q_pos, int page_start) const {
-    if (p_.logits_soft_cap > 0.0f) {
-      const float cap = p_.logits_soft_cap;
-      for (int g = 0; g < geo_.group; ++g) {
-        float* s = scores + int64_t(g) * shape_.tokens;
-        for (int t = b; t < e; ++t) s[t] = cap * std::tanh(s[t] / cap);
-      }
-    }
-    if (p_.alibi_slopes == nullptr) return;
-    for (int g = 0; g < geo_.group; ++g) {
-      const float slope = p_.alibi_slopes[kv_head * geo_.group + g];
-      float* s = scores + int64_t(g) * shape_.tokens;
-      for (int t = b; t < e; ++t) s[t] += slope * float(page_start + t - q_pos);
-    }
-  }
-
   // Vector d of key t: from the tile, or decoded from the cache when there is no tile (fused).
   V key_vector(const float* k_tile, const uint8_t* const* k_rows, const uint8_t* const* k_scales,
                int t, int d) const {
@@ -512,8 +540,10 @@ class PagedAttention {
   bool bf16_v_;
   // Prefill rows take the bf16 dot over packed pages (Bf16PrefillPage).
   bool blocked_;
-  // NVFP4 pages go through chunks_ (bf16 dot on both sides, Nvfp4ChunkAttention::fits).
+  // NVFP4 pages go through chunks_ (bf16 dot on both sides, Nvfp4ChunkAttention::fits); those of
+  // rebuilt keys too (rebuilt_chunks_: their scores in fp32, RebuiltKeys).
   bool nvfp4_chunks_;
+  bool rebuilt_chunks_;
 #if defined(VLLM_KV_HAVE_AVX512_BF16)
   Nvfp4ChunkAttention chunks_;
 #endif
@@ -523,78 +553,5 @@ class PagedAttention {
   std::vector<int64_t> k_groups_;
   std::vector<int64_t> v_groups_;
 };
-
-// Runs the attention of `p` with instruction set `level` (kAuto: the widest compiled) over the
-// items of `plan`. parallel_for(begin, end, grain, fn) runs fn on sub-ranges of [begin, end) in
-// parallel. scratch holds plan.scratch_floats floats.
-template <typename ParallelFor>
-void paged_attention(const PagedAttentionParams& p, const AttentionPlan& plan, float* scratch,
-                     SimdLevel level, const ParallelFor& parallel_for) {
-  if (level == SimdLevel::kAuto) level = widest_simd_level();
-  const auto run = [&](auto kind_tag, auto type_tag, auto level_tag) {
-    const PagedAttention<decltype(kind_tag)::value, decltype(type_tag)::value,
-                         decltype(level_tag)::value>
-        kernel(p);
-    parallel_for(0, int64_t(plan.items.size()), 1, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) kernel.run(plan.items[i], scratch);
-    });
-  };
-  const auto with_level = [&](auto kind_tag, auto type_tag) {
-    switch (level) {
-#if defined(VLLM_KV_HAVE_AVX512)
-      case SimdLevel::kAvx512:
-        return run(kind_tag, type_tag, std::integral_constant<SimdLevel, SimdLevel::kAvx512>{});
-#endif
-#if defined(VLLM_KV_HAVE_AVX2)
-      case SimdLevel::kAvx2:
-        return run(kind_tag, type_tag, std::integral_constant<SimdLevel, SimdLevel::kAvx2>{});
-#endif
-      default:
-        return run(kind_tag, type_tag, std::integral_constant<SimdLevel, SimdLevel::kGeneric>{});
-    }
-  };
-  using F32 = std::integral_constant<SourceType, SourceType::kFloat32>;
-  if (p.cache_kind == kPackedSlotKind) {  // past the enumerators: no case below takes it
-    with_level(std::integral_constant<CacheKind, kPackedSlotKind>{}, F32{});
-  }
-  switch (p.cache_kind) {
-    case CacheKind::kFp8E4M3:
-      with_level(std::integral_constant<CacheKind, CacheKind::kFp8E4M3>{}, F32{});
-      break;
-    case CacheKind::kFp8E5M2:
-      with_level(std::integral_constant<CacheKind, CacheKind::kFp8E5M2>{}, F32{});
-      break;
-    case CacheKind::kNvfp4:
-      with_level(std::integral_constant<CacheKind, CacheKind::kNvfp4>{}, F32{});
-      break;
-    case CacheKind::kInt8PerTokenHead:
-      with_level(std::integral_constant<CacheKind, CacheKind::kInt8PerTokenHead>{}, F32{});
-      break;
-    case CacheKind::kFp8PerTokenHead:
-      with_level(std::integral_constant<CacheKind, CacheKind::kFp8PerTokenHead>{}, F32{});
-      break;
-    case CacheKind::kInt4PerTokenHead:
-      with_level(std::integral_constant<CacheKind, CacheKind::kInt4PerTokenHead>{}, F32{});
-      break;
-    case CacheKind::kUnquantized: {
-      using U = std::integral_constant<CacheKind, CacheKind::kUnquantized>;
-      switch (p.cache_type) {
-        case SourceType::kFloat32:
-          with_level(U{}, F32{});
-          break;
-        case SourceType::kFloat16:
-          with_level(U{}, std::integral_constant<SourceType, SourceType::kFloat16>{});
-          break;
-        case SourceType::kBFloat16:
-          with_level(U{}, std::integral_constant<SourceType, SourceType::kBFloat16>{});
-          break;
-      }
-      break;
-    }
-  }
-  parallel_for(0, int64_t(plan.merges.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) merge_partials(p, plan.merges[i], scratch);
-  });
-}
 
 }  // namespace vllm_kv::cpu::attention

@@ -6,7 +6,7 @@
 #include <cmath>
 #include <cstdio>
 
-#include "cpu/paged_attention.h"
+#include "cpu/attention_dispatch.h"
 
 namespace attention = vllm_kv::cpu::attention;
 

@@ -294,6 +294,36 @@ def test_nvfp4_values_on_the_bf16_dot_under_rebuilt_keys(
     check(case)
 
 
+@pytest.mark.parametrize("window", [None, 21])
+@pytest.mark.parametrize("sink_tokens", [0, 20])
+@pytest.mark.parametrize("offset", [False, True])
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("rotary_dim", [None, 16, 64, 128, 24, 40])
+def test_nvfp4_keys_rebuilt_on_the_chunk_lanes(
+    rotary_dim: int | None, neox: bool, offset: bool, sink_tokens: int, window: int | None
+) -> None:
+    """NVFP4 decode rows of head size 128 and a bf16 query (AVX-512 BF16 builds: keys rebuilt on
+    the chunk path's lanes, pages past the sink positions): full, partial (16, 64) and no RoPE,
+    each pair order, with and without the offset, sinks over a page and a bit, windows that start
+    inside a page, a last page partly filled; rotary dims of no whole 16-position transpose (24,
+    40) take the key tile, as every build without the chunks does."""
+    case = Case(
+        "nvfp4",
+        "interleave4",
+        True,
+        group=4,
+        head_size=128,
+        rotary_dim=rotary_dim,
+        neox=neox,
+        offset=offset,
+        sink_tokens=sink_tokens,
+        sliding_window=window,
+        seq_lens=[75, 33, 16, 50],
+        query_lens=[1, 2, 1, 1],
+    )
+    check(case)
+
+
 @pytest.mark.parametrize("sink_tokens", [1, 3])
 @pytest.mark.parametrize("cache_dtype", ["auto", "int8_per_token_head", "nvfp4"])
 def test_sequences_shorter_than_the_sinks(cache_dtype: str, sink_tokens: int) -> None:
