@@ -64,6 +64,13 @@ class PagePrefetch {
     return next;
   }
 
+  // Before attending head kv_head of the page at page_start (an item taking its heads one by one):
+  // that head's rows kAheadPages pages ahead (the whole page's where the head is every head).
+  void head(const int32_t* pages, int page_start, int key_end, int kv_head) const {
+    const Next next = start(pages, page_start, key_end, kv_head, kv_head + 1);
+    for (int part = 0; part < kParts; ++part) slice(next, 0, 1, part);
+  }
+
   // Parts of a head's slice (below), requested at points spread over that head's work.
   static constexpr int kParts = 4;
 

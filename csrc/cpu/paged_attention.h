@@ -128,13 +128,14 @@ class PagedAttention {
     thread_local std::vector<float> buffer;
     // (The bf16 query rows of the bf16 dot path take rows * shape_.dim_k / 2 floats; counted
     // whole.)
-    const int64_t need = int64_t(rows) * (2 * shape_.dim_k + shape_.dim_v + shape_.tokens + 2) +
+    const int score_stride = blocked ? span_tokens() : shape_.tokens;
+    const int64_t need = int64_t(rows) * (2 * shape_.dim_k + shape_.dim_v + score_stride + 2) +
                          int64_t(p_.block_size) * (shape_.dim_k + shape_.dim_v + p_.rotary_dim);
     if (int64_t(buffer.size()) < need) buffer.assign(need, 0.0f);
     float* q = buffer.data();
     float* acc = q + int64_t(rows) * shape_.dim_k;
     float* scores = acc + int64_t(rows) * shape_.dim_v;
-    float* m = scores + int64_t(rows) * shape_.tokens;
+    float* m = scores + int64_t(rows) * score_stride;
     float* l = m + rows;
     float* k_tile = l + rows;
     float* v_tile = k_tile + int64_t(p_.block_size) * shape_.dim_k;
@@ -183,21 +184,26 @@ class PagedAttention {
                 v_tile + int64_t(t + 1) * shape_.dim_v, 0.0f);
     }
 
-    // Fused path: addresses of the page's rows (data, NVFP4 scales) of the current head.
+    // Fused path: addresses of the page's (blocked prefill: span's) rows (data, NVFP4 scales).
+    const int refs = blocked ? span_tokens() : p_.block_size;
     thread_local std::vector<const uint8_t*> row_refs;
-    if (int64_t(row_refs.size()) < 4 * int64_t(p_.block_size)) row_refs.resize(4 * p_.block_size);
+    if (int64_t(row_refs.size()) < 4 * int64_t(refs)) row_refs.resize(4 * refs);
     const uint8_t** k_rows = row_refs.data();
-    const uint8_t** k_scales = k_rows + p_.block_size;
-    const uint8_t** v_rows = k_scales + p_.block_size;
-    const uint8_t** v_scales = v_rows + p_.block_size;
+    const uint8_t** k_scales = k_rows + refs;
+    const uint8_t** v_rows = k_scales + refs;
+    const uint8_t** v_scales = v_rows + refs;
 
-#if defined(VLLM_KV_HAVE_AVX512_BF16)
-    thread_local Bf16PrefillPage<K> prefill;
-    if (blocked) prefill.reshape(shape_);
-#endif
     const int32_t* pages = p_.block_table + int64_t(item.seq) * p_.block_table_stride;
+#if defined(VLLM_KV_HAVE_AVX512_BF16)
+    if constexpr (kBf16Dot) {
+      if (blocked) {
+        attend_spans(item, pages, ranges, first_q_pos, q_bf16, scores, m, l, acc, k_rows, k_scales,
+                     v_rows, v_scales);
+      }
+    }
+#endif
     for (int page_start = item.key_begin - item.key_begin % p_.block_size;
-         page_start < item.key_end; page_start += p_.block_size) {
+         !blocked && page_start < item.key_end; page_start += p_.block_size) {
       const int lo = std::max(page_start, item.key_begin);
       const int hi = std::min(page_start + p_.block_size, item.key_end);
       const int64_t block = pages[page_start / p_.block_size];
@@ -255,27 +261,6 @@ class PagedAttention {
                              acc + int64_t(h0) * shape_.dim_v, finish,
                              rebuilt_chunks ? &rebuilt : nullptr);
             }
-            continue;
-          }
-        }
-        if constexpr (kBf16Dot) {
-          if (blocked) {
-            locate_page(p_.key_cache, k_layout_, block, lo - page_start, hi - page_start, kv_head,
-                        k_rows, k_scales);
-            locate_page(p_.value_cache, v_layout_, block, lo - page_start, hi - page_start, kv_head,
-                        v_rows, v_scales);
-            prefill.pack(k_rows, k_scales, k_groups_.data(), v_rows, v_scales, v_groups_.data(),
-                         lo - page_start, hi - page_start);
-            ahead(1);
-            const auto finish = [&](float* s, int b, int e, int q_pos) {
-              finish_scores(p_, geo_.group, shape_.tokens, s, b, e, kv_head, q_pos, page_start);
-            };
-            prefill.attend(ranges, lo - page_start, hi - page_start, page_start, first_q_pos,
-                           q_bf16 + int64_t(h0) * shape_.dim_k, p_.scale * query_key_scale(kv_head),
-                           scores + int64_t(h0) * shape_.tokens, m + h0, l + h0,
-                           acc + int64_t(h0) * shape_.dim_v, finish);
-            ahead(2);
-            ahead(3);
             continue;
           }
         }
@@ -374,6 +359,64 @@ class PagedAttention {
   static constexpr int kMaxBlockedHeadSize = Bf16PrefillPage<K>::kMaxHeadSize;
 #else
   static constexpr int kMaxBlockedHeadSize = 0;
+#endif
+
+  // Blocked prefill keys per span: consecutive pages packed together, so that each softmax step
+  // and each broadcast query pair serve several pages' keys.
+  static constexpr int kSpanKeys = 256;
+
+  // Score row stride of a span (page_size keys at least).
+  int span_tokens() const {
+    return round_up(std::max(1, kSpanKeys / p_.block_size) * p_.block_size);
+  }
+
+#if defined(VLLM_KV_HAVE_AVX512_BF16)
+  // Prefill rows on the bf16 dot (blocked): per KV head of the item, each span of consecutive
+  // pages (kSpanKeys keys) packed once into the panels and attended by all the head's rows. Score
+  // rows are span_tokens() apart; rows / scales: the span's row addresses.
+  void attend_spans(const WorkItem& item, const int32_t* pages,
+                    const std::vector<std::pair<int, int>>& ranges, int first_q_pos,
+                    const uint16_t* q_bf16, float* scores, float* m, float* l, float* acc,
+                    const uint8_t** k_rows, const uint8_t** k_scales, const uint8_t** v_rows,
+                    const uint8_t** v_scales) const {
+    thread_local Bf16PrefillPage<K> prefill;
+    RowShape shape = shape_;
+    shape.tokens = span_tokens();
+    prefill.reshape(shape);
+    const int span = std::max(1, kSpanKeys / p_.block_size) * p_.block_size;
+    const int head_rows = int(ranges.size()) * geo_.group;
+    for (int hh = 0; hh < item.kv_end - item.kv_begin; ++hh) {
+      const int kv_head = item.kv_begin + hh;
+      const int h0 = hh * head_rows;
+      for (int start = item.key_begin - item.key_begin % p_.block_size; start < item.key_end;
+           start += span) {
+        const int lo = std::max(start, item.key_begin);
+        const int hi = std::min(start + span, item.key_end);
+        bool any = false;  // (causal prefill skips the future)
+        for (const auto& [b, e] : ranges) any |= std::max(b, lo) < std::min(e, hi);
+        if (!any) continue;
+        for (int page_start = start; page_start < hi; page_start += p_.block_size) {
+          const int64_t block = pages[page_start / p_.block_size];
+          prefetch_.head(pages, page_start, item.key_end, kv_head);
+          const int t0 = std::max(lo - page_start, 0);
+          const int t1 = std::min(hi - page_start, p_.block_size);
+          const int at = page_start - start;
+          locate_page(p_.key_cache, k_layout_, block, t0, t1, kv_head, k_rows + at, k_scales + at);
+          locate_page(p_.value_cache, v_layout_, block, t0, t1, kv_head, v_rows + at,
+                      v_scales + at);
+        }
+        prefill.pack(k_rows, k_scales, k_groups_.data(), v_rows, v_scales, v_groups_.data(),
+                     lo - start, hi - start);
+        const auto finish = [&](float* s, int b, int e, int q_pos) {
+          finish_scores(p_, geo_.group, shape.tokens, s, b, e, kv_head, q_pos, start);
+        };
+        prefill.attend(ranges, lo - start, hi - start, start, first_q_pos,
+                       q_bf16 + int64_t(h0) * shape_.dim_k, p_.scale * query_key_scale(kv_head),
+                       scores + int64_t(h0) * shape.tokens, m + h0, l + h0,
+                       acc + int64_t(h0) * shape_.dim_v, finish);
+      }
+    }
+  }
 #endif
 
   // The K scale folded into the query rows: 1 when the key tile holds rebuilt keys (they are

@@ -123,3 +123,29 @@ def test_other_query_dtypes_weight_values_in_fp32(
     got = cpu.forward(layer, query, None, None, kv_cache, metadata).float()
     tol = 1e-5 if model_dtype == torch.float32 else 1e-3
     torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("window", [None, 300])
+@pytest.mark.parametrize("block_size", [16, 48, 512])
+@pytest.mark.parametrize("cache_dtype", ["auto", "nvfp4", "int8_per_token_head"])
+def test_prefill_spans_of_several_pages(
+    cache_dtype: str, block_size: int, window: int | None
+) -> None:
+    """Prefill with a bf16 query on the blocked path, which packs spans of consecutive pages (256
+    keys of 16-key pages, 240 of 48-key ones, one 512-key page) and attends them together:
+    contexts across several spans, a chunked prefill whose first query sits inside a span, a
+    window that starts inside one, and 4 query tokens x 3 heads per KV head (an item over every
+    KV head, its heads taken one by one)."""
+    check(
+        Case(
+            cache_dtype,
+            num_kv_heads=2,
+            group=3,
+            head_size=128,
+            head_size_v=128,
+            block_size=block_size,
+            seq_lens=[600, 530, 300],
+            query_lens=[90, 4, 300],
+            sliding_window=window,
+        )
+    )
