@@ -361,8 +361,8 @@ class PagedAttention {
   static constexpr int kMaxBlockedHeadSize = 0;
 #endif
 
-  // Blocked prefill keys per span: consecutive pages packed together, so that each softmax step
-  // and each broadcast query pair serve several pages' keys.
+  // Blocked prefill keys per span: consecutive pages packed together, so that one pack and one
+  // online-softmax step per row serve several pages' keys.
   static constexpr int kSpanKeys = 256;
 
   // Score row stride of a span (page_size keys at least).
