@@ -3,8 +3,8 @@
 // a later page's rows are requested while this page is attended, so that their misses overlap its
 // work. Items over all KV heads (decode) request the next page whole, a slice per head in parts
 // spread over the head's work; items over some heads request those heads' rows kAheadPages pages
-// ahead. Keys stored before RoPE also
-// request the RoPE table's rows of that page's positions (as large as an NVFP4 page's keys).
+// ahead. Keys stored before RoPE also request the RoPE table's rows of that page's positions (as
+// large as an NVFP4 page's keys).
 #pragma once
 
 #include <algorithm>

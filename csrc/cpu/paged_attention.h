@@ -236,10 +236,11 @@ class PagedAttention {
           if ((bf16_dot && nvfp4_chunks_) || rebuilt_chunks) {
             // (An NVFP4 slice is small: requested whole.)
             for (int part = 1; part < PagePrefetch<K, C>::kParts; ++part) ahead(part);
-            const float q_scale = p_.scale * side_scale(p_.key_cache, kv_head, K);
+            const float k_scale = side_scale(p_.key_cache, kv_head, K);
+            const float q_scale = p_.scale * k_scale;
             Nvfp4ChunkAttention::RebuiltKeys rebuilt{
                 q + int64_t(h0) * shape_.dim_k,
-                side_scale(p_.key_cache, kv_head, K),
+                k_scale,
                 p_.key_offset != nullptr ? p_.key_offset + int64_t(kv_head) * geo_.head_size
                                          : nullptr,
                 nullptr,
@@ -365,10 +366,9 @@ class PagedAttention {
   // online-softmax step per row serve several pages' keys.
   static constexpr int kSpanKeys = 256;
 
-  // Score row stride of a span (page_size keys at least).
-  int span_tokens() const {
-    return round_up(std::max(1, kSpanKeys / p_.block_size) * p_.block_size);
-  }
+  // Keys of a span (whole pages, one at least) and its score row stride.
+  int span_keys() const { return std::max(1, kSpanKeys / p_.block_size) * p_.block_size; }
+  int span_tokens() const { return round_up(span_keys()); }
 
 #if defined(VLLM_KV_HAVE_AVX512_BF16)
   // Prefill rows on the bf16 dot (blocked): per KV head of the item, each span of consecutive
@@ -383,7 +383,7 @@ class PagedAttention {
     RowShape shape = shape_;
     shape.tokens = span_tokens();
     prefill.reshape(shape);
-    const int span = std::max(1, kSpanKeys / p_.block_size) * p_.block_size;
+    const int span = span_keys();
     const int head_rows = int(ranges.size()) * geo_.group;
     for (int hh = 0; hh < item.kv_end - item.kv_begin; ++hh) {
       const int kv_head = item.kv_begin + hh;
