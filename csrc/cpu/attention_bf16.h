@@ -11,6 +11,7 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 #include "cache_kernels.h"
@@ -81,6 +82,11 @@ struct Bf16Dot {
   static constexpr SimdLevel L = SimdLevel::kAvx512;
   static constexpr int kLanes = attention::kLanes<L>;
   using V = VecF<L>;
+  // Rows of FP8 codes (per tensor, or per token and head with e4m3 codes) and their format.
+  static constexpr bool kFp8Codes =
+      K == CacheKind::kFp8E4M3 || K == CacheKind::kFp8E5M2 || K == CacheKind::kFp8PerTokenHead;
+  static constexpr CacheKind kFp8Format =
+      K == CacheKind::kFp8PerTokenHead ? CacheKind::kFp8E4M3 : K;
 
   // Elements [d, d + 32) of a cache row as bf16, exactly: bf16 rows as they are; FP8 by
   // fp8_to_bf16_x32; NVFP4 codes looked up in the kScaledE2M1 rows of the two groups' block
@@ -112,10 +118,8 @@ struct Bf16Dot {
           0xFF, _mm512_castsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(first))),
           _mm256_load_si256(reinterpret_cast<const __m256i*>(second)), 1);
       return _mm512_permutexvar_epi16(index, table);
-    } else if constexpr (K == CacheKind::kFp8E4M3 || K == CacheKind::kFp8E5M2) {
-      return fp8_to_bf16_x32<K>(row + d);
-    } else if constexpr (K == CacheKind::kFp8PerTokenHead) {
-      return fp8_to_bf16_x32<CacheKind::kFp8E4M3>(row + d);
+    } else if constexpr (kFp8Codes) {
+      return fp8_to_bf16_x32<kFp8Format>(row + d);
     } else if constexpr (K == CacheKind::kInt8PerTokenHead) {
       const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + d));
       const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
@@ -124,6 +128,32 @@ struct Bf16Dot {
       return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
     } else {
       return _mm512_loadu_si512(row + 2 * d);
+    }
+  }
+
+  // Elements [d, d + 32 n) of a cache row as n vectors of bf16 (row_bf16; FP8 codes 64 at a time).
+  template <int n>
+  static void row_slices(const uint8_t* row, const uint8_t* scales, const int64_t* groups, int d,
+                         __m512i (&out)[n]) {
+    if constexpr (kFp8Codes && n == 2) {
+      fp8_to_bf16_x64<kFp8Format>(row + d, out);
+    } else {
+      for (int c = 0; c < n; ++c) out[c] = row_bf16(row, scales, groups, d + 32 * c);
+    }
+  }
+
+  // Elements [d, d + 32) of rows x and y (y nullptr: zeros) as bf16 interleaved element by
+  // element (interleave_pairs): out[h] lane 2j / 2j + 1 holds element d + 16 h + j of x / y. FP8
+  // codes are placed so that their lookup gives that order directly.
+  static void pair_bf16(const uint8_t* x, const uint8_t* x_scales, const uint8_t* y,
+                        const uint8_t* y_scales, const int64_t* groups, int d, __m512i (&out)[2]) {
+    if constexpr (kFp8Codes) {
+      fp8_pairs_to_bf16<kFp8Format>(x + d, y == nullptr ? nullptr : y + d, out);
+    } else {
+      const __m512i xv = row_bf16(x, x_scales, groups, d);
+      const __m512i yv = y == nullptr ? _mm512_setzero_si512() : row_bf16(y, y_scales, groups, d);
+      out[0] = interleave_pairs<0>(xv, yv);
+      out[1] = interleave_pairs<1>(xv, yv);
     }
   }
 
@@ -165,18 +195,29 @@ struct Bf16Dot {
         for (int x = 0; x < kKeys; ++x) {
           for (int i = 0; i < kRows; ++i) sum[x][i] = _mm512_setzero_ps();
         }
-        for (int d = 0; d < s.head_size; d += 32) {
-          __m512bh kv[kKeys];
+        // Elements [d, d + 32 n) of the keys into the sums.
+        const auto slices = [&]<int n>(std::integral_constant<int, n>, int d) {
+          __m512i kv[kKeys][n];
           for (int x = 0; x < kKeys; ++x) {
             // Keys outside [lo, hi) read a valid row; their sums are dropped below.
             const int t = std::clamp(first + x, lo, hi - 1);
-            kv[x] = (__m512bh)row_bf16(k_rows[t], k_scales[t], groups, d);
+            row_slices<n>(k_rows[t], k_scales[t], groups, d, kv[x]);
           }
           for (int i = 0; i < kRows; ++i) {
-            const auto qv = (__m512bh)_mm512_loadu_si512(q + int64_t(g0 + i) * s.dim_k + d);
-            for (int x = 0; x < kKeys; ++x) sum[x][i] = _mm512_dpbf16_ps(sum[x][i], qv, kv[x]);
+            for (int c = 0; c < n; ++c) {
+              const auto qv =
+                  (__m512bh)_mm512_loadu_si512(q + int64_t(g0 + i) * s.dim_k + d + 32 * c);
+              for (int x = 0; x < kKeys; ++x) {
+                sum[x][i] = _mm512_dpbf16_ps(sum[x][i], qv, (__m512bh)kv[x][c]);
+              }
+            }
           }
+        };
+        int d = 0;
+        if constexpr (kFp8Codes) {  // 64 codes per lookup
+          for (; d + 64 <= s.head_size; d += 64) slices(std::integral_constant<int, 2>{}, d);
         }
+        for (; d < s.head_size; d += 32) slices(std::integral_constant<int, 1>{}, d);
         for (int x = 0; x < kKeys; ++x) {
           if (first + x >= lo && first + x < hi) continue;
           for (int i = 0; i < kRows; ++i) sum[x][i] = _mm512_setzero_ps();
@@ -260,14 +301,12 @@ struct Bf16Dot {
       for (int i = 0; i < kRows; ++i)
         w[i] = (__m512bh)_mm512_set1_epi32(int(pairs[i][(t - tb) / 2]));
       for (int c = 0; c < kSlices; ++c) {
-        const __m512i x = row_bf16(v_rows[t], v_scales[t], groups, d + 32 * c);
-        const __m512i y = partner ? row_bf16(v_rows[t + 1], v_scales[t + 1], groups, d + 32 * c)
-                                  : _mm512_setzero_si512();
-        const auto lo = (__m512bh)interleave_pairs<0>(x, y);
-        const auto hi = (__m512bh)interleave_pairs<1>(x, y);
+        __m512i xy[2];
+        pair_bf16(v_rows[t], v_scales[t], partner ? v_rows[t + 1] : nullptr,
+                  partner ? v_scales[t + 1] : nullptr, groups, d + 32 * c, xy);
         for (int i = 0; i < kRows; ++i) {
-          a[c][0][i] = _mm512_dpbf16_ps(a[c][0][i], lo, w[i]);
-          a[c][1][i] = _mm512_dpbf16_ps(a[c][1][i], hi, w[i]);
+          a[c][0][i] = _mm512_dpbf16_ps(a[c][0][i], (__m512bh)xy[0], w[i]);
+          a[c][1][i] = _mm512_dpbf16_ps(a[c][1][i], (__m512bh)xy[1], w[i]);
         }
       }
     }

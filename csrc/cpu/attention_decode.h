@@ -69,59 +69,110 @@ struct ScaledE2M1Table {
 };
 alignas(64) inline constexpr ScaledE2M1Table kScaledE2M1{};
 
+// FP8 byte of format K (e4m3 or e5m2) -> fp32 at compile time (exact; Inf and NaN codes too).
+template <CacheKind K>
+constexpr float fp8_value(int byte) {
+  static_assert(K == CacheKind::kFp8E4M3 || K == CacheKind::kFp8E5M2);
+  if constexpr (K == CacheKind::kFp8E4M3) {
+    return e4m3_value(byte);
+  } else {
+    const int exponent = (byte >> 2) & 0x1F;
+    const int mantissa = byte & 0x3;
+    float magnitude = std::numeric_limits<float>::infinity();
+    if (exponent == 0x1F && mantissa != 0) {
+      magnitude = std::numeric_limits<float>::quiet_NaN();
+    } else if (exponent != 0x1F) {
+      magnitude = exponent == 0 ? float(mantissa) / 4.0f : 1.0f + float(mantissa) / 4.0f;
+      for (int e = exponent == 0 ? 1 : exponent; e < 15; ++e) magnitude /= 2.0f;  // 2^(e - 15)
+      for (int e = 15; e < exponent; ++e) magnitude *= 2.0f;
+    }
+    return (byte & 0x80) ? -magnitude : magnitude;
+  }
+}
+
 #if defined(VLLM_KV_HAVE_AVX512_BF16)
-// 32 FP8 bytes -> their values as bf16, exactly (FP8 values have at most 4 significant bits and
-// exponents within bf16's range). e4m3: the 128 magnitudes (NaN included) looked up whole, then
-// the sign. e5m2, by bit arithmetic: normal codes shift their exponent and mantissa into place
-// and rebias; subnormal codes (exponent 0) come from a table; Inf / NaN codes are mapped
-// explicitly.
+// The bf16 bits of the 128 FP8 magnitudes of format K (exact: FP8 values have at most 4
+// significant bits and exponents within bf16's range), low and high bytes apart: each a
+// two-register vpermi2b table. vpermi2b reads seven index bits, so a code's sign bit is ignored by
+// the lookup and ORed into the high byte after it.
+template <CacheKind K>
+struct Fp8Bf16Bytes {
+  alignas(64) uint8_t low[128];
+  alignas(64) uint8_t high[128];
+  constexpr Fp8Bf16Bytes() : low(), high() {
+    for (int m = 0; m < 128; ++m) {
+      const uint32_t word = std::bit_cast<uint32_t>(fp8_value<K>(m)) >> 16;
+      low[m] = uint8_t(word & 0xFF);
+      high[m] = uint8_t(word >> 8);
+    }
+  }
+};
+template <CacheKind K>
+alignas(64) inline constexpr Fp8Bf16Bytes<K> kFp8Bf16Bytes{};
+
+// 64 FP8 codes -> the bf16 words of their values, by two byte lookups (low and high bytes, the
+// sign ORed in) and unpacklo / unpackhi_epi8, which interleave within 128-bit lanes: out[v] word
+// w comes from the code at byte 16 (w / 8) + 8 v + w % 8 of `codes`. Callers place their codes
+// there with one vpermb / vpermt2b (fp8_code_order).
+template <CacheKind K>
+inline void fp8_codes_to_bf16(__m512i codes, __m512i (&out)[2]) {
+  const auto* low_table = reinterpret_cast<const __m512i*>(kFp8Bf16Bytes<K>.low);
+  const auto* high_table = reinterpret_cast<const __m512i*>(kFp8Bf16Bytes<K>.high);
+  const __m512i low = _mm512_permutex2var_epi8(_mm512_load_si512(low_table), codes,
+                                               _mm512_load_si512(low_table + 1));
+  __m512i high = _mm512_permutex2var_epi8(_mm512_load_si512(high_table), codes,
+                                          _mm512_load_si512(high_table + 1));
+  high = _mm512_ternarylogic_epi32(high, codes, _mm512_set1_epi8(int8_t(0x80)), 0xF8);  // | sign
+  out[0] = _mm512_unpacklo_epi8(low, high);
+  out[1] = _mm512_unpackhi_epi8(low, high);
+}
+
+// The vpermb / vpermt2b index that puts code source(v, w) where fp8_codes_to_bf16 takes word w of
+// out[v] from.
+template <typename Source>
+constexpr std::array<uint8_t, 64> fp8_code_order(Source source) {
+  std::array<uint8_t, 64> index{};
+  for (int p = 0; p < 64; ++p) index[p] = uint8_t(source((p % 16) / 8, 8 * (p / 16) + p % 8));
+  return index;
+}
+
+// The first 32 bytes of a 64-byte load.
+inline constexpr __mmask64 kLow32 = 0xFFFFFFFFu;
+
+// codes placed by a fp8_code_order index.
+inline __m512i fp8_placed(const std::array<uint8_t, 64>& order, __m512i codes) {
+  return _mm512_maskz_permutexvar_epi8(~__mmask64(0), _mm512_load_si512(order.data()), codes);
+}
+
+// 32 FP8 bytes at src -> their values as bf16, in order (exact; NaN codes give a bf16 NaN).
 template <CacheKind K>
 inline __m512i fp8_to_bf16_x32(const uint8_t* src) {
-  static_assert(K == CacheKind::kFp8E4M3 || K == CacheKind::kFp8E5M2);
-  const __m512i bytes =
-      _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-  __m512i bits;
-  if constexpr (K == CacheKind::kFp8E4M3) {
-    // Two 64-entry vpermi2w lookups (index bits 0-5), bit 6 picking between them.
-    alignas(64) static constexpr auto kMagnitudes = [] {
-      std::array<uint16_t, 128> table{};
-      for (int m = 0; m < 128; ++m) {
-        table[m] = uint16_t(std::bit_cast<uint32_t>(e4m3_value(m)) >> 16);
-      }
-      return table;
-    }();
-    const auto* table = reinterpret_cast<const __m512i*>(kMagnitudes.data());
-    const __m512i low =
-        _mm512_permutex2var_epi16(_mm512_load_si512(table), bytes, _mm512_load_si512(table + 1));
-    const __m512i high = _mm512_permutex2var_epi16(_mm512_load_si512(table + 2), bytes,
-                                                   _mm512_load_si512(table + 3));
-    bits =
-        _mm512_mask_blend_epi16(_mm512_test_epi16_mask(bytes, _mm512_set1_epi16(0x40)), low, high);
-  } else {
-    // bf16 bits of the subnormal magnitudes m * 2^-16 (m < 4).
-    alignas(64) static constexpr auto kSubnormal = [] {
-      std::array<uint16_t, 32> table{};
-      for (int m = 1; m < 4; ++m) {
-        float value = float(m);
-        for (int e = 0; e < 16; ++e) value /= 2.0f;
-        table[m] = uint16_t(std::bit_cast<uint32_t>(value) >> 16);
-      }
-      return table;
-    }();
-    const __m512i magnitude = _mm512_and_si512(bytes, _mm512_set1_epi16(0x7F));
-    // s.eeeee.mm: exponent + 112, mantissa << 5.
-    bits = _mm512_add_epi16(_mm512_slli_epi16(magnitude, 5), _mm512_set1_epi16(112 << 7));
-    const __mmask32 subnormal = _mm512_cmplt_epu16_mask(magnitude, _mm512_set1_epi16(4));
-    bits = _mm512_mask_permutexvar_epi16(bits, subnormal, magnitude,
-                                         _mm512_load_si512(kSubnormal.data()));
-    const __mmask32 inf = _mm512_cmpeq_epi16_mask(magnitude, _mm512_set1_epi16(0x7C));
-    const __mmask32 nan = _mm512_cmpgt_epu16_mask(magnitude, _mm512_set1_epi16(0x7C));
-    bits = _mm512_mask_mov_epi16(bits, inf, _mm512_set1_epi16(0x7F80));
-    bits = _mm512_mask_mov_epi16(bits, nan, _mm512_set1_epi16(0x7FC0));
-  }
-  // bits | (bytes << 8 & 0x8000): the sign.
-  return _mm512_ternarylogic_epi32(bits, _mm512_slli_epi16(bytes, 8),
-                                   _mm512_set1_epi16(int16_t(0x8000)), 0xF8);
+  alignas(64) static constexpr auto kOrder = fp8_code_order([](int, int w) { return w; });
+  __m512i out[2];
+  fp8_codes_to_bf16<K>(fp8_placed(kOrder, _mm512_maskz_loadu_epi8(kLow32, src)), out);
+  return out[0];
+}
+
+// 64 FP8 bytes at src -> out[0] (elements 0-31) and out[1] (32-63) as bf16.
+template <CacheKind K>
+inline void fp8_to_bf16_x64(const uint8_t* src, __m512i (&out)[2]) {
+  alignas(64) static constexpr auto kOrder =
+      fp8_code_order([](int v, int w) { return 32 * v + w; });
+  fp8_codes_to_bf16<K>(fp8_placed(kOrder, _mm512_loadu_si512(src)), out);
+}
+
+// Elements [0, 32) of two FP8 rows x and y (y nullptr: zeros) as bf16 interleaved element by
+// element, out[h] lane 2j / 2j + 1 holding element 16 h + j of x / y: the operands of a vdpbf16ps
+// against a pair of weights of two keys (interleave_pairs of the rows' fp8_to_bf16_x32).
+template <CacheKind K>
+inline void fp8_pairs_to_bf16(const uint8_t* x, const uint8_t* y, __m512i (&out)[2]) {
+  alignas(64) static constexpr auto kOrder =
+      fp8_code_order([](int v, int w) { return (w % 2 == 0 ? 0 : 64) + 16 * v + w / 2; });
+  const __m512i y_bytes =
+      y == nullptr ? _mm512_setzero_si512() : _mm512_maskz_loadu_epi8(kLow32, y);
+  fp8_codes_to_bf16<K>(_mm512_permutex2var_epi8(_mm512_maskz_loadu_epi8(kLow32, x),
+                                                _mm512_load_si512(kOrder.data()), y_bytes),
+                       out);
 }
 #endif
 

@@ -17,6 +17,7 @@
 #include "cpu/attention_bf16.h"
 #include "cpu/attention_decode.h"
 #include "cpu/attention_simd.h"
+#include "cpu/attention_softmax.h"
 #include "cpu/attention_tile.h"
 #include "kv_quant_math.h"
 
@@ -167,14 +168,14 @@ class Nvfp4ChunkAttention {
     chunk_scales(values, v_scale_rows_, v_scale_select_, scale);
     for (r = 0; r + 4 <= rows; r += 4) {
       __m512 weights[4];
-      softmax_chunk<4>(scores + int64_t(r) * s_.tokens + t0, valid + r, m + r, l + r,
-                       acc + int64_t(r) * s_.dim_v, weights);
+      softmax_chunk<4>(scores + int64_t(r) * s_.tokens + t0, s_.tokens, valid + r, m + r, l + r,
+                       acc + int64_t(r) * s_.dim_v, s_.dim_v, weights);
       accumulate_nvfp4_chunk<4>(values, scale, weights, valid + r, acc + int64_t(r) * s_.dim_v);
     }
     for (; r < rows; ++r) {
       __m512 weights[1];
-      softmax_chunk<1>(scores + int64_t(r) * s_.tokens + t0, valid + r, m + r, l + r,
-                       acc + int64_t(r) * s_.dim_v, weights);
+      softmax_chunk<1>(scores + int64_t(r) * s_.tokens + t0, s_.tokens, valid + r, m + r, l + r,
+                       acc + int64_t(r) * s_.dim_v, s_.dim_v, weights);
       accumulate_nvfp4_chunk<1>(values, scale, weights, valid + r, acc + int64_t(r) * s_.dim_v);
     }
   }
@@ -450,92 +451,6 @@ class Nvfp4ChunkAttention {
         }
       }
     }
-  }
-
-  // exp(x) for x <= 0 (-inf gives 0): 2^k * 2^f with t = x log2(e), k = round(t), f = t - k in
-  // [-1/2, 1/2], 2^f by its degree-6 Taylor polynomial (relative error ~1e-7 plus t's rounding),
-  // the product by vscalefps (t clamped at -200: 0 exactly).
-  static __m512 exp_scalef(__m512 x) {
-    const __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                   _mm512_set1_ps(-200.0f));
-    const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, k);
-    // ln(2)^n / n!
-    __m512 p = _mm512_set1_ps(1.5403530393381609e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, k);
-  }
-
-  // out[i] = op-reduction of the 16 lanes of v[i]. Four rows share one transposing tree.
-  template <int kRows, typename Op>
-  static void reduce_rows(const __m512 (&v)[kRows], Op op, float (&out)[kRows]) {
-    if constexpr (kRows == 4) {
-      // a: lanes 0-7 v[0]'s halves combined, 8-15 v[1]'s; b likewise for v[2], v[3]; c: 128-bit
-      // lane r holds row r's four partials; then within each 128-bit lane.
-      const __m512 a =
-          op(_mm512_shuffle_f32x4(v[0], v[1], 0x44), _mm512_shuffle_f32x4(v[0], v[1], 0xEE));
-      const __m512 b =
-          op(_mm512_shuffle_f32x4(v[2], v[3], 0x44), _mm512_shuffle_f32x4(v[2], v[3], 0xEE));
-      const __m512 c = op(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
-      const __m512 d = op(c, _mm512_permute_ps(c, 0x4E));
-      const __m512 e = op(d, _mm512_permute_ps(d, 0xB1));
-      alignas(64) float lanes[16];
-      _mm512_store_ps(lanes, e);
-      for (int i = 0; i < 4; ++i) out[i] = lanes[4 * i];
-    } else {
-      for (int i = 0; i < kRows; ++i) {
-        __m512 x = v[i];
-        x = op(x, _mm512_shuffle_f32x4(x, x, 0x4E));
-        x = op(x, _mm512_shuffle_f32x4(x, x, 0xB1));
-        x = op(x, _mm512_permute_ps(x, 0x4E));
-        x = op(x, _mm512_permute_ps(x, 0xB1));
-        out[i] = _mm512_cvtss_f32(x);
-      }
-    }
-  }
-
-  // Online-softmax update of kRows rows with a chunk's scores (row stride s_.tokens; keys outside
-  // valid[i] ignored): new maxima, sums, accumulators rescaled; weights[i] = exp(s - max) on
-  // valid[i], 0 elsewhere. A row without a finite score keeps its state (weights 0), as
-  // softmax_step does.
-  template <int kRows>
-  void softmax_chunk(const float* scores, const __mmask16* valid, float* m, float* l, float* acc,
-                     __m512 (&weights)[kRows]) const {
-    const float neg_inf = -std::numeric_limits<float>::infinity();
-    __m512 s[kRows];
-    float top[kRows];
-    for (int i = 0; i < kRows; ++i) {
-      s[i] =
-          _mm512_mask_loadu_ps(_mm512_set1_ps(neg_inf), valid[i], scores + int64_t(i) * s_.tokens);
-    }
-    reduce_rows<kRows>(s, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); }, top);
-    for (int i = 0; i < kRows; ++i) {
-      if (top[i] == neg_inf) {
-        weights[i] = _mm512_setzero_ps();
-        continue;
-      }
-      const float new_max = std::max(m[i], top[i]);
-      weights[i] =
-          _mm512_maskz_mov_ps(valid[i], exp_scalef(_mm512_sub_ps(s[i], _mm512_set1_ps(new_max))));
-      if (new_max != m[i]) {
-        const float correction = std::exp(m[i] - new_max);  // 0 for the first keys
-        l[i] *= correction;
-        float* a = acc + int64_t(i) * s_.dim_v;
-        for (int d = 0; d < kChunkHeadSize; d += 16) {
-          _mm512_storeu_ps(a + d,
-                           _mm512_mul_ps(_mm512_loadu_ps(a + d), _mm512_set1_ps(correction)));
-        }
-        m[i] = new_max;
-      }
-    }
-    float sums[kRows];
-    reduce_rows<kRows>(weights, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); }, sums);
-    for (int i = 0; i < kRows; ++i) l[i] += sums[i];
   }
 
   RowShape s_{};

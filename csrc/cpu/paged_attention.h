@@ -44,6 +44,7 @@
 #include "cpu/attention_prefill_bf16.h"
 #include "cpu/attention_rows.h"
 #include "cpu/attention_simd.h"
+#include "cpu/attention_softmax.h"
 #include "cpu/attention_tile.h"
 #include "int4_per_token_head.h"
 #include "kv_quant_math.h"
@@ -294,10 +295,9 @@ class PagedAttention {
         ahead(1);
         for (int jt = 0; jt < tokens; ++jt) {
           const auto [b, e] = span(jt);
-          for (int r = h0 + jt * geo_.group; b < e && r < h0 + (jt + 1) * geo_.group; ++r) {
-            Tile::softmax_step(shape_, scores + int64_t(r) * shape_.tokens, b, e, m[r], l[r],
-                               acc + int64_t(r) * shape_.dim_v);
-          }
+          const int64_t r0 = h0 + jt * geo_.group;
+          softmax_rows<L>(shape_, scores + r0 * shape_.tokens, b, e, geo_.group, m + r0, l + r0,
+                          acc + r0 * shape_.dim_v);
         }
         ahead(2);
         if (fused_v) {

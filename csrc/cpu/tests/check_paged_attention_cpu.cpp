@@ -1,8 +1,9 @@
 // Torch-free check of the CPU attention kernels (csrc/cpu/paged_attention.h), built by
 // tools/check_cpu_attention.sh for several instruction sets: every kernel is instantiated (all
 // formats, every SIMD level the target has), and where the target has the bf16 dot path its
-// exact conversions to bf16 are checked on every input: the 256 bytes of each FP8 format against
-// the scalar decoders, and the E2M1 x block-scale table against the scalar product.
+// exact conversions to bf16 are checked on every input: the 256 bytes of each FP8 format (32 in
+// order, 64 at once, two rows paired) against the scalar decoders, and the E2M1 x block-scale
+// table against the scalar product.
 #include <cmath>
 #include <cstdio>
 
@@ -35,13 +36,46 @@ void expect(bool ok, const char* what, int a, int b) {
 #if defined(VLLM_KV_HAVE_AVX512_BF16)
 template <vllm_kv::CacheKind K>
 void check_fp8(const char* name, float (*decode)(uint8_t)) {
+  // Every byte, in order and reversed (y of the pairs), through the three decodes.
   alignas(64) uint8_t bytes[256];
-  for (int i = 0; i < 256; ++i) bytes[i] = uint8_t(i);
+  alignas(64) uint8_t reversed[256];
+  for (int i = 0; i < 256; ++i) {
+    bytes[i] = uint8_t(i);
+    reversed[i] = uint8_t(255 - i);
+  }
+  alignas(64) uint16_t bits[64];
   for (int chunk = 0; chunk < 256; chunk += 32) {
-    alignas(64) uint16_t bits[32];
     _mm512_store_si512(bits, attention::fp8_to_bf16_x32<K>(bytes + chunk));
     for (int j = 0; j < 32; ++j)
       expect(same_value(bits[j], decode(uint8_t(chunk + j))), name, chunk + j, 0);
+    __m512i pairs[2];
+    attention::fp8_pairs_to_bf16<K>(bytes + chunk, reversed + chunk, pairs);
+    for (int h = 0; h < 2; ++h) {
+      _mm512_store_si512(bits, pairs[h]);
+      for (int j = 0; j < 16; ++j) {
+        const int x = chunk + 16 * h + j;
+        expect(same_value(bits[2 * j], decode(uint8_t(x))), name, x, 1);
+        expect(same_value(bits[2 * j + 1], decode(uint8_t(255 - x))), name, x, 2);
+      }
+    }
+    attention::fp8_pairs_to_bf16<K>(bytes + chunk, nullptr, pairs);
+    for (int h = 0; h < 2; ++h) {
+      _mm512_store_si512(bits, pairs[h]);
+      for (int j = 0; j < 16; ++j) {
+        expect(same_value(bits[2 * j], decode(uint8_t(chunk + 16 * h + j))), name, chunk, 3);
+        expect(bits[2 * j + 1] == 0, name, chunk, 4);
+      }
+    }
+  }
+  for (int chunk = 0; chunk < 256; chunk += 64) {
+    __m512i halves[2];
+    attention::fp8_to_bf16_x64<K>(bytes + chunk, halves);
+    for (int h = 0; h < 2; ++h) {
+      _mm512_store_si512(bits, halves[h]);
+      for (int j = 0; j < 32; ++j) {
+        expect(same_value(bits[j], decode(uint8_t(chunk + 32 * h + j))), name, chunk + j, 5);
+      }
+    }
   }
 }
 #endif
