@@ -158,14 +158,23 @@ struct Bf16Dot {
   }
 
   // Lane t - t0 of keys t in [tb, te): the row scales of per-token-head rows (the fp32 after the
-  // row's head_size values), 0 in the other lanes; ones for the other formats.
+  // row's head_size values, per_token_head_row_scale), 0 in the other lanes; ones for the other
+  // formats. Gathered from the rows' addresses (assembled one by one and reloaded as a vector,
+  // they stalled on the stores).
   static V row_scales(const uint8_t* const* rows, int head_size, int t0, int tb, int te) {
     if constexpr (!is_per_token_head(K)) {
       return splat<L>(1.0f);
     } else {
-      alignas(64) float scales[kLanes] = {};
-      for (int t = tb; t < te; ++t) scales[t - t0] = per_token_head_row_scale(rows[t], head_size);
-      return load<L>(scales);
+      static_assert(kPerTokenHeadScaleBytes == sizeof(float) && kLanes == 16);
+      const auto lanes = __mmask16(((1u << (te - t0)) - 1) & ~((1u << (tb - t0)) - 1));
+      const auto half = [&](int h) {
+        const auto mask = __mmask8(lanes >> (8 * h));
+        const __m512i scale_at = _mm512_add_epi64(_mm512_maskz_loadu_epi64(mask, rows + t0 + 8 * h),
+                                                  _mm512_set1_epi64(head_size));
+        return _mm512_mask_i64gather_ps(_mm256_setzero_ps(), mask, scale_at, nullptr, 1);
+      };
+      return V(_mm512_castpd_ps(_mm512_insertf64x4(
+          _mm512_castpd256_pd512(_mm256_castps_pd(half(0))), _mm256_castps_pd(half(1)), 1)));
     }
   }
 
