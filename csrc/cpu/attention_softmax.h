@@ -170,14 +170,18 @@ inline void softmax_keys(float* scores, int64_t score_stride, int b, int e, floa
 
 // The online-softmax step of `rows` query rows over the same keys [b, e) (offsets into their
 // score rows, stride shape.tokens; none when b >= e): maxima m, sums l and accumulators (stride
-// shape.dim_v) updated, the weights written over the scores. AVX-512: four rows at a time
-// (softmax_keys); other levels: TileMath::softmax_step per row.
+// shape.dim_v) updated, the weights written over the scores. `deferred` (rows whose value
+// weights are rounded to bf16, those of a bf16 query) on AVX-512: four rows at a time with a
+// deferred maximum (softmax_keys); otherwise TileMath::softmax_step per row, whose weights are
+// the reference's to fp32 rounding (the polynomial above and a stale maximum move them by ~1e-6,
+// which through a model's next layers' K / V quantization moved held-out perplexities by up to
+// 1.5%).
 template <SimdLevel L>
 inline void softmax_rows(const RowShape& shape, float* scores, int b, int e, int rows, float* m,
-                         float* l, float* acc) {
+                         float* l, float* acc, [[maybe_unused]] bool deferred) {
   if (b >= e) return;
 #if defined(VLLM_KV_HAVE_AVX512)
-  if constexpr (L == SimdLevel::kAvx512) {
+  if (L == SimdLevel::kAvx512 && deferred) {
     int r = 0;
     for (; r + 4 <= rows; r += 4) {
       softmax_keys<4>(scores + int64_t(r) * shape.tokens, shape.tokens, b, e, m + r, l + r,

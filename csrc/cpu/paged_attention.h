@@ -297,7 +297,7 @@ class PagedAttention {
           const auto [b, e] = span(jt);
           const int64_t r0 = h0 + jt * geo_.group;
           softmax_rows<L>(shape_, scores + r0 * shape_.tokens, b, e, geo_.group, m + r0, l + r0,
-                          acc + r0 * shape_.dim_v);
+                          acc + r0 * shape_.dim_v, bf16_v);
         }
         ahead(2);
         if (fused_v) {
