@@ -1,7 +1,8 @@
 // The online softmax of the CPU attention kernels' decode rows, 16 keys at a time (AVX-512): up
 // to four query rows of a KV head share each transposing reduction (their maxima, their sums),
-// and the exponential is a polynomial scaled by vscalefps. Used by the bf16-dot page loop and the
-// NVFP4 chunk path; other levels take TileMath::softmax_step row by row.
+// and the exponential is a polynomial scaled by vscalefps. Used by the page loop for bf16 queries
+// and by the NVFP4 chunk path; fp32 and fp16 queries and the other levels take
+// TileMath::softmax_step row by row (softmax_rows).
 #pragma once
 
 #include <algorithm>
