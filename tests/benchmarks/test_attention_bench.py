@@ -116,7 +116,9 @@ def test_cli_table_json_plot(tiny: None, tmp_path: Path, capsys: pytest.CaptureF
         argv += ["--plot", str(tmp_path / "a.png")]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert out.startswith("CPU_ATTN on cpu (1 threads), cold cache; roofline (copy, next to each")
+    assert out.startswith(
+        "CPU_ATTN on cpu (1 threads), cold cache, pages of 16 tokens; roofline (copy, next to each"
+    )
     assert "decode   fp8" in out and "time/bf16" in out
     lines = out.splitlines()
     assert lines[2].split()[5:9] == ["median", "us", "spread", "%"]
@@ -135,6 +137,27 @@ def test_cli_table_json_plot(tiny: None, tmp_path: Path, capsys: pytest.CaptureF
     )
     if plot:
         assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_pages_of_another_size(tiny: None, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--block-size: the problems' pages, the bytes counted (an encoding's sink rows shared by
+    the page's tokens), the rows, the title and the JSON."""
+    pre = "nvfp4_mse+offset+prerope+sink"
+    assert attention.cache_bytes_per_token(pre, 64) == 1152 + 8 * 128 // 64
+    assert attention.bytes_moved("auto", 2, 1, 48, 64) == attention.bytes_moved("auto", 2, 1, 48)
+    problem = attention._problem("fp8", 2, 1, 100, 64)
+    assert problem.kv_cache.shape[0] == 2 * 2 and problem.metadata.block_table.shape == (2, 2)
+    out_json = tmp_path / "a.json"
+    argv = ["bench", "--op", "attention", "--quick", "--no-progress", "--kinds", "auto", pre]
+    assert main([*argv, "--block-size", "64", "--json", str(out_json)]) == 0
+    assert "cold cache, pages of 64 tokens;" in capsys.readouterr().out
+    data = json.loads(out_json.read_text())
+    assert data["model"]["block_size"] == 64
+    assert {r["block_size"] for r in data["rows"]} == {64}
+    rebuilt = next(r for r in data["rows"] if r["format"] == pre)
+    assert rebuilt["bytes_moved"] == attention.bytes_moved(pre, 2, 1, 48, 64)
+    with pytest.raises(ValueError, match="block_size: expected a positive number of tokens, got 0"):
+        attention.run(["auto"], quick=True, block_size=0)
 
 
 def _exit_status(argv: list[str]) -> int | str | None:

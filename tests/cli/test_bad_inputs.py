@@ -173,6 +173,17 @@ CASES = [
     ),
     case("bench", ["--op", "matmul"], "--op: expected one of"),
     case("bench", ["--op", "attention", "--tokens", "16"], "--tokens: not used by --op attention"),
+    case(
+        "bench",
+        ["--block-size", "64"],
+        "--block-size: not used by --op reshape_and_cache_flash (pages of 16 tokens), got 64",
+    ),
+    case("bench", ["--op", "attention", "--block-size", "0"], "--block-size: expected a page size"),
+    case(
+        "bench",
+        ["--op", "attention", "--block-size", "5000"],
+        "--block-size: expected a page size up to 4,096, got '5000'",
+    ),
     case("bench", ["--json", "{tmp}/x", "--plot", "{tmp}/./x"], "--plot: "),
     case("bench", ["--json", ""], "--json: expected a file path, got ''"),
     case("bench", ["--plot", ""], "--plot: expected a file path, got ''"),

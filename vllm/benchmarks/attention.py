@@ -99,6 +99,7 @@ class AttentionRow(noise.RepeatStats):
     threads: int
     time_vs_base: float | None = None  # key options: op time / its base format's, same shape
     mode: str = "cold"
+    block_size: int = BLOCK_SIZE  # tokens per page
 
 
 def transform_encoding(fmt: str) -> KVCacheEncoding | None:
@@ -130,12 +131,12 @@ def _slot_bytes(fmt: str) -> int | None:
     return slot_codec(found, HEAD_SIZE, OCTAVE_CHECK_ROPE_DIM).slot_bytes
 
 
-def cache_bytes_per_token(fmt: str) -> int:
+def cache_bytes_per_token(fmt: str, block_size: int = BLOCK_SIZE) -> int:
     """Bytes of K plus V per cached token (all KV heads; an encoding's key sink rows shared by
-    the page's tokens)."""
+    the ``block_size`` tokens of a page)."""
     if (encoding := transform_encoding(fmt)) is not None:
-        page = encoding.page_bytes(BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, HEAD_SIZE)
-        return -(-page // BLOCK_SIZE)
+        page = encoding.page_bytes(block_size, NUM_KV_HEADS, HEAD_SIZE, HEAD_SIZE)
+        return -(-page // block_size)
     if (slot := _slot_bytes(fmt)) is not None:
         return NUM_KV_HEADS * slot
     cache_format = lookup(fmt)
@@ -143,10 +144,12 @@ def cache_bytes_per_token(fmt: str) -> int:
     return 2 * NUM_KV_HEADS * cache_format.last_dim(HEAD_SIZE) * element_bytes
 
 
-def bytes_moved(fmt: str, batch: int, query_tokens: int, context: int) -> int:
+def bytes_moved(
+    fmt: str, batch: int, query_tokens: int, context: int, block_size: int = BLOCK_SIZE
+) -> int:
     """Cache bytes read plus query read plus output written by one call."""
     io = 2 * batch * query_tokens * NUM_HEADS * HEAD_SIZE * QUERY_DTYPE.itemsize
-    return batch * context * cache_bytes_per_token(fmt) + io
+    return batch * context * cache_bytes_per_token(fmt, block_size) + io
 
 
 @dataclasses.dataclass
@@ -165,24 +168,26 @@ class _Problem:
         self.reference.forward(self.layer, self.query, None, None, self.kv_cache, self.metadata)
 
 
-def _problem(fmt: str, batch: int, query_tokens: int, context: int) -> _Problem:
+def _problem(
+    fmt: str, batch: int, query_tokens: int, context: int, block_size: int = BLOCK_SIZE
+) -> _Problem:
     """Random cache contents (valid codes: no NaN bytes) for ``batch`` sequences of ``context``
-    tokens on shuffled pages, and their last ``query_tokens`` queries."""
+    tokens on shuffled pages of ``block_size`` tokens, and their last ``query_tokens`` queries."""
     from vllm.v1.attention.backends import AttentionLayerScales, ReferenceAttentionImpl
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionImpl
 
-    pages = (context + BLOCK_SIZE - 1) // BLOCK_SIZE
+    pages = (context + block_size - 1) // block_size
     num_blocks = batch * pages
     table = torch.randperm(num_blocks).reshape(batch, pages).to(torch.int32)
     metadata = CPUAttentionBackend.get_metadata_cls().build(
-        [context] * batch, [query_tokens] * batch, table, BLOCK_SIZE
+        [context] * batch, [query_tokens] * batch, table, block_size
     )
     query = torch.randn(batch * query_tokens, NUM_HEADS, HEAD_SIZE, dtype=QUERY_DTYPE)
     if transform_encoding(fmt) is not None:
-        return _transform_problem(fmt, batch, context, table, metadata, query)
+        return _transform_problem(fmt, batch, context, table, metadata, query, block_size)
     cache_format = lookup(fmt)
     shape = CPUAttentionBackend.get_kv_cache_shape(
-        num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, fmt
+        num_blocks, block_size, NUM_KV_HEADS, HEAD_SIZE, fmt
     )
     if is_packed(cache_format):
         kv_cache = _packed_cache(fmt, shape)
@@ -191,7 +196,7 @@ def _problem(fmt: str, batch: int, query_tokens: int, context: int) -> _Problem:
     else:
         kv_cache = torch.randint(0, 256, shape, dtype=torch.uint8)
         if cache_format.is_nvfp4:
-            data = NUM_KV_HEADS * BLOCK_SIZE * HEAD_SIZE // 2
+            data = NUM_KV_HEADS * block_size * HEAD_SIZE // 2
             pages_view = kv_cache.view(num_blocks, 2, -1)
             pages_view[:, :, data:] = torch.randint(0x30, 0x40, pages_view[:, :, data:].shape)
         else:
@@ -208,7 +213,13 @@ def _problem(fmt: str, batch: int, query_tokens: int, context: int) -> _Problem:
 
 
 def _transform_problem(
-    fmt: str, batch: int, context: int, table: torch.Tensor, metadata: Any, query: torch.Tensor
+    fmt: str,
+    batch: int,
+    context: int,
+    table: torch.Tensor,
+    metadata: Any,
+    query: torch.Tensor,
+    block_size: int,
 ) -> _Problem:
     """An encoding with key options: the cache its own writer filled from random K / V (a
     random key offset, a RoPE table of the context's length), every page valid."""
@@ -230,10 +241,10 @@ def _transform_problem(
         reference.set_key_offset(offset)
     scale = torch.tensor(0.05)
     layer = AttentionLayerScales(scale, scale)
-    kv_cache = allocate_cache(parse_format(fmt), table.numel(), BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
+    kv_cache = allocate_cache(parse_format(fmt), table.numel(), block_size, NUM_KV_HEADS, HEAD_SIZE)
     positions = torch.arange(context).repeat(batch)
-    pages = table.to(torch.int64)[:, positions[:context] // BLOCK_SIZE]  # [batch, context]
-    slots = (pages * BLOCK_SIZE + positions[:context] % BLOCK_SIZE).reshape(-1)
+    pages = table.to(torch.int64)[:, positions[:context] // block_size]  # [batch, context]
+    slots = (pages * block_size + positions[:context] % block_size).reshape(-1)
     for start in range(0, slots.numel(), 16384):  # the writer's own bytes, in chunks
         part = slice(start, start + 16384)
         n = slots[part].numel()
@@ -270,13 +281,16 @@ def run(
     with_reference: bool = True,
     repeats: int = REPEATS,
     warn: Callable[[str], None] | None = None,
+    block_size: int = BLOCK_SIZE,
 ) -> list[AttentionRow]:
-    """Measure every shape of :func:`shapes` for every format on the CPU; one row each, from
-    ``repeats`` repeats of (roofline copy, op, reference). The load warning, if any, goes to
-    ``warn`` (default: one line on stderr).
+    """Measure every shape of :func:`shapes` for every format on the CPU, over pages of
+    ``block_size`` tokens; one row each, from ``repeats`` repeats of (roofline copy, op,
+    reference). The load warning, if any, goes to ``warn`` (default: one line on stderr).
 
-    Raises ``ValueError`` for an unknown format or a non-positive repeat count, ``ImportError``
-    when the extension is not built."""
+    Raises ``ValueError`` for an unknown format, a non-positive repeat count or page size,
+    ``ImportError`` when the extension is not built."""
+    if block_size < 1:
+        raise ValueError(f"block_size: expected a positive number of tokens, got {block_size}")
     transforms = [f for f in dict.fromkeys(formats) if transform_encoding(f) is not None]
     from vllm import _custom_ops  # noqa: F401  (ImportError when the extension is not built)
 
@@ -296,11 +310,11 @@ def run(
     rows: list[AttentionRow] = []
     bf16_us: dict[tuple[str, int, int, int], float] = {}
     for (phase, batch, q_tokens, context), fmt in todo:
-        problem = _problem(fmt, batch, q_tokens, context)
+        problem = _problem(fmt, batch, q_tokens, context, block_size)
         before = before_ref = None
         if session.flush is not None:
             # Re-warm the code path on a small independent problem, not the timed buffers.
-            other = _problem(fmt, 1, 1, BLOCK_SIZE)
+            other = _problem(fmt, 1, 1, block_size, block_size)
             before = then(session.flush, other.op)
             before_ref = then(session.flush, other.reference_op)
         reference = None
@@ -308,7 +322,7 @@ def run(
             # Slow (pure torch): one call per repeat and no warm-up call, a slow first call
             # being one repeat of several, which the median and the spread ignore.
             reference = Timed(problem.reference_op, 1, before_ref, warmup=False)
-        nbytes = bytes_moved(fmt, batch, q_tokens, context)
+        nbytes = bytes_moved(fmt, batch, q_tokens, context, block_size)
         m = session.measure(Timed(problem.op, 500, before), nbytes, reference)
         key = (phase, batch, q_tokens, context)
         if fmt == KINDS[0]:  # auto: the bf16 cache
@@ -331,6 +345,7 @@ def run(
             threads=torch.get_num_threads(),
             time_vs_base=_time_vs_base(rows, fmt, key, m.op_s * 1e6),
             mode=session.mode,
+            block_size=block_size,
             **noise.stats_of(m),
         )
         rows.append(row)
@@ -420,7 +435,8 @@ def format_table(rows: Sequence[AttentionRow]) -> str:
         for r in rows
     ]
     title = (
-        f"CPU_ATTN on cpu ({rows[0].threads} threads), {rows[0].mode} cache; "
+        f"CPU_ATTN on cpu ({rows[0].threads} threads), {rows[0].mode} cache, pages of "
+        f"{rows[0].block_size} tokens; "
         f"{noise.roofline_caption(rows)}"
     )
     table = noise.fixed_width(headers, body, left={0, 1, len(headers) - 1})
@@ -439,7 +455,7 @@ def to_json(rows: Sequence[AttentionRow]) -> dict[str, Any]:
             "num_heads": NUM_HEADS,
             "num_kv_heads": NUM_KV_HEADS,
             "head_size": HEAD_SIZE,
-            "block_size": BLOCK_SIZE,
+            "block_size": rows[0].block_size if rows else BLOCK_SIZE,
             "query_dtype": str(QUERY_DTYPE),
         },
         **run_fields(rows, "cache read + query read + output written"),

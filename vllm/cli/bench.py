@@ -29,7 +29,7 @@ default, the packed-slot formats and encoding ids with key options such as
 ``nvfp4_mse+offset+prerope+sink`` when named), with the median µs and spread, GB/s of cache read,
 % of the copy roofline, × the reference backend, the time relative to bf16 (and, for an encoding
 with key options, to its base format) and the same flags; ``--plot`` draws decode GB/s against
-context.
+context. ``--block-size N`` sets its page size (tokens per page; default 16).
 
 Threads: ``--threads N``, else torch's default; ``--op attention`` on a contended machine (the
 load average at or above the CPU count at the start) runs one thread instead, since more would
@@ -63,6 +63,9 @@ from vllm.cli.output import deliver, writing
 
 OPS = ("reshape_and_cache_flash", "attention", "formats")
 """Values of ``--op``."""
+MAX_ATTENTION_BLOCK_SIZE = 4096
+"""Largest ``--block-size`` (a page of 4096 bf16 tokens over the attention shapes' 8 KV heads is
+32 MiB a side)."""
 
 PLOT_HINT = 'pip install "vllm-kvcache[plot]"  (or: pip install matplotlib)'
 
@@ -208,6 +211,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         help="torch CPU threads (default torch's; --op attention: 1 when the load average is "
         "already at the CPU count, as more threads would wait for CPUs held by others)",
     )
+    parser.add_argument(
+        "--block-size",
+        type=cli_args.bounded_int(MAX_ATTENTION_BLOCK_SIZE, "a page size"),
+        help=f"--op attention: tokens per page (default {attention.BLOCK_SIZE})",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.set_defaults(func=run)
     return parser
@@ -292,6 +300,12 @@ def check_arguments(args: argparse.Namespace) -> str:
         )
     if args.op == "formats" and args.plot:
         raise UsageError("--plot", "not drawn for --op formats (see its table or --json)")
+    if args.op != "attention" and args.block_size is not None:
+        raise UsageError(
+            "--block-size",
+            f"not used by --op {args.op} (pages of {core.BLOCK_SIZE} tokens), got "
+            f"{args.block_size}",
+        )
     if args.op == "attention":
         for flag, value in (("--tokens", args.tokens), ("--device", args.device)):
             if value is not None and not (flag == "--device" and value == "cpu"):
@@ -317,7 +331,13 @@ def run(args: argparse.Namespace) -> int:
     if args.op == "attention":
 
         def measure(bar: ProgressBar | None) -> Sequence[Any]:
-            return attention.run(args.kinds, args.quick, bar, warm=args.warm)
+            return attention.run(
+                args.kinds,
+                args.quick,
+                bar,
+                warm=args.warm,
+                block_size=args.block_size or attention.BLOCK_SIZE,
+            )
 
         table, to_json, plot = attention.format_table, attention.to_json, attention.write_plot
     elif args.op == "formats":
