@@ -1,10 +1,11 @@
 // Software prefetch of the pages a CPU attention work item reads next. Pages come in block-table
 // order, not address order, and a head's rows of a page are too few for the hardware prefetchers:
-// a later page's rows are requested while this page is attended, so that their misses overlap its
-// work. Items over all KV heads (decode) request the next page whole, a slice per head in parts
-// spread over the head's work; items over some heads request those heads' rows kAheadPages pages
-// ahead. Keys stored before RoPE also request the RoPE table's rows of that page's positions (as
-// large as an NVFP4 page's keys).
+// later keys' rows are requested while these are attended, so that their misses overlap this
+// work. Items over all KV heads (decode) attend a page kStepKeys keys at a time and request the
+// next step's rows while attending this one's, head by head, in parts spread over the head's
+// work; items over some heads request those heads' rows kAheadSteps steps ahead. Keys stored
+// before RoPE also request the RoPE table's rows of those keys' positions (as large as an NVFP4
+// page's keys).
 #pragma once
 
 #include <algorithm>
@@ -23,8 +24,13 @@ namespace vllm_kv::cpu::attention {
 template <CacheKind K, SourceType C>
 class PagePrefetch {
  public:
-  // Pages ahead of the one attended when items take some heads of a page.
-  static constexpr int kAheadPages = 2;
+  // Steps ahead of the one attended when items take some heads of a page.
+  static constexpr int kAheadSteps = 2;
+  // Keys of a page attended at a time (all heads of an item, then the next keys): a step of a
+  // page of 128 bf16 keys is as large as a page of 16, so that the rows requested a step ahead
+  // stay in L2 beside those attended (a whole page ahead of 128 keys, 512 KiB, did not) and their
+  // requests come in parts small enough for the miss queues.
+  static constexpr int kStepKeys = 16;
 
   PagePrefetch(const PagedAttentionParams& p, int head_size, int head_size_v)
       : p_(p),
@@ -39,25 +45,43 @@ class PagePrefetch {
     }
   }
 
-  // A page to request: its block (-1: none), the position of its first key and its keys in range.
+  // Keys of a page attended at a time by an item over `heads` KV heads: kStepKeys where they
+  // divide the page and the item takes every head (decode), else the page (an item over some
+  // heads has many rows per head, prefill, whose per-step costs, a softmax step per row, would
+  // grow with the steps).
+  int step_keys(int heads) const {
+    return heads == p_.num_kv_heads && p_.block_size % kStepKeys == 0 ? kStepKeys : p_.block_size;
+  }
+
+  // Keys to request: their page's block (-1: none), their first key's offset in the page and
+  // position, how many there are in range, and which step of how many of the page they are.
   struct Next {
     int64_t block;
+    int offset;
     int position;
     int keys;
+    int step;
+    int page_steps;
   };
 
-  // Before attending the page at page_start (of a sequence's `pages`, keys up to key_end) with
-  // heads [kv_begin, kv_end): the page to request, its heads' rows requested now unless the item
-  // takes every head (then by slice()).
-  Next start(const int32_t* pages, int page_start, int key_end, int kv_begin, int kv_end) const {
+  // Before attending the `keys` keys from position `at` (of a sequence's `pages`, keys up to
+  // key_end; `keys` divides the page) with heads [kv_begin, kv_end): the keys to request, as
+  // many and one such step on (kAheadSteps unless the item takes every head), their heads' rows
+  // requested now unless the item takes every head (then by slice()).
+  Next start(const int32_t* pages, int at, int keys, int key_end, int kv_begin, int kv_end) const {
     const bool whole = kv_end - kv_begin == p_.num_kv_heads;
-    const int ahead = page_start + (whole ? 1 : kAheadPages) * p_.block_size;
-    const Next next{ahead < key_end ? pages[ahead / p_.block_size] : -1, ahead,
-                    std::min(p_.block_size, key_end - ahead)};
+    const int ahead = at + (whole ? 1 : kAheadSteps) * keys;
+    const int offset = ahead % p_.block_size;
+    const Next next{ahead < key_end ? pages[ahead / p_.block_size] : -1,
+                    offset,
+                    ahead,
+                    std::min(keys, key_end - ahead),
+                    offset / keys,
+                    p_.block_size / keys};
     if (next.block >= 0 && !whole) {
       for (int h = kv_begin; h < kv_end; ++h) {
-        rows(p_.key_cache, k_layout_, next.block, h, head_size_);
-        rows(p_.value_cache, v_layout_, next.block, h, head_size_v_);
+        rows(p_.key_cache, k_layout_, next, h, head_size_);
+        if constexpr (K != kPackedSlotKind) rows(p_.value_cache, v_layout_, next, h, head_size_v_);
       }
       rope_rows(next, 0, 1);
     }
@@ -65,9 +89,9 @@ class PagePrefetch {
   }
 
   // Before attending head kv_head of the page at page_start (an item taking its heads one by one):
-  // that head's rows kAheadPages pages ahead (the whole page's where the head is every head).
+  // that head's rows kAheadSteps pages ahead (the whole page's where the head is every head).
   void head(const int32_t* pages, int page_start, int key_end, int kv_head) const {
-    const Next next = start(pages, page_start, key_end, kv_head, kv_head + 1);
+    const Next next = start(pages, page_start, p_.block_size, key_end, kv_head, kv_head + 1);
     for (int part = 0; part < kParts; ++part) slice(next, 0, 1, part);
   }
 
@@ -75,26 +99,23 @@ class PagePrefetch {
   static constexpr int kParts = 4;
 
   // While attending head `slice` of `slices` (an item over every head): part `part` of kParts of
-  // that slice of page `next`, both sides. The whole page at once, or a head's slice at once, is a
-  // burst of misses that fills the miss queues and stalls this page's own loads.
+  // that slice of the step `next` (its share of the page's bytes: dense pages hold a step's rows
+  // of every head together), both sides. A step at once, or a head's slice at once,
+  // is a burst of misses that fills the miss queues and stalls the attended rows' own loads.
   void slice(const Next& next, int slice, int slices, int part) const {
     if (next.block < 0 || slices != p_.num_kv_heads) return;
-    const int piece = slice * kParts + part;
-    const int pieces = slices * kParts;
-    lines(static_cast<const char*>(p_.key_cache.data) +
-              next.block * p_.key_cache.block_stride * kElementBytes,
-          k_page_bytes_, piece, pieces);
-    lines(static_cast<const char*>(p_.value_cache.data) +
-              next.block * p_.value_cache.block_stride * kElementBytes,
-          v_page_bytes_, piece, pieces);
-    rope_rows(next, piece, pieces);
+    const int piece = (next.step * slices + slice) * kParts + part;
+    const int pieces = next.page_steps * slices * kParts;
+    page_lines(p_.key_cache, next.block, k_page_bytes_, piece, pieces);
+    page_lines(p_.value_cache, next.block, v_page_bytes_, piece, pieces);
+    rope_rows(next, slice * kParts + part, slices * kParts);
   }
 
  private:
   static constexpr int64_t kElementBytes = kCacheElementBytes<K, C>;
 
-  // Prefetches go to L2 (prefetcht1), not L1: a page ahead of every head is larger than L1d, so
-  // requesting it into L1 evicts the page being attended and stalls on the L1 miss queue. On x86
+  // Prefetches go to L2 (prefetcht1), not L1: a step ahead of every head is larger than L1d, so
+  // requesting it into L1 evicts the rows being attended and stalls on the L1 miss queue. On x86
   // the instruction itself: GCC 12's dead-code elimination drops a loop of __builtin_prefetch
   // calls nested in another loop, as code without effects.
   static void line(const void* address) {
@@ -105,17 +126,6 @@ class PagePrefetch {
 #endif
   }
 
-  // Bytes of one page of a side (all heads; pages are dense in NHD and HND alike, unless HND heads
-  // are spaced: prefetches then cover the first heads only, a hint that costs nothing more).
-  int64_t page_bytes(int head_size) const {
-    const int64_t last_dim = K == CacheKind::kNvfp4 ? head_size / 2 + head_size / kNvfp4GroupSize
-                             : is_per_token_head(K) ? int64_t(head_size) + kPerTokenHeadScaleBytes
-                             : K == CacheKind::kInt4PerTokenHead ? int4_row_bytes(head_size)
-                             : K == kPackedSlotKind ? packed_slot_geometry(p_.packed).slot_bytes
-                                                    : int64_t(head_size);
-    return int64_t(p_.block_size) * p_.num_kv_heads * last_dim * kElementBytes;
-  }
-
   // Slice `slice` of `slices` of the `bytes` bytes at `from`, a request per line.
   static void lines(const char* from, int64_t bytes, int slice, int slices) {
     const int64_t count = (bytes + 63) / 64;
@@ -124,7 +134,7 @@ class PagePrefetch {
     }
   }
 
-  // Slice `slice` of `slices` of the RoPE table's rows of page `next`'s positions.
+  // Slice `slice` of `slices` of the RoPE table's rows of the keys `next`.
   void rope_rows(const Next& next, int slice, int slices) const {
     if (p_.rope_cos_sin == nullptr) return;
     const int64_t row_bytes = int64_t(p_.rotary_dim) * sizeof(float);
@@ -132,21 +142,44 @@ class PagePrefetch {
           next.keys * row_bytes, slice, slices);
   }
 
-  // The rows of head `head` of page `block` (and NVFP4 scales).
-  void rows(const CacheSide& side, const Nvfp4SideLayout& layout, int64_t block, int head,
+  // Bytes of one (token, head) entry of a side (NVFP4: codes and block scales).
+  int64_t entry_bytes(int head_size) const {
+    const int64_t last_dim = K == CacheKind::kNvfp4 ? head_size / 2 + head_size / kNvfp4GroupSize
+                             : is_per_token_head(K) ? int64_t(head_size) + kPerTokenHeadScaleBytes
+                             : K == CacheKind::kInt4PerTokenHead ? int4_row_bytes(head_size)
+                             : K == kPackedSlotKind ? packed_slot_geometry(p_.packed).slot_bytes
+                                                    : int64_t(head_size);
+    return last_dim * kElementBytes;
+  }
+
+  // Bytes of one page of a side (all heads; pages are dense in NHD and HND alike, unless HND heads
+  // are spaced: prefetches then cover the first heads only, a hint that costs nothing more).
+  int64_t page_bytes(int head_size) const {
+    return int64_t(p_.block_size) * p_.num_kv_heads * entry_bytes(head_size);
+  }
+
+  // Slice `slice` of `slices` of page `block` of a side, `bytes` long.
+  void page_lines(const CacheSide& side, int64_t block, int64_t bytes, int slice,
+                  int slices) const {
+    lines(static_cast<const char*>(side.data) + block * side.block_stride * kElementBytes, bytes,
+          slice, slices);
+  }
+
+  // Rows of keys `next` of head `head` of a side (and NVFP4 scales).
+  void rows(const CacheSide& side, const Nvfp4SideLayout& layout, const Next& next, int head,
             int dim) const {
     const auto* base = static_cast<const char*>(side.data);
-    for (int t = 0; t < p_.block_size; ++t) {
+    const int64_t entry = entry_bytes(dim);
+    for (int t = next.offset; t < next.offset + next.keys; ++t) {
       const char* row;
       int64_t bytes;
       if constexpr (K == CacheKind::kNvfp4) {
-        row = base + layout.data_offset(block, t, head);
+        row = base + layout.data_offset(next.block, t, head);
         bytes = dim / 2;
-        line(base + layout.scale_base(block, t, head, side.scale_layout));
+        line(base + layout.scale_base(next.block, t, head, side.scale_layout));
       } else {
-        row = base + entry_offset(side, block, t, head) * kElementBytes;
-        bytes =
-            K == kPackedSlotKind ? packed_slot_geometry(p_.packed).slot_bytes : dim * kElementBytes;
+        row = base + entry_offset(side, next.block, t, head) * kElementBytes;
+        bytes = entry;
       }
       for (int64_t b = 0; b < bytes; b += 64) line(row + b);
     }

@@ -1,23 +1,22 @@
 // CPU paged attention over every cache format (decode, prefill, chunked prefill). Framework-free:
-// the torch glue validates the arguments, fills a PagedAttentionParams and passes in a
-// parallel-for.
+// the torch glue validates the arguments, fills a PagedAttentionParams and passes a parallel-for.
 //
 // Work item = (sequence, KV head, block of query tokens, split of the key range). Its rows are the
 // query tokens of the block times the query heads of the KV head's group (GQA), so that each
-// decoded page of K / V serves all of them. Pages are decoded one at a time into an fp32 tile of
-// page size (L1 / L2 resident; a sequence's K / V is never materialised) with SIMD format decoders,
-// and attended with an online softmax in fp32 (on AVX-512 BF16 builds, decode rows of formats
-// exact in bf16 go through vdpbf16ps, the softmax weights rounded to bf16 for the values' sums,
-// as in flash attention). Per-tensor or per-head scales are constant within
-// an item: the K scale is folded into the query, the V scale into the output. Per-token-head rows
-// (int8 / e4m3 values + their own inline fp32 scale) take the bf16 dot in decode (the row scale on
-// the score and on the softmax weight); elsewhere they are decoded times that scale into the
-// tiles, and so are packed K+V slots (packed_slot_read.h, in the format's key / value frames).
-// Long key ranges of few items are split (split-K); the splits' (max, sum, accumulator) partials
-// are merged after. Keys stored before RoPE (rope_cos_sin / key_offset / sink_keys /
-// key_hadamard) are rebuilt in fp32 (a rebuilt key is not exact in bf16) and scored in fp32:
-// NVFP4 decode rows without the Hadamard rotation on the chunk path's lanes (keys; pages past the
-// sink positions), others into the key tile in vector lanes (KeyRebuild); the values still
+// decoded page of K / V serves all of them. Pages (in steps of PagePrefetch::step_keys keys) are
+// decoded one at a time into an fp32 tile (L1 / L2 resident; a sequence's K / V is never
+// materialised) with SIMD format decoders, and attended with an online softmax in fp32 (on AVX-512
+// BF16 builds, decode rows of formats exact in bf16 go through vdpbf16ps, the softmax weights
+// rounded to bf16 for the values' sums, as in flash attention). Per-tensor or per-head scales are
+// constant within an item: the K scale is folded into the query, the V scale into the output.
+// Per-token-head rows (int8 / e4m3 values + their own inline fp32 scale) take the bf16 dot in
+// decode (the row scale on the score and on the softmax weight); elsewhere they are decoded times
+// that scale into the tiles, and so are packed K+V slots (packed_slot_read.h, in the format's key /
+// value frames). Long key ranges of few items are split (split-K); the splits' (max, sum,
+// accumulator) partials are merged after. Keys stored before RoPE (rope_cos_sin / key_offset /
+// sink_keys / key_hadamard) are rebuilt in fp32 (a rebuilt key is not exact in bf16) and scored in
+// fp32: NVFP4 decode rows without the Hadamard rotation on the chunk path's lanes (keys; pages past
+// the sink positions), others into the key tile in vector lanes (KeyRebuild); the values still
 // decode in registers. The dispatch over kinds and SIMD levels is attention_dispatch.h.
 #pragma once
 
@@ -203,14 +202,15 @@ class PagedAttention {
       }
     }
 #endif
-    for (int page_start = item.key_begin - item.key_begin % p_.block_size;
-         !blocked && page_start < item.key_end; page_start += p_.block_size) {
-      const int lo = std::max(page_start, item.key_begin);
-      const int hi = std::min(page_start + p_.block_size, item.key_end);
+    const int step = prefetch_.step_keys(heads);  // keys at a time: a page, or part (decode)
+    for (int at = item.key_begin - item.key_begin % step; !blocked && at < item.key_end;
+         at += step) {
+      const int page_start = at - at % p_.block_size;
+      const int lo = std::max(at, item.key_begin);
+      const int hi = std::min(at + step, item.key_end);
       const int64_t block = pages[page_start / p_.block_size];
-      const auto next =
-          prefetch_.start(pages, page_start, item.key_end, item.kv_begin, item.kv_end);
-      // Whether any query token sees a key of this page (causal prefill skips the future).
+      const auto next = prefetch_.start(pages, at, step, item.key_end, item.kv_begin, item.kv_end);
+      // Whether any query token sees a key of this step (causal prefill skips the future).
       bool any = false;
       for (const auto& [b, e] : ranges) any |= std::max(b, lo) < std::min(e, hi);
       if (!any) continue;
