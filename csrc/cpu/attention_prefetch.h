@@ -99,9 +99,10 @@ class PagePrefetch {
   static constexpr int kParts = 4;
 
   // While attending head `slice` of `slices` (an item over every head): part `part` of kParts of
-  // that slice of the step `next` (its share of the page's bytes: dense pages hold a step's rows
-  // of every head together), both sides. A step at once, or a head's slice at once,
-  // is a burst of misses that fills the miss queues and stalls the attended rows' own loads.
+  // that slice of the step `next` (its share of the page's bytes: an NHD page holds a step's rows
+  // of every head together; an HND page's heads stream by themselves), both sides. A step at once,
+  // or a head's slice at once, is a burst of misses that fills the miss queues and stalls the
+  // attended rows' own loads.
   void slice(const Next& next, int slice, int slices, int part) const {
     if (next.block < 0 || slices != p_.num_kv_heads) return;
     const int piece = (next.step * slices + slice) * kParts + part;
