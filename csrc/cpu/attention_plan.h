@@ -48,14 +48,12 @@ struct AttentionPlan {
 
 // Shape facts of one call, derived from the parameters.
 struct AttentionGeometry {
-  int group;        // query heads per KV head
-  int query_block;  // query tokens per work item
+  int group;  // query heads per KV head
   int head_size;
   int head_size_v;
 
   explicit AttentionGeometry(const PagedAttentionParams& p)
       : group(p.num_heads / p.num_kv_heads),
-        query_block(std::max(1, 64 / (p.num_heads / p.num_kv_heads))),
         head_size(p.key_cache.head_size),
         head_size_v(p.value_cache.head_size) {}
 
@@ -100,26 +98,44 @@ inline int kv_heads_per_item(const PagedAttentionParams& p, const AttentionGeome
   return q_tokens * geo.group <= kMaxRowsForAllHeads ? p.num_kv_heads : 1;
 }
 
+// Query rows per KV head of an item: a page decoded (or packed, blocked prefill) once serves
+// them all, so each row's share of that work shrinks with more; kMinItemRows where kItemRows
+// would leave threads without an item.
+inline constexpr int kItemRows = 256;
+inline constexpr int kMinItemRows = 64;
+
+// Items of (sequence x KV head x query block) with query blocks of `query_block` tokens.
+inline int64_t count_base_items(const PagedAttentionParams& p, const AttentionGeometry& geo,
+                                int query_block) {
+  int64_t items = 0;
+  for (int seq = 0; seq < p.num_seqs; ++seq) {
+    const int q_len = query_len(p, seq);
+    for (int q_begin = 0; q_begin < q_len; q_begin += query_block) {
+      const int q_tokens = std::min(q_len, q_begin + query_block) - q_begin;
+      items += p.num_kv_heads / kv_heads_per_item(p, geo, q_tokens);
+    }
+  }
+  return items;
+}
+
 // Items for `num_threads` threads: (sequence x KV head x query block), each split into as many
 // page-aligned key ranges as it takes to give every thread about four items.
 inline AttentionPlan plan_attention(const PagedAttentionParams& p, int num_threads) {
   const AttentionGeometry geo(p);
   AttentionPlan plan;
-  int64_t base_items = 0;
-  for (int seq = 0; seq < p.num_seqs; ++seq) {
-    const int q_len = query_len(p, seq);
-    for (int q_begin = 0; q_begin < q_len; q_begin += geo.query_block) {
-      const int q_tokens = std::min(q_len, q_begin + geo.query_block) - q_begin;
-      base_items += p.num_kv_heads / kv_heads_per_item(p, geo, q_tokens);
-    }
+  int query_block = std::max(1, kItemRows / geo.group);
+  int64_t base_items = count_base_items(p, geo, query_block);
+  if (base_items < num_threads) {
+    query_block = std::max(1, kMinItemRows / geo.group);
+    base_items = count_base_items(p, geo, query_block);
   }
   const int64_t wanted = 4 * int64_t(std::max(1, num_threads));
   const int64_t splits_wanted = base_items == 0 ? 1 : (wanted + base_items - 1) / base_items;
   for (int seq = 0; seq < p.num_seqs; ++seq) {
     const int seq_len = p.seq_lens[seq];
     const int q_len = query_len(p, seq);
-    for (int q_begin = 0; q_begin < q_len; q_begin += geo.query_block) {
-      const int q_end = std::min(q_len, q_begin + geo.query_block);
+    for (int q_begin = 0; q_begin < q_len; q_begin += query_block) {
+      const int q_end = std::min(q_len, q_begin + query_block);
       const int key_begin = key_range(p, seq, seq_len, q_len, q_begin).first;
       const int key_end = key_range(p, seq, seq_len, q_len, q_end - 1).second;
       const int span = key_end - key_begin;

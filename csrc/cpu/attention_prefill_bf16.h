@@ -4,12 +4,13 @@
 //
 // Keys, 16 per tile: word j of lane t is the bf16 pair (k[t][2j], k[t][2j + 1]), so that one
 // vdpbf16ps of a broadcast query pair accumulates 16 keys' scores in 16 lanes (no lane sums to
-// fold). Values, per key pair (t, t + 1) and 16 dimensions: lane i holds (v[t][i], v[t + 1][i]),
-// met by the broadcast pair of the two keys' softmax weights rounded to bf16 (the decode path's
-// rounding). Per-token-head row scales multiply the scores and the weights, as in Bf16Dot.
-// Slots of a page outside the attended keys are packed as zeros, so that their bytes (whatever a
-// page's tail holds) never reach a sum; within them, a row's keys outside its own range get
-// weight 0 and a pair straddling the range's edge drops its outside half (0 x Inf would be NaN).
+// fold). Values, per key pair (t, t + 1) and 16 dimensions: word i is (v[t][i], v[t + 1][i]),
+// broadcast to meet the two keys' softmax weights of 16 query rows (lane r: row r's pair,
+// rounded to bf16, the decode path's rounding), so that the value sums, too, take one vdpbf16ps
+// per broadcast with 16 rows' sums in the lanes. Per-token-head row scales multiply the scores
+// and the weights, as in Bf16Dot. Slots of a page outside the attended keys are packed as zeros,
+// so that their bytes (whatever a page's tail holds) never reach a sum; within them, a row
+// takes no product of a key outside its own range (a write mask; 0 x Inf would be NaN).
 #pragma once
 
 #include <algorithm>
@@ -32,6 +33,8 @@ class Bf16PrefillPage {
  public:
   static constexpr SimdLevel L = SimdLevel::kAvx512;
   static constexpr int kTileKeys = 16;
+  // Query rows per block: the lanes of the transposed value sums.
+  static constexpr int kRowLanes = 16;
   using V = VecF<L>;
   using Dot = Bf16Dot<K>;
 
@@ -50,6 +53,11 @@ class Bf16PrefillPage {
     values_ = aligned(value_store_, size_t(tiles) * (kTileKeys / 2) * v_blocks * kLanes<L>);
     key_scales_ = aligned(key_scale_store_, size_t(tiles) * kTileKeys);
     value_scales_ = aligned(value_scale_store_, size_t(tiles) * kTileKeys);
+    pairs_ = tiles * kTileKeys / 2;
+    weight_panel_ =
+        aligned(weight_store_, size_t(pairs_ + kLanes<L> - 1) / kLanes<L> * kLanes<L> * kRowLanes);
+    pair_masks_ = aligned(mask_store_, size_t(3) * pairs_);
+    split_pairs_ = aligned(split_store_, size_t(pairs_));
     uint16_t* k_tile = aligned(row_store_, size_t(2) * kTileKeys * kMaxHeadSize);
     uint16_t* v_tile = k_tile + kTileKeys * kMaxHeadSize;
     for (int tile = 0; tile < tiles; ++tile) {
@@ -99,10 +107,9 @@ class Bf16PrefillPage {
   void attend(const std::vector<std::pair<int, int>>& ranges, int lo, int hi, int page_start,
               int first_q_pos, const uint16_t* q, float q_scale, float* scores, float* m, float* l,
               float* acc, const Finish& finish) const {
-    constexpr int kBlockRows = 8;
     const int tokens = int(ranges.size());
     const int group = s_.group;
-    const int per_block = std::max(1, kBlockRows / group);
+    const int per_block = std::max(1, kRowLanes / group);
     const auto page_range = [&](int jt) {
       return std::pair{std::max(ranges[jt].first - page_start, lo),
                        std::min(ranges[jt].second - page_start, hi)};
@@ -128,7 +135,19 @@ class Bf16PrefillPage {
           TileMath<L>::softmax_step(s_, scores + int64_t(r + g) * s_.tokens, b, e, m[r + g],
                                     l[r + g], acc + int64_t(r + g) * s_.dim_v);
         }
-        accumulate(scores + int64_t(r) * s_.tokens, group, b, e, acc + int64_t(r) * s_.dim_v);
+      }
+      // The block's rows kRowLanes at a time, row r's keys its token's.
+      for (int r = r0; r < j1 * group; r += kRowLanes) {
+        const int n = std::min(kRowLanes, j1 * group - r);
+        alignas(64) int32_t begin[kRowLanes] = {};
+        alignas(64) int32_t end[kRowLanes] = {};
+        for (int i = 0; i < n; ++i) {
+          const auto [b, e] = page_range((r + i) / group);
+          begin[i] = b;
+          end[i] = e;
+        }
+        accumulate(scores + int64_t(r) * s_.tokens, n, begin, end, ub, ue,
+                   acc + int64_t(r) * s_.dim_v);
       }
     }
   }
@@ -143,14 +162,104 @@ class Bf16PrefillPage {
     for (; r < rows; ++r) score_rows<1>(q, r, b, e, scores, q_scale);
   }
 
-  // acc[r] += sum over keys t in [b, e) of weights[r][t] * v_t, for `rows` rows (weight rows of
-  // stride tokens, accumulator rows of stride dim_v).
-  void accumulate(const float* weights, int rows, int b, int e, float* acc) const {
-    // Four 16-dimension blocks per pass (kRows x 4 chains) where the head size allows, else two.
-    if (s_.head_size_v % (4 * kLanes<L>) == 0) {
-      accumulate_blocks<4>(weights, rows, b, e, acc);
-    } else {
-      accumulate_blocks<2>(weights, rows, b, e, acc);
+  // acc[r] += sum over keys t in [begin[r], end[r]) of weights[r][t] * v_t for rows r < n <=
+  // kRowLanes (weight rows of stride tokens, accumulator rows of stride dim_v), the keys within
+  // [ub, ue). Transposed, lanes = rows: a pair of keys' weights for all rows (one load) meets each
+  // dimension's broadcast value pair, as the scores meet the key panel. A lane takes a pair only
+  // where its row attends both keys (a write mask: the keys it does not attend never reach its
+  // sum, 0 x Inf would be NaN); a row attending one key of a pair takes that key alone.
+  void accumulate(const float* weights, int n, const int32_t* begin, const int32_t* end, int ub,
+                  int ue, float* acc) const {
+    const int pb = ub / 2;
+    const int pe = (ue + 1) / 2;
+    const int v_blocks = s_.head_size_v / kLanes<L>;
+    uint32_t* panel = weight_panel_;
+    uint16_t* both = pair_masks_;
+    // The pairs some row takes one key of (splits of them), and the rows taking each key.
+    uint16_t* first = both + pairs_;
+    uint16_t* second = first + pairs_;
+    int32_t* split_pairs = split_pairs_;
+    int splits = 0;
+    const __m512i b = _mm512_load_si512(begin);
+    const __m512i e = _mm512_load_si512(end);
+    for (int p = pb; p < pe; ++p) {
+      const __m512i k0 = _mm512_set1_epi32(2 * p);
+      const __m512i k1 = _mm512_set1_epi32(2 * p + 1);
+      const __mmask16 in0 = _mm512_cmple_epi32_mask(b, k0) & _mm512_cmplt_epi32_mask(k0, e);
+      const __mmask16 in1 = _mm512_cmple_epi32_mask(b, k1) & _mm512_cmplt_epi32_mask(k1, e);
+      both[p] = in0 & in1;
+      if (in0 != in1) {
+        first[splits] = in0 & ~in1;
+        second[splits] = in1 & ~in0;
+        split_pairs[splits++] = p;
+      }
+    }
+    // The weight panel: pair p's words (w[r][2p], w[r][2p + 1]) in bf16, lane r, 16 pairs at a
+    // time (32 keys of every row, transposed).
+    for (int p0 = pb - pb % kLanes<L>; p0 < pe; p0 += kLanes<L>) {
+      const int t0 = 2 * p0;
+      // (No weights or scales past the packed tiles' keys.)
+      const __mmask16 lo_keys = tail_mask(2 * pairs_ - t0);
+      const __mmask16 hi_keys = tail_mask(2 * pairs_ - t0 - kLanes<L>);
+      const V scale_lo = _mm512_maskz_loadu_ps(lo_keys, value_scales_ + t0);
+      const V scale_hi = _mm512_maskz_loadu_ps(hi_keys, value_scales_ + t0 + kLanes<L>);
+      __m512i rows[kRowLanes];
+      for (int i = 0; i < kRowLanes; ++i) {
+        if (i >= n) {
+          rows[i] = _mm512_setzero_si512();
+          continue;
+        }
+        const float* w = weights + int64_t(i) * s_.tokens + t0;
+        const V lo = _mm512_maskz_loadu_ps(lo_keys, w) * scale_lo;
+        const V hi = _mm512_maskz_loadu_ps(hi_keys, w + kLanes<L>) * scale_hi;
+        rows[i] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+      }
+      transpose_16x16(rows);
+      for (int j = 0; j < kLanes<L>; ++j) {
+        _mm512_store_si512(panel + (p0 + j) * kRowLanes, rows[j]);
+      }
+    }
+    for (int c = 0; c < v_blocks; ++c) {
+      // The rows' accumulators of dimensions 16c .. 16c + 15, transposed: sums[j] lane r is
+      // acc[r][16c + j].
+      __m512i sums[kLanes<L>];
+      for (int i = 0; i < kRowLanes; ++i) {
+        sums[i] = i < n ? _mm512_loadu_si512(acc + int64_t(i) * s_.dim_v + c * kLanes<L>)
+                        : _mm512_setzero_si512();
+      }
+      transpose_16x16(sums);
+      __m512 a[kLanes<L>];
+      for (int j = 0; j < kLanes<L>; ++j) a[j] = (__m512)sums[j];
+      for (int p = pb; p < pe; ++p) {
+        const auto w = (__m512bh)_mm512_load_si512(panel + p * kRowLanes);
+        const uint32_t* v = values_ + (size_t(p) * v_blocks + c) * kLanes<L>;
+        if (both[p] == 0xFFFF) {
+          for (int j = 0; j < kLanes<L>; ++j) {
+            a[j] = _mm512_dpbf16_ps(a[j], w, (__m512bh)_mm512_set1_epi32(int(v[j])));
+          }
+        } else {
+          for (int j = 0; j < kLanes<L>; ++j) {
+            a[j] = _mm512_mask_dpbf16_ps(a[j], both[p], w, (__m512bh)_mm512_set1_epi32(int(v[j])));
+          }
+        }
+      }
+      // Rows that attend one key of a pair (a range's edge) take that key's product alone.
+      for (int i = 0; i < splits; ++i) {
+        const int p = split_pairs[i];
+        const auto w = (__m512bh)_mm512_load_si512(panel + p * kRowLanes);
+        const uint32_t* v = values_ + (size_t(p) * v_blocks + c) * kLanes<L>;
+        for (int j = 0; j < kLanes<L>; ++j) {
+          const auto key0 = (__m512bh)_mm512_set1_epi32(int(v[j] & 0xFFFFu));
+          const auto key1 = (__m512bh)_mm512_set1_epi32(int(v[j] & 0xFFFF0000u));
+          a[j] = _mm512_mask_dpbf16_ps(a[j], first[i], w, key0);
+          a[j] = _mm512_mask_dpbf16_ps(a[j], second[i], w, key1);
+        }
+      }
+      for (int j = 0; j < kLanes<L>; ++j) sums[j] = (__m512i)a[j];
+      transpose_16x16(sums);
+      for (int i = 0; i < n; ++i) {
+        _mm512_storeu_si512(acc + int64_t(i) * s_.dim_v + c * kLanes<L>, sums[i]);
+      }
     }
   }
 
@@ -198,58 +307,9 @@ class Bf16PrefillPage {
     }
   }
 
-  template <int kBlocks>
-  void accumulate_blocks(const float* weights, int rows, int b, int e, float* acc) const {
-    int r = 0;
-    for (; r + 4 <= rows; r += 4) accumulate_rows<4, kBlocks>(weights, r, b, e, acc);
-    for (; r < rows; ++r) accumulate_rows<1, kBlocks>(weights, r, b, e, acc);
-  }
-
-  template <int kRows, int kBlocks>
-  void accumulate_rows(const float* weights, int r0, int b, int e, float* acc) const {
-    const int v_blocks = s_.head_size_v / kLanes<L>;
-    for (int c0 = 0; c0 < v_blocks; c0 += kBlocks) {
-      constexpr int blocks = kBlocks;
-      __m512 a[kRows][kBlocks];
-      for (int i = 0; i < kRows; ++i) {
-        for (int c = 0; c < blocks; ++c) {
-          a[i][c] = _mm512_loadu_ps(acc + int64_t(r0 + i) * s_.dim_v + (c0 + c) * kLanes<L>);
-        }
-      }
-      for (int tile = b / kTileKeys; tile * kTileKeys < e; ++tile) {
-        const int t0 = tile * kTileKeys;
-        const int tb = std::max(b, t0);
-        const int te = std::min(e, t0 + kTileKeys);
-        // Row i's weights of the tile's keys in bf16, zero outside [tb, te): pair p is pairs[i][p].
-        alignas(32) uint32_t pairs[kRows][kTileKeys / 2];
-        const __mmask16 valid = __mmask16(((1u << (te - t0)) - 1) & ~((1u << (tb - t0)) - 1));
-        const V scales = load<L>(value_scales_ + t0);
-        for (int i = 0; i < kRows; ++i) {
-          const __m512 w =
-              _mm512_maskz_loadu_ps(valid, weights + int64_t(r0 + i) * s_.tokens + t0) * scales;
-          _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[i]), (__m256i)_mm512_cvtneps_pbh(w));
-        }
-        for (int p = (tb - t0) / 2; p < (te - t0 + 1) / 2; ++p) {
-          // The half of a pair outside [tb, te) is dropped from the values, not only weighted 0.
-          const __mmask32 keep =
-              (2 * p < tb - t0 ? 0xAAAAAAAAu : ~0u) & (2 * p + 1 >= te - t0 ? 0x55555555u : ~0u);
-          const uint32_t* panel =
-              values_ + ((size_t(tile) * (kTileKeys / 2) + p) * v_blocks + c0) * kLanes<L>;
-          __m512bh w[kRows];
-          for (int i = 0; i < kRows; ++i) w[i] = (__m512bh)_mm512_set1_epi32(int(pairs[i][p]));
-          for (int c = 0; c < blocks; ++c) {
-            const auto v =
-                (__m512bh)_mm512_maskz_mov_epi16(keep, _mm512_load_si512(panel + c * kLanes<L>));
-            for (int i = 0; i < kRows; ++i) a[i][c] = _mm512_dpbf16_ps(a[i][c], v, w[i]);
-          }
-        }
-      }
-      for (int i = 0; i < kRows; ++i) {
-        for (int c = 0; c < blocks; ++c) {
-          _mm512_storeu_ps(acc + int64_t(r0 + i) * s_.dim_v + (c0 + c) * kLanes<L>, a[i][c]);
-        }
-      }
-    }
+  // Lanes 0 .. count - 1 (all for count >= 16, none for count <= 0).
+  static __mmask16 tail_mask(int count) {
+    return count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << std::max(count, 0)) - 1);
   }
 
   // n elements of `store` from a 64-byte boundary on (store grown as needed).
@@ -267,11 +327,20 @@ class Bf16PrefillPage {
   std::vector<float> key_scale_store_;
   std::vector<float> value_scale_store_;
   std::vector<uint16_t> row_store_;  // a tile's rows of both sides in bf16
+  std::vector<uint32_t> weight_store_;
+  std::vector<uint16_t> mask_store_;
+  std::vector<int32_t> split_store_;
   // The page's panels, within the stores.
   uint32_t* keys_ = nullptr;
   uint32_t* values_ = nullptr;
   float* key_scales_ = nullptr;
   float* value_scales_ = nullptr;
+  // accumulate's scratch: the weight panel (pairs_ rounded up to 16, by kRowLanes), the pair
+  // masks (3 x pairs_) and the split pairs (pairs_).
+  uint32_t* weight_panel_ = nullptr;
+  uint16_t* pair_masks_ = nullptr;
+  int32_t* split_pairs_ = nullptr;
+  int pairs_ = 0;
 };
 
 #endif  // VLLM_KV_HAVE_AVX512_BF16

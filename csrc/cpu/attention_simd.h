@@ -176,32 +176,48 @@ inline V reduce_add_many(V* v) {
   }
 }
 
-// exp(x) for x <= 0 (x < -87, -inf included, gives 0): 2^k * p(r) with k = round(x / ln2),
-// r = x - k ln2 in [-ln2/2, ln2/2] and p a degree-6 Taylor polynomial (relative error ~2e-7).
+// p(r), r = x - k ln2 (x clamped to >= -87) in [-ln2/2, ln2/2]: a degree-6 Taylor polynomial
+// (relative error ~2e-7).
+template <SimdLevel L>
+inline VecF<L> exp_reduced(VecF<L> clamped, VecF<L> k) {
+  // r in two steps (ln2 = hi + lo, hi exact in 16 bits) to keep it accurate.
+  const VecF<L> r = fmadd<L>(k, splat<L>(-1.428606765330187e-06f),
+                             fmadd<L>(k, splat<L>(-0.693145751953125f), clamped));
+  VecF<L> p = splat<L>(1.0f / 720.0f);
+  p = fmadd<L>(p, r, splat<L>(1.0f / 120.0f));
+  p = fmadd<L>(p, r, splat<L>(1.0f / 24.0f));
+  p = fmadd<L>(p, r, splat<L>(1.0f / 6.0f));
+  p = fmadd<L>(p, r, splat<L>(0.5f));
+  p = fmadd<L>(p, r, splat<L>(1.0f));
+  return fmadd<L>(p, r, splat<L>(1.0f));
+}
+
+// exp(x) for x <= 0 (x < -87, -inf included, gives 0): 2^k * p(r) with k = round(x / ln2).
+// NaN stays NaN (the clamp would turn it into a weight of ~0): a NaN score poisons its row, as
+// in the reference.
 template <SimdLevel L>
 inline VecF<L> vexp(VecF<L> x) {
   using V = VecF<L>;
   using I = VecI<L>;
   const V clamped = vmax<L>(x, splat<L>(-87.0f));
   const V t = fmadd<L>(clamped, splat<L>(1.44269504088896341f), splat<L>(0.5f));
+#if defined(VLLM_KV_HAVE_AVX512)
+  if constexpr (L == SimdLevel::kAvx512) {
+    // Floor by vrndscaleps, 2^k p by vscalefps (exact: 2^k p is normal for k >= -125): the bits
+    // of the steps below (at AVX2) for every x <= 88 in 15 instructions instead of 22
+    // (check_paged_attention_cpu compares them on every x <= 0 and NaN).
+    const V k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __mmask16 above = _mm512_cmp_ps_mask(x, splat<L>(-87.0f), _CMP_GE_OQ);
+    const V e = _mm512_maskz_scalef_ps(above, exp_reduced<L>(clamped, k), k);
+    return _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+  }
+#endif
   V k = __builtin_convertvector(__builtin_convertvector(t, I), V);  // toward zero
   k = k > t ? k - 1.0f : k;                                         // floor
-  // r = x - k ln2 in two steps (ln2 = hi + lo, hi exact in 16 bits) to keep r accurate.
-  const V r = fmadd<L>(k, splat<L>(-1.428606765330187e-06f),
-                       fmadd<L>(k, splat<L>(-0.693145751953125f), clamped));
-  V p = splat<L>(1.0f / 720.0f);
-  p = fmadd<L>(p, r, splat<L>(1.0f / 120.0f));
-  p = fmadd<L>(p, r, splat<L>(1.0f / 24.0f));
-  p = fmadd<L>(p, r, splat<L>(1.0f / 6.0f));
-  p = fmadd<L>(p, r, splat<L>(0.5f));
-  p = fmadd<L>(p, r, splat<L>(1.0f));
-  p = fmadd<L>(p, r, splat<L>(1.0f));
   const I bits = (__builtin_convertvector(k, I) + 127) << 23;
   V two_k;
   std::memcpy(&two_k, &bits, sizeof(two_k));
-  // NaN stays NaN (the clamp above would turn it into a weight of ~0): a NaN score poisons its
-  // row, as in the reference.
-  const V e = x < splat<L>(-87.0f) ? splat<L>(0.0f) : p * two_k;
+  const V e = x < splat<L>(-87.0f) ? splat<L>(0.0f) : exp_reduced<L>(clamped, k) * two_k;
   return x != x ? x : e;
 }
 

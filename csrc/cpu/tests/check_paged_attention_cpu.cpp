@@ -3,9 +3,12 @@
 // formats, every SIMD level the target has), and where the target has the bf16 dot path its
 // exact conversions to bf16 are checked on every input: the 256 bytes of each FP8 format (32 in
 // order, 64 at once, two rows paired) against the scalar decoders, and the E2M1 x block-scale
-// table against the scalar product.
+// table against the scalar product. Where it has AVX-512, the softmax exponential's AVX-512
+// steps are checked against the AVX2 ones on every float x <= 0 and every NaN.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 
 #include "cpu/attention_dispatch.h"
 
@@ -32,6 +35,38 @@ int failures = 0;
 void expect(bool ok, const char* what, int a, int b) {
   if (!ok && ++failures <= 10) std::printf("FAIL %s at (%d, %d)\n", what, a, b);
 }
+
+#if defined(VLLM_KV_HAVE_AVX512) && defined(VLLM_KV_HAVE_AVX2)
+// vexp at AVX-512 (vrndscaleps / vscalefps) against AVX2 (the portable steps): the same bits
+// on the softmax's inputs, s - max <= 0 (-0 and -inf included) or NaN.
+void check_vexp() {
+  using vllm_kv::SimdLevel;
+  constexpr int kWide = attention::kLanes<SimdLevel::kAvx512>;
+  constexpr int kNarrow = attention::kLanes<SimdLevel::kAvx2>;
+  const auto check_from = [](uint64_t first, uint64_t last) {
+    for (uint64_t base = first; base <= last; base += kWide) {
+      alignas(64) uint32_t x[kWide];
+      alignas(64) uint32_t wide[kWide];
+      alignas(64) uint32_t narrow[kWide];
+      for (int i = 0; i < kWide; ++i) x[i] = uint32_t(std::min(base + i, last));
+      const auto w = attention::vexp<SimdLevel::kAvx512>(
+          attention::load<SimdLevel::kAvx512>(reinterpret_cast<const float*>(x)));
+      std::memcpy(wide, &w, sizeof(wide));
+      for (int h = 0; h < kWide; h += kNarrow) {
+        const auto n = attention::vexp<SimdLevel::kAvx2>(
+            attention::load<SimdLevel::kAvx2>(reinterpret_cast<const float*>(x + h)));
+        std::memcpy(narrow + h, &n, sizeof(n));
+      }
+      for (int i = 0; i < kWide; ++i) {
+        expect(wide[i] == narrow[i], "vexp AVX-512 = AVX2", int(x[i] >> 16), int(x[i] & 0xFFFF));
+      }
+    }
+  };
+  check_from(0x80000000u, 0xFFFFFFFFu);  // -0 .. -inf, then the negative NaNs
+  check_from(0x7F800001u, 0x7FFFFFFFu);  // the positive NaNs
+  std::printf("softmax exp: AVX-512 = AVX2 on every x <= 0 and NaN\n");
+}
+#endif
 
 #if defined(VLLM_KV_HAVE_AVX512_BF16)
 template <vllm_kv::CacheKind K>
@@ -92,6 +127,9 @@ int main() {
           "E2M1 x scale table", scale, code);
     }
   }
+#if defined(VLLM_KV_HAVE_AVX512) && defined(VLLM_KV_HAVE_AVX2)
+  check_vexp();
+#endif
 #if defined(VLLM_KV_HAVE_AVX512_BF16)
   check_fp8<vllm_kv::CacheKind::kFp8E4M3>("e4m3 -> bf16", vllm_kv::e4m3_to_float);
   check_fp8<vllm_kv::CacheKind::kFp8E5M2>("e5m2 -> bf16", attention::e5m2_to_float);

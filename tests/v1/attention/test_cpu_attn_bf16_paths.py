@@ -61,8 +61,9 @@ def test_per_token_head_raw_rows_on_the_bf16_dot(cache_dtype: str, simd: str) ->
 )
 def test_prefill_pages_of_two_tiles_and_a_narrow_value_head(cache_dtype: str) -> None:
     """Prefill with a bf16 query (the blocked path where the format is exact in bf16): pages of
-    32 keys (two 16-key tiles each), head size 96 (its values in passes of two 16-dimension
-    blocks), 3 query heads per KV head, a chunked prefill (queries after 25 cached tokens)."""
+    32 keys (two 16-key tiles each), head size 96 (six 16-dimension blocks of values), 3 query
+    heads per KV head (blocks of 15 query rows on the 16 lanes of the value sums), a chunked
+    prefill (queries after 25 cached tokens)."""
     check(
         Case(
             cache_dtype,
