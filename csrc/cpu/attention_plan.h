@@ -100,7 +100,7 @@ inline int kv_heads_per_item(const PagedAttentionParams& p, const AttentionGeome
 
 // Query rows per KV head of an item: a page decoded (or packed, blocked prefill) once serves
 // them all, so each row's share of that work shrinks with more; kMinItemRows where kItemRows
-// would leave threads without an item.
+// would give threads fewer than four items each (more threads: their balance comes first).
 inline constexpr int kItemRows = 256;
 inline constexpr int kMinItemRows = 64;
 
@@ -123,13 +123,13 @@ inline int64_t count_base_items(const PagedAttentionParams& p, const AttentionGe
 inline AttentionPlan plan_attention(const PagedAttentionParams& p, int num_threads) {
   const AttentionGeometry geo(p);
   AttentionPlan plan;
+  const int64_t wanted = 4 * int64_t(std::max(1, num_threads));
   int query_block = std::max(1, kItemRows / geo.group);
   int64_t base_items = count_base_items(p, geo, query_block);
-  if (base_items < num_threads) {
+  if (base_items < wanted) {
     query_block = std::max(1, kMinItemRows / geo.group);
     base_items = count_base_items(p, geo, query_block);
   }
-  const int64_t wanted = 4 * int64_t(std::max(1, num_threads));
   const int64_t splits_wanted = base_items == 0 ? 1 : (wanted + base_items - 1) / base_items;
   for (int seq = 0; seq < p.num_seqs; ++seq) {
     const int seq_len = p.seq_lens[seq];
